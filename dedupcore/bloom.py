@@ -1,0 +1,744 @@
+"""Split-block Bloom filters and time-sliced filter rings.
+
+:class:`BloomFilter` is a set-like filter whose hot paths (single keys and
+batches) are the native core's. This module adds what the core leaves out:
+sizing from a capacity and a target false-positive rate, the file format, and
+:class:`BloomRing`, a ring of filters, one per time bucket, for keys that
+expire.
+
+File format (version 1), little-endian, 128-byte header then the body::
+
+    offset size field
+         0    8 magic b"DEDUPBLM"
+         8    2 format version (1)
+        10    2 hash algorithm (1 = XXH64)
+        12    4 block size in bytes (64)
+        16    8 hash seed
+        24    8 number of blocks
+        32    8 capacity (keys the filter was sized for)
+        40    8 error rate (float64)
+        48    8 count (keys added that were new)
+        56    8 XXH64 (seed 0) of the body
+        64   56 reserved, zero
+       120    8 XXH64 (seed 0) of header bytes 0..119
+       128    - body: nblocks * 64 bytes
+
+The body starts at offset 128, so a memory-mapped body is cache-line aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap as _mmap
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from dedupcore import _core
+from dedupcore.errors import CorruptFileError, UnsupportedFormatError
+
+__all__ = [
+    "BloomFilter",
+    "BloomRing",
+    "SliceInfo",
+    "blocks_for",
+    "split_block_fpr",
+]
+
+MAGIC = b"DEDUPBLM"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQQdQQ56xQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 128
+_HEADER_CHECKED = HEADER_SIZE - 8
+MAX_SEED = (1 << 64) - 1
+
+Keys = Iterable[bytes | bytearray | memoryview | str] | memoryview
+
+
+def split_block_fpr(keys_per_block: float) -> float:
+    """False-positive rate of the split-block layout at a mean load per block.
+
+    A block holding j keys answers a random absent key positive with
+    probability (1 - (63/64)^j)^8 (one bit in each of 8 lanes of 64 bits);
+    loads are Poisson with mean ``keys_per_block``.
+    """
+    lam = float(keys_per_block)
+    if lam <= 0.0:
+        return 0.0
+    top = int(lam + 12.0 * math.sqrt(lam) + 30.0)
+    log_lam = math.log(lam)
+    total = 0.0
+    for j in range(1, top + 1):
+        weight = math.exp(j * log_lam - lam - math.lgamma(j + 1))
+        total += weight * (1.0 - (63.0 / 64.0) ** j) ** 8
+    return total
+
+
+def _load_for(error_rate: float) -> float:
+    """Largest mean keys per block whose false-positive rate is at most error_rate."""
+    lo, hi = 1e-9, 4096.0
+    for _ in range(80):
+        mid = (lo + hi) / 2.0
+        if split_block_fpr(mid) <= error_rate:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def blocks_for(capacity: int, error_rate: float) -> int:
+    """Number of 64-byte blocks that keep ``capacity`` keys under ``error_rate``."""
+    _check_capacity(capacity)
+    _check_error_rate(error_rate)
+    nblocks = max(1, math.ceil(capacity / _load_for(error_rate)))
+    if nblocks > _core.MAX_BLOCKS:
+        raise ValueError(
+            f"capacity {capacity} at error_rate {error_rate} needs {nblocks} blocks; "
+            f"the layout allows at most {_core.MAX_BLOCKS} (256 GiB)"
+        )
+    return nblocks
+
+
+def _check_capacity(capacity: object) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    return capacity
+
+
+def _check_error_rate(error_rate: object) -> float:
+    if isinstance(error_rate, bool) or not isinstance(error_rate, (int, float)):
+        raise TypeError(f"error_rate must be a float, not {type(error_rate).__name__}")
+    rate = float(error_rate)
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"error_rate must be in (0, 1), got {error_rate!r}")
+    return rate
+
+
+def _check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
+    return seed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes | memoryview]) -> None:
+    """Writes a file so that readers see the old or the new content, never a mix.
+
+    Temp file in the same directory, fsync, rename over the target, fsync of
+    the directory (so the rename itself survives a power loss).
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(target.parent)
+
+
+@dataclass(frozen=True)
+class _Header:
+    seed: int
+    nblocks: int
+    capacity: int
+    error_rate: float
+    count: int
+    body_checksum: int
+
+
+def _pack_header(bf: _core.BlockFilter) -> bytes:
+    head = HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        _core.HASH_ALGORITHM_XXH64,
+        _core.BLOCK_BYTES,
+        bf.seed,
+        bf.nblocks,
+        bf.capacity,
+        bf.error_rate,
+        bf.count,
+        bf._checksum(),
+        0,
+    )
+    return head[:_HEADER_CHECKED] + struct.pack("<Q", _core.hash64(head[:_HEADER_CHECKED]))
+
+
+def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
+    if len(head) < HEADER_SIZE:
+        raise CorruptFileError(
+            f"{source}: truncated: {len(head)} bytes, shorter than the {HEADER_SIZE}-byte header"
+        )
+    (magic, version, algorithm, block_bytes, seed, nblocks, capacity, error_rate, count,
+     body_checksum, header_checksum) = HEADER.unpack_from(head)
+    if magic != MAGIC:
+        raise CorruptFileError(f"{source}: not a dedupcore Bloom filter (magic {magic!r})")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{source}: format version {version} is newer than this dedupcore reads "
+            f"({FORMAT_VERSION}); upgrade dedupcore"
+        )
+    if header_checksum != _core.hash64(bytes(head[:_HEADER_CHECKED])):
+        raise CorruptFileError(f"{source}: header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise CorruptFileError(f"{source}: invalid format version {version}")
+    if algorithm != _core.HASH_ALGORITHM_XXH64:
+        raise UnsupportedFormatError(f"{source}: unknown hash algorithm id {algorithm}")
+    if block_bytes != _core.BLOCK_BYTES:
+        raise CorruptFileError(f"{source}: unsupported block size {block_bytes}")
+    if not 1 <= nblocks <= _core.MAX_BLOCKS:
+        raise CorruptFileError(f"{source}: invalid block count {nblocks}")
+    if not 0.0 < error_rate < 1.0 or capacity <= 0:
+        raise CorruptFileError(f"{source}: invalid capacity/error rate in header")
+    expected = HEADER_SIZE + nblocks * _core.BLOCK_BYTES
+    if total_size != expected:
+        what = "truncated" if total_size < expected else "has trailing bytes"
+        raise CorruptFileError(
+            f"{source}: {what}: {total_size} bytes, header says {expected}"
+        )
+    return _Header(seed, nblocks, capacity, error_rate, count, body_checksum)
+
+
+class BloomFilter(_core.BlockFilter):
+    """A split-block Bloom filter sized for ``capacity`` keys at ``error_rate``.
+
+    Feels like a set that may answer "maybe" for an absent key, never "no" for
+    a present one: ``add``, ``in``, ``update``, ``|``, ``|=``, ``copy``,
+    ``len`` (keys added that were new). Batches go through ``add_many`` and
+    ``contains_many``, which take a list of bytes/str keys or a uint64 buffer
+    of pre-hashed keys (``hash64(key, seed=bf.seed)``) and return per-key flags.
+
+    Keys are hashed with XXH64 (seeded, stable across processes and machines),
+    so saved filters can be reopened anywhere.
+    """
+
+    def __init__(self, capacity: int, error_rate: float = 0.001, *, seed: int = 0) -> None:
+        capacity = _check_capacity(capacity)
+        error_rate = _check_error_rate(error_rate)
+        seed = _check_seed(seed)
+        self._allocate(blocks_for(capacity, error_rate), seed, capacity, error_rate)
+
+    # -- derived figures -----------------------------------------------------
+
+    @property
+    def bits_per_key(self) -> float:
+        """Bits of memory per key of capacity."""
+        return self.nbytes * 8 / self.capacity
+
+    @property
+    def fill_ratio(self) -> float:
+        """Fraction of bits set."""
+        return float(self._bits_set()) / (self.nbytes * 8)
+
+    @property
+    def estimated_fpr(self) -> float:
+        """False-positive rate for a random absent key, computed from the bits set now."""
+        return float(self._fpr_now())
+
+    @property
+    def expected_fpr(self) -> float:
+        """False-positive rate the layout predicts at the current count."""
+        return split_block_fpr(self.count / self.nblocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"<BloomFilter capacity={self.capacity} error_rate={self.error_rate} "
+            f"count={self.count} nbytes={self.nbytes}{' readonly' if self.readonly else ''}>"
+        )
+
+    # -- set-like operations -------------------------------------------------
+
+    def copy(self) -> BloomFilter:
+        """A writable copy with the same geometry, seed, bits and count."""
+        new = BloomFilter.__new__(BloomFilter)
+        new._allocate(self.nblocks, self.seed, self.capacity, self.error_rate)
+        new._copy_body_from(self)
+        return new
+
+    def _check_compatible(self, other: object) -> _core.BlockFilter:
+        if not isinstance(other, _core.BlockFilter):
+            raise TypeError(f"cannot combine a BloomFilter with {type(other).__name__}")
+        if other.nblocks != self.nblocks or other.seed != self.seed:
+            raise ValueError(
+                "filters must have the same geometry and seed to be combined: "
+                f"{self.nblocks} blocks seed {self.seed} vs {other.nblocks} blocks seed {other.seed}"
+            )
+        return other
+
+    def __ior__(self, other: object) -> BloomFilter:
+        self._union_update(self._check_compatible(other))
+        self._set_count(max(self.count, min(int(self._estimated_count()), 2**63)))
+        return self
+
+    def __or__(self, other: object) -> BloomFilter:
+        result = self.copy()
+        result |= other
+        return result
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _core.BlockFilter):
+            return NotImplemented
+        return (
+            self.nblocks == other.nblocks
+            and self.seed == other.seed
+            and memoryview(self) == memoryview(other)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BloomFilter.from_bytes, (self.to_bytes(),))
+
+    # -- persistence ---------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The filter in the file format (header and body)."""
+        return _pack_header(self) + bytes(memoryview(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> BloomFilter:
+        """A writable filter from ``to_bytes()`` output; checks every checksum."""
+        view = memoryview(data).cast("B")
+        header = _parse_header(bytes(view[:HEADER_SIZE]), len(view), "filter bytes")
+        body = view[HEADER_SIZE:]
+        new = cls.__new__(cls)
+        new._allocate(header.nblocks, header.seed, header.capacity, header.error_rate)
+        memoryview(new)[:] = body
+        new._set_count(header.count)
+        if new._checksum() != header.body_checksum:
+            raise CorruptFileError("filter bytes: body checksum mismatch")
+        return new
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the filter to ``path`` atomically and durably."""
+        # Header first: it holds the checksum of the body as it is now.
+        head = _pack_header(self)
+        atomic_write(path, (head, memoryview(self)))
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], *, mmap: bool = True, verify: bool = True
+    ) -> BloomFilter:
+        """Opens a saved filter.
+
+        With ``mmap=True`` the body is mapped read-only (shared page cache,
+        nothing copied; ``add`` raises); with ``mmap=False`` it is read into
+        writable memory. ``verify`` checks the body checksum, reading it once.
+        A truncated, damaged or foreign file raises :class:`CorruptFileError`;
+        one from a newer format, :class:`UnsupportedFormatError`.
+        """
+        source = os.fspath(path)
+        with open(source, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            header = _parse_header(fh.read(HEADER_SIZE), size, source)
+            new = cls.__new__(cls)
+            if mmap:
+                mapped = _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ)
+                body = memoryview(mapped)[HEADER_SIZE:]
+                new._attach(body, header.nblocks, header.seed, header.capacity,
+                            header.error_rate, header.count, False)
+                # The memoryview slice holds the mapping open for the filter's life.
+            else:
+                new._allocate(header.nblocks, header.seed, header.capacity, header.error_rate)
+                _read_exact(fh, memoryview(new), source)
+                new._set_count(header.count)
+        if verify and new._checksum() != header.body_checksum:
+            raise CorruptFileError(f"{source}: body checksum mismatch")
+        return new
+
+
+def _read_exact(fh: BinaryIO, target: memoryview, source: str) -> None:
+    done = 0
+    while done < len(target):
+        n = fh.readinto(target[done:])  # type: ignore[attr-defined]
+        if not n:
+            raise CorruptFileError(f"{source}: truncated while reading the body")
+        done += n
+
+
+# ------------------------------------------------------------------ ring ---
+
+GROWTH_TIGHTENING = 0.5   # each grown sub-filter gets half the previous error budget
+GROWTH_FACTOR = 2         # and twice the previous capacity
+RING_MANIFEST = "ring.json"
+RING_FORMAT = 1
+
+
+@dataclass
+class _Slice:
+    bucket: int
+    filters: list[BloomFilter] = field(default_factory=list)
+    sealed: bool = False
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    """Figures of one time slice of a :class:`BloomRing`."""
+
+    bucket: int
+    start: float
+    count: int
+    capacity: int
+    subfilters: int
+    nbytes: int
+    fill_ratio: float
+    estimated_fpr: float
+    sealed: bool
+
+
+class BloomRing:
+    """A time-sliced Bloom filter: keys expire ``window`` seconds after their slice.
+
+    One slice per time bucket of ``slice_seconds``; a key is held by the slice
+    of the time it was added. ``contains`` is true if any slice holds the key;
+    ``expire(now)`` drops slices whose newest possible key is older than the
+    window. Time is always passed in.
+
+    Sizing: at most ``ceil(window / slice_seconds) + 1`` slices are live at
+    once, and each gets an equal share of ``error_rate``, so the ring as a
+    whole meets it. A slice expecting ``slice_capacity`` keys that receives
+    more grows a sub-filter with twice the capacity and half the error budget
+    (a scalable Bloom filter), so an overfull slice never silently exceeds its
+    rate.
+
+    With ``path``, slices persist as filter files in that directory: a slice
+    is saved and reopened memory-mapped when a newer slice replaces it as the
+    head; ``save()`` writes the head and the manifest.
+    """
+
+    def __init__(
+        self,
+        window: float,
+        slice_seconds: float,
+        slice_capacity: int,
+        error_rate: float = 0.001,
+        *,
+        seed: int = 0,
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.window = _check_positive("window", window)
+        self.slice_seconds = _check_positive("slice_seconds", slice_seconds)
+        self.slice_capacity = _check_capacity(slice_capacity)
+        self.error_rate = _check_error_rate(error_rate)
+        self.seed = _check_seed(seed)
+        self.max_slices = math.ceil(self.window / self.slice_seconds) + 1
+        self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
+        self.path = Path(path) if path is not None else None
+        self._slices: list[_Slice] = []
+        self._lock = threading.RLock()
+        if self.path is not None:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    # -- time ----------------------------------------------------------------
+
+    def bucket_of(self, now: float) -> int:
+        """The time bucket that ``now`` falls in."""
+        return math.floor(now / self.slice_seconds)
+
+    def _live(self, bucket: int, now: float) -> bool:
+        return (bucket + 1) * self.slice_seconds + self.window > now
+
+    def expire(self, now: float) -> int:
+        """Drops the slices that hold only keys older than the window; returns how many."""
+        _check_time(now)
+        with self._lock:
+            keep = [s for s in self._slices if self._live(s.bucket, now)]
+            dropped = [s for s in self._slices if not self._live(s.bucket, now)]
+            self._slices = keep
+            if dropped and self.path is not None:
+                self._write_manifest()
+                for s in dropped:
+                    for i in range(len(s.filters)):
+                        _unlink_quiet(self._file(s.bucket, i))
+            return len(dropped)
+
+    def _head_for(self, now: float) -> _Slice:
+        _check_time(now)
+        bucket = self.bucket_of(now)
+        if self._slices and bucket <= self._slices[-1].bucket:
+            # Late keys go to the head, the slice that lives longest.
+            return self._slices[-1]
+        if self._slices:
+            self._seal(self._slices[-1])
+        head = _Slice(bucket)
+        head.filters.append(self._subfilter(0))
+        self._slices.append(head)
+        self.expire(now)
+        return head
+
+    def _subfilter(self, index: int) -> BloomFilter:
+        capacity = self.slice_capacity * GROWTH_FACTOR**index
+        budget = self.slice_error_rate * (1 - GROWTH_TIGHTENING) * GROWTH_TIGHTENING**index
+        return BloomFilter(capacity, budget, seed=self.seed)
+
+    def _target(self, head: _Slice) -> BloomFilter:
+        target = head.filters[-1]
+        if target.count >= target.capacity:
+            target = self._subfilter(len(head.filters))
+            head.filters.append(target)
+        return target
+
+    # -- keys ----------------------------------------------------------------
+
+    def _filters(self) -> tuple[BloomFilter, ...]:
+        return tuple(f for s in self._slices for f in s.filters)
+
+    def add(self, key: bytes | bytearray | memoryview | str, now: float) -> bool:
+        """Adds a key at time ``now``; True if no live slice held it before."""
+        h = _core.hash64(key, self.seed)
+        with self._lock:
+            head = self._head_for(now)
+            target = self._target(head)
+            seen = any(f.contains_hash(h) for f in self._filters() if f is not target)
+            new = target.add_hash(h)
+            return new and not seen
+
+    def add_many(self, keys: Keys, now: float) -> memoryview:
+        """Adds a batch at time ``now``; per-key flags, True where the key was new."""
+        batch = _as_batch(keys)
+        with self._lock:
+            head = self._head_for(now)
+            parts: list[memoryview] = []
+            start, n = 0, len(batch)
+            while start < n or not parts:
+                target = self._target(head)
+                room = max(1, target.capacity - target.count)
+                chunk = batch[start:start + room]
+                others = tuple(f for f in self._filters() if f is not target)
+                parts.append(_core.probe_many(others, chunk, target, self.seed))
+                start += room
+            if len(parts) == 1:
+                return parts[0]
+            return memoryview(b"".join(p.cast("B") for p in parts)).cast("?")
+
+    def __contains__(self, key: object) -> bool:
+        h = _core.hash64(key, self.seed)
+        with self._lock:
+            return any(f.contains_hash(h) for f in self._filters())
+
+    def contains(self, key: bytes | bytearray | memoryview | str) -> bool:
+        """True if a live slice may hold the key."""
+        return key in self
+
+    def contains_many(self, keys: Keys) -> memoryview:
+        """Membership of each key of a batch in any slice; one hash per key."""
+        batch = _as_batch(keys)
+        with self._lock:
+            return _core.probe_many(self._filters(), batch, None, self.seed)
+
+    # -- figures -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return sum(f.count for f in self._filters())
+
+    @property
+    def count(self) -> int:
+        """Keys held by live slices (new keys added)."""
+        return len(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of all live filters, in bytes."""
+        return sum(f.nbytes for f in self._filters())
+
+    @property
+    def estimated_fpr(self) -> float:
+        """Probability that an absent key tests positive in some live slice, from the bits set."""
+        miss = 1.0
+        for f in self._filters():
+            miss *= 1.0 - f.estimated_fpr
+        return 1.0 - miss
+
+    def slices(self) -> list[SliceInfo]:
+        """Figures of each live slice, oldest first."""
+        with self._lock:
+            out = []
+            for s in self._slices:
+                nbytes = sum(f.nbytes for f in s.filters)
+                bits = sum(f.fill_ratio * f.nbytes for f in s.filters)
+                miss = 1.0
+                for f in s.filters:
+                    miss *= 1.0 - f.estimated_fpr
+                out.append(SliceInfo(
+                    bucket=s.bucket,
+                    start=s.bucket * self.slice_seconds,
+                    count=sum(f.count for f in s.filters),
+                    capacity=sum(f.capacity for f in s.filters),
+                    subfilters=len(s.filters),
+                    nbytes=nbytes,
+                    fill_ratio=bits / nbytes if nbytes else 0.0,
+                    estimated_fpr=1.0 - miss,
+                    sealed=s.sealed,
+                ))
+            return out
+
+    def __iter__(self) -> Iterator[SliceInfo]:
+        return iter(self.slices())
+
+    def __repr__(self) -> str:
+        return (
+            f"<BloomRing window={self.window} slice_seconds={self.slice_seconds} "
+            f"slices={len(self._slices)} count={self.count} nbytes={self.nbytes}>"
+        )
+
+    # -- persistence ---------------------------------------------------------
+
+    def _file(self, bucket: int, index: int) -> Path:
+        assert self.path is not None
+        return self.path / f"slice-{bucket}-{index}.bloom"
+
+    def _seal(self, s: _Slice) -> None:
+        """Makes a slice read-only; persisted rings save it and map it back."""
+        if s.sealed:
+            return
+        if self.path is not None:
+            reopened = []
+            for i, f in enumerate(s.filters):
+                f.save(self._file(s.bucket, i))
+                reopened.append(BloomFilter.open(self._file(s.bucket, i), mmap=True, verify=False))
+            s.filters = reopened
+        s.sealed = True
+        if self.path is not None:
+            self._write_manifest()
+
+    def save(self) -> None:
+        """Writes the unsealed head slice and the manifest to ``path``."""
+        if self.path is None:
+            raise ValueError("this ring has no path; pass path= to persist it")
+        with self._lock:
+            for s in self._slices:
+                if not s.sealed:
+                    for i, f in enumerate(s.filters):
+                        f.save(self._file(s.bucket, i))
+            self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "format": RING_FORMAT,
+            "window": self.window,
+            "slice_seconds": self.slice_seconds,
+            "slice_capacity": self.slice_capacity,
+            "error_rate": self.error_rate,
+            "seed": self.seed,
+            "slices": [
+                {"bucket": s.bucket, "subfilters": len(s.filters), "sealed": s.sealed}
+                for s in self._slices
+            ],
+        }
+        data = json.dumps(manifest, indent=1).encode()
+        assert self.path is not None
+        atomic_write(self.path / RING_MANIFEST, [data])
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, verify: bool = True) -> BloomRing:
+        """Reopens a saved ring: sealed slices memory-mapped, the head writable.
+
+        A missing or damaged manifest or slice file raises
+        :class:`CorruptFileError`; the caller decides whether to rebuild.
+        """
+        root = Path(path)
+        manifest_path = root / RING_MANIFEST
+        try:
+            raw = manifest_path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptFileError(f"{manifest_path}: ring manifest is missing") from None
+        try:
+            manifest = json.loads(raw)
+            if not isinstance(manifest, dict):
+                raise TypeError("manifest is not an object")
+            fmt = manifest["format"]
+            if isinstance(fmt, int) and fmt > RING_FORMAT:
+                raise UnsupportedFormatError(
+                    f"{manifest_path}: ring format {fmt} is newer than this dedupcore reads"
+                )
+            ring = cls(
+                manifest["window"],
+                manifest["slice_seconds"],
+                manifest["slice_capacity"],
+                manifest["error_rate"],
+                seed=manifest["seed"],
+                path=root,
+            )
+            entries = [(int(e["bucket"]), int(e["subfilters"]), bool(e["sealed"]))
+                       for e in manifest["slices"]]
+        except UnsupportedFormatError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptFileError(f"{manifest_path}: damaged ring manifest: {exc}") from exc
+        for bucket, count, sealed in entries:
+            s = _Slice(bucket, sealed=sealed)
+            for i in range(count):
+                try:
+                    f = BloomFilter.open(ring._file(bucket, i), mmap=sealed, verify=verify)
+                except FileNotFoundError:
+                    raise CorruptFileError(
+                        f"{ring._file(bucket, i)}: slice file named by the manifest is missing"
+                    ) from None
+                if f.seed != ring.seed:
+                    raise CorruptFileError(f"{ring._file(bucket, i)}: seed differs from the ring")
+                s.filters.append(f)
+            ring._slices.append(s)
+        return ring
+
+
+def _check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _check_time(now: object) -> None:
+    if isinstance(now, bool) or not isinstance(now, (int, float)):
+        raise TypeError(f"now must be a number of seconds, not {type(now).__name__}")
+    if not math.isfinite(now):
+        raise ValueError(f"now must be finite, got {now!r}")
+
+
+def _as_batch(keys: Keys) -> Any:
+    """A sliceable batch: list/tuple of keys, or a uint64 memoryview."""
+    if isinstance(keys, (list, tuple)):
+        return keys
+    if isinstance(keys, (bytes, str, bytearray)):
+        raise TypeError(
+            f"expected a sequence of keys or a uint64 buffer, not a single "
+            f"{type(keys).__name__} (wrap one key in a list)"
+        )
+    try:
+        return memoryview(keys)  # type: ignore[arg-type]
+    except TypeError:
+        return list(keys)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

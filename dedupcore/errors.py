@@ -1,0 +1,32 @@
+"""Exceptions of dedupcore.
+
+Every error derives from :class:`DedupError` and also from the built-in
+exception it means, so ``except ValueError`` keeps working for callers that
+do not know dedupcore.
+"""
+
+from __future__ import annotations
+
+
+class DedupError(Exception):
+    """Root of every dedupcore error."""
+
+
+class ConflictError(DedupError, ValueError):
+    """The key was claimed before with a different fingerprint (IETF Idempotency-Key 422)."""
+
+
+class StaleTokenError(DedupError, ValueError):
+    """The fencing token is not the key's current one: the lease was taken over."""
+
+
+class UnavailableError(DedupError, ConnectionError):
+    """A tier needed to decide could not answer; the claim was not decided."""
+
+
+class CorruptFileError(DedupError, ValueError):
+    """A file on disk is truncated, damaged or not a dedupcore file."""
+
+
+class UnsupportedFormatError(CorruptFileError):
+    """A file was written by a newer format version than this dedupcore reads."""

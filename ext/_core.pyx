@@ -1,0 +1,622 @@
+# cython: language_level=3, embedsignature=True, cdivision=True
+"""Native core of dedupcore: stable hashing, split-block Bloom filters, sharding.
+
+This module is private. Public names live in :mod:`dedupcore` (``hash64``,
+``BloomFilter``, ``BloomRing``, ``shard_of``, ``shard_many``), which add sizing,
+file formats and dedupcore's exceptions on top. The core raises only built-in
+exceptions.
+
+Batch operations work in chunks: with the GIL held they collect each key's
+bytes pointer, then with the GIL released they hash the chunk into a scratch
+array and probe the blocks, prefetching a few keys ahead so that the memory
+latency of one probe overlaps with the work on the next.
+"""
+
+from libc.stdint cimport uint64_t, uint32_t, int32_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from libc.math cimport log
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.ref cimport PyObject
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
+                             PyBUF_WRITABLE)
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock,
+                               PyThread_free_lock, PyThread_acquire_lock,
+                               PyThread_release_lock, WAIT_LOCK, NOWAIT_LOCK)
+
+cdef extern from "Python.h":
+    # Borrowed-pointer forms for the batch hashing loop (no refcount traffic).
+    bint _bytes_check_exact "PyBytes_CheckExact"(PyObject* o)
+    const char* _bytes_data "PyBytes_AS_STRING"(PyObject* o)
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o)
+    const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+    bint PyUnicode_Check(object o)
+    bint PyBytes_CheckExact(object o)
+
+cdef extern from "dc_hash.h" nogil:
+    uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
+    uint64_t dc_block_index(uint64_t h, uint64_t nblocks)
+    int dc_block_add(uint64_t* block, uint64_t h)
+    int dc_block_contains(const uint64_t* block, uint64_t h)
+    void dc_prefetch(const void* p)
+    void dc_prefetch_w(const void* p)
+    int32_t dc_jump(uint64_t key, int32_t num_buckets)
+    int dc_popcount64(uint64_t x)
+    void* dc_alloc_body(size_t size)
+    void dc_free_body(void* p, size_t size)
+    const uint32_t DC_SALT[8]
+
+#: Format constants shared with the Python layer and the file header.
+HASH_ALGORITHM_XXH64 = 1
+BLOCK_BYTES = 64
+LANES = 8
+MAX_BLOCKS = (1 << 32) - 1
+SALTS = tuple(DC_SALT[i] for i in range(8))
+
+DEF PREFETCH = 16         # how many keys ahead blocks are prefetched
+DEF KEY_PREFETCH = 8      # how many keys ahead key objects are prefetched
+
+
+# ---------------------------------------------------------------- hashing --
+
+cdef inline int _key_bytes(object key, const char** data, Py_ssize_t* size) except -1:
+    """Points data/size at the bytes of a bytes or str key (no copy)."""
+    if PyBytes_Check(key):
+        data[0] = PyBytes_AS_STRING(key)
+        size[0] = PyBytes_GET_SIZE(key)
+        return 0
+    if PyUnicode_Check(key):
+        data[0] = PyUnicode_AsUTF8AndSize(key, size)
+        return 0
+    raise TypeError(
+        f"key must be bytes, bytearray, memoryview or str, not {type(key).__name__}")
+
+
+cdef inline object _as_key(object key):
+    """Returns key itself if bytes/str, a bytes copy of a bytes-like key."""
+    if PyBytes_Check(key) or PyUnicode_Check(key):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    raise TypeError(
+        f"key must be bytes, bytearray, memoryview or str, not {type(key).__name__}")
+
+
+cdef inline uint64_t _hash_key(object key, uint64_t seed) except? 0:
+    cdef const char* data
+    cdef Py_ssize_t size
+    if not (PyBytes_Check(key) or PyUnicode_Check(key)):
+        key = _as_key(key)
+    _key_bytes(key, &data, &size)
+    return dc_xxh64(data, <size_t>size, seed)
+
+
+def hash64(key, uint64_t seed=0):
+    """XXH64 of ``key`` (bytes-like, or str as UTF-8) with ``seed``; stable everywhere."""
+    return _hash_key(key, seed)
+
+
+def hash64_many(keys, uint64_t seed=0):
+    """XXH64 of each key, as a ``memoryview`` of uint64 (format ``'Q'``)."""
+    cdef KeyBatch batch = KeyBatch(keys, seed)
+    cdef bytearray out = bytearray(batch.n * 8)
+    if batch.n:
+        memcpy(PyByteArray_AS_STRING(out), batch.hashes, batch.n * 8)
+    return memoryview(out).cast('Q')
+
+
+def jump_hash(uint64_t key, int32_t num_buckets):
+    """Jump consistent hash of a 64-bit key into ``range(num_buckets)``."""
+    if num_buckets <= 0:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    return dc_jump(key, num_buckets)
+
+
+def shard_of(key, int32_t n):
+    """Shard in ``range(n)`` of a key: jump hash of ``hash64(key, seed=0)``."""
+    if n <= 0:
+        raise ValueError(f"number of shards must be >= 1, got {n}")
+    return dc_jump(_hash_key(key, 0), n)
+
+
+def shard_many(keys, int32_t n):
+    """Shard of each key (or pre-hashed uint64), as a ``memoryview`` of uint32."""
+    if n <= 0:
+        raise ValueError(f"number of shards must be >= 1, got {n}")
+    cdef KeyBatch batch = KeyBatch(keys, 0)
+    cdef bytearray out = bytearray(batch.n * 4)
+    cdef uint32_t* dst = <uint32_t*>PyByteArray_AS_STRING(out)
+    cdef const uint64_t* h = batch.hashes
+    cdef Py_ssize_t i, count = batch.n
+    with nogil:
+        for i in range(count):
+            dst[i] = <uint32_t>dc_jump(h[i], n)
+    return memoryview(out).cast('I')
+
+
+_UINT64_FORMATS = frozenset(("Q", "L", "@Q", "@L", "=Q", "=L", "<Q", "<L"))
+
+
+cdef class KeyBatch:
+    """The 64-bit hashes of a batch of keys.
+
+    Either a sequence of bytes/str keys, hashed in one pass with the GIL held
+    (every key is type-checked before any filter is touched, so a bad key
+    raises without leaving half of a batch applied), or a 1-d buffer of uint64
+    hashes, used in place. The probe loops then run on ``hashes`` without the
+    GIL.
+    """
+    cdef object view           # keeps a pre-hashed buffer exported
+    cdef uint64_t* owned
+    cdef const uint64_t* hashes
+    cdef readonly Py_ssize_t n
+
+    def __cinit__(self, keys, uint64_t seed):
+        self.view = None
+        self.owned = NULL
+        self.hashes = NULL
+        self.n = 0
+        if isinstance(keys, (bytes, str, bytearray)):
+            raise TypeError(
+                f"expected a sequence of keys or a uint64 buffer, not a single "
+                f"{type(keys).__name__} (wrap one key in a list)")
+        if not isinstance(keys, (list, tuple)) and _supports_buffer(keys):
+            self._init_prehashed(keys)
+        else:
+            self._init_keys(keys, seed)
+
+    def __dealloc__(self):
+        free(self.owned)
+
+    cdef _init_prehashed(self, obj):
+        mv = memoryview(obj)
+        if mv.ndim != 1 or mv.itemsize != 8 or mv.format not in _UINT64_FORMATS:
+            raise TypeError(
+                f"pre-hashed keys must be a 1-d buffer of uint64 (format 'Q'), "
+                f"got ndim={mv.ndim} format={mv.format!r} itemsize={mv.itemsize}")
+        if not mv.c_contiguous:
+            mv = memoryview(mv.tobytes()).cast("Q")
+        self.n = mv.shape[0]
+        cdef const unsigned char[::1] raw
+        if self.n:
+            raw = mv.cast("B")
+            self.hashes = <const uint64_t*>&raw[0]
+            self.view = raw
+
+    cdef _init_keys(self, keys, uint64_t seed):
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        cdef Py_ssize_t i, n = len(keys)
+        cdef const char* data
+        cdef Py_ssize_t size
+        cdef PyObject* k
+        cdef uint64_t* out = <uint64_t*>malloc((n if n else 1) * sizeof(uint64_t))
+        if out == NULL:
+            raise MemoryError()
+        self.owned = out
+        self.hashes = out
+        cdef bint is_list = type(keys) is list
+        i = 0
+        while i < n:
+            # Another thread may shrink a list between two keys (the
+            # interpreter can switch threads inside the str/buffer calls).
+            if is_list:
+                if i >= PyList_GET_SIZE(keys):
+                    raise RuntimeError("list of keys changed size during the batch")
+                k = PyList_GET_ITEM(keys, i)
+                if i + KEY_PREFETCH < PyList_GET_SIZE(keys):
+                    dc_prefetch(PyList_GET_ITEM(keys, i + KEY_PREFETCH))
+            else:
+                k = PyTuple_GET_ITEM(keys, i)
+                if i + KEY_PREFETCH < n:
+                    dc_prefetch(PyTuple_GET_ITEM(keys, i + KEY_PREFETCH))
+            if _bytes_check_exact(k):
+                out[i] = dc_xxh64(_bytes_data(k), <size_t>_bytes_size(k), seed)
+            else:
+                out[i] = _hash_other(<object>k, i, seed)
+            i += 1
+        self.n = n
+
+
+cdef uint64_t _hash_other(object k, Py_ssize_t index, uint64_t seed) except? 0:
+    """Hash of a key that is not exactly bytes, with the key's index in errors."""
+    cdef const char* data
+    cdef Py_ssize_t size
+    if PyUnicode_Check(k):
+        try:
+            data = PyUnicode_AsUTF8AndSize(k, &size)
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"key at index {index} is not valid UTF-8: {exc}") from None
+        return dc_xxh64(data, <size_t>size, seed)
+    if PyBytes_Check(k):
+        return dc_xxh64(PyBytes_AS_STRING(k), <size_t>PyBytes_GET_SIZE(k), seed)
+    if isinstance(k, (bytearray, memoryview)):
+        b = bytes(k)
+        return dc_xxh64(PyBytes_AS_STRING(b), <size_t>PyBytes_GET_SIZE(b), seed)
+    raise TypeError(
+        f"key at index {index} must be bytes, bytearray, memoryview or str, "
+        f"not {type(k).__name__}")
+
+
+cdef inline bint _supports_buffer(obj):
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------- block filter --
+
+cdef class BlockFilter:
+    """A split-block Bloom filter body: ``nblocks`` cache-line blocks.
+
+    This is the native part of :class:`dedupcore.BloomFilter`; construct that
+    instead. The body is either owned (anonymous memory) or a view of an
+    outside buffer (a memory-mapped file, bytes), read-only if that buffer is.
+    """
+    cdef uint64_t* blocks
+    cdef uint64_t _nblocks
+    cdef uint64_t _seed
+    cdef uint64_t _count
+    cdef uint64_t _capacity
+    cdef double _error_rate
+    cdef bint _owned
+    cdef bint _readonly
+    cdef Py_buffer _view
+    cdef bint _has_view
+    cdef PyThread_type_lock _lock
+
+    def __cinit__(self, *args, **kwargs):
+        self.blocks = NULL
+        self._nblocks = 0
+        self._has_view = False
+        self._owned = False
+        self._readonly = False
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        self._detach()
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    cdef void _detach(self):
+        if self._owned and self.blocks != NULL:
+            dc_free_body(self.blocks, self._nblocks * 64)
+        if self._has_view:
+            PyBuffer_Release(&self._view)
+            self._has_view = False
+        self.blocks = NULL
+        self._owned = False
+
+    cdef inline int _check(self) except -1:
+        if self.blocks == NULL:
+            raise ValueError("filter is not initialised")
+        return 0
+
+    cdef inline int _check_writable(self) except -1:
+        if self.blocks == NULL:
+            raise ValueError("filter is not initialised")
+        if self._readonly:
+            raise ValueError("filter is read-only (opened memory-mapped); "
+                             "open it with mmap=False to modify it")
+        return 0
+
+    cdef _set_meta(self, uint64_t nblocks, uint64_t seed, uint64_t capacity,
+                   double error_rate, uint64_t count):
+        if nblocks == 0 or nblocks > MAX_BLOCKS:
+            raise ValueError(f"nblocks must be in 1..{MAX_BLOCKS}, got {nblocks}")
+        self._nblocks = nblocks
+        self._seed = seed
+        self._capacity = capacity
+        self._error_rate = error_rate
+        self._count = count
+
+    def _allocate(self, uint64_t nblocks, uint64_t seed, uint64_t capacity,
+                  double error_rate):
+        """Gives the filter a new, empty body of ``nblocks`` blocks."""
+        self._detach()
+        self._set_meta(nblocks, seed, capacity, error_rate, 0)
+        cdef void* p = dc_alloc_body(nblocks * 64)
+        if p == NULL:
+            raise MemoryError(f"cannot allocate a filter body of {nblocks * 64} bytes")
+        self.blocks = <uint64_t*>p
+        self._owned = True
+        self._readonly = False
+
+    def _attach(self, buffer, uint64_t nblocks, uint64_t seed, uint64_t capacity,
+                double error_rate, uint64_t count, bint writable):
+        """Uses ``buffer`` (exactly ``nblocks * 64`` bytes) as the body, without copying."""
+        self._detach()
+        self._set_meta(nblocks, seed, capacity, error_rate, count)
+        flags = PyBUF_SIMPLE | (PyBUF_WRITABLE if writable else 0)
+        PyObject_GetBuffer(buffer, &self._view, flags)
+        self._has_view = True
+        if <uint64_t>self._view.len != nblocks * 64:
+            self._detach()
+            raise ValueError(f"body is {self._view.len} bytes, expected {nblocks * 64}")
+        self.blocks = <uint64_t*>self._view.buf
+        self._readonly = not writable
+
+    def _copy_body_from(self, BlockFilter other):
+        """Copies other's body and count into this filter (same geometry)."""
+        self._check_writable()
+        other._check()
+        if other._nblocks != self._nblocks:
+            raise ValueError("bodies differ in size")
+        memcpy(self.blocks, other.blocks, self._nblocks * 64)
+        self._count = other._count
+
+    # -- geometry and state ------------------------------------------------
+
+    @property
+    def nblocks(self):
+        """Number of 64-byte blocks."""
+        return self._nblocks
+
+    @property
+    def seed(self):
+        """Seed of the XXH64 hash of keys."""
+        return self._seed
+
+    @property
+    def capacity(self):
+        """Number of keys the filter was sized for."""
+        return self._capacity
+
+    @property
+    def error_rate(self):
+        """Target false-positive rate at ``capacity`` keys."""
+        return self._error_rate
+
+    @property
+    def count(self):
+        """Keys added that were new to the filter (an estimate of distinct keys)."""
+        return self._count
+
+    @property
+    def nbytes(self):
+        """Size of the bit array in bytes."""
+        return self._nblocks * 64
+
+    @property
+    def readonly(self):
+        """True when the body cannot be modified (a read-only memory map)."""
+        return self._readonly
+
+    def __len__(self):
+        return self._count
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        self._check()
+        if (flags & PyBUF_WRITABLE) and self._readonly:
+            raise BufferError("filter body is read-only")
+        buffer.buf = <void*>self.blocks
+        buffer.obj = self
+        buffer.len = self._nblocks * 64
+        buffer.readonly = self._readonly
+        buffer.itemsize = 1
+        buffer.format = NULL
+        buffer.ndim = 1
+        buffer.shape = NULL
+        buffer.strides = NULL
+        buffer.suboffsets = NULL
+        buffer.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        pass
+
+    # -- single keys ---------------------------------------------------------
+
+    cdef inline void _lock_write(self) noexcept:
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            # Never wait for the lock while holding the GIL: a batch writer
+            # that holds the lock may be waiting for the GIL.
+            with nogil:
+                PyThread_acquire_lock(self._lock, WAIT_LOCK)
+
+    def add(self, key):
+        """Adds ``key``; returns True if it was definitely not in the filter before."""
+        self._check_writable()
+        cdef uint64_t h = _hash_key(key, self._seed)
+        cdef int new
+        self._lock_write()
+        new = dc_block_add(self.blocks + dc_block_index(h, self._nblocks) * 8, h)
+        self._count += new
+        PyThread_release_lock(self._lock)
+        return bool(new)
+
+    def add_hash(self, uint64_t h):
+        """Adds a pre-hashed key (``hash64(key, seed=self.seed)``)."""
+        self._check_writable()
+        self._lock_write()
+        cdef int new = dc_block_add(self.blocks + dc_block_index(h, self._nblocks) * 8, h)
+        self._count += new
+        PyThread_release_lock(self._lock)
+        return bool(new)
+
+    def __contains__(self, key):
+        self._check()
+        cdef uint64_t h = _hash_key(key, self._seed)
+        return bool(dc_block_contains(self.blocks + dc_block_index(h, self._nblocks) * 8, h))
+
+    def contains_hash(self, uint64_t h):
+        """True if a pre-hashed key may be in the filter."""
+        self._check()
+        return bool(dc_block_contains(self.blocks + dc_block_index(h, self._nblocks) * 8, h))
+
+    # -- batches -------------------------------------------------------------
+
+    def add_many(self, keys):
+        """Adds a batch; returns per-key flags, True where the key was new.
+
+        ``keys`` is a list/tuple/iterable of bytes or str keys, or a 1-d buffer
+        of uint64 hashes. A key repeated inside the batch is new only at its
+        first occurrence. The result is a ``memoryview`` of bools.
+        """
+        return probe_many((), keys, self, self._seed)
+
+    def contains_many(self, keys):
+        """Membership of each key of a batch, as a ``memoryview`` of bools."""
+        return probe_many((self,), keys, None, self._seed)
+
+    def update(self, keys):
+        """Adds every key of an iterable (or uint64 buffer); returns the number that were new."""
+        return sum(probe_many((), keys, self, self._seed))
+
+    # -- whole-filter operations ---------------------------------------------
+
+    def _union_update(self, BlockFilter other):
+        """ORs other's bits into this filter (same geometry and seed)."""
+        self._check_writable()
+        other._check()
+        if other._nblocks != self._nblocks or other._seed != self._seed:
+            raise ValueError("filters differ in geometry or seed")
+        cdef uint64_t i, nwords = self._nblocks * 8
+        cdef uint64_t* dst = self.blocks
+        cdef const uint64_t* src = other.blocks
+        with nogil:
+            PyThread_acquire_lock(self._lock, WAIT_LOCK)
+            for i in range(nwords):
+                dst[i] |= src[i]
+            PyThread_release_lock(self._lock)
+
+    def _set_count(self, uint64_t count):
+        self._count = count
+
+    def _bits_set(self):
+        """Number of bits set in the body."""
+        self._check()
+        cdef uint64_t i, total = 0, nwords = self._nblocks * 8
+        cdef const uint64_t* w = self.blocks
+        with nogil:
+            for i in range(nwords):
+                total += dc_popcount64(w[i])
+        return total
+
+    def _fpr_now(self):
+        """Probability that an absent key tests positive, given the bits set now.
+
+        Exact for a uniformly random absent key: the mean over blocks of the
+        product of each lane's fill.
+        """
+        self._check()
+        cdef uint64_t b, nblocks = self._nblocks
+        cdef int i
+        cdef double p, total = 0.0
+        cdef const uint64_t* blk
+        with nogil:
+            for b in range(nblocks):
+                blk = self.blocks + b * 8
+                p = 1.0
+                for i in range(8):
+                    p *= dc_popcount64(blk[i]) / 64.0
+                total += p
+        return total / nblocks
+
+    def _estimated_count(self):
+        """Distinct keys estimated from the bits set (each key sets one bit per lane)."""
+        cdef double lane_bits = self._nblocks * 64.0
+        cdef double zero = 1.0 - self._bits_set() / (lane_bits * 8)
+        if zero <= 0.0:
+            return float("inf")
+        return -log(zero) * lane_bits
+
+    def _checksum(self):
+        """XXH64 (seed 0) of the body bytes, as stored in the file header."""
+        self._check()
+        cdef uint64_t h
+        cdef const void* p = self.blocks
+        cdef size_t n = self._nblocks * 64
+        with nogil:
+            h = dc_xxh64(p, n, 0)
+        return h
+
+
+cdef struct FilterRef:
+    uint64_t* blocks
+    uint64_t nblocks
+
+
+def probe_many(tuple filters, keys, BlockFilter target, uint64_t seed):
+    """Probes a batch of keys against several filters, optionally adding them to one.
+
+    Each key is hashed once (with the seed every filter shares). Without
+    ``target`` the result says, per key, whether any filter may hold it. With
+    ``target`` each key is then added to it, and the result says whether the
+    key was new: absent from every filter (``target`` included) before.
+    This serves ``BloomFilter.add_many``/``contains_many`` and the ring.
+    """
+    cdef Py_ssize_t nf = len(filters), f
+    cdef BlockFilter bf
+    if target is not None:
+        target._check_writable()
+        if target._seed != seed:
+            raise ValueError("filters of one probe must share their hash seed")
+    cdef FilterRef* refs = <FilterRef*>malloc((nf + 1) * sizeof(FilterRef))
+    if refs == NULL:
+        raise MemoryError()
+    try:
+        for f in range(nf):
+            bf = filters[f]
+            bf._check()
+            if bf._seed != seed:
+                raise ValueError("filters of one probe must share their hash seed")
+            refs[f].blocks = bf.blocks
+            refs[f].nblocks = bf._nblocks
+        batch = KeyBatch(keys, seed)
+        out = bytearray(batch.n)
+        _probe_batch(refs, nf, <KeyBatch>batch, target,
+                     <unsigned char*>PyByteArray_AS_STRING(out))
+        return memoryview(out).cast("?")
+    finally:
+        free(refs)
+
+
+cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, KeyBatch batch,
+                      BlockFilter target, unsigned char* flags) except -1:
+    cdef Py_ssize_t m = batch.n, i, f, j
+    cdef const uint64_t* h = batch.hashes
+    cdef uint64_t* blocks
+    cdef uint64_t nblocks, added = 0
+    cdef int new
+    cdef bint has_target = target is not None
+    cdef uint64_t* tblocks = target.blocks if has_target else NULL
+    cdef uint64_t tnblocks = target._nblocks if has_target else 0
+    cdef PyThread_type_lock tlock = target._lock if has_target else NULL
+    cdef uint64_t* tcount = &target._count if has_target else NULL
+    if m == 0:
+        return 0
+    with nogil:
+        for f in range(nf):
+            blocks = refs[f].blocks
+            nblocks = refs[f].nblocks
+            for i in range(m if m < PREFETCH else PREFETCH):
+                dc_prefetch(blocks + dc_block_index(h[i], nblocks) * 8)
+            for i in range(m):
+                j = i + PREFETCH
+                if j < m:
+                    dc_prefetch(blocks + dc_block_index(h[j], nblocks) * 8)
+                flags[i] |= dc_block_contains(blocks + dc_block_index(h[i], nblocks) * 8, h[i])
+        if has_target:
+            blocks = tblocks
+            nblocks = tnblocks
+            PyThread_acquire_lock(tlock, WAIT_LOCK)
+            for i in range(m if m < PREFETCH else PREFETCH):
+                dc_prefetch_w(blocks + dc_block_index(h[i], nblocks) * 8)
+            for i in range(m):
+                j = i + PREFETCH
+                if j < m:
+                    dc_prefetch_w(blocks + dc_block_index(h[j], nblocks) * 8)
+                new = dc_block_add(blocks + dc_block_index(h[i], nblocks) * 8, h[i])
+                added += new
+                # flags[i] held "present in another filter"; flip it to "was new".
+                flags[i] = (not flags[i]) and new
+            tcount[0] += added
+            PyThread_release_lock(tlock)
+    return 0

@@ -1,0 +1,25 @@
+"""Builds dedupcore's native core (ext/_core.pyx) as the private dedupcore._core."""
+
+import sys
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+compile_args = [] if sys.platform == "win32" else ["-O3", "-fno-strict-aliasing"]
+
+extensions = [
+    Extension(
+        "dedupcore._core",
+        sources=["ext/_core.pyx"],
+        include_dirs=["ext"],
+        depends=["ext/dc_hash.h"],
+        extra_compile_args=compile_args,
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": "3", "embedsignature": True},
+    )
+)
