@@ -28,6 +28,7 @@ The body starts at offset 128, so a memory-mapped body is cache-line aligned.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap as _mmap
@@ -155,10 +156,8 @@ def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes | memoryvi
             os.fsync(out.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(target.parent)
 
@@ -195,8 +194,19 @@ def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
         raise CorruptFileError(
             f"{source}: truncated: {len(head)} bytes, shorter than the {HEADER_SIZE}-byte header"
         )
-    (magic, version, algorithm, block_bytes, seed, nblocks, capacity, error_rate, count,
-     body_checksum, header_checksum) = HEADER.unpack_from(head)
+    (
+        magic,
+        version,
+        algorithm,
+        block_bytes,
+        seed,
+        nblocks,
+        capacity,
+        error_rate,
+        count,
+        body_checksum,
+        header_checksum,
+    ) = HEADER.unpack_from(head)
     if magic != MAGIC:
         raise CorruptFileError(f"{source}: not a dedupcore Bloom filter (magic {magic!r})")
     if version > FORMAT_VERSION:
@@ -219,9 +229,7 @@ def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
     expected = HEADER_SIZE + nblocks * _core.BLOCK_BYTES
     if total_size != expected:
         what = "truncated" if total_size < expected else "has trailing bytes"
-        raise CorruptFileError(
-            f"{source}: {what}: {total_size} bytes, header says {expected}"
-        )
+        raise CorruptFileError(f"{source}: {what}: {total_size} bytes, header says {expected}")
     return _Header(seed, nblocks, capacity, error_rate, count, body_checksum)
 
 
@@ -287,13 +295,17 @@ class BloomFilter(_core.BlockFilter):
         if other.nblocks != self.nblocks or other.seed != self.seed:
             raise ValueError(
                 "filters must have the same geometry and seed to be combined: "
-                f"{self.nblocks} blocks seed {self.seed} vs {other.nblocks} blocks seed {other.seed}"
+                f"{self.nblocks} blocks seed {self.seed} vs "
+                f"{other.nblocks} blocks seed {other.seed}"
             )
         return other
 
     def __ior__(self, other: object) -> BloomFilter:
         self._union_update(self._check_compatible(other))
-        self._set_count(max(self.count, min(int(self._estimated_count()), 2**63)))
+        estimate = self._estimated_count()
+        # A saturated filter has no finite estimate: count it as its capacity's worth.
+        estimated = int(estimate) if math.isfinite(estimate) else 2**63 - 1
+        self._set_count(max(self.count, other.count, estimated))
         return self
 
     def __or__(self, other: object) -> BloomFilter:
@@ -361,8 +373,15 @@ class BloomFilter(_core.BlockFilter):
             if mmap:
                 mapped = _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ)
                 body = memoryview(mapped)[HEADER_SIZE:]
-                new._attach(body, header.nblocks, header.seed, header.capacity,
-                            header.error_rate, header.count, False)
+                new._attach(
+                    body,
+                    header.nblocks,
+                    header.seed,
+                    header.capacity,
+                    header.error_rate,
+                    header.count,
+                    False,
+                )
                 # The memoryview slice holds the mapping open for the filter's life.
             else:
                 new._allocate(header.nblocks, header.seed, header.capacity, header.error_rate)
@@ -384,8 +403,8 @@ def _read_exact(fh: BinaryIO, target: memoryview, source: str) -> None:
 
 # ------------------------------------------------------------------ ring ---
 
-GROWTH_TIGHTENING = 0.5   # each grown sub-filter gets half the previous error budget
-GROWTH_FACTOR = 2         # and twice the previous capacity
+GROWTH_TIGHTENING = 0.5  # each grown sub-filter gets half the previous error budget
+GROWTH_FACTOR = 2  # and twice the previous capacity
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 1
 
@@ -519,17 +538,19 @@ class BloomRing:
             new = target.add_hash(h)
             return new and not seen
 
-    def add_many(self, keys: Keys, now: float) -> memoryview:
+    def add_many(self, keys: Keys, now: float) -> memoryview[bool]:
         """Adds a batch at time ``now``; per-key flags, True where the key was new."""
-        batch = _as_batch(keys)
+        # Hash (and so validate) every key before the ring changes at all; a
+        # uint64 buffer is taken as already hashed and comes back as a copy.
+        batch = _core.hash64_many(_as_batch(keys), self.seed)
         with self._lock:
             head = self._head_for(now)
-            parts: list[memoryview] = []
+            parts: list[memoryview[bool]] = []
             start, n = 0, len(batch)
             while start < n or not parts:
                 target = self._target(head)
                 room = max(1, target.capacity - target.count)
-                chunk = batch[start:start + room]
+                chunk = batch[start : start + room]
                 others = tuple(f for f in self._filters() if f is not target)
                 parts.append(_core.probe_many(others, chunk, target, self.seed))
                 start += room
@@ -538,7 +559,7 @@ class BloomRing:
             return memoryview(b"".join(p.cast("B") for p in parts)).cast("?")
 
     def __contains__(self, key: object) -> bool:
-        h = _core.hash64(key, self.seed)
+        h = _core.hash64(key, self.seed)  # type: ignore[arg-type]  # TypeError names the type
         with self._lock:
             return any(f.contains_hash(h) for f in self._filters())
 
@@ -546,7 +567,7 @@ class BloomRing:
         """True if a live slice may hold the key."""
         return key in self
 
-    def contains_many(self, keys: Keys) -> memoryview:
+    def contains_many(self, keys: Keys) -> memoryview[bool]:
         """Membership of each key of a batch in any slice; one hash per key."""
         batch = _as_batch(keys)
         with self._lock:
@@ -585,17 +606,19 @@ class BloomRing:
                 miss = 1.0
                 for f in s.filters:
                     miss *= 1.0 - f.estimated_fpr
-                out.append(SliceInfo(
-                    bucket=s.bucket,
-                    start=s.bucket * self.slice_seconds,
-                    count=sum(f.count for f in s.filters),
-                    capacity=sum(f.capacity for f in s.filters),
-                    subfilters=len(s.filters),
-                    nbytes=nbytes,
-                    fill_ratio=bits / nbytes if nbytes else 0.0,
-                    estimated_fpr=1.0 - miss,
-                    sealed=s.sealed,
-                ))
+                out.append(
+                    SliceInfo(
+                        bucket=s.bucket,
+                        start=s.bucket * self.slice_seconds,
+                        count=sum(f.count for f in s.filters),
+                        capacity=sum(f.capacity for f in s.filters),
+                        subfilters=len(s.filters),
+                        nbytes=nbytes,
+                        fill_ratio=bits / nbytes if nbytes else 0.0,
+                        estimated_fpr=1.0 - miss,
+                        sealed=s.sealed,
+                    )
+                )
             return out
 
     def __iter__(self) -> Iterator[SliceInfo]:
@@ -639,6 +662,12 @@ class BloomRing:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
+        """Writes the manifest, after every file it names (unsealed heads are saved first)."""
+        for s in self._slices:
+            if not s.sealed:
+                for i, f in enumerate(s.filters):
+                    if not self._file(s.bucket, i).exists():
+                        f.save(self._file(s.bucket, i))
         manifest = {
             "format": RING_FORMAT,
             "window": self.window,
@@ -685,13 +714,22 @@ class BloomRing:
                 seed=manifest["seed"],
                 path=root,
             )
-            entries = [(int(e["bucket"]), int(e["subfilters"]), bool(e["sealed"]))
-                       for e in manifest["slices"]]
+            if fmt != RING_FORMAT or isinstance(fmt, bool):
+                raise ValueError(f"format {fmt!r} is not {RING_FORMAT}")
+            if not isinstance(manifest["slices"], list):
+                raise TypeError("slices is not a list")
+            entries = [_manifest_slice(e) for e in manifest["slices"]]
+            buckets = [b for b, _, _ in entries]
+            if buckets != sorted(set(buckets)):
+                raise ValueError("slices are not in increasing bucket order")
         except UnsupportedFormatError:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptFileError(f"{manifest_path}: damaged ring manifest: {exc}") from exc
-        for bucket, count, sealed in entries:
+        for n, (bucket, count, sealed) in enumerate(entries):
+            if n == len(entries) - 1:
+                # The newest slice is the head again: writable, so late keys have a home.
+                sealed = False
             s = _Slice(bucket, sealed=sealed)
             for i in range(count):
                 try:
@@ -705,6 +743,20 @@ class BloomRing:
                 s.filters.append(f)
             ring._slices.append(s)
         return ring
+
+
+def _manifest_slice(entry: object) -> tuple[int, int, bool]:
+    """(bucket, subfilters, sealed) of a manifest slice entry, strictly typed."""
+    if not isinstance(entry, dict):
+        raise TypeError("slice entry is not an object")
+    bucket, count, sealed = entry["bucket"], entry["subfilters"], entry["sealed"]
+    if isinstance(bucket, bool) or not isinstance(bucket, int):
+        raise TypeError(f"slice bucket must be an int, got {bucket!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"slice subfilters must be an int >= 1, got {count!r}")
+    if not isinstance(sealed, bool):
+        raise TypeError(f"slice sealed must be a bool, got {sealed!r}")
+    return bucket, count, sealed
 
 
 def _check_positive(name: str, value: object) -> float:
@@ -738,7 +790,5 @@ def _as_batch(keys: Keys) -> Any:
 
 
 def _unlink_quiet(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    except FileNotFoundError:
-        pass

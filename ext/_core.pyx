@@ -94,46 +94,66 @@ cdef inline uint64_t _hash_key(object key, uint64_t seed) except? 0:
     return dc_xxh64(data, <size_t>size, seed)
 
 
-def hash64(key, uint64_t seed=0):
+cdef uint64_t _seed_arg(object seed) except? 0:
+    """A seed argument: an int in 0..2**64-1 (a float is refused, not truncated)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    return <uint64_t>seed
+
+
+cdef int32_t _count_arg(object n, str what) except? -1:
+    """A bucket/shard count: an int in 1..2**31-1 (a float is refused, not truncated)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{what} must be an int, not {type(n).__name__}")
+    if not 1 <= n <= 0x7FFFFFFF:
+        raise ValueError(f"{what} must be in 1..2**31-1, got {n}")
+    return <int32_t>n
+
+
+def hash64(key, seed=0):
     """XXH64 of ``key`` (bytes-like, or str as UTF-8) with ``seed``; stable everywhere."""
-    return _hash_key(key, seed)
+    return _hash_key(key, _seed_arg(seed))
 
 
-def hash64_many(keys, uint64_t seed=0):
+def hash64_many(keys, seed=0):
     """XXH64 of each key, as a ``memoryview`` of uint64 (format ``'Q'``)."""
-    cdef KeyBatch batch = KeyBatch(keys, seed)
+    cdef KeyBatch batch = KeyBatch(keys, _seed_arg(seed))
     cdef bytearray out = bytearray(batch.n * 8)
     if batch.n:
         memcpy(PyByteArray_AS_STRING(out), batch.hashes, batch.n * 8)
     return memoryview(out).cast('Q')
 
 
-def jump_hash(uint64_t key, int32_t num_buckets):
+def jump_hash(key, num_buckets):
     """Jump consistent hash of a 64-bit key into ``range(num_buckets)``."""
-    if num_buckets <= 0:
-        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
-    return dc_jump(key, num_buckets)
+    cdef int32_t n = _count_arg(num_buckets, "num_buckets")
+    return dc_jump(_seed_arg(key), n)
 
 
-def shard_of(key, int32_t n):
-    """Shard in ``range(n)`` of a key: jump hash of ``hash64(key, seed=0)``."""
-    if n <= 0:
-        raise ValueError(f"number of shards must be >= 1, got {n}")
-    return dc_jump(_hash_key(key, 0), n)
+def shard_of(key, n):
+    """Shard in ``range(n)`` of a key: jump hash of ``hash64(key, seed=0)``.
+
+    Stable across processes, machines and versions: XXH64 with seed 0 and
+    Lamping & Veach's jump consistent hash are both fixed by their published
+    specifications. Growing ``n`` by one moves only about 1/(n+1) of the keys,
+    all of them to the new shard.
+    """
+    cdef int32_t count = _count_arg(n, "number of shards")
+    return dc_jump(_hash_key(key, 0), count)
 
 
-def shard_many(keys, int32_t n):
+def shard_many(keys, n):
     """Shard of each key (or pre-hashed uint64), as a ``memoryview`` of uint32."""
-    if n <= 0:
-        raise ValueError(f"number of shards must be >= 1, got {n}")
+    cdef int32_t count = _count_arg(n, "number of shards")
     cdef KeyBatch batch = KeyBatch(keys, 0)
     cdef bytearray out = bytearray(batch.n * 4)
     cdef uint32_t* dst = <uint32_t*>PyByteArray_AS_STRING(out)
     cdef const uint64_t* h = batch.hashes
-    cdef Py_ssize_t i, count = batch.n
+    cdef Py_ssize_t i
+    cdef Py_ssize_t total = batch.n
     with nogil:
-        for i in range(count):
-            dst[i] = <uint32_t>dc_jump(h[i], n)
+        for i in range(total):
+            dst[i] = <uint32_t>dc_jump(h[i], count)
     return memoryview(out).cast('I')
 
 
@@ -198,7 +218,7 @@ cdef class KeyBatch:
             raise MemoryError()
         self.owned = out
         self.hashes = out
-        cdef bint is_list = type(keys) is list
+        cdef bint is_list = isinstance(keys, list)
         i = 0
         while i < n:
             # Another thread may shrink a list between two keys (the

@@ -1,0 +1,633 @@
+"""BloomRing: time-sliced filters with expiry, growth and persistence."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dedupcore import BloomRing, hash64
+from dedupcore.bloom import SliceInfo
+from dedupcore.errors import CorruptFileError
+
+Keys = Callable[..., list[bytes]]
+
+
+def shape(ring: BloomRing) -> list[tuple[int, int, int, int, bool]]:
+    return [(s.bucket, s.count, s.capacity, s.subfilters, s.sealed) for s in ring.slices()]
+
+
+def snapshot(ring: BloomRing) -> list[tuple[int, int, bytes]]:
+    """Every sub-filter's bits: (bucket, index, body)."""
+    return [
+        (s.bucket, i, bytes(memoryview(f))) for s in ring._slices for i, f in enumerate(s.filters)
+    ]
+
+
+def files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+# ---------------------------------------------------------------- expiry --
+
+
+def test_key_lives_until_its_slice_end_plus_window(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=2.0, slice_capacity=1000, error_rate=1e-4)
+    keys = make_keys(100)
+    ring.add_many(keys, now=5.0)  # bucket 2: the slice ends at 6.0, expires at 16.0
+    assert ring.bucket_of(5.0) == 2
+    assert [s.bucket for s in ring.slices()] == [2]
+    assert ring.slices()[0].start == 4.0
+    for now in (5.0, 6.0, 15.0, 15.999):
+        assert ring.expire(now) == 0
+        assert all(ring.contains_many(keys))
+        assert all(k in ring for k in keys)
+    assert ring.expire(16.0) == 1
+    assert ring.slices() == []
+    assert not any(ring.contains_many(keys))
+    assert not any(ring.contains(k) for k in keys)
+    assert len(ring) == 0
+
+
+def test_expire_returns_number_dropped(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=2.0, slice_capacity=1000, error_rate=1e-4)
+    per_bucket = {b: make_keys(50, f"b{b}") for b in range(4)}
+    for b, keys in per_bucket.items():
+        ring.add_many(keys, now=2.0 * b + 1.0)
+    assert [s.bucket for s in ring.slices()] == [0, 1, 2, 3]
+    assert [s.sealed for s in ring.slices()] == [True, True, True, False]
+    assert ring.expire(11.9) == 0
+    assert ring.expire(14.0) == 2  # buckets 0 and 1: (b + 1) * 2 + 10 <= 14
+    assert ring.expire(14.0) == 0
+    assert [s.bucket for s in ring.slices()] == [2, 3]
+    assert not any(ring.contains_many(per_bucket[0] + per_bucket[1]))
+    assert all(ring.contains_many(per_bucket[2] + per_bucket[3]))
+    assert ring.expire(1e9) == 2
+    assert ring.expire(1e9) == 0
+
+
+def test_new_head_expires_old_slices(make_keys: Keys) -> None:
+    ring = BloomRing(window=4.0, slice_seconds=1.0, slice_capacity=100, error_rate=1e-4)
+    old = make_keys(20, "old")
+    ring.add_many(old, now=0.5)
+    assert ring.add(b"later", now=100.0)
+    assert [s.bucket for s in ring.slices()] == [100]
+    assert not any(ring.contains_many(old))
+
+
+def test_late_keys_go_to_the_head(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=2.0, slice_capacity=1000, error_rate=1e-4)
+    ring.add(b"head", now=10.0)  # bucket 5, expires at 22
+    assert ring.add(b"late", now=1.0)  # bucket 0 < head: goes to bucket 5
+    late = make_keys(30, "late")
+    assert all(ring.add_many(late, now=0.0))
+    assert [s.bucket for s in ring.slices()] == [5]
+    assert ring.slices()[0].count == 32
+    assert ring.expire(12.5) == 0  # bucket 0 would have expired at 12
+    assert b"late" in ring and all(ring.contains_many(late))
+    assert ring.expire(21.9) == 0
+    assert ring.expire(22.0) == 1
+    assert b"late" not in ring
+
+
+def test_slices_fill_and_seal_in_order() -> None:
+    ring = BloomRing(window=6.0, slice_seconds=3.0, slice_capacity=100)
+    assert ring.max_slices == 3
+    for now in (0.0, 3.0, 6.0):
+        ring.add(b"k%f" % now, now)
+    infos = ring.slices()
+    assert all(isinstance(s, SliceInfo) for s in infos)
+    assert [(s.bucket, s.start, s.sealed, s.count, s.subfilters) for s in infos] == [
+        (0, 0.0, True, 1, 1),
+        (1, 3.0, True, 1, 1),
+        (2, 6.0, False, 1, 1),
+    ]
+    assert list(ring) == infos
+    assert ring.count == len(ring) == 3
+    assert ring.nbytes == sum(s.nbytes for s in infos)
+
+
+# ---------------------------------------------------------------- growth --
+
+
+def test_overfilled_slice_grows_subfilters_single_adds(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=10.0, slice_capacity=1000, error_rate=0.001)
+    keys = make_keys(2500)
+    for k in keys:
+        ring.add(k, now=1.0)
+    (info,) = ring.slices()
+    assert info.subfilters == 2
+    assert info.capacity == 1000 + 2000
+    assert 2450 <= info.count <= 2500
+    assert all(ring.contains_many(keys))
+
+
+def test_overfilled_slice_grows_subfilters_in_one_batch(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=10.0, slice_capacity=1000, error_rate=0.001)
+    keys = make_keys(4000)
+    flags = ring.add_many(keys, now=1.0)
+    assert len(flags) == 4000
+    assert sum(flags) >= 3990
+    (info,) = ring.slices()
+    assert info.subfilters == 3
+    assert info.capacity == 1000 + 2000 + 4000
+    assert all(ring.contains_many(keys))
+    assert list(ring.add_many(keys, now=2.0)) == [False] * 4000
+
+
+def test_ring_fpr_with_every_slice_overfilled_4x() -> None:
+    error_rate = 0.01
+    slice_capacity = 25_000
+    ring = BloomRing(
+        window=3.0, slice_seconds=1.0, slice_capacity=slice_capacity, error_rate=error_rate
+    )
+    present: list[bytes] = []
+    for bucket in range(4):
+        keys = [b"present-%d-%d" % (bucket, i) for i in range(4 * slice_capacity)]
+        ring.add_many(keys, now=bucket + 0.5)
+        present += keys
+    infos = ring.slices()
+    assert len(infos) == ring.max_slices == 4
+    assert all(s.subfilters >= 3 for s in infos)
+    assert all(ring.contains_many(present))
+    n_probe = 1_000_000
+    data = random.Random(4).randbytes(16 * n_probe)
+    absent = [data[i : i + 16] for i in range(0, len(data), 16)]
+    measured = bytes(ring.contains_many(absent)).count(1) / n_probe
+    se = math.sqrt(error_rate * (1 - error_rate) / n_probe)
+    assert measured <= error_rate * 1.1 + 4 * se, measured
+    assert ring.estimated_fpr <= error_rate * 1.1
+    assert abs(ring.estimated_fpr - measured) <= 0.1 * measured + 4 * se
+
+
+# --------------------------------------------------------- keys and batches --
+
+
+# (key, time step) pairs; negative steps make late keys.
+ops_st = st.lists(
+    st.tuples(
+        st.one_of(st.binary(max_size=24), st.text(max_size=12)),
+        st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.5, -1.0, -3.0]),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def _live_keys(ring: BloomRing, ops: list[tuple[bytes | str, float]]) -> tuple[list[object], float]:
+    """Plays ops; returns the keys whose own time bucket is still live at the end, and the end."""
+    now, added = 0.0, []
+    for key, step in ops:
+        now += step
+        if len(added) % 3 == 2:
+            ring.add_many([key], now=now)
+        else:
+            ring.add(key, now=now)
+        added.append((key, now))
+    end = max(t for _, t in added)
+    ring.expire(end)
+    live = [k for k, t in added if (ring.bucket_of(t) + 1) * ring.slice_seconds + ring.window > end]
+    return live, end
+
+
+@given(ops_st)
+def test_no_false_negatives_within_window(ops: list[tuple[bytes | str, float]]) -> None:
+    ring = BloomRing(window=4.0, slice_seconds=1.0, slice_capacity=8, error_rate=0.01)
+    live, _ = _live_keys(ring, ops)
+    assert all(ring.contains(k) for k in live)
+    assert all(ring.contains_many(live))
+
+
+@given(ops_st)
+@settings(max_examples=30)
+def test_no_false_negatives_within_window_after_reopen(
+    ops: list[tuple[bytes | str, float]],
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ring = BloomRing(window=4.0, slice_seconds=1.0, slice_capacity=8, error_rate=0.01, path=tmp)
+        live, _ = _live_keys(ring, ops)
+        ring.save()
+        reopened = BloomRing.open(tmp)
+        assert shape(reopened) == shape(ring)
+        assert all(reopened.contains_many(live))
+        del reopened, ring
+
+
+def test_was_new_across_slices() -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=1000, error_rate=1e-4)
+    assert ring.add(b"k", now=0.0)
+    assert not ring.add(b"k", now=0.0)
+    assert not ring.add(b"k", now=5.0)  # held by the older, live slice
+    assert list(ring.add_many([b"k", b"k2", b"k2", "k3", b"k3"], now=6.0)) == [
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert not ring.add(b"k2", now=7.0)
+    assert list(ring.add_many([b"k2", b"k4"], now=8.0)) == [False, True]
+
+
+def test_contains_many_equals_contains(make_keys: Keys) -> None:
+    ring = BloomRing(window=5.0, slice_seconds=1.0, slice_capacity=200, error_rate=0.05)
+    for t in range(5):
+        ring.add_many(make_keys(300, f"t{t}"), now=float(t))
+    probes: list[bytes | str] = [*make_keys(2000, "t2"), *make_keys(2000, "absent"), "str", ""]
+    assert list(ring.contains_many(probes)) == [ring.contains(k) for k in probes]
+    assert list(ring.contains_many(tuple(probes))) == [k in ring for k in probes]
+    assert list(ring.contains_many(k for k in probes)) == [k in ring for k in probes]
+    hashes = np.array([hash64(k, ring.seed) for k in probes], dtype=np.uint64)
+    assert list(ring.contains_many(hashes)) == [k in ring for k in probes]
+    assert list(ring.contains_many(hashes[::2])) == [k in ring for k in probes[::2]]
+
+
+def test_prehashed_batches(make_keys: Keys) -> None:
+    ring = BloomRing(window=5.0, slice_seconds=1.0, slice_capacity=100, error_rate=0.001, seed=42)
+    keys = make_keys(450)
+    hashes = np.array([hash64(k, 42) for k in keys], dtype=np.uint64)
+    flags = ring.add_many(hashes[::2], now=0.0)  # non-contiguous, overflows the slice
+    assert len(flags) == 225
+    assert ring.slices()[0].subfilters >= 2
+    assert all(ring.contains_many(keys[::2]))
+    assert not any(ring.add_many(keys[::2], now=1.0))
+
+
+def test_empty_ring_and_empty_batch() -> None:
+    ring = BloomRing(window=5.0, slice_seconds=1.0, slice_capacity=100)
+    assert list(ring.contains_many([b"a", b"b"])) == [False, False]
+    assert b"a" not in ring
+    assert len(ring.contains_many([])) == 0
+    assert len(ring.add_many([], now=0.0)) == 0
+    assert ring.count == 0
+
+
+def test_ring_batch_with_bad_key_changes_nothing(make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=10, error_rate=0.01)
+    ring.add_many(make_keys(5, "pre"), now=0.0)
+    before, count = snapshot(ring), ring.count
+    keys: list[object] = list(make_keys(25))
+    keys[15] = 5  # past the head's free room: the batch spans two sub-filters
+    with pytest.raises(TypeError, match=r"index 15\b.*\bint\b"):
+        ring.add_many(keys, now=0.0)  # type: ignore[arg-type]
+    assert snapshot(ring) == before
+    assert ring.count == count
+    assert not any(ring.contains_many(make_keys(15)))
+
+
+def test_rejected_batch_at_later_time_does_not_expire_slices(make_keys: Keys) -> None:
+    ring = BloomRing(window=2.0, slice_seconds=1.0, slice_capacity=100, error_rate=0.01)
+    keys = make_keys(10)
+    ring.add_many(keys, now=0.0)
+    before = shape(ring)
+    with pytest.raises(TypeError, match=r"index 1\b"):
+        ring.add_many([b"ok", None], now=50.0)  # type: ignore[list-item]
+    assert shape(ring) == before
+    assert all(ring.contains_many(keys))
+    with pytest.raises(TypeError):
+        ring.add(None, now=50.0)  # type: ignore[arg-type]
+    assert shape(ring) == before
+
+
+def test_single_key_as_batch_raises() -> None:
+    ring = BloomRing(window=5.0, slice_seconds=1.0, slice_capacity=100)
+    for single in (b"abc", "abc", bytearray(b"abc")):
+        with pytest.raises(TypeError, match="single"):
+            ring.add_many(single, now=0.0)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="single"):
+            ring.contains_many(single)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- arguments --
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"window": 0}, ValueError),
+        ({"window": -1.0}, ValueError),
+        ({"window": math.nan}, ValueError),
+        ({"window": math.inf}, ValueError),
+        ({"window": True}, TypeError),
+        ({"window": "10"}, TypeError),
+        ({"slice_seconds": 0.0}, ValueError),
+        ({"slice_seconds": math.nan}, ValueError),
+        ({"slice_seconds": False}, TypeError),
+        ({"slice_capacity": 0}, ValueError),
+        ({"slice_capacity": 1.5}, TypeError),
+        ({"slice_capacity": True}, TypeError),
+        ({"error_rate": 0.0}, ValueError),
+        ({"error_rate": 1.0}, ValueError),
+        ({"error_rate": math.nan}, ValueError),
+        ({"seed": -1}, ValueError),
+        ({"seed": 2**64}, ValueError),
+        ({"seed": 1.0}, TypeError),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else v.__name__,
+)
+def test_constructor_validation(kwargs: dict[str, object], error: type[Exception]) -> None:
+    args: dict[str, object] = {"window": 10.0, "slice_seconds": 1.0, "slice_capacity": 100}
+    args.update(kwargs)
+    name = next(iter(kwargs)).removeprefix("slice_")  # slice_capacity: "capacity ..."
+    with pytest.raises(error, match=name):
+        BloomRing(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("now", "error"),
+    [
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (-math.inf, ValueError),
+        (True, TypeError),
+        (False, TypeError),
+        ("1", TypeError),
+        (None, TypeError),
+    ],
+)
+def test_bad_time(now: object, error: type[Exception]) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100)
+    ring.add(b"x", now=0.0)
+    before = shape(ring)
+    with pytest.raises(error, match="now"):
+        ring.add(b"k", now=now)  # type: ignore[arg-type]
+    with pytest.raises(error, match="now"):
+        ring.add_many([b"k"], now=now)  # type: ignore[arg-type]
+    with pytest.raises(error, match="now"):
+        ring.expire(now)  # type: ignore[arg-type]
+    assert shape(ring) == before
+    assert b"k" not in ring
+
+
+def test_save_without_path_raises() -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100)
+    with pytest.raises(ValueError, match="path"):
+        ring.save()
+
+
+# ----------------------------------------------------------- persistence --
+
+
+def _persisted_ring(path: Path, make_keys: Keys) -> tuple[BloomRing, list[bytes]]:
+    ring = BloomRing(
+        window=10.0, slice_seconds=2.0, slice_capacity=500, error_rate=0.001, seed=5, path=path
+    )
+    keys: list[bytes] = []
+    for now, n in ((0.0, 700), (3.0, 200), (5.5, 1200)):  # buckets 0, 1, 2; 0 and 2 grow
+        batch = make_keys(n, f"t{now}")
+        ring.add_many(batch, now=now)
+        keys += batch
+    return ring, keys
+
+
+def test_save_and_open_give_same_answers(tmp_path: Path, make_keys: Keys) -> None:
+    ring, keys = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    reopened = BloomRing.open(tmp_path)
+    assert shape(reopened) == shape(ring)
+    assert [s.nbytes for s in reopened.slices()] == [s.nbytes for s in ring.slices()]
+    assert (
+        reopened.window,
+        reopened.slice_seconds,
+        reopened.slice_capacity,
+        reopened.error_rate,
+        reopened.seed,
+    ) == (10.0, 2.0, 500, 0.001, 5)
+    probes = keys + make_keys(5000, "absent")
+    assert list(reopened.contains_many(probes)) == list(ring.contains_many(probes))
+    assert all(reopened.contains_many(keys))
+    assert snapshot(reopened) == snapshot(ring)
+    # Sealed slices come back memory-mapped and read-only, the head writable.
+    for s in reopened._slices:
+        assert all(f.readonly is s.sealed for f in s.filters)
+    assert [s.sealed for s in reopened.slices()] == [True, True, False]
+    # The reopened ring keeps working: head adds, a rollover, expiry.
+    assert reopened.add(b"after-reopen", now=5.9)
+    assert not reopened.add(keys[0], now=5.9)
+    assert reopened.add(b"next-bucket", now=6.5)
+    assert reopened.slices()[-1].bucket == 3
+    assert all(reopened.contains_many([*keys, b"after-reopen", b"next-bucket"]))
+    reopened.save()
+    again = BloomRing.open(tmp_path)
+    assert shape(again) == shape(reopened)
+    assert all(again.contains_many([*keys, b"after-reopen", b"next-bucket"]))
+
+
+def test_open_without_verify(tmp_path: Path, make_keys: Keys) -> None:
+    ring, keys = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    assert all(BloomRing.open(tmp_path, verify=False).contains_many(keys))
+
+
+def test_sealed_slices_are_saved_when_sealed(tmp_path: Path, make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100, path=tmp_path)
+    ring.add_many(make_keys(150), now=0.0)  # two sub-filters in bucket 0
+    assert "slice-0-0.bloom" not in files(tmp_path)
+    ring.add(b"x", now=1.0)  # seals bucket 0
+    assert {"slice-0-0.bloom", "slice-0-1.bloom"} <= set(files(tmp_path))
+    assert not [n for n in files(tmp_path) if n.endswith(".tmp")]
+
+
+def test_reopen_after_rollover_without_save_accepts_late_keys(
+    tmp_path: Path, make_keys: Keys
+) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100, path=tmp_path)
+    keys = make_keys(50)
+    ring.add_many(keys, now=0.0)
+    ring.add(b"in-bucket-1", now=1.5)  # seals bucket 0; the new head is not saved
+    del ring
+    reopened = BloomRing.open(tmp_path)
+    assert all(reopened.contains_many(keys))
+    assert reopened.add(b"late", now=0.5)  # a late key must be accepted, not fail read-only
+    assert b"late" in reopened
+
+
+def test_manifest_never_names_a_missing_file(tmp_path: Path, make_keys: Keys) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100, path=tmp_path)
+    kept = make_keys(20, "kept")
+    ring.add_many(make_keys(20, "a"), now=0.0)
+    ring.add_many(kept, now=5.0)
+    ring.add(b"c", now=12.0)  # seals bucket 5, expires bucket 0, rewrites the manifest
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    for entry in manifest["slices"]:
+        for i in range(entry["subfilters"]):
+            assert f"slice-{entry['bucket']}-{i}.bloom" in files(tmp_path), manifest
+    reopened = BloomRing.open(tmp_path)
+    assert all(reopened.contains_many(kept))
+
+
+def test_expired_slice_files_are_deleted(tmp_path: Path, make_keys: Keys) -> None:
+    ring = BloomRing(
+        window=4.0, slice_seconds=2.0, slice_capacity=100, error_rate=1e-4, path=tmp_path
+    )
+    ring.add_many(make_keys(150, "b0"), now=0.0)  # bucket 0 grows a second sub-filter
+    ring.add_many(make_keys(10, "b1"), now=2.0)
+    ring.add_many(make_keys(10, "b2"), now=4.0)
+    ring.save()
+    assert files(tmp_path) == [
+        "ring.json",
+        "slice-0-0.bloom",
+        "slice-0-1.bloom",
+        "slice-1-0.bloom",
+        "slice-2-0.bloom",
+    ]
+    assert ring.expire(6.0) == 1  # bucket 0: (0 + 1) * 2 + 4 <= 6
+    assert files(tmp_path) == ["ring.json", "slice-1-0.bloom", "slice-2-0.bloom"]
+    assert [s.bucket for s in BloomRing.open(tmp_path).slices()] == [1, 2]
+    ring.add(b"x", now=12.0)  # rolls over: buckets 1 and 2 expire
+    assert [s.bucket for s in ring.slices()] == [6]
+    assert not [n for n in files(tmp_path) if n.startswith(("slice-1-", "slice-2-"))]
+    assert not [n for n in files(tmp_path) if n.endswith(".tmp")]
+    ring.save()
+    assert files(tmp_path) == ["ring.json", "slice-6-0.bloom"]
+    assert shape(BloomRing.open(tmp_path)) == shape(ring)
+
+
+def test_deleted_slice_file(tmp_path: Path, make_keys: Keys) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    for name in ("slice-1-0.bloom", "slice-2-1.bloom"):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / name).unlink()
+        with pytest.raises(CorruptFileError, match="missing"):
+            BloomRing.open(tmp_path)
+        (tmp_path / name).write_bytes(data)
+    BloomRing.open(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["slice-0-0.bloom", "slice-2-0.bloom"])
+def test_corrupted_slice_file(tmp_path: Path, make_keys: Keys, name: str) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    data = bytearray((tmp_path / name).read_bytes())
+    data[-5] ^= 0x20
+    (tmp_path / name).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+    (tmp_path / name).write_bytes(bytes(data[:100]))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path, verify=False)
+
+
+def test_missing_manifest(tmp_path: Path) -> None:
+    with pytest.raises(CorruptFileError, match="missing"):
+        BloomRing.open(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{not json", b"\xff\xfe\x00", b"[]", b"null", b"42", b'"ring"', b"{}"],
+    ids=["empty", "garbage", "binary", "list", "null", "number", "string", "empty-object"],
+)
+def test_garbage_manifest(tmp_path: Path, make_keys: Keys, raw: bytes) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    (tmp_path / "ring.json").write_bytes(raw)
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field", ["format", "window", "slice_seconds", "slice_capacity", "error_rate", "seed", "slices"]
+)
+def test_manifest_missing_field(tmp_path: Path, make_keys: Keys, field: str) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    del manifest[field]
+    (tmp_path / "ring.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["bucket", "subfilters", "sealed"])
+def test_manifest_slice_missing_field(tmp_path: Path, make_keys: Keys, field: str) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    del manifest["slices"][1][field]
+    (tmp_path / "ring.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+
+
+# Each case: (top-level field or slice field, value); slice fields apply to the head slice.
+WRONG_MANIFEST_VALUES = [
+    ("format", "1"),
+    ("format", None),
+    ("window", "10"),
+    ("window", -10.0),
+    ("slice_seconds", None),
+    ("slice_capacity", 500.5),
+    ("slice_capacity", "500"),
+    ("error_rate", "0.001"),
+    ("error_rate", 2.0),
+    ("seed", "5"),
+    ("seed", -5),
+    ("seed", 6),  # differs from the slice files' seed
+    ("slices", 5),
+    ("slices", {"bucket": 0}),
+    ("slices", [5]),
+    ("slice.bucket", "2"),
+    ("slice.bucket", 2.5),
+    ("slice.bucket", None),
+    ("slice.subfilters", "2"),
+    ("slice.subfilters", 0),
+    ("slice.subfilters", -1),
+    ("slice.subfilters", None),
+    ("slice.sealed", "false"),
+    ("slice.sealed", 0),
+    ("slice.sealed", None),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), WRONG_MANIFEST_VALUES, ids=repr)
+def test_manifest_with_wrong_types_or_values(
+    tmp_path: Path, make_keys: Keys, field: str, value: object
+) -> None:
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    if field.startswith("slice."):
+        manifest["slices"][-1][field.removeprefix("slice.")] = value
+    else:
+        manifest[field] = value
+    (tmp_path / "ring.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+
+
+@pytest.mark.parametrize("change", ["reversed", "duplicate-bucket"])
+def test_manifest_with_inconsistent_slices(tmp_path: Path, make_keys: Keys, change: str) -> None:
+    # The ring takes the manifest's last slice for its head and names files by bucket, so
+    # slices out of order or listed twice would later overwrite or shadow a slice's file.
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    if change == "reversed":
+        manifest["slices"].reverse()
+    else:
+        manifest["slices"].append(dict(manifest["slices"][-1]))
+    (tmp_path / "ring.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError):
+        BloomRing.open(tmp_path)
+
+
+def test_manifest_from_newer_format(tmp_path: Path, make_keys: Keys) -> None:
+    from dedupcore.errors import UnsupportedFormatError
+
+    ring, _ = _persisted_ring(tmp_path, make_keys)
+    ring.save()
+    manifest = json.loads((tmp_path / "ring.json").read_bytes())
+    manifest["format"] = 2
+    (tmp_path / "ring.json").write_text(json.dumps(manifest))
+    with pytest.raises(UnsupportedFormatError):
+        BloomRing.open(tmp_path)
