@@ -172,7 +172,7 @@ class _Header:
     body_checksum: int
 
 
-def _pack_header(bf: _core.BlockFilter) -> bytes:
+def _pack_header(bf: _core.BlockFilter, count: int, body_checksum: int) -> bytes:
     head = HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -182,11 +182,17 @@ def _pack_header(bf: _core.BlockFilter) -> bytes:
         bf.nblocks,
         bf.capacity,
         bf.error_rate,
-        bf.count,
-        bf._checksum(),
+        count,
+        body_checksum,
         0,
     )
     return head[:_HEADER_CHECKED] + struct.pack("<Q", _core.hash64(head[:_HEADER_CHECKED]))
+
+
+def _serialize(bf: _core.BlockFilter) -> tuple[bytes, bytes]:
+    """(header, body) of a consistent snapshot, safe while other threads add keys."""
+    body, count, checksum = bf._snapshot()
+    return _pack_header(bf, count, checksum), body
 
 
 def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
@@ -331,7 +337,8 @@ class BloomFilter(_core.BlockFilter):
 
     def to_bytes(self) -> bytes:
         """The filter in the file format (header and body)."""
-        return _pack_header(self) + bytes(memoryview(self))
+        head, body = _serialize(self)
+        return head + body
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> BloomFilter:
@@ -349,9 +356,7 @@ class BloomFilter(_core.BlockFilter):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the filter to ``path`` atomically and durably."""
-        # Header first: it holds the checksum of the body as it is now.
-        head = _pack_header(self)
-        atomic_write(path, (head, memoryview(self)))
+        atomic_write(path, _serialize(self))
 
     @classmethod
     def open(

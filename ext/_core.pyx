@@ -16,7 +16,8 @@ from libc.stdint cimport uint64_t, uint32_t, int32_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport log
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check,
+                            PyBytes_FromStringAndSize)
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
@@ -546,6 +547,24 @@ cdef class BlockFilter:
         if zero <= 0.0:
             return float("inf")
         return -log(zero) * lane_bits
+
+    def _snapshot(self):
+        """(body bytes, count, XXH64 of the body) taken under the write lock.
+
+        A consistent copy for saving while other threads may be adding.
+        """
+        self._check()
+        cdef bytes body = PyBytes_FromStringAndSize(NULL, self._nblocks * 64)
+        cdef char* dst = PyBytes_AS_STRING(body)
+        cdef uint64_t count, h
+        cdef size_t n = self._nblocks * 64
+        with nogil:
+            PyThread_acquire_lock(self._lock, WAIT_LOCK)
+            memcpy(dst, self.blocks, n)
+            count = self._count
+            PyThread_release_lock(self._lock)
+            h = dc_xxh64(dst, n, 0)
+        return body, count, h
 
     def _checksum(self):
         """XXH64 (seed 0) of the body bytes, as stored in the file header."""

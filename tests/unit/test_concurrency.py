@@ -171,3 +171,37 @@ def test_threads_union_and_add_do_not_lose_keys(make_keys: Callable[..., list[by
     for i in range(4):
         assert all(target.contains_many(make_keys(10_000, f"src{i}")))
     assert all(target.contains_many(direct))
+
+
+def test_save_and_to_bytes_while_another_thread_adds(tmp_path: Path) -> None:
+    # A checkpoint taken while consumers keep adding must be a consistent snapshot: it
+    # passes its own checksums and holds every key added before it started.
+    bf = BloomFilter(1_000_000, 0.001)
+    stop = threading.Event()
+    published = [0]  # keys w-0 .. w-(published-1) are in the filter
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                bf.add_many(_keys("w", i, i + 2_000))
+                i += 2_000
+                published[0] = i
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        for n in range(8):
+            before = published[0]
+            path = tmp_path / f"snap-{n}.bloom"
+            bf.save(path)
+            data = bf.to_bytes()
+            for snap in (BloomFilter.open(path, mmap=False), BloomFilter.from_bytes(data)):
+                assert all(snap.contains_many(_keys("w", 0, before)))
+    finally:
+        stop.set()
+        th.join()
+    assert not errors
