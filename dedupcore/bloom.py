@@ -307,11 +307,12 @@ class BloomFilter(_core.BlockFilter):
         return other
 
     def __ior__(self, other: object) -> BloomFilter:
-        self._union_update(self._check_compatible(other))
+        compatible = self._check_compatible(other)
+        self._union_update(compatible)
         estimate = self._estimated_count()
-        # A saturated filter has no finite estimate: count it as its capacity's worth.
+        # A saturated filter has no finite estimate: count it as full.
         estimated = int(estimate) if math.isfinite(estimate) else 2**63 - 1
-        self._set_count(max(self.count, other.count, estimated))
+        self._set_count(max(self.count, compatible.count, estimated))
         return self
 
     def __or__(self, other: object) -> BloomFilter:
