@@ -1,0 +1,98 @@
+"""Validation of dedup keys and namespaces, and the digests records are stored under.
+
+A dedup key is ``(namespace, key)``. Namespaces are 1..128 bytes of
+``[A-Za-z0-9._:/-]``; keys are 1..``max_key_bytes`` bytes (str as UTF-8).
+Records are stored under a 16-byte digest of ``namespace \\0 key``: two
+XXH64 hashes with different seeds. The first one (``h0``) is also the hash
+the Bloom filters use, so a digest is enough to put a key into a filter.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from dedupcore._core import hash64, hash64_many
+
+__all__ = [
+    "DIGEST_SEED_HI",
+    "MAX_NAMESPACE_BYTES",
+    "check_key",
+    "check_namespace",
+    "digest",
+    "digests",
+    "front_hash",
+]
+
+MAX_NAMESPACE_BYTES = 128
+DIGEST_SEED_HI = 0x9E3779B97F4A7C15
+_NAMESPACE_RE = re.compile(rb"[A-Za-z0-9._:/\-]{1,128}\Z")
+_DIGEST = struct.Struct(">QQ")
+KeyLike = bytes | bytearray | memoryview | str
+
+
+def check_namespace(namespace: object) -> bytes:
+    """The namespace as bytes; ValueError/TypeError naming what is wrong."""
+    if isinstance(namespace, str):
+        try:
+            raw = namespace.encode("ascii")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"namespace must be ASCII [A-Za-z0-9._:/-], got {namespace!r}"
+            ) from None
+    elif isinstance(namespace, bytes):
+        raw = namespace
+    else:
+        raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
+    if not _NAMESPACE_RE.match(raw):
+        if not raw:
+            raise ValueError("namespace must not be empty")
+        if len(raw) > MAX_NAMESPACE_BYTES:
+            raise ValueError(f"namespace is {len(raw)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
+        raise ValueError(f"namespace may only hold [A-Za-z0-9._:/-], got {namespace!r}")
+    return raw
+
+
+def check_key(key: object, max_key_bytes: int) -> bytes:
+    """The key as bytes (str as UTF-8); ValueError/TypeError naming what is wrong."""
+    if isinstance(key, bytes):
+        raw = key
+    elif isinstance(key, str):
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"key is not valid UTF-8: {exc}") from None
+    elif isinstance(key, (bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        raise TypeError(f"key must be bytes or str, not {type(key).__name__}")
+    if not raw:
+        raise ValueError("key must not be empty")
+    if len(raw) > max_key_bytes:
+        raise ValueError(f"key is {len(raw)} bytes; the limit is max_key_bytes={max_key_bytes}")
+    return raw
+
+
+def _joined(namespace: bytes, key: bytes) -> bytes:
+    return namespace + b"\x00" + key
+
+
+def digest(namespace: bytes, key: bytes) -> bytes:
+    """16-byte record digest of a checked namespace and key."""
+    joined = _joined(namespace, key)
+    return _DIGEST.pack(hash64(joined, 0), hash64(joined, DIGEST_SEED_HI))
+
+
+def digests(namespace: bytes, keys: list[bytes]) -> list[bytes]:
+    """Digests of many checked keys of one namespace."""
+    prefix = namespace + b"\x00"
+    joined = [prefix + k for k in keys]
+    lo = hash64_many(joined, 0)
+    hi = hash64_many(joined, DIGEST_SEED_HI)
+    pack = _DIGEST.pack
+    return [pack(a, b) for a, b in zip(lo, hi, strict=True)]
+
+
+def front_hash(d: bytes) -> int:
+    """The Bloom-filter hash of a digest (its first 8 bytes, big-endian)."""
+    return int.from_bytes(d[:8], "big")

@@ -1,0 +1,1 @@
+"""Storage tiers behind a DedupStore."""

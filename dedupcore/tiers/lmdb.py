@@ -1,0 +1,207 @@
+"""LmdbTier: the warm, exact records of the embedded authority, in LMDB (py-lmdb).
+
+The tier is written only in large, sorted, durable batches (checkpoints) from
+the store's recent records; acknowledgements never wait for it (see
+DESIGN.md §2: a durable LMDB commit of random keys costs about one page write
+per key). Sub-databases:
+
+- ``records``: 16-byte digest -> encoded :class:`~dedupcore.record.Record`.
+- ``expiry``: 8-byte big-endian expiry time in ms + digest -> b"" for every
+  PROCESSED record and tombstone, so retention is a range scan, not a full one.
+- ``inflight``: digest -> b"" for PROCESSING records, loaded at open.
+- ``meta``: ``checkpoint_lsn`` (the write-ahead log position LMDB holds
+  everything up to), ``format``, and namespace names <-> 16-bit ids.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from dedupcore.errors import CorruptFileError, DedupError
+
+__all__ = ["Change", "LmdbTier"]
+
+FORMAT = b"1"
+_U64 = struct.Struct(">Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One record's new state for a checkpoint batch."""
+
+    digest: bytes
+    value: bytes | None  # encoded record; None deletes it
+    expiry_ms: int | None  # set for PROCESSED records and tombstones
+    inflight: bool  # True for PROCESSING records
+
+
+class LmdbTier:
+    """The LMDB environment of one data directory."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, map_size: int, readonly: bool, sync: bool
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        elif not (self.path / "data.mdb").exists():
+            raise CorruptFileError(f"{self.path}: no LMDB environment to open read-only")
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=8,
+                readonly=readonly,
+                sync=sync,
+                metasync=sync,
+                lock=True,
+                readahead=False,
+                meminit=False,
+            )
+        except lmdb.Error as exc:
+            raise CorruptFileError(
+                f"{self.path}: cannot open the LMDB environment ({exc}); it is refused "
+                "rather than replaced by an empty one"
+            ) from exc
+        try:
+            self.records = self.env.open_db(b"records", create=not readonly)
+            self.expiry = self.env.open_db(b"expiry", create=not readonly)
+            self.inflight = self.env.open_db(b"inflight", create=not readonly)
+            self.meta = self.env.open_db(b"meta", create=not readonly)
+        except lmdb.Error as exc:
+            self.env.close()
+            raise CorruptFileError(f"{self.path}: damaged LMDB environment: {exc}") from exc
+        if not readonly:
+            # Readers that died without closing their transaction pin old pages.
+            self.env.reader_check()
+            with self.env.begin(write=True) as txn:
+                fmt = txn.get(b"format", db=self.meta)
+                if fmt is None:
+                    txn.put(b"format", FORMAT, db=self.meta)
+                elif fmt != FORMAT:
+                    raise CorruptFileError(f"{self.path}: LMDB format {fmt!r} is not {FORMAT!r}")
+
+    def close(self) -> None:
+        """Closes the environment."""
+        self.env.close()
+
+    # -- reads ---------------------------------------------------------------
+
+    def get_many(self, digests: Iterable[bytes]) -> list[bytes | None]:
+        """Stored bytes of each digest's record (None where absent), in one read transaction."""
+        with self.env.begin(db=self.records, buffers=False) as txn:
+            get = txn.get
+            return [get(d) for d in digests]
+
+    def checkpoint_lsn(self) -> int:
+        """The log position LMDB is complete up to."""
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(b"checkpoint_lsn")
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def inflight_digests(self) -> list[bytes]:
+        """Digests of PROCESSING records."""
+        with self.env.begin(db=self.inflight) as txn:
+            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+
+    def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every (digest, record bytes), in digest order."""
+        with self.env.begin(db=self.records) as txn:
+            for key, value in txn.cursor():
+                yield bytes(key), bytes(value)
+
+    def expired(self, now_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` (expiry key, digest) pairs whose expiry time is <= now_ms."""
+        out: list[tuple[bytes, bytes]] = []
+        with self.env.begin(db=self.expiry) as txn:
+            for key in txn.cursor().iternext(keys=True, values=False):
+                key = bytes(key)
+                if _U64.unpack_from(key)[0] > now_ms or len(out) >= limit:
+                    break
+                out.append((key, key[8:]))
+        return out
+
+    def record_count(self) -> int:
+        """Number of records."""
+        with self.env.begin() as txn:
+            return int(txn.stat(self.records)["entries"])
+
+    def disk_bytes(self) -> int:
+        """Bytes of the environment's data file in use (pages used)."""
+        info = self.env.info()
+        stat = self.env.stat()
+        return int((info["last_pgno"] + 1) * stat["psize"])
+
+    # -- namespaces ----------------------------------------------------------
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Namespace name -> id."""
+        out = {}
+        with self.env.begin(db=self.meta) as txn:
+            cur = txn.cursor()
+            if cur.set_range(b"ns:"):
+                for key, value in cur:
+                    if not key.startswith(b"ns:"):
+                        break
+                    out[bytes(key[3:])] = struct.unpack("<H", value)[0]
+        return out
+
+    def add_namespace(self, name: bytes, ns_id: int) -> None:
+        """Records a namespace id durably (rare: once per namespace)."""
+        self._write(lambda txn: txn.put(b"ns:" + name, struct.pack("<H", ns_id), db=self.meta))
+
+    # -- writes --------------------------------------------------------------
+
+    def checkpoint(self, changes: list[Change], lsn: int) -> None:
+        """Applies changes sorted by digest and records ``lsn``, in one durable transaction."""
+        changes = sorted(changes, key=lambda c: c.digest)
+
+        def apply(txn: lmdb.Transaction) -> None:
+            for c in changes:
+                if c.value is None:
+                    txn.delete(c.digest, db=self.records)
+                else:
+                    txn.put(c.digest, c.value, db=self.records)
+                if c.expiry_ms is not None:
+                    txn.put(_U64.pack(c.expiry_ms) + c.digest, b"", db=self.expiry)
+                if c.inflight:
+                    txn.put(c.digest, b"", db=self.inflight)
+                else:
+                    txn.delete(c.digest, db=self.inflight)
+            txn.put(b"checkpoint_lsn", _U64.pack(lsn), db=self.meta)
+
+        self._write(apply)
+
+    def delete_expired(self, entries: list[tuple[bytes, bytes | None]]) -> None:
+        """Deletes expiry entries and, where a digest is given, their records; one transaction.
+
+        A record whose expiry entry is stale (the key was claimed again after
+        a release) is passed with digest None: only the entry goes.
+        """
+
+        def apply(txn: lmdb.Transaction) -> None:
+            for expiry_key, digest in entries:
+                txn.delete(expiry_key, db=self.expiry)
+                if digest is not None:
+                    txn.delete(digest, db=self.records)
+
+        self._write(apply)
+
+    def _write(self, apply: object) -> None:
+        if self.readonly:
+            raise DedupError("the store is open read-only")
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    apply(txn)  # type: ignore[operator]
+                break
+            except lmdb.MapFullError:
+                # The map is only address space; doubling it costs nothing on disk.
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)

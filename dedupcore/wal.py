@@ -1,0 +1,963 @@
+"""Write-ahead log of the embedded store: checksummed, group-committed, segmented.
+
+The embedded authority acknowledges a claim only once its record is durably
+in this log: appending a batch costs one ``write`` and one ``fdatasync`` of a
+small sequential tail (~0.1 ms), where a durable LMDB commit rewrites about a
+4 KB page per key. Recent records are served from memory and written into
+LMDB in large sorted batches; once LMDB is synced up to an LSN (a
+"checkpoint"), :meth:`WriteAheadLog.drop_through` deletes the segments that
+hold only older records, and opening the store replays the records after the
+checkpoint with :meth:`WriteAheadLog.replay`. Records are opaque bytes here.
+
+Files
+-----
+
+A log is a directory of segment files ``wal-<first_lsn:020d>.log``; a
+segment holds the records with consecutive LSNs from its first LSN up to the
+next segment's first LSN minus one. All integers are little-endian.
+
+Segment header (32 bytes)::
+
+    offset size field
+         0    8 magic b"DDCWAL01"
+         8    2 format version (1)
+        10    2 checksum algorithm (1 = XXH64)
+        12    4 reserved, zero
+        16    8 first LSN (equals the LSN in the file name)
+        24    8 XXH64 (seed 0) of header bytes 0..23
+
+Record, repeated up to the end of the file (20 bytes of framing)::
+
+    offset size field
+         0    4 payload length n, at most MAX_RECORD_BYTES (64 MiB)
+         4    8 LSN: the previous record's plus 1 (the first is the header's)
+        12    n payload
+      12+n    8 XXH64 (seed 0) of bytes 0..12+n-1 (length, LSN and payload)
+
+The LSN inside each record makes a stale or misplaced record invalid even
+when its checksum is right, and makes a zero-filled tail invalid (LSN 0 is
+never expected).
+
+Durability
+----------
+
+- ``append`` writes the whole batch with one ``write`` and makes it durable
+  with one ``fdatasync`` before returning: ``fdatasync`` flushes the data and
+  the file size (the metadata needed to read the data back), skipping only
+  timestamps. Concurrent appends are group-committed: one leader writes
+  everything queued and syncs once for all of them.
+- ``sync="none"`` skips that ``fdatasync``: an acknowledged record is in the
+  kernel's page cache, so it survives a crash of the process (SIGKILL, OOM
+  kill, segfault) but NOT a power loss or kernel crash. Use it only where
+  losing the last moments of acknowledged claims on power loss is acceptable.
+- A new segment is written as a temporary file (header, ``fsync``), renamed
+  into place, and then the directory is ``fsync``-ed: a file's ``fsync`` does
+  not make its directory entry durable, so without the directory sync a power
+  loss could lose the whole new segment with the records acknowledged in it.
+  Before a segment is created the previous one is synced even with
+  ``sync="none"``, so every segment but the last is complete on disk.
+- Cutting a torn tail truncates the segment and fsyncs it, and deleting
+  segments (``drop_through``, or an interrupted last segment at open) is
+  followed by a directory ``fsync``, before anything new is appended: cut
+  bytes or a deleted segment that came back after a later power loss would
+  put stale records under the LSNs that new records reuse. For
+  ``drop_through`` the directory sync only makes the freed space stick (a
+  dropped segment that reappears precedes the checkpoint, is never read and
+  is dropped again).
+- ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
+  orders records under its own lock and waits for durability outside it.
+- A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
+  raises ``OSError`` to every caller whose records were in that commit and
+  fails the log: the bytes after the last acknowledged record are unknown,
+  and after a failed ``fsync`` the kernel may have dropped the dirty pages
+  and report success next time, so nothing is acknowledged after it. Later
+  calls raise :class:`WalFailedError` until the log is reopened.
+
+Recovery: torn tail versus damage
+---------------------------------
+
+A crash can only leave garbage after the last durable record of the *last*
+segment (a batch partly written, pages persisted out of order, a zero-filled
+or garbage tail from the filesystem), or a last segment whose creation was
+interrupted (shorter than a header, or all zero). Opening the log cuts such
+a tail at the last valid record: the segment is truncated there and fsynced,
+and a warning on the ``dedupcore.wal`` logger says how many bytes were
+dropped and why. Nothing after the first invalid byte is used, even a record
+that looks valid (pages of an unsynced batch may reach the disk in any
+order). Records cut off this way were never acknowledged in ``fdatasync``
+mode.
+
+An invalid record or header anywhere else — inside a segment followed by
+another segment, or the header of a segment needed for replay — cannot be a
+crash artifact, because a segment is created only after the previous one was
+synced complete. It is damage to acknowledged records (media error, a stray
+write, a file from elsewhere) and raises :class:`CorruptFileError` naming the
+file, the offset and the first LSN affected, instead of silently forgetting
+those records. The operator decides: restore the file, or truncate it at the
+offset given to accept the loss. Damage in the last segment cannot be told
+apart from a torn tail and is cut (with the warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap as _mmap
+import os
+import re
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, TypeVar
+
+from dedupcore import _core
+from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "SYNC_MODES",
+    "WalFailedError",
+    "WriteAheadLog",
+]
+
+log = logging.getLogger("dedupcore.wal")
+
+MAGIC = b"DDCWAL01"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+_HEADER_CHECKED = HEADER_SIZE - 8
+FRAME_HEAD = struct.Struct("<IQ")
+CHECKSUM = struct.Struct("<Q")
+FRAME_OVERHEAD = FRAME_HEAD.size + CHECKSUM.size
+MAX_RECORD_BYTES = 64 << 20
+DEFAULT_SEGMENT_BYTES = 64 << 20
+MIN_SEGMENT_BYTES = 64
+MAX_LSN = (1 << 64) - 1
+SYNC_MODES = ("fdatasync", "none")
+SyncMode = Literal["fdatasync", "none"]
+T = TypeVar("T")
+
+_SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
+_TMP_RE = re.compile(r"\.wal-\d{20}\.log\.[^/]*tmp")
+
+
+class WalFailedError(DedupError, OSError):
+    """A write to the log failed earlier; its tail is unknown, so it refuses to append.
+
+    Reopen the log: opening finds the last valid record and cuts the rest.
+    """
+
+
+def _segment_name(first_lsn: int) -> str:
+    return f"wal-{first_lsn:020d}.log"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Writes every byte (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def _all_zero(view: memoryview) -> bool:
+    return view.tobytes().count(0) == len(view)
+
+
+def _pack_header(first_lsn: int) -> bytes:
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, _core.HASH_ALGORITHM_XXH64, 0, first_lsn, 0)
+    return head[:_HEADER_CHECKED] + CHECKSUM.pack(_core.hash64(head[:_HEADER_CHECKED]))
+
+
+def _header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str | None:
+    """Why a segment header is invalid, or None; UnsupportedFormatError for newer versions."""
+    if len(buf) < HEADER_SIZE:
+        return f"truncated header: {len(buf)} bytes, shorter than {HEADER_SIZE}"
+    magic, version, algorithm, _reserved, lsn, checksum = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        return f"not a dedupcore write-ahead log segment (magic {bytes(magic)!r})"
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{source}: WAL format version {version} is newer than this dedupcore reads "
+            f"({FORMAT_VERSION}); upgrade dedupcore"
+        )
+    if checksum != _core.hash64(buf[:_HEADER_CHECKED]):
+        return "header checksum mismatch"
+    if version != FORMAT_VERSION:
+        return f"invalid format version {version}"
+    if algorithm != _core.HASH_ALGORITHM_XXH64:
+        return f"unknown checksum algorithm id {algorithm}"
+    if lsn != first_lsn:
+        return f"header says first LSN {lsn}, file name says {first_lsn}"
+    return None
+
+
+class _Scan:
+    """Walks the records of one segment's bytes, stopping at the first invalid byte."""
+
+    __slots__ = ("buf", "next_lsn", "pos", "problem")
+
+    def __init__(self, buf: bytes | memoryview, first_lsn: int) -> None:
+        self.buf = buf
+        self.pos = HEADER_SIZE          # end of the last valid record
+        self.next_lsn = first_lsn       # LSN the next record must carry
+        self.problem: str | None = None
+
+    def records(self, through: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """Yields (lsn, payload start, payload end) of valid records, up to LSN ``through``."""
+        buf = self.buf
+        size = len(buf)
+        while self.pos < size:
+            if through is not None and self.next_lsn > through:
+                return
+            start = self.pos
+            if size - start < FRAME_HEAD.size:
+                self.problem = f"truncated record header ({size - start} bytes)"
+                return
+            length, lsn = FRAME_HEAD.unpack_from(buf, start)
+            if lsn != self.next_lsn:
+                self.problem = f"record carries LSN {lsn} where {self.next_lsn} was expected"
+                return
+            if length > MAX_RECORD_BYTES:
+                self.problem = (
+                    f"record length field {length} exceeds the maximum {MAX_RECORD_BYTES}"
+                )
+                return
+            body_end = start + FRAME_HEAD.size + length
+            end = body_end + CHECKSUM.size
+            if end > size:
+                self.problem = (
+                    f"truncated record: {end - start} bytes needed, {size - start} present"
+                )
+                return
+            (stored,) = CHECKSUM.unpack_from(buf, body_end)
+            if stored != _core.hash64(buf[start:body_end]):
+                self.problem = f"checksum mismatch in the record of LSN {lsn}"
+                return
+            yield lsn, start + FRAME_HEAD.size, body_end
+            self.pos = end
+            self.next_lsn += 1
+
+
+class _Mapped:
+    """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        size = os.fstat(self._file.fileno()).st_size
+        self._map: _mmap.mmap | None = None
+        if size:
+            self._map = _mmap.mmap(self._file.fileno(), size, access=_mmap.ACCESS_READ)
+            self.view: memoryview = memoryview(self._map)
+        else:
+            self.view = memoryview(b"")
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            self._map.close()
+        self._file.close()
+
+    def __enter__(self) -> _Mapped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_lsn(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 0 <= value <= MAX_LSN:
+        raise ValueError(f"{name} must be in 0..2**64-1, got {value}")
+    return value
+
+
+def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
+    """The payloads as a list, each checked: bytes-like and at most MAX_RECORD_BYTES."""
+    if isinstance(payloads, (bytes, bytearray, memoryview, str)):
+        raise TypeError(
+            f"append takes a sequence of payloads, not a single {type(payloads).__name__} "
+            "(wrap one payload in a list)"
+        )
+    try:
+        items = list(payloads)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"append takes a sequence of bytes payloads, not {type(payloads).__name__}"
+        ) from None
+    out: list[bytes | bytearray | memoryview] = []
+    for i, item in enumerate(items):
+        if isinstance(item, memoryview):
+            if not item.c_contiguous:
+                raise TypeError(f"payload {i} is a non-contiguous memoryview")
+            item = item.cast("B")
+        elif not isinstance(item, (bytes, bytearray)):
+            hint = " (encode text first)" if isinstance(item, str) else ""
+            raise TypeError(
+                f"payload {i} must be bytes, bytearray or memoryview, "
+                f"not {type(item).__name__}{hint}"
+            )
+        if len(item) > MAX_RECORD_BYTES:
+            raise ValueError(
+                f"payload {i} is {len(item)} bytes; a record holds at most "
+                f"{MAX_RECORD_BYTES} bytes"
+            )
+        out.append(item)
+    return out
+
+
+class WriteAheadLog:
+    """An append-only, checksummed, group-committed log of opaque records in a directory.
+
+    Open it with :meth:`open`. Records get consecutive LSNs (log sequence
+    numbers) starting at 1. ``append`` returns once its records are durable
+    (``write`` + ``sync(lsn)`` is the same in two steps); ``replay(after_lsn)``
+    yields the records after a checkpoint; ``rotate`` starts a new segment;
+    ``drop_through(lsn)`` deletes segments made obsolete by a checkpoint.
+
+    Thread-safe. A directory must be used by one open log at a time (the
+    store's lock file guarantees one owner process).
+
+    After a failed write or sync the log refuses every further append with
+    :class:`WalFailedError` (an ``OSError``): the bytes on disk after the
+    last acknowledged record are unknown, and an ``fsync`` that failed once
+    cannot be retried safely (the kernel may have dropped the dirty pages and
+    report success next time). Reopen the log to recover.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sync: SyncMode = "fdatasync",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        readonly: bool = False,
+    ) -> None:
+        if not isinstance(sync, str):
+            raise TypeError(f"sync must be a str, not {type(sync).__name__}")
+        if sync not in SYNC_MODES:
+            raise ValueError(
+                f"sync must be 'fdatasync' (survives power loss) or 'none' "
+                f"(survives a process crash, not a power loss), got {sync!r}"
+            )
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int):
+            raise TypeError(f"segment_bytes must be an int, not {type(segment_bytes).__name__}")
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
+        self.path = Path(path)
+        self.readonly = bool(readonly)
+        self.sync_mode: SyncMode = sync
+        self.segment_bytes = segment_bytes
+        self._cond = threading.Condition(threading.Lock())
+        self._segments: list[int] = []      # first LSN of each segment, ascending
+        self._fd = -1                       # the last segment, open for writing
+        self._seg_size = 0                  # bytes in the last segment
+        self._unsynced = False              # the last segment has writes not yet fdatasynced
+        self._durable_lsn = 0               # last acknowledged record
+        self._next_lsn = 1                  # LSN the next queued record gets
+        self._pending = bytearray()         # framed records queued for the next leader
+        self._pending_records = 0
+        self._busy = False                  # a thread does I/O on the last segment
+        self._closing = False               # close() began: no new appends
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._failed_batch = (0, -1)        # LSN range of the batch whose write failed
+        self._recover()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        sync: SyncMode = "fdatasync",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        readonly: bool = False,
+    ) -> WriteAheadLog:
+        """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
+
+        ``sync="fdatasync"`` (default): an acknowledged append survives a
+        process crash and a power loss. ``sync="none"``: no ``fdatasync`` on
+        append; acknowledged appends survive a process crash but may be lost
+        on power loss or kernel crash (call ``sync(force=True)`` before a
+        checkpoint).
+        A segment is rotated once it holds ``segment_bytes`` or more (a batch
+        is never split, so a segment may exceed it by one batch).
+
+        Recovery cuts a torn tail of the last segment (see the module
+        documentation), so ``append`` right after ``open`` is safe with or
+        without a ``replay``. A damaged header of the last segment raises
+        :class:`CorruptFileError`.
+
+        ``readonly=True`` is for inspection (possibly while the owner process
+        appends): the directory must exist, nothing on disk is changed (a torn
+        tail is skipped, not cut), and only ``replay``, ``last_lsn``,
+        ``segments`` and ``close`` work.
+        """
+        return cls(path, sync=sync, segment_bytes=segment_bytes, readonly=readonly)
+
+    # -- opening -------------------------------------------------------------
+
+    def _file(self, first_lsn: int) -> Path:
+        return self.path / _segment_name(first_lsn)
+
+    def _recover(self) -> None:
+        """Lists the segments, cuts a torn tail of the last one and opens it for appending."""
+        readonly = self.readonly
+        if not self.path.is_dir():
+            if readonly:
+                raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
+            self.path.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(self.path.parent)
+        firsts = []
+        for entry in os.listdir(self.path):
+            match = _SEGMENT_RE.fullmatch(entry)
+            if match:
+                firsts.append(int(match.group(1)))
+            elif _TMP_RE.fullmatch(entry) and not readonly:
+                # A segment whose creation stopped before its rename: it never held a record.
+                os.unlink(self.path / entry)
+        self._segments = sorted(firsts)
+        removed_first: int | None = None
+        end = last_lsn = 0
+        while self._segments:
+            first = self._segments[-1]
+            # A segment before an interrupted one was synced complete before the
+            # interrupted one was created: it must end cleanly, just before it.
+            end, last_lsn, torn_creation = self._recover_last(
+                first, strict=removed_first is not None
+            )
+            if not torn_creation:
+                if removed_first is not None and last_lsn != removed_first - 1:
+                    raise CorruptFileError(
+                        f"{self._file(first)}: ends at LSN {last_lsn} but the next segment "
+                        f"was created at LSN {removed_first}; records are missing"
+                    )
+                break
+            self._segments.pop()
+            if not readonly:
+                self._file(first).unlink()
+            removed_first = first
+        if removed_first is not None and not readonly:
+            _fsync_dir(self.path)
+        if readonly:
+            if self._segments:
+                self._durable_lsn = last_lsn
+            elif removed_first is not None:
+                self._durable_lsn = removed_first - 1
+            self._next_lsn = self._durable_lsn + 1
+            return
+        if not self._segments:
+            start = 1 if removed_first is None else removed_first
+            self._create_segment(start)
+            self._segments.append(start)
+            self._durable_lsn = start - 1
+            self._next_lsn = start
+            return
+        self._durable_lsn = last_lsn
+        self._next_lsn = last_lsn + 1
+        fd = os.open(self._file(self._segments[-1]), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+            os.lseek(fd, end, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._seg_size = end
+
+    def _recover_last(self, first: int, *, strict: bool = False) -> tuple[int, int, bool]:
+        """Scans the last segment: (valid end offset, last LSN, its creation was interrupted).
+
+        Logs the cut of a torn tail (the caller truncates). With ``strict``, any
+        invalid byte is damage, not a torn tail.
+        """
+        path = self._file(first)
+        with _Mapped(path) as data:
+            buf = data.view
+            problem = _header_problem(buf, first, str(path))
+            if problem is not None:
+                if not strict and (len(buf) < HEADER_SIZE or _all_zero(buf)):
+                    # Shorter than a header, or all zero: the creation was interrupted
+                    # (possible only where a rename is not ordered after the synced
+                    # header); no record can be in it.
+                    log.warning(
+                        "%s: %s a segment whose creation was interrupted (%d bytes, %s)",
+                        path, "ignoring" if self.readonly else "deleting", len(buf), problem,
+                    )
+                    return 0, first - 1, True
+                raise CorruptFileError(f"{path}: {problem}")
+            scan = _Scan(buf, first)
+            for _ in scan.records():
+                pass
+            if scan.problem is not None:
+                if strict:
+                    raise CorruptFileError(
+                        f"{path}: {scan.problem} at offset {scan.pos} (LSN {scan.next_lsn}) "
+                        "in a segment that was complete when the next one was created"
+                    )
+                dropped = len(buf) - scan.pos
+                zero = ", all zero" if _all_zero(buf[scan.pos:]) else ""
+                log.warning(
+                    "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes%s",
+                    path, "skipped (read-only)" if self.readonly else "cut", scan.pos,
+                    scan.next_lsn - 1, scan.problem,
+                    "ignored" if self.readonly else "dropped", dropped, zero,
+                )
+            return scan.pos, scan.next_lsn - 1, False
+
+    def _create_segment(self, first_lsn: int) -> None:
+        """Creates segment ``first_lsn`` durably and makes it the one appended to.
+
+        Written under a temporary name, fsynced, renamed into place, directory
+        fsynced: the segment appears whole or not at all, and stays after a
+        power loss. The caller adds it to ``_segments`` (under the lock).
+        """
+        final = self._file(first_lsn)
+        if final.exists():
+            raise CorruptFileError(f"{final}: segment already exists")
+        tmp = self.path / f".{final.name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, _pack_header(first_lsn))
+            os.fsync(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        try:
+            _fsync_dir(self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = fd
+        self._seg_size = HEADER_SIZE
+        self._unsynced = False
+
+    # -- appending -----------------------------------------------------------
+
+    @property
+    def last_lsn(self) -> int:
+        """LSN of the last acknowledged record (the first segment's first LSN - 1 if none)."""
+        with self._cond:
+            return self._durable_lsn
+
+    def append(self, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Appends records and returns the LSN of the last, once all of them are durable.
+
+        ``payloads`` is a sequence of bytes-like payloads, each at most
+        ``MAX_RECORD_BYTES``; an empty payload is a valid record (its framing
+        still carries an LSN and a checksum). A payload of the wrong type or
+        size rejects the whole batch before anything is queued. An empty
+        sequence appends nothing and returns ``last_lsn``.
+
+        The batch gets consecutive LSNs and is committed with whatever else
+        is queued in one ``write`` and one ``fdatasync`` (group commit): the
+        first waiting thread that finds no commit running becomes the leader
+        and commits everything queued while the others wait on a condition.
+
+        Raises ``OSError`` if the write or sync of the batch holding these
+        records failed (they are not acknowledged; after a reopen they may or
+        may not be in the log, like a commit whose reply was lost), and
+        :class:`WalFailedError` once the log has failed.
+        """
+        items = _check_payloads(payloads)
+        with self._cond:
+            self._check_open()
+            if not items:
+                return self._durable_lsn
+            target = self._enqueue(items)
+            self._wait_durable(target)
+            return target
+
+    def write(self, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Queues records for the next commit and returns the LSN of the last, without waiting.
+
+        The split form of :meth:`append` for a caller that orders records under
+        its own lock and waits outside it: the records are NOT acknowledged
+        until ``sync(lsn)`` (or a later ``append``) returns. Same checks as
+        ``append``; an empty sequence returns the last queued LSN.
+        """
+        items = _check_payloads(payloads)
+        with self._cond:
+            self._check_open()
+            if not items:
+                return self._next_lsn - 1
+            return self._enqueue(items)
+
+    def _enqueue(self, items: list[bytes | bytearray | memoryview]) -> int:
+        """Frames records onto the queue (lock held); returns the last LSN given."""
+        first = self._next_lsn
+        target = first + len(items) - 1
+        if target > MAX_LSN:
+            raise OverflowError("write-ahead log LSNs exhausted")
+        pending = self._pending
+        pack_head, pack_sum, hash64 = FRAME_HEAD.pack, CHECKSUM.pack, _core.hash64
+        for lsn, item in enumerate(items, first):
+            body = pack_head(len(item), lsn) + item
+            pending += body
+            pending += pack_sum(hash64(body))
+        self._pending_records += len(items)
+        self._next_lsn = target + 1
+        return target
+
+    def _check_open(self) -> None:
+        """Raises unless appends are allowed (lock held)."""
+        if self._closing:
+            raise ValueError(f"write-ahead log {self.path} is closed")
+        if self.readonly:
+            raise ValueError(f"write-ahead log {self.path} is open read-only")
+        if self._failure is not None:
+            raise self._failed_error()
+
+    def _failed_error(self) -> WalFailedError:
+        err = WalFailedError(
+            f"write-ahead log {self.path} failed earlier ({self._failure!r}); its tail is "
+            "unknown, so it accepts no more appends: close and reopen it"
+        )
+        err.__cause__ = self._failure
+        return err
+
+    def _wait_durable(self, target: int) -> None:
+        """Waits (lock held; leads commits when nobody else does) until ``target`` is durable."""
+        while True:
+            if self._durable_lsn >= target:
+                return
+            if self._failure is not None:
+                low, high = self._failed_batch
+                failure = self._failure
+                if low <= target <= high and isinstance(failure, OSError):
+                    message = (
+                        "write-ahead log append failed, records not acknowledged: "
+                        f"{failure.strerror or failure}"
+                    )
+                    err = OSError(failure.errno, message) if failure.errno else OSError(message)
+                    if failure.filename is not None:
+                        err.filename = failure.filename
+                    raise err from failure
+                raise self._failed_error()
+            if not self._busy and self._pending_records:
+                self._lead()
+                continue
+            self._cond.wait()
+
+    def _lead(self) -> None:
+        """Commits everything queued: one write and one fdatasync, lock released meanwhile.
+
+        Called with the lock held and no other I/O running. Rotates first when
+        the last segment has reached ``segment_bytes``.
+        """
+        batch, self._pending = self._pending, bytearray()
+        count, self._pending_records = self._pending_records, 0
+        last = self._next_lsn - 1
+        first = last - count + 1
+        rotate = self._seg_size >= self.segment_bytes and self._segments[-1] < first
+        self._busy = True
+        self._cond.release()
+        failure: BaseException | None = None
+        rotated = False
+        try:
+            if rotate:
+                self._rotate_io(first)
+                rotated = True
+            _write_all(self._fd, batch)
+            self._seg_size += len(batch)
+            self._unsynced = True
+            if self.sync_mode == "fdatasync":
+                os.fdatasync(self._fd)
+                self._unsynced = False
+        except BaseException as exc:
+            failure = exc
+        finally:
+            self._cond.acquire()
+            self._busy = False
+        if rotated:
+            self._segments.append(first)
+        if failure is None:
+            self._durable_lsn = last
+        else:
+            self._fail(failure, first, last)
+        self._cond.notify_all()
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt and the like reach the leader's caller
+
+    def _fail(self, failure: BaseException, first: int, last: int) -> None:
+        """Marks the log failed (lock held): the bytes after the last acknowledged are unknown."""
+        self._failure = failure
+        self._failed_batch = (first, last)
+        self._pending = bytearray()
+        self._pending_records = 0
+        lost = f" (LSNs {first}..{last} not acknowledged)" if first <= last else ""
+        log.error(
+            "%s: write-ahead log failed%s: %r; refusing further appends until reopened",
+            self.path, lost, failure,
+        )
+
+    def _exclusive_io(self, *, closing: bool = False) -> None:
+        """Waits (lock held) until no I/O runs and nothing is queued, committing the queue."""
+        while True:
+            if not closing:
+                self._check_open()
+            elif self._failure is not None:
+                raise self._failed_error()
+            if self._busy:
+                self._cond.wait()
+            elif self._pending_records:
+                self._lead()
+            else:
+                return
+
+    def _io(self, op: Callable[[], T]) -> T:
+        """Runs ``op`` with the lock released and I/O exclusive; a failure fails the log.
+
+        Called with the lock held, after ``_exclusive_io``.
+        """
+        self._busy = True
+        self._cond.release()
+        failure: BaseException | None = None
+        try:
+            return op()
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self._cond.acquire()
+            self._busy = False
+            if failure is not None:
+                self._fail(failure, 0, -1)
+            self._cond.notify_all()
+
+    def _rotate_io(self, first_lsn: int) -> None:
+        """Syncs the last segment complete (in any sync mode), then creates the next one."""
+        if self._unsynced:
+            os.fdatasync(self._fd)
+            self._unsynced = False
+        self._create_segment(first_lsn)
+
+    def _sync_io(self) -> None:
+        os.fdatasync(self._fd)
+        self._unsynced = False
+
+    def rotate(self) -> int:
+        """Starts a new segment and returns its first LSN; queued records are committed first.
+
+        The current segment is synced complete first, in either sync mode. If
+        it holds no record yet, it stays the one appended to and its first LSN
+        is returned.
+        """
+        with self._cond:
+            self._exclusive_io()
+            first = self._durable_lsn + 1
+            if self._segments[-1] != first:
+                self._io(lambda: self._rotate_io(first))
+                self._segments.append(first)
+            return first
+
+    def sync(self, lsn: int | None = None, *, force: bool = False) -> int:
+        """Waits until the records through ``lsn`` are acknowledged; returns last_lsn.
+
+        ``lsn`` defaults to the last record queued. Acknowledged means what
+        ``append`` waits for: fdatasynced, or with ``sync="none"`` written to
+        the operating system; the first waiter commits the queue (group
+        commit). Raises ``OSError`` like ``append`` if the commit of ``lsn``
+        failed.
+
+        ``force=True`` also fdatasyncs with ``sync="none"``. Call it so before
+        making a checkpoint durable in that mode: otherwise a power loss can
+        leave the log ending before the checkpoint, and ``replay`` then
+        raises :class:`CorruptFileError`.
+        """
+        with self._cond:
+            if self._closing:
+                raise ValueError(f"write-ahead log {self.path} is closed")
+            if self.readonly:
+                raise ValueError(f"write-ahead log {self.path} is open read-only")
+            target = self._next_lsn - 1 if lsn is None else _check_lsn("lsn", lsn)
+            if target >= self._next_lsn:
+                raise ValueError(
+                    f"cannot sync through LSN {target}: the last record written is "
+                    f"{self._next_lsn - 1}"
+                )
+            self._wait_durable(target)
+            if force:
+                self._exclusive_io()
+                if self._unsynced:
+                    self._io(self._sync_io)
+            return self._durable_lsn
+
+    def drop_through(self, lsn: int) -> int:
+        """Deletes the segments all of whose records are <= ``lsn``; returns how many.
+
+        Call it after a checkpoint made LMDB durable through ``lsn``. The last
+        segment is never deleted (``rotate()`` first to drop its records too):
+        it keeps the log's position. The directory is fsynced after the
+        deletes so that they stick.
+        """
+        lsn = _check_lsn("lsn", lsn)
+        with self._cond:
+            if self._closing:
+                raise ValueError(f"write-ahead log {self.path} is closed")
+            if self.readonly:
+                raise ValueError(f"write-ahead log {self.path} is open read-only")
+            if lsn > self._durable_lsn:
+                raise ValueError(
+                    f"cannot drop through LSN {lsn}: the log's last record is {self._durable_lsn}"
+                )
+            doomed = []
+            while len(self._segments) > 1 and self._segments[1] - 1 <= lsn:
+                doomed.append(self._segments.pop(0))
+        for first in doomed:
+            self._file(first).unlink(missing_ok=True)
+        if doomed:
+            _fsync_dir(self.path)
+        return len(doomed)
+
+    def segments(self) -> list[Path]:
+        """Paths of the segment files, oldest first."""
+        with self._cond:
+            return [self._file(first) for first in self._segments]
+
+    # -- replay --------------------------------------------------------------
+
+    def replay(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
+        """Yields (lsn, payload) of every acknowledged record with lsn > ``after_lsn``, in order.
+
+        Reads the records acknowledged when it is called; segments whose
+        records are all <= ``after_lsn`` are not read. A torn tail never
+        reaches replay: opening cut it. While iterating, raises
+        :class:`CorruptFileError` when a needed record cannot be read: a
+        damaged header of a needed segment, an invalid record in a segment
+        followed by another one or before the last acknowledged record,
+        missing LSNs between segments, or ``after_lsn`` outside the log
+        (records between the checkpoint and the log's start, or the log ending
+        before the checkpoint). Records yielded before such an error were
+        valid, but the caller should treat the whole replay as failed.
+        """
+        after_lsn = _check_lsn("after_lsn", after_lsn)
+        with self._cond:
+            if self._closing:
+                raise ValueError(f"write-ahead log {self.path} is closed")
+            segments = list(self._segments)
+            through = self._durable_lsn
+        return self._replay(after_lsn, segments, through)
+
+    def _replay(
+        self, after_lsn: int, segments: list[int], through: int
+    ) -> Iterator[tuple[int, bytes]]:
+        if after_lsn > through:
+            raise CorruptFileError(
+                f"{self.path}: the log ends at LSN {through} but replay starts after "
+                f"{after_lsn}: records up to the checkpoint are missing (with sync='none', "
+                "sync(force=True) must run before a checkpoint is made durable)"
+            )
+        if after_lsn == through:
+            return
+        needed = [i for i, first in enumerate(segments) if first <= after_lsn + 1]
+        if not needed:
+            raise CorruptFileError(
+                f"{self.path}: the log starts at LSN {segments[0]}; records "
+                f"{after_lsn + 1}..{segments[0] - 1} after the checkpoint are missing"
+            )
+        expected = segments[needed[-1]]
+        for index in range(needed[-1], len(segments)):
+            first = segments[index]
+            path = self._file(first)
+            if first != expected:
+                raise CorruptFileError(
+                    f"{path}: starts at LSN {first} but the previous segment ends at LSN "
+                    f"{expected - 1}; records are missing"
+                )
+            with _Mapped(path) as data:
+                problem = _header_problem(data.view, first, str(path))
+                if problem is not None:
+                    raise CorruptFileError(f"{path}: {problem}")
+                scan = _Scan(data.view, first)
+                for lsn, start, end in scan.records(through):
+                    if lsn > after_lsn:
+                        yield lsn, bytes(data.view[start:end])
+                if scan.problem is not None:
+                    where = (
+                        "before the last acknowledged record"
+                        if index == len(segments) - 1
+                        else "in a segment that was complete when the next one was created"
+                    )
+                    raise CorruptFileError(
+                        f"{path}: {scan.problem} at offset {scan.pos}, {where}: records "
+                        f"from LSN {scan.next_lsn} on are damaged (restore the file, or "
+                        f"truncate it at offset {scan.pos} and delete later segments to "
+                        "accept their loss)"
+                    )
+                expected = scan.next_lsn
+            if expected > through:
+                return
+        raise CorruptFileError(
+            f"{self.path}: the log ends at LSN {expected - 1}, before LSN {through}"
+        )
+
+    # -- closing -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Commits queued records, syncs the last segment (in any mode) and closes. Idempotent.
+
+        Appends started after ``close`` began raise ``ValueError``. A failed
+        log is closed without a sync.
+        """
+        with self._cond:
+            if self._closing:
+                while not self._closed:
+                    self._cond.wait()
+                return
+            self._closing = True
+            try:
+                if self._failure is None:
+                    self._exclusive_io(closing=True)
+                    if self._unsynced:
+                        self._io(self._sync_io)
+            finally:
+                while self._busy:
+                    self._cond.wait()
+                self._closed = True
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
+                self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has run."""
+        return self._closed
+
+    def __enter__(self) -> WriteAheadLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._failure else "open"
+        return (
+            f"<WriteAheadLog {str(self.path)!r} sync={self.sync_mode} last_lsn="
+            f"{self._durable_lsn} segments={len(self._segments)} {state}>"
+        )

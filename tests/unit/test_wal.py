@@ -1,0 +1,894 @@
+"""Tests of the write-ahead log: round trips, torn tails, damage, group commit, crashes, errors."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dedupcore
+from dedupcore import hash64
+from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+from dedupcore.wal import (
+    MAX_RECORD_BYTES,
+    WalFailedError,
+    WriteAheadLog,
+)
+
+HEADER_SIZE = 32
+CHILD = Path(__file__).with_name("wal_child.py")
+_spec = importlib.util.spec_from_file_location("wal_child", CHILD)
+assert _spec is not None and _spec.loader is not None
+wal_child = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wal_child)
+payload_for: Callable[[int], bytes] = wal_child.payload_for
+
+Records = list[tuple[int, bytes]]
+
+
+# ---------------------------------------------------------------- helpers ---
+
+
+def frame(lsn: int, payload: bytes) -> bytes:
+    """A record as the documented format says, built independently of the module."""
+    body = struct.pack("<IQ", len(payload), lsn) + payload
+    return body + struct.pack("<Q", hash64(body))
+
+
+def frames(path: Path) -> list[tuple[int, int, int]]:
+    """(lsn, start, end) of each record of a segment file, read with the documented format."""
+    data = path.read_bytes()
+    out = []
+    pos = HEADER_SIZE
+    while pos < len(data):
+        length, lsn = struct.unpack_from("<IQ", data, pos)
+        end = pos + 12 + length + 8
+        out.append((lsn, pos, end))
+        pos = end
+    return out
+
+
+def fill(wal: WriteAheadLog, batches: int, rng: random.Random, max_batch: int = 8) -> Records:
+    """Appends ``batches`` batches of payload_for(lsn) records; returns what was appended."""
+    out: Records = []
+    for _ in range(batches):
+        first = wal.last_lsn + 1
+        n = rng.randint(1, max_batch)
+        payloads = [payload_for(lsn) for lsn in range(first, first + n)]
+        last = wal.append(payloads)
+        assert last == first + n - 1
+        out.extend(zip(range(first, last + 1), payloads, strict=True))
+    return out
+
+
+def replay(path: Path, after: int = 0, **kw: object) -> Records:
+    with WriteAheadLog.open(path, **kw) as wal:  # type: ignore[arg-type]
+        return list(wal.replay(after))
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records
+        if r.name == "dedupcore.wal" and r.levelno == logging.WARNING
+    ]
+
+
+@pytest.fixture
+def fdatasyncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts os.fdatasync calls (still syncing for real)."""
+    calls: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    return calls
+
+
+# ------------------------------------------------------------- round trip ---
+
+
+def test_round_trip_across_rotations_and_reopen(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    with WriteAheadLog.open(tmp_path, segment_bytes=600) as wal:
+        assert wal.last_lsn == 0
+        assert list(wal.replay(0)) == []
+        expected = fill(wal, 60, rng)
+        assert list(wal.replay(0)) == expected
+        segments = wal.segments()
+    assert len(segments) > 5
+    assert [p.name for p in sorted(tmp_path.iterdir())] == [p.name for p in segments]
+    # Every segment but the last was rotated once it reached segment_bytes.
+    assert all(p.stat().st_size >= 600 for p in segments[:-1])
+    firsts = [int(p.name[4:24]) for p in segments]
+    assert firsts[0] == 1 and firsts == sorted(firsts)
+
+    last = expected[-1][0]
+    with WriteAheadLog.open(tmp_path, segment_bytes=600) as wal:
+        assert wal.last_lsn == last
+        cut_points = [0, 1, firsts[2] - 1, firsts[2], last // 2, last - 1, last]
+        for after in cut_points:
+            assert list(wal.replay(after)) == expected[after:], after
+        more = fill(wal, 5, rng)
+        assert more[0][0] == last + 1
+    assert replay(tmp_path) == expected + more
+
+
+def test_file_format_is_the_documented_one(tmp_path: Path) -> None:
+    xxhash = pytest.importorskip("xxhash")
+    with WriteAheadLog.open(tmp_path) as wal:
+        wal.append([b"hello", b"", b"x" * 300])
+    (seg,) = tmp_path.iterdir()
+    assert seg.name == f"wal-{1:020d}.log"
+    data = seg.read_bytes()
+    magic, version, algorithm, reserved, first, checksum = struct.unpack_from("<8sHHIQQ", data)
+    assert (magic, version, algorithm, reserved, first) == (b"DDCWAL01", 1, 1, 0, 1)
+    assert checksum == xxhash.xxh64_intdigest(data[:24], 0)
+    pos, seen = HEADER_SIZE, []
+    while pos < len(data):
+        length, lsn = struct.unpack_from("<IQ", data, pos)
+        end = pos + 12 + length
+        assert struct.unpack_from("<Q", data, end)[0] == xxhash.xxh64_intdigest(data[pos:end], 0)
+        seen.append((lsn, data[pos + 12:end]))
+        pos = end + 8
+    assert seen == [(1, b"hello"), (2, b""), (3, b"x" * 300)]
+
+
+def test_empty_payloads_and_buffer_types_round_trip(tmp_path: Path) -> None:
+    """Empty payloads are valid records: their framing still carries an LSN and a checksum."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert wal.append([b"", bytearray(b"ba"), memoryview(b"mv"), b""]) == 4
+        assert wal.append([]) == 4  # nothing to append
+    assert replay(tmp_path) == [(1, b""), (2, b"ba"), (3, b"mv"), (4, b"")]
+
+
+def test_write_then_sync_is_the_split_append(tmp_path: Path, fdatasyncs: list[int]) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert wal.write([b"a", b"b"]) == 2
+        assert wal.write([b"c"]) == 3
+        assert wal.last_lsn == 0 and fdatasyncs == []  # queued, not acknowledged
+        assert wal.sync(2) == 3  # one commit covers everything queued
+        assert len(fdatasyncs) == 1
+        assert wal.sync(1) == 3 and wal.sync() == 3
+        assert len(fdatasyncs) == 1
+        with pytest.raises(ValueError, match="last record written is 3"):
+            wal.sync(4)
+        wal.write([b"d"])  # committed by close
+    assert replay(tmp_path) == [(1, b"a"), (2, b"b"), (3, b"c"), (4, b"d")]
+
+
+def test_rotate_and_drop_through(tmp_path: Path) -> None:
+    rng = random.Random(2)
+    with WriteAheadLog.open(tmp_path) as wal:
+        a = fill(wal, 3, rng)
+        assert wal.rotate() == a[-1][0] + 1
+        assert wal.rotate() == a[-1][0] + 1  # an empty segment is not rotated again
+        b = fill(wal, 3, rng)
+        wal.rotate()
+        c = fill(wal, 3, rng)
+        assert len(wal.segments()) == 3
+        assert wal.drop_through(a[-1][0] - 1) == 0  # a segment with a newer record stays
+        assert wal.drop_through(a[-1][0]) == 1
+        assert list(wal.replay(a[-1][0])) == b + c
+        with pytest.raises(CorruptFileError, match="missing"):
+            list(wal.replay(0))  # records 1.. were dropped: a checkpoint cannot be before them
+        assert wal.drop_through(c[-1][0]) == 1  # the last segment is never deleted
+        assert len(wal.segments()) == 1
+        with pytest.raises(ValueError, match="last record"):
+            wal.drop_through(c[-1][0] + 1)
+        assert wal.rotate() == c[-1][0] + 1
+        assert wal.drop_through(c[-1][0]) == 1
+        assert list(wal.replay(c[-1][0])) == []
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert wal.last_lsn == c[-1][0]  # kept by the empty last segment's header
+        assert wal.append([b"next"]) == c[-1][0] + 1
+
+
+def test_replay_after_the_end_is_an_error(tmp_path: Path) -> None:
+    """A checkpoint past the log's end means acknowledged records are missing."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        wal.append([b"a", b"b"])
+        assert list(wal.replay(2)) == []
+        with pytest.raises(CorruptFileError, match="ends at LSN 2"):
+            list(wal.replay(3))
+
+
+# -------------------------------------------------------------- torn tail ---
+
+
+def _log_with_last_record(tmp_path: Path, segment_bytes: int = 64 << 20) -> tuple[Path, Records]:
+    src = tmp_path / "src"
+    with WriteAheadLog.open(src, segment_bytes=segment_bytes) as wal:
+        records = fill(wal, 12, random.Random(3))
+        records.append((wal.append([b"L" * 45]), b"L" * 45))
+    return src, records
+
+
+def test_torn_tail_at_every_offset_of_the_last_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, records = _log_with_last_record(tmp_path, segment_bytes=400)
+    seg = sorted(src.iterdir())[-1]
+    lsn, start, end = frames(seg)[-1]
+    assert lsn == records[-1][0] and end == seg.stat().st_size
+    assert int(sorted(src.iterdir())[0].name[4:24]) == 1
+    for offset in range(start, end):
+        work = tmp_path / f"cut{offset}"
+        shutil.copytree(src, work)
+        os.truncate(work / seg.name, offset)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
+                WriteAheadLog.open(work, segment_bytes=400) as wal:
+            assert wal.last_lsn == lsn - 1
+            assert list(wal.replay(0)) == records[:-1]
+            assert wal.append([b"after"]) == lsn
+            assert list(wal.replay(lsn - 1)) == [(lsn, b"after")]
+        if offset > start:
+            (msg,) = cut_warnings(caplog)
+            assert f"dropped {offset - start} bytes" in msg
+        else:
+            assert cut_warnings(caplog) == []  # a cut at a record boundary is a clean end
+        assert replay(work) == [*records[:-1], (lsn, b"after")]
+        shutil.rmtree(work)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batches=st.lists(st.lists(st.binary(max_size=40), min_size=1, max_size=5),
+                     min_size=1, max_size=8),
+    cut=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_any_truncation_replays_exactly_the_whole_records(
+    batches: list[list[bytes]], cut: float
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d)
+        with WriteAheadLog.open(path) as wal:
+            for batch in batches:
+                wal.append(batch)
+        (seg,) = path.iterdir()
+        size = seg.stat().st_size
+        offset = HEADER_SIZE + round((size - HEADER_SIZE) * cut)
+        os.truncate(seg, offset)
+        whole = [lsn for lsn, _, end in frames_upto(seg, offset)]
+        flat = [p for batch in batches for p in batch]
+        assert replay(path) == list(zip(whole, flat[:len(whole)], strict=True))
+
+
+def frames_upto(path: Path, size: int) -> Iterator[tuple[int, int, int]]:
+    """Records of a truncated segment that end within ``size`` bytes."""
+    data = path.read_bytes()
+    pos = HEADER_SIZE
+    while pos + 12 <= size:
+        length, lsn = struct.unpack_from("<IQ", data, pos)
+        end = pos + 12 + length + 8
+        if end > size:
+            return
+        yield lsn, pos, end
+        pos = end
+
+
+def test_truncated_or_blank_header_of_the_last_segment_is_a_torn_creation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = tmp_path / "src"
+    with WriteAheadLog.open(src) as wal:
+        records = fill(wal, 4, random.Random(4))
+        nxt = wal.rotate()
+    new_seg = src / f"wal-{nxt:020d}.log"
+    for size, blank in [(0, False), (1, False), (17, False), (31, False), (32, True),
+                        (4096, True)]:
+        work = tmp_path / f"h{size}"
+        shutil.copytree(src, work)
+        if blank:
+            (work / new_seg.name).write_bytes(bytes(size))
+        else:
+            os.truncate(work / new_seg.name, size)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
+                WriteAheadLog.open(work) as wal:
+            assert wal.last_lsn == nxt - 1
+            assert list(wal.replay(0)) == records
+            assert wal.append([b"x"]) == nxt
+        assert any("creation was interrupted" in m for m in cut_warnings(caplog))
+        assert replay(work) == [*records, (nxt, b"x")]
+
+
+def test_only_segment_with_truncated_header_keeps_its_lsn(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        fill(wal, 2, random.Random(5))
+        nxt = wal.rotate()
+        wal.drop_through(nxt - 1)
+    (seg,) = tmp_path.iterdir()
+    os.truncate(seg, 10)
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert wal.last_lsn == nxt - 1
+        assert wal.append([b"x"]) == nxt
+    assert replay(tmp_path, nxt - 1) == [(nxt, b"x")]
+
+
+def test_flipped_byte_in_the_last_record_cuts_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    lsn, start, end = frames(seg)[-1]
+    for offset in range(start, end):
+        work = tmp_path / f"flip{offset}"
+        shutil.copytree(src, work)
+        flip(work / seg.name, offset)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
+                WriteAheadLog.open(work) as wal:
+            assert list(wal.replay(0)) == records[:-1], offset
+            assert wal.append([b"again"]) == lsn
+        (msg,) = cut_warnings(caplog)
+        assert f"dropped {end - start} bytes" in msg
+        # Cut at the record's start, then "again" appended there.
+        assert (work / seg.name).stat().st_size == start + len(frame(lsn, b"again"))
+        shutil.rmtree(work)
+
+
+def test_flipped_byte_in_a_middle_record_of_the_last_segment_cuts_everything_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In the last segment damage cannot be told from a torn tail: cut, and say so loudly."""
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    lsn, start, _ = frames(seg)[5]
+    flip(seg, start + 14)
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+        assert replay(src) == records[:lsn - 1]
+    (msg,) = cut_warnings(caplog)
+    assert "checksum mismatch" in msg and f"after LSN {lsn - 1}" in msg
+
+
+def _multi_segment_log(tmp_path: Path) -> tuple[Path, Records, list[Path]]:
+    path = tmp_path / "log"
+    with WriteAheadLog.open(path, segment_bytes=500) as wal:
+        records = fill(wal, 40, random.Random(6), max_batch=3)
+        segs = wal.segments()
+    assert len(segs) >= 4
+    return path, records, segs
+
+
+def test_damaged_record_in_an_earlier_segment_is_an_error(tmp_path: Path) -> None:
+    """Damage in a segment followed by another one is not a crash artifact: CorruptFileError.
+
+    A segment is created only after the previous one was synced complete, so
+    invalid bytes inside it are damage to acknowledged records. Cutting there
+    would silently drop every later segment's acknowledged records.
+    """
+    path, records, segs = _multi_segment_log(tmp_path)
+    victim = segs[1]
+    recs = frames(victim)
+    lsn, start, _ = recs[len(recs) // 2]
+    flip(victim, start + 13)
+    with WriteAheadLog.open(path, segment_bytes=500) as wal:  # the last segment is fine
+        with pytest.raises(CorruptFileError) as info:
+            list(wal.replay(0))
+        message = str(info.value)
+        assert victim.name in message and f"offset {start}" in message
+        assert f"LSN {lsn}" in message
+        # A checkpoint past the damaged segment does not need it.
+        second_first = int(segs[2].name[4:24])
+        assert list(wal.replay(second_first - 1)) == records[second_first - 1:]
+        nxt = wal.append([b"still appends"])
+        assert nxt == records[-1][0] + 1
+    # Nothing was cut or deleted.
+    assert [p.name for p in sorted(path.iterdir())] == [p.name for p in segs]
+
+
+def test_truncated_earlier_segment_is_an_error(tmp_path: Path) -> None:
+    path, _records, segs = _multi_segment_log(tmp_path)
+    _, start, _ = frames(segs[0])[-1]
+    os.truncate(segs[0], start)  # a clean record boundary, but LSNs go missing
+    with WriteAheadLog.open(path) as wal, \
+            pytest.raises(CorruptFileError, match="records are missing"):
+        list(wal.replay(0))
+
+
+def test_damaged_header_of_the_first_needed_segment_is_an_error(tmp_path: Path) -> None:
+    path, records, segs = _multi_segment_log(tmp_path)
+    flip(segs[1], 20)  # inside the first-LSN field
+    first1 = int(segs[1].name[4:24])
+    first2 = int(segs[2].name[4:24])
+    with WriteAheadLog.open(path) as wal:
+        with pytest.raises(CorruptFileError, match="header checksum mismatch"):
+            list(wal.replay(first1))  # the first segment needed
+        with pytest.raises(CorruptFileError, match="header checksum mismatch"):
+            list(wal.replay(0))  # needed in the middle
+        assert list(wal.replay(first2 - 1)) == records[first2 - 1:]  # not needed
+
+
+def test_damaged_header_of_the_last_segment_refuses_to_open(tmp_path: Path) -> None:
+    path, _records, segs = _multi_segment_log(tmp_path)
+    flip(segs[-1], 3)
+    with pytest.raises(CorruptFileError, match="not a dedupcore write-ahead log"):
+        WriteAheadLog.open(path)
+    data = bytearray(segs[-1].read_bytes())
+    data[0:8] = b"DDCWAL01"
+    data[8:10] = struct.pack("<H", 2)
+    segs[-1].write_bytes(bytes(data))
+    with pytest.raises(UnsupportedFormatError, match="version 2"):
+        WriteAheadLog.open(path)
+
+
+def test_garbage_after_the_last_record_is_cut(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    nxt = records[-1][0] + 1
+    garbage = random.Random(7).randbytes(1000)
+    # A valid-looking record for the next LSN after the garbage must not be used.
+    with open(seg, "ab") as fh:
+        fh.write(garbage[:5] + frame(nxt, b"ghost"))
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
+            WriteAheadLog.open(src) as wal:
+        assert list(wal.replay(0)) == records
+        assert wal.last_lsn == nxt - 1
+    (msg,) = cut_warnings(caplog)
+    assert f"dropped {5 + len(frame(nxt, b'ghost'))} bytes" in msg
+    with open(seg, "ab") as fh:
+        fh.write(garbage)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+        assert replay(src) == records
+    (msg,) = cut_warnings(caplog)
+    assert "dropped 1000 bytes" in msg
+
+
+def test_zero_filled_tail_is_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crash on some filesystems leaves the file longer, the new part reading as zeros."""
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    with open(seg, "ab") as fh:
+        fh.write(bytes(8192))
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
+            WriteAheadLog.open(src) as wal:
+        assert list(wal.replay(0)) == records
+        assert wal.append([b"z"]) == records[-1][0] + 1
+    (msg,) = cut_warnings(caplog)
+    assert "dropped 8192 bytes, all zero" in msg
+    assert replay(src) == [*records, (records[-1][0] + 1, b"z")]
+
+
+def test_length_field_over_the_maximum_is_invalid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    nxt = records[-1][0] + 1
+    with open(seg, "ab") as fh:
+        fh.write(struct.pack("<IQ", MAX_RECORD_BYTES + 1, nxt) + b"\x01" * 64)
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+        assert replay(src) == records
+    (msg,) = cut_warnings(caplog)
+    assert "exceeds the maximum" in msg
+
+
+def test_wrong_lsn_in_a_valid_frame_is_invalid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    nxt = records[-1][0] + 1
+    with open(seg, "ab") as fh:
+        fh.write(frame(nxt + 1, b"skips one") + frame(nxt, b"late"))
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+        assert replay(src) == records
+    (msg,) = cut_warnings(caplog)
+    assert f"LSN {nxt + 1} where {nxt} was expected" in msg
+
+
+def test_leftover_temporary_segment_is_removed(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        wal.append([b"a"])
+    (tmp_path / f".wal-{2:020d}.log.tmp").write_bytes(b"DDCW")
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert wal.append([b"b"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"wal-{1:020d}.log"]
+
+
+def test_readonly_open_changes_nothing(tmp_path: Path) -> None:
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    with open(seg, "ab") as fh:
+        fh.write(b"torn")
+    before = seg.read_bytes()
+    with WriteAheadLog.open(src, readonly=True) as wal:
+        assert wal.last_lsn == records[-1][0]
+        assert list(wal.replay(0)) == records
+        for call in (lambda: wal.append([b"x"]), lambda: wal.write([b"x"]), wal.rotate,
+                     wal.sync, lambda: wal.drop_through(1)):
+            with pytest.raises(ValueError, match="read-only"):
+                call()
+    assert seg.read_bytes() == before
+    with pytest.raises(FileNotFoundError):
+        WriteAheadLog.open(tmp_path / "missing", readonly=True)
+
+
+# ---------------------------------------------------------- group commit ---
+
+
+def test_group_commit_batches_waiting_appends_into_one_fdatasync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one commit syncs, 7 threads queue up; the next leader commits all 7 at once."""
+    real = os.fdatasync
+    calls: list[int] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(30)
+        real(fd)
+
+    with WriteAheadLog.open(tmp_path) as wal:
+        monkeypatch.setattr(os, "fdatasync", blocking)
+        results: dict[int, int] = {}
+
+        def run(i: int) -> None:
+            results[i] = wal.append([f"t{i}".encode()])
+
+        first = threading.Thread(target=run, args=(0,))
+        first.start()
+        assert entered.wait(30)
+        others = [threading.Thread(target=run, args=(i,)) for i in range(1, 8)]
+        for t in others:
+            t.start()
+        deadline = time.monotonic() + 30
+        while wal._pending_records < 7:  # all 7 queued behind the running commit
+            assert time.monotonic() < deadline, "followers did not queue"
+            time.sleep(0.001)
+        release.set()
+        for t in [first, *others]:
+            t.join(30)
+        assert len(calls) == 2
+        assert sorted(results.values()) == list(range(1, 9))
+        got = dict(wal.replay(0))
+        assert all(got[lsn] == f"t{i}".encode() for i, lsn in results.items())
+
+
+def test_concurrent_appends_from_8_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.fdatasync
+    calls: list[int] = []
+
+    def slow_counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+        time.sleep(0.0005)  # a disk slower than this one widens the window; no timing asserted
+
+    monkeypatch.setattr(os, "fdatasync", slow_counting)
+    threads, appends = 8, 40
+    acks: dict[int, list[tuple[int, list[bytes]]]] = {i: [] for i in range(threads)}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads)
+    with WriteAheadLog.open(tmp_path, segment_bytes=2048) as wal:
+
+        def run(t: int) -> None:
+            try:
+                rng = random.Random(t)
+                barrier.wait()
+                for j in range(appends):
+                    batch = [f"{t}:{j}:{k}".encode() * rng.randint(0, 3)
+                             for k in range(rng.randint(1, 4))]
+                    acks[t].append((wal.append(batch), batch))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not errors
+        assert all(len(a) == appends for a in acks.values())  # every append returned
+        expected: dict[int, bytes] = {}
+        for entries in acks.values():
+            for last, batch in entries:
+                for lsn, payload in zip(range(last - len(batch) + 1, last + 1), batch,
+                                        strict=True):
+                    assert lsn not in expected  # unique LSNs
+                    expected[lsn] = payload
+        assert sorted(expected) == list(range(1, len(expected) + 1))
+        assert dict(wal.replay(0)) == expected
+        assert len(wal.segments()) > 1
+        assert len(calls) < threads * appends  # group commit: fewer syncs than appends
+    assert dict(replay(tmp_path)) == expected
+
+
+def test_sync_none_skips_fdatasync_but_rotation_and_close_sync(
+    tmp_path: Path, fdatasyncs: list[int]
+) -> None:
+    with WriteAheadLog.open(tmp_path, sync="none") as wal:
+        records = fill(wal, 20, random.Random(8))
+        assert fdatasyncs == []
+        wal.rotate()  # the previous segment is synced complete before the next exists
+        assert len(fdatasyncs) == 1
+        more = fill(wal, 3, random.Random(9))
+        assert len(fdatasyncs) == 1
+        wal.sync()  # acknowledged already: nothing to wait for, no sync
+        assert len(fdatasyncs) == 1
+        wal.sync(force=True)
+        assert len(fdatasyncs) == 2
+        wal.append([b"last"])
+    assert len(fdatasyncs) == 3  # close syncs
+    assert replay(tmp_path) == [*records, *more, (more[-1][0] + 1, b"last")]
+
+
+# ------------------------------------------------------------ real crash ---
+
+
+def _read_lines(stream: object, out: queue.Queue[str | None]) -> None:
+    for raw in stream:  # type: ignore[attr-defined]
+        out.put(raw.decode())
+    out.put(None)
+
+
+def test_sigkill_during_appends_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    """A child appends in a loop and prints each acknowledged LSN; SIGKILL; reopen; check."""
+    path = tmp_path / "log"
+    env = dict(os.environ)
+    root = str(Path(dedupcore.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    rng = random.Random(10)
+    acked = 0
+    total_rounds = 6
+    for round_no in range(total_rounds):
+        mode = "fdatasync" if round_no % 2 == 0 else "none"  # both survive a process crash
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(path), mode, str(round_no)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+        reader.start()
+        try:
+            ready = lines.get(timeout=60)
+            assert ready is not None and ready.startswith("ready"), proc.stderr.read()
+            assert int(ready.split()[1]) >= acked  # the child's reopen kept every ack
+            for _ in range(rng.randint(20, 150)):
+                line = lines.get(timeout=60)
+                assert line is not None, proc.stderr.read()  # type: ignore[union-attr]
+                acked = max(acked, int(line))
+            time.sleep(rng.random() * 0.01)  # land the kill anywhere in the loop
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(60)
+        reader.join(60)
+        while (line := lines.get_nowait()) is not None:
+            if line.endswith("\n"):  # printed after append returned: acknowledged
+                acked = max(acked, int(line))
+        assert proc.returncode == -signal.SIGKILL
+        proc.stderr.close()  # type: ignore[union-attr]
+        got = replay(path)
+        assert [lsn for lsn, _ in got] == list(range(1, len(got) + 1))
+        assert len(got) >= acked
+        assert all(payload == payload_for(lsn) for lsn, payload in got)
+    assert acked > 0
+
+
+# -------------------------------------------------------------- failures ---
+
+
+def test_enospc_on_write_fails_the_log_and_reopen_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 5, random.Random(11))
+        real_write = os.write
+
+        def full(fd: int, data: object) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", full)
+        with pytest.raises(OSError) as info:
+            wal.append([b"lost"])
+        assert info.value.errno == errno.ENOSPC
+        assert not isinstance(info.value, WalFailedError)
+        monkeypatch.setattr(os, "write", real_write)  # the disk has room again...
+        for call in (lambda: wal.append([b"x"]), lambda: wal.write([b"x"]), wal.rotate,
+                     lambda: wal.sync(acked[-1][0], force=True)):
+            with pytest.raises(WalFailedError, match="reopen") as failed:
+                call()  # ...but the log's tail is unknown: never acknowledge again
+            assert isinstance(failed.value, OSError) and isinstance(failed.value, DedupError)
+        # Waiting for the failed record (write + sync) reports that record's failure;
+        # records acknowledged before it stay acknowledged.
+        with pytest.raises(OSError) as info:
+            wal.sync()
+        assert info.value.errno == errno.ENOSPC
+        assert not isinstance(info.value, WalFailedError)
+        assert wal.sync(acked[-1][0]) == acked[-1][0]
+        assert wal.last_lsn == acked[-1][0]
+        assert list(wal.replay(0)) == acked
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert list(wal.replay(0)) == acked
+        assert wal.append([b"ok"]) == acked[-1][0] + 1
+
+
+def test_partial_write_then_enospc_leaves_a_tail_that_reopen_cuts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 5, random.Random(12))
+        real_write = os.write
+        state = {"written": False}
+
+        def partial(fd: int, data: bytes) -> int:
+            if not state["written"]:
+                state["written"] = True  # the first record and 10 bytes of the second
+                return real_write(fd, bytes(data)[: len(data) // 2 + 10])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", partial)
+        lsn = wal.last_lsn + 1
+        with pytest.raises(OSError, match="No space"):
+            wal.append([b"p" * 100, b"q" * 100])
+        monkeypatch.setattr(os, "write", real_write)
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+        # The whole first record of the failed batch may be replayed (never acknowledged,
+        # like a commit whose reply was lost); the partial second one is cut.
+        assert replay(tmp_path) == [*acked, (lsn, b"p" * 100)]
+    (msg,) = cut_warnings(caplog)
+    assert "torn tail cut" in msg and "dropped 10 bytes" in msg
+
+
+def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit's failure reaches each caller whose records were in it; later callers get
+    WalFailedError; reopening keeps every acknowledged record (the failed batch's records
+    may or may not be there, as for a commit whose reply was lost)."""
+    real = os.fdatasync
+    calls: list[int] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def flaky(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(30)
+            real(fd)
+            return
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(13))
+        monkeypatch.setattr(os, "fdatasync", flaky)
+        outcome: dict[int, object] = {}
+
+        def run(i: int) -> None:
+            try:
+                outcome[i] = wal.append([f"w{i}".encode()])
+            except OSError as exc:
+                outcome[i] = exc
+
+        first = threading.Thread(target=run, args=(0,))
+        first.start()
+        assert entered.wait(30)
+        others = [threading.Thread(target=run, args=(i,)) for i in range(1, 6)]
+        for t in others:
+            t.start()
+        deadline = time.monotonic() + 30
+        while wal._pending_records < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        release.set()
+        for t in [first, *others]:
+            t.join(30)
+        assert outcome[0] == acked[-1][0] + 1  # committed before the failure
+        for i in range(1, 6):
+            err = outcome[i]
+            assert isinstance(err, OSError) and err.errno == errno.EIO, err
+            assert not isinstance(err, WalFailedError)
+        assert len(calls) == 2  # the failed sync was not retried
+        with pytest.raises(WalFailedError):
+            wal.append([b"after"])
+        monkeypatch.setattr(os, "fdatasync", real)
+    got = replay(tmp_path)
+    good = [*acked, (acked[-1][0] + 1, b"w0")]
+    assert got[:len(good)] == good
+    assert len(got) in (len(good), len(good) + 5)  # the failed batch is all or nothing
+
+
+def test_failed_rotation_fails_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(14))
+
+        def readonly_fs(*args: object, **kwargs: object) -> int:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+        monkeypatch.setattr(os, "rename", readonly_fs)
+        with pytest.raises(OSError, match="Read-only"):
+            wal.rotate()
+        monkeypatch.undo()
+        with pytest.raises(WalFailedError):
+            wal.append([b"x"])
+    assert [p.name for p in tmp_path.iterdir()] == [f"wal-{1:020d}.log"]  # no temp file left
+    assert replay(tmp_path) == acked
+
+
+# ------------------------------------------------------------- bad input ---
+
+
+def test_bad_payloads_are_refused_before_anything_is_queued(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        wal.append([b"ok"])
+        with pytest.raises(TypeError, match=r"payload 1 .*not str .*encode"):
+            wal.append([b"a", "text"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"payload 0 .*not int"):
+            wal.append([1])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="not NoneType"):
+            wal.append([None])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="single bytes"):
+            wal.append(b"abc")
+        with pytest.raises(TypeError, match="single str"):
+            wal.append("abc")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="not int"):
+            wal.append(5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"payload 1 is {MAX_RECORD_BYTES + 1} bytes"):
+            wal.append([b"a", bytes(MAX_RECORD_BYTES + 1)])
+        assert wal.last_lsn == 1
+        assert wal.append([b"next"]) == 2
+    assert replay(tmp_path) == [(1, b"ok"), (2, b"next")]
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"'fdatasync'.*'none'"):
+        WriteAheadLog.open(tmp_path, sync="fsync")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sync must be a str"):
+        WriteAheadLog.open(tmp_path, sync=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="segment_bytes"):
+        WriteAheadLog.open(tmp_path, segment_bytes=10)
+    with WriteAheadLog.open(tmp_path) as wal:
+        with pytest.raises(ValueError, match="after_lsn"):
+            wal.replay(-1)
+        with pytest.raises(TypeError, match="after_lsn must be an int"):
+            wal.replay("1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="lsn must be an int"):
+            wal.drop_through(1.0)  # type: ignore[arg-type]
+
+
+def test_closed_log_refuses_calls_and_close_is_idempotent(tmp_path: Path) -> None:
+    wal = WriteAheadLog.open(tmp_path / "new" / "nested")
+    assert (tmp_path / "new" / "nested").is_dir()
+    wal.append([b"a"])
+    wal.close()
+    wal.close()
+    assert wal.closed
+    for call in (lambda: wal.append([b"x"]), lambda: wal.replay(0), wal.rotate, wal.sync):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    assert "closed" in repr(wal)
