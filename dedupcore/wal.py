@@ -211,8 +211,8 @@ class _Scan:
 
     def __init__(self, buf: bytes | memoryview, first_lsn: int) -> None:
         self.buf = buf
-        self.pos = HEADER_SIZE          # end of the last valid record
-        self.next_lsn = first_lsn       # LSN the next record must carry
+        self.pos = HEADER_SIZE  # end of the last valid record
+        self.next_lsn = first_lsn  # LSN the next record must carry
         self.problem: str | None = None
 
     def records(self, through: int | None = None) -> Iterator[tuple[int, int, int]]:
@@ -312,8 +312,7 @@ def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
             )
         if len(item) > MAX_RECORD_BYTES:
             raise ValueError(
-                f"payload {i} is {len(item)} bytes; a record holds at most "
-                f"{MAX_RECORD_BYTES} bytes"
+                f"payload {i} is {len(item)} bytes; a record holds at most {MAX_RECORD_BYTES} bytes"
             )
         out.append(item)
     return out
@@ -362,19 +361,19 @@ class WriteAheadLog:
         self.sync_mode: SyncMode = sync
         self.segment_bytes = segment_bytes
         self._cond = threading.Condition(threading.Lock())
-        self._segments: list[int] = []      # first LSN of each segment, ascending
-        self._fd = -1                       # the last segment, open for writing
-        self._seg_size = 0                  # bytes in the last segment
-        self._unsynced = False              # the last segment has writes not yet fdatasynced
-        self._durable_lsn = 0               # last acknowledged record
-        self._next_lsn = 1                  # LSN the next queued record gets
-        self._pending = bytearray()         # framed records queued for the next leader
+        self._segments: list[int] = []  # first LSN of each segment, ascending
+        self._fd = -1  # the last segment, open for writing
+        self._seg_size = 0  # bytes in the last segment
+        self._unsynced = False  # the last segment has writes not yet fdatasynced
+        self._durable_lsn = 0  # last acknowledged record
+        self._next_lsn = 1  # LSN the next queued record gets
+        self._pending = bytearray()  # framed records queued for the next leader
         self._pending_records = 0
-        self._busy = False                  # a thread does I/O on the last segment
-        self._closing = False               # close() began: no new appends
+        self._busy = False  # a thread does I/O on the last segment
+        self._closing = False  # close() began: no new appends
         self._closed = False
         self._failure: BaseException | None = None
-        self._failed_batch = (0, -1)        # LSN range of the batch whose write failed
+        self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
         self._recover()
 
     @classmethod
@@ -497,7 +496,10 @@ class WriteAheadLog:
                     # header); no record can be in it.
                     log.warning(
                         "%s: %s a segment whose creation was interrupted (%d bytes, %s)",
-                        path, "ignoring" if self.readonly else "deleting", len(buf), problem,
+                        path,
+                        "ignoring" if self.readonly else "deleting",
+                        len(buf),
+                        problem,
                     )
                     return 0, first - 1, True
                 raise CorruptFileError(f"{path}: {problem}")
@@ -511,12 +513,17 @@ class WriteAheadLog:
                         "in a segment that was complete when the next one was created"
                     )
                 dropped = len(buf) - scan.pos
-                zero = ", all zero" if _all_zero(buf[scan.pos:]) else ""
+                zero = ", all zero" if _all_zero(buf[scan.pos :]) else ""
                 log.warning(
                     "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes%s",
-                    path, "skipped (read-only)" if self.readonly else "cut", scan.pos,
-                    scan.next_lsn - 1, scan.problem,
-                    "ignored" if self.readonly else "dropped", dropped, zero,
+                    path,
+                    "skipped (read-only)" if self.readonly else "cut",
+                    scan.pos,
+                    scan.next_lsn - 1,
+                    scan.problem,
+                    "ignored" if self.readonly else "dropped",
+                    dropped,
+                    zero,
                 )
             return scan.pos, scan.next_lsn - 1, False
 
@@ -707,7 +714,9 @@ class WriteAheadLog:
         lost = f" (LSNs {first}..{last} not acknowledged)" if first <= last else ""
         log.error(
             "%s: write-ahead log failed%s: %r; refusing further appends until reopened",
-            self.path, lost, failure,
+            self.path,
+            lost,
+            failure,
         )
 
     def _exclusive_io(self, *, closing: bool = False) -> None:

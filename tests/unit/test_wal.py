@@ -91,7 +91,8 @@ def flip(path: Path, offset: int) -> None:
 
 def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
-        r.getMessage() for r in caplog.records
+        r.getMessage()
+        for r in caplog.records
         if r.name == "dedupcore.wal" and r.levelno == logging.WARNING
     ]
 
@@ -154,7 +155,7 @@ def test_file_format_is_the_documented_one(tmp_path: Path) -> None:
         length, lsn = struct.unpack_from("<IQ", data, pos)
         end = pos + 12 + length
         assert struct.unpack_from("<Q", data, end)[0] == xxhash.xxh64_intdigest(data[pos:end], 0)
-        seen.append((lsn, data[pos + 12:end]))
+        seen.append((lsn, data[pos + 12 : end]))
         pos = end + 8
     assert seen == [(1, b"hello"), (2, b""), (3, b"x" * 300)]
 
@@ -242,8 +243,10 @@ def test_torn_tail_at_every_offset_of_the_last_record(
         shutil.copytree(src, work)
         os.truncate(work / seg.name, offset)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
-                WriteAheadLog.open(work, segment_bytes=400) as wal:
+        with (
+            caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
+            WriteAheadLog.open(work, segment_bytes=400) as wal,
+        ):
             assert wal.last_lsn == lsn - 1
             assert list(wal.replay(0)) == records[:-1]
             assert wal.append([b"after"]) == lsn
@@ -259,8 +262,9 @@ def test_torn_tail_at_every_offset_of_the_last_record(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    batches=st.lists(st.lists(st.binary(max_size=40), min_size=1, max_size=5),
-                     min_size=1, max_size=8),
+    batches=st.lists(
+        st.lists(st.binary(max_size=40), min_size=1, max_size=5), min_size=1, max_size=8
+    ),
     cut=st.floats(min_value=0.0, max_value=1.0),
 )
 def test_any_truncation_replays_exactly_the_whole_records(
@@ -277,7 +281,7 @@ def test_any_truncation_replays_exactly_the_whole_records(
         os.truncate(seg, offset)
         whole = [lsn for lsn, _, end in frames_upto(seg, offset)]
         flat = [p for batch in batches for p in batch]
-        assert replay(path) == list(zip(whole, flat[:len(whole)], strict=True))
+        assert replay(path) == list(zip(whole, flat[: len(whole)], strict=True))
 
 
 def frames_upto(path: Path, size: int) -> Iterator[tuple[int, int, int]]:
@@ -301,8 +305,7 @@ def test_truncated_or_blank_header_of_the_last_segment_is_a_torn_creation(
         records = fill(wal, 4, random.Random(4))
         nxt = wal.rotate()
     new_seg = src / f"wal-{nxt:020d}.log"
-    for size, blank in [(0, False), (1, False), (17, False), (31, False), (32, True),
-                        (4096, True)]:
+    for size, blank in [(0, False), (1, False), (17, False), (31, False), (32, True), (4096, True)]:
         work = tmp_path / f"h{size}"
         shutil.copytree(src, work)
         if blank:
@@ -310,8 +313,10 @@ def test_truncated_or_blank_header_of_the_last_segment_is_a_torn_creation(
         else:
             os.truncate(work / new_seg.name, size)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
-                WriteAheadLog.open(work) as wal:
+        with (
+            caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
+            WriteAheadLog.open(work) as wal,
+        ):
             assert wal.last_lsn == nxt - 1
             assert list(wal.replay(0)) == records
             assert wal.append([b"x"]) == nxt
@@ -343,8 +348,10 @@ def test_flipped_byte_in_the_last_record_cuts_there(
         shutil.copytree(src, work)
         flip(work / seg.name, offset)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
-                WriteAheadLog.open(work) as wal:
+        with (
+            caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
+            WriteAheadLog.open(work) as wal,
+        ):
             assert list(wal.replay(0)) == records[:-1], offset
             assert wal.append([b"again"]) == lsn
         (msg,) = cut_warnings(caplog)
@@ -363,7 +370,7 @@ def test_flipped_byte_in_a_middle_record_of_the_last_segment_cuts_everything_aft
     lsn, start, _ = frames(seg)[5]
     flip(seg, start + 14)
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
-        assert replay(src) == records[:lsn - 1]
+        assert replay(src) == records[: lsn - 1]
     (msg,) = cut_warnings(caplog)
     assert "checksum mismatch" in msg and f"after LSN {lsn - 1}" in msg
 
@@ -397,7 +404,7 @@ def test_damaged_record_in_an_earlier_segment_is_an_error(tmp_path: Path) -> Non
         assert f"LSN {lsn}" in message
         # A checkpoint past the damaged segment does not need it.
         second_first = int(segs[2].name[4:24])
-        assert list(wal.replay(second_first - 1)) == records[second_first - 1:]
+        assert list(wal.replay(second_first - 1)) == records[second_first - 1 :]
         nxt = wal.append([b"still appends"])
         assert nxt == records[-1][0] + 1
     # Nothing was cut or deleted.
@@ -408,8 +415,10 @@ def test_truncated_earlier_segment_is_an_error(tmp_path: Path) -> None:
     path, _records, segs = _multi_segment_log(tmp_path)
     _, start, _ = frames(segs[0])[-1]
     os.truncate(segs[0], start)  # a clean record boundary, but LSNs go missing
-    with WriteAheadLog.open(path) as wal, \
-            pytest.raises(CorruptFileError, match="records are missing"):
+    with (
+        WriteAheadLog.open(path) as wal,
+        pytest.raises(CorruptFileError, match="records are missing"),
+    ):
         list(wal.replay(0))
 
 
@@ -423,7 +432,7 @@ def test_damaged_header_of_the_first_needed_segment_is_an_error(tmp_path: Path) 
             list(wal.replay(first1))  # the first segment needed
         with pytest.raises(CorruptFileError, match="header checksum mismatch"):
             list(wal.replay(0))  # needed in the middle
-        assert list(wal.replay(first2 - 1)) == records[first2 - 1:]  # not needed
+        assert list(wal.replay(first2 - 1)) == records[first2 - 1 :]  # not needed
 
 
 def test_damaged_header_of_the_last_segment_refuses_to_open(tmp_path: Path) -> None:
@@ -449,8 +458,7 @@ def test_garbage_after_the_last_record_is_cut(
     # A valid-looking record for the next LSN after the garbage must not be used.
     with open(seg, "ab") as fh:
         fh.write(garbage[:5] + frame(nxt, b"ghost"))
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
-            WriteAheadLog.open(src) as wal:
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
         assert list(wal.replay(0)) == records
         assert wal.last_lsn == nxt - 1
     (msg,) = cut_warnings(caplog)
@@ -470,8 +478,7 @@ def test_zero_filled_tail_is_cut(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     (seg,) = src.iterdir()
     with open(seg, "ab") as fh:
         fh.write(bytes(8192))
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), \
-            WriteAheadLog.open(src) as wal:
+    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
         assert list(wal.replay(0)) == records
         assert wal.append([b"z"]) == records[-1][0] + 1
     (msg,) = cut_warnings(caplog)
@@ -525,8 +532,13 @@ def test_readonly_open_changes_nothing(tmp_path: Path) -> None:
     with WriteAheadLog.open(src, readonly=True) as wal:
         assert wal.last_lsn == records[-1][0]
         assert list(wal.replay(0)) == records
-        for call in (lambda: wal.append([b"x"]), lambda: wal.write([b"x"]), wal.rotate,
-                     wal.sync, lambda: wal.drop_through(1)):
+        for call in (
+            lambda: wal.append([b"x"]),
+            lambda: wal.write([b"x"]),
+            wal.rotate,
+            wal.sync,
+            lambda: wal.drop_through(1),
+        ):
             with pytest.raises(ValueError, match="read-only"):
                 call()
     assert seg.read_bytes() == before
@@ -578,9 +590,7 @@ def test_group_commit_batches_waiting_appends_into_one_fdatasync(
         assert all(got[lsn] == f"t{i}".encode() for i, lsn in results.items())
 
 
-def test_concurrent_appends_from_8_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_concurrent_appends_from_8_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.fdatasync
     calls: list[int] = []
 
@@ -601,8 +611,10 @@ def test_concurrent_appends_from_8_threads(
                 rng = random.Random(t)
                 barrier.wait()
                 for j in range(appends):
-                    batch = [f"{t}:{j}:{k}".encode() * rng.randint(0, 3)
-                             for k in range(rng.randint(1, 4))]
+                    batch = [
+                        f"{t}:{j}:{k}".encode() * rng.randint(0, 3)
+                        for k in range(rng.randint(1, 4))
+                    ]
                     acks[t].append((wal.append(batch), batch))
             except BaseException as exc:  # reported below
                 errors.append(exc)
@@ -617,8 +629,7 @@ def test_concurrent_appends_from_8_threads(
         expected: dict[int, bytes] = {}
         for entries in acks.values():
             for last, batch in entries:
-                for lsn, payload in zip(range(last - len(batch) + 1, last + 1), batch,
-                                        strict=True):
+                for lsn, payload in zip(range(last - len(batch) + 1, last + 1), batch, strict=True):
                     assert lsn not in expected  # unique LSNs
                     expected[lsn] = payload
         assert sorted(expected) == list(range(1, len(expected) + 1))
@@ -669,7 +680,9 @@ def test_sigkill_during_appends_loses_no_acknowledged_record(tmp_path: Path) -> 
         mode = "fdatasync" if round_no % 2 == 0 else "none"  # both survive a process crash
         proc = subprocess.Popen(
             [sys.executable, str(CHILD), str(path), mode, str(round_no)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         lines: queue.Queue[str | None] = queue.Queue()
         reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
@@ -719,8 +732,12 @@ def test_enospc_on_write_fails_the_log_and_reopen_recovers(
         assert info.value.errno == errno.ENOSPC
         assert not isinstance(info.value, WalFailedError)
         monkeypatch.setattr(os, "write", real_write)  # the disk has room again...
-        for call in (lambda: wal.append([b"x"]), lambda: wal.write([b"x"]), wal.rotate,
-                     lambda: wal.sync(acked[-1][0], force=True)):
+        for call in (
+            lambda: wal.append([b"x"]),
+            lambda: wal.write([b"x"]),
+            wal.rotate,
+            lambda: wal.sync(acked[-1][0], force=True),
+        ):
             with pytest.raises(WalFailedError, match="reopen") as failed:
                 call()  # ...but the log's tail is unknown: never acknowledge again
             assert isinstance(failed.value, OSError) and isinstance(failed.value, DedupError)
@@ -819,7 +836,7 @@ def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
         monkeypatch.setattr(os, "fdatasync", real)
     got = replay(tmp_path)
     good = [*acked, (acked[-1][0] + 1, b"w0")]
-    assert got[:len(good)] == good
+    assert got[: len(good)] == good
     assert len(got) in (len(good), len(good) + 5)  # the failed batch is all or nothing
 
 
