@@ -1,0 +1,1 @@
+"""Benchmarks of dedupcore against its peers (pytest-benchmark); not part of the test suite."""
