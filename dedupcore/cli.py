@@ -21,8 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--keys",
         type=int,
-        default=2_000_000,
-        help="unique messages in the simulated stream (default 2000000)",
+        default=1_000_000,
+        help="unique messages in the simulated stream (default 1000000)",
     )
     demo.add_argument(
         "--duplicate-rate",
