@@ -215,3 +215,48 @@ static inline void *dc_alloc_body(size_t size) {
 }
 static inline void dc_free_body(void *p, size_t size) { (void)size; _aligned_free(p); }
 #endif
+
+/* ---- batch probes ----------------------------------------------------------
+ * The loops the Cython layer runs without the GIL. Blocks are prefetched
+ * DC_PREFETCH keys ahead so that the memory latency of one probe overlaps the
+ * work on the next; restrict lets the compiler keep hashes in registers
+ * across the block writes. */
+#ifndef DC_PREFETCH
+#define DC_PREFETCH 16
+#endif
+
+/* ORs "may contain" into flags[i] for each of n hashes. */
+static inline void dc_contains_batch(const uint64_t *__restrict blocks, uint64_t nblocks,
+                                     const uint64_t *__restrict h, size_t n,
+                                     unsigned char *__restrict flags) {
+    size_t i;
+    size_t head = n < DC_PREFETCH ? n : DC_PREFETCH;
+    for (i = 0; i < head; i++) dc_prefetch(blocks + dc_block_index(h[i], nblocks) * 8);
+    for (i = 0; i < n; i++) {
+        if (i + DC_PREFETCH < n)
+            dc_prefetch(blocks + dc_block_index(h[i + DC_PREFETCH], nblocks) * 8);
+        uint64_t x = h[i];
+        flags[i] |= (unsigned char)dc_block_contains(blocks + dc_block_index(x, nblocks) * 8, x);
+    }
+}
+
+/* Adds n hashes. On entry flags[i] says "present in another filter"; on exit
+ * it says "was new" (absent everywhere before). Returns how many keys set a
+ * new bit in this filter (its count increment). */
+static inline uint64_t dc_add_batch(uint64_t *__restrict blocks, uint64_t nblocks,
+                                    const uint64_t *__restrict h, size_t n,
+                                    unsigned char *__restrict flags) {
+    size_t i;
+    uint64_t added = 0;
+    size_t head = n < DC_PREFETCH ? n : DC_PREFETCH;
+    for (i = 0; i < head; i++) dc_prefetch_w(blocks + dc_block_index(h[i], nblocks) * 8);
+    for (i = 0; i < n; i++) {
+        if (i + DC_PREFETCH < n)
+            dc_prefetch_w(blocks + dc_block_index(h[i + DC_PREFETCH], nblocks) * 8);
+        uint64_t x = h[i];
+        int new_bits = dc_block_add(blocks + dc_block_index(x, nblocks) * 8, x);
+        added += (uint64_t)new_bits;
+        flags[i] = (unsigned char)(new_bits & !flags[i]);
+    }
+    return added;
+}
