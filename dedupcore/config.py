@@ -98,6 +98,8 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_result_bytes > 16 << 20 or self.max_key_bytes > 65536:
+            raise ValueError("max_result_bytes is at most 16 MiB and max_key_bytes at most 64 KiB")
         if self.durability not in DURABILITY_MODES:
             raise ValueError(
                 f"durability must be one of {DURABILITY_MODES}, got {self.durability!r}"

@@ -3,7 +3,7 @@
 A dedup key is ``(namespace, key)``. Namespaces are 1..128 bytes of
 ``[A-Za-z0-9._:/-]``; keys are 1..``max_key_bytes`` bytes (str as UTF-8).
 Records are stored under a 16-byte digest of ``namespace \\0 key``: two
-XXH64 hashes with different seeds. The first one (``h0``) is also the hash
+XXH64 hashes with different seeds, little-endian. The first one (``h0``) is also the hash
 the Bloom filters use, so a digest is enough to put a key into a filter.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Sequence
 
 from dedupcore._core import hash64, hash64_many
 
@@ -22,12 +23,13 @@ __all__ = [
     "digest",
     "digests",
     "front_hash",
+    "front_hashes",
 ]
 
 MAX_NAMESPACE_BYTES = 128
 DIGEST_SEED_HI = 0x9E3779B97F4A7C15
 _NAMESPACE_RE = re.compile(rb"[A-Za-z0-9._:/\-]{1,128}\Z")
-_DIGEST = struct.Struct(">QQ")
+_DIGEST = struct.Struct("<QQ")
 KeyLike = bytes | bytearray | memoryview | str
 
 
@@ -94,5 +96,12 @@ def digests(namespace: bytes, keys: list[bytes]) -> list[bytes]:
 
 
 def front_hash(d: bytes) -> int:
-    """The Bloom-filter hash of a digest (its first 8 bytes, big-endian)."""
-    return int.from_bytes(d[:8], "big")
+    """The Bloom-filter hash of a digest (its first 8 bytes, little-endian)."""
+    return int.from_bytes(d[:8], "little")
+
+
+def front_hashes(ds: Sequence[bytes]) -> memoryview:
+    """The Bloom-filter hashes of many digests, as a uint64 buffer (no per-key Python work)."""
+    if not ds:
+        return memoryview(b"").cast("Q")
+    return memoryview(b"".join(ds)).cast("Q")[::2]

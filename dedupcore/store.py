@@ -25,11 +25,13 @@ Lease timeline of one key (tokens grow on every new owner)::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fcntl
 import functools
 import logging
 import os
+import struct
 import threading
 import time
 from collections import Counter
@@ -372,19 +374,19 @@ class DedupStore:
                     # A holder may still be alive: it gets a fresh lease of its duration.
                     r.deadline = now_m + r.lease
                     self._inflight[d] = r
-        hashes = []
+        replayed: list[bytes] = []
         for lsn, payload in self._wal.replay(self._lmdb.checkpoint_lsn()):
-            digest, record = bytes(payload[:16]), decode(payload[16:])
-            record.lsn = lsn
-            self._recent[digest] = record
-            hashes.append(_keys.front_hash(digest))
-            if record.state is State.PROCESSING:
-                record.deadline = now_m + record.lease
-                self._inflight[digest] = record
-            else:
-                self._inflight.pop(digest, None)
-        if hashes:
-            self._front.add_many(_u64(hashes), now_w)
+            for digest, record in _unpack_batch(payload):
+                record.lsn = lsn
+                self._recent[digest] = record
+                replayed.append(digest)
+                if record.state is State.PROCESSING:
+                    record.deadline = now_m + record.lease
+                    self._inflight[digest] = record
+                else:
+                    self._inflight.pop(digest, None)
+        if replayed:
+            self._front.add_many(_keys.front_hashes(replayed), now_w)
 
     # -- namespaces ----------------------------------------------------------
 
@@ -414,14 +416,18 @@ class DedupStore:
         out: list[Record | None] = [None] * len(digests)
         missing: list[int] = []
         for i, d in enumerate(digests):
-            r = self._recent.get(d) or self._flushing.get(d) or self._inflight.get(d)
+            r = self._inflight.get(d) or self._recent.get(d) or self._flushing.get(d)
             if r is None:
                 missing.append(i)
             else:
                 out[i] = r
         if not missing:
             return out
-        maybe = self._front.contains_many(_u64([_keys.front_hash(digests[i]) for i in missing]))
+        maybe = self._front.contains_many(
+            _keys.front_hashes(
+                digests if len(missing) == len(digests) else [digests[i] for i in missing]
+            )
+        )
         to_read = [i for i, m in zip(missing, maybe, strict=True) if m]
         self._stats.front_negative += len(missing) - len(to_read)
         self._stats.front_positive += len(to_read)
@@ -439,7 +445,7 @@ class DedupStore:
         ring = self._cold.get(cold_window)
         if ring is None or not digests:
             return [False] * len(digests)
-        return list(ring.contains_many(_u64([_keys.front_hash(d) for d in digests])))
+        return list(ring.contains_many(_keys.front_hashes(list(digests))))
 
     # -- claims ----------------------------------------------------------------
 
@@ -504,12 +510,17 @@ class DedupStore:
             claims: list[Claim] = []
             writes: list[tuple[bytes, Record]] = []
             depends = 0
+            takeovers = 0
+            n_new = n_dup = n_busy = 0
             no_record = [i for i, r in enumerate(current) if r is None]
-            cold = dict(
-                zip(no_record, self._cold_hits([digests[i] for i in no_record], ns_id), strict=True)
-            )
+            cold_hits = self._cold_hits([digests[i] for i in no_record], ns_id)
+            cold = {i for i, hit in zip(no_record, cold_hits, strict=True) if hit}
+            # Records are never changed once logged, so every never-seen key
+            # of the batch shares one record (and one encoding in the log).
+            fresh: Record | None = None
+            deadline = now_m + lease_s
             for i, d in enumerate(digests):
-                r = pending.get(d, current[i])
+                r = pending.get(d, current[i]) if pending else current[i]
                 fp = fps[i]
                 key = key_list[i]
                 if r is not None and r.state is not State.RELEASED:
@@ -518,49 +529,78 @@ class DedupStore:
                             f"key {key!r} in namespace {ns_name!r} was claimed with a "
                             "different fingerprint (same idempotency key, another request)"
                         )
-                    depends = max(depends, r.lsn)
+                    if r.lsn > depends:
+                        depends = r.lsn
                     if r.state is State.PROCESSED:
+                        n_dup += 1
                         claims.append(
                             Claim(key, ns_name, Outcome.DUPLICATE, r.token, _unpack(r.result))
                         )
                         continue
                     if owner_b is not None and r.owner == owner_b:
-                        r.deadline = now_m + lease_s
+                        # A lease renewal lives in memory only (deadlines are not stored).
+                        renewed = dataclasses.replace(r, deadline=deadline)
+                        self._inflight[d] = renewed
+                        pending[d] = renewed
+                        n_new += 1
                         claims.append(Claim(key, ns_name, Outcome.NEW, r.token))
                         continue
                     if r.deadline > now_m:
+                        n_busy += 1
                         claims.append(Claim(key, ns_name, Outcome.IN_PROGRESS, r.token))
                         continue
                     takeover = True
+                    takeovers += 1
                 else:
-                    if r is None and cold.get(i, False):
+                    if r is None and i in cold:
+                        n_dup += 1
                         claims.append(Claim(key, ns_name, Outcome.DUPLICATE, 0, None, exact=False))
                         continue
                     takeover = False
-                token = 1 if r is None else r.token + 1
-                new = Record(
-                    State.PROCESSING,
-                    ns_id,
-                    token,
-                    now_w,
-                    now_w,
-                    lease_s,
-                    owner_b,
-                    fp,
-                    None,
-                    now_m + lease_s,
-                )
+                if r is None and fp is None:
+                    if fresh is None:
+                        fresh = Record(
+                            State.PROCESSING,
+                            ns_id,
+                            1,
+                            now_w,
+                            now_w,
+                            lease_s,
+                            owner_b,
+                            None,
+                            None,
+                            deadline,
+                        )
+                    new = fresh
+                else:
+                    token = 1 if r is None else r.token + 1
+                    new = Record(
+                        State.PROCESSING,
+                        ns_id,
+                        token,
+                        now_w,
+                        now_w,
+                        lease_s,
+                        owner_b,
+                        fp,
+                        None,
+                        deadline,
+                    )
                 pending[d] = new
                 writes.append((d, new))
-                claims.append(Claim(key, ns_name, Outcome.NEW, token, takeover=takeover))
+                n_new += 1
+                claims.append(Claim(key, ns_name, Outcome.NEW, new.token, takeover=takeover))
             last = self._log(writes)
-            for c in claims:
-                self._stats.outcomes[(ns_name, c.outcome.value)] += 1
-                if c.takeover:
-                    self._stats.takeovers += 1
-            new_hashes = [_keys.front_hash(d) for d, _ in writes]
-            if new_hashes:
-                self._front.add_many(_u64(new_hashes), now_w)
+            for outcome, n in (
+                (Outcome.NEW, n_new),
+                (Outcome.DUPLICATE, n_dup),
+                (Outcome.IN_PROGRESS, n_busy),
+            ):
+                if n:
+                    self._stats.outcomes[(ns_name, outcome.value)] += n
+            self._stats.takeovers += takeovers
+            if writes:
+                self._front.add_many(_keys.front_hashes([d for d, _ in writes]), now_w)
         self._sync(max(last, depends))
         return claims
 
@@ -651,7 +691,7 @@ class DedupStore:
             last = self._log(writes)
             if state is State.PROCESSED and writes:
                 # Completion re-adds the key so the front spans the exact window from now.
-                self._front.add_many(_u64([_keys.front_hash(d) for d, _ in writes]), now_w)
+                self._front.add_many(_keys.front_hashes([d for d, _ in writes]), now_w)
         self._sync(max(last, depends))
 
     def _pack_result(self, result: Any) -> bytes | None:
@@ -693,23 +733,28 @@ class DedupStore:
     # -- the log -------------------------------------------------------------
 
     def _log(self, writes: list[tuple[bytes, Record]]) -> int:
-        """Appends records to the log and to memory (under the lock); returns the last LSN."""
+        """Appends records to the log and to memory (under the lock); returns the last LSN.
+
+        A batch is one log record (split only past ``_LOG_CHUNK_BYTES``), see
+        :func:`_pack_batches`. Every record of the batch gets the batch's last LSN.
+        """
         if not writes:
             return 0
         try:
-            last = self._wal.write([d + encode(r) for d, r in writes])
+            last = self._wal.write(_pack_batches(writes))
         except BaseException as exc:
             self._failed = exc
             raise
-        first = last - len(writes) + 1
-        for i, (d, r) in enumerate(writes):
-            r.lsn = first + i
-            self._recent[d] = r
+        recent = self._recent
+        inflight = self._inflight
+        for d, r in writes:
+            r.lsn = last
+            recent[d] = r
             if r.state is State.PROCESSING:
-                self._inflight[d] = r
-            else:
-                self._inflight.pop(d, None)
-        if len(self._recent) >= self.config.checkpoint_records:
+                inflight[d] = r
+            elif inflight:
+                inflight.pop(d, None)
+        if len(recent) >= self.config.checkpoint_records:
             self._wake.notify_all()
         return last
 
@@ -744,7 +789,7 @@ class DedupStore:
                 # Keys that stay in flight must not age out of the front filter.
                 now_w = time.time()
                 if self._inflight:
-                    self._front.add_many(_u64([_keys.front_hash(d) for d in self._inflight]), now_w)
+                    self._front.add_many(_keys.front_hashes(list(self._inflight)), now_w)
                 self._front.save()
             started = time.monotonic()
             try:
@@ -942,6 +987,55 @@ class DedupStore:
                 "demoted": self._stats.demoted,
                 "wal_last_lsn": self._wal.last_lsn,
             }
+
+
+_LOG_CHUNK_BYTES = 8 << 20
+_BATCH_COUNT = struct.Struct("<I")
+_ENTRY_LEN = struct.Struct("<I")
+
+
+def _pack_batches(writes: Sequence[tuple[bytes, Record]]) -> list[bytes]:
+    """Log payloads for many records: u32 count, then per record its 16-byte
+    digest, u32 length and encoded record. Records shared by several keys are
+    encoded once; a payload is closed once it passes 8 MiB."""
+    encoded: dict[int, bytes] = {}
+    payloads: list[bytes] = []
+    parts: list[bytes] = []
+    size = 0
+    for d, r in writes:
+        body = encoded.get(id(r))
+        if body is None:
+            raw = encode(r)
+            body = encoded[id(r)] = _ENTRY_LEN.pack(len(raw)) + raw
+        parts.append(d)
+        parts.append(body)
+        size += 16 + len(body)
+        if size >= _LOG_CHUNK_BYTES:
+            payloads.append(_BATCH_COUNT.pack(len(parts) // 2) + b"".join(parts))
+            parts, size = [], 0
+    if parts:
+        payloads.append(_BATCH_COUNT.pack(len(parts) // 2) + b"".join(parts))
+    return payloads
+
+
+def _unpack_batch(payload: bytes) -> Iterator[tuple[bytes, Record]]:
+    """The (digest, record) entries of a log payload; CorruptFileError if malformed."""
+    try:
+        (count,) = _BATCH_COUNT.unpack_from(payload)
+        pos = _BATCH_COUNT.size
+        view = memoryview(payload)
+        for _ in range(count):
+            digest = bytes(view[pos : pos + 16])
+            (n,) = _ENTRY_LEN.unpack_from(payload, pos + 16)
+            start = pos + 16 + _ENTRY_LEN.size
+            if len(digest) != 16 or start + n > len(payload):
+                raise CorruptFileError("log batch entry runs past its payload")
+            yield digest, decode(view[start : start + n])
+            pos = start + n
+        if pos != len(payload):
+            raise CorruptFileError("log batch has trailing bytes")
+    except struct.error as exc:
+        raise CorruptFileError(f"malformed log batch: {exc}") from exc
 
 
 def _slice_dict(s: Any) -> dict[str, Any]:
