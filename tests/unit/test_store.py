@@ -58,10 +58,12 @@ def test_expired_lease_is_taken_over_once_and_late_owner_is_fenced(store: DedupS
     time.sleep(0.1)
     results = []
 
-    def contend() -> None:
-        results.append(store.claim("k", namespace=NS, owner=f"b-{threading.get_ident()}"))
+    def contend(n: int) -> None:
+        # Distinct owners: thread idents are reused, and the same owner would
+        # rightly get its own claim back.
+        results.append(store.claim("k", namespace=NS, owner=f"b-{n}"))
 
-    threads = [threading.Thread(target=contend) for _ in range(8)]
+    threads = [threading.Thread(target=contend, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
     for t in threads:
