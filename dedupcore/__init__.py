@@ -1,7 +1,23 @@
 """dedupcore: idempotent consumers, exactly-once effect over at-least-once delivery."""
 
 from dedupcore._core import hash64, shard_many, shard_of
+from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomFilter, BloomRing
+from dedupcore.config import Retention, StoreConfig
+from dedupcore.store import DedupStore
 
-__all__ = ["BloomFilter", "BloomRing", "hash64", "shard_many", "shard_of"]
+__all__ = [
+    "BloomFilter",
+    "BloomRing",
+    "Claim",
+    "DedupStore",
+    "InProgressError",
+    "KeyRecord",
+    "Outcome",
+    "Retention",
+    "StoreConfig",
+    "hash64",
+    "shard_many",
+    "shard_of",
+]
 __version__ = "0.1.0"

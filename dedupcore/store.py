@@ -26,9 +26,7 @@ Lease timeline of one key (tokens grow on every new owner)::
 from __future__ import annotations
 
 import dataclasses
-import enum
 import fcntl
-import functools
 import logging
 import os
 import struct
@@ -36,7 +34,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -44,6 +41,7 @@ from typing import Any, ParamSpec, TypeVar
 import msgpack
 
 from dedupcore import keys as _keys
+from dedupcore.api import Claim, ClaimAPI, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomRing
 from dedupcore.config import Retention, StoreConfig, check_lease
 from dedupcore.errors import (
@@ -74,51 +72,6 @@ LOCK_FILE = "LOCK"
 _MAX_NAMESPACES = 65535
 
 
-class Outcome(enum.Enum):
-    """What a claim found."""
-
-    NEW = "new"  #: the caller now owns the key and must complete or release it
-    DUPLICATE = "duplicate"  #: already processed; ``result`` holds the stored result
-    IN_PROGRESS = "in_progress"  #: another owner holds an unexpired lease; retry later
-
-
-@dataclass(slots=True)
-class Claim:
-    """The answer to a claim.
-
-    For a NEW claim, ``token`` is the fencing token to pass to ``complete``
-    or ``release``; inside ``store.processing(...)`` set ``result`` to what
-    should be stored with the completion. ``exact`` is False only when the
-    answer came from the cold Bloom archive.
-    """
-
-    key: bytes | str
-    namespace: str
-    outcome: Outcome
-    token: int = 0
-    result: Any = None
-    exact: bool = True
-    takeover: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    """A key's record as :meth:`DedupStore.get` reports it."""
-
-    state: State
-    token: int
-    owner: bytes | None
-    fingerprint: bytes | None
-    result: Any
-    created: float
-    updated: float
-    exact: bool = True
-
-
-class InProgressError(DedupError):
-    """Raised by :meth:`DedupStore.idempotent` while another owner holds the key."""
-
-
 class StoreLockedError(DedupError, BlockingIOError):
     """The data directory is owned by another process."""
 
@@ -136,7 +89,7 @@ class _Stats:
     swept: int = 0
 
 
-class DedupStore:
+class DedupStore(ClaimAPI):
     """An embedded dedup store over one data directory (see the module docstring)."""
 
     # -- opening and closing -------------------------------------------------
@@ -449,30 +402,6 @@ class DedupStore:
 
     # -- claims ----------------------------------------------------------------
 
-    def claim(
-        self,
-        key: bytes | str,
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprint: bytes | None = None,
-    ) -> Claim:
-        """Claims a key before acting on it; see :class:`Outcome`.
-
-        A NEW claim must be completed or released before its lease (default
-        ``config.lease`` seconds) runs out. The same ``owner`` claiming again
-        gets its own claim back. A different ``fingerprint`` than the one the
-        key was first claimed with raises :class:`ConflictError`.
-        """
-        return self.claim_many(
-            [key],
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
-            fingerprints=None if fingerprint is None else [fingerprint],
-        )[0]
-
     def claim_many(
         self,
         keys: Iterable[bytes | str],
@@ -604,10 +533,6 @@ class DedupStore:
         self._sync(max(last, depends))
         return claims
 
-    def complete(self, key: bytes | str, token: int, *, namespace: str, result: Any = None) -> None:
-        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
-        self.complete_many([(key, token, result)], namespace=namespace)
-
     def complete_many(
         self,
         items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
@@ -620,10 +545,6 @@ class DedupStore:
         anything is completed.
         """
         self._change_many(items, namespace, State.PROCESSED)
-
-    def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
-        """Gives a claimed key back so that a redelivery can run the work again."""
-        self._change_many([(key, token)], namespace, State.RELEASED)
 
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims of one namespace."""
@@ -883,65 +804,6 @@ class DedupStore:
                     self._checkpoint()
             except Exception:
                 log.exception("background checkpoint/sweep failed; will retry")
-
-    # -- conveniences ----------------------------------------------------------
-
-    @contextmanager
-    def processing(
-        self,
-        key: bytes | str,
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprint: bytes | None = None,
-    ) -> Iterator[Claim]:
-        """Claims ``key`` for a ``with`` block: completes on success, releases on exception.
-
-        Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
-        store a result with the completion. Exceptions are re-raised.
-        """
-        c = self.claim(key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint)
-        if c.outcome is not Outcome.NEW:
-            yield c
-            return
-        try:
-            yield c
-        except BaseException:
-            try:
-                self.release(key, c.token, namespace=namespace)
-            except StaleTokenError:
-                log.warning("could not release %r: its lease was taken over", key)
-            raise
-        self.complete(key, c.token, namespace=namespace, result=c.result)
-
-    def idempotent(
-        self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None
-    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """Decorator: runs the function once per key; duplicates get the stored result.
-
-        ``key`` maps the call's arguments to the dedup key. While another
-        owner holds the key, calls raise :class:`InProgressError`.
-        """
-
-        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            @functools.wraps(fn)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                k = key(*args, **kwargs)
-                with self.processing(k, namespace=namespace, lease=lease) as c:
-                    if c.outcome is Outcome.NEW:
-                        c.result = fn(*args, **kwargs)
-                        return c.result  # type: ignore[no-any-return]
-                    if c.outcome is Outcome.DUPLICATE:
-                        return c.result  # type: ignore[no-any-return]
-                    raise InProgressError(
-                        f"key {k!r} in namespace {namespace!r} is being processed by another "
-                        "owner; retry later"
-                    )
-
-            return wrapper
-
-        return decorate
 
     # -- figures ---------------------------------------------------------------
 

@@ -1,0 +1,201 @@
+"""The claim API every front end shares: DedupStore, Client, and the daemon's answers.
+
+:class:`ClaimAPI` holds what is the same whatever carries the batch calls:
+single-key forms, ``processing()`` and the ``idempotent`` decorator. A front
+end implements ``claim_many``, ``complete_many``, ``release_many``, ``get``
+and ``stats``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from dedupcore.errors import DedupError, StaleTokenError
+from dedupcore.record import State
+
+__all__ = ["Claim", "ClaimAPI", "InProgressError", "KeyRecord", "Outcome"]
+
+log = logging.getLogger("dedupcore")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Outcome(enum.Enum):
+    """What a claim found."""
+
+    NEW = "new"  #: the caller now owns the key and must complete or release it
+    DUPLICATE = "duplicate"  #: already processed; ``result`` holds the stored result
+    IN_PROGRESS = "in_progress"  #: another owner holds an unexpired lease; retry later
+
+
+@dataclass(slots=True)
+class Claim:
+    """The answer to a claim.
+
+    For a NEW claim, ``token`` is the fencing token to pass to ``complete``
+    or ``release``; inside ``store.processing(...)`` set ``result`` to what
+    should be stored with the completion. ``exact`` is False only when the
+    answer came from the cold Bloom archive.
+    """
+
+    key: bytes | str
+    namespace: str
+    outcome: Outcome
+    token: int = 0
+    result: Any = None
+    exact: bool = True
+    takeover: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A key's record as :meth:`DedupStore.get` reports it."""
+
+    state: State
+    token: int
+    owner: bytes | None
+    fingerprint: bytes | None
+    result: Any
+    created: float
+    updated: float
+    exact: bool = True
+
+
+class InProgressError(DedupError):
+    """Raised by :meth:`DedupStore.idempotent` while another owner holds the key."""
+
+
+class ClaimAPI(ABC):
+    """Single-key calls, ``processing()`` and ``idempotent`` over the batch calls."""
+
+    @abstractmethod
+    def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace."""
+
+    @abstractmethod
+    def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
+
+    @abstractmethod
+    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
+        """Releases many claims."""
+
+    @abstractmethod
+    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters and figures."""
+
+    def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Claim:
+        """Claims a key before acting on it; see :class:`Outcome`.
+
+        A NEW claim must be completed or released before its lease (default
+        ``config.lease`` seconds) runs out. The same ``owner`` claiming again
+        gets its own claim back. A different ``fingerprint`` than the one the
+        key was first claimed with raises :class:`ConflictError`.
+        """
+        return self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=None if fingerprint is None else [fingerprint],
+        )[0]
+
+    def complete(self, key: bytes | str, token: int, *, namespace: str, result: Any = None) -> None:
+        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
+        self.complete_many([(key, token, result)], namespace=namespace)
+
+    def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
+        """Gives a claimed key back so that a redelivery can run the work again."""
+        self.release_many([(key, token)], namespace=namespace)
+
+    # -- conveniences ----------------------------------------------------------
+
+    @contextmanager
+    def processing(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Iterator[Claim]:
+        """Claims ``key`` for a ``with`` block: completes on success, releases on exception.
+
+        Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
+        store a result with the completion. Exceptions are re-raised.
+        """
+        c = self.claim(key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint)
+        if c.outcome is not Outcome.NEW:
+            yield c
+            return
+        try:
+            yield c
+        except BaseException:
+            try:
+                self.release(key, c.token, namespace=namespace)
+            except StaleTokenError:
+                log.warning("could not release %r: its lease was taken over", key)
+            raise
+        self.complete(key, c.token, namespace=namespace, result=c.result)
+
+    def idempotent(
+        self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator: runs the function once per key; duplicates get the stored result.
+
+        ``key`` maps the call's arguments to the dedup key. While another
+        owner holds the key, calls raise :class:`InProgressError`.
+        """
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            @functools.wraps(fn)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                k = key(*args, **kwargs)
+                with self.processing(k, namespace=namespace, lease=lease) as c:
+                    if c.outcome is Outcome.NEW:
+                        c.result = fn(*args, **kwargs)
+                        return c.result  # type: ignore[no-any-return]
+                    if c.outcome is Outcome.DUPLICATE:
+                        return c.result  # type: ignore[no-any-return]
+                    raise InProgressError(
+                        f"key {k!r} in namespace {namespace!r} is being processed by another "
+                        "owner; retry later"
+                    )
+
+            return wrapper
+
+        return decorate
