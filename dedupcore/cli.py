@@ -1,4 +1,9 @@
-"""Command line: ``dedupcore demo``, ``dedupcore bench`` (also ``python -m dedupcore``)."""
+"""Command line: ``dedupcore serve|stats|demo|bench`` (also ``python -m dedupcore``).
+
+``serve`` settings come, in rising precedence, from defaults, a TOML file
+(``--config``; keys as the long options, with ``_`` for ``-``), environment
+variables ``DEDUPCORE_<OPTION>`` and the command line.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -16,6 +23,35 @@ def _parser() -> argparse.ArgumentParser:
         description="Idempotent consumers: exactly-once effect over at-least-once delivery.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a data directory on a Unix socket")
+    serve.add_argument("--config", help="TOML file with the settings below")
+    serve.add_argument("--data", help="data directory (DEDUPCORE_DATA; default ./dedupcore-data)")
+    serve.add_argument("--socket", help=f"socket path (DEDUPCORE_SOCKET; default {DEFAULT_SOCKET})")
+    serve.add_argument("--group", help="let this group connect (socket 0660, directory 0750)")
+    serve.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=None,
+        help="also accept connections from this uid (repeatable)",
+    )
+    serve.add_argument(
+        "--durability",
+        choices=["durable", "power-loss-unsafe"],
+        help="default durable: fdatasync before every acknowledgement",
+    )
+    serve.add_argument("--lease", type=float, help="default lease in seconds (default 30)")
+    serve.add_argument("--max-connections", type=int, help="default 1024")
+    serve.add_argument("--request-timeout", type=float, help="seconds per request (default 30)")
+    serve.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
+    )
+    serve.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+
+    stats = sub.add_parser("stats", help="print a running daemon's figures")
+    stats.add_argument("--socket", default=os.environ.get("DEDUPCORE_SOCKET", DEFAULT_SOCKET))
+    stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     demo = sub.add_parser("demo", help="run the demo on the embedded default")
     demo.add_argument(
@@ -45,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dedupcore`` command."""
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from dedupcore.daemon.cli import run_serve
+
+        return run_serve(args)
+    if args.command == "stats":
+        from dedupcore.daemon.cli import run_stats
+
+        return run_stats(args.socket, as_json=args.json)
     if args.command == "demo":
         from dedupcore.demo import run_demo
 

@@ -1,0 +1,251 @@
+"""``dedupcore.Client``: the store's methods over the daemon's Unix socket.
+
+Same methods, arguments and exceptions as :class:`~dedupcore.DedupStore`
+(``claim``, ``claim_many``, ``complete``, ``complete_many``, ``release``,
+``release_many``, ``get``, ``stats``, ``processing``, ``idempotent``).
+
+Each thread gets its own connection (a fork gets new ones). A request that
+could not be *sent* is retried on a new connection with exponential
+backoff. A request that was sent but got no reply (the daemon died or the
+timeout passed) raises :class:`UnavailableError` and is not resent, except
+for the ones that are safe to repeat (``ping``, ``get``, ``stats``,
+``complete``): resending a claim whose NEW answer was lost would report the
+caller's own claim as IN_PROGRESS. Pass an ``owner`` to claims, and a retry
+gets its own claim back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
+from dedupcore.daemon import protocol
+from dedupcore.daemon.protocol import Op, Status
+from dedupcore.errors import UnavailableError
+from dedupcore.record import State
+
+__all__ = ["DEFAULT_SOCKET", "Client"]
+
+DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
+_SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY})
+
+
+class _Connection:
+    def __init__(self, path: str, timeout: float, max_frame: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.max_frame = max_frame
+        self.pid = os.getpid()
+        try:
+            self.sock.connect(path)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _read_exact(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self.sock.recv(min(n, 1 << 20))
+            if not chunk:
+                raise ConnectionResetError("the daemon closed the connection")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def read_response(self) -> tuple[int, Status, Any]:
+        length = protocol.frame_length(self._read_exact(4), self.max_frame)
+        return protocol.decode_response(self._read_exact(length))
+
+
+class Client(ClaimAPI):
+    """A connection to ``dedupcore serve`` at ``path`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = DEFAULT_SOCKET,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.05,
+        max_frame: int = protocol.DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_frame = max_frame
+        self._local = threading.local()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<dedupcore.Client {self.path!r}>"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes this thread's connection; other threads' close when they end."""
+        self._closed = True
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    # -- transport -------------------------------------------------------------
+
+    def _connection(self) -> _Connection:
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.pid == os.getpid():
+            return conn
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                conn = _Connection(self.path, self.timeout, self.max_frame)
+                self._local.conn = conn
+                return conn
+            except (TimeoutError, FileNotFoundError, ConnectionRefusedError) as exc:
+                if attempt == self.retries:
+                    raise UnavailableError(
+                        f"dedupcore daemon at {self.path} is not reachable ({exc}); "
+                        "is `dedupcore serve` running?"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def _call(self, op: Op, args: dict[str, Any]) -> Any:
+        if self._closed:
+            raise UnavailableError("the client is closed")
+        request_id = next(self._ids)
+        data = protocol.encode_request(request_id, op, args)
+        if len(data) - 4 > self.max_frame:
+            raise ValueError(
+                f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
+                "send smaller batches"
+            )
+        for attempt in range(2):
+            conn = self._connection()
+            try:
+                conn.sock.sendall(data)
+            except OSError as exc:
+                self._drop()
+                if attempt == 0:
+                    continue  # not sent: a stale connection; send on a new one
+                raise UnavailableError(f"cannot send to the daemon at {self.path}: {exc}") from exc
+            try:
+                while True:
+                    rid, status, payload = conn.read_response()
+                    if rid == request_id or rid == 0:
+                        break
+            except (OSError, protocol.FrameError) as exc:
+                self._drop()
+                if op in _SAFE_TO_REPEAT and attempt == 0:
+                    continue
+                raise UnavailableError(
+                    f"no reply from the daemon at {self.path} ({exc}); the request may or "
+                    "may not have been applied"
+                ) from exc
+            if status is Status.ERROR:
+                raise protocol.error_from_payload(payload)
+            return payload
+        raise AssertionError("unreachable")
+
+    # -- the store's methods -------------------------------------------------------
+
+    def ping(self) -> bool:
+        """True if the daemon answers."""
+        return bool(self._call(Op.PING, {}) == "pong")
+
+    def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace (see :meth:`DedupStore.claim_many`)."""
+        key_list = _key_list(keys)
+        rows = self._call(
+            Op.CLAIM_MANY,
+            {
+                "ns": namespace,
+                "keys": key_list,
+                "lease": lease,
+                "owner": owner,
+                "fps": None if fingerprints is None else list(fingerprints),
+            },
+        )
+        return [
+            Claim(k, namespace, Outcome(row[0]), row[1], row[2], row[3], row[4])
+            for k, row in zip(key_list, rows, strict=True)
+        ]
+
+    def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims (see :meth:`DedupStore.complete_many`)."""
+        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": [list(i) for i in items]})
+
+    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
+        """Releases many claims (see :meth:`DedupStore.release_many`)."""
+        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": [list(i) for i in items]})
+
+    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it."""
+        if not isinstance(key, (bytes, str)):
+            key = _key_list([key])[0]
+        m = self._call(Op.GET, {"ns": namespace, "key": key})
+        if m is None:
+            return None
+        return KeyRecord(
+            State(m["state"]),
+            m["token"],
+            m["owner"],
+            m["fingerprint"],
+            m["result"],
+            m["created"],
+            m["updated"],
+            m["exact"],
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's store figures plus its own counters."""
+        result: dict[str, Any] = self._call(Op.STATS, {})
+        return result
+
+
+def _key_list(keys: Iterable[Any]) -> list[Any]:
+    """Keys as msgpack can carry them; bytes-likes become bytes, other types are sent as is
+    so that the daemon names them in its TypeError."""
+    out = []
+    for k in keys:
+        if isinstance(k, (bytearray, memoryview)):
+            k = bytes(k)
+        elif not isinstance(k, (bytes, str)):
+            raise TypeError(f"key must be bytes or str, not {type(k).__name__}")
+        out.append(k)
+    return out

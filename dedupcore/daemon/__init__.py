@@ -1,0 +1,1 @@
+"""The local daemon: wire protocol and server."""

@@ -1,0 +1,209 @@
+"""``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from dedupcore.client import DEFAULT_SOCKET, Client
+from dedupcore.errors import DedupError
+
+log = logging.getLogger("dedupcore.daemon")
+
+_SERVE_KEYS = (
+    "data",
+    "socket",
+    "group",
+    "allow_uid",
+    "durability",
+    "lease",
+    "max_connections",
+    "request_timeout",
+    "metrics_port",
+    "log_level",
+)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults < TOML file < DEDUPCORE_* environment < command line."""
+    merged: dict[str, Any] = {
+        "data": "dedupcore-data",
+        "socket": DEFAULT_SOCKET,
+        "log_level": "INFO",
+    }
+    if args.config:
+        with open(args.config, "rb") as fh:
+            table = tomllib.load(fh)
+        unknown = set(table) - set(_SERVE_KEYS)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown settings {sorted(unknown)}")
+        merged.update(table)
+    for key in _SERVE_KEYS:
+        env = os.environ.get(f"DEDUPCORE_{key.upper()}")
+        if env is not None:
+            merged[key] = [int(v) for v in env.split(",")] if key == "allow_uid" else env
+    for key in _SERVE_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            merged[key] = value
+    return merged
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "ts": round(record.created, 3),
+                "level": record.levelname,
+                "logger": record.name,
+                "msg": record.getMessage(),
+            }
+        )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Runs the daemon in the foreground; returns the exit code."""
+    from dedupcore.daemon.server import serve
+    from dedupcore.store import DedupStore, StoreLockedError
+
+    try:
+        s = _settings(args)
+    except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
+        print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=str(s["log_level"]).upper(), handlers=[handler])
+    store_settings: dict[str, Any] = {}
+    if s.get("durability"):
+        store_settings["durability"] = s["durability"]
+    if s.get("lease"):
+        store_settings["lease"] = float(s["lease"])
+    try:
+        store = DedupStore.open(Path(s["data"]), **store_settings)
+    except StoreLockedError as exc:
+        print(f"dedupcore serve: {exc}", file=sys.stderr)
+        return 1
+    options: dict[str, Any] = {}
+    if s.get("group"):
+        options["group"] = s["group"]
+    if s.get("allow_uid"):
+        options["allowed_uids"] = {os.geteuid(), *map(int, s["allow_uid"])}
+    if s.get("max_connections"):
+        options["max_connections"] = int(s["max_connections"])
+    if s.get("request_timeout"):
+        options["request_timeout"] = float(s["request_timeout"])
+    if s.get("metrics_port"):
+        _start_metrics(store, int(s["metrics_port"]))
+    try:
+        serve(store, s["socket"], **options)
+    except DedupError as exc:
+        print(f"dedupcore serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    return 0
+
+
+def _start_metrics(store: Any, port: int) -> None:
+    """Serves Prometheus metrics on 127.0.0.1:port, refreshed from stats() every few seconds."""
+    from prometheus_client import Gauge, start_http_server
+
+    outcomes = Gauge(
+        "dedupcore_claims", "claims answered, by namespace and outcome", ["namespace", "outcome"]
+    )
+    takeovers = Gauge("dedupcore_lease_takeovers", "expired leases taken over")
+    front_skip = Gauge("dedupcore_front_skip_ratio", "lookups the front filter answered alone")
+    records = Gauge("dedupcore_lmdb_records", "exact records in LMDB")
+    disk = Gauge("dedupcore_lmdb_bytes", "bytes of LMDB pages in use")
+    start_http_server(port, addr="127.0.0.1")
+
+    def refresh() -> None:
+        while True:
+            try:
+                st = store.stats()
+            except DedupError:
+                return
+            for ns, counts in st["namespaces"].items():
+                for outcome in ("new", "duplicate", "in_progress"):
+                    outcomes.labels(ns, outcome).set(counts[outcome])
+            takeovers.set(st["lease_takeovers"])
+            front_skip.set(st["front"]["skip_ratio"])
+            records.set(st["lmdb"]["records"])
+            disk.set(st["lmdb"]["disk_bytes"])
+            time.sleep(5)
+
+    threading.Thread(target=refresh, name="dedupcore-metrics", daemon=True).start()
+
+
+def run_stats(socket_path: str, *, as_json: bool) -> int:
+    """Prints a running daemon's figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        with Client(socket_path, timeout=10.0, retries=1) as client:
+            st = client.stats()
+    except DedupError as exc:
+        print(f"dedupcore stats: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(st, default=repr, indent=1))
+        return 0
+    console = Console()
+    table = Table(title="claims by namespace")
+    for col in ("namespace", "new", "duplicate", "in progress", "duplicate rate"):
+        table.add_column(col, justify="left" if col == "namespace" else "right")
+    for ns, c in sorted(st["namespaces"].items()):
+        table.add_row(
+            ns,
+            f"{c['new']:,}",
+            f"{c['duplicate']:,}",
+            f"{c['in_progress']:,}",
+            f"{c['duplicate_rate']:.1%}",
+        )
+    console.print(table)
+    d = st.get("daemon", {})
+    figures = Table(title="store and daemon")
+    figures.add_column("figure")
+    figures.add_column("value", justify="right")
+    rows = [
+        ("lease takeovers", f"{st['lease_takeovers']:,}"),
+        ("front filter: lookups answered alone", f"{st['front']['skip_ratio']:.1%}"),
+        ("front filter: memory", f"{st['front']['nbytes'] / 2**20:.1f} MiB"),
+        ("front filter: estimated FPR", f"{st['front']['estimated_fpr']:.2e}"),
+        ("front slices", str(len(st["front"]["slices"]))),
+        ("LMDB records", f"{st['lmdb']['records']:,}"),
+        ("LMDB size", f"{st['lmdb']['disk_bytes'] / 2**20:.1f} MiB"),
+        ("recent records (log, memory)", f"{st['recent_records']:,}"),
+        ("in flight", f"{st['in_flight']:,}"),
+        ("checkpoints", f"{st['checkpoints']:,}"),
+        ("requests", f"{d.get('requests', 0):,}"),
+        (
+            "mean request time (incl. commit)",
+            f"{d.get('request_seconds', 0.0) / max(1, d.get('requests', 0)) * 1e3:.2f} ms",
+        ),
+        ("connections open", str(d.get("connections_open", 0))),
+        ("refused connections", str(d.get("refused_connections", 0))),
+    ]
+    for name, value in rows:
+        figures.add_row(name, value)
+    for window, cold in st.get("cold", {}).items():
+        figures.add_row(
+            f"cold archive ({window} s): slices / est. FPR",
+            f"{len(cold['slices'])} / {cold['estimated_fpr']:.2e}",
+        )
+    console.print(figures)
+    return 0

@@ -1,0 +1,197 @@
+"""The wire protocol between ``dedupcore serve`` and its clients; the one place it is defined.
+
+A connection carries frames in both directions. A frame is a 4-byte
+big-endian length followed by that many bytes of msgpack (``use_bin_type``,
+so ``bytes`` and ``str`` keys stay distinct). No pickle anywhere.
+
+Request body:  ``[request_id, op, args]``
+Response body: ``[request_id, status, payload]``
+
+``request_id`` is a client-chosen unsigned integer echoed in the response,
+so a client may pipeline several requests on one connection; the daemon
+answers in any order. ``status`` is ``OK`` (payload: the result) or
+``ERROR`` (payload: ``{"type": <exception name>, "message": <text>}``); the
+client raises the same exception class the store would have raised.
+
+Ops and their ``args`` (a map) and results:
+
+- ``PING`` (1): ``{}`` -> ``"pong"``
+- ``CLAIM_MANY`` (2): ``ns``, ``keys``, ``lease``?, ``owner``?, ``fps``?
+  -> ``[[outcome, token, result, exact, takeover], ...]`` in key order
+- ``COMPLETE_MANY`` (3): ``ns``, ``items``: ``[[key, token, result?], ...]`` -> ``None``
+- ``RELEASE_MANY`` (4): ``ns``, ``items``: ``[[key, token], ...]`` -> ``None``
+- ``GET`` (5): ``ns``, ``key`` -> a record map or ``None``
+- ``STATS`` (6): ``{}`` -> the store's ``stats()`` map plus ``daemon`` counters
+
+``outcome`` is ``Outcome.value`` ("new", "duplicate", "in_progress").
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from dedupcore import errors
+from dedupcore.api import InProgressError
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "HEADER",
+    "FrameError",
+    "Op",
+    "Request",
+    "Status",
+    "decode_request",
+    "decode_response",
+    "encode_error",
+    "encode_request",
+    "encode_response",
+    "error_from_payload",
+]
+
+HEADER = struct.Struct(">I")
+#: Largest frame either side accepts (16 MiB); a larger length prefix closes the connection.
+DEFAULT_MAX_FRAME = 16 << 20
+MAX_REQUEST_ID = (1 << 64) - 1
+
+
+class Op(enum.IntEnum):
+    """Operation codes."""
+
+    PING = 1
+    CLAIM_MANY = 2
+    COMPLETE_MANY = 3
+    RELEASE_MANY = 4
+    GET = 5
+    STATS = 6
+
+
+class Status(enum.IntEnum):
+    """Response status codes."""
+
+    OK = 0
+    ERROR = 1
+
+
+class FrameError(errors.DedupError, ValueError):
+    """A frame or message that does not follow the protocol."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A decoded request."""
+
+    request_id: int
+    op: Op
+    args: dict[str, Any]
+
+
+def frame(body: bytes) -> bytes:
+    """The frame carrying ``body``."""
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes, max_frame: int) -> int:
+    """The body length announced by a 4-byte header; FrameError if out of bounds."""
+    (length,) = HEADER.unpack(header)
+    if length == 0:
+        raise FrameError("empty frame")
+    if length > max_frame:
+        raise FrameError(f"frame of {length} bytes exceeds the limit of {max_frame}")
+    return int(length)
+
+
+def _pack(obj: Any) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def _unpack(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
+        raise FrameError(f"frame body is not valid msgpack: {exc}") from None
+
+
+def encode_request(request_id: int, op: Op, args: dict[str, Any]) -> bytes:
+    """A framed request."""
+    return frame(_pack([request_id, int(op), args]))
+
+
+def decode_request(body: bytes) -> Request:
+    """A request from a frame body; FrameError naming what is wrong."""
+    msg = _unpack(body)
+    if not isinstance(msg, list) or len(msg) != 3:
+        raise FrameError("a request is [request_id, op, args]")
+    request_id, op, args = msg
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        raise FrameError(f"request_id must be an unsigned integer, got {type(request_id).__name__}")
+    if not 0 <= request_id <= MAX_REQUEST_ID:
+        raise FrameError("request_id out of range")
+    try:
+        code = Op(op)
+    except ValueError:
+        raise FrameError(f"unknown op code {op!r}") from None
+    if not isinstance(args, dict):
+        raise FrameError(f"args must be a map, got {type(args).__name__}")
+    return Request(request_id, code, args)
+
+
+def encode_response(request_id: int, result: Any) -> bytes:
+    """A framed OK response."""
+    return frame(_pack([request_id, int(Status.OK), result]))
+
+
+#: Exceptions the daemon reports by name; anything else arrives as DedupError.
+_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.DedupError,
+        errors.ConflictError,
+        errors.StaleTokenError,
+        errors.UnavailableError,
+        errors.CorruptFileError,
+        InProgressError,
+        FrameError,
+        ValueError,
+        TypeError,
+    )
+}
+
+
+def encode_error(request_id: int, exc: BaseException) -> bytes:
+    """A framed ERROR response for an exception."""
+    name = type(exc).__name__ if type(exc).__name__ in _ERRORS else "DedupError"
+    if isinstance(exc, OSError) and not isinstance(exc, errors.DedupError):
+        name = "UnavailableError"
+    return frame(_pack([request_id, int(Status.ERROR), {"type": name, "message": str(exc)}]))
+
+
+def error_from_payload(payload: Any) -> BaseException:
+    """The exception an ERROR response stands for."""
+    if not isinstance(payload, dict):
+        return errors.DedupError(f"malformed error reply: {payload!r}")
+    cls = _ERRORS.get(str(payload.get("type")), errors.DedupError)
+    return cls(str(payload.get("message", "")))
+
+
+def decode_response(body: bytes) -> tuple[int, Status, Any]:
+    """(request_id, status, payload) from a frame body."""
+    msg = _unpack(body)
+    if not isinstance(msg, list) or len(msg) != 3:
+        raise FrameError("a response is [request_id, status, payload]")
+    request_id, status, payload = msg
+    try:
+        return int(request_id), Status(status), payload
+    except (TypeError, ValueError):
+        raise FrameError(f"malformed response header {request_id!r}, {status!r}") from None

@@ -1,0 +1,403 @@
+"""``dedupcore serve``: one process owns a data directory and serves it on a Unix socket.
+
+Many consumer processes on a host share one store through this daemon. Each
+connection is read by the event loop; every request runs the store call in a
+small thread pool, so the batches of all connections reach the write-ahead
+log concurrently and share its group commits (one ``fdatasync`` for all the
+batches that arrive while the previous one is being synced). A reply is sent
+only after the store has returned, that is after the commit is durable.
+
+Defences, so that one bad or slow client cannot hurt the others:
+
+- the socket lives in a directory created 0700 (0750 with ``group``), the
+  socket file is 0600 (0660); a path that is a symlink, belongs to another
+  user or is longer than the platform limit is refused;
+- peer credentials (``SO_PEERCRED``) are checked against allowed uids/gids
+  (default: the daemon's own uid);
+- a frame larger than ``max_frame`` closes the connection; garbage inside a
+  well-framed message gets an error reply and the connection stays usable;
+- a request must arrive completely within ``request_timeout`` once started
+  (slow senders are cut off), idle connections are closed after
+  ``idle_timeout``, and at most ``max_connections`` are served at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dedupcore.api import Claim, KeyRecord
+from dedupcore.daemon import protocol
+from dedupcore.daemon.protocol import FrameError, Op
+from dedupcore.errors import DedupError, UnavailableError
+from dedupcore.store import DedupStore
+
+__all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
+
+log = logging.getLogger("dedupcore.daemon")
+
+#: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+_PEERCRED = struct.Struct("3i")
+
+
+class SocketPathError(DedupError, OSError):
+    """The socket path cannot be used safely."""
+
+
+def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None) -> Path:
+    """Prepares the socket's directory and refuses unsafe or stale paths.
+
+    Creates the directory (0700, or 0750 with ``group``); refuses a path that
+    is too long, a symlink, owned by another user, or a live socket of another
+    daemon; removes the stale socket file of a killed daemon.
+    """
+    p = Path(path)
+    if len(os.fsencode(p)) > MAX_SOCKET_PATH:
+        raise SocketPathError(
+            f"socket path is {len(os.fsencode(p))} bytes; the limit is {MAX_SOCKET_PATH}"
+        )
+    parent = p.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o750 if group else 0o700, parents=True)
+    st = os.lstat(parent)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SocketPathError(f"{parent} is not a directory (a symlink is refused)")
+    if st.st_uid != os.geteuid():
+        raise SocketPathError(f"{parent} belongs to uid {st.st_uid}, not to this user")
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p
+    if stat.S_ISLNK(st.st_mode):
+        raise SocketPathError(f"{p} is a symlink; refusing to use it")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathError(f"{p} exists and is not a socket")
+    if st.st_uid != os.geteuid():
+        raise SocketPathError(f"{p} belongs to uid {st.st_uid}, not to this user")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(p))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.warning("removing stale socket %s left by a daemon that is gone", p)
+        p.unlink()
+        return p
+    except OSError as exc:
+        raise SocketPathError(f"cannot tell whether {p} is in use: {exc}") from exc
+    finally:
+        probe.close()
+    raise SocketPathError(f"another daemon is serving on {p}")
+
+
+class DaemonServer:
+    """Serves one :class:`DedupStore` on a Unix socket (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: DedupStore,
+        socket_path: str | os.PathLike[str],
+        *,
+        group: str | None = None,
+        allowed_uids: set[int] | None = None,
+        allowed_gids: set[int] | None = None,
+        max_connections: int = 1024,
+        max_frame: int = protocol.DEFAULT_MAX_FRAME,
+        request_timeout: float = 30.0,
+        idle_timeout: float = 600.0,
+        max_in_flight: int = 64,
+        workers: int = 4,
+    ) -> None:
+        self.store = store
+        self.socket_path = Path(socket_path)
+        self.group = group
+        self.allowed_uids = {os.geteuid()} if allowed_uids is None else set(allowed_uids)
+        self.allowed_gids = set(allowed_gids or ())
+        if group is not None:
+            self.allowed_gids.add(grp.getgrnam(group).gr_gid)
+        self.max_connections = max_connections
+        self.max_frame = max_frame
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.max_in_flight = max_in_flight
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._requests: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self.counters = {
+            "connections": 0,
+            "refused_connections": 0,
+            "requests": 0,
+            "errors": 0,
+            "protocol_errors": 0,
+        }
+        self._commit_seconds = 0.0
+
+    # -- life cycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Binds the socket and starts accepting connections."""
+        path = check_socket_path(self.socket_path, group=self.group)
+        old_umask = os.umask(0o177 if self.group is None else 0o117)
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._accept, path=str(path), limit=self.max_frame + 8
+            )
+        finally:
+            os.umask(old_umask)
+        if self.group is not None:
+            os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+            os.chmod(path, 0o660)
+        else:
+            os.chmod(path, 0o600)
+        log.info("dedupcore serving %s on %s", self.store.path, path)
+
+    async def serve_forever(self) -> None:
+        """Serves until SIGTERM/SIGINT or :meth:`stop`, then drains and closes."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop)
+        if self._server is None:
+            await self.start()
+        await self._stopping.wait()
+        await self.close()
+
+    def stop(self) -> None:
+        """Asks the server to drain and close."""
+        self._stopping.set()
+
+    async def close(self, drain_timeout: float = 30.0) -> None:
+        """Stops accepting, lets in-flight requests finish, closes connections and the socket."""
+        if self._server is not None:
+            self._server.close()
+        if self._requests:
+            await asyncio.wait(set(self._requests), timeout=drain_timeout)
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        self._pool.shutdown(wait=True)
+
+    # -- connections -----------------------------------------------------------
+
+    def _peer_allowed(self, writer: asyncio.StreamWriter) -> tuple[bool, str]:
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return False, "no socket"
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        pid, uid, gid = _PEERCRED.unpack(raw)
+        who = f"pid {pid} uid {uid} gid {gid}"
+        return (uid in self.allowed_uids or gid in self.allowed_gids), who
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        allowed, who = self._peer_allowed(writer)
+        if not allowed or len(self._connections) >= self.max_connections or self._stopping.is_set():
+            self.counters["refused_connections"] += 1
+            log.warning(
+                "refused connection from %s (%s)",
+                who,
+                "credentials" if not allowed else "connection limit or shutdown",
+            )
+            writer.close()
+            return
+        self._connections.add(task)
+        self.counters["connections"] += 1
+        try:
+            await self._serve_connection(reader, writer)
+        except (asyncio.CancelledError, ConnectionError):
+            pass
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        write_lock = asyncio.Lock()
+        slots = asyncio.Semaphore(self.max_in_flight)
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    header = await asyncio.wait_for(reader.readexactly(4), self.idle_timeout)
+                except (asyncio.IncompleteReadError, TimeoutError):
+                    return
+                try:
+                    length = protocol.frame_length(header, self.max_frame)
+                except FrameError as exc:
+                    # The stream cannot be resynchronised: say why and hang up.
+                    self.counters["protocol_errors"] += 1
+                    async with write_lock:
+                        writer.write(protocol.encode_error(0, exc))
+                        await writer.drain()
+                    return
+                try:
+                    body = await asyncio.wait_for(reader.readexactly(length), self.request_timeout)
+                except (asyncio.IncompleteReadError, TimeoutError):
+                    return
+                await slots.acquire()
+                task = asyncio.create_task(self._handle(body, writer, write_lock, slots))
+                pending.add(task)
+                self._requests.add(task)
+                task.add_done_callback(pending.discard)
+                task.add_done_callback(self._requests.discard)
+        finally:
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _handle(
+        self,
+        body: bytes,
+        writer: asyncio.StreamWriter,
+        write_lock: asyncio.Lock,
+        slots: asyncio.Semaphore,
+    ) -> None:
+        request_id = 0
+        try:
+            request = protocol.decode_request(body)
+            request_id = request.request_id
+            self.counters["requests"] += 1
+            loop = asyncio.get_running_loop()
+            started = time.perf_counter()
+            result = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                self.request_timeout,
+            )
+            self._commit_seconds += time.perf_counter() - started
+            reply = protocol.encode_response(request_id, result)
+        except FrameError as exc:
+            self.counters["protocol_errors"] += 1
+            reply = protocol.encode_error(request_id, exc)
+        except TimeoutError:
+            self.counters["errors"] += 1
+            reply = protocol.encode_error(
+                request_id,
+                UnavailableError(f"request not finished within {self.request_timeout} s"),
+            )
+        except Exception as exc:
+            self.counters["errors"] += 1
+            reply = protocol.encode_error(request_id, exc)
+        finally:
+            slots.release()
+        if len(reply) - 4 > self.max_frame:
+            reply = protocol.encode_error(
+                request_id, FrameError("reply exceeds the frame limit; use smaller batches")
+            )
+        async with write_lock:
+            writer.write(reply)
+            await writer.drain()
+
+    # -- operations (run in the thread pool) ----------------------------------------
+
+    def _dispatch(self, op: Op, args: dict[str, Any]) -> Any:
+        if op is Op.PING:
+            return "pong"
+        if op is Op.STATS:
+            stats = self.store.stats()
+            stats["daemon"] = dict(
+                self.counters,
+                connections_open=len(self._connections),
+                request_seconds=self._commit_seconds,
+            )
+            return stats
+        ns = _arg(args, "ns", str)
+        if op is Op.CLAIM_MANY:
+            keys = _arg(args, "keys", list)
+            claims = self.store.claim_many(
+                keys,
+                namespace=ns,
+                lease=_optional(args, "lease", (int, float)),
+                owner=_optional(args, "owner", (bytes, str)),
+                fingerprints=_optional(args, "fps", list),
+            )
+            return [_claim_row(c) for c in claims]
+        if op is Op.COMPLETE_MANY:
+            items = [tuple(_item(i, (2, 3))) for i in _arg(args, "items", list)]
+            self.store.complete_many(items, namespace=ns)
+            return None
+        if op is Op.RELEASE_MANY:
+            items = [tuple(_item(i, (2,))) for i in _arg(args, "items", list)]
+            self.store.release_many(items, namespace=ns)
+            return None
+        if op is Op.GET:
+            return _record_map(self.store.get(_arg(args, "key", (bytes, str)), namespace=ns))
+        raise FrameError(f"op {op!r} is not served")
+
+
+def _arg(args: dict[str, Any], name: str, kind: Any) -> Any:
+    if name not in args:
+        raise FrameError(f"missing argument {name!r}")
+    value = args[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"argument {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
+    if args.get(name) is None:
+        return None
+    return _arg(args, name, kind)
+
+
+def _item(item: Any, sizes: tuple[int, ...]) -> list[Any]:
+    if not isinstance(item, list) or len(item) not in sizes:
+        raise TypeError(f"each item must be a list of {' or '.join(map(str, sizes))} values")
+    return item
+
+
+def _claim_row(c: Claim) -> list[Any]:
+    return [c.outcome.value, c.token, c.result, c.exact, c.takeover]
+
+
+def _record_map(r: KeyRecord | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {
+        "state": int(r.state),
+        "token": r.token,
+        "owner": r.owner,
+        "fingerprint": r.fingerprint,
+        "result": r.result,
+        "created": r.created,
+        "updated": r.updated,
+        "exact": r.exact,
+    }
+
+
+def serve(store: DedupStore, socket_path: str | os.PathLike[str], **options: Any) -> None:
+    """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed)."""
+    server = DaemonServer(store, socket_path, **options)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(server.serve_forever())
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise SocketPathError(f"another daemon is serving on {socket_path}") from exc
+        raise
