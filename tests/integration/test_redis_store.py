@@ -1,0 +1,198 @@
+"""RedisStore against the machine's real Redis: semantics, races across processes, faults."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+from typing import Any
+
+import pytest
+
+from dedupcore.api import Outcome
+from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
+from dedupcore.record import State
+from dedupcore.tiers.redis import RedisStore
+
+NS = "orders/billing"
+
+
+@pytest.fixture
+def store(redis_client: Any) -> RedisStore:
+    return RedisStore(redis_client)
+
+
+def test_outcomes_results_and_tokens(store: RedisStore) -> None:
+    c = store.claim("k", namespace=NS)
+    assert c.outcome is Outcome.NEW and c.token == 1
+    assert store.claim("k", namespace=NS).outcome is Outcome.IN_PROGRESS
+    store.complete("k", c.token, namespace=NS, result={"charged": 100})
+    dup = store.claim("k", namespace=NS)
+    assert dup.outcome is Outcome.DUPLICATE and dup.result == {"charged": 100}
+    store.complete("k", c.token, namespace=NS, result={"charged": 100})  # retried completion
+    rec = store.get("k", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSED and rec.token == 1
+
+
+def test_release_then_higher_token_and_stale_owner(store: RedisStore) -> None:
+    c = store.claim(b"k", namespace=NS)
+    store.release(b"k", c.token, namespace=NS)
+    again = store.claim(b"k", namespace=NS)
+    assert again.outcome is Outcome.NEW and again.token == 2
+    with pytest.raises(StaleTokenError):
+        store.complete(b"k", c.token, namespace=NS)
+    with pytest.raises(StaleTokenError, match="not claimed"):
+        store.complete(b"never", 1, namespace=NS)
+
+
+def test_lease_takeover_on_the_server_clock(store: RedisStore) -> None:
+    first = store.claim("k", namespace=NS, lease=0.1, owner="a")
+    assert store.claim("k", namespace=NS, owner="a").token == first.token  # own claim back
+    time.sleep(0.05)
+    assert store.claim("k", namespace=NS, owner="b").outcome is Outcome.IN_PROGRESS
+    store.claim("k", namespace=NS, lease=0.1, owner="a")  # renew, then let it lapse
+    time.sleep(0.2)
+    taken = store.claim("k", namespace=NS, owner="b")
+    assert taken.outcome is Outcome.NEW and taken.takeover and taken.token == first.token + 1
+    with pytest.raises(StaleTokenError):
+        store.complete("k", first.token, namespace=NS)
+
+
+def test_conflict_and_stale_token_change_nothing(store: RedisStore) -> None:
+    store.claim("k", namespace=NS, fingerprint=b"one")
+    with pytest.raises(ConflictError):
+        store.claim_many(["fresh", "k"], namespace=NS, fingerprints=[None, b"two"])
+    assert store.claim("fresh", namespace=NS).outcome is Outcome.NEW
+    a = store.claim("a", namespace=NS)
+    with pytest.raises(StaleTokenError):
+        store.complete_many([("a", a.token), ("fresh", 99)], namespace=NS)
+    # Every key of a batch in one bucket is checked before any is written.
+    assert store.get("a", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+
+
+def test_batch_with_repeated_key(store: RedisStore) -> None:
+    claims = store.claim_many([b"x", b"y", b"x"], namespace=NS)
+    assert [c.outcome for c in claims] == [Outcome.NEW, Outcome.NEW, Outcome.IN_PROGRESS]
+
+
+def test_bad_input(store: RedisStore) -> None:
+    for key, error in ((b"", ValueError), (b"x" * 513, ValueError), (5, TypeError)):
+        with pytest.raises(error):
+            store.claim(key, namespace=NS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.claim("k", namespace="bad namespace")
+    with pytest.raises(ValueError):
+        store.claim("k", namespace=NS, lease=0)
+
+
+def test_eviction_policy_is_refused(redis_client: Any) -> None:
+    old = redis_client.config_get("maxmemory-policy")["maxmemory-policy"]
+    redis_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(DedupError, match="maxmemory-policy"):
+            RedisStore(redis_client)
+        RedisStore(redis_client, allow_eviction=True)
+    finally:
+        redis_client.config_set("maxmemory-policy", old)
+
+
+def test_unreachable_redis_is_unavailable_never_new() -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    with pytest.raises(UnavailableError):
+        store = RedisStore(client)
+        store.claim("k", namespace=NS)
+
+
+def _race(db: int, keys: list[str], seed: int, queue: Any) -> None:
+    import redis
+
+    store = RedisStore(redis.Redis(host="127.0.0.1", port=6379, db=db))
+    order = keys[:]
+    random.Random(seed).shuffle(order)
+    new = []
+    for i in range(0, len(order), 500):
+        new += [
+            c.key
+            for c in store.claim_many(order[i : i + 500], namespace=NS)
+            if c.outcome is Outcome.NEW
+        ]
+    queue.put(new)
+
+
+def test_processes_racing_on_the_same_keys_get_one_new_each(redis_client: Any) -> None:
+    keys = [f"k{i}" for i in range(20000)]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(12, keys, seed, queue)) for seed in range(4)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    winners = [k for r in results for k in r]
+    assert len(winners) == len(keys)
+    assert set(winners) == set(keys)
+
+
+def _private_redis(port: int, tmp: Any) -> Any:
+    import shutil
+    import subprocess
+
+    import redis
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed (scripts/services.sh installs it)")
+    proc = subprocess.Popen(
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc, client
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    pytest.fail("private redis-server did not start")
+
+
+def test_redis_stopped_mid_run_fails_closed(tmp_path: Any) -> None:
+    proc, client = _private_redis(6391, tmp_path)
+    try:
+        store = RedisStore(client)
+        c = store.claim("done", namespace=NS)
+        store.complete("done", c.token, namespace=NS)
+        client.shutdown(nosave=True)
+        proc.wait(10)
+        for _ in range(3):
+            with pytest.raises(UnavailableError):
+                store.claim("fresh", namespace=NS)
+            with pytest.raises(UnavailableError):
+                store.complete("done", c.token, namespace=NS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc, client = _private_redis(6391, tmp_path)
+    try:
+        # This server kept nothing (no persistence): durability() says so plainly.
+        store = RedisStore(client)
+        assert "no AOF" in store.durability()
+        assert store.claim("fresh", namespace=NS).outcome is Outcome.NEW
+    finally:
+        proc.kill()
