@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--keys",
         type=int,
-        default=1_000_000,
-        help="unique messages in the simulated stream (default 1000000)",
+        default=200_000,
+        help="unique messages in the simulated stream (default 200000)",
     )
     demo.add_argument(
         "--duplicate-rate",

@@ -24,16 +24,14 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
+from dedupcore.api import Claim, ClaimAPI, KeyRecord
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
-from dedupcore.record import State
 
 __all__ = ["DEFAULT_SOCKET", "Client"]
 
 DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
-_SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY})
 
 
 class _Connection:
@@ -158,7 +156,7 @@ class Client(ClaimAPI):
                         break
             except (OSError, protocol.FrameError) as exc:
                 self._drop()
-                if op in _SAFE_TO_REPEAT and attempt == 0:
+                if op in protocol.SAFE_TO_REPEAT and attempt == 0:
                     continue
                 raise UnavailableError(
                     f"no reply from the daemon at {self.path} ({exc}); the request may or "
@@ -185,21 +183,10 @@ class Client(ClaimAPI):
         fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace (see :meth:`DedupStore.claim_many`)."""
-        key_list = _key_list(keys)
-        rows = self._call(
-            Op.CLAIM_MANY,
-            {
-                "ns": namespace,
-                "keys": key_list,
-                "lease": lease,
-                "owner": owner,
-                "fps": None if fingerprints is None else list(fingerprints),
-            },
-        )
-        return [
-            Claim(k, namespace, Outcome(row[0]), row[1], row[2], row[3], row[4])
-            for k, row in zip(key_list, rows, strict=True)
-        ]
+        keys_ = protocol.key_list(keys)
+        args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
+        rows = self._call(Op.CLAIM_MANY, args)
+        return protocol.claims_from_rows(keys_, namespace, rows)
 
     def complete_many(
         self,
@@ -208,44 +195,19 @@ class Client(ClaimAPI):
         namespace: str,
     ) -> None:
         """Completes many claims (see :meth:`DedupStore.complete_many`)."""
-        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": [list(i) for i in items]})
+        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
 
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims (see :meth:`DedupStore.release_many`)."""
-        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": [list(i) for i in items]})
+        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""
         if not isinstance(key, (bytes, str)):
-            key = _key_list([key])[0]
-        m = self._call(Op.GET, {"ns": namespace, "key": key})
-        if m is None:
-            return None
-        return KeyRecord(
-            State(m["state"]),
-            m["token"],
-            m["owner"],
-            m["fingerprint"],
-            m["result"],
-            m["created"],
-            m["updated"],
-            m["exact"],
-        )
+            key = protocol.key_list([key])[0]
+        return protocol.record_from_map(self._call(Op.GET, {"ns": namespace, "key": key}))
 
     def stats(self) -> dict[str, Any]:
         """The daemon's store figures plus its own counters."""
         result: dict[str, Any] = self._call(Op.STATS, {})
         return result
-
-
-def _key_list(keys: Iterable[Any]) -> list[Any]:
-    """Keys as msgpack can carry them; bytes-likes become bytes, other types are sent as is
-    so that the daemon names them in its TypeError."""
-    out = []
-    for k in keys:
-        if isinstance(k, (bytearray, memoryview)):
-            k = bytes(k)
-        elif not isinstance(k, (bytes, str)):
-            raise TypeError(f"key must be bytes or str, not {type(k).__name__}")
-        out.append(k)
-    return out

@@ -36,21 +36,30 @@ from typing import Any
 import msgpack
 
 from dedupcore import errors
-from dedupcore.api import InProgressError
+from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
+from dedupcore.record import State
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "HEADER",
+    "SAFE_TO_REPEAT",
     "FrameError",
     "Op",
     "Request",
     "Status",
+    "claim_args",
+    "claim_row",
+    "claims_from_rows",
     "decode_request",
     "decode_response",
     "encode_error",
     "encode_request",
     "encode_response",
     "error_from_payload",
+    "items_arg",
+    "key_list",
+    "record_from_map",
+    "record_map",
 ]
 
 HEADER = struct.Struct(">I")
@@ -195,3 +204,86 @@ def decode_response(body: bytes) -> tuple[int, Status, Any]:
         return int(request_id), Status(status), payload
     except (TypeError, ValueError):
         raise FrameError(f"malformed response header {request_id!r}, {status!r}") from None
+
+
+# -- op arguments and results, shared by the server and both clients ---------------
+
+#: Ops a client may send again after a lost reply: repeating them changes nothing.
+SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY})
+
+
+def key_list(keys: Any) -> list[Any]:
+    """Keys as msgpack carries them: bytes-likes become bytes; other types raise TypeError."""
+    out = []
+    for k in keys:
+        if isinstance(k, (bytearray, memoryview)):
+            k = bytes(k)
+        elif not isinstance(k, (bytes, str)):
+            raise TypeError(f"key must be bytes or str, not {type(k).__name__}")
+        out.append(k)
+    return out
+
+
+def claim_args(
+    namespace: str, keys: list[Any], lease: Any, owner: Any, fingerprints: Any
+) -> dict[str, Any]:
+    """The args of a CLAIM_MANY request."""
+    return {
+        "ns": namespace,
+        "keys": keys,
+        "lease": lease,
+        "owner": owner,
+        "fps": None if fingerprints is None else list(fingerprints),
+    }
+
+
+def items_arg(items: Any) -> list[list[Any]]:
+    """The ``items`` of a COMPLETE_MANY/RELEASE_MANY request."""
+    return [list(i) for i in items]
+
+
+def claim_row(c: Claim) -> list[Any]:
+    """One claim as the server sends it."""
+    return [c.outcome.value, c.token, c.result, c.exact, c.takeover]
+
+
+def claims_from_rows(keys: list[Any], namespace: str, rows: Any) -> list[Claim]:
+    """The claims of a CLAIM_MANY reply, in key order."""
+    if not isinstance(rows, list) or len(rows) != len(keys):
+        raise FrameError("claim reply does not match the request")
+    return [
+        Claim(k, namespace, Outcome(row[0]), row[1], row[2], row[3], row[4])
+        for k, row in zip(keys, rows, strict=True)
+    ]
+
+
+def record_map(r: KeyRecord | None) -> dict[str, Any] | None:
+    """A record as the server sends it."""
+    if r is None:
+        return None
+    return {
+        "state": int(r.state),
+        "token": r.token,
+        "owner": r.owner,
+        "fingerprint": r.fingerprint,
+        "result": r.result,
+        "created": r.created,
+        "updated": r.updated,
+        "exact": r.exact,
+    }
+
+
+def record_from_map(m: Any) -> KeyRecord | None:
+    """The record of a GET reply."""
+    if m is None:
+        return None
+    return KeyRecord(
+        State(m["state"]),
+        m["token"],
+        m["owner"],
+        m["fingerprint"],
+        m["result"],
+        m["created"],
+        m["updated"],
+        m["exact"],
+    )

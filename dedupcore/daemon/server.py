@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dedupcore.api import Claim, KeyRecord
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.errors import DedupError, UnavailableError
@@ -332,7 +331,7 @@ class DaemonServer:
                 owner=_optional(args, "owner", (bytes, str)),
                 fingerprints=_optional(args, "fps", list),
             )
-            return [_claim_row(c) for c in claims]
+            return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
             items = [tuple(_item(i, (2, 3))) for i in _arg(args, "items", list)]
             self.store.complete_many(items, namespace=ns)
@@ -342,7 +341,9 @@ class DaemonServer:
             self.store.release_many(items, namespace=ns)
             return None
         if op is Op.GET:
-            return _record_map(self.store.get(_arg(args, "key", (bytes, str)), namespace=ns))
+            return protocol.record_map(
+                self.store.get(_arg(args, "key", (bytes, str)), namespace=ns)
+            )
         raise FrameError(f"op {op!r} is not served")
 
 
@@ -365,25 +366,6 @@ def _item(item: Any, sizes: tuple[int, ...]) -> list[Any]:
     if not isinstance(item, list) or len(item) not in sizes:
         raise TypeError(f"each item must be a list of {' or '.join(map(str, sizes))} values")
     return item
-
-
-def _claim_row(c: Claim) -> list[Any]:
-    return [c.outcome.value, c.token, c.result, c.exact, c.takeover]
-
-
-def _record_map(r: KeyRecord | None) -> dict[str, Any] | None:
-    if r is None:
-        return None
-    return {
-        "state": int(r.state),
-        "token": r.token,
-        "owner": r.owner,
-        "fingerprint": r.fingerprint,
-        "result": r.result,
-        "created": r.created,
-        "updated": r.updated,
-        "exact": r.exact,
-    }
 
 
 def serve(store: DedupStore, socket_path: str | os.PathLike[str], **options: Any) -> None:

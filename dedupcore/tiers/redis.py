@@ -348,8 +348,9 @@ class RedisStore(ClaimAPI):
             except ResponseError as exc:
                 raise self._error(exc, [parsed[i][0] for i in idx], namespace) from None
 
-    def _precheck_change(self, names: list[bytes], parsed: list[Any], namespace: str,
-                         state: State) -> None:
+    def _precheck_change(
+        self, names: list[bytes], parsed: list[Any], namespace: str, state: State
+    ) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
             for n in names:
@@ -367,8 +368,9 @@ class RedisStore(ClaimAPI):
                 kind = "DCDONE"
             if kind is not None:
                 words = kind.split()
-                raise self._error(ResponseError(" ".join([words[0], "1", *words[2:]])),
-                                  [parsed[i][0]], namespace)
+                raise self._error(
+                    ResponseError(" ".join([words[0], "1", *words[2:]])), [parsed[i][0]], namespace
+                )
 
     def complete_many(
         self,

@@ -1,0 +1,400 @@
+"""``dedupcore.aio.Client``: the asyncio twin of :class:`dedupcore.Client`.
+
+Same methods, arguments, results and exceptions as the sync client (and so
+as :class:`~dedupcore.DedupStore`), as coroutines: ``ping``, ``claim``,
+``claim_many``, ``complete``, ``complete_many``, ``release``,
+``release_many``, ``get``, ``stats``; ``processing(...)`` is an ``async
+with`` block and ``idempotent`` decorates ``async def`` functions.
+
+One connection per client, shared by every coroutine that uses it: each
+request carries its own request id, a single reader task hands every reply
+to the future of its request, and the daemon answers in any order, so many
+concurrent calls are pipelined on the one socket.
+
+Failures follow the sync client:
+
+- a request that was not sent (the connection was already gone, or the very
+  first write of it failed) is sent on a new connection, opened with
+  exponential backoff;
+- a request that was sent but got no reply (the daemon died, or ``timeout``
+  passed) raises :class:`~dedupcore.errors.UnavailableError` -- it may or
+  may not have been applied -- except for the ops that are safe to repeat
+  (``ping``, ``get``, ``stats``, ``complete``), which are sent once more.
+  Pass an ``owner`` to claims, and a retry gets its own claim back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
+from dedupcore.client import DEFAULT_SOCKET
+from dedupcore.daemon import protocol
+from dedupcore.daemon.protocol import Op, Status
+from dedupcore.errors import StaleTokenError, UnavailableError
+
+__all__ = ["DEFAULT_SOCKET", "Client"]
+
+log = logging.getLogger("dedupcore")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _ConnectionLost(Exception):
+    """Internal: the connection ended before the reply of a sent request arrived."""
+
+
+class _Connection:
+    """One socket, its reader task and the futures of the requests in flight on it."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.max_frame = max_frame
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, asyncio.Future[tuple[Status, Any]]] = {}
+        self.lost: BaseException | None = None
+        self.task = self.loop.create_task(self._read_replies(), name="dedupcore-aio-reader")
+
+    def usable(self) -> bool:
+        return (
+            self.lost is None
+            and not self.writer.transport.is_closing()
+            and not self.reader.at_eof()
+            and self.loop is asyncio.get_running_loop()
+        )
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                header = await self.reader.readexactly(4)
+                length = protocol.frame_length(header, self.max_frame)
+                request_id, status, payload = protocol.decode_response(
+                    await self.reader.readexactly(length)
+                )
+                if request_id == 0 and status is Status.ERROR:
+                    # The daemon rejects the stream itself and hangs up.
+                    self._fail(protocol.error_from_payload(payload))
+                    return
+                fut = self.pending.pop(request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result((status, payload))
+                # else: the caller gave up (timeout or cancellation); drop the late reply.
+        except asyncio.CancelledError:
+            self._fail(_ConnectionLost("the connection was closed"))
+            raise
+        except Exception as exc:  # OSError, IncompleteReadError, FrameError
+            reason = (
+                "the daemon closed the connection"
+                if isinstance(exc, asyncio.IncompleteReadError)
+                else str(exc) or type(exc).__name__
+            )
+            self._fail(_ConnectionLost(reason))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        self.writer.close()
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def close(self) -> None:
+        self._fail(_ConnectionLost("the client was closed"))
+        if not self.task.done():
+            self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+async def _reply(conn: _Connection, fut: asyncio.Future[tuple[Status, Any]]) -> tuple[Status, Any]:
+    """Waits until the request is flushed to the socket, then for its reply."""
+    await conn.writer.drain()
+    return await fut
+
+
+class Client:
+    """An asyncio connection to ``dedupcore serve`` at ``path`` (see the module docstring).
+
+    ``timeout`` bounds the wait for each reply; ``retries`` and ``backoff``
+    govern reconnecting (``backoff`` doubles up to 2 s per attempt).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = DEFAULT_SOCKET,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.05,
+        max_frame: int = protocol.DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_frame = max_frame
+        self._conn: _Connection | None = None
+        self._connect_lock: asyncio.Lock | None = None
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<dedupcore.aio.Client {self.path!r}>"
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes the connection; requests still waiting get UnavailableError."""
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    close = aclose
+
+    # -- transport -------------------------------------------------------------
+
+    async def _connection(self) -> _Connection:
+        conn = self._conn
+        if conn is not None and conn.usable():
+            return conn
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            conn = self._conn
+            if conn is not None and conn.usable():
+                return conn  # another coroutine reconnected meanwhile
+            if conn is not None:
+                self._conn = None
+                if conn.loop is asyncio.get_running_loop():
+                    await conn.close()
+                else:  # made in another event loop: it cannot be awaited from this one
+                    conn._fail(_ConnectionLost("the client moved to another event loop"))
+            delay = self.backoff
+            for attempt in range(self.retries + 1):
+                if self._closed:
+                    raise UnavailableError("the client is closed")
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_unix_connection(self.path), self.timeout
+                    )
+                except (asyncio.TimeoutError, FileNotFoundError, ConnectionRefusedError) as exc:
+                    if attempt == self.retries:
+                        raise UnavailableError(
+                            f"dedupcore daemon at {self.path} is not reachable "
+                            f"({exc or type(exc).__name__}); is `dedupcore serve` running?"
+                        ) from exc
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                conn = _Connection(reader, writer, self.max_frame)
+                self._conn = conn
+                return conn
+        raise AssertionError("unreachable")
+
+    async def _call(self, op: Op, args: dict[str, Any]) -> Any:
+        if self._closed:
+            raise UnavailableError("the client is closed")
+        request_id = next(self._ids)
+        data = protocol.encode_request(request_id, op, args)
+        if len(data) - 4 > self.max_frame:
+            raise ValueError(
+                f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
+                "send smaller batches"
+            )
+        loop = asyncio.get_running_loop()
+        unsent_retries = 2  # a connection found dead before anything of the request left
+        attempt = 0
+        while True:
+            conn = await self._connection()
+            fut: asyncio.Future[tuple[Status, Any]] = loop.create_future()
+            conn.pending[request_id] = fut
+            try:
+                if not conn.usable():
+                    raise _ConnectionLost("the connection was closed")
+                conn.writer.write(data)
+                if conn.writer.transport.is_closing():
+                    # The transport's first send of this frame failed: nothing was sent.
+                    raise _ConnectionLost("cannot send to the daemon")
+            except (_ConnectionLost, OSError) as exc:
+                conn.pending.pop(request_id, None)
+                if unsent_retries:
+                    unsent_retries -= 1
+                    continue
+                raise UnavailableError(f"cannot send to the daemon at {self.path}: {exc}") from exc
+            try:
+                status, payload = await asyncio.wait_for(_reply(conn, fut), self.timeout)
+            except (_ConnectionLost, OSError, asyncio.TimeoutError) as exc:
+                if op in protocol.SAFE_TO_REPEAT and attempt == 0:
+                    # Resent under a new id, so a late reply to the first cannot be mistaken.
+                    attempt += 1
+                    request_id = next(self._ids)
+                    data = protocol.encode_request(request_id, op, args)
+                    continue
+                if isinstance(exc, asyncio.TimeoutError):
+                    why = f"no reply within {self.timeout} s"
+                else:
+                    why = str(exc) or type(exc).__name__
+                raise UnavailableError(
+                    f"no reply from the daemon at {self.path} ({why}); the request may or "
+                    "may not have been applied"
+                ) from exc
+            finally:
+                conn.pending.pop(request_id, None)
+            if status is Status.ERROR:
+                raise protocol.error_from_payload(payload)
+            return payload
+
+    # -- the store's methods -------------------------------------------------------
+
+    async def ping(self) -> bool:
+        """True if the daemon answers."""
+        return bool(await self._call(Op.PING, {}) == "pong")
+
+    async def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace (see :meth:`DedupStore.claim_many`)."""
+        keys_ = protocol.key_list(keys)
+        args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
+        rows = await self._call(Op.CLAIM_MANY, args)
+        return protocol.claims_from_rows(keys_, namespace, rows)
+
+    async def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Claim:
+        """Claims a key before acting on it (see :meth:`DedupStore.claim`)."""
+        claims = await self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=None if fingerprint is None else [fingerprint],
+        )
+        return claims[0]
+
+    async def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
+        await self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+
+    async def complete(
+        self, key: bytes | str, token: int, *, namespace: str, result: Any = None
+    ) -> None:
+        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
+        await self.complete_many([(key, token, result)], namespace=namespace)
+
+    async def release_many(
+        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
+    ) -> None:
+        """Releases many claims."""
+        await self._call(Op.RELEASE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+
+    async def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
+        """Gives a claimed key back so that a redelivery can run the work again."""
+        await self.release_many([(key, token)], namespace=namespace)
+
+    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it."""
+        if not isinstance(key, (bytes, str)):
+            key = protocol.key_list([key])[0]
+        return protocol.record_from_map(await self._call(Op.GET, {"ns": namespace, "key": key}))
+
+    async def stats(self) -> dict[str, Any]:
+        """The daemon's store figures plus its own counters."""
+        result: dict[str, Any] = await self._call(Op.STATS, {})
+        return result
+
+    # -- conveniences ----------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def processing(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> AsyncIterator[Claim]:
+        """Claims ``key`` for an ``async with`` block: completes on success, releases on exception.
+
+        Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
+        store a result with the completion. Exceptions are re-raised.
+        """
+        c = await self.claim(
+            key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
+        )
+        if c.outcome is not Outcome.NEW:
+            yield c
+            return
+        try:
+            yield c
+        except BaseException:
+            try:
+                await self.release(key, c.token, namespace=namespace)
+            except StaleTokenError:
+                log.warning("could not release %r: its lease was taken over", key)
+            raise
+        await self.complete(key, c.token, namespace=namespace, result=c.result)
+
+    def idempotent(
+        self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
+        """Decorator for ``async def``: runs it once per key; duplicates get the stored result.
+
+        ``key`` maps the call's arguments to the dedup key. While another
+        owner holds the key, calls raise :class:`InProgressError`.
+        """
+
+        def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+            @functools.wraps(fn)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                k = key(*args, **kwargs)
+                async with self.processing(k, namespace=namespace, lease=lease) as c:
+                    if c.outcome is Outcome.NEW:
+                        c.result = await fn(*args, **kwargs)
+                        return c.result  # type: ignore[no-any-return]
+                    if c.outcome is Outcome.DUPLICATE:
+                        return c.result  # type: ignore[no-any-return]
+                    raise InProgressError(
+                        f"key {k!r} in namespace {namespace!r} is being processed by another "
+                        "owner; retry later"
+                    )
+
+            return wrapper
+
+        return decorate

@@ -1,0 +1,135 @@
+"""The demo's accounting: consumer processes, a daemon and SIGKILLs, checked end to end."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.sharedctypes import RawArray
+from pathlib import Path
+
+import pytest
+
+from dedupcore import demo
+from dedupcore.demo import KILL_POINTS, DemoResult, simulate
+
+
+@pytest.fixture(scope="module")
+def result() -> DemoResult:
+    return simulate(keys=5000, duplicate_rate=0.2, seed=11, consumers=4, batch=50, kills=12)
+
+
+def test_every_message_applied_and_only_the_window_twice(result: DemoResult) -> None:
+    r = result
+    assert r.ok, r
+    assert r.missing == 0
+    assert r.effects_twice_unexplained == 0
+    assert r.effects_applied == r.unique_messages + r.effects_twice_window
+
+
+def test_stream_figures(result: DemoResult) -> None:
+    r = result
+    assert r.unique_messages == 5000
+    assert r.producer_retries == 1250  # 20 % of what is published
+    assert r.published == 6250
+    assert r.deliveries >= r.published + r.redeliveries - 50  # a kill mid-bookkeeping
+    assert r.deliveries - r.redeliveries == pytest.approx(r.published, abs=50)
+    # producer retries and completed redeliveries are suppressed, not applied
+    assert r.duplicates_suppressed + r.same_batch >= r.producer_retries - r.effects_twice_window
+    assert r.crashes == 0
+
+
+def test_kills_hit_every_point_and_show_both_windows(result: DemoResult) -> None:
+    r = result
+    assert set(r.kills) == set(KILL_POINTS.values())
+    assert all(n >= 1 for n in r.kills.values()), r
+    assert sum(r.kills.values()) >= 8
+    assert r.redeliveries > 0, r
+    # killed between the effect and complete: the effect is applied again (the
+    # window only an atomic business write closes) ...
+    assert r.kills[KILL_POINTS[demo.AFTER_EFFECT]] >= 1
+    assert r.effects_twice_window >= r.kills[KILL_POINTS[demo.AFTER_EFFECT]], r
+    # ... killed between complete and the ack: the redelivery is DUPLICATE
+    assert r.kills[KILL_POINTS[demo.AFTER_COMPLETE]] >= 1
+    assert r.redelivered_duplicates > 0, r
+
+
+def _write(path: Path, lines: list[str]) -> None:
+    path.write_bytes("".join(line + " .\n" for line in lines).encode())
+
+
+def test_accounting_flags_a_double_effect_after_a_confirmed_complete(tmp_path: Path) -> None:
+    """The checker is not vacuous: an effect applied after a completion is caught."""
+    shared = RawArray("q", 2 * demo._FIELDS)
+    ids = [f"order-{i:08d}" for i in range(4)]
+    _write(
+        tmp_path / "effects-0",
+        [
+            f"E 1 1 100 {ids[0]}",
+            f"E 1 1 100 {ids[1]}",
+            "C 1 1 110",  # both completed at t=110
+            f"E 1 2 120 {ids[2]}",  # never completed: the consumer died here
+            f"E 2 1 200 {ids[2]}",  # the restart applies it again: the window
+            "C 2 1 210",
+        ],
+    )
+    _write(
+        tmp_path / "effects-1",
+        [
+            f"E 1 1 300 {ids[0]}",  # after ids[0]'s completion returned: a real double
+            "C 1 1 310",
+        ],
+    )
+    r = demo._account(tmp_path, 2, 4, 0, 4, shared)
+    assert r.effects_applied == 5
+    assert r.effects_twice_window == 1
+    assert r.effects_twice_unexplained == 1
+    assert r.missing == 1  # ids[3] never applied
+    assert not r.ok
+
+    os.remove(tmp_path / "effects-1")
+    _write(tmp_path / "effects-1", [f"E 1 1 300 {ids[3]}", "C 1 1 310"])
+    with open(tmp_path / "effects-1", "ab") as f:
+        f.write(f"\nE 1 2 400 {ids[1]}".encode())  # torn by a SIGKILL: not an effect
+        f.write(b"\nC 1 2 41")
+    r = demo._account(tmp_path, 2, 4, 0, 4, shared)
+    assert (r.effects_applied, r.effects_twice_window, r.effects_twice_unexplained) == (5, 1, 0)
+    assert r.missing == 0 and r.ok
+
+
+def test_run_demo_prints_the_accounting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.run_demo(keys=3000, duplicate_rate=0.2, seed=3) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "deliveries to consumers",
+        "duplicates suppressed",
+        "effects applied",
+        "unique messages",
+        "effects applied twice: died between effect and complete",
+        "transactional pattern",
+    ):
+        assert text in out, text
+
+
+def test_run_demo_fails_when_the_accounting_does_not_add_up(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = DemoResult(
+        unique_messages=10,
+        producer_retries=0,
+        published=10,
+        deliveries=10,
+        redeliveries=0,
+        duplicates_suppressed=0,
+        redelivered_duplicates=0,
+        redelivered_new=0,
+        in_progress=0,
+        same_batch=0,
+        effects_applied=11,
+        effects_twice_window=0,
+        effects_twice_unexplained=1,
+        missing=0,
+        consumers=4,
+    )
+    monkeypatch.setattr(demo, "simulate", lambda **kw: bad)
+    assert demo.run_demo(keys=10, duplicate_rate=0.2, seed=1) == 1
+    assert "does not add up" in capsys.readouterr().out
+    assert demo.run_demo(keys=0, duplicate_rate=0.2, seed=1) == 2
