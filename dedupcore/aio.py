@@ -195,7 +195,7 @@ class Client:
                     reader, writer = await asyncio.wait_for(
                         asyncio.open_unix_connection(self.path), self.timeout
                     )
-                except (asyncio.TimeoutError, FileNotFoundError, ConnectionRefusedError) as exc:
+                except (asyncio.TimeoutError, OSError) as exc:
                     if attempt == self.retries:
                         raise UnavailableError(
                             f"dedupcore daemon at {self.path} is not reachable "
@@ -309,7 +309,8 @@ class Client:
         namespace: str,
     ) -> None:
         """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
-        await self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+        items_ = protocol.items_arg(items, with_results=True)
+        await self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": items_})
 
     async def complete(
         self, key: bytes | str, token: int, *, namespace: str, result: Any = None
@@ -321,7 +322,8 @@ class Client:
         self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
     ) -> None:
         """Releases many claims."""
-        await self._call(Op.RELEASE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+        items_ = protocol.items_arg(items, with_results=False)
+        await self._call(Op.RELEASE_MANY, {"ns": namespace, "items": items_})
 
     async def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
         """Gives a claimed key back so that a redelivery can run the work again."""

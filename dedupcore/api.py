@@ -17,10 +17,26 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+import msgpack
+
 from dedupcore.errors import DedupError, StaleTokenError
 from dedupcore.record import State
 
-__all__ = ["Claim", "ClaimAPI", "InProgressError", "KeyRecord", "Outcome"]
+__all__ = [
+    "MAX_TOKEN",
+    "Claim",
+    "ClaimAPI",
+    "InProgressError",
+    "KeyRecord",
+    "Outcome",
+    "change_items",
+    "check_token",
+    "pack_result",
+    "unpack_result",
+]
+
+#: Fencing tokens are positive and fit a signed 64-bit integer everywhere they are stored.
+MAX_TOKEN = (1 << 63) - 1
 
 log = logging.getLogger("dedupcore")
 
@@ -71,6 +87,55 @@ class KeyRecord:
 
 class InProgressError(DedupError):
     """Raised by :meth:`DedupStore.idempotent` while another owner holds the key."""
+
+
+def check_token(token: object) -> int:
+    """A fencing token: an int in 1..MAX_TOKEN (TypeError/ValueError otherwise)."""
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"token must be an int, not {type(token).__name__}")
+    if not 1 <= token <= MAX_TOKEN:
+        raise ValueError(f"token must be in 1..2**63-1, got {token}")
+    return token
+
+
+def change_items(items: Iterable[Any], *, with_results: bool) -> list[tuple[Any, int, Any]]:
+    """``(key, token[, result])`` items of complete_many/release_many, checked.
+
+    Tuples or lists are accepted; a result is only allowed when completing.
+    """
+    sizes = (2, 3) if with_results else (2,)
+    out = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) not in sizes:
+            shape = "(key, token) or (key, token, result)" if with_results else "(key, token)"
+            raise TypeError(f"each item must be {shape}, got {item!r:.80}")
+        out.append((item[0], check_token(item[1]), item[2] if len(item) == 3 else None))
+    return out
+
+
+def pack_result(result: Any, max_bytes: int) -> bytes | None:
+    """A result as stored (msgpack); TypeError if it cannot be, ValueError if too large."""
+    if result is None:
+        return None
+    try:
+        packed: bytes = msgpack.packb(result, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(
+            "result must be msgpack-serializable (None, bool, int of 64 bits, float, str, "
+            f"bytes, list, dict): {exc}"
+        ) from None
+    if len(packed) > max_bytes:
+        raise ValueError(
+            f"result is {len(packed)} bytes encoded; the limit is max_result_bytes={max_bytes}"
+        )
+    return packed
+
+
+def unpack_result(raw: bytes | None) -> Any:
+    """A stored result (maps may have non-str keys, as the caller stored them)."""
+    if not raw:
+        return None
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 class ClaimAPI(ABC):

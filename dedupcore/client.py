@@ -109,20 +109,31 @@ class Client(ClaimAPI):
         if conn is not None and conn.pid == os.getpid():
             return conn
         delay = self.backoff
-        for attempt in range(self.retries + 1):
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while True:
             try:
                 conn = _Connection(self.path, self.timeout, self.max_frame)
                 self._local.conn = conn
                 return conn
-            except (TimeoutError, FileNotFoundError, ConnectionRefusedError) as exc:
-                if attempt == self.retries:
+            except BlockingIOError as exc:
+                # The daemon's accept backlog is full: it is alive, so wait for
+                # it up to the timeout rather than counting retries.
+                if time.monotonic() + delay > deadline:
+                    raise UnavailableError(
+                        f"dedupcore daemon at {self.path} accepted no connection within "
+                        f"{self.timeout} s ({exc})"
+                    ) from exc
+            except OSError as exc:
+                # Refused, missing or not permitted: retry a few times, then give up.
+                attempt += 1
+                if attempt > self.retries:
                     raise UnavailableError(
                         f"dedupcore daemon at {self.path} is not reachable ({exc}); "
-                        "is `dedupcore serve` running?"
+                        "is `dedupcore serve` running, and may this user open its socket?"
                     ) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -195,11 +206,13 @@ class Client(ClaimAPI):
         namespace: str,
     ) -> None:
         """Completes many claims (see :meth:`DedupStore.complete_many`)."""
-        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+        items_ = protocol.items_arg(items, with_results=True)
+        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": items_})
 
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims (see :meth:`DedupStore.release_many`)."""
-        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": protocol.items_arg(items)})
+        items_ = protocol.items_arg(items, with_results=False)
+        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": items_})
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""

@@ -42,8 +42,6 @@ def check_namespace(namespace: object) -> bytes:
             raise ValueError(
                 f"namespace must be ASCII [A-Za-z0-9._:/-], got {namespace!r}"
             ) from None
-    elif isinstance(namespace, bytes):
-        raw = namespace
     else:
         raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
     if not _NAMESPACE_RE.match(raw):

@@ -38,10 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-import msgpack
-
 from dedupcore import keys as _keys
-from dedupcore.api import Claim, ClaimAPI, InProgressError, KeyRecord, Outcome
+from dedupcore.api import (
+    Claim,
+    ClaimAPI,
+    InProgressError,
+    KeyRecord,
+    Outcome,
+    change_items,
+    pack_result,
+    unpack_result,
+)
 from dedupcore.bloom import BloomRing
 from dedupcore.config import Retention, StoreConfig, check_lease
 from dedupcore.errors import (
@@ -463,7 +470,7 @@ class DedupStore(ClaimAPI):
                     if r.state is State.PROCESSED:
                         n_dup += 1
                         claims.append(
-                            Claim(key, ns_name, Outcome.DUPLICATE, r.token, _unpack(r.result))
+                            Claim(key, ns_name, Outcome.DUPLICATE, r.token, unpack_result(r.result))
                         )
                         continue
                     if owner_b is not None and r.owner == owner_b:
@@ -554,18 +561,15 @@ class DedupStore(ClaimAPI):
         self._check_usable(write=True)
         ns = _keys.check_namespace(namespace)
         ns_name = ns.decode()
-        parsed: list[tuple[Any, bytes, int, bytes | None]] = []
-        for item in items:
-            if not isinstance(item, tuple) or len(item) not in (2, 3):
-                raise TypeError("items must be (key, token) or (key, token, result) tuples")
-            key, token = item[0], item[1]
-            if isinstance(token, bool) or not isinstance(token, int) or token <= 0:
-                raise TypeError(f"token must be a positive int, got {token!r}")
-            result = item[2] if len(item) == 3 else None
-            if state is State.RELEASED and len(item) == 3:
-                raise TypeError("release takes (key, token)")
-            packed = self._pack_result(result) if state is State.PROCESSED else None
-            parsed.append((key, _keys.check_key(key, self.config.max_key_bytes), token, packed))
+        parsed = [
+            (
+                key,
+                _keys.check_key(key, self.config.max_key_bytes),
+                token,
+                pack_result(result, self.config.max_result_bytes),
+            )
+            for key, token, result in change_items(items, with_results=state is State.PROCESSED)
+        ]
         if not parsed:
             return
         digests = _keys.digests(ns, [p[1] for p in parsed])
@@ -615,23 +619,6 @@ class DedupStore(ClaimAPI):
                 self._front.add_many(_keys.front_hashes([d for d, _ in writes]), now_w)
         self._sync(max(last, depends))
 
-    def _pack_result(self, result: Any) -> bytes | None:
-        if result is None:
-            return None
-        try:
-            packed: bytes = msgpack.packb(result, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise TypeError(
-                f"result must be msgpack-serializable "
-                f"(None, bool, int, float, str, bytes, list, dict): {exc}"
-            ) from None
-        if len(packed) > self.config.max_result_bytes:
-            raise ValueError(
-                f"result is {len(packed)} bytes encoded; the limit is "
-                f"max_result_bytes={self.config.max_result_bytes}"
-            )
-        return packed
-
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the store holds nothing)."""
         self._check_usable()
@@ -648,7 +635,7 @@ class DedupStore(ClaimAPI):
             depends = r.lsn
         self._sync(depends)
         return KeyRecord(
-            r.state, r.token, r.owner, r.fingerprint, _unpack(r.result), r.created, r.updated
+            r.state, r.token, r.owner, r.fingerprint, unpack_result(r.result), r.created, r.updated
         )
 
     # -- the log -------------------------------------------------------------
@@ -936,12 +923,6 @@ def _fingerprints(fps: Sequence[bytes | None] | None, n: int) -> list[bytes | No
         if not 1 <= len(fp) <= 255:
             raise ValueError(f"fingerprint must be 1..255 bytes, got {len(fp)}")
     return out
-
-
-def _unpack(result: bytes | None) -> Any:
-    if result is None:
-        return None
-    return msgpack.unpackb(result, raw=False)
 
 
 def _progress(total: int, what: str) -> Callable[[int], None]:

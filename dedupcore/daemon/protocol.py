@@ -36,7 +36,8 @@ from typing import Any
 import msgpack
 
 from dedupcore import errors
-from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
+from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
+from dedupcore.config import check_lease
 from dedupcore.record import State
 
 __all__ = [
@@ -121,7 +122,7 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(body: bytes) -> Any:
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (
         ValueError,
         TypeError,
@@ -133,8 +134,11 @@ def _unpack(body: bytes) -> Any:
 
 
 def encode_request(request_id: int, op: Op, args: dict[str, Any]) -> bytes:
-    """A framed request."""
-    return frame(_pack([request_id, int(op), args]))
+    """A framed request; TypeError for a value msgpack cannot carry (e.g. an int over 64 bits)."""
+    try:
+        return frame(_pack([request_id, int(op), args]))
+    except OverflowError as exc:
+        raise TypeError(f"request holds a value msgpack cannot carry: {exc}") from None
 
 
 def decode_request(body: bytes) -> Request:
@@ -200,10 +204,12 @@ def decode_response(body: bytes) -> tuple[int, Status, Any]:
     if not isinstance(msg, list) or len(msg) != 3:
         raise FrameError("a response is [request_id, status, payload]")
     request_id, status, payload = msg
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        raise FrameError(f"response request_id must be an integer, got {request_id!r:.40}")
     try:
-        return int(request_id), Status(status), payload
-    except (TypeError, ValueError):
-        raise FrameError(f"malformed response header {request_id!r}, {status!r}") from None
+        return request_id, Status(status), payload
+    except ValueError:
+        raise FrameError(f"unknown response status {status!r:.40}") from None
 
 
 # -- op arguments and results, shared by the server and both clients ---------------
@@ -227,19 +233,22 @@ def key_list(keys: Any) -> list[Any]:
 def claim_args(
     namespace: str, keys: list[Any], lease: Any, owner: Any, fingerprints: Any
 ) -> dict[str, Any]:
-    """The args of a CLAIM_MANY request."""
+    """The args of a CLAIM_MANY request (the lease checked here, as the store checks it)."""
     return {
         "ns": namespace,
         "keys": keys,
-        "lease": lease,
+        "lease": None if lease is None else check_lease(lease),
         "owner": owner,
         "fps": None if fingerprints is None else list(fingerprints),
     }
 
 
-def items_arg(items: Any) -> list[list[Any]]:
-    """The ``items`` of a COMPLETE_MANY/RELEASE_MANY request."""
-    return [list(i) for i in items]
+def items_arg(items: Any, *, with_results: bool) -> list[list[Any]]:
+    """The ``items`` of a COMPLETE_MANY/RELEASE_MANY request, checked as the store checks them."""
+    return [
+        [key, token, result] if with_results else [key, token]
+        for key, token, result in change_items(items, with_results=with_results)
+    ]
 
 
 def claim_row(c: Claim) -> list[Any]:

@@ -50,6 +50,8 @@ log = logging.getLogger("dedupcore.daemon")
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: After SIGTERM, a connection that sends nothing for this long is closed.
+_DRAIN_QUIET = 0.2
 
 
 class SocketPathError(DedupError, OSError):
@@ -71,11 +73,20 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
     parent = p.parent
     if not parent.exists():
         parent.mkdir(mode=0o750 if group else 0o700, parents=True)
+        if group is not None:
+            # Members need to enter the directory to reach the socket.
+            os.chown(parent, -1, grp.getgrnam(group).gr_gid)
+            os.chmod(parent, 0o750)
     st = os.lstat(parent)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise SocketPathError(f"{parent} is not a directory (a symlink is refused)")
     if st.st_uid != os.geteuid():
         raise SocketPathError(f"{parent} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o022:
+        raise SocketPathError(
+            f"{parent} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): another user "
+            "could replace the socket; use a directory only this user can write"
+        )
     try:
         st = os.lstat(p)
     except FileNotFoundError:
@@ -180,11 +191,12 @@ class DaemonServer:
         self._stopping.set()
 
     async def close(self, drain_timeout: float = 30.0) -> None:
-        """Stops accepting, lets in-flight requests finish, closes connections and the socket."""
+        """Stops accepting, answers the requests already sent, closes connections and the socket."""
+        self._stopping.set()
         if self._server is not None:
             self._server.close()
-        if self._requests:
-            await asyncio.wait(set(self._requests), timeout=drain_timeout)
+        if self._connections:
+            await asyncio.wait(set(self._connections), timeout=drain_timeout)
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -238,9 +250,12 @@ class DaemonServer:
         slots = asyncio.Semaphore(self.max_in_flight)
         pending: set[asyncio.Task[None]] = set()
         try:
-            while not self._stopping.is_set():
+            while True:
+                # After SIGTERM, requests a client already sent are still read
+                # and answered; the connection closes once it goes quiet.
+                wait = _DRAIN_QUIET if self._stopping.is_set() else self.idle_timeout
                 try:
-                    header = await asyncio.wait_for(reader.readexactly(4), self.idle_timeout)
+                    header = await asyncio.wait_for(reader.readexactly(4), wait)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
                 try:
@@ -333,12 +348,10 @@ class DaemonServer:
             )
             return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
-            items = [tuple(_item(i, (2, 3))) for i in _arg(args, "items", list)]
-            self.store.complete_many(items, namespace=ns)
+            self.store.complete_many(_arg(args, "items", list), namespace=ns)
             return None
         if op is Op.RELEASE_MANY:
-            items = [tuple(_item(i, (2,))) for i in _arg(args, "items", list)]
-            self.store.release_many(items, namespace=ns)
+            self.store.release_many(_arg(args, "items", list), namespace=ns)
             return None
         if op is Op.GET:
             return protocol.record_map(
@@ -360,12 +373,6 @@ def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
     if args.get(name) is None:
         return None
     return _arg(args, name, kind)
-
-
-def _item(item: Any, sizes: tuple[int, ...]) -> list[Any]:
-    if not isinstance(item, list) or len(item) not in sizes:
-        raise TypeError(f"each item must be a list of {' or '.join(map(str, sizes))} values")
-    return item
 
 
 def serve(store: DedupStore, socket_path: str | os.PathLike[str], **options: Any) -> None:

@@ -25,7 +25,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgpack
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -33,7 +32,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedupcore import keys as _keys
 from dedupcore._core import shard_many
-from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
+from dedupcore.api import (
+    Claim,
+    ClaimAPI,
+    KeyRecord,
+    Outcome,
+    change_items,
+    pack_result,
+    unpack_result,
+)
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
@@ -261,7 +268,7 @@ class RedisStore(ClaimAPI):
         claims = []
         for k, (code, token, result) in zip(key_list, rows, strict=True):
             outcome = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS, Outcome.NEW)[code]
-            value = msgpack.unpackb(result, raw=False) if code == 1 and result else None
+            value = unpack_result(result) if code == 1 else None
             claims.append(Claim(k, namespace, outcome, int(token), value, True, code == 3))
         return claims
 
@@ -309,27 +316,15 @@ class RedisStore(ClaimAPI):
 
     def _change_many(self, items: Iterable[Any], namespace: str, state: State) -> None:
         ns = _keys.check_namespace(namespace)
-        parsed = []
-        for item in items:
-            if not isinstance(item, tuple) or len(item) not in (2, 3):
-                raise TypeError("items must be (key, token) or (key, token, result) tuples")
-            if state is State.RELEASED and len(item) == 3:
-                raise TypeError("release takes (key, token)")
-            key, token = item[0], item[1]
-            if isinstance(token, bool) or not isinstance(token, int) or token <= 0:
-                raise TypeError(f"token must be a positive int, got {token!r}")
-            result = b""
-            if len(item) == 3 and item[2] is not None:
-                try:
-                    result = msgpack.packb(item[2], use_bin_type=True)
-                except (TypeError, ValueError, OverflowError) as exc:
-                    raise TypeError(f"result must be msgpack-serializable: {exc}") from None
-                if len(result) > self.max_result_bytes:
-                    raise ValueError(
-                        f"result is {len(result)} bytes encoded; the limit is "
-                        f"max_result_bytes={self.max_result_bytes}"
-                    )
-            parsed.append((key, _keys.check_key(key, self.max_key_bytes), token, result))
+        parsed = [
+            (
+                key,
+                _keys.check_key(key, self.max_key_bytes),
+                token,
+                pack_result(result, self.max_result_bytes) or b"",
+            )
+            for key, token, result in change_items(items, with_results=state is State.PROCESSED)
+        ]
         if not parsed:
             return
         names = self._names(ns, [p[1] for p in parsed])
@@ -400,7 +395,7 @@ class RedisStore(ClaimAPI):
             int(t),
             o or None,
             f or None,
-            msgpack.unpackb(r, raw=False) if r else None,
+            unpack_result(r),
             0.0,
             0.0,
         )
