@@ -310,6 +310,13 @@ class DedupStore(ClaimAPI):
             path = self.path / "cold" / f"{window:g}"
             if (path / "ring.json").exists():
                 rings[window] = BloomRing.open(path)  # damage here is an error: no rebuild
+            elif any(path.glob("slice-*.bloom")):
+                # Slices without their manifest: the cold archive cannot be read,
+                # and an empty one would answer NEW for keys it holds.
+                raise CorruptFileError(
+                    f"{path}: cold archive slices are present but ring.json is missing; "
+                    "restore it from a backup (the archive cannot be rebuilt)"
+                )
             else:
                 rings[window] = BloomRing(
                     window,
@@ -454,6 +461,7 @@ class DedupStore(ClaimAPI):
             # Records are never changed once logged, so every never-seen key
             # of the batch shares one record (and one encoding in the log).
             fresh: Record | None = None
+            renewals: list[tuple[bytes, Record]] = []
             deadline = now_m + lease_s
             for i, d in enumerate(digests):
                 r = pending.get(d, current[i]) if pending else current[i]
@@ -476,7 +484,7 @@ class DedupStore(ClaimAPI):
                     if owner_b is not None and r.owner == owner_b:
                         # A lease renewal lives in memory only (deadlines are not stored).
                         renewed = dataclasses.replace(r, deadline=deadline)
-                        self._inflight[d] = renewed
+                        renewals.append((d, renewed))
                         pending[d] = renewed
                         n_new += 1
                         claims.append(Claim(key, ns_name, Outcome.NEW, r.token))
@@ -526,6 +534,10 @@ class DedupStore(ClaimAPI):
                 writes.append((d, new))
                 n_new += 1
                 claims.append(Claim(key, ns_name, Outcome.NEW, new.token, takeover=takeover))
+            # Only now, with every key of the batch checked, does anything change.
+            for d, renewed in renewals:
+                if self._inflight.get(d) is not None:
+                    self._inflight[d] = renewed
             last = self._log(writes)
             for outcome, n in (
                 (Outcome.NEW, n_new),
@@ -633,7 +645,8 @@ class DedupStore(ClaimAPI):
                     return KeyRecord(State.PROCESSED, 0, None, None, None, 0.0, 0.0, exact=False)
                 return None
             depends = r.lsn
-        self._sync(depends)
+        if not self.readonly:  # a read-only view reports the owner's log as it finds it
+            self._sync(depends)
         return KeyRecord(
             r.state, r.token, r.owner, r.fingerprint, unpack_result(r.result), r.created, r.updated
         )
@@ -692,15 +705,17 @@ class DedupStore(ClaimAPI):
                 self._flushing = snapshot
                 self._recent = {}
                 lsn = max(r.lsn for r in snapshot.values())
-                # Later records go to a new segment, so the old ones can be dropped whole.
-                self._wal.rotate()
-                # Keys that stay in flight must not age out of the front filter.
-                now_w = time.time()
-                if self._inflight:
-                    self._front.add_many(_keys.front_hashes(list(self._inflight)), now_w)
-                self._front.save()
             started = time.monotonic()
             try:
+                with self._lock:
+                    # Later records go to a new segment, so the old ones can be dropped whole.
+                    self._wal.rotate()
+                    # Keys that stay in flight must not age out of the front filter.
+                    if self._inflight:
+                        self._front.add_many(_keys.front_hashes(list(self._inflight)), time.time())
+                    # The front is saved before LMDB records the checkpoint, so a
+                    # saved front holds every key LMDB holds.
+                    self._front.save()
                 self._wal.sync(lsn, force=True)
                 changes = []
                 for d, r in snapshot.items():
@@ -713,7 +728,8 @@ class DedupStore(ClaimAPI):
                 self._wal.drop_through(lsn)
             except BaseException:
                 with self._lock:
-                    # Keep the records served from memory; the log still holds them.
+                    # Keep serving the records from memory: the log still holds
+                    # them, and the next checkpoint writes them again.
                     snapshot.update(self._recent)
                     self._recent = snapshot
                     self._flushing = {}

@@ -146,6 +146,7 @@ class DaemonServer:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()
+        self._idle: set[asyncio.Task[None]] = set()  # connections waiting for a request
         self._stopping = asyncio.Event()
         self.counters = {
             "connections": 0,
@@ -191,12 +192,25 @@ class DaemonServer:
         self._stopping.set()
 
     async def close(self, drain_timeout: float = 30.0) -> None:
-        """Stops accepting, answers the requests already sent, closes connections and the socket."""
+        """Stops accepting, answers the requests already sent, closes connections and the socket.
+
+        Connections are closed once every one of them has been idle (waiting
+        for a request, none in flight) for a short quiet period, or after
+        ``drain_timeout``.
+        """
         self._stopping.set()
         if self._server is not None:
             self._server.close()
-        if self._connections:
-            await asyncio.wait(set(self._connections), timeout=drain_timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        quiet_since = loop.time()
+        while self._connections and loop.time() < deadline:
+            busy = self._requests or len(self._idle) < len(self._connections)
+            if busy:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= _DRAIN_QUIET:
+                break
+            await asyncio.sleep(0.02)
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -254,10 +268,15 @@ class DaemonServer:
                 # After SIGTERM, requests a client already sent are still read
                 # and answered; the connection closes once it goes quiet.
                 wait = _DRAIN_QUIET if self._stopping.is_set() else self.idle_timeout
+                me = asyncio.current_task()
+                assert me is not None
+                self._idle.add(me)
                 try:
                     header = await asyncio.wait_for(reader.readexactly(4), wait)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
+                finally:
+                    self._idle.discard(me)
                 try:
                     length = protocol.frame_length(header, self.max_frame)
                 except FrameError as exc:

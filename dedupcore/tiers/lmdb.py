@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -29,6 +32,7 @@ __all__ = ["Change", "LmdbTier"]
 
 FORMAT = b"1"
 _U64 = struct.Struct(">Q")
+_MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +53,22 @@ class LmdbTier:
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
+        # Growing the map invalidates every open transaction (LMDB forbids it
+        # while any is open), so transactions pass a gate that a resize closes.
+        self._gate = threading.Condition()
+        self._open_txns = 0
+        self._resizing = False
+        data = self.path / "data.mdb"
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
-        elif not (self.path / "data.mdb").exists():
+        elif not data.exists():
             raise CorruptFileError(f"{self.path}: no LMDB environment to open read-only")
+        if data.exists() and data.stat().st_size < _MIN_DATA_BYTES:
+            # LMDB would silently start a new, empty environment in a cut-off file.
+            raise CorruptFileError(
+                f"{data}: truncated to {data.stat().st_size} bytes; refusing to replace it "
+                "with an empty store"
+            )
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -70,6 +86,14 @@ class LmdbTier:
                 f"{self.path}: cannot open the LMDB environment ({exc}); it is refused "
                 "rather than replaced by an empty one"
             ) from exc
+        # Check before reading any page: LMDB maps the file, and a page past its
+        # end is a SIGBUS, not an error.
+        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        if data.stat().st_size < used:
+            self.env.close()
+            raise CorruptFileError(
+                f"{data}: truncated: {data.stat().st_size} bytes, but its pages reach {used}"
+            )
         try:
             self.records = self.env.open_db(b"records", create=not readonly)
             self.expiry = self.env.open_db(b"expiry", create=not readonly)
@@ -81,7 +105,7 @@ class LmdbTier:
         if not readonly:
             # Readers that died without closing their transaction pin old pages.
             self.env.reader_check()
-            with self.env.begin(write=True) as txn:
+            with self._txn(write=True) as txn:
                 fmt = txn.get(b"format", db=self.meta)
                 if fmt is None:
                     txn.put(b"format", FORMAT, db=self.meta)
@@ -92,35 +116,63 @@ class LmdbTier:
         """Closes the environment."""
         self.env.close()
 
+    @contextmanager
+    def _txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
+        """A transaction that a map resize waits for (and that waits for a resize)."""
+        with self._gate:
+            while self._resizing:
+                self._gate.wait()
+            self._open_txns += 1
+        try:
+            with self.env.begin(**kwargs) as txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._open_txns -= 1
+                if not self._open_txns:
+                    self._gate.notify_all()
+
+    def _grow(self) -> None:
+        with self._gate:
+            self._resizing = True
+            try:
+                while self._open_txns:
+                    self._gate.wait()
+                # The map is only address space; doubling it costs nothing on disk.
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            finally:
+                self._resizing = False
+                self._gate.notify_all()
+
     # -- reads ---------------------------------------------------------------
 
     def get_many(self, digests: Iterable[bytes]) -> list[bytes | None]:
         """Stored bytes of each digest's record (None where absent), in one read transaction."""
-        with self.env.begin(db=self.records, buffers=False) as txn:
+        with self._txn(db=self.records, buffers=False) as txn:
             get = txn.get
-            return [get(d) for d in digests]
+            return [get(d) for d in digests]  # type: ignore[misc]  # buffers=False: bytes
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""
-        with self.env.begin(db=self.meta) as txn:
+        with self._txn(db=self.meta) as txn:
             raw = txn.get(b"checkpoint_lsn")
         return _U64.unpack(raw)[0] if raw else 0
 
     def inflight_digests(self) -> list[bytes]:
         """Digests of PROCESSING records."""
-        with self.env.begin(db=self.inflight) as txn:
+        with self._txn(db=self.inflight) as txn:
             return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes), in digest order."""
-        with self.env.begin(db=self.records) as txn:
+        with self._txn(db=self.records) as txn:
             for key, value in txn.cursor():
                 yield bytes(key), bytes(value)
 
     def expired(self, now_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` (expiry key, digest) pairs whose expiry time is <= now_ms."""
         out: list[tuple[bytes, bytes]] = []
-        with self.env.begin(db=self.expiry) as txn:
+        with self._txn(db=self.expiry) as txn:
             for key in txn.cursor().iternext(keys=True, values=False):
                 key = bytes(key)
                 if _U64.unpack_from(key)[0] > now_ms or len(out) >= limit:
@@ -130,7 +182,7 @@ class LmdbTier:
 
     def record_count(self) -> int:
         """Number of records."""
-        with self.env.begin() as txn:
+        with self._txn() as txn:
             return int(txn.stat(self.records)["entries"])
 
     def disk_bytes(self) -> int:
@@ -144,11 +196,11 @@ class LmdbTier:
     def namespaces(self) -> dict[bytes, int]:
         """Namespace name -> id."""
         out = {}
-        with self.env.begin(db=self.meta) as txn:
+        with self._txn(db=self.meta) as txn:
             cur = txn.cursor()
             if cur.set_range(b"ns:"):
                 for key, value in cur:
-                    if not key.startswith(b"ns:"):
+                    if not bytes(key).startswith(b"ns:"):
                         break
                     out[bytes(key[3:])] = struct.unpack("<H", value)[0]
         return out
@@ -194,14 +246,13 @@ class LmdbTier:
 
         self._write(apply)
 
-    def _write(self, apply: object) -> None:
+    def _write(self, apply: Callable[[lmdb.Transaction], object]) -> None:
         if self.readonly:
             raise DedupError("the store is open read-only")
         while True:
             try:
-                with self.env.begin(write=True) as txn:
-                    apply(txn)  # type: ignore[operator]
-                break
+                with self._txn(write=True) as txn:
+                    apply(txn)
+                return
             except lmdb.MapFullError:
-                # The map is only address space; doubling it costs nothing on disk.
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                self._grow()

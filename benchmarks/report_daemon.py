@@ -1,0 +1,469 @@
+"""Table and target verdicts from a pytest-benchmark JSON of benchmarks/test_daemon.py.
+
+    python -m benchmarks.report_daemon [--json PATH] [--plain]
+
+Without ``--json`` it reads the newest JSON under benchmarks/results/ that
+holds daemon benchmarks. Throughput uses each benchmark's fastest round (the
+least disturbed one on a shared machine), with the median next to it;
+latencies are percentiles over every timed call of every round. The targets
+(issue 4, "Performance"):
+
+- ``claim_many`` through the daemon, batches of 1000: >= 3x the keys/s of
+  redis-py pipelined ``SET NX PX``;
+- one ``claim`` round trip: p50 <= one redis-py ``SET NX`` round trip's p50;
+- 16 client processes at once: aggregate keys/s >= 1.5x one client, with
+  no errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import Out, fmt_ns
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+OPERATIONS = {"claim_many", "claim_latency", "concurrent_clients", "protocol_codec"}
+
+TARGET_BATCH_VS_REDIS = 3.0
+TARGET_CLIENTS = 16
+TARGET_CLIENTS_SPEEDUP = 1.5
+DEFAULT_N = 200_000
+
+
+@dataclass
+class Row:
+    library: str
+    operation: str
+    n_keys: int
+    ns_per_key: float
+    ns_per_key_median: float
+    rounds: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keys_per_s(self) -> float:
+        return 1e9 / self.ns_per_key
+
+    @property
+    def keys_per_s_median(self) -> float:
+        return 1e9 / self.ns_per_key_median
+
+
+def _daemon_rows(data: dict[str, Any]) -> dict[tuple[str, str], Row]:
+    rows: dict[tuple[str, str], Row] = {}
+    for bench in data.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if info.get("operation") not in OPERATIONS or "library" not in info:
+            continue
+        stats = bench["stats"]
+        n = int(info["n_keys"])
+        rows[(info["operation"], info["library"])] = Row(
+            library=info["library"],
+            operation=info["operation"],
+            n_keys=n,
+            ns_per_key=stats["min"] / n * 1e9,
+            ns_per_key_median=stats["median"] / n * 1e9,
+            rounds=int(stats.get("rounds", 0)),
+            extra=info,
+        )
+    return rows
+
+
+def newest_json(directory: Path = RESULTS_DIR) -> Path:
+    """The newest JSON under ``directory`` that holds daemon benchmarks."""
+    for path in sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            if _daemon_rows(json.loads(path.read_text())):
+                return path
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    raise SystemExit(
+        f"no daemon benchmark JSON under {directory}; run PYTHONPATH=. pytest "
+        f"benchmarks/test_daemon.py --benchmark-json={directory / 'daemon.json'} first"
+    )
+
+
+def load(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], Row]]:
+    data = json.loads(path.read_text())
+    return data, _daemon_rows(data)
+
+
+# ------------------------------------------------------------ formatting --
+
+
+def fmt_rate(keys_per_s: float | None) -> str:
+    if keys_per_s is None:
+        return "-"
+    return f"{keys_per_s:,.0f}/s"
+
+
+def fmt_us(us: float | None) -> str:
+    if us is None:
+        return "-"
+    return f"{us:,.0f} µs" if us >= 100 else f"{us:,.1f} µs"
+
+
+def fmt_x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _cfg(rows: dict[tuple[str, str], Row]) -> dict[str, Any]:
+    for r in rows.values():
+        if "daemon_bench" in r.extra:
+            return dict(r.extra["daemon_bench"])
+    return {}
+
+
+def _loads(rows: dict[tuple[str, str], Row]) -> list[float]:
+    return [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
+
+
+def _clients_rows(rows: dict[tuple[str, str], Row]) -> list[Row]:
+    return sorted(
+        (r for (op, _), r in rows.items() if op == "concurrent_clients"),
+        key=lambda r: int(r.extra.get("procs", 0)),
+    )
+
+
+def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
+    cfg = _cfg(rows)
+    loads = _loads(rows)
+    any_row = next(iter(rows.values()))
+    e = any_row.extra
+    out.heading(
+        f"dedupcore daemon benchmarks: N={cfg.get('n', '?'):,} fresh 16-byte keys, batches of "
+        f"{cfg.get('batch', '?')}, {cfg.get('single', '?'):,} single calls x "
+        f"{cfg.get('rounds', '?')} rounds; {e.get('cpus', '?')} CPUs, event loop "
+        f"{e.get('event_loop', '?')}, "
+        + (f"git {e['git_rev']}" if e.get("git_rev") else f"code at {e.get('repo', '?')}")
+        + (" (dirty: " + ", ".join(e["git_dirty"]) + ")" if e.get("git_dirty") else "")
+    )
+    if loads:
+        out.line(
+            f"1-minute load average during the run: {min(loads):.2f} .. {max(loads):.2f} "
+            f"(on {e.get('cpus', '?')} CPUs); only ratios within this run are meaningful."
+        )
+
+    # claim_many --------------------------------------------------------------
+    redis = rows.get(("claim_many", "redis-pipelined"))
+    table = []
+    for lib in ("dedupcore-daemon", "dedupcore-in-process", "redis-pipelined"):
+        r = rows.get(("claim_many", lib))
+        if r is None:
+            continue
+        table.append(
+            [
+                lib,
+                fmt_rate(r.keys_per_s),
+                fmt_rate(r.keys_per_s_median),
+                fmt_ns(r.ns_per_key),
+                fmt_x(redis.ns_per_key / r.ns_per_key if redis else None),
+                f"{r.n_keys:,}",
+                str(r.extra.get("call", "")),
+            ]
+        )
+    if table:
+        out.table(
+            f"claim_many: fresh keys in batches of {cfg.get('batch', '?')} (fastest of "
+            f"{table and rows[('claim_many', table[0][0])].rounds} rounds)",
+            ["library", "keys/s", "median", "ns/key", "keys/s vs redis", "keys", "call"],
+            table,
+            [False, True, True, True, True, True, False],
+        )
+
+    # latency ---------------------------------------------------------------------
+    redis_l = rows.get(("claim_latency", "redis-single"))
+    table = []
+    calls = []
+    for lib in (
+        "dedupcore-daemon-single",
+        "dedupcore-daemon-single-unsafe",
+        "dedupcore-in-process-single",
+        "redis-single",
+    ):
+        r = rows.get(("claim_latency", lib))
+        if r is None:
+            continue
+        calls.append(lib)
+        x = r.extra
+        table.append(
+            [
+                lib,
+                fmt_us(x.get("p50_us")),
+                fmt_us(x.get("p90_us")),
+                fmt_us(x.get("p99_us")),
+                fmt_us(x.get("p999_us")),
+                fmt_us(x.get("mean_us")),
+                fmt_x(x["p50_us"] / redis_l.extra["p50_us"] if redis_l else None),
+                ", ".join(f"{v:,.0f}" for v in x.get("p50_us_per_round", [])),
+                f"{x.get('calls', 0):,}",
+            ]
+        )
+    if table:
+        out.table(
+            "one claim per call: round-trip latency over every timed call of every round",
+            [
+                "library",
+                "p50",
+                "p90",
+                "p99",
+                "p99.9",
+                "mean",
+                "p50 vs redis",
+                "p50/round (µs)",
+                "calls",
+            ],
+            table,
+            [False, True, True, True, True, True, True, True, True],
+        )
+        for lib in calls:
+            out.line(f"  {lib}: {rows[('claim_latency', lib)].extra.get('call', '')}")
+
+    # concurrency ---------------------------------------------------------------
+    crows = _clients_rows(rows)
+    one = next((r for r in crows if r.extra.get("procs") == 1), None)
+    table = []
+    for r in crows:
+        x = r.extra
+        table.append(
+            [
+                str(x.get("procs")),
+                fmt_rate(r.keys_per_s),
+                fmt_rate(r.keys_per_s_median),
+                fmt_rate(x.get("child_span_keys_per_s")),
+                fmt_x(r.keys_per_s / one.keys_per_s if one else None),
+                fmt_x(r.keys_per_s_median / one.keys_per_s_median if one else None),
+                str(x.get("errors", "?")),
+                fmt_ns(x.get("daemon_cpu_event_loop_ns_per_key")),
+                fmt_ns(x.get("daemon_cpu_other_threads_ns_per_key")),
+                f"{x.get('daemon_requests', 0) / max(1, r.rounds):,.0f}",
+            ]
+        )
+    if table:
+        out.table(
+            "client processes at once (spawned, one barrier, each its own slice; same N total)",
+            [
+                "clients",
+                "keys/s",
+                "median",
+                "children's span",
+                "vs 1 (best)",
+                "vs 1 (median)",
+                "errors",
+                "daemon CPU: loop",
+                "daemon CPU: other",
+                "requests/round",
+            ],
+            table,
+            [False, True, True, True, True, True, True, True, True, True],
+        )
+        out.line(
+            "keys/s: N over the time from releasing the barrier to the last child's report; "
+            "children's span: N over first start to last end on the children's clocks. "
+            "daemon CPU per key from /proc: the event-loop thread vs all other threads "
+            "(store calls in the worker pool, background checkpoints)."
+        )
+
+    # where the time goes -------------------------------------------------------
+    daemon = rows.get(("claim_many", "dedupcore-daemon"))
+    inproc = rows.get(("claim_many", "dedupcore-in-process"))
+    c_cli = rows.get(("protocol_codec", "codec-client"))
+    c_dmn = rows.get(("protocol_codec", "codec-daemon"))
+    if daemon:
+        table = []
+        total = daemon.ns_per_key
+        parts = [
+            ("in-process DedupStore.claim_many", inproc, "the store's own work incl. fdatasync"),
+            ("protocol codec, daemon side", c_dmn, "decode_request, claim_row, encode_response"),
+            ("protocol codec, client side", c_cli, "encode_request, decode_response, Claims"),
+        ]
+        known = 0.0
+        for name, r, what in parts:
+            if r is None:
+                continue
+            known += r.ns_per_key
+            table.append([name, fmt_ns(r.ns_per_key), f"{r.ns_per_key / total:.0%}", what])
+        rest = total - known
+        table.append(
+            [
+                "rest: socket, event loop, thread hop",
+                fmt_ns(rest),
+                f"{rest / total:.0%}",
+                "daemon end-to-end minus the rows above (negative: overlap across processes)",
+            ]
+        )
+        table.append(["daemon end-to-end (sync Client)", fmt_ns(total), "100%", ""])
+        x = daemon.extra
+        if "daemon_cpu_ns_per_key" in x:
+            table.append(
+                [
+                    "  daemon CPU, event-loop thread",
+                    fmt_ns(x["daemon_cpu_event_loop_ns_per_key"]),
+                    f"{x['daemon_cpu_event_loop_ns_per_key'] / total:.0%}",
+                    "from /proc (10 ms ticks); reading frames, asyncio, replies",
+                ]
+            )
+            table.append(
+                [
+                    "  daemon CPU, other threads",
+                    fmt_ns(x["daemon_cpu_other_threads_ns_per_key"]),
+                    f"{x['daemon_cpu_other_threads_ns_per_key'] / total:.0%}",
+                    "worker pool: store.claim_many + claim_row; background checkpoints",
+                ]
+            )
+            table.append(
+                [
+                    "  daemon request time (in the pool)",
+                    fmt_ns(x["daemon_request_ns_per_key"]),
+                    f"{x['daemon_request_ns_per_key'] / total:.0%}",
+                    "the daemon's own request_seconds (executor wait + store call)",
+                ]
+            )
+        out.table(
+            "where the daemon's claim_many time goes "
+            f"(per key, batches of {cfg.get('batch', '?')})",
+            ["part", "ns/key", "share", "what"],
+            table,
+            [False, True, True, False],
+        )
+        ds = rows.get(("claim_latency", "dedupcore-daemon-single"))
+        ins = rows.get(("claim_latency", "dedupcore-in-process-single"))
+        if ds and ins:
+            gap = ds.extra["p50_us"] - ins.extra["p50_us"]
+            out.line(
+                f"one claim: daemon p50 {fmt_us(ds.extra['p50_us'])} - in-process store.claim p50 "
+                f"{fmt_us(ins.extra['p50_us'])} = {fmt_us(gap)}"
+                f" per round trip for the socket, the protocol, the event loop and the thread "
+                f"hop; daemon CPU per single claim: event loop "
+                f"{fmt_us(ds.extra.get('daemon_cpu_event_loop_ns_per_key', 0) / 1000)}, other "
+                f"threads {fmt_us(ds.extra.get('daemon_cpu_other_threads_ns_per_key', 0) / 1000)}."
+            )
+        du = rows.get(("claim_latency", "dedupcore-daemon-single-unsafe"))
+        if ds and du:
+            out.line(
+                f"without fdatasync (serve --durability power-loss-unsafe) the daemon's p50 is "
+                f"{fmt_us(du.extra['p50_us'])}: the durable commit costs "
+                f"{fmt_us(ds.extra['p50_us'] - du.extra['p50_us'])} of the "
+                f"{fmt_us(ds.extra['p50_us'])}."
+            )
+
+
+# -------------------------------------------------------------- verdicts --
+
+
+@dataclass
+class Verdict:
+    met: bool | None  # None: not measured
+    text: str
+
+
+def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
+    cfg = _cfg(rows)
+    n = cfg.get("n")
+    note = "" if n in (None, DEFAULT_N) else f"  [run at N={n:,}; the default is {DEFAULT_N:,}]"
+    verdicts: list[Verdict] = []
+
+    d, r = rows.get(("claim_many", "dedupcore-daemon")), rows.get(("claim_many", "redis-pipelined"))
+    if d and r:
+        ratio = d.keys_per_s / r.keys_per_s
+        median = d.keys_per_s_median / r.keys_per_s_median
+        verdicts.append(
+            Verdict(
+                ratio >= TARGET_BATCH_VS_REDIS,
+                f"claim_many through the daemon {fmt_rate(d.keys_per_s)} "
+                f"({fmt_ns(d.ns_per_key)}/key) = {ratio:.2f}x redis-py pipelined SET NX PX "
+                f"{fmt_rate(r.keys_per_s)} ({fmt_ns(r.ns_per_key)}/key); medians {median:.2f}x "
+                f"(target >= {TARGET_BATCH_VS_REDIS:g}x){note}",
+            )
+        )
+    else:
+        verdicts.append(Verdict(None, "claim_many through the daemon vs redis: not measured"))
+
+    d = rows.get(("claim_latency", "dedupcore-daemon-single"))
+    r = rows.get(("claim_latency", "redis-single"))
+    if d and r:
+        dp, rp = d.extra["p50_us"], r.extra["p50_us"]
+        verdicts.append(
+            Verdict(
+                dp <= rp,
+                f"one claim round trip p50 {fmt_us(dp)} (p99 {fmt_us(d.extra['p99_us'])}) vs "
+                f"redis-py SET NX PX p50 {fmt_us(rp)} (p99 {fmt_us(r.extra['p99_us'])}): "
+                f"{dp / rp:.2f}x (target <= 1x)",
+            )
+        )
+    else:
+        verdicts.append(Verdict(None, "one claim round trip vs redis: not measured"))
+
+    crows = _clients_rows(rows)
+    one = next((x for x in crows if x.extra.get("procs") == 1), None)
+    many = max(crows, key=lambda x: int(x.extra.get("procs", 0)), default=None)
+    if one and many and many is not one:
+        procs = int(many.extra["procs"])
+        errors = int(many.extra.get("errors", 0)) + int(one.extra.get("errors", 0))
+        ratio = many.keys_per_s / one.keys_per_s
+        median = many.keys_per_s_median / one.keys_per_s_median
+        pnote = (
+            ""
+            if procs == TARGET_CLIENTS
+            else f"  [run with {procs} clients, the target is for {TARGET_CLIENTS}]"
+        )
+        verdicts.append(
+            Verdict(
+                ratio >= TARGET_CLIENTS_SPEEDUP and errors == 0,
+                f"{procs} client processes {fmt_rate(many.keys_per_s)} = {ratio:.2f}x one client "
+                f"{fmt_rate(one.keys_per_s)}; medians {median:.2f}x; {errors} errors "
+                f"(target >= {TARGET_CLIENTS_SPEEDUP:g}x, no errors){note}{pnote}",
+            )
+        )
+    else:
+        verdicts.append(Verdict(None, "many client processes vs one: not measured"))
+    return verdicts
+
+
+def print_verdicts(out: Out, verdicts: list[Verdict]) -> None:
+    out.heading("targets")
+    for v in verdicts:
+        tag = {True: "MET", False: "MISSED", None: "N/A"}[v.met]
+        style = {True: "green", False: "bold red", None: "yellow"}[v.met]
+        out.line(f"{tag:<7}{v.text}", style=style)
+    met = sum(v.met is True for v in verdicts)
+    out.line(f"\n{met} of {len(verdicts)} targets met")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report_daemon",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="pytest-benchmark JSON (default: newest with daemon benchmarks under "
+        "benchmarks/results/)",
+    )
+    parser.add_argument("--plain", action="store_true", help="plain text even if rich is installed")
+    args = parser.parse_args(argv)
+
+    path = args.json or newest_json()
+    data, rows = load(path)
+    if not rows:
+        raise SystemExit(f"{path}: no daemon benchmarks (benchmarks/test_daemon.py) in it")
+    out = Out(plain=args.plain)
+    out.line(
+        f"source: {path}  ({data.get('datetime', '?')}, "
+        f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')})"
+    )
+    print_tables(out, rows)
+    print_verdicts(out, evaluate(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

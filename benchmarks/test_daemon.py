@@ -1,0 +1,887 @@
+"""``dedupcore serve`` against what users would pick instead (issue 4, "Performance").
+
+Peers, on the same 16-byte keys, in the same run:
+
+- ``claim_many`` through the daemon (sync ``dedupcore.Client``, batches of
+  1000, fresh keys, the store's default ``durability="durable"``: a reply is
+  sent after the fdatasync of the write-ahead log) against redis-py pipelined
+  ``SET key 1 NX PX 30000`` (``pipeline(transaction=False)``, one ``execute``
+  per 1000) on the same keys. For reference, the same batches into an
+  in-process ``DedupStore`` (no socket, no protocol): the difference is what
+  the daemon adds.
+- one ``claim`` round trip, timed call by call with ``perf_counter_ns``
+  (p50/p99), against one redis-py ``SET key 1 NX PX 30000`` round trip; for
+  reference the in-process ``store.claim`` and a daemon started with
+  ``--durability power-loss-unsafe`` (no fdatasync; the local Redis persists
+  nothing either).
+- P client processes at once (``multiprocessing`` "spawn", default 16, each
+  claiming its own slice of the fresh keys in batches of 1000, all released
+  by one barrier once connected) against one client process alone with the
+  same total keys, through the same harness: aggregate keys/s. Errors in
+  the children are counted and must be zero (a correctness check).
+- ``codec-client`` / ``codec-daemon``: the protocol work (msgpack, Claim
+  objects) of claim_many on each side, with no socket and no store (where
+  the daemon's time goes, next to the in-process store).
+
+Every round of a daemon benchmark gets a fresh daemon (``python -m dedupcore
+serve``) on a fresh data directory, started in the untimed setup; the
+round's outcomes (all NEW), the daemon's own request time and the CPU of its
+threads (event loop vs the rest, from /proc) are read before it is stopped.
+Redis uses db ``DEDUPCORE_BENCH_DAEMON_REDIS_DB`` (11), FLUSHDB'd before
+every round.
+
+Sizes come from the environment::
+
+    DEDUPCORE_BENCH_DAEMON_N       keys of the claim_many and concurrency benchmarks (200_000)
+    DEDUPCORE_BENCH_DAEMON_SINGLE  timed single claims per round of the latency benchmark (5000)
+    DEDUPCORE_BENCH_DAEMON_PROCS   client processes of the concurrency benchmark (16)
+    DEDUPCORE_BENCH_DAEMON_BATCH   keys per batch (1000)
+    DEDUPCORE_BENCH_DAEMON_ROUNDS  rounds of each benchmark (3)
+    DEDUPCORE_BENCH_DAEMON_DIR     where temporary daemons go (the system temp dir; keep it short)
+    DEDUPCORE_BENCH_REDIS_URL      redis://127.0.0.1:6379
+    DEDUPCORE_BENCH_DAEMON_REDIS_DB  Redis db to use and FLUSHDB (11)
+
+Every benchmark stores ``library``, ``operation``, ``n_keys``, ``call`` and
+its figures (``ns_per_key``, ``keys_per_s``, ``p50_us``/``p99_us``...) in
+``extra_info``; ``python -m benchmarks.report_daemon`` prints the table and
+the verdicts. Only correctness is asserted (outcomes, zero errors), never
+timings.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.conftest import CONFIG, _env_int, random_keys
+
+NS = "bench/daemon"
+REPO = Path(__file__).resolve().parent.parent
+WARMUP = 500  # untimed single calls before the latency measurement
+START_TIMEOUT = 60.0  # seconds for a daemon to answer ping / children to reach the barrier
+CHILD_TIMEOUT = 600.0  # seconds for all children to report
+
+
+@dataclass(frozen=True)
+class DaemonBenchConfig:
+    n: int
+    single: int
+    procs: int
+    batch: int
+    rounds: int
+    seed: int
+    px_ms: int
+    redis_url: str
+    redis_db: int
+    tmp_dir: str
+
+
+DCFG = DaemonBenchConfig(
+    n=_env_int("DEDUPCORE_BENCH_DAEMON_N", 200_000),
+    single=_env_int("DEDUPCORE_BENCH_DAEMON_SINGLE", 5000),
+    procs=_env_int("DEDUPCORE_BENCH_DAEMON_PROCS", 16),
+    batch=_env_int("DEDUPCORE_BENCH_DAEMON_BATCH", 1000),
+    rounds=_env_int("DEDUPCORE_BENCH_DAEMON_ROUNDS", 3),
+    seed=CONFIG.seed,
+    px_ms=30_000,
+    redis_url=os.environ.get("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"),
+    redis_db=int(os.environ.get("DEDUPCORE_BENCH_DAEMON_REDIS_DB", "11")),
+    tmp_dir=os.environ.get("DEDUPCORE_BENCH_DAEMON_DIR", "") or tempfile.gettempdir(),
+)
+
+CALLS = {
+    "dedupcore-daemon": "Client(sock).claim_many(keys[i:i+B], namespace=ns)  "
+    "(durability='durable')",
+    "dedupcore-in-process": "DedupStore.open(d).claim_many(keys[i:i+B], namespace=ns)  "
+    "(durability='durable', no daemon)",
+    "redis-pipelined": "pipe=r.pipeline(transaction=False); pipe.set(k,1,nx=True,px=30000)×B; "
+    "pipe.execute()",
+    "dedupcore-daemon-single": "Client(sock).claim(k, namespace=ns)  (one round trip)",
+    "dedupcore-daemon-single-unsafe": "Client(sock).claim(k, namespace=ns)  "
+    "(serve --durability power-loss-unsafe: no fdatasync, like this Redis)",
+    "dedupcore-in-process-single": "store.claim(k, namespace=ns)  (no daemon)",
+    "redis-single": "r.set(k, 1, nx=True, px=30000)  (one round trip)",
+    "clients": "P spawn processes, each Client(sock).claim_many(slice[i:i+B]) after one barrier",
+    "codec-client": "key_list + claim_args + encode_request; decode_response + "
+    "claims_from_rows  (per batch of B, no socket)",
+    "codec-daemon": "decode_request; [claim_row(c) for c in claims] + encode_response  "
+    "(per batch of B, no socket, no store)",
+}
+
+
+def _provenance() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "repo": str(REPO)}
+    try:
+        info["git_rev"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "dedupcore", "ext"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        info["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        info["event_loop"] = "asyncio"
+    else:
+        info["event_loop"] = "uvloop"
+    return info
+
+
+_LOAD_AT_START: list[float] = []
+
+
+@pytest.fixture(autouse=True)
+def _load_average() -> None:
+    """The 1-minute load average when each benchmark starts (a noisy-machine hint)."""
+    _LOAD_AT_START[:] = [os.getloadavg()[0]]
+
+
+def _record(
+    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
+) -> None:
+    info = benchmark.extra_info
+    info.update(
+        library=library,
+        operation=operation,
+        n_keys=n_keys,
+        call=call,
+        daemon_bench=asdict(DCFG),
+        loadavg_1min=[*_LOAD_AT_START, os.getloadavg()[0]],
+        cpus=os.cpu_count(),
+        **_provenance(),
+        **extra,
+    )
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    if stats is not None and n_keys:
+        info["ns_per_key"] = stats.min / n_keys * 1e9
+        info["ns_per_key_median"] = stats.median / n_keys * 1e9
+        info["keys_per_s"] = n_keys / stats.min
+        info["keys_per_s_median"] = n_keys / stats.median
+
+
+def _latency_figures(samples_ns: list[int]) -> dict[str, float]:
+    s = sorted(samples_ns)
+    n = len(s)
+
+    def pct(p: float) -> float:
+        return s[min(n - 1, int(p * n))] / 1000
+
+    return {
+        "calls": n,
+        "p50_us": pct(0.50),
+        "p90_us": pct(0.90),
+        "p99_us": pct(0.99),
+        "p999_us": pct(0.999),
+        "max_us": s[-1] / 1000,
+        "mean_us": statistics.fmean(s) / 1000,
+    }
+
+
+# ---------------------------------------------------------------- keys --
+
+
+@pytest.fixture(scope="module")
+def daemon_keys() -> list[bytes]:
+    """N fresh 16-byte keys, shared by the claim_many and concurrency benchmarks."""
+    keys = random_keys(DCFG.n, DCFG.seed + 20)
+    yield keys
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def single_keys() -> list[bytes]:
+    """WARMUP + SINGLE keys of the latency benchmark."""
+    return random_keys(WARMUP + DCFG.single, DCFG.seed + 21)
+
+
+# -------------------------------------------------------------- daemon --
+
+
+def _cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+class Daemon:
+    """One ``python -m dedupcore serve`` subprocess on a fresh data directory."""
+
+    def __init__(self, durability: str = "durable") -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))  # 0700
+        self.socket = str(self.root / "d.sock")
+        self.data = self.root / "data"
+        self.log = self.root / "daemon.log"
+        self.clients: list[Any] = []
+        path = [str(REPO), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dedupcore",
+                    "serve",
+                    "--data",
+                    str(self.data),
+                    "--socket",
+                    self.socket,
+                    "--durability",
+                    durability,
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+            )
+        self._wait_ready()
+        self.cpu_start = _cpu_seconds(self.proc.pid)
+
+    def _wait_ready(self) -> None:
+        from dedupcore.client import Client
+        from dedupcore.errors import UnavailableError
+
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                tail = self._tail()
+                self.stop()
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {tail}")
+            try:
+                with Client(self.socket, timeout=2.0, retries=0) as c:
+                    if c.ping():
+                        return
+            except (UnavailableError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                tail = self._tail()
+                self.stop()
+                raise RuntimeError(f"the daemon did not answer within {START_TIMEOUT} s: {tail}")
+            time.sleep(0.02)
+
+    def _tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def client(self) -> Any:
+        """A connected client (the connection is made here, outside any timing)."""
+        from dedupcore.client import Client
+
+        c = Client(self.socket)
+        self.clients.append(c)
+        assert c.ping()
+        return c
+
+    def finish(self) -> dict[str, Any]:
+        """The round's figures: outcomes, daemon request counters and CPU by thread."""
+        cpu_end = _cpu_seconds(self.proc.pid)
+        with self.client() as c:
+            st = c.stats()
+        pid = self.proc.pid
+        loop_cpu = cpu_end.get(pid, 0.0) - self.cpu_start.get(pid, 0.0)
+        other_cpu = sum(cpu_end.values()) - sum(self.cpu_start.values()) - loop_cpu
+        counts = st["namespaces"].get(NS, {})
+        d = st.get("daemon", {})
+        return {
+            "outcomes": {k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")},
+            "requests": d.get("requests", 0),
+            "request_seconds": d.get("request_seconds", 0.0),
+            "errors": d.get("errors", 0) + d.get("protocol_errors", 0),
+            "checkpoints": st.get("checkpoints"),
+            "cpu_event_loop_s": loop_cpu,
+            "cpu_other_threads_s": other_cpu,
+            "threads": len(cpu_end),
+        }
+
+    def stop(self) -> None:
+        # Close our connections first: the daemon's drain on SIGTERM waits
+        # for open connections (up to its 30 s drain timeout when one idles).
+        while self.clients:
+            self.clients.pop().close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Rounds:
+    """A fresh daemon per round; the previous round's figures are read before it stops."""
+
+    def __init__(self, durability: str = "durable") -> None:
+        self.durability = durability
+        self.daemon: Daemon | None = None
+        self.figures: list[dict[str, Any]] = []
+
+    def fresh(self) -> Daemon:
+        self.close()
+        self.daemon = Daemon(self.durability)
+        return self.daemon
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            try:
+                self.figures.append(self.daemon.finish())
+            finally:
+                self.daemon.stop()
+                self.daemon = None
+
+    def summary(self, keys_per_round: int) -> dict[str, Any]:
+        """Per-key daemon figures of the measured rounds (all rounds here)."""
+        if not self.figures:
+            return {}
+        req = sum(f["requests"] for f in self.figures)
+        req_s = sum(f["request_seconds"] for f in self.figures)
+        loop = sum(f["cpu_event_loop_s"] for f in self.figures)
+        other = sum(f["cpu_other_threads_s"] for f in self.figures)
+        keys = keys_per_round * len(self.figures)
+        return {
+            "daemon_rounds": self.figures,
+            "daemon_requests": req,
+            "daemon_request_ns_per_key": req_s / keys * 1e9,
+            "daemon_cpu_event_loop_ns_per_key": loop / keys * 1e9,
+            "daemon_cpu_other_threads_ns_per_key": other / keys * 1e9,
+            "daemon_cpu_ns_per_key": (loop + other) / keys * 1e9,
+        }
+
+
+def _check_outcomes(rounds: Rounds, n: int) -> None:
+    for f in rounds.figures:
+        assert f["outcomes"] == {"new": n, "duplicate": 0, "in_progress": 0}, f
+        assert f["errors"] == 0, f
+
+
+# --------------------------------------------------------------- redis --
+
+
+@pytest.fixture(scope="module")
+def redis_client() -> Any:
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(DCFG.redis_url, db=DCFG.redis_db)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {DCFG.redis_url}: {exc}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def _redis_info(client: Any) -> dict[str, Any]:
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        HIREDIS_AVAILABLE = False
+    persistence = client.info("persistence")
+    return {
+        "redis_version": client.info("server").get("redis_version"),
+        "redis_aof_enabled": persistence.get("aof_enabled"),
+        "redis_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
+    }
+
+
+# ------------------------------------------------------------ the calls --
+
+
+def redis_claim_batches(client: Any, keys: list[bytes], batch: int, px: int) -> int:
+    """Pipelined SET NX PX per batch; returns how many keys were new."""
+    fresh = 0
+    for i in range(0, len(keys), batch):
+        pipe = client.pipeline(transaction=False)
+        set_ = pipe.set
+        for k in keys[i : i + batch]:
+            set_(k, 1, nx=True, px=px)
+        fresh += pipe.execute().count(True)
+    return fresh
+
+
+def dedupcore_claim_batches(api: Any, keys: list[bytes], batch: int) -> None:
+    """``claim_many`` per batch (a Client or a DedupStore; outcomes checked from stats())."""
+    claim_many = api.claim_many
+    for i in range(0, len(keys), batch):
+        claim_many(keys[i : i + batch], namespace=NS)
+
+
+def timed_singles(call: Callable[[bytes], Any], keys: list[bytes]) -> list[int]:
+    """One call per key, each timed with perf_counter_ns."""
+    clock = time.perf_counter_ns
+    out = []
+    append = out.append
+    for k in keys:
+        t0 = clock()
+        call(k)
+        append(clock() - t0)
+    return out
+
+
+# ----------------------------------------------- claim_many, batches of B --
+
+BATCH_PEERS = ["dedupcore-daemon", "redis-pipelined", "dedupcore-in-process"]
+
+
+@pytest.mark.parametrize("name", BATCH_PEERS)
+def test_claim_many(
+    benchmark: Any, request: pytest.FixtureRequest, daemon_keys: list[bytes], name: str
+) -> None:
+    """claim_many of N fresh keys in batches of B (a fresh daemon/store/db per round)."""
+    benchmark.group = "daemon_claim_many"
+    n, batch = len(daemon_keys), DCFG.batch
+    extra: dict[str, Any] = {}
+    if name == "dedupcore-daemon":
+        rounds = Rounds()
+        try:
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                client = rounds.fresh().client()
+                return (client, daemon_keys, batch), {}
+
+            benchmark.pedantic(
+                dedupcore_claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1
+            )
+        finally:
+            rounds.close()
+        _check_outcomes(rounds, n)
+        extra.update(rounds.summary(n))
+    elif name == "dedupcore-in-process":
+        from dedupcore.store import DedupStore
+
+        stores: list[tuple[Any, Path]] = []
+        outcomes: list[dict[str, int]] = []
+
+        def close_store() -> None:
+            while stores:
+                store, root = stores.pop()
+                counts = store.stats()["namespaces"].get(NS, {})
+                outcomes.append({k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")})
+                store.close()
+                shutil.rmtree(root, ignore_errors=True)
+
+        try:
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                close_store()
+                root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))
+                store = DedupStore.open(root / "data")
+                stores.append((store, root))
+                return (store, daemon_keys, batch), {}
+
+            benchmark.pedantic(
+                dedupcore_claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1
+            )
+        finally:
+            close_store()
+        for o in outcomes:
+            assert o == {"new": n, "duplicate": 0, "in_progress": 0}, o
+    else:
+        client = request.getfixturevalue("redis_client")
+        results: list[int] = []
+
+        def run(*args: Any) -> int:
+            fresh = redis_claim_batches(*args)
+            results.append(fresh)
+            return fresh
+
+        def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            client.flushdb()
+            client.ping()
+            return (client, daemon_keys, batch, DCFG.px_ms), {}
+
+        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        assert results == [n] * DCFG.rounds, results
+        extra.update(_redis_info(client))
+        client.flushdb()
+    _record(
+        benchmark,
+        library=name,
+        operation="claim_many",
+        n_keys=n,
+        call=CALLS[name],
+        batch=batch,
+        **extra,
+    )
+
+
+# ------------------------------------------------ one claim, round trip --
+
+SINGLE_PEERS = [
+    "dedupcore-daemon-single",
+    "redis-single",
+    "dedupcore-in-process-single",
+    "dedupcore-daemon-single-unsafe",
+]
+
+
+@pytest.mark.parametrize("name", SINGLE_PEERS)
+def test_claim_latency(
+    benchmark: Any, request: pytest.FixtureRequest, single_keys: list[bytes], name: str
+) -> None:
+    """SINGLE single claims per round, each timed; p50/p99 over all rounds' calls."""
+    benchmark.group = "daemon_claim_latency"
+    warm, timed = single_keys[:WARMUP], single_keys[WARMUP:]
+    samples: list[int] = []
+    extra: dict[str, Any] = {}
+    per_round_p50: list[float] = []
+
+    def run(call: Callable[[bytes], Any], keys: list[bytes]) -> None:
+        lat = timed_singles(call, keys)
+        samples.extend(lat)
+        per_round_p50.append(_latency_figures(lat)["p50_us"])
+
+    if name.startswith("dedupcore-daemon-single"):
+        from dedupcore.api import Outcome
+
+        unsafe = name.endswith("-unsafe")
+        rounds = Rounds("power-loss-unsafe" if unsafe else "durable")
+        extra["durability"] = rounds.durability
+        new_counts: list[int] = []
+
+        def claim_call(client: Any) -> Callable[[bytes], Any]:
+            claim = client.claim
+
+            def call(k: bytes) -> Any:
+                return claim(k, namespace=NS)
+
+            return call
+
+        try:
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                client = rounds.fresh().client()
+                call = claim_call(client)
+                new_counts.append(sum(call(k).outcome is Outcome.NEW for k in warm))
+                return (call, timed), {}
+
+            benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        finally:
+            rounds.close()
+        assert new_counts == [WARMUP] * DCFG.rounds
+        _check_outcomes(rounds, len(single_keys))
+        extra.update(rounds.summary(len(single_keys)))
+    elif name == "dedupcore-in-process-single":
+        from dedupcore.store import DedupStore
+
+        stores: list[tuple[Any, Path]] = []
+        outcomes: list[dict[str, int]] = []
+
+        def close_store() -> None:
+            while stores:
+                store, root = stores.pop()
+                counts = store.stats()["namespaces"].get(NS, {})
+                outcomes.append({k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")})
+                store.close()
+                shutil.rmtree(root, ignore_errors=True)
+
+        try:
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                close_store()
+                root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))
+                store = DedupStore.open(root / "data")
+                stores.append((store, root))
+                claim = store.claim
+
+                def call(k: bytes) -> Any:
+                    return claim(k, namespace=NS)
+
+                for k in warm:
+                    call(k)
+                return (call, timed), {}
+
+            benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        finally:
+            close_store()
+        for o in outcomes:
+            assert o == {"new": len(single_keys), "duplicate": 0, "in_progress": 0}, o
+    else:
+        client = request.getfixturevalue("redis_client")
+        set_ = client.set
+        px = DCFG.px_ms
+        sizes: list[int] = []  # keys in the db after each round: every SET NX created one
+
+        def call(k: bytes) -> Any:
+            return set_(k, 1, nx=True, px=px)
+
+        def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if per_round_p50:  # a round ran: check it before flushing
+                sizes.append(int(client.dbsize()))
+            client.flushdb()
+            assert all(call(k) is True for k in warm)
+            return (call, timed), {}
+
+        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        sizes.append(int(client.dbsize()))
+        assert sizes == [len(single_keys)] * DCFG.rounds, sizes
+        extra.update(_redis_info(client))
+        client.flushdb()
+    extra.update(_latency_figures(samples))
+    extra["p50_us_per_round"] = per_round_p50
+    _record(
+        benchmark,
+        library=name,
+        operation="claim_latency",
+        n_keys=len(timed),
+        call=CALLS[name],
+        **extra,
+    )
+
+
+# ----------------------------------------------- P client processes at once --
+
+
+def _child(
+    socket_path: str,
+    blob: bytes,
+    batch: int,
+    barrier: Any,
+    results: Any,
+    index: int,
+) -> None:
+    """One client process: connect, wait on the barrier, claim its slice, report."""
+    report: dict[str, Any] = {"index": index, "errors": 0, "new": 0, "keys": 0, "first_error": None}
+    try:
+        from dedupcore.api import Outcome
+        from dedupcore.client import Client
+
+        keys = [blob[i : i + 16] for i in range(0, len(blob), 16)]
+        report["keys"] = len(keys)
+        client = Client(socket_path)
+        client.ping()
+        barrier.wait()
+        start = time.perf_counter()
+        new = 0
+        NEW = Outcome.NEW
+        for i in range(0, len(keys), batch):
+            try:
+                claims = client.claim_many(keys[i : i + batch], namespace=NS)
+            except Exception as exc:
+                report["errors"] += 1
+                if report["first_error"] is None:
+                    report["first_error"] = repr(exc)
+                continue
+            new += sum(c.outcome is NEW for c in claims)
+        report.update(start=start, end=time.perf_counter(), new=new)
+        client.close()
+    except BaseException as exc:  # reported, never lost
+        report["errors"] += 1
+        report["first_error"] = report["first_error"] or repr(exc)
+        barrier.abort()
+    results.put(report)
+
+
+class Clients:
+    """P spawned client processes waiting on a barrier, with their slices of the keys."""
+
+    def __init__(self, socket_path: str, keys: list[bytes], procs: int, batch: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.barrier = ctx.Barrier(procs + 1)
+        self.results = ctx.Queue()
+        self.procs = []
+        step = -(-len(keys) // procs)
+        for i in range(procs):
+            blob = b"".join(keys[i * step : (i + 1) * step])
+            p = ctx.Process(
+                target=_child,
+                args=(socket_path, blob, batch, self.barrier, self.results, i),
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        deadline = time.monotonic() + START_TIMEOUT
+        while self.barrier.n_waiting < procs:
+            if self.barrier.broken or any(p.exitcode is not None for p in self.procs):
+                raise RuntimeError(f"a client process failed to start: {self._drain()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"client processes not ready within {START_TIMEOUT} s")
+            time.sleep(0.01)
+
+    def _drain(self) -> list[Any]:
+        out = []
+        while not self.results.empty():
+            out.append(self.results.get_nowait())
+        return out
+
+    def run(self) -> list[dict[str, Any]]:
+        """Releases the barrier and waits for every child's report (the timed part)."""
+        self.barrier.wait()
+        return [self.results.get(timeout=CHILD_TIMEOUT) for _ in self.procs]
+
+    def join(self) -> list[int | None]:
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        return [p.exitcode for p in self.procs]
+
+
+@pytest.mark.parametrize("procs", sorted({1, DCFG.procs}), ids=lambda p: f"clients-{p}")
+def test_concurrent_clients(benchmark: Any, daemon_keys: list[bytes], procs: int) -> None:
+    """N fresh keys claimed by P client processes at once (batches of B), same harness for P=1."""
+    benchmark.group = "daemon_concurrent_clients"
+    n, batch = len(daemon_keys), DCFG.batch
+    rounds = Rounds()
+    reports: list[list[dict[str, Any]]] = []
+    exitcodes: list[list[int | None]] = []
+    live: list[Clients] = []
+
+    def finish_clients() -> None:
+        while live:
+            exitcodes.append(live.pop().join())
+
+    def run(clients: Clients) -> None:
+        reports.append(clients.run())
+
+    try:
+
+        def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            finish_clients()
+            daemon = rounds.fresh()
+            clients = Clients(daemon.socket, daemon_keys, procs, batch)
+            live.append(clients)
+            return (clients,), {}
+
+        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        finish_clients()
+    finally:
+        for clients in live:
+            for p in clients.procs:
+                p.kill()
+        finish_clients()
+        rounds.close()
+
+    errors = sum(r["errors"] for rs in reports for r in rs)
+    first = [r["first_error"] for rs in reports for r in rs if r["first_error"]]
+    assert errors == 0, f"{errors} errors in client processes, e.g. {first[:3]}"
+    assert all(code == 0 for codes in exitcodes for code in codes), exitcodes
+    for rs in reports:
+        assert sum(r["new"] for r in rs) == n
+        assert sum(r["keys"] for r in rs) == n
+    _check_outcomes(rounds, n)
+
+    # Throughput from the children's own clocks (first start to last end), per round.
+    spans = [max(r["end"] for r in rs) - min(r["start"] for r in rs) for rs in reports]
+    _record(
+        benchmark,
+        library=f"clients-{procs}",
+        operation="concurrent_clients",
+        n_keys=n,
+        call=CALLS["clients"],
+        procs=procs,
+        batch=batch,
+        errors=errors,
+        child_span_s=spans,
+        child_span_keys_per_s=n / min(spans),
+        child_keys_per_s=[
+            [r["keys"] / (r["end"] - r["start"]) for r in sorted(rs, key=lambda r: r["index"])]
+            for rs in reports
+        ],
+        **rounds.summary(n),
+    )
+
+
+# --------------------------------------------------- where the time goes --
+
+
+def codec_client(keys: list[bytes], batch: int, reply_body: bytes) -> None:
+    """The client's protocol work per batch: encode the request, decode the reply into Claims."""
+    from dedupcore.daemon import protocol
+    from dedupcore.daemon.protocol import Op
+
+    for rid, i in enumerate(range(0, len(keys), batch), 1):
+        keys_ = protocol.key_list(keys[i : i + batch])
+        args = protocol.claim_args(NS, keys_, None, None, None)
+        protocol.encode_request(rid, Op.CLAIM_MANY, args)
+        _, _, payload = protocol.decode_response(reply_body)
+        protocol.claims_from_rows(keys_, NS, payload)
+
+
+def codec_daemon(bodies: list[bytes], claims: list[Any]) -> None:
+    """The daemon's protocol work per batch: decode the request, encode the store's Claims."""
+    from dedupcore.daemon import protocol
+
+    claim_row = protocol.claim_row
+    for body in bodies:
+        req = protocol.decode_request(body)
+        n = len(req.args["keys"])
+        protocol.encode_response(req.request_id, [claim_row(c) for c in claims[:n]])
+
+
+@pytest.mark.parametrize("side", ["client", "daemon"])
+def test_protocol_codec(benchmark: Any, daemon_keys: list[bytes], side: str) -> None:
+    """msgpack and Claim work of claim_many on one side, N keys in batches, no socket or store."""
+    from dedupcore.api import Claim, Outcome
+    from dedupcore.daemon import protocol
+    from dedupcore.daemon.protocol import Op
+
+    benchmark.group = "daemon_phase"
+    n, batch = len(daemon_keys), DCFG.batch
+    hdr = protocol.HEADER.size
+    # What the store returns for fresh keys: NEW claims with large fencing tokens.
+    claims = [Claim(k, NS, Outcome.NEW, (1 << 40) + i) for i, k in enumerate(daemon_keys[:batch])]
+    if side == "client":
+        reply = protocol.encode_response(7, [protocol.claim_row(c) for c in claims])
+        args: tuple[Any, ...] = (daemon_keys, batch, reply[hdr:])
+        run: Callable[..., None] = codec_client
+    else:
+        bodies = [
+            protocol.encode_request(
+                rid,
+                Op.CLAIM_MANY,
+                protocol.claim_args(NS, daemon_keys[i : i + batch], None, None, None),
+            )[hdr:]
+            for rid, i in enumerate(range(0, n, batch), 1)
+        ]
+        args = (bodies, claims)
+        run = codec_daemon
+    benchmark.pedantic(run, args=args, rounds=DCFG.rounds, iterations=1)
+    _record(
+        benchmark,
+        library=f"codec-{side}",
+        operation="protocol_codec",
+        n_keys=n,
+        call=CALLS[f"codec-{side}"],
+        batch=batch,
+    )
