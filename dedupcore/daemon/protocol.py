@@ -260,10 +260,17 @@ def claims_from_rows(keys: list[Any], namespace: str, rows: Any) -> list[Claim]:
     """The claims of a CLAIM_MANY reply, in key order."""
     if not isinstance(rows, list) or len(rows) != len(keys):
         raise FrameError("claim reply does not match the request")
-    return [
-        Claim(k, namespace, Outcome(row[0]), row[1], row[2], row[3], row[4])
-        for k, row in zip(keys, rows, strict=True)
-    ]
+    outcomes = _OUTCOMES  # a dict lookup: calling the Enum per key costs more than the rest
+    try:
+        return [
+            Claim(k, namespace, outcomes[row[0]], row[1], row[2], row[3], row[4])
+            for k, row in zip(keys, rows, strict=True)
+        ]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise FrameError(f"malformed claim reply: {exc!r}") from None
+
+
+_OUTCOMES = {o.value: o for o in Outcome}
 
 
 def record_map(r: KeyRecord | None) -> dict[str, Any] | None:
