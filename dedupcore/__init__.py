@@ -3,6 +3,7 @@
 from dedupcore._core import hash64, shard_many, shard_of
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomFilter, BloomRing
+from dedupcore.client import Client
 from dedupcore.config import Retention, StoreConfig
 from dedupcore.store import DedupStore
 
@@ -10,6 +11,7 @@ __all__ = [
     "BloomFilter",
     "BloomRing",
     "Claim",
+    "Client",
     "DedupStore",
     "InProgressError",
     "KeyRecord",
