@@ -710,9 +710,13 @@ class DedupStore(ClaimAPI):
                 with self._lock:
                     # Later records go to a new segment, so the old ones can be dropped whole.
                     self._wal.rotate()
-                    # Keys that stay in flight must not age out of the front filter.
-                    if self._inflight:
-                        self._front.add_many(_keys.front_hashes(list(self._inflight)), time.time())
+                    # Keys that stay in flight must not age out of the front filter:
+                    # those claimed more than half a front window ago go in again.
+                    now_w = time.time()
+                    old = now_w - self._front_window() / 2
+                    aged = [d for d, r in self._inflight.items() if r.updated < old]
+                    if aged:
+                        self._front.add_many(_keys.front_hashes(aged), now_w)
                     # The front is saved before LMDB records the checkpoint, so a
                     # saved front holds every key LMDB holds.
                     self._front.save()
@@ -749,6 +753,7 @@ class DedupStore(ClaimAPI):
         """
         self._check_usable(write=True)
         now_w = time.time() if now is None else float(now)
+        self._release_abandoned(now_w)
         self._checkpoint()
         demoted = 0
         while True:
@@ -784,6 +789,37 @@ class DedupStore(ClaimAPI):
             self._stats.demoted += demoted
             self._last_sweep = time.monotonic()
         return demoted
+
+    def _release_abandoned(self, now_w: float) -> None:
+        """Releases PROCESSING records older than their exact window whose lease ran out.
+
+        Their owner is gone and no redelivery claimed them again; a tombstone
+        (durable, through the log) keeps the token growing and lets retention
+        remove the key like any other.
+        """
+        now_m = time.monotonic()
+        with self._lock:
+            writes = [
+                (
+                    d,
+                    Record(
+                        State.RELEASED,
+                        r.ns_id,
+                        r.token,
+                        r.created,
+                        now_w,
+                        r.lease,
+                        r.owner,
+                        r.fingerprint,
+                        None,
+                    ),
+                )
+                for d, r in self._inflight.items()
+                if r.deadline <= now_m
+                and r.updated + self._retention(r.ns_id).exact_window <= now_w
+            ]
+            last = self._log(writes)
+        self._sync(last)
 
     def _background(self) -> None:
         """Checkpoints and sweeps on the configured cadence."""

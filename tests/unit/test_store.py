@@ -318,3 +318,21 @@ def test_threads_claiming_the_same_keys_get_one_new_each(store: DedupStore) -> N
     for t in threads:
         t.join()
     assert sum(new_counts) == len(keys)
+
+
+def test_sweep_releases_abandoned_claims(tmp_path: Path) -> None:
+    policy = Retention(exact_window=100.0, cold_window=1000.0)
+    with DedupStore.open(tmp_path / "data", retention=policy) as s:
+        gone = s.claim("gone", namespace=NS, lease=0.01)
+        live = s.claim("live", namespace=NS, lease=3600.0)
+        time.sleep(0.05)
+        now = time.time()
+        s.sweep(now=now + 50)  # not yet older than the exact window
+        assert s.get("gone", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+        s.sweep(now=now + 200)
+        # The abandoned claim became a tombstone; the held lease was left alone.
+        assert s.get("gone", namespace=NS).state is State.RELEASED  # type: ignore[union-attr]
+        assert s.get("live", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+        again = s.claim("gone", namespace=NS)
+        assert again.outcome is Outcome.NEW and again.token == gone.token + 1
+        s.complete("live", live.token, namespace=NS)
