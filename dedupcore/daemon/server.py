@@ -33,10 +33,12 @@ import signal
 import socket
 import stat
 import struct
+import sys
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
@@ -45,11 +47,25 @@ from dedupcore.store import DedupStore
 
 __all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
 
+T = TypeVar("T")
+
 log = logging.getLogger("dedupcore.daemon")
 
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: Ops answered on the event loop itself (they neither block nor touch the log).
+_INLINE_OPS = frozenset({Op.PING})
+
+
+async def _within(aw: Awaitable[T], seconds: float) -> T:
+    """Awaits with a deadline; ``asyncio.timeout`` where available (no extra task)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover
+
+
 #: After SIGTERM, a connection that sends nothing for this long is closed.
 _DRAIN_QUIET = 0.2
 
@@ -272,7 +288,7 @@ class DaemonServer:
                 assert me is not None
                 self._idle.add(me)
                 try:
-                    header = await asyncio.wait_for(reader.readexactly(4), wait)
+                    header = await _within(reader.readexactly(4), wait)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
                 finally:
@@ -287,7 +303,7 @@ class DaemonServer:
                         await writer.drain()
                     return
                 try:
-                    body = await asyncio.wait_for(reader.readexactly(length), self.request_timeout)
+                    body = await _within(reader.readexactly(length), self.request_timeout)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
                 await slots.acquire()
@@ -312,12 +328,16 @@ class DaemonServer:
             request = protocol.decode_request(body)
             request_id = request.request_id
             self.counters["requests"] += 1
-            loop = asyncio.get_running_loop()
             started = time.perf_counter()
-            result = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
-                self.request_timeout,
-            )
+            if request.op in _INLINE_OPS:
+                # Nothing to wait for: answer on the event loop, no thread hop.
+                result = self._dispatch(request.op, request.args)
+            else:
+                loop = asyncio.get_running_loop()
+                result = await _within(
+                    loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                    self.request_timeout,
+                )
             self._commit_seconds += time.perf_counter() - started
             reply = protocol.encode_response(request_id, result)
         except FrameError as exc:
