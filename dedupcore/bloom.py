@@ -411,6 +411,7 @@ def _read_exact(fh: BinaryIO, target: memoryview, source: str) -> None:
 
 GROWTH_TIGHTENING = 0.5  # each grown sub-filter gets half the previous error budget
 GROWTH_FACTOR = 2  # and twice the previous capacity
+RATE_HEADROOM = 1.25  # a new slice expects the previous slice's keys plus a quarter
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 1
 
@@ -450,7 +451,9 @@ class BloomRing:
     whole meets it. A slice expecting ``slice_capacity`` keys that receives
     more grows a sub-filter with twice the capacity and half the error budget
     (a scalable Bloom filter), so an overfull slice never silently exceeds its
-    rate.
+    rate. Each new slice is sized for the keys the previous one received
+    (plus a quarter) when that is more than ``slice_capacity``, so a steady
+    stream settles into one filter per slice.
 
     With ``path``, slices persist as filter files in that directory: a slice
     is saved and reopened memory-mapped when a newer slice replaces it as the
@@ -509,23 +512,29 @@ class BloomRing:
         if self._slices and bucket <= self._slices[-1].bucket:
             # Late keys go to the head, the slice that lives longest.
             return self._slices[-1]
+        base = self.slice_capacity
         if self._slices:
-            self._seal(self._slices[-1])
+            previous = self._slices[-1]
+            self._seal(previous)
+            # Size the new slice for the rate the last one saw, so a steady
+            # stream fills one filter instead of a chain of grown ones.
+            seen = sum(f.count for f in previous.filters)
+            base = max(base, math.ceil(seen * RATE_HEADROOM))
         head = _Slice(bucket)
-        head.filters.append(self._subfilter(0))
+        head.filters.append(self._subfilter(0, base))
         self._slices.append(head)
         self.expire(now)
         return head
 
-    def _subfilter(self, index: int) -> BloomFilter:
-        capacity = self.slice_capacity * GROWTH_FACTOR**index
+    def _subfilter(self, index: int, base: int) -> BloomFilter:
+        capacity = base * GROWTH_FACTOR**index
         budget = self.slice_error_rate * (1 - GROWTH_TIGHTENING) * GROWTH_TIGHTENING**index
         return BloomFilter(capacity, budget, seed=self.seed)
 
     def _target(self, head: _Slice) -> BloomFilter:
         target = head.filters[-1]
         if target.count >= target.capacity:
-            target = self._subfilter(len(head.filters))
+            target = self._subfilter(len(head.filters), head.filters[0].capacity)
             head.filters.append(target)
         return target
 
