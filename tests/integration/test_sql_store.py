@@ -1,0 +1,571 @@
+"""SqlStore against the machine's PostgreSQL and MariaDB, and SQLite: semantics, races, faults.
+
+Every test gets a table of its own (a random name, dropped afterwards), so
+runs do not see each other's keys. PostgreSQL (127.0.0.1:5432, user
+postgres, database test) and MariaDB (127.0.0.1:3306, root, database test)
+skip their tests when they do not answer, and fail them under CI=true.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dedupcore.api import Outcome
+from dedupcore.config import Retention
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.record import State
+from dedupcore.tiers.sql import SqlStore
+
+from .conftest import require_server
+
+NS = "orders/billing"
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+MY_URL = "mysql://root@127.0.0.1:3306/test"
+ENGINES = ("postgresql", "mysql", "sqlite")
+
+
+@dataclass
+class Engine:
+    """One database under test: its URL, a fresh table, raw connections and a way to kill them."""
+
+    name: str
+    url: str
+    table: str
+
+    def connect(self) -> Any:
+        """A raw driver connection (not through SqlStore)."""
+        if self.name == "postgresql":
+            import psycopg
+
+            return psycopg.connect(self.url, autocommit=True)
+        if self.name == "mysql":
+            import pymysql
+
+            return pymysql.connect(
+                host="127.0.0.1", port=3306, user="root", database="test", autocommit=True
+            )
+        return sqlite3.connect(self.url[len("sqlite:///") :], isolation_level=None)
+
+    def store(self, **options: Any) -> SqlStore:
+        return SqlStore.from_url(self.url, **{"table": self.table, **options})
+
+    def execute(self, sql: str, params: Any = ()) -> list[Any]:
+        conn = self.connect()
+        try:
+            cur = conn.cursor()
+            cur.execute(sql, params)
+            rows = list(cur.fetchall()) if cur.description else []
+            cur.close()
+            return rows
+        finally:
+            conn.close()
+
+    def kill(self, conn: Any) -> None:
+        """Ends a connection from the server side (SQLite: closes it)."""
+        if self.name == "postgresql":
+            pid = conn.info.backend_pid
+            # The timeout form waits until the backend has exited.
+            assert self.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)) == [(True,)]
+        elif self.name == "mysql":
+            cid = conn.thread_id()
+            self.execute(f"KILL CONNECTION {int(cid)}")
+            for _ in range(100):
+                alive = self.execute(
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", (cid,)
+                )
+                if alive[0][0] == 0:
+                    break
+                time.sleep(0.05)
+        else:
+            conn.close()
+
+
+def _engine(name: str, tmp_path: Path) -> Engine:
+    table = f"dedup_t_{uuid.uuid4().hex[:12]}"
+    if name == "postgresql":
+        require_server("postgresql", 5432)
+        return Engine(name, PG_URL, table)
+    if name == "mysql":
+        require_server("mariadb", 3306)
+        return Engine(name, MY_URL, table)
+    return Engine(name, f"sqlite:///{tmp_path / 'dedup.db'}", table)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An engine with a fresh dedup table, dropped afterwards."""
+    eng = _engine(request.param, tmp_path)
+    with eng.store() as s:
+        s.init_schema()
+    yield eng
+    if eng.name != "sqlite":
+        eng.execute(f"DROP TABLE IF EXISTS {eng.table}")
+
+
+@pytest.fixture
+def store(engine: Engine) -> Iterator[SqlStore]:
+    with engine.store() as s:
+        yield s
+
+
+class _Cursor:
+    def __init__(self, cur: Any, log: list[str]) -> None:
+        self._cur = cur
+        self._log = log
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        self._log.append(" ".join(sql.split())[:60])
+        return self._cur.execute(sql, params) if params is not None else self._cur.execute(sql)
+
+    def executemany(self, sql: str, params: Any) -> Any:
+        self._log.append(" ".join(sql.split())[:60])
+        return self._cur.executemany(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+    def __enter__(self) -> _Cursor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cur.close()
+
+
+class _Counting:
+    """A connection proxy that records every statement its cursors run."""
+
+    def __init__(self, conn: Any) -> None:
+        object.__setattr__(self, "_conn", conn)
+        object.__setattr__(self, "statements", [])
+
+    def cursor(self) -> _Cursor:
+        return _Cursor(self._conn.cursor(), self.statements)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._conn, name, value)
+
+
+def _counting_store(engine: Engine) -> tuple[SqlStore, list[_Counting]]:
+    import importlib
+
+    sql = importlib.import_module("dedupcore.tiers.sql")
+    _, factory = sql._factory(engine.url, {})
+    conns: list[_Counting] = []
+
+    def connect() -> _Counting:
+        conns.append(_Counting(factory()))
+        return conns[-1]
+
+    return SqlStore(connect, dialect=engine.name, table=engine.table), conns
+
+
+# -- semantics -----------------------------------------------------------------------
+
+
+def test_outcomes_results_and_tokens(store: SqlStore) -> None:
+    c = store.claim("k", namespace=NS)
+    assert c.outcome is Outcome.NEW and c.token == 1 and not c.takeover
+    assert store.claim("k", namespace=NS).outcome is Outcome.IN_PROGRESS
+    store.complete("k", c.token, namespace=NS, result={"charged": 100, 7: [b"\x00", None]})
+    dup = store.claim("k", namespace=NS)
+    assert dup.outcome is Outcome.DUPLICATE and dup.result == {"charged": 100, 7: [b"\x00", None]}
+    assert dup.token == 1 and dup.exact
+    store.complete("k", c.token, namespace=NS, result="ignored")  # retried completion: no-op
+    rec = store.get("k", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSED and rec.token == 1
+    assert rec.result == {"charged": 100, 7: [b"\x00", None]}
+    assert rec.owner is None and rec.fingerprint is None
+    assert abs(rec.created - time.time()) < 60 and rec.updated >= rec.created
+    assert store.get("other", namespace=NS) is None
+    with pytest.raises(StaleTokenError, match="already completed"):
+        store.release("k", c.token, namespace=NS)
+
+
+def test_keys_are_bytes_namespaces_are_exact(store: SqlStore) -> None:
+    assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+    assert store.claim(b"k", namespace=NS).outcome is Outcome.IN_PROGRESS  # str is UTF-8
+    assert store.claim("k", namespace="orders/Billing").outcome is Outcome.NEW  # case matters
+    for key in (b"\x00", b"\xff\xfe\x00'\\", "é", b"k ", b"x" * 512):
+        c = store.claim(key, namespace=NS)
+        assert c.outcome is Outcome.NEW, key
+        store.complete(key, c.token, namespace=NS, result=key)
+        assert store.claim(key, namespace=NS).result == key
+    assert store.claim(b"k\x00", namespace=NS).outcome is Outcome.NEW  # no padding, no trimming
+
+
+def test_release_then_higher_token_and_stale_owner(store: SqlStore) -> None:
+    c = store.claim(b"k", namespace=NS)
+    store.release(b"k", c.token, namespace=NS)
+    rec = store.get(b"k", namespace=NS)
+    assert rec is not None and rec.state is State.RELEASED and rec.token == 1
+    again = store.claim(b"k", namespace=NS)
+    assert again.outcome is Outcome.NEW and again.token == 2 and not again.takeover
+    with pytest.raises(StaleTokenError):
+        store.complete(b"k", c.token, namespace=NS)
+    with pytest.raises(StaleTokenError, match="not claimed"):
+        store.complete(b"never", 1, namespace=NS)
+    store.release(b"k", again.token, namespace=NS)
+    with pytest.raises(StaleTokenError, match="not claimed"):
+        store.release(b"k", again.token, namespace=NS)
+    assert store.claim(b"k", namespace=NS).token == 3
+
+
+def test_lease_takeover_on_the_server_clock(store: SqlStore) -> None:
+    first = store.claim("k", namespace=NS, lease=2.0, owner="a")
+    assert store.claim("k", namespace=NS, owner="a", lease=2.0).token == first.token  # own back
+    assert store.claim("k", namespace=NS, owner="b").outcome is Outcome.IN_PROGRESS
+    store.claim("k", namespace=NS, lease=0.3, owner="a")  # renew shorter, then let it lapse
+    time.sleep(0.5)
+    taken = store.claim("k", namespace=NS, owner="b", lease=30)
+    assert taken.outcome is Outcome.NEW and taken.takeover and taken.token == first.token + 1
+    assert store.claim("k", namespace=NS, owner="a").outcome is Outcome.IN_PROGRESS
+    with pytest.raises(StaleTokenError, match="not the key's current token"):
+        store.complete("k", first.token, namespace=NS)
+    rec = store.get("k", namespace=NS)
+    assert rec is not None and rec.owner == b"b" and rec.state is State.PROCESSING
+    store.complete("k", taken.token, namespace=NS, result=1)
+    assert store.claim("k", namespace=NS).result == 1
+
+
+def test_renewal_keeps_the_lease_alive(store: SqlStore) -> None:
+    store.claim("k", namespace=NS, lease=1.0, owner="a")
+    for _ in range(4):  # 1.2 s in all: past the first lease, so only renewals keep it
+        time.sleep(0.3)
+        assert store.claim("k", namespace=NS, lease=1.0, owner="a").outcome is Outcome.NEW
+        assert store.claim("k", namespace=NS, owner="b").outcome is Outcome.IN_PROGRESS
+
+
+def test_conflict_and_stale_token_change_nothing(store: SqlStore) -> None:
+    store.claim("k", namespace=NS, fingerprint=b"one")
+    assert store.claim("k", namespace=NS, fingerprint=b"one").outcome is Outcome.IN_PROGRESS
+    with pytest.raises(ConflictError):
+        store.claim_many(["fresh", "k"], namespace=NS, fingerprints=[None, b"two"])
+    assert store.get("fresh", namespace=NS) is None  # the batch's INSERT was rolled back
+    assert store.claim("fresh", namespace=NS).outcome is Outcome.NEW
+    a = store.claim("a", namespace=NS)
+    with pytest.raises(StaleTokenError):
+        store.complete_many([("a", a.token), ("fresh", 99)], namespace=NS)
+    assert store.get("a", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+    with pytest.raises(StaleTokenError):
+        store.release_many([("a", a.token), ("never", 1)], namespace=NS)
+    assert store.get("a", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+    # A conflict inside one batch (same key, two fingerprints) also claims nothing.
+    with pytest.raises(ConflictError):
+        store.claim_many(["b", "b"], namespace=NS, fingerprints=[b"x", b"y"])
+    assert store.get("b", namespace=NS) is None
+
+
+def test_fingerprint_survives_takeover(store: SqlStore) -> None:
+    store.claim("k", namespace=NS, lease=0.1, fingerprint=b"fp")
+    time.sleep(0.3)
+    taken = store.claim("k", namespace=NS)  # no fingerprint: the stored one stays
+    assert taken.takeover
+    with pytest.raises(ConflictError):
+        store.claim("k", namespace=NS, fingerprint=b"other")
+    store.release("k", taken.token, namespace=NS)
+    # A released key is claimed afresh: its fingerprint is the new request's.
+    assert store.claim("k", namespace=NS, fingerprint=b"other").token == taken.token + 1
+
+
+def test_batch_with_repeated_key(store: SqlStore) -> None:
+    claims = store.claim_many([b"x", b"y", b"x"], namespace=NS)
+    assert [c.outcome for c in claims] == [Outcome.NEW, Outcome.NEW, Outcome.IN_PROGRESS]
+    mine = store.claim_many([b"p", b"p"], namespace=NS, owner="me")
+    assert [(c.outcome, c.token) for c in mine] == [(Outcome.NEW, 1), (Outcome.NEW, 1)]
+    store.complete_many([(b"x", 1, "a"), (b"x", 1, "b")], namespace=NS)  # second is a no-op
+    assert store.claim(b"x", namespace=NS).result == "a"
+    with pytest.raises(StaleTokenError, match="not claimed"):
+        store.release_many([(b"y", 1), (b"y", 1)], namespace=NS)
+    assert store.get(b"y", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+    assert store.claim_many([], namespace=NS) == []
+    store.complete_many([], namespace=NS)
+
+
+def test_mixed_batch(store: SqlStore) -> None:
+    done = store.claim("done", namespace=NS)
+    store.complete("done", done.token, namespace=NS, result=b"r")
+    store.claim("busy", namespace=NS, owner="other")
+    gone = store.claim("gone", namespace=NS)
+    store.release("gone", gone.token, namespace=NS)
+    store.claim("late", namespace=NS, lease=0.1)
+    time.sleep(0.3)
+    keys = ["fresh", "done", "busy", "gone", "late", "fresh"]
+    got = store.claim_many(keys, namespace=NS, owner="me")
+    assert [(c.outcome, c.token, c.takeover) for c in got] == [
+        (Outcome.NEW, 1, False),
+        (Outcome.DUPLICATE, 1, False),
+        (Outcome.IN_PROGRESS, 1, False),
+        (Outcome.NEW, 2, False),
+        (Outcome.NEW, 2, True),
+        (Outcome.NEW, 1, False),
+    ]
+    assert got[1].result == b"r"
+    store.complete_many([("fresh", 1, 1), ("gone", 2, 2), ("late", 2, None)], namespace=NS)
+    assert [c.result for c in store.claim_many(["fresh", "gone", "late"], namespace=NS)] == [
+        1,
+        2,
+        None,
+    ]
+
+
+def test_results_up_to_the_limit(engine: Engine) -> None:
+    with engine.store(max_result_bytes=70_000) as store:
+        big = b"r" * 65_000
+        c = store.claim("k", namespace=NS)
+        store.complete("k", c.token, namespace=NS, result=big)
+        assert store.claim("k", namespace=NS).result == big
+        c = store.claim("k2", namespace=NS)
+        with pytest.raises(ValueError, match="max_result_bytes"):
+            store.complete("k2", c.token, namespace=NS, result=b"r" * 70_001)
+        with pytest.raises(TypeError, match="msgpack"):
+            store.complete("k2", c.token, namespace=NS, result=object())
+        assert store.get("k2", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+
+
+def test_one_insert_per_batch(engine: Engine) -> None:
+    store, conns = _counting_store(engine)
+    keys = [f"k{i}" for i in range(1000)]
+    del conns[0].statements[:]
+    store.claim_many(keys, namespace=NS)
+    writes = [s for s in conns[0].statements if s.startswith(("INSERT", "SELECT", "UPDATE"))]
+    # PostgreSQL and SQLite learn the created keys from RETURNING; MariaDB reads them back.
+    assert [s.split()[0] for s in writes] == (
+        ["INSERT", "SELECT"] if engine.name == "mysql" else ["INSERT"]
+    )
+    del conns[0].statements[:]
+    store.claim_many(keys, namespace=NS)  # all in progress: INSERT finds them, one SELECT
+    assert [s.split()[0] for s in conns[0].statements if not s.startswith("BEGIN")] == [
+        "INSERT",
+        "SELECT",
+    ]
+    del conns[0].statements[:]
+    store.complete_many([(k, 1, k) for k in keys], namespace=NS)
+    kinds = [s.split()[0] for s in conns[0].statements if not s.startswith("BEGIN")]
+    assert kinds == ["SELECT", "UPDATE"]
+    store.close()
+
+
+def test_purge_deletes_rows_past_their_window(engine: Engine) -> None:
+    short = Retention(exact_window=0.3)
+    with engine.store(namespaces={"short": short}) as store:
+        for key in ("done", "busy", "gone"):
+            store.claim(key, namespace="short", lease=30)
+        store.claim("abandoned", namespace="short", lease=0.1)
+        store.complete("done", 1, namespace="short")
+        store.release("gone", 1, namespace="short")
+        c = store.claim("kept", namespace=NS)
+        store.complete("kept", c.token, namespace=NS)
+        time.sleep(0.5)
+        assert store.purge() == 2
+        assert store.get("done", namespace="short") is None
+        assert store.get("gone", namespace="short") is None
+        assert store.get("busy", namespace="short") is not None  # its lease is still running
+        assert store.get("kept", namespace=NS) is not None  # default window: 7 days
+        # An abandoned claim becomes a tombstone first: its token keeps growing.
+        rec = store.get("abandoned", namespace="short")
+        assert rec is not None and rec.state is State.RELEASED and rec.token == 1
+        with pytest.raises(StaleTokenError):
+            store.complete("abandoned", 1, namespace="short")
+        assert store.stats()["tombstoned"] == 1
+        time.sleep(0.5)
+        assert store.purge() == 1  # one window later the tombstone goes too
+        assert store.get("abandoned", namespace="short") is None
+        assert store.claim("busy", namespace="short").outcome is Outcome.IN_PROGRESS
+        with pytest.raises(ValueError):
+            store.purge(limit=0)
+
+
+def test_purge_in_bounded_batches(engine: Engine) -> None:
+    with engine.store(retention=Retention(exact_window=0.2)) as store:
+        keys = [f"k{i}" for i in range(25)]
+        store.claim_many(keys, namespace=NS)
+        store.complete_many([(k, 1) for k in keys], namespace=NS)
+        time.sleep(0.4)
+        assert [store.purge(limit=10) for _ in range(4)] == [10, 10, 5, 0]
+
+
+def test_init_schema_is_idempotent_and_stats(store: SqlStore, engine: Engine) -> None:
+    store.init_schema()
+    store.claim("k", namespace=NS)
+    store.claim("k", namespace=NS)
+    stats = store.stats()
+    assert stats["engine"] == engine.name and stats["table"] == engine.table
+    assert stats["new"] == 1 and stats["in_progress"] == 1
+    prefix = {"postgresql": "PostgreSQL ", "mysql": "MySQL/MariaDB ", "sqlite": "SQLite "}
+    assert store.server_version().startswith(prefix[engine.name])
+
+
+# -- bad input ----------------------------------------------------------------------
+
+
+def test_bad_input_raises_before_any_sql(engine: Engine) -> None:
+    store, conns = _counting_store(engine)
+    statements = conns[0].statements
+    del statements[:]
+    for key, error in ((b"", ValueError), (b"x" * 513, ValueError), (5, TypeError)):
+        with pytest.raises(error):
+            store.claim(key, namespace=NS)  # type: ignore[arg-type]
+        with pytest.raises(error):
+            store.complete(key, 1, namespace=NS)  # type: ignore[arg-type]
+        with pytest.raises(error):
+            store.get(key, namespace=NS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_key_bytes=512"):
+        store.claim_many(["ok", "y" * 513], namespace=NS)
+    with pytest.raises(ValueError):
+        store.claim("k", namespace="bad namespace")
+    with pytest.raises(ValueError):
+        store.claim("k", namespace="")
+    with pytest.raises(TypeError):
+        store.claim("k", namespace=b"ns")  # type: ignore[arg-type]
+    for lease in (0, -1, float("nan"), float("inf"), 1e12):
+        with pytest.raises(ValueError):
+            store.claim("k", namespace=NS, lease=lease)
+    with pytest.raises(TypeError):
+        store.claim("k", namespace=NS, lease="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.claim("k", namespace=NS, owner=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.claim("k", namespace=NS, owner=b"o" * 256)
+    with pytest.raises(TypeError):
+        store.claim("k", namespace=NS, fingerprint="fp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.claim_many(["a", "b"], namespace=NS, fingerprints=[b"x"])
+    for token, error in (
+        (0, ValueError),
+        (1 << 63, ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+    ):
+        with pytest.raises(error):
+            store.complete("k", token, namespace=NS)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.complete_many([("k",)], namespace=NS)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        store.release_many([("k", 1, "result")], namespace=NS)  # type: ignore[list-item]
+    assert statements == []  # nothing reached the database
+    store.close()
+
+
+def test_bad_configuration(engine: Engine) -> None:
+    if engine.name == "mysql":
+        with pytest.raises(ValueError, match="at most 512 bytes"):
+            engine.store(max_key_bytes=1024)
+    for table in ("bad-name", "x; DROP TABLE y", ""):
+        with pytest.raises(ValueError, match="table"):
+            engine.store(table=table)
+    with pytest.raises(ValueError, match="scheme"):
+        SqlStore.from_url("oracle://x")
+    with pytest.raises(ValueError, match="sqlite"):
+        SqlStore.from_url("sqlite://relative.db")
+    with pytest.raises(ValueError, match="dialect"):
+        SqlStore(lambda: object())
+
+
+def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
+    for url, args in (
+        ("postgresql://postgres@127.0.0.1:1/test", {"connect_timeout": 2}),
+        ("mysql://root@127.0.0.1:1/test", {"connect_timeout": 2}),
+        (f"sqlite:///{tmp_path}/no/such/dir/x.db", {}),
+    ):
+        with pytest.raises(UnavailableError):
+            SqlStore.from_url(url, connect_args=args)
+
+
+def test_missing_table_is_unavailable_never_new(engine: Engine) -> None:
+    with engine.store(table="no_such_table_here") as store, pytest.raises(UnavailableError):
+        store.claim("k", namespace=NS)
+
+
+# -- faults -------------------------------------------------------------------------
+
+
+def test_connection_dropped_between_claim_and_complete(engine: Engine) -> None:
+    import importlib
+
+    sql = importlib.import_module("dedupcore.tiers.sql")
+    _, factory = sql._factory(engine.url, {})
+    conns: list[Any] = []
+
+    def connect() -> Any:
+        conns.append(factory())
+        return conns[-1]
+
+    store = SqlStore(connect, table=engine.table)
+    c = store.claim("k", namespace=NS)
+    engine.kill(conns[-1])
+    with pytest.raises(UnavailableError):
+        store.complete("k", c.token, namespace=NS, result="done")
+    # Nothing was completed: another store on its own connection finds the claim...
+    with engine.store() as other:
+        rec = other.get("k", namespace=NS)
+        assert rec is not None and rec.state is State.PROCESSING and rec.token == c.token
+        # ... and completes it with the token (the work was done once).
+        other.complete("k", c.token, namespace=NS, result="done")
+        assert other.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+    # A claim on a dropped connection is an error, never NEW.
+    store.claim("warm", namespace=NS)  # the store reconnected on its next call
+    assert len(conns) == 2
+    engine.kill(conns[-1])
+    with pytest.raises(UnavailableError):
+        store.claim("fresh", namespace=NS)
+    with engine.store() as other:
+        assert other.get("fresh", namespace=NS) is None
+    dup = store.claim("k", namespace=NS)
+    assert dup.outcome is Outcome.DUPLICATE and dup.result == "done"
+    assert store.stats()["unavailable"] == 2
+    store.close()
+
+
+def _race(url: str, table: str, keys: list[str], seed: int, start: Any, queue: Any) -> None:
+    store = SqlStore.from_url(url, table=table)
+    order = keys[:]
+    random.Random(seed).shuffle(order)
+    new = []
+    start.wait(60)  # every process is connected: the batches really overlap
+    for i in range(0, len(order), 250):
+        new += [
+            c.key
+            for c in store.claim_many(order[i : i + 250], namespace=NS)
+            if c.outcome is Outcome.NEW
+        ]
+    queue.put((new, store.stats().get("retries", 0)))
+    store.close()
+
+
+def test_processes_racing_on_the_same_keys_get_one_new_each(engine: Engine) -> None:
+    keys = [f"k{i}" for i in range(5000)]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    start = ctx.Barrier(4)
+    procs = [
+        ctx.Process(target=_race, args=(engine.url, engine.table, keys, seed, start, queue))
+        for seed in range(4)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    winners = [k for new, _ in results for k in new]
+    print(
+        f"{engine.name}: NEW per process {[len(n) for n, _ in results]}, "
+        f"retries {[r for _, r in results]}"
+    )
+    assert len(winners) == len(keys)
+    assert set(winners) == set(keys)
+    with engine.store() as store:
+        assert all(c.token == 1 for c in store.claim_many(keys, namespace=NS))
