@@ -30,6 +30,8 @@ __all__ = [
     "KeyRecord",
     "Outcome",
     "change_items",
+    "check_fingerprints",
+    "check_owner",
     "check_token",
     "pack_result",
     "unpack_result",
@@ -96,6 +98,40 @@ def check_token(token: object) -> int:
     if not 1 <= token <= MAX_TOKEN:
         raise ValueError(f"token must be in 1..2**63-1, got {token}")
     return token
+
+
+MAX_OWNER_BYTES = 255
+MAX_FINGERPRINT_BYTES = 255
+
+
+def check_owner(owner: object) -> bytes | None:
+    """An owner id as bytes (str as UTF-8), 1..255 bytes, or None."""
+    if owner is None:
+        return None
+    if isinstance(owner, str):
+        owner = owner.encode()
+    if not isinstance(owner, bytes):
+        raise TypeError(f"owner must be str or bytes, not {type(owner).__name__}")
+    if not 1 <= len(owner) <= MAX_OWNER_BYTES:
+        raise ValueError(f"owner must be 1..{MAX_OWNER_BYTES} bytes, got {len(owner)}")
+    return owner
+
+
+def check_fingerprints(fps: Sequence[bytes | None] | None, n: int) -> list[bytes | None]:
+    """One fingerprint (bytes of 1..255, or None) per key of a batch of ``n``."""
+    if fps is None:
+        return [None] * n
+    out = list(fps)
+    if len(out) != n:
+        raise ValueError(f"{len(out)} fingerprints for {n} keys")
+    for fp in out:
+        if fp is None:
+            continue
+        if not isinstance(fp, bytes):
+            raise TypeError(f"fingerprint must be bytes, not {type(fp).__name__}")
+        if not 1 <= len(fp) <= MAX_FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes, got {len(fp)}")
+    return out
 
 
 def change_items(items: Iterable[Any], *, with_results: bool) -> list[tuple[Any, int, Any]]:

@@ -46,6 +46,8 @@ from dedupcore.api import (
     KeyRecord,
     Outcome,
     change_items,
+    check_fingerprints,
+    check_owner,
     pack_result,
     unpack_result,
 )
@@ -437,8 +439,8 @@ class DedupStore(ClaimAPI):
         max_key = self.config.max_key_bytes
         raw_keys = [_keys.check_key(k, max_key) for k in key_list]
         lease_s = self.config.lease if lease is None else check_lease(lease)
-        owner_b = _owner_bytes(owner)
-        fps = _fingerprints(fingerprints, len(raw_keys))
+        owner_b = check_owner(owner)
+        fps = check_fingerprints(fingerprints, len(raw_keys))
         ns_name = ns.decode()
         if not raw_keys:
             return []
@@ -947,34 +949,6 @@ def _u64(values: list[int]) -> memoryview:
     import array
 
     return memoryview(array.array("Q", values))
-
-
-def _owner_bytes(owner: bytes | str | None) -> bytes | None:
-    if owner is None:
-        return None
-    if isinstance(owner, str):
-        owner = owner.encode()
-    if not isinstance(owner, bytes):
-        raise TypeError(f"owner must be str or bytes, not {type(owner).__name__}")
-    if not 1 <= len(owner) <= 255:
-        raise ValueError(f"owner must be 1..255 bytes, got {len(owner)}")
-    return owner
-
-
-def _fingerprints(fps: Sequence[bytes | None] | None, n: int) -> list[bytes | None]:
-    if fps is None:
-        return [None] * n
-    out = list(fps)
-    if len(out) != n:
-        raise ValueError(f"{len(out)} fingerprints for {n} keys")
-    for fp in out:
-        if fp is None:
-            continue
-        if not isinstance(fp, bytes):
-            raise TypeError(f"fingerprint must be bytes, not {type(fp).__name__}")
-        if not 1 <= len(fp) <= 255:
-            raise ValueError(f"fingerprint must be 1..255 bytes, got {len(fp)}")
-    return out
 
 
 def _progress(total: int, what: str) -> Callable[[int], None]:

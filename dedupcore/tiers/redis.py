@@ -38,6 +38,8 @@ from dedupcore.api import (
     KeyRecord,
     Outcome,
     change_items,
+    check_fingerprints,
+    check_owner,
     pack_result,
     unpack_result,
 )
@@ -234,15 +236,8 @@ class RedisStore(ClaimAPI):
         ns = _keys.check_namespace(namespace)
         raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
         lease_s = self.lease if lease is None else check_lease(lease)
-        owner_b = b"" if owner is None else (owner.encode() if isinstance(owner, str) else owner)
-        if not isinstance(owner_b, bytes):
-            raise TypeError(f"owner must be str or bytes, not {type(owner).__name__}")
-        fps = list(fingerprints) if fingerprints is not None else [None] * len(raw)
-        if len(fps) != len(raw):
-            raise ValueError(f"{len(fps)} fingerprints for {len(raw)} keys")
-        for fp in fps:
-            if fp is not None and not isinstance(fp, bytes):
-                raise TypeError(f"fingerprint must be bytes, not {type(fp).__name__}")
+        owner_b = check_owner(owner) or b""
+        fps = check_fingerprints(fingerprints, len(raw))
         if not raw:
             return []
         names = self._names(ns, raw)

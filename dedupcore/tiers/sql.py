@@ -110,6 +110,8 @@ from dedupcore.api import (
     KeyRecord,
     Outcome,
     change_items,
+    check_fingerprints,
+    check_owner,
     pack_result,
     unpack_result,
 )
@@ -128,8 +130,6 @@ _TABLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}\Z")
 _CHUNK = 1000
 #: Longest lease accepted (timestamps of every engine stay in range).
 _MAX_LEASE = 100 * 365 * 86400.0
-_MAX_OWNER = 255
-_MAX_FINGERPRINT = 255
 _PROCESSING, _PROCESSED, _RELEASED = (
     int(State.PROCESSING),
     int(State.PROCESSED),
@@ -652,34 +652,6 @@ def _detect(conn: Any) -> str:
 # -- input checks (as DedupStore) ---------------------------------------------------
 
 
-def _owner_bytes(owner: object) -> bytes | None:
-    if owner is None:
-        return None
-    if isinstance(owner, str):
-        owner = owner.encode()
-    if not isinstance(owner, bytes):
-        raise TypeError(f"owner must be str or bytes, not {type(owner).__name__}")
-    if not 1 <= len(owner) <= _MAX_OWNER:
-        raise ValueError(f"owner must be 1..{_MAX_OWNER} bytes, got {len(owner)}")
-    return owner
-
-
-def _fingerprints(fps: Sequence[bytes | None] | None, n: int) -> list[bytes | None]:
-    if fps is None:
-        return [None] * n
-    out = list(fps)
-    if len(out) != n:
-        raise ValueError(f"{len(out)} fingerprints for {n} keys")
-    for fp in out:
-        if fp is None:
-            continue
-        if not isinstance(fp, bytes):
-            raise TypeError(f"fingerprint must be bytes, not {type(fp).__name__}")
-        if not 1 <= len(fp) <= _MAX_FINGERPRINT:
-            raise ValueError(f"fingerprint must be 1..{_MAX_FINGERPRINT} bytes, got {len(fp)}")
-    return out
-
-
 def _lease(lease: object) -> float:
     value = check_lease(lease)
     if value > _MAX_LEASE:
@@ -983,8 +955,8 @@ class SqlStore(ClaimAPI):
         ns = _keys.check_namespace(namespace).decode()
         raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
         lease_s = self.lease if lease is None else _lease(lease)
-        owner_b = _owner_bytes(owner)
-        fps = _fingerprints(fingerprints, len(raw))
+        owner_b = check_owner(owner)
+        fps = check_fingerprints(fingerprints, len(raw))
         if not raw:
             return []
         first_fp: dict[bytes, bytes | None] = {}

@@ -31,6 +31,7 @@ def require_server(name: str, port: int) -> None:
     message = f"{name} is not reachable on 127.0.0.1:{port} (scripts/services.sh starts it)"
     if IN_CI:
         pytest.fail(message)
+    # Outside CI only: a developer without the server sees why the test did not run.
     pytest.skip(message)
 
 
