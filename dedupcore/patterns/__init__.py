@@ -1,0 +1,11 @@
+"""The four idempotency patterns, for when the business write lives in your own database.
+
+- :mod:`dedupcore.patterns.unique` - business unique key: insert once, a
+  unique-key conflict is DUPLICATE.
+- :mod:`dedupcore.patterns.table` - transactional dedup table: the dedup row
+  commits in the same transaction as the business write.
+- :mod:`dedupcore.patterns.state` - state machine with compare-and-set on
+  ``status`` and ``version``.
+- :mod:`dedupcore.patterns.tokens` - idempotency tokens issued to callers and
+  redeemed once over any store.
+"""
