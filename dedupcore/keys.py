@@ -9,6 +9,7 @@ the Bloom filters use, so a digest is enough to put a key into a filter.
 
 from __future__ import annotations
 
+import array
 import re
 import struct
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "digests",
     "front_hash",
     "front_hashes",
+    "u64",
 ]
 
 MAX_NAMESPACE_BYTES = 128
@@ -103,3 +105,8 @@ def front_hashes(ds: Sequence[bytes]) -> memoryview:
     if not ds:
         return memoryview(b"").cast("Q")
     return memoryview(b"".join(ds)).cast("Q")[::2]
+
+
+def u64(values: Sequence[int]) -> memoryview:
+    """Hashes as a uint64 buffer, the form the filters take without per-key conversion."""
+    return memoryview(array.array("Q", values))

@@ -60,6 +60,7 @@ from dedupcore.errors import (
     StaleTokenError,
 )
 from dedupcore.record import Record, State, decode, encode
+from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.lmdb import Change, LmdbTier
 from dedupcore.wal import WriteAheadLog
 
@@ -138,7 +139,16 @@ class DedupStore(ClaimAPI):
             )
             self._ns_ids = {name: i for name, i in self._lmdb.namespaces().items()}
             self._ns_names = {i: name.decode() for name, i in self._ns_ids.items()}
-            self._cold = self._open_cold()
+            self._cold = ColdArchive(
+                self.path / "cold",
+                [
+                    config.retention.cold_window,
+                    *(p.cold_window for p in config.namespaces.values()),
+                ],
+                slice_capacity=config.cold_slice_capacity,
+                error_rate=config.cold_error_rate,
+                readonly=readonly,
+            )
             self._wal = WriteAheadLog.open(
                 self.path / "wal", sync="fdatasync" if durable else "none", readonly=readonly
             )
@@ -289,45 +299,18 @@ class DedupStore(ClaimAPI):
         for digest, _raw in self._lmdb.iter_records():
             batch.append(_keys.front_hash(digest))
             if len(batch) >= 100_000:
-                self._front.add_many(_u64(batch), now)
+                self._front.add_many(_keys.u64(batch), now)
                 done += len(batch)
                 progress(done)
                 batch.clear()
         if batch:
-            self._front.add_many(_u64(batch), now)
+            self._front.add_many(_keys.u64(batch), now)
             done += len(batch)
         progress(done)
         for d in self._recent:
-            self._front.add_many(_u64([_keys.front_hash(d)]), now)
+            self._front.add_many(_keys.u64([_keys.front_hash(d)]), now)
         if not self.readonly:
             self._front.save()
-
-    def _open_cold(self) -> dict[float, BloomRing]:
-        windows = {
-            self.config.retention.cold_window,
-            *(p.cold_window for p in self.config.namespaces.values()),
-        }
-        rings: dict[float, BloomRing] = {}
-        for window in sorted(w for w in windows if w > 0):
-            path = self.path / "cold" / f"{window:g}"
-            if (path / "ring.json").exists():
-                rings[window] = BloomRing.open(path)  # damage here is an error: no rebuild
-            elif any(path.glob("slice-*.bloom")):
-                # Slices without their manifest: the cold archive cannot be read,
-                # and an empty one would answer NEW for keys it holds.
-                raise CorruptFileError(
-                    f"{path}: cold archive slices are present but ring.json is missing; "
-                    "restore it from a backup (the archive cannot be rebuilt)"
-                )
-            else:
-                rings[window] = BloomRing(
-                    window,
-                    window / 8,
-                    self.config.cold_slice_capacity,
-                    self.config.cold_error_rate,
-                    path=None if self.readonly else path,
-                )
-        return rings
 
     # -- replay ----------------------------------------------------------------
 
@@ -410,11 +393,10 @@ class DedupStore(ClaimAPI):
         return out
 
     def _cold_hits(self, digests: Sequence[bytes], ns_id: int) -> list[bool]:
-        cold_window = self._retention(ns_id).cold_window
-        ring = self._cold.get(cold_window)
-        if ring is None or not digests:
-            return [False] * len(digests)
-        return list(ring.contains_many(_keys.front_hashes(list(digests))))
+        if not digests:
+            return []
+        window = self._retention(ns_id).cold_window
+        return self._cold.contains_many(window, _keys.front_hashes(list(digests)))
 
     # -- claims ----------------------------------------------------------------
 
@@ -779,15 +761,11 @@ class DedupStore(ClaimAPI):
                         to_cold.setdefault(policy.cold_window, []).append(_keys.front_hash(d))
                     deletes.append((ekey, d))
                 for window, hashes in to_cold.items():
-                    ring = self._cold[window]
-                    ring.add_many(_u64(hashes), now_w)
-                    ring.save()
-                    demoted += len(hashes)
+                    demoted += self._cold.add_many(window, hashes, now_w)
                 self._lmdb.delete_expired(deletes)
                 self._stats.swept += sum(1 for _, d in deletes if d is not None)
         with self._lock:
-            for ring in self._cold.values():
-                ring.expire(now_w)
+            self._cold.expire(now_w)
             self._stats.demoted += demoted
             self._last_sweep = time.monotonic()
         return demoted
@@ -870,14 +848,7 @@ class DedupStore(ClaimAPI):
                     "estimated_fpr": self._front.estimated_fpr,
                     "slices": [_slice_dict(s) for s in self._front.slices()],
                 },
-                "cold": {
-                    f"{w:g}": {
-                        "nbytes": r.nbytes,
-                        "estimated_fpr": r.estimated_fpr,
-                        "slices": [_slice_dict(s) for s in r.slices()],
-                    }
-                    for w, r in self._cold.items()
-                },
+                "cold": self._cold.stats(),
                 "lmdb": {
                     "records": self._lmdb.record_count(),
                     "disk_bytes": self._lmdb.disk_bytes(),
@@ -943,12 +914,6 @@ def _unpack_batch(payload: bytes) -> Iterator[tuple[bytes, Record]]:
 
 def _slice_dict(s: Any) -> dict[str, Any]:
     return {name: getattr(s, name) for name in s.__dataclass_fields__}
-
-
-def _u64(values: list[int]) -> memoryview:
-    import array
-
-    return memoryview(array.array("Q", values))
 
 
 def _progress(total: int, what: str) -> Callable[[int], None]:

@@ -1,0 +1,100 @@
+"""The cold archive: sealed, checksummed Bloom slices per cold window.
+
+Keys demoted from an exact tier go into the ring of their namespace's
+``cold_window``; a key found only here is answered DUPLICATE with
+``exact=False``, with the ring's measured false-positive rate as its error.
+The archive cannot be rebuilt from anything else, so a damaged or
+half-present ring is an error, never an empty archive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dedupcore.bloom import BloomRing
+from dedupcore.errors import CorruptFileError
+from dedupcore.keys import u64
+
+__all__ = ["ColdArchive"]
+
+
+class ColdArchive:
+    """One :class:`BloomRing` per cold window under ``path`` (or in memory without one).
+
+    ``add`` writes, fsyncs and renames the touched ring's files into place
+    before it returns, so a caller can delete the exact records afterwards
+    (copy, then delete).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        windows: Iterable[float],
+        *,
+        slice_capacity: int = 1_000_000,
+        error_rate: float = 0.001,
+        readonly: bool = False,
+    ) -> None:
+        self.path = None if path is None else Path(path)
+        self.readonly = readonly
+        self.rings: dict[float, BloomRing] = {}
+        for window in sorted({float(w) for w in windows if w > 0}):
+            ring_path = None if self.path is None else self.path / f"{window:g}"
+            if ring_path is not None and (ring_path / "ring.json").exists():
+                self.rings[window] = BloomRing.open(ring_path)  # damage is an error
+            elif ring_path is not None and any(ring_path.glob("slice-*.bloom")):
+                # Slices without their manifest cannot be read, and an empty
+                # archive would answer NEW for keys it holds.
+                raise CorruptFileError(
+                    f"{ring_path}: cold archive slices are present but ring.json is missing; "
+                    "restore it from a backup (the archive cannot be rebuilt)"
+                )
+            else:
+                self.rings[window] = BloomRing(
+                    window,
+                    window / 8,
+                    slice_capacity,
+                    error_rate,
+                    path=None if readonly else ring_path,
+                )
+
+    def contains_many(self, window: float, hashes: memoryview) -> list[bool]:
+        """Whether the ring of ``window`` holds each front hash (a uint64 buffer)."""
+        ring = self.rings.get(window)
+        if ring is None or not len(hashes):
+            return [False] * len(hashes)
+        return list(ring.contains_many(hashes))
+
+    def add_many(self, window: float, hashes: Sequence[int] | memoryview, now: float) -> int:
+        """Adds front hashes to the ring of ``window`` and saves it; returns how many."""
+        ring = self.rings.get(window)
+        if ring is None or not len(hashes):
+            return 0
+        if not isinstance(hashes, memoryview):
+            hashes = u64(hashes)
+        ring.add_many(hashes, now)
+        if ring.path is not None:
+            ring.save()
+        return len(hashes)
+
+    def expire(self, now: float) -> None:
+        """Drops slices older than their window."""
+        for ring in self.rings.values():
+            ring.expire(now)
+
+    def stats(self) -> dict[str, Any]:
+        """Per window: memory, estimated false-positive rate and the live slices."""
+        return {
+            f"{window:g}": {
+                "nbytes": ring.nbytes,
+                "estimated_fpr": ring.estimated_fpr,
+                "slices": [
+                    {name: getattr(s, name) for name in s.__dataclass_fields__}
+                    for s in ring.slices()
+                ],
+            }
+            for window, ring in self.rings.items()
+        }
