@@ -210,6 +210,9 @@ class ClaimAPI(ABC):
     def stats(self) -> dict[str, Any]:
         """Counters and figures."""
 
+    def close(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+        """Releases the front end's resources (files, connections)."""
+
     def claim(
         self,
         key: bytes | str,

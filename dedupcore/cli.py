@@ -1,4 +1,4 @@
-"""Command line: ``dedupcore serve|stats|demo|bench`` (also ``python -m dedupcore``).
+"""Command line: ``dedupcore serve|sql|stats|demo|bench`` (also ``python -m dedupcore``).
 
 ``serve`` settings come, in rising precedence, from defaults, a TOML file
 (``--config``; keys as the long options, with ``_`` for ``-``), environment
@@ -27,6 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a data directory on a Unix socket")
     serve.add_argument("--config", help="TOML file with the settings below")
     serve.add_argument("--data", help="data directory (DEDUPCORE_DATA; default ./dedupcore-data)")
+    serve.add_argument(
+        "--authority",
+        action="append",
+        default=None,
+        help="serve this authority instead of --data: redis://, rediss://, unix://, "
+        "postgresql://, mysql://, sqlite:///path or a directory; repeat to shard over several",
+    )
+    serve.add_argument("--cache", help="Redis URL of a hot cache in front of the authority")
+    serve.add_argument("--archive", help="directory of the cold archive of a remote authority")
     serve.add_argument("--socket", help=f"socket path (DEDUPCORE_SOCKET; default {DEFAULT_SOCKET})")
     serve.add_argument("--group", help="let this group connect (socket 0660, directory 0750)")
     serve.add_argument(
@@ -48,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+
+    sql = sub.add_parser("sql", help="manage a SQL authority's dedup table")
+    sql_sub = sql.add_subparsers(dest="sql_command", required=True)
+    init = sql_sub.add_parser("init", help="create the dedup table (idempotent)")
+    init.add_argument("--url", required=True, help="postgresql://, mysql:// or sqlite:///path")
+    init.add_argument("--table", default="dedup", help="table name (default dedup)")
 
     stats = sub.add_parser("stats", help="print a running daemon's figures")
     stats.add_argument("--socket", default=os.environ.get("DEDUPCORE_SOCKET", DEFAULT_SOCKET))
@@ -85,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dedupcore.daemon.cli import run_serve
 
         return run_serve(args)
+    if args.command == "sql":
+        return _sql_init(args.url, args.table)
     if args.command == "stats":
         from dedupcore.daemon.cli import run_stats
 
@@ -96,6 +113,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(quick=args.quick, extra=args.pytest_args)
     raise AssertionError(args.command)
+
+
+def _sql_init(url: str, table: str) -> int:
+    from dedupcore.errors import DedupError
+    from dedupcore.tiers.sql import SqlStore
+
+    try:
+        with SqlStore.from_url(url, table=table) as store:
+            store.init_schema()
+            print(f"dedup table {table!r} ready on {store.dialect} {store.server_version()}")
+    except (DedupError, ValueError, TypeError) as exc:
+        print(f"dedupcore sql init: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _bench(*, quick: bool, extra: Sequence[str]) -> int:

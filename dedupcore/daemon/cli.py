@@ -24,6 +24,9 @@ log = logging.getLogger("dedupcore.daemon")
 
 _SERVE_KEYS = (
     "data",
+    "authority",
+    "cache",
+    "archive",
     "socket",
     "group",
     "allow_uid",
@@ -76,7 +79,8 @@ class _JsonFormatter(logging.Formatter):
 def run_serve(args: argparse.Namespace) -> int:
     """Runs the daemon in the foreground; returns the exit code."""
     from dedupcore.daemon.server import serve
-    from dedupcore.store import DedupStore, StoreLockedError
+    from dedupcore.stack import open_store
+    from dedupcore.store import StoreLockedError
 
     try:
         s = _settings(args)
@@ -91,11 +95,25 @@ def run_serve(args: argparse.Namespace) -> int:
         store_settings["durability"] = s["durability"]
     if s.get("lease"):
         store_settings["lease"] = float(s["lease"])
+    authority = s.get("authority") or [str(Path(s["data"]))]
+    if isinstance(authority, str):
+        authority = authority.split(",")
+    remote = any("://" in a for a in authority)
+    if remote:
+        store_settings.pop("durability", None)  # a remote authority has its own durability
     try:
-        store = DedupStore.open(Path(s["data"]), **store_settings)
-    except StoreLockedError as exc:
+        store = open_store(
+            authority if len(authority) > 1 else authority[0],
+            cache=s.get("cache") or None,
+            archive=s.get("archive") or None,
+            **store_settings,
+        )
+    except (StoreLockedError, DedupError, ValueError, TypeError) as exc:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
+    log.info("serving %r", store)
+    if hasattr(store, "sweep") and (remote or s.get("cache") or s.get("archive")):
+        _start_sweeper(store)
     options: dict[str, Any] = {}
     if s.get("group"):
         options["group"] = s["group"]
@@ -117,6 +135,24 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_sweeper(store: Any, interval: float = 60.0) -> None:
+    """Demotes a stacked store's expiring records to its cold archive every ``interval`` s."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                store.sweep()
+            except DedupError as exc:
+                if "closed" in str(exc):
+                    return
+                log.warning("sweep failed: %s", exc)
+            except Exception:
+                log.exception("sweep failed")
+
+    threading.Thread(target=loop, name="dedupcore-sweep", daemon=True).start()
+
+
 def _start_metrics(store: Any, port: int) -> None:
     """Serves Prometheus metrics on 127.0.0.1:port, refreshed from stats() every few seconds."""
     from prometheus_client import Gauge, start_http_server
@@ -128,6 +164,11 @@ def _start_metrics(store: Any, port: int) -> None:
     front_skip = Gauge("dedupcore_front_skip_ratio", "lookups the front filter answered alone")
     records = Gauge("dedupcore_lmdb_records", "exact records in LMDB")
     disk = Gauge("dedupcore_lmdb_bytes", "bytes of LMDB pages in use")
+    tiers = Gauge(
+        "dedupcore_tier_events",
+        "stacked store: tier calls and answers (cache_errors = cache skipped)",
+        ["event"],
+    )
     start_http_server(port, addr="127.0.0.1")
 
     def refresh() -> None:
@@ -136,6 +177,16 @@ def _start_metrics(store: Any, port: int) -> None:
                 st = store.stats()
             except DedupError:
                 return
+            if "namespaces" not in st:  # a stacked or sharded store
+                stacks = st.get("shards", [st])
+                events: dict[str, int] = {}
+                for part in stacks:
+                    for event, n in part.get("counts", {}).items():
+                        events[event] = events.get(event, 0) + n
+                for event, n in events.items():
+                    tiers.labels(event).set(n)
+                time.sleep(5)
+                continue
             for ns, counts in st["namespaces"].items():
                 for outcome in ("new", "duplicate", "in_progress"):
                     outcomes.labels(ns, outcome).set(counts[outcome])

@@ -40,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.errors import DedupError, UnavailableError
-from dedupcore.store import DedupStore
 
 __all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
 
@@ -129,11 +129,11 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
 
 
 class DaemonServer:
-    """Serves one :class:`DedupStore` on a Unix socket (see the module docstring)."""
+    """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc)."""
 
     def __init__(
         self,
-        store: DedupStore,
+        store: ClaimAPI,
         socket_path: str | os.PathLike[str],
         *,
         group: str | None = None,
@@ -190,7 +190,7 @@ class DaemonServer:
             os.chmod(path, 0o660)
         else:
             os.chmod(path, 0o600)
-        log.info("dedupcore serving %s on %s", self.store.path, path)
+        log.info("dedupcore serving %r on %s", self.store, path)
 
     async def serve_forever(self) -> None:
         """Serves until SIGTERM/SIGINT or :meth:`stop`, then drains and closes."""
@@ -414,7 +414,7 @@ def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
     return _arg(args, name, kind)
 
 
-def serve(store: DedupStore, socket_path: str | os.PathLike[str], **options: Any) -> None:
+def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> None:
     """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed)."""
     server = DaemonServer(store, socket_path, **options)
     try:

@@ -1,0 +1,704 @@
+"""Stacked and sharded stores: the order of the tiers, and routing across shards.
+
+:class:`TieredStore` puts the front filter, an optional cache and an
+optional cold archive around one authority (see :mod:`dedupcore.tiers.base`)::
+
+    claim_many(keys)
+      front filter   "definitely never seen here"  -> straight to the authority's
+                                                       atomic create, no reads
+      cache          PROCESSED hit                 -> DUPLICATE, authority not asked
+      cold archive   hit, authority has no record   -> DUPLICATE, exact=False
+      authority      everything else: NEW / DUPLICATE / IN_PROGRESS, atomically
+
+The front and cache only ever save work: the front is an in-process filter
+of keys this process has seen, so when another host claimed a key, the
+authority's create still finds it (its create is the atomic step). A cache
+or front that fails is skipped with a counter and a log line; an authority
+that fails raises :class:`~dedupcore.errors.UnavailableError`.
+
+:class:`ShardedStore` routes keys over N stores by jump consistent hash of
+``namespace \\0 key`` (:func:`dedupcore.shard_many`), one call per shard,
+run concurrently. :func:`open_store` builds either from URLs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from dedupcore import keys as _keys
+from dedupcore._core import shard_many
+from dedupcore.api import (
+    Claim,
+    ClaimAPI,
+    KeyRecord,
+    Outcome,
+    change_items,
+    check_fingerprints,
+    check_owner,
+    pack_result,
+    unpack_result,
+)
+from dedupcore.bloom import BloomRing
+from dedupcore.config import Retention, check_lease
+from dedupcore.errors import ConflictError, DedupError, StaleTokenError
+from dedupcore.record import State
+from dedupcore.tiers.archive import ColdArchive
+from dedupcore.tiers.base import Authority, Cached, CacheTier
+
+__all__ = ["ShardedStore", "TieredStore", "open_store"]
+
+log = logging.getLogger("dedupcore")
+
+T = TypeVar("T")
+
+#: NEW claims whose fingerprint this process remembers until they are completed.
+_MAX_REMEMBERED = 1_000_000
+_MISSING = object()
+
+
+class TieredStore(ClaimAPI):
+    """Front filter, optional cache and cold archive around one authority.
+
+    ``authority``: an :class:`~dedupcore.tiers.base.Authority` (the store it
+    wraps is closed with it). ``cache``: a :class:`CacheTier` such as
+    :class:`~dedupcore.tiers.cache.RedisCache`; entries live for the
+    namespace's ``hot_window``. ``front``: True for an in-memory front ring,
+    False for none, or a :class:`BloomRing` of your own. ``archive``: a
+    :class:`ColdArchive` or a directory for one; keys the authority demotes
+    (:meth:`sweep`) go there. ``retention``/``namespaces`` give the hot and
+    cold windows per namespace (the authority keeps its own exact window).
+    """
+
+    def __init__(
+        self,
+        authority: Authority,
+        *,
+        cache: CacheTier | None = None,
+        front: bool | BloomRing = True,
+        archive: ColdArchive | str | os.PathLike[str] | None = None,
+        retention: Retention | None = None,
+        namespaces: dict[str, Retention] | None = None,
+        max_key_bytes: int = 512,
+        max_result_bytes: int = 65536,
+        front_error_rate: float = 0.01,
+        front_slice_capacity: int = 1_000_000,
+        cache_retry_after: float = 1.0,
+    ) -> None:
+        if not isinstance(authority, Authority):
+            raise TypeError(
+                "authority must implement claim_many, complete_many, release_many, get, "
+                f"stats and close, not {type(authority).__name__}"
+            )
+        if cache is not None and not isinstance(cache, CacheTier):
+            raise TypeError(f"cache must be a CacheTier, not {type(cache).__name__}")
+        self.authority = authority
+        self.cache = cache
+        self.retention = retention or Retention()
+        self.namespaces = dict(namespaces or {})
+        for ns in self.namespaces:
+            _keys.check_namespace(ns)
+        self.max_key_bytes = max_key_bytes
+        self.max_result_bytes = max_result_bytes
+        self.cache_retry_after = cache_retry_after
+        windows = [self.retention.exact_window, *(p.exact_window for p in self.namespaces.values())]
+        if isinstance(front, BloomRing):
+            self.front: BloomRing | None = front
+        elif front is True:
+            window = max(windows)
+            self.front = BloomRing(window, window / 8, front_slice_capacity, front_error_rate)
+        elif front is False:
+            self.front = None
+        else:
+            raise TypeError(f"front must be a bool or a BloomRing, not {type(front).__name__}")
+        if archive is None or isinstance(archive, ColdArchive):
+            self.archive = archive
+        else:
+            cold = [self.retention.cold_window, *(p.cold_window for p in self.namespaces.values())]
+            self.archive = ColdArchive(Path(archive), cold)
+        self._lock = threading.Lock()
+        self._fps: OrderedDict[tuple[bytes, bytes], bytes | None] = OrderedDict()
+        self._counts: Counter[str] = Counter()
+        self._cache_down_until = 0.0
+        self._closed = False
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        parts = [f"authority={type(self.authority).__name__}"]
+        if self.cache is not None:
+            parts.append(f"cache={type(self.cache).__name__}")
+        parts.append(f"front={'on' if self.front is not None else 'off'}")
+        parts.append(f"archive={'on' if self.archive is not None else 'off'}")
+        return f"TieredStore({', '.join(parts)})"
+
+    def close(self) -> None:
+        """Closes the authority and the cache."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.authority.close()
+        finally:
+            if self.cache is not None:
+                self.cache.close()
+
+    def _policy(self, namespace: str) -> Retention:
+        return self.namespaces.get(namespace, self.retention)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DedupError("the store is closed")
+
+    # -- the cache, skipped while it fails ---------------------------------------
+
+    def _cache_call(self, what: str, call: Callable[[], T]) -> T | None:
+        if self.cache is None or time.monotonic() < self._cache_down_until:
+            return None
+        self._counts[f"cache_{what}"] += 1
+        try:
+            return call()
+        except self.cache.unavailable as exc:
+            self._counts["cache_errors"] += 1
+            self._cache_down_until = time.monotonic() + self.cache_retry_after
+            log.warning(
+                "cache %s failed (%s); skipping it for %.1f s",
+                self.cache.name,
+                exc,
+                self.cache_retry_after,
+            )
+            return None
+
+    def _remember(self, ns: bytes, k: bytes, fp: bytes | None) -> None:
+        with self._lock:
+            self._fps[(ns, k)] = fp
+            self._fps.move_to_end((ns, k))
+            while len(self._fps) > _MAX_REMEMBERED:
+                self._fps.popitem(last=False)
+
+    def _forget(self, ns: bytes, k: bytes) -> object:
+        with self._lock:
+            return self._fps.pop((ns, k), _MISSING)
+
+    # -- the claim API -------------------------------------------------------------
+
+    def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys; see the module docstring for the order of the tiers."""
+        self._check_open()
+        key_list = list(keys)
+        ns = _keys.check_namespace(namespace)
+        raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
+        fps = check_fingerprints(fingerprints, len(raw))
+        check_owner(owner)
+        if lease is not None:
+            check_lease(lease)
+        n = len(raw)
+        if not n:
+            return []
+        hashes = _keys.front_hashes(_keys.digests(ns, raw))
+        out: list[Claim | None] = [None] * n
+        seen = list(self.front.contains_many(hashes)) if self.front is not None else [True] * n
+        self._counts["front_negative"] += seen.count(False)
+
+        # Cache: only for keys the front has seen; hits are PROCESSED records.
+        hinted = [i for i in range(n) if seen[i]]
+        if hinted and self.cache is not None:
+            cache = self.cache
+            found = self._cache_call("reads", lambda: cache.get_many(ns, [raw[i] for i in hinted]))
+            for i, entry in zip(hinted, found or (), strict=False):
+                if entry is None:
+                    continue
+                fp = fps[i]
+                if fp is not None and not entry.fingerprint_known:
+                    continue  # the authority has to check the fingerprint
+                if fp is not None and entry.fingerprint is not None and fp != entry.fingerprint:
+                    raise ConflictError(
+                        f"key {key_list[i]!r} in namespace {namespace!r} was claimed with "
+                        "another fingerprint"
+                    )
+                out[i] = Claim(
+                    key_list[i],
+                    namespace,
+                    Outcome.DUPLICATE,
+                    entry.token,
+                    unpack_result(entry.result),
+                )
+                self._counts["cache_hits"] += 1
+
+        # Cold archive: a key demoted from the authority is DUPLICATE (inexact)
+        # unless the authority holds a record for it again.
+        if self.archive is not None:
+            window = self._policy(namespace).cold_window
+            cold = self.archive.contains_many(window, hashes)
+            for i in range(n):
+                if cold[i] and out[i] is None:
+                    self._counts["authority_gets"] += 1
+                    if self.authority.get(key_list[i], namespace=namespace) is None:
+                        out[i] = Claim(key_list[i], namespace, Outcome.DUPLICATE, 0, exact=False)
+                        self._counts["cold_hits"] += 1
+
+        rest = [i for i in range(n) if out[i] is None]
+        fills: list[tuple[bytes, Cached]] = []
+        if rest:
+            self._counts["authority_claims"] += 1
+            decided = self.authority.claim_many(
+                [key_list[i] for i in rest],
+                namespace=namespace,
+                lease=lease,
+                owner=owner,
+                fingerprints=None if fingerprints is None else [fps[i] for i in rest],
+            )
+            if len(decided) != len(rest):
+                raise DedupError(f"authority answered {len(decided)} claims for {len(rest)} keys")
+            for i, c in zip(rest, decided, strict=True):
+                out[i] = c
+                if c.outcome is Outcome.NEW:
+                    self._remember(ns, raw[i], fps[i])
+                elif c.outcome is Outcome.DUPLICATE and c.exact and self.cache is not None:
+                    try:
+                        packed = pack_result(c.result, self.max_result_bytes)
+                    except (TypeError, ValueError):
+                        continue
+                    fills.append((raw[i], Cached(c.token, packed)))
+        if fills and self.cache is not None:
+            cache = self.cache
+            ttl = self._policy(namespace).hot_window
+            self._cache_call("writes", lambda: cache.put_many(ns, fills, ttl))
+        if self.front is not None:
+            self.front.add_many(hashes, time.time())
+        claims = [c for c in out if c is not None]
+        assert len(claims) == n
+        for c in claims:
+            self._counts[c.outcome.value] += 1
+        return claims
+
+    def complete_many(self, items: Iterable[Any], *, namespace: str) -> None:
+        """Completes at the authority, then writes the PROCESSED records through to the cache."""
+        self._check_open()
+        checked = change_items(items, with_results=True)
+        ns = _keys.check_namespace(namespace)
+        self.authority.complete_many(checked, namespace=namespace)
+        entries: list[tuple[bytes, Cached]] = []
+        for key, token, result in checked:
+            k = _keys.check_key(key, self.max_key_bytes)
+            fp = self._forget(ns, k)
+            if self.cache is None:
+                continue
+            try:
+                packed = pack_result(result, self.max_result_bytes)
+            except (TypeError, ValueError):
+                continue  # the authority accepted it under its own limit
+            if fp is _MISSING:
+                entries.append((k, Cached(token, packed)))
+            else:
+                entries.append((k, Cached(token, packed, cast("bytes | None", fp), True)))
+        if entries and self.cache is not None:
+            cache = self.cache
+            ttl = self._policy(namespace).hot_window
+            self._cache_call("writes", lambda: cache.put_many(ns, entries, ttl))
+
+    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
+        """Releases at the authority (the cache never holds a claim that can be released)."""
+        self._check_open()
+        checked = change_items(items, with_results=False)
+        ns = _keys.check_namespace(namespace)
+        self.authority.release_many([(k, t) for k, t, _ in checked], namespace=namespace)
+        for key, _token, _ in checked:
+            self._forget(ns, _keys.check_key(key, self.max_key_bytes))
+
+    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The authority's record, or an inexact PROCESSED record from the cold archive."""
+        self._check_open()
+        ns = _keys.check_namespace(namespace)
+        k = _keys.check_key(key, self.max_key_bytes)
+        rec = self.authority.get(key, namespace=namespace)
+        if rec is not None or self.archive is None:
+            return rec
+        hashes = _keys.front_hashes(_keys.digests(ns, [k]))
+        if self.archive.contains_many(self._policy(namespace).cold_window, hashes)[0]:
+            return KeyRecord(State.PROCESSED, 0, None, None, None, 0.0, 0.0, exact=False)
+        return None
+
+    def sweep(self, now: float | None = None, *, limit: int = 10_000) -> int:
+        """Copies records the authority is about to drop into the cold archive; returns how many.
+
+        SQL authority: expired rows are added to the archive (written and
+        fsynced) before they are deleted. Redis authority: PROCESSED keys
+        whose TTL ends within two sweep periods are added before Redis
+        expires them. Without an archive, the SQL authority is purged only.
+        """
+        self._check_open()
+        now_w = time.time() if now is None else float(now)
+        archive = self.archive
+        moved = 0
+
+        def add(namespace: str, keys: list[bytes]) -> None:
+            nonlocal moved
+            if archive is None or not keys:
+                return
+            window = self._policy(namespace).cold_window
+            digests = _keys.digests(_keys.check_namespace(namespace), keys)
+            moved += archive.add_many(window, _keys.front_hashes(digests), now_w)
+
+        purge = getattr(self.authority, "purge", None)
+        expiring = getattr(self.authority, "expiring", None)
+        if purge is not None:
+            purge(limit=limit, before_delete=add)
+        elif expiring is not None and archive is not None:
+            for namespace in {*self.namespaces, *self._recent_namespaces()}:
+                add(namespace, expiring(namespace, 2 * self.sweep_interval, count=limit))
+        if archive is not None:
+            archive.expire(now_w)
+        self._counts["demoted"] += moved
+        return moved
+
+    #: How often :meth:`sweep` is expected to run (seconds); Redis keys expiring
+    #: within two periods are archived ahead of their expiry.
+    sweep_interval = 60.0
+
+    def _recent_namespaces(self) -> set[str]:
+        with self._lock:
+            return {ns.decode() for ns, _ in self._fps}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of each tier's calls and answers, and the tiers' own figures."""
+        out: dict[str, Any] = {
+            "counts": dict(self._counts),
+            "authority": self.authority.stats(),
+        }
+        if self.front is not None:
+            out["front"] = {
+                "keys": self.front.count,
+                "nbytes": self.front.nbytes,
+                "estimated_fpr": self.front.estimated_fpr,
+            }
+        if self.cache is not None:
+            out["cache"] = {
+                "name": self.cache.name,
+                "skipped_until": max(0.0, self._cache_down_until - time.monotonic()),
+                **self.cache.stats(),
+            }
+        if self.archive is not None:
+            out["archive"] = self.archive.stats()
+        return out
+
+
+class ShardedStore(ClaimAPI):
+    """Routes keys over N stores by jump consistent hash; one concurrent call per shard.
+
+    The shard of a key is ``shard_of(namespace + b"\\0" + key, N)``: stable
+    across processes, hosts and versions, and adding a shard moves only
+    ``1/(N+1)`` of the keys. A batch is not atomic across shards: when one
+    shard fails (or raises :class:`ConflictError`), the NEW claims the other
+    shards made for the batch are released before the error is raised, so
+    nothing stays claimed by a caller that never saw the claim.
+    """
+
+    def __init__(self, shards: Sequence[ClaimAPI], *, max_key_bytes: int = 512) -> None:
+        shards = list(shards)
+        if not shards:
+            raise ValueError("a sharded store needs at least one shard")
+        for s in shards:
+            if not isinstance(s, ClaimAPI):
+                raise TypeError(f"each shard must be a claim API store, not {type(s).__name__}")
+        self.shards = shards
+        self.max_key_bytes = max_key_bytes
+        self._pool = ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="dedup-shard")
+        self._closed = False
+
+    def __enter__(self) -> ShardedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedStore({len(self.shards)} shards)"
+
+    def close(self) -> None:
+        """Closes every shard."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        errors = []
+        for s in self.shards:
+            try:
+                s.close()
+            except Exception as exc:  # close the others anyway
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def shard_of(self, key: bytes | str, *, namespace: str) -> int:
+        """The index of the shard that holds ``key``."""
+        return self._route(_keys.check_namespace(namespace), [key])[0][0]
+
+    def _route(self, ns: bytes, keys: Sequence[Any]) -> tuple[list[int], dict[int, list[int]]]:
+        prefix = ns + b"\x00"
+        joined = [prefix + _keys.check_key(k, self.max_key_bytes) for k in keys]
+        where = list(shard_many(joined, len(self.shards))) if joined else []
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(where):
+            groups.setdefault(s, []).append(i)
+        return where, groups
+
+    def _each(self, calls: dict[int, Callable[[], T]]) -> dict[int, T | BaseException]:
+        """Runs one call per shard concurrently; a single shard runs inline."""
+        if self._closed:
+            raise DedupError("the store is closed")
+        if len(calls) == 1:
+            ((s, call),) = calls.items()
+            try:
+                return {s: call()}
+            except Exception as exc:
+                return {s: exc}
+        futures = {s: self._pool.submit(call) for s, call in calls.items()}
+        out: dict[int, T | BaseException] = {}
+        for s, f in futures.items():
+            try:
+                out[s] = f.result()
+            except Exception as exc:
+                out[s] = exc
+        return out
+
+    def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        key_list = list(keys)
+        ns = _keys.check_namespace(namespace)
+        fps = check_fingerprints(fingerprints, len(key_list))
+        check_owner(owner)
+        if lease is not None:
+            check_lease(lease)
+        if not key_list:
+            return []
+        _, groups = self._route(ns, key_list)
+
+        def call(s: int, idx: list[int]) -> Callable[[], list[Claim]]:
+            shard = self.shards[s]
+            return lambda: shard.claim_many(
+                [key_list[i] for i in idx],
+                namespace=namespace,
+                lease=lease,
+                owner=owner,
+                fingerprints=None if fingerprints is None else [fps[i] for i in idx],
+            )
+
+        results = self._each({s: call(s, idx) for s, idx in groups.items()})
+        failed = [r for r in results.values() if isinstance(r, BaseException)]
+        if failed:
+            for s, r in results.items():
+                if isinstance(r, BaseException):
+                    continue
+                made = [(c.key, c.token) for c in r if c.outcome is Outcome.NEW and owner is None]
+                if made:
+                    try:
+                        self.shards[s].release_many(made, namespace=namespace)
+                    except Exception as exc:
+                        log.warning(
+                            "could not release %d claims on shard %d: %s", len(made), s, exc
+                        )
+            raise _first(failed)
+        out: list[Claim | None] = [None] * len(key_list)
+        for s, idx in groups.items():
+            answered = results[s]
+            assert isinstance(answered, list)
+            for i, c in zip(idx, answered, strict=True):
+                out[i] = c
+        return [c for c in out if c is not None]
+
+    def _change(self, items: Iterable[Any], namespace: str, *, complete: bool) -> None:
+        checked = change_items(items, with_results=complete)
+        ns = _keys.check_namespace(namespace)
+        _, groups = self._route(ns, [k for k, _, _ in checked])
+
+        def call(s: int, idx: list[int]) -> Callable[[], None]:
+            shard = self.shards[s]
+            if complete:
+                part: list[Any] = [checked[i] for i in idx]
+                return lambda: shard.complete_many(part, namespace=namespace)
+            pairs = [(checked[i][0], checked[i][1]) for i in idx]
+            return lambda: shard.release_many(pairs, namespace=namespace)
+
+        results = self._each({s: call(s, idx) for s, idx in groups.items()})
+        failed = [r for r in results.values() if isinstance(r, BaseException)]
+        if failed:
+            raise _first(failed)
+
+    def complete_many(self, items: Iterable[Any], *, namespace: str) -> None:
+        """Completes on each shard; a shard's error is raised after the others applied theirs."""
+        self._change(items, namespace, complete=True)
+
+    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
+        """Releases on each shard; a shard's error is raised after the others applied theirs."""
+        self._change(items, namespace, complete=False)
+
+    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        return self.shards[self.shard_of(key, namespace=namespace)].get(key, namespace=namespace)
+
+    def stats(self) -> dict[str, Any]:
+        return {"shards": [s.stats() for s in self.shards]}
+
+    def sweep(self, now: float | None = None) -> int:
+        """Runs each shard's ``sweep`` (where it has one); returns the total demoted."""
+        total = 0
+        for s in self.shards:
+            sweep = getattr(s, "sweep", None)
+            if sweep is not None:
+                total += int(sweep(now))
+        return total
+
+
+def _first(errors: list[BaseException]) -> BaseException:
+    """The error to raise for a batch: input errors before unavailability."""
+    for kind in (ConflictError, StaleTokenError, TypeError, ValueError):
+        for e in errors:
+            if isinstance(e, kind):
+                return e
+    return errors[0]
+
+
+# -- opening by URL ---------------------------------------------------------------------
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_SQL_SCHEMES = ("postgresql://", "postgres://", "mysql://", "mariadb://", "sqlite:///")
+
+
+def _open_authority(target: Any, options: dict[str, Any]) -> ClaimAPI:
+    if isinstance(target, ClaimAPI):
+        return target
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    if not isinstance(target, str) or not target:
+        raise TypeError(
+            f"an authority is a URL, a directory or a store object, not {type(target).__name__}"
+        )
+    if target.startswith(_REDIS_SCHEMES):
+        from dedupcore.tiers.redis import RedisStore
+
+        return RedisStore.from_url(target, **options)
+    if target.startswith(_SQL_SCHEMES):
+        from dedupcore.tiers.sql import SqlStore
+
+        return SqlStore.from_url(target, **options)
+    if "://" in target and not target.startswith("file://"):
+        scheme = target.split("://", 1)[0]
+        raise ValueError(
+            f"unknown store URL scheme {scheme!r}: use redis://, rediss://, unix://, "
+            "postgresql://, mysql://, sqlite:/// or a directory"
+        )
+    from dedupcore.config import StoreConfig
+    from dedupcore.store import DedupStore
+
+    path = target[len("file://") :] if target.startswith("file://") else target
+    return DedupStore.open(path, config=StoreConfig(**options))
+
+
+def open_store(
+    authority: str | os.PathLike[str] | ClaimAPI | Sequence[str | os.PathLike[str] | ClaimAPI],
+    *,
+    cache: str | CacheTier | None = None,
+    front: bool | None = None,
+    archive: str | os.PathLike[str] | ColdArchive | None = None,
+    init_schema: bool = False,
+    **options: Any,
+) -> ClaimAPI:
+    """Opens a store stack from URLs or objects.
+
+    ``authority``: a directory (the embedded :class:`~dedupcore.DedupStore`),
+    ``redis://``/``rediss://``/``unix://`` (:class:`RedisStore`),
+    ``postgresql://``/``mysql://``/``sqlite:///path`` (:class:`SqlStore`), a
+    store object you built with your own client, or a list of those (a
+    :class:`ShardedStore`, one stack per shard). ``cache``: a Redis URL or a
+    :class:`CacheTier`. ``front`` defaults to on for a remote authority and
+    off for the embedded one, which has its own. ``options`` go to each
+    authority's constructor (``retention``, ``namespaces``, ``lease``, ...).
+    ``init_schema``: create a SQL authority's table when it is missing (what
+    ``dedupcore sql init`` does); otherwise a missing table is an error.
+
+    The embedded directory with no cache or archive is returned as is.
+    """
+    if isinstance(authority, (list, tuple)):
+        if not authority:
+            raise ValueError("an empty list of shards")
+        shards = [
+            open_store(
+                a,
+                cache=cache,
+                front=front,
+                archive=_shard_dir(archive, i),
+                init_schema=init_schema,
+                **options,
+            )
+            for i, a in enumerate(authority)
+        ]
+        return ShardedStore(shards, max_key_bytes=options.get("max_key_bytes", 512))
+    store = _open_authority(authority, dict(options))
+    if init_schema:
+        init = getattr(store, "init_schema", None)
+        if init is not None:
+            init()
+    from dedupcore.store import DedupStore
+
+    embedded = isinstance(store, DedupStore)
+    if front is None:
+        front = not embedded
+    if embedded and cache is None and archive is None and not front:
+        return store
+    cache_tier: CacheTier | None
+    if isinstance(cache, str):
+        from dedupcore.tiers.cache import RedisCache
+
+        cache_tier = RedisCache.from_url(cache)
+    else:
+        cache_tier = cache
+    stack_options = {
+        k: options[k]
+        for k in ("retention", "namespaces", "max_key_bytes", "max_result_bytes")
+        if k in options
+    }
+    try:
+        return TieredStore(
+            store,
+            cache=cache_tier,
+            front=front,
+            archive=archive,
+            **stack_options,
+        )
+    except BaseException:
+        store.close()
+        raise
+
+
+def _shard_dir(
+    archive: str | os.PathLike[str] | ColdArchive | None, i: int
+) -> str | os.PathLike[str] | ColdArchive | None:
+    if archive is None or isinstance(archive, ColdArchive):
+        return archive
+    return Path(archive) / f"shard-{i}"

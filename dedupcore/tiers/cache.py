@@ -1,0 +1,86 @@
+"""Redis as a hot cache of PROCESSED records in front of another authority.
+
+Only PROCESSED records are cached, and only after the authority holds them
+(write-through on completion, fill on a DUPLICATE answer): a PROCESSED record
+never changes, so a cache hit is always a correct DUPLICATE, and everything
+else (NEW, IN_PROGRESS, leases, tokens) is decided by the authority. The TTL
+is the namespace's ``hot_window``.
+
+Each entry is one string ``<prefix>:<namespace>:<key>`` holding a msgpack
+array ``[token, fingerprint_known, fingerprint, result]``. Reads and writes
+are non-transactional pipelines, so keys of one batch may live on any Redis
+Cluster node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import redis
+from redis.exceptions import RedisError
+
+from dedupcore import keys as _keys
+from dedupcore.tiers.base import Cached, CacheTier
+
+__all__ = ["RedisCache"]
+
+
+class RedisCache(CacheTier):
+    """A :class:`CacheTier` on a ``redis.Redis`` or ``redis.cluster.RedisCluster`` client."""
+
+    name = "redis-cache"
+    unavailable = (RedisError, ConnectionError, TimeoutError, OSError)
+
+    def __init__(self, client: Any, *, prefix: str = "dcc") -> None:
+        self.client = client
+        self.prefix = _keys.check_namespace(prefix)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisCache:
+        """A cache on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax).
+
+        Short socket timeouts by default: a cache that does not answer
+        quickly is skipped rather than waited for.
+        """
+        kwargs = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+        kwargs.update(options)
+        return cls(redis.Redis.from_url(url, **kwargs))
+
+    def _name(self, namespace: bytes, key: bytes) -> bytes:
+        return self.prefix + b":" + namespace + b":" + key
+
+    def _get_many(self, namespace: bytes, keys: Sequence[bytes]) -> list[Cached | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(self._name(namespace, k))
+        out: list[Cached | None] = []
+        for raw in pipe.execute():
+            if raw is None:
+                out.append(None)
+                continue
+            try:
+                token, known, fp, result = msgpack.unpackb(raw, raw=True)
+                out.append(Cached(int(token), result, fp, bool(known)))
+            except (ValueError, TypeError, msgpack.UnpackException):
+                out.append(None)  # not ours or damaged: the authority decides
+        return out
+
+    def _put_many(
+        self, namespace: bytes, entries: Sequence[tuple[bytes, Cached]], ttl: float
+    ) -> None:
+        ms = max(1, int(ttl * 1000))
+        pipe = self.client.pipeline(transaction=False)
+        for k, e in entries:
+            value = msgpack.packb(
+                [e.token, e.fingerprint_known, e.fingerprint, e.result], use_bin_type=True
+            )
+            pipe.set(self._name(namespace, k), value, px=ms)
+        pipe.execute()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"prefix": self.prefix.decode()}
