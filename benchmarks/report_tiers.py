@@ -1,0 +1,357 @@
+"""Tables and target verdicts from pytest-benchmark JSONs of benchmarks/test_tiers.py.
+
+    python -m benchmarks.report_tiers [--json PATH ...] [--plain]
+
+Without ``--json`` it reads the newest ``*.json`` under benchmarks/results/
+that holds tier benchmarks. Figures use each benchmark's median round (the
+fastest is shown beside it); "ratio" is the peer's time over dedupcore's on the
+same keys in the same run, so above 1.0 means dedupcore is faster. Given
+several JSONs (repeated runs), it prints each run and then the spread of every
+ratio over the runs; the verdicts of the spread table use the median run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import RESULTS_DIR, Out, Row, Verdict, fmt_ns, load, print_verdicts
+
+# (operation, dedupcore library, peer library, target ratio or None, what)
+COMPARISONS: list[tuple[str, str, str, float | None, str]] = [
+    (
+        "tier_redis_fresh",
+        "dedupcore-redis",
+        "redis-pipelined",
+        3.0,
+        "Redis authority, claim_many fresh keys vs redis-py pipelined SET NX PX",
+    ),
+    (
+        "tier_redis_duplicate",
+        "dedupcore-redis",
+        "redis-pipelined",
+        None,
+        "Redis authority, all-DUPLICATE batches vs pipelined SET NX PX on existing keys",
+    ),
+    (
+        "tier_postgresql_fresh",
+        "dedupcore-postgresql",
+        "postgresql-executemany",
+        2.0,
+        "PostgreSQL authority, claim_many fresh keys vs executemany INSERT .. ON CONFLICT DO "
+        "NOTHING + commit per batch",
+    ),
+    (
+        "tier_postgresql_duplicate",
+        "dedupcore-postgresql",
+        "postgresql-executemany",
+        5.0,
+        "PostgreSQL authority, all-DUPLICATE batches vs the same executemany on the same "
+        "(existing) keys",
+    ),
+    (
+        "tier_mariadb_fresh",
+        "dedupcore-mariadb",
+        "mariadb-executemany",
+        None,
+        "MariaDB authority, fresh keys vs executemany INSERT .. ON DUPLICATE KEY UPDATE",
+    ),
+    (
+        "tier_mariadb_duplicate",
+        "dedupcore-mariadb",
+        "mariadb-executemany",
+        None,
+        "MariaDB authority, all-DUPLICATE batches vs the same executemany",
+    ),
+    (
+        "tier_sqlite_fresh",
+        "dedupcore-sqlite",
+        "sqlite-executemany",
+        None,
+        "SQLite authority, fresh keys vs executemany INSERT .. ON CONFLICT DO NOTHING",
+    ),
+    (
+        "tier_sqlite_duplicate",
+        "dedupcore-sqlite",
+        "sqlite-executemany",
+        None,
+        "SQLite authority, all-DUPLICATE batches vs the same executemany",
+    ),
+]
+TITLES = {
+    "tier_redis_fresh": "Redis: claim_many of N fresh keys",
+    "tier_redis_duplicate": "Redis: the same N keys again (claimed and completed: DUPLICATE)",
+    "tier_postgresql_fresh": "PostgreSQL: claim_many of N fresh keys (table emptied per round)",
+    "tier_postgresql_duplicate": "PostgreSQL: the same N keys again (completed: DUPLICATE)",
+    "tier_mariadb_fresh": "MariaDB: claim_many of N fresh keys",
+    "tier_mariadb_duplicate": "MariaDB: the same N keys again (DUPLICATE)",
+    "tier_sqlite_fresh": "SQLite: claim_many of N fresh keys",
+    "tier_sqlite_duplicate": "SQLite: the same N keys again (DUPLICATE)",
+}
+
+
+def is_tier_json(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return any(
+        str(b.get("extra_info", {}).get("operation", "")).startswith("tier_")
+        for b in data.get("benchmarks", [])
+    )
+
+
+def newest_tier_json(directory: Path = RESULTS_DIR) -> Path:
+    files = sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in files:
+        if is_tier_json(path):
+            return path
+    raise SystemExit(
+        f"no tier benchmark JSON under {directory}; run pytest benchmarks/test_tiers.py "
+        f"--benchmark-json={directory / 'tiers.json'} first"
+    )
+
+
+def median_ns(r: Row) -> float:
+    """ns/key of the median round (report.load's ns_per_key is the fastest round)."""
+    return r.ns_per_key_median
+
+
+def ratio(rows: dict[tuple[str, str], Row], op: str, dc: str, peer: str) -> float | None:
+    a, b = rows.get((op, dc)), rows.get((op, peer))
+    if a is None or b is None:
+        return None
+    return median_ns(b) / median_ns(a)
+
+
+def fmt_x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def fmt_rate(ns: float) -> str:
+    return f"{1e9 / ns:,.0f}/s"
+
+
+def _peer_of(op: str, lib: str) -> str | None:
+    for o, dc, peer, _, _ in COMPARISONS:
+        if o == op and (lib == dc or lib.startswith("dedupcore-alt-")):
+            return peer
+    return None
+
+
+def print_run(out: Out, path: Path, data: dict[str, Any], rows: dict[tuple[str, str], Row]) -> None:
+    info = next(iter(rows.values())).extra
+    cfg = info.get("tier_bench", {})
+    dirty = info.get("git_dirty")
+    out.heading(
+        f"{path.name}: N={cfg.get('n', 0):,} 16-byte keys, batches of {cfg.get('batch', 0):,}, "
+        f"{cfg.get('rounds', '?')} rounds after {cfg.get('warmup', '?')} warm-up"
+        + (" (QUICK)" if cfg.get("quick") else "")
+    )
+    loads = [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
+    out.line(
+        f"{data.get('datetime', '?')}; dedupcore at {info.get('git_rev', '?')}"
+        + (f" with local changes in {', '.join(dirty)}" if dirty else "")
+        + f", code sha256 {info.get('dedupcore_sha256', '?')}; 1-minute load average "
+        + (f"{min(loads):.2f} .. {max(loads):.2f}" if loads else "?")
+        + f" on {os.cpu_count()} CPUs"
+    )
+    redis_row = next((r for (o, _), r in rows.items() if o.startswith("tier_redis")), None)
+    if redis_row is not None and "redis_version" in redis_row.extra:
+        e = redis_row.extra
+        out.line(
+            f"Redis {e['redis_version']} (AOF {'on' if e['redis_aof_enabled'] else 'off'}, "
+            f"redis-py parser {e['redis_parser']})"
+        )
+    servers = {
+        r.extra["server"]: r.extra.get("server_settings")
+        for r in rows.values()
+        if "server" in r.extra
+    }
+    for server, settings in servers.items():
+        out.line(f"{server}: {settings}")
+    for op, title in TITLES.items():
+        libs = sorted(lib for (o, lib) in rows if o == op)
+        if not libs:
+            continue
+        table = []
+        for lib in libs:
+            r = rows[(op, lib)]
+            peer = _peer_of(op, lib)
+            x = ratio(rows, op, lib, peer) if peer else None
+            server = r.extra.get("server_ns_per_key")
+            table.append(
+                [
+                    lib,
+                    fmt_rate(median_ns(r)),
+                    fmt_ns(median_ns(r)),
+                    fmt_ns(r.ns_per_key),
+                    fmt_ns(server) if server is not None else "",
+                    fmt_x(x),
+                ]
+            )
+        first = rows[(op, libs[0])]
+        out.table(
+            f"{op}: {title} ({first.n_keys:,} keys, {first.rounds} rounds)",
+            ["library", "keys/s", "ns/key", "fastest ns/key", "server ns/key", "ratio vs peer"],
+            table,
+            [False, True, True, True, True, True],
+        )
+    single = {lib: r for (o, lib), r in rows.items() if o == "tier_redis_single"}
+    if single:
+        rtt = single.get("redis-single")
+        table = []
+        for lib in sorted(single):
+            e = single[lib].extra
+            table.append(
+                [
+                    lib,
+                    fmt_ns(e["p50_ns"]),
+                    fmt_ns(e["p90_ns"]),
+                    fmt_ns(e["p99_ns"]),
+                    fmt_ns(e["mean_ns"]),
+                    fmt_x(e["p50_ns"] / rtt.extra["p50_ns"]) if rtt else "-",
+                ]
+            )
+        first = next(iter(single.values())).extra
+        out.table(
+            f"tier_redis_single: one key per call ({first['calls']:,} calls after "
+            f"{first.get('warmup', 0)} warm-up calls)",
+            ["library", "p50", "p90", "p99", "mean", "p50 / SET NX p50"],
+            table,
+            [False, True, True, True, True, True],
+        )
+    calls = {lib: r.call for (_, lib), r in rows.items()}
+    out.line("calls (B = batch size):")
+    for lib in sorted(calls):
+        out.line(f"  {lib:<28} {calls[lib]}")
+
+
+def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
+    verdicts = []
+    for op, dc, peer, target, what in COMPARISONS:
+        a, b = rows.get((op, dc)), rows.get((op, peer))
+        if a is None or b is None:
+            if target is not None:
+                verdicts.append(Verdict(None, f"{what}: not measured"))
+            continue
+        x = median_ns(b) / median_ns(a)
+        x_min = b.ns_per_key / a.ns_per_key
+        n = a.extra.get("tier_bench", {}).get("n", a.n_keys)
+        text = (
+            f"{what}: dedupcore {fmt_rate(median_ns(a))} ({fmt_ns(median_ns(a))}/key) vs "
+            f"{peer} {fmt_rate(median_ns(b))} ({fmt_ns(median_ns(b))}/key) = {x:.2f}x "
+            f"(fastest rounds {x_min:.2f}x)"
+        )
+        if op == "tier_postgresql_duplicate":
+            fresh = rows.get(("tier_postgresql_fresh", peer))
+            if fresh is not None:
+                text += (
+                    f"; vs the baseline on fresh batches ({fmt_ns(median_ns(fresh))}/key): "
+                    f"{median_ns(fresh) / median_ns(a):.2f}x"
+                )
+        if target is None:
+            text += f" [reference, no target; N={n:,}]"
+            verdicts.append(Verdict(None, text))
+        else:
+            verdicts.append(Verdict(x >= target, text + f"; target >= {target:g}x [N={n:,}]"))
+        for (o, lib), alt in rows.items():
+            if o == op and lib.startswith("dedupcore-alt-"):
+                y = median_ns(b) / median_ns(alt)
+                verdicts.append(
+                    Verdict(
+                        None if target is None else y >= target,
+                        f"  {lib} (alternative code, same run): {fmt_ns(median_ns(alt))}/key "
+                        f"= {y:.2f}x the peer, {median_ns(a) / median_ns(alt):.2f}x "
+                        "the current code",
+                    )
+                )
+    return verdicts
+
+
+def print_spread(out: Out, runs: list[tuple[Path, dict[tuple[str, str], Row]]]) -> None:
+    out.heading(f"spread over {len(runs)} runs (ratio = peer median / dedupcore median)")
+    table = []
+    for op, _dc, peer, target, _ in COMPARISONS:
+        libs = sorted(
+            {lib for _, rows in runs for (o, lib) in rows if o == op and lib.startswith("dedup")}
+        )
+        for lib in libs:
+            xs = [ratio(rows, op, lib, peer) for _, rows in runs]
+            got = [x for x in xs if x is not None]
+            if not got:
+                continue
+            dc_ns = [median_ns(rows[(op, lib)]) for _, rows in runs if (op, lib) in rows]
+            peer_ns = [median_ns(rows[(op, peer)]) for _, rows in runs if (op, peer) in rows]
+            mid = statistics.median(got)
+            verdict = "" if target is None else ("MET" if mid >= target else "MISSED")
+            table.append(
+                [
+                    op.removeprefix("tier_"),
+                    lib,
+                    " ".join(fmt_x(x) for x in xs),
+                    f"{min(got):.2f} .. {max(got):.2f}",
+                    fmt_x(mid),
+                    f"{fmt_ns(min(dc_ns))} .. {fmt_ns(max(dc_ns))}",
+                    f"{fmt_ns(min(peer_ns))} .. {fmt_ns(max(peer_ns))}" if peer_ns else "-",
+                    "-" if target is None else f">= {target:g}x",
+                    verdict,
+                ]
+            )
+    out.table(
+        "ratios per run, their range and median; dedupcore's and the peer's median ns/key range",
+        [
+            "operation",
+            "library",
+            "ratio per run",
+            "range",
+            "median",
+            "dedupcore ns/key",
+            "peer ns/key",
+            "target",
+            "verdict",
+        ],
+        table,
+        [False, False, False, True, True, True, True, True, False],
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report_tiers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        action="append",
+        help="pytest-benchmark JSON of test_tiers.py (repeat for several runs; default: the "
+        "newest tier JSON under benchmarks/results/)",
+    )
+    parser.add_argument("--plain", action="store_true", help="plain text even if rich is installed")
+    args = parser.parse_args(argv)
+    paths = args.json or [newest_tier_json()]
+    out = Out(plain=args.plain)
+    runs = []
+    for path in paths:
+        data, all_rows = load(path)
+        rows = {k: r for k, r in all_rows.items() if k[0].startswith("tier_")}
+        if not rows:
+            raise SystemExit(f"{path}: no tier benchmarks (benchmarks/test_tiers.py) in it")
+        print_run(out, path, data, rows)
+        print_verdicts(out, evaluate(rows))
+        runs.append((path, rows))
+    if len(runs) > 1:
+        print_spread(out, runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
