@@ -9,9 +9,20 @@ hash-tag bucket), so racing consumers on any number of hosts see exactly one
 NEW per key. Every script checks the whole batch before it writes anything:
 a fingerprint conflict or a stale token changes nothing.
 
-The bucket in the hash tag (``jump_hash`` of the key into ``buckets``) keeps
-the keys of one script in one Redis Cluster slot while spreading a batch
-over the cluster's masters.
+**Redis Cluster.** The bucket in the hash tag (``jump_hash`` of the key
+into ``buckets``) puts each key in one of ``buckets`` slots per namespace,
+spread over the cluster's masters. A batch is grouped by slot: one script
+call per slot (at most 1000 keys each), all sent in one pipeline, which the
+cluster client splits into one round trip per master. On a single server a
+batch is one script call per 1000 keys. Scripts are called by ``EVALSHA``;
+a server that does not know a script (restarted, failed over, a new node)
+gets it by ``SCRIPT LOAD``, which the cluster client sends to every master.
+Settings are read from every node (``CONFIG GET`` per node). When a master
+cannot answer, calls that need it raise :class:`UnavailableError`; keys on
+the other masters keep working as long as the cluster client can route to
+them (with ``cluster-require-full-coverage yes``, the default, the
+surviving masters refuse every command once the cluster marks the failed
+master down).
 
 Durability is Redis's own: :meth:`RedisStore.durability` reads the server's
 persistence settings and says what an acknowledged claim survives. Eviction
@@ -26,9 +37,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from dedupcore import keys as _keys
 from dedupcore._core import shard_many
@@ -117,6 +128,21 @@ return #KEYS
 """
 
 _SAFE_POLICIES = ("noeviction",)
+#: Keys per script call: bounds how long one call holds the (single-threaded) server.
+_SCRIPT_KEYS = 1000
+#: Errors meaning "the server or cluster could not answer" (DC* replies are decisions).
+_DOWN: tuple[type[BaseException], ...] = (RedisError, RedisClusterException)
+_DURABILITY_RANK = {"always": 3, "everysec": 2, "no": 1, "": 0}
+
+
+def _text(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _unavailable(exc: BaseException) -> UnavailableError:
+    return UnavailableError(f"redis unavailable: {type(exc).__name__}: {exc}")
 
 
 class RedisStore(ClaimAPI):
@@ -147,52 +173,95 @@ class RedisStore(ClaimAPI):
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.buckets = buckets
+        self.cluster = isinstance(client, RedisCluster)
         try:
             self._claim = client.register_script(_CLAIM)
             self._change = client.register_script(_CHANGE)
-            policy = self._config("maxmemory-policy")
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UnavailableError(f"redis unreachable: {exc}") from exc
-        if policy is not None and policy not in _SAFE_POLICIES and not allow_eviction:
+            policies = self._config_all("maxmemory-policy")
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
+        unsafe = [(node, p) for node, p in policies if p is not None and p not in _SAFE_POLICIES]
+        if unsafe and not allow_eviction:
+            node, policy = unsafe[0]
+            where = f" on {node}" if self.cluster else ""
             raise DedupError(
-                f"redis maxmemory-policy is {policy!r}: it can evict dedup records and so "
-                "report processed keys as NEW; set it to noeviction, or pass "
+                f"redis maxmemory-policy is {policy!r}{where}: it can evict dedup records and "
+                "so report processed keys as NEW; set it to noeviction, or pass "
                 "allow_eviction=True to accept that"
             )
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> RedisStore:
-        """A store on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax)."""
+    def from_url(cls, url: str, *, cluster: bool = False, **options: Any) -> RedisStore:
+        """A store on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax).
+
+        ``cluster=True`` treats the URL as one node of a Redis Cluster.
+        """
+        if cluster:
+            return cls(RedisCluster.from_url(url), **options)
         return cls(redis.Redis.from_url(url), **options)
 
+    # -- server settings ---------------------------------------------------------
+
+    def _servers(self) -> list[tuple[str, Any]]:
+        """``(name, client)`` of every server: each node (masters and replicas) of a cluster."""
+        if not self.cluster:
+            return [("redis", self.client)]
+        return [(n.name, self.client.get_redis_connection(n)) for n in self.client.get_nodes()]
+
+    def _primaries(self) -> list[tuple[str, Any]]:
+        if not self.cluster:
+            return [("redis", self.client)]
+        return [(n.name, self.client.get_redis_connection(n)) for n in self.client.get_primaries()]
+
+    def _config_all(self, name: str) -> list[tuple[str, str | None]]:
+        """The setting on every server (None where CONFIG is disabled, as on managed Redis)."""
+        out: list[tuple[str, str | None]] = []
+        for node, server in self._servers():
+            try:
+                value = server.config_get(name)
+            except ResponseError:
+                out.append((node, None))
+                continue
+            out.append((node, _text(value.get(name)) if isinstance(value, dict) else None))
+        return out
+
     def _config(self, name: str) -> str | None:
-        try:
-            value = self.client.config_get(name)
-        except ResponseError:
-            return None  # CONFIG may be disabled (managed Redis)
-        if isinstance(value, dict) and value:
-            # A cluster client answers per node; any unsafe node is unsafe.
-            raw = next(iter(value.values())) if name not in value else value[name]
-            if isinstance(raw, dict):
-                raw = raw.get(name)
-            return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
-        return None
+        values = [v for _, v in self._config_all(name)]
+        return values[0] if values else None
 
     def durability(self) -> str:
-        """What an acknowledged claim survives, from the server's persistence settings."""
-        appendonly = self._config("appendonly")
-        fsync = self._config("appendfsync")
-        if appendonly == "yes" and fsync == "always":
-            return "appendfsync always: survives a Redis crash and a power loss"
-        if appendonly == "yes" and fsync == "everysec":
+        """What an acknowledged claim survives, from the server's persistence settings.
+
+        On a cluster this is the weakest node's answer (a key lives on one node).
+        """
+        try:
+            appendonly = dict(self._config_all("appendonly"))
+            fsync = dict(self._config_all("appendfsync"))
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
+        worst: tuple[int, str, str] | None = None
+        for node in appendonly:
+            mode = (fsync.get(node) or "no") if appendonly[node] == "yes" else ""
+            rank = _DURABILITY_RANK.get(mode, 0)
+            if worst is None or rank < worst[0]:
+                worst = (rank, node, mode)
+        if worst is None:
+            return "unknown: the server does not report its persistence settings"
+        _, node, mode = worst
+        where = f" (weakest node {node})" if self.cluster else ""
+        if mode == "always":
+            return f"appendfsync always{where}: survives a Redis crash and a power loss"
+        if mode == "everysec":
             return (
-                "appendfsync everysec: survives a Redis process crash; a power loss can "
-                "lose the last second of acknowledged claims"
+                f"appendfsync everysec{where}: survives a Redis process crash; a power loss "
+                "can lose the last second of acknowledged claims"
             )
-        if appendonly == "yes":
-            return "appendfsync no: the OS decides when to write; a power loss can lose claims"
+        if mode:
+            return (
+                f"appendfsync no{where}: the OS decides when to write; a power loss can lose claims"
+            )
         return (
-            "no AOF: a Redis restart loses every record since the last RDB snapshot "
+            f"no AOF{where}: a Redis restart loses every record since the last RDB snapshot "
             "(or all of them): processed keys can come back NEW"
         )
 
@@ -202,23 +271,88 @@ class RedisStore(ClaimAPI):
         policy = self.namespaces.get(namespace, self.retention)
         return int(max(policy.exact_window, 2 * lease_s) * 1000)
 
+    def _head(self, ns: bytes) -> bytes:
+        return self.prefix + b":{" + ns + b":"
+
     def _names(self, ns: bytes, raw: list[bytes]) -> list[bytes]:
         buckets = shard_many([ns + b"\x00" + k for k in raw], self.buckets)
-        head = self.prefix + b":{" + ns + b":"
+        head = self._head(ns)
         return [head + str(b).encode() + b"}:" + k for b, k in zip(buckets, raw, strict=True)]
 
-    @staticmethod
-    def _groups(names: list[bytes]) -> dict[bytes, list[int]]:
-        groups: dict[bytes, list[int]] = defaultdict(list)
-        for i, name in enumerate(names):
-            groups[name[: name.index(b"}") + 1]].append(i)
-        return groups
+    def _groups(self, names: list[bytes]) -> list[list[int]]:
+        """Indexes of the keys each script call gets: one cluster slot per call.
 
-    def _run(self, script: Any, keys: list[bytes], args: list[Any]) -> Any:
+        A single server takes any keys in one call, so a batch is one call
+        per ``_SCRIPT_KEYS`` keys; a cluster gets one call per slot (the
+        buckets of a namespace are spread over the masters).
+        """
+        by_slot: dict[int, list[int]] = defaultdict(list)
+        if self.cluster:
+            slots: dict[bytes, int] = {}
+            for i, name in enumerate(names):
+                tag = name[: name.index(b"}") + 1]
+                slot = slots.get(tag)
+                if slot is None:
+                    slot = slots[tag] = key_slot(name)
+                by_slot[slot].append(i)
+        else:
+            by_slot[0] = list(range(len(names)))
+        return [
+            idx[i : i + _SCRIPT_KEYS]
+            for _, idx in sorted(by_slot.items())
+            for i in range(0, len(idx), _SCRIPT_KEYS)
+        ]
+
+    def _run(self, script: Any, calls: list[tuple[list[bytes], list[Any]]]) -> list[Any]:
+        """Runs ``script`` once per ``(keys, args)``; one pipeline round trip per server.
+
+        The result of each call, or a ``ResponseError`` in its place for a
+        script that refused (DC* replies); any other failure is an
+        :class:`UnavailableError`.
+        """
         try:
-            return script(keys=keys, args=args)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UnavailableError(f"redis unavailable: {exc}") from exc
+            if len(calls) == 1:
+                keys, args = calls[0]
+                try:
+                    return [script(keys=keys, args=args)]
+                except ResponseError as exc:
+                    if not str(exc).startswith("DC"):
+                        raise
+                    return [exc]
+            out: list[Any] = [None] * len(calls)
+            todo = list(range(len(calls)))
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                for i, res in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                    out[i] = res
+                todo = [i for i in todo if isinstance(out[i], NoScriptError)]
+                if not todo:
+                    break
+                if attempt == 0:
+                    # A server without the script (restarted, failed over, new node):
+                    # SCRIPT LOAD goes to every primary of a cluster.
+                    script.sha = self.client.script_load(script.script)
+            for res in out:
+                if isinstance(res, ResponseError) and str(res).startswith("DC"):
+                    continue
+                if isinstance(res, BaseException):
+                    raise res
+            return out
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
+
+    def _pipeline(self, build: Any) -> list[Any]:
+        """Runs the commands ``build(pipe)`` queues on a non-transactional pipeline."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            result: list[Any] = pipe.execute()
+            return result
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
 
     # -- the claim API -----------------------------------------------------------
 
@@ -231,7 +365,12 @@ class RedisStore(ClaimAPI):
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[Claim]:
-        """Claims a batch; one script call per hash-tag bucket (see the module docstring)."""
+        """Claims a batch; one script call per cluster slot (see the module docstring).
+
+        When a server of a cluster cannot answer, the batch raises
+        :class:`UnavailableError`; the calls that other servers did answer
+        stay claimed (an ``owner`` gets them back on retry).
+        """
         key_list = list(keys)
         ns = _keys.check_namespace(namespace)
         raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
@@ -244,20 +383,20 @@ class RedisStore(ClaimAPI):
         rows: list[Any] = [None] * len(raw)
         ttl = self._window_ms(namespace, lease_s)
         groups = self._groups(names)
-        # Check every group for conflicts first, so a conflict claims nothing.
-        for idx in groups.values():
-            self._check_conflicts(
+        if len(groups) > 1:
+            # Each script checks its own keys first; checking every group's
+            # fingerprints up front keeps a conflict from claiming other groups.
+            self._check_conflicts(names, fps, key_list, namespace)
+        calls = [
+            (
                 [names[i] for i in idx],
-                [fps[i] for i in idx],
-                [key_list[i] for i in idx],
-                namespace,
+                [int(lease_s * 1000), owner_b, ttl, *[fps[i] or b"" for i in idx]],
             )
-        for idx in groups.values():
-            args = [int(lease_s * 1000), owner_b, ttl, *[fps[i] or b"" for i in idx]]
-            try:
-                out = self._run(self._claim, [names[i] for i in idx], args)
-            except ResponseError as exc:
-                raise self._error(exc, [key_list[i] for i in idx], namespace) from None
+            for idx in groups
+        ]
+        for idx, out in zip(groups, self._run(self._claim, calls), strict=True):
+            if isinstance(out, ResponseError):
+                raise self._error(out, [key_list[i] for i in idx], namespace) from None
             for i, row in zip(idx, out, strict=True):
                 rows[i] = row
         claims = []
@@ -272,17 +411,12 @@ class RedisStore(ClaimAPI):
     ) -> None:
         if all(fp is None for fp in fps):
             return
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                pipe.hmget(n, "s", "f")
-            stored = pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UnavailableError(f"redis unavailable: {exc}") from exc
-        for (s, f), fp, k in zip(stored, fps, keys, strict=True):
-            if s is not None and s != b"3" and fp is not None and f and f != fp:
+        wanted = [i for i, fp in enumerate(fps) if fp is not None]
+        stored = self._pipeline(lambda pipe: [pipe.hmget(names[i], "s", "f") for i in wanted])
+        for i, (s, f) in zip(wanted, stored, strict=True):
+            if s is not None and s != b"3" and f and f != fps[i]:
                 raise ConflictError(
-                    f"key {k!r} in namespace {namespace!r} was claimed with a different "
+                    f"key {keys[i]!r} in namespace {namespace!r} was claimed with a different "
                     "fingerprint (same idempotency key, another request)"
                 )
 
@@ -326,28 +460,23 @@ class RedisStore(ClaimAPI):
         ttl = self._window_ms(namespace)
         groups = self._groups(names)
         if len(groups) > 1:
-            # Each script is atomic for its bucket; checking the whole batch
+            # Each script is atomic for its slot; checking the whole batch
             # first keeps a caller's stale token from half-applying a batch.
             self._precheck_change(names, parsed, namespace, state)
-        for idx in groups.values():
+        calls = []
+        for idx in groups:
             args: list[Any] = [ttl, str(int(state))]
             for i in idx:
                 args += [str(parsed[i][2]), parsed[i][3]]
-            try:
-                self._run(self._change, [names[i] for i in idx], args)
-            except ResponseError as exc:
-                raise self._error(exc, [parsed[i][0] for i in idx], namespace) from None
+            calls.append(([names[i] for i in idx], args))
+        for idx, out in zip(groups, self._run(self._change, calls), strict=True):
+            if isinstance(out, ResponseError):
+                raise self._error(out, [parsed[i][0] for i in idx], namespace) from None
 
     def _precheck_change(
         self, names: list[bytes], parsed: list[Any], namespace: str, state: State
     ) -> None:
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                pipe.hmget(n, "s", "t")
-            stored = pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UnavailableError(f"redis unavailable: {exc}") from exc
+        stored = self._pipeline(lambda pipe: [pipe.hmget(n, "s", "t") for n in names])
         for i, (s, t) in enumerate(stored):
             kind = None
             if s is None or s == b"3":
@@ -381,8 +510,8 @@ class RedisStore(ClaimAPI):
         name = self._names(ns, [_keys.check_key(key, self.max_key_bytes)])[0]
         try:
             s, t, o, f, r = self.client.hmget(name, "s", "t", "o", "f", "r")
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise UnavailableError(f"redis unavailable: {exc}") from exc
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
         if s is None:
             return None
         return KeyRecord(
@@ -395,9 +524,75 @@ class RedisStore(ClaimAPI):
             0.0,
         )
 
+    # -- demotion ----------------------------------------------------------------
+
+    def expiring(self, namespace: str, within: float, *, count: int = 1000) -> list[bytes]:
+        """Keys of PROCESSED records of ``namespace`` that Redis expires within ``within`` s.
+
+        A demoter copies them to the cold archive before Redis forgets them.
+        Every master is scanned (``SCAN MATCH`` on the namespace's key
+        prefix, ``count`` keys per step, ``HGET``/``PTTL`` pipelined per
+        step). Keys claimed, released or with no TTL are left out. A server
+        that cannot answer raises :class:`UnavailableError` (a partial list
+        would let a demoter miss keys).
+        """
+        ns = _keys.check_namespace(namespace)
+        if isinstance(within, bool) or not isinstance(within, (int, float)) or not within > 0:
+            raise ValueError(f"within must be a positive number of seconds, got {within!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"count must be a positive int, got {count!r}")
+        head = self._head(ns)
+        limit_ms = within * 1000.0
+        found: list[bytes] = []
+        try:
+            for _, server in self._primaries():
+                cursor = 0
+                while True:
+                    cursor, names = server.scan(cursor, match=head + b"*", count=count)
+                    names = [n for n in names if self._key_of(head, n) is not None]
+                    if names:
+                        pipe = server.pipeline(transaction=False)
+                        for n in names:
+                            pipe.hget(n, "s")
+                            pipe.pttl(n)
+                        replies = pipe.execute()
+                        for j, n in enumerate(names):
+                            state, ttl = replies[2 * j], replies[2 * j + 1]
+                            if state == b"2" and 0 <= ttl < limit_ms:
+                                key = self._key_of(head, n)
+                                assert key is not None
+                                found.append(key)
+                    if cursor == 0:
+                        break
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
+        return found
+
+    @staticmethod
+    def _key_of(head: bytes, name: bytes) -> bytes | None:
+        """The dedup key in ``name`` if it belongs to the namespace of ``head``.
+
+        The match pattern alone would also take namespaces that extend this
+        one past a ':' (``a`` would match ``a:1``'s keys): the bucket must be
+        digits up to the closing brace.
+        """
+        if not name.startswith(head):
+            return None
+        end = name.find(b"}:", len(head))
+        if end <= len(head) or not name[len(head) : end].isdigit():
+            return None
+        return name[end + 2 :]
+
     def stats(self) -> dict[str, Any]:
-        """The server's persistence and memory settings."""
+        """The server's persistence and memory settings (every node of a cluster)."""
+        try:
+            policies = self._config_all("maxmemory-policy")
+        except _DOWN as exc:
+            raise _unavailable(exc) from exc
+        unsafe = [p for _, p in policies if p is not None and p not in _SAFE_POLICIES]
         return {
             "durability": self.durability(),
-            "maxmemory_policy": self._config("maxmemory-policy"),
+            "maxmemory_policy": unsafe[0] if unsafe else (policies[0][1] if policies else None),
+            "cluster": self.cluster,
+            "servers": len(policies),
         }
