@@ -9,3 +9,19 @@
 - :mod:`dedupcore.patterns.tokens` - idempotency tokens issued to callers and
   redeemed once over any store.
 """
+
+from dedupcore.patterns.state import StateMachine, Transition, TransitionOutcome
+from dedupcore.patterns.table import Consumption, consume, ensure_table
+from dedupcore.patterns.unique import SchemaError, insert_once, is_unique_violation
+
+__all__ = [
+    "Consumption",
+    "SchemaError",
+    "StateMachine",
+    "Transition",
+    "TransitionOutcome",
+    "consume",
+    "ensure_table",
+    "insert_once",
+    "is_unique_violation",
+]

@@ -77,6 +77,7 @@ Retention is yours: delete rows older than the longest redelivery window
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -221,10 +222,8 @@ def _check_schema(c: Conn, table: str) -> None:
 
 
 def _rollback(c: Conn) -> None:
-    try:
+    with contextlib.suppress(Exception):  # a lost connection cannot roll back; the server does
         c.rollback()
-    except Exception:  # a lost connection cannot roll back; the server does it
-        pass
 
 
 def _front_key(namespace: str, key: bytes) -> bytes:
