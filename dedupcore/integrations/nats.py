@@ -1,0 +1,188 @@
+"""NATS JetStream pull consumers that claim before the handler and ack after it (nats-py).
+
+:class:`JetStreamConsumer` takes a claim store (any
+:class:`~dedupcore.api.ClaimAPI` store, or :class:`dedupcore.aio.Client`)
+or a :class:`~dedupcore.integrations.rabbitmq.TransactionalTable`, and
+applies the contract of :mod:`dedupcore.integrations.rabbitmq` with
+JetStream's own replies:
+
+- **Key**: ``key(body, headers)`` (a business id), else the header
+  ``key_header``, else the ``Nats-Msg-Id`` header the producer set. JetStream
+  itself drops a re-publish with the same ``Nats-Msg-Id`` inside the
+  stream's ``duplicate_window``; dedupcore covers what that does not: retries
+  after the window, re-sends with a new id (an outbox replayed after a
+  restart) and redeliveries to consumers. A message without a key is
+  ``term()``-ed (never redelivered) and logged.
+- ``NEW``: the handler runs, the claim is completed, then ``ack()``. If the
+  handler raises, the claim is released and the message is
+  ``nak(delay=retry_delay)``-ed.
+- ``DUPLICATE``: ``ack()`` without calling the handler.
+- ``IN_PROGRESS`` or a store that cannot answer: ``nak(delay=retry_delay)``.
+
+**Dead-lettering is the server's job.** Set ``max_deliver`` on the consumer:
+after that many deliveries JetStream stops redelivering the message and
+publishes the advisory ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``
+(its ``stream_seq`` names the message; a dead-letter process subscribes to
+it and copies the message out of the stream with ``get_msg``). Nothing is
+counted here. A termed message publishes ``...CONSUMER.MSG_TERMINATED...``.
+
+**ack_wait and lease.** A consumer that dies leaves its messages unacked;
+JetStream redelivers them after the consumer's ``ack_wait``. A redelivery
+while the first delivery still runs (a handler slower than ``ack_wait``)
+meets an IN_PROGRESS claim and is nak'ed with a delay, so keep ``lease``
+above the handler's longest run and ``ack_wait`` near it.
+
+**Table mode** (``TransactionalTable(conn)``): the handler (a plain
+function) runs in a worker thread inside the dedup transaction and writes on
+``delivery.conn``; the dedup row and the business writes commit together, so
+a consumer killed between that commit and the ack is safe: the redelivery
+finds the row, is a DUPLICATE and is acked.
+
+Example::
+
+    js = nc.jetstream()
+    sub = await js.pull_subscribe("transfers.>", durable="ledger", stream="TRANSFERS")
+    consumer = JetStreamConsumer(store, handle, namespace="transfers/ledger",
+                                 key=lambda body, headers: json.loads(body)["transfer_id"])
+    await consumer.run(sub, batch=50)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from dedupcore.integrations.rabbitmq import (
+    BeforeAck,
+    Delivery,
+    KeyFunc,
+    MissingKeyError,
+    Store,
+    TransactionalTable,
+    Verdict,
+    _AsyncGate,
+    derive_key,
+)
+
+__all__ = [
+    "MSG_ID_HEADER",
+    "Delivery",
+    "JetStreamConsumer",
+    "MissingKeyError",
+    "TransactionalTable",
+    "Verdict",
+]
+
+log = logging.getLogger("dedupcore.integrations")
+
+#: The header JetStream deduplicates publishes on; the key of last resort here.
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class JetStreamConsumer:
+    """Runs the dedup contract over messages of a JetStream pull subscription.
+
+    ``handler(delivery)`` may be ``async def`` (except in table mode).
+    ``before_ack(delivery, outcome)`` is called after the decision is durable
+    and before the ack. With ``ack_sync=True`` each ack waits for the
+    server's confirmation (``ack_sync``). ``counts`` tallies the
+    :class:`~dedupcore.integrations.rabbitmq.Verdict` of every message.
+    """
+
+    def __init__(
+        self,
+        store: Store | Any,
+        handler: Callable[[Delivery], Any] | Callable[[Delivery], Awaitable[Any]],
+        *,
+        namespace: str,
+        key: KeyFunc | None = None,
+        key_header: str | None = None,
+        retry_delay: float = 1.0,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        before_ack: BeforeAck | None = None,
+        ack_sync: bool = False,
+    ) -> None:
+        if retry_delay < 0:
+            raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
+        self._gate = _AsyncGate(
+            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+        )
+        self.namespace = namespace
+        self.key = key
+        self.key_header = key_header
+        self.retry_delay = retry_delay
+        self.ack_sync = ack_sync
+        self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
+
+    async def handle(self, msg: Any) -> Verdict:
+        """The decision for one message, without replying to it."""
+        headers: Mapping[str, Any] = msg.headers or {}
+        body = bytes(msg.data)
+        message_id = headers.get(MSG_ID_HEADER)
+        try:
+            k = derive_key(body, headers, message_id, key=self.key, key_header=self.key_header)
+        except MissingKeyError as exc:
+            log.error("terminating message on %s: %s", msg.subject, exc)
+            return Verdict.INVALID
+        redelivered = False
+        with contextlib.suppress(Exception):  # a plain NATS message has no JetStream metadata
+            redelivered = msg.metadata.num_delivered > 1
+        delivery = Delivery(
+            body=body,
+            headers=headers,
+            key=k,
+            namespace=self.namespace,
+            message_id=message_id,
+            redelivered=redelivered,
+            raw=msg,
+        )
+        return await self._gate.adecide(delivery)
+
+    async def process(self, msg: Any) -> Verdict:
+        """Decides one message, then ``ack``, ``nak(delay)`` or ``term`` it."""
+        verdict = await self.handle(msg)
+        self.counts[verdict] += 1
+        if verdict is Verdict.ACKED:
+            if self.ack_sync:
+                await msg.ack_sync()
+            else:
+                await msg.ack()
+        elif verdict is Verdict.INVALID:
+            await msg.term()
+        else:
+            await msg.nak(delay=self.retry_delay if self.retry_delay > 0 else None)
+        return verdict
+
+    async def run(
+        self,
+        sub: Any,
+        *,
+        batch: int = 10,
+        fetch_timeout: float = 1.0,
+        stop: asyncio.Event | None = None,
+        max_idle: float | None = None,
+    ) -> None:
+        """Fetches and processes batches from the pull subscription ``sub``.
+
+        Runs until ``stop`` is set, or until ``max_idle`` seconds pass
+        without a message when given. Messages of a batch are processed in
+        order, one at a time.
+        """
+        from nats.errors import TimeoutError as NatsTimeout
+
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while stop is None or not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=fetch_timeout)
+            except (NatsTimeout, asyncio.TimeoutError):
+                if max_idle is not None and loop.time() - last >= max_idle:
+                    return
+                continue
+            last = loop.time()
+            for msg in msgs:
+                await self.process(msg)

@@ -1,0 +1,136 @@
+"""Fixtures of the broker integration tests: real RabbitMQ, NATS JetStream, PostgreSQL, Redis.
+
+Every test names its queues, streams and tables with a fresh uuid and
+deletes them afterwards: other test runs use the same servers at the same
+time. A server that does not answer skips its tests (fails them with
+CI=true), through :func:`tests.integration.conftest.require_server`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dedupcore import DedupStore
+from tests.integration.conftest import require_server
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+NATS_URL = "nats://127.0.0.1:4222"
+REDIS_URL = "redis://127.0.0.1:6379/13"
+
+STORE_KINDS = ("embedded", "daemon", "sql", "redis")
+
+
+def uid(prefix: str) -> str:
+    """A name no other test run uses (an SQL identifier, a queue or stream name)."""
+    return f"{prefix}_{uuid.uuid4().hex[:16]}"
+
+
+@pytest.fixture
+def pg() -> Iterator[Any]:
+    """A psycopg connection to the test database (autocommit off)."""
+    require_server("postgresql", 5432)
+    import psycopg
+
+    conn = psycopg.connect(PG_URL)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def pg_tables() -> Iterator[list[str]]:
+    """Append table names; they are dropped after the test."""
+    names: list[str] = []
+    yield names
+    if not names:
+        return
+    import psycopg
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        for name in names:
+            conn.execute(f"DROP TABLE IF EXISTS {name}")
+
+
+@pytest.fixture
+def channel() -> Iterator[Any]:
+    """A pika BlockingConnection channel; queues it declares via ``declare`` are deleted."""
+    require_server("rabbitmq", 5672)
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    ch = conn.channel()
+    queues: list[str] = []
+
+    def declare(name: str | None = None, **arguments: Any) -> str:
+        q = name or uid("dc_q")
+        ch.queue_declare(q, durable=False, auto_delete=False, arguments=arguments or None)
+        queues.append(q)
+        return q
+
+    ch.declare = declare  # type: ignore[attr-defined]
+    yield ch
+    with contextlib.suppress(Exception):
+        if not ch.is_open:
+            ch = conn.channel()
+        for q in queues:
+            ch.queue_delete(q)
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+@pytest.fixture
+def store_factory(tmp_path: Path, pg_tables: list[str]) -> Iterator[Any]:
+    """``store_factory(kind)`` -> a ClaimAPI store of that kind, closed after the test."""
+    opened: list[Any] = []
+    labs: list[Any] = []
+    redis_clients: list[Any] = []
+
+    def make(kind: str) -> Any:
+        if kind == "embedded":
+            s: Any = DedupStore.open(tmp_path / uid("store"))
+        elif kind == "daemon":
+            from tests.daemon.conftest import Lab
+
+            lab = Lab()
+            labs.append(lab)
+            s = lab.daemon().client()
+        elif kind == "sql":
+            require_server("postgresql", 5432)
+            from dedupcore.tiers.sql import SqlStore
+
+            table = uid("dc_claims")
+            pg_tables.append(table)
+            s = SqlStore.from_url(PG_URL, table=table)
+        elif kind == "redis":
+            require_server("redis", 6379)
+            import redis
+
+            from dedupcore.tiers.redis import RedisStore
+
+            prefix = uid("dc")
+            s = RedisStore.from_url(REDIS_URL, prefix=prefix)
+            client = redis.Redis.from_url(REDIS_URL)
+            redis_clients.append((client, prefix))
+        else:
+            raise ValueError(kind)
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        with contextlib.suppress(Exception):
+            s.close()
+    for lab in labs:
+        lab.close()
+    for client, prefix in redis_clients:
+        with contextlib.suppress(Exception):
+            keys = list(client.scan_iter(match=f"*{prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        client.close()
