@@ -1,0 +1,553 @@
+"""``IdempotencyMiddleware``: the IETF ``Idempotency-Key`` header for any ASGI app.
+
+Wrap an ASGI application (Starlette, FastAPI, or plain ASGI) so that a client
+may retry a POST or PATCH safely (draft-ietf-httpapi-idempotency-key-header)::
+
+    app = IdempotencyMiddleware(app, dedupcore.Client(socket), required=True)
+
+A request whose method is in ``methods`` and that carries the header is
+handled like this:
+
+1. The key is the header's value: 1..255 printable ASCII characters
+   (0x20-0x7E), bare or as a quoted structured-field string (``"abc"``).
+   A malformed or repeated header is answered 400; a missing one is 400
+   when ``required`` is set and otherwise passes through untouched.
+2. The request body is read in full, at most ``max_body_bytes`` (413 above
+   it, checked against Content-Length first). The request's fingerprint is
+   SHA-256 over method, path, query string and body; any body is accepted as
+   bytes, JSON or not.
+3. The key is claimed in ``namespace`` with that fingerprint:
+
+   - NEW: the app runs and its response streams to the client as usual. The
+     final body chunk is held back until the response is recorded, so a
+     client that has seen the end of the response always gets it replayed.
+     A client that went away meanwhile does not stop this: the response is
+     recorded and a later retry gets it.
+   - DUPLICATE: the recorded response (status, headers, body) is sent again
+     with ``Idempotent-Replayed: true`` added; the app does not run.
+   - IN_PROGRESS: 409 with ``Retry-After: 1`` -- the first request is still
+     running.
+   - ConflictError (the key was used with another method/path/query/body):
+     422.
+   - The store cannot decide (UnavailableError): 503 with ``Retry-After``;
+     the app does not run (fail closed).
+
+What is recorded:
+
+- 2xx, 3xx and 4xx responses are recorded and replayed, as the draft says
+  (a 4xx is the outcome of that request; a retry with the same payload would
+  get the same answer), except 408, 425 and 429 (``retry_statuses``), which
+  ask the client to try again: like a 5xx, they release the key.
+- A 5xx response, or an exception from the app, releases the key: a retry
+  runs the app again.
+- A response too large for the store's result limit (``max_response_bytes``,
+  by default the store's ``max_result_bytes``, 64 KiB, minus a few bytes of
+  framing) is sent to the first client, and the key is completed *without*
+  a replayable response: the request's effect happened and must not happen
+  again, and a wrong or truncated replay must never be sent. Retries get 422
+  with a problem document saying the response cannot be replayed. The same
+  holds for a response with HTTP trailers. Keep idempotent responses small
+  (return an id and a status URL), or raise the store's limit.
+
+Retention: a key is remembered for the store's exact window of
+``namespace`` (7 days by default for ``DedupStore``, ``RedisStore`` and the
+daemon); a retry after that runs the request again. Clients must not reuse
+keys, and should not retry after the window (the draft's "expiry"). The
+draft defines no header for it, so none is sent; document the window to your
+clients. With ``DedupStore`` or ``RedisStore`` also give the namespace
+``Retention(cold_window=0)``: a key found only in the cold Bloom archive has
+no response to replay and is answered 422.
+
+Leases: the app must answer within the claim ``lease`` (the store's default,
+30 s, when None); after it a retry may take the key over and run the app a
+second time. If the store cannot record the response at the end (it became
+unavailable), the response is still sent and the key stays claimed until its
+lease ends; a retry after that runs the app again.
+
+Keys are shared by every client unless ``key_scope`` maps the request's ASGI
+scope to a client identity (an authenticated user or API key id): the dedup
+key is then a hash of that identity and the header's value, so one client's
+key never replays another client's response.
+
+Store calls of a sync store (``DedupStore``, ``Client``, ``RedisStore``) run
+in worker threads (``anyio.to_thread``); ``dedupcore.aio.Client`` is awaited
+directly. Calls that record or release a claim are shielded from
+cancellation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from dedupcore.api import Outcome, pack_result
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.keys import check_namespace
+
+__all__ = ["DEFAULT_RETRY_STATUSES", "IdempotencyMiddleware"]
+
+log = logging.getLogger("dedupcore")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
+DEFAULT_RETRY_STATUSES = frozenset({408, 425, 429})
+MAX_KEY_CHARS = 255
+DEFAULT_RESULT_LIMIT = 65536
+
+# Recorded results: [1, status, [[name, value], ...], body] or [0, why, status].
+_RESPONSE = 1
+_NOT_REPLAYABLE = 0
+_ENVELOPE_SLACK = 64  # msgpack framing around the body, checked exactly before storing
+# Server extensions that would let a response bypass ``send`` wrapping.
+_HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.title = title
+        self.detail = detail
+
+
+def parse_key(raw: bytes) -> str:
+    """The idempotency key of a header value (bare, or a quoted sf-string); ValueError if bad."""
+    text = raw.decode("latin-1").strip(" \t")
+    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+        inner, out, i = text[1:-1], [], 0
+        while i < len(inner):
+            c = inner[i]
+            if c == "\\":
+                if i + 1 == len(inner) or inner[i + 1] not in '"\\':
+                    raise ValueError("bad escape in the quoted key")
+                out.append(inner[i + 1])
+                i += 2
+                continue
+            if c == '"':
+                raise ValueError("unescaped quote inside the quoted key")
+            out.append(c)
+            i += 1
+        text = "".join(out)
+    if not 1 <= len(text) <= MAX_KEY_CHARS:
+        raise ValueError(f"the key must be 1..{MAX_KEY_CHARS} characters, got {len(text)}")
+    bad = next((c for c in text if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"the key must be printable ASCII, it holds {bad!r}")
+    return text
+
+
+def _result_limit(store: object) -> int:
+    config = getattr(store, "config", None)
+    for owner in (config, store):
+        limit = getattr(owner, "max_result_bytes", None)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            return limit
+    return DEFAULT_RESULT_LIMIT
+
+
+class IdempotencyMiddleware:
+    """ASGI middleware for the ``Idempotency-Key`` header (see the module docstring).
+
+    ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
+    ``RedisStore``, ...) or a ``dedupcore.aio.Client``. ``key_scope(scope)``
+    optionally returns the client identity keys are scoped to (str, bytes or
+    None for "unscoped").
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: Any,
+        *,
+        namespace: str = "http",
+        header: str = "Idempotency-Key",
+        methods: Collection[str] = ("POST", "PATCH"),
+        required: bool = False,
+        max_body_bytes: int = 1 << 20,
+        lease: float | None = None,
+        max_response_bytes: int | None = None,
+        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        key_scope: Callable[[Scope], str | bytes | None] | None = None,
+        replay_header: str = "Idempotent-Replayed",
+    ) -> None:
+        for name in ("claim", "complete", "release"):
+            if not callable(getattr(store, name, None)):
+                raise TypeError(
+                    f"store must have claim/complete/release (a dedupcore store or client), "
+                    f"not {type(store).__name__}"
+                )
+        if not isinstance(header, str) or not header or not header.isascii():
+            raise ValueError(f"header must be a non-empty ASCII name, got {header!r}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+            raise TypeError(f"max_body_bytes must be an int, not {type(max_body_bytes).__name__}")
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
+        self.app = app
+        self.store = store
+        self.namespace = check_namespace(namespace).decode()
+        self.header = header.lower().encode("ascii")
+        self.methods = frozenset(m.upper() for m in methods)
+        self.required = required
+        self.max_body_bytes = max_body_bytes
+        self.lease = lease
+        if max_response_bytes is None:
+            max_response_bytes = _result_limit(store)
+        if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int):
+            raise TypeError(
+                f"max_response_bytes must be an int, not {type(max_response_bytes).__name__}"
+            )
+        if max_response_bytes <= _ENVELOPE_SLACK:
+            raise ValueError(
+                f"max_response_bytes must be > {_ENVELOPE_SLACK}, got {max_response_bytes}"
+            )
+        self.max_response_bytes = max_response_bytes
+        self.retry_statuses = frozenset(retry_statuses)
+        self.key_scope = key_scope
+        self.replay_header = replay_header.lower().encode("ascii")
+        self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
+
+    # -- store calls ----------------------------------------------------------------
+
+    async def _store(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One store call, shielded so that a claim taken or recorded is never lost halfway."""
+        fn = getattr(self.store, method)
+        with anyio.CancelScope(shield=True):
+            if self._async:
+                return await fn(*args, **kwargs)
+            return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    # -- ASGI ---------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method", "").upper() not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        try:
+            raw = self._header(scope)
+            if raw is None:
+                if self.required:
+                    raise _BadRequest(
+                        400,
+                        "Idempotency-Key is missing",
+                        f"{scope['method']} requests to this endpoint need an "
+                        f"{self.header.decode()} header",
+                    )
+                await self.app(scope, receive, send)
+                return
+            try:
+                key = parse_key(raw)
+            except ValueError as exc:
+                raise _BadRequest(400, "Invalid Idempotency-Key", str(exc)) from None
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return  # the client went away before sending its body: nothing happened
+        except _BadRequest as bad:
+            await _problem(send, bad.status, bad.title, bad.detail)
+            return
+        await self._handle(scope, receive, send, key, body)
+
+    def _header(self, scope: Scope) -> bytes | None:
+        values = [v for k, v in scope.get("headers", ()) if k.lower() == self.header]
+        if len(values) > 1:
+            raise _BadRequest(
+                400,
+                "Invalid Idempotency-Key",
+                f"the request has {len(values)} {self.header.decode()} headers; send one",
+            )
+        return values[0] if values else None
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.max_body_bytes
+        for k, v in scope.get("headers", ()):
+            if k.lower() == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    raise _BadRequest(400, "Bad Content-Length", "not a number") from None
+                if declared > limit:
+                    raise _BadRequest(
+                        413,
+                        "Request body too large",
+                        f"the body is {declared} bytes; requests with an idempotency key "
+                        f"may have at most {limit}",
+                    )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            if message["type"] != "http.request":
+                continue
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _BadRequest(
+                    413,
+                    "Request body too large",
+                    f"requests with an idempotency key may have at most {limit} bytes of body",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _dedup_key(self, scope: Scope, key: str) -> str:
+        if self.key_scope is None:
+            return key
+        who = self.key_scope(scope)
+        if who is None:
+            return key
+        who_b = who.encode() if isinstance(who, str) else bytes(who)
+        digest = hashlib.sha256(who_b + b"\x00" + key.encode("ascii")).hexdigest()
+        return f"scoped:{digest}"
+
+    @staticmethod
+    def _fingerprint(scope: Scope, body: bytes) -> bytes:
+        h = hashlib.sha256()
+        path = scope.get("raw_path") or (scope.get("root_path", "") + scope["path"]).encode()
+        for part in (scope["method"].upper().encode(), path, scope.get("query_string", b"")):
+            h.update(len(part).to_bytes(8, "big"))
+            h.update(part)
+        h.update(body)
+        return h.digest()
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, key: str, body: bytes
+    ) -> None:
+        dkey = self._dedup_key(scope, key)
+        try:
+            claim = await self._store(
+                "claim",
+                dkey,
+                namespace=self.namespace,
+                lease=self.lease,
+                fingerprint=self._fingerprint(scope, body),
+            )
+        except ConflictError:
+            await _problem(
+                send,
+                422,
+                "Idempotency-Key reused",
+                "this key was already used for a different request (method, path, query or "
+                "body); use a new key for a new request",
+            )
+            return
+        except UnavailableError as exc:
+            log.error("idempotency store unavailable: %s", exc)
+            await _problem(
+                send,
+                503,
+                "Idempotency store unavailable",
+                "the request was not processed; retry later",
+                retry_after=5,
+            )
+            return
+        if claim.outcome is Outcome.IN_PROGRESS:
+            await _problem(
+                send,
+                409,
+                "Request in progress",
+                "a request with this idempotency key is still being processed; retry later",
+                retry_after=1,
+            )
+            return
+        if claim.outcome is Outcome.DUPLICATE:
+            await self._replay(send, claim.result if claim.exact else None)
+            return
+        await _Exchange(self, scope, receive, send, dkey, claim.token, body).run()
+
+    async def _replay(self, send: Send, stored: Any) -> None:
+        if (
+            isinstance(stored, list)
+            and len(stored) == 4
+            and stored[0] == _RESPONSE
+            and isinstance(stored[1], int)
+            and isinstance(stored[3], bytes)
+        ):
+            headers = [(bytes(n), bytes(v)) for n, v in stored[2]]
+            headers.append((self.replay_header, b"true"))
+            await send({"type": "http.response.start", "status": stored[1], "headers": headers})
+            await send({"type": "http.response.body", "body": stored[3], "more_body": False})
+            return
+        if isinstance(stored, list) and len(stored) >= 2 and stored[0] == _NOT_REPLAYABLE:
+            why = str(stored[1])
+        else:
+            why = "the store holds no response for it (past the exact window, or not recorded)"
+        await _problem(
+            send,
+            422,
+            "Response not replayable",
+            "a request with this idempotency key was already processed, but its response "
+            f"cannot be sent again: {why}",
+        )
+
+
+class _Exchange:
+    """One NEW request: runs the app, records or releases, forwards the response."""
+
+    def __init__(
+        self,
+        mw: IdempotencyMiddleware,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        key: str,
+        token: int,
+        body: bytes,
+    ) -> None:
+        self.mw = mw
+        extensions = scope.get("extensions")
+        if extensions and any(e in extensions for e in _HIDDEN_EXTENSIONS):
+            extensions = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
+            scope = dict(scope, extensions=extensions)
+        self.scope = scope
+        self.receive_outer = receive
+        self.send_outer = send
+        self.key = key
+        self.token = token
+        self.body: bytes | None = body
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.unstorable: str | None = None
+        self.settled = False  # completed or released
+        self.client_gone = False
+
+    async def receive(self) -> Message:
+        if self.body is not None:
+            body, self.body = self.body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.receive_outer()
+
+    async def forward(self, message: Message) -> None:
+        if self.client_gone:
+            return
+        try:
+            await self.send_outer(message)
+        except OSError:
+            # The client went away; the response is still recorded for its retry.
+            self.client_gone = True
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", ())]
+            if message.get("trailers"):
+                self.unstorable = "the response has HTTP trailers"
+            await self.forward(message)
+            return
+        if kind == "http.response.body" and not self.settled:
+            chunk = bytes(message.get("body", b""))
+            if self.unstorable is None and self.storing():
+                self.size += len(chunk)
+                if self.size + _ENVELOPE_SLACK > self.mw.max_response_bytes:
+                    self.unstorable = self.too_large()
+                    self.chunks = []
+                else:
+                    self.chunks.append(chunk)
+            if not message.get("more_body", False):
+                await self.settle()
+        await self.forward(message)
+
+    def storing(self) -> bool:
+        status = self.status or 500
+        return status < 500 and status not in self.mw.retry_statuses
+
+    def too_large(self) -> str:
+        return (
+            f"the response was larger than the {self.mw.max_response_bytes} bytes the store "
+            "keeps per response"
+        )
+
+    async def run(self) -> None:
+        try:
+            await self.mw.app(self.scope, self.receive, self.send)
+        except BaseException:
+            if not self.settled:
+                await self.release()
+            raise
+        if not self.settled:
+            # The app returned without finishing a response: nothing to replay.
+            await self.release()
+
+    async def release(self) -> None:
+        self.settled = True
+        try:
+            await self.mw._store("release", self.key, self.token, namespace=self.mw.namespace)
+        except StaleTokenError:
+            log.warning("could not release idempotency key %r: its lease was taken over", self.key)
+        except Exception:
+            log.exception("could not release idempotency key %r", self.key)
+
+    async def settle(self) -> None:
+        """Records (or releases) the response before its last chunk goes out."""
+        if not self.storing():
+            await self.release()
+            return
+        self.settled = True
+        status = self.status if self.status is not None else 500
+        result: list[Any]
+        if self.unstorable is None:
+            result = [_RESPONSE, status, [list(h) for h in self.headers], b"".join(self.chunks)]
+            try:
+                pack_result(result, self.mw.max_response_bytes)
+            except ValueError:
+                result = [_NOT_REPLAYABLE, self.too_large(), status]
+        else:
+            result = [_NOT_REPLAYABLE, self.unstorable, status]
+        self.chunks = []
+        try:
+            try:
+                await self.mw._store(
+                    "complete", self.key, self.token, namespace=self.mw.namespace, result=result
+                )
+            except (TypeError, ValueError) as exc:
+                if isinstance(exc, StaleTokenError) or result[0] != _RESPONSE:
+                    raise
+                # The store's own limit (a daemon's) is below the one assumed here.
+                note = [_NOT_REPLAYABLE, f"the store refused to keep it ({exc})", status]
+                await self.mw._store(
+                    "complete", self.key, self.token, namespace=self.mw.namespace, result=note
+                )
+        except StaleTokenError:
+            log.error(
+                "idempotency key %r: the lease ran out before the response was recorded; "
+                "another attempt may have run the request again (raise lease=)",
+                self.key,
+            )
+        except Exception:
+            log.exception(
+                "idempotency key %r: the response could not be recorded; the key stays "
+                "claimed until its lease ends",
+                self.key,
+            )
+
+
+async def _problem(
+    send: Send, status: int, title: str, detail: str, *, retry_after: int | None = None
+) -> None:
+    """An RFC 9457 problem document."""
+    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
+    payload = body.encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
