@@ -394,7 +394,8 @@ class Tokens:
                 f"token {info.key} is being redeemed by another attempt; retry later"
             )
         raise ExpiredTokenError(
-            f"token {info.key} expired at {info.expires:.3f} (unix time) without being redeemed"
+            f"token {info.key} expired at {info.expires:.3f} (unix time) without being redeemed "
+            "(or its record is no longer kept)"
         )
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from dedupcore import DedupStore
 from dedupcore.api import ClaimAPI
-from tests.daemon.conftest import Daemon, Lab, daemon, lab, module_lab  # noqa: F401
+from tests.daemon.conftest import Daemon, Lab, daemon, module_lab  # noqa: F401
 from tests.integration.conftest import require_server
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
