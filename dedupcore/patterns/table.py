@@ -253,10 +253,7 @@ def _claim(c: Conn, table: str, cons: Consumption, front: Any) -> None:
     ns, key = cons.namespace, cons.key
     q, p = c.q, c.ph
     t, k = q(table), q("key")
-    if c.dialect == "sqlite" and not c.in_transaction():
-        # Take the writer lock now (waiting out the busy timeout), not at the first write:
-        # a deferred transaction that read first gets "database is locked" without waiting.
-        c.execute("BEGIN IMMEDIATE")
+    c.sqlite_begin()  # wait for the writer lock now (see Conn.sqlite_begin)
     select = f"SELECT result FROM {t} WHERE namespace = {p} AND {k} = {p}"
     if front is not None and _front_contains(front, _front_key(ns, key)):
         cons.statements.append("select")

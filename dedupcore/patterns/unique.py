@@ -222,9 +222,24 @@ class Conn:
                 return f"{what} (autocommit) without an open transaction"
         return None
 
-    def in_transaction(self) -> bool:
-        """SQLite only: whether the database connection has a transaction open."""
-        return bool(self.raw.in_transaction)
+    def sqlite_begin(self) -> None:
+        """SQLite: opens the transaction with ``BEGIN IMMEDIATE`` if none is open.
+
+        sqlite3 opens a *deferred* transaction before the first write; one that
+        has read anything (even the schema) and then finds the writer lock
+        taken fails at once with "database is locked" instead of waiting out
+        the busy timeout. Taking the writer lock first makes a second writer
+        wait. Autocommit connections (each statement its own transaction) and
+        connections with a transaction already open are left alone.
+        """
+        raw = self.raw
+        if (
+            self.dialect == "sqlite"
+            and not raw.in_transaction
+            and raw.isolation_level is not None
+            and getattr(raw, "autocommit", None) is not True
+        ):
+            self.execute("BEGIN IMMEDIATE")
 
 
 # -- the catalog ------------------------------------------------------------------------
@@ -406,6 +421,7 @@ def insert_once(conn: Any, table: str, row: Mapping[str, Any], unique: Sequence[
         f"VALUES ({', '.join([ph] * len(cols))})"
     )
     if c.dialect != "mysql":
+        c.sqlite_begin()
         count, _ = c.execute(
             f"{sql} ON CONFLICT ({', '.join(q(col) for col in ucols)}) DO NOTHING", values
         )
