@@ -12,7 +12,7 @@ import enum
 import functools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -33,6 +33,7 @@ __all__ = [
     "check_fingerprints",
     "check_owner",
     "check_token",
+    "namespace_counts",
     "pack_result",
     "unpack_result",
 ]
@@ -147,6 +148,21 @@ def change_items(items: Iterable[Any], *, with_results: bool) -> list[tuple[Any,
             raise TypeError(f"each item must be {shape}, got {item!r:.80}")
         out.append((item[0], check_token(item[1]), item[2] if len(item) == 3 else None))
     return out
+
+
+def namespace_counts(outcomes: Mapping[tuple[str, str], int]) -> dict[str, dict[str, Any]]:
+    """``stats()["namespaces"]``: per namespace, claims per outcome and the duplicate rate.
+
+    ``outcomes`` counts ``(namespace, outcome value)`` pairs; several stores'
+    counters can be summed before they are passed in.
+    """
+    per_ns: dict[str, dict[str, Any]] = {}
+    for (ns, outcome), n in outcomes.items():
+        per_ns.setdefault(ns, {o.value: 0 for o in Outcome})[outcome] += n
+    for counts in per_ns.values():
+        total = sum(counts[o.value] for o in Outcome)
+        counts["duplicate_rate"] = counts["duplicate"] / total if total else 0.0
+    return per_ns
 
 
 def pack_result(result: Any, max_bytes: int) -> bytes | None:

@@ -43,6 +43,7 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    namespace_counts,
     pack_result,
     unpack_result,
 )
@@ -126,6 +127,7 @@ class TieredStore(ClaimAPI):
         self._lock = threading.Lock()
         self._fps: OrderedDict[tuple[bytes, bytes], bytes | None] = OrderedDict()
         self._counts: Counter[str] = Counter()
+        self._outcomes: Counter[tuple[str, str]] = Counter()
         self._cache_down_until = 0.0
         self._closed = False
 
@@ -288,7 +290,7 @@ class TieredStore(ClaimAPI):
         claims = [c for c in out if c is not None]
         assert len(claims) == n
         for c in claims:
-            self._counts[c.outcome.value] += 1
+            self._outcomes[(namespace, c.outcome.value)] += 1
         return claims
 
     def complete_many(self, items: Iterable[Any], *, namespace: str) -> None:
@@ -382,6 +384,7 @@ class TieredStore(ClaimAPI):
     def stats(self) -> dict[str, Any]:
         """Counters of each tier's calls and answers, and the tiers' own figures."""
         out: dict[str, Any] = {
+            "namespaces": namespace_counts(self._outcomes),
             "counts": dict(self._counts),
             "authority": self.authority.stats(),
         }
@@ -423,6 +426,7 @@ class ShardedStore(ClaimAPI):
         self.shards = shards
         self.max_key_bytes = max_key_bytes
         self._pool = ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="dedup-shard")
+        self._outcomes: Counter[tuple[str, str]] = Counter()
         self._closed = False
 
     def __enter__(self) -> ShardedStore:
@@ -531,6 +535,7 @@ class ShardedStore(ClaimAPI):
             assert isinstance(answered, list)
             for i, c in zip(idx, answered, strict=True):
                 out[i] = c
+                self._outcomes[(namespace, c.outcome.value)] += 1
         return [c for c in out if c is not None]
 
     def _change(self, items: Iterable[Any], namespace: str, *, complete: bool) -> None:
@@ -563,7 +568,11 @@ class ShardedStore(ClaimAPI):
         return self.shards[self.shard_of(key, namespace=namespace)].get(key, namespace=namespace)
 
     def stats(self) -> dict[str, Any]:
-        return {"shards": [s.stats() for s in self.shards]}
+        """Claims per namespace through this store, and each shard's own figures."""
+        return {
+            "namespaces": namespace_counts(self._outcomes),
+            "shards": [s.stats() for s in self.shards],
+        }
 
     def sweep(self, now: float | None = None) -> int:
         """Runs each shard's ``sweep`` (where it has one); returns the total demoted."""

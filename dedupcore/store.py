@@ -48,6 +48,7 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    namespace_counts,
     pack_result,
     unpack_result,
 )
@@ -830,12 +831,7 @@ class DedupStore(ClaimAPI):
         """Counters and figures: outcomes per namespace, filters, LMDB size, log position."""
         self._check_usable()
         with self._lock:
-            per_ns: dict[str, dict[str, Any]] = {}
-            for (ns, outcome), n in self._stats.outcomes.items():
-                per_ns.setdefault(ns, {o.value: 0 for o in Outcome})[outcome] = n
-            for counts in per_ns.values():
-                total = sum(counts[o.value] for o in Outcome)
-                counts["duplicate_rate"] = counts["duplicate"] / total if total else 0.0
+            per_ns = namespace_counts(self._stats.outcomes)
             looked = self._stats.front_negative + self._stats.front_positive
             return {
                 "namespaces": per_ns,

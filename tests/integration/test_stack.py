@@ -1,0 +1,537 @@
+"""Stacked and sharded stores on the real servers: order of the tiers, failures, races.
+
+The claim semantics of every stack are checked by tests/daemon/test_parity.py;
+this module checks what is specific to stacking: which tier is asked (tier
+call counters and the SQL statements actually sent), a cache that is down
+or paused, an authority that is down, sharding (routing, one concurrent
+call per shard, partial failures), opening by URL, the daemon and CLI with
+a remote authority, and 8 processes racing on the same keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from dedupcore import shard_of
+from dedupcore.api import ClaimAPI, KeyRecord, Outcome
+from dedupcore.client import Client
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.stack import ShardedStore, TieredStore, open_store
+from dedupcore.store import DedupStore
+from dedupcore.tiers.cache import RedisCache
+from dedupcore.tiers.redis import RedisStore
+from dedupcore.tiers.sql import SqlStore
+
+from .cluster import free_port, redis_server
+from .conftest import require_server
+from .test_sql_store import PG_URL, Engine, _counting_store
+
+NS = "orders/billing"
+REDIS_DB = 15
+
+
+@pytest.fixture
+def rdb() -> Iterator[redis.Redis]:
+    require_server("redis", 6379)
+    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def pg_table() -> Iterator[str]:
+    require_server("postgresql", 5432)
+    table = f"stack_{uuid.uuid4().hex[:10]}"
+    yield table
+    with SqlStore.from_url(PG_URL, table=table) as s:
+        s._drop()
+
+
+def _pg(table: str) -> SqlStore:
+    s = SqlStore.from_url(PG_URL, table=table)
+    s.init_schema()
+    return s
+
+
+# -- which tier is asked ---------------------------------------------------------------
+
+
+def test_fresh_keys_through_the_front_read_no_tier(rdb: redis.Redis, pg_table: str) -> None:
+    authority, conns = _counting_store(Engine("postgresql", PG_URL, pg_table))
+    authority.init_schema()
+    store = TieredStore(authority, cache=RedisCache(rdb))
+    keys = [f"order-{i}" for i in range(2000)]
+    del conns[0].statements[:]
+    claims = store.claim_many(keys, namespace=NS)
+    assert all(c.outcome is Outcome.NEW for c in claims)
+    counts = store.stats()["counts"]
+    assert counts["front_negative"] == 2000
+    assert counts.get("cache_reads", 0) == 0  # the front said "never seen": no cache read
+    # The authority's atomic create alone: no SELECT of the fresh keys.
+    sent = [s.split()[0] for s in conns[0].statements if not s.startswith("BEGIN")]
+    assert sent == ["INSERT"] * (sent.count("INSERT")) and "SELECT" not in sent
+    store.complete_many([(c.key, c.token, {"n": i}) for i, c in enumerate(claims)], namespace=NS)
+
+    # Seen keys: the cache answers, the authority is not asked at all.
+    del conns[0].statements[:]
+    dups = store.claim_many(keys, namespace=NS)
+    assert [c.outcome for c in dups] == [Outcome.DUPLICATE] * 2000
+    assert [c.result for c in dups] == [{"n": i} for i in range(2000)]
+    assert conns[0].statements == []
+    counts = store.stats()["counts"]
+    assert counts["cache_reads"] == 1 and counts["cache_hits"] == 2000
+    assert counts["authority_claims"] == 1
+    store.close()
+
+
+def test_cache_is_written_only_after_the_authority_has_the_key(
+    rdb: redis.Redis, pg_table: str
+) -> None:
+    store = TieredStore(_pg(pg_table), cache=RedisCache(rdb, prefix="wt"))
+    c = store.claim("k", namespace=NS)
+    assert rdb.keys("wt:*") == []  # a claim in progress is the authority's alone
+    store.release("k", c.token, namespace=NS)
+    assert rdb.keys("wt:*") == []
+    c = store.claim("k", namespace=NS)
+    store.complete("k", c.token, namespace=NS, result="done")
+    assert rdb.keys("wt:*") == [b"wt:" + NS.encode() + b":k"]
+    assert store.authority.get("k", namespace=NS).result == "done"  # type: ignore[union-attr]
+    store.close()
+
+
+def test_cache_filled_from_another_process_answer_still_checks_fingerprints(
+    rdb: redis.Redis, pg_table: str
+) -> None:
+    # Another host completed the key: this stack learns it from the authority
+    # (without its fingerprint) and fills the cache.
+    other = _pg(pg_table)
+    c = other.claim("k", namespace=NS, fingerprint=b"A")
+    other.complete("k", c.token, namespace=NS, result=1)
+    other.close()
+    store = TieredStore(_pg(pg_table), cache=RedisCache(rdb))
+    assert store.claim("k", namespace=NS).outcome is Outcome.DUPLICATE  # fills the cache
+    assert store.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+    assert store.stats()["counts"]["cache_hits"] == 1
+    # A claim with a fingerprint cannot be settled by an entry without one:
+    # the authority checks it.
+    with pytest.raises(ConflictError):
+        store.claim("k", namespace=NS, fingerprint=b"B")
+    assert store.claim("k", namespace=NS, fingerprint=b"A").outcome is Outcome.DUPLICATE
+    assert store.stats()["counts"]["cache_hits"] == 1
+    assert store.stats()["counts"]["authority_claims"] == 3
+    store.close()
+
+
+def test_cache_entry_with_its_fingerprint_answers_conflicts_itself(
+    rdb: redis.Redis, pg_table: str
+) -> None:
+    store = TieredStore(_pg(pg_table), cache=RedisCache(rdb))
+    c = store.claim("k", namespace=NS, fingerprint=b"A")
+    store.complete("k", c.token, namespace=NS, result="r")
+    calls = store.stats()["counts"]["authority_claims"]
+    with pytest.raises(ConflictError):
+        store.claim_many(["fresh", "k"], namespace=NS, fingerprints=[None, b"B"])
+    assert store.stats()["counts"]["authority_claims"] == calls  # decided by the cache
+    assert store.authority.get("fresh", namespace=NS) is None  # nothing claimed
+    assert store.claim("k", namespace=NS, fingerprint=b"A").result == "r"
+    store.close()
+
+
+# -- failures --------------------------------------------------------------------------
+
+
+def test_cache_down_is_skipped_with_a_counter_and_a_log_line(
+    pg_table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = RedisCache.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    store = TieredStore(_pg(pg_table), cache=dead, cache_retry_after=0.0)
+    claims = store.claim_many(["a", "b"], namespace=NS)
+    with caplog.at_level(logging.WARNING, logger="dedupcore"):
+        store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+        assert [c.outcome for c in store.claim_many(["a", "b", "c"], namespace=NS)] == [
+            Outcome.DUPLICATE,
+            Outcome.DUPLICATE,
+            Outcome.NEW,
+        ]
+    assert store.stats()["counts"]["cache_errors"] >= 2
+    assert any("cache redis-cache failed" in r.getMessage() for r in caplog.records)
+    store.close()
+
+
+def test_paused_cache_is_skipped_after_its_timeout(tmp_path: Path, pg_table: str) -> None:
+    with redis_server(tmp_path / "cache") as server:
+        cache = RedisCache.from_url(f"redis://127.0.0.1:{server.port}/0", socket_timeout=0.3)
+        store = TieredStore(_pg(pg_table), cache=cache, cache_retry_after=30.0)
+        c = store.claim("k", namespace=NS)
+        store.complete("k", c.token, namespace=NS, result="r")
+        server.pause()
+        try:
+            dup = store.claim("k", namespace=NS)  # cache read times out: the authority answers
+            assert dup.outcome is Outcome.DUPLICATE and dup.result == "r"
+            assert store.stats()["counts"]["cache_errors"] == 1
+            # Skipped for cache_retry_after: no more waiting on the paused cache.
+            assert store.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+            assert store.stats()["counts"]["cache_errors"] == 1
+            assert store.stats()["cache"]["skipped_until"] > 0
+        finally:
+            server.resume()
+        store.close()
+
+
+def test_authority_down_is_unavailable_never_new(tmp_path: Path, rdb: redis.Redis) -> None:
+    with redis_server(tmp_path / "auth") as server:
+        authority = RedisStore(server.client(socket_timeout=2))
+        store = TieredStore(authority, cache=RedisCache(rdb))
+        c = store.claim("done", namespace=NS)
+        store.complete("done", c.token, namespace=NS)
+        held = store.claim("held", namespace=NS)
+        assert held.outcome is Outcome.NEW
+        server.kill()
+        for key in ("fresh", "held"):
+            with pytest.raises(UnavailableError):
+                store.claim(key, namespace=NS)
+        # The cache still knows the completed key: DUPLICATE is a correct answer.
+        assert store.claim("done", namespace=NS).outcome is Outcome.DUPLICATE
+        with pytest.raises(UnavailableError):
+            store.complete("held", held.token, namespace=NS)
+        store.close()
+
+
+# -- cold archive ----------------------------------------------------------------------
+
+
+def test_cold_archive_answers_for_keys_the_authority_no_longer_holds(
+    tmp_path: Path, pg_table: str
+) -> None:
+    authority = _pg(pg_table)
+    store = TieredStore(authority, archive=tmp_path / "cold")
+    c = store.claim("old", namespace=NS)
+    store.complete("old", c.token, namespace=NS)
+    # As a demotion does: copy into the archive, then delete from the authority.
+    assert store.archive is not None
+    from dedupcore import keys as _keys
+
+    hashes = _keys.front_hashes(_keys.digests(NS.encode(), [b"old"]))
+    store.archive.add_many(store.retention.cold_window, hashes, 1e9)
+    authority._tx(lambda cur: cur.execute(f"DELETE FROM {pg_table}"))
+    dup = store.claim("old", namespace=NS)
+    assert dup.outcome is Outcome.DUPLICATE and not dup.exact
+    rec = store.get("old", namespace=NS)
+    assert rec == KeyRecord(rec.state, 0, None, None, None, 0.0, 0.0, exact=False)  # type: ignore[union-attr]
+    assert store.claim("new", namespace=NS).outcome is Outcome.NEW
+    store.close()
+    # The archive is on disk: a new stack over it still answers.
+    again = TieredStore(_pg(pg_table), archive=tmp_path / "cold")
+    assert again.claim("old", namespace=NS).exact is False
+    again.close()
+
+
+# -- sharding --------------------------------------------------------------------------
+
+
+class _Recorder(ClaimAPI):
+    """A shard that records its calls and can block or fail (wraps a real store)."""
+
+    def __init__(self, inner: ClaimAPI, barrier: threading.Barrier | None = None) -> None:
+        self.inner = inner
+        self.barrier = barrier
+        self.calls: list[tuple[str, int]] = []
+        self.fail: BaseException | None = None
+
+    def claim_many(self, keys: Any, **kw: Any) -> Any:
+        keys = list(keys)
+        self.calls.append(("claim_many", len(keys)))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=20)  # every shard must be in flight at once
+        if self.fail is not None:
+            raise self.fail
+        return self.inner.claim_many(keys, **kw)
+
+    def complete_many(self, items: Any, **kw: Any) -> None:
+        items = list(items)
+        self.calls.append(("complete_many", len(items)))
+        self.inner.complete_many(items, **kw)
+
+    def release_many(self, items: Any, **kw: Any) -> None:
+        items = list(items)
+        self.calls.append(("release_many", len(items)))
+        self.inner.release_many(items, **kw)
+
+    def get(self, key: Any, **kw: Any) -> Any:
+        return self.inner.get(key, **kw)
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Iterator[list[DedupStore]]:
+    stores = [DedupStore.open(tmp_path / f"s{i}", durability="power-loss-unsafe") for i in range(3)]
+    yield stores
+    for s in stores:
+        s.close()
+
+
+def test_sharding_routes_by_jump_hash_one_concurrent_call_per_shard(
+    shards: list[DedupStore],
+) -> None:
+    barrier = threading.Barrier(3)
+    rec = [_Recorder(s, barrier) for s in shards]
+    store = ShardedStore(rec)
+    keys = [f"k{i}" for i in range(3000)]
+    claims = store.claim_many(keys, namespace=NS)  # would time out unless run concurrently
+    assert [c.key for c in claims] == keys and all(c.outcome is Outcome.NEW for c in claims)
+    expected = [shard_of(NS.encode() + b"\x00" + k.encode(), 3) for k in keys]
+    for i, r in enumerate(rec):
+        assert r.calls == [("claim_many", expected.count(i))]
+        assert 800 < expected.count(i) < 1200
+    for k, s in zip(keys[:50], expected, strict=False):
+        assert store.shard_of(k, namespace=NS) == s
+        assert shards[s].get(k, namespace=NS) is not None
+        assert all(shards[o].get(k, namespace=NS) is None for o in range(3) if o != s)
+    for r in rec:
+        r.barrier = None
+    store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+    assert [r.calls[-1] for r in rec] == [("complete_many", expected.count(i)) for i in range(3)]
+    assert all(c.outcome is Outcome.DUPLICATE for c in store.claim_many(keys, namespace=NS))
+    assert store.stats()["namespaces"][NS]["new"] == 3000
+
+
+def test_a_failed_shard_releases_the_claims_the_others_made(shards: list[DedupStore]) -> None:
+    rec = [_Recorder(s) for s in shards]
+    store = ShardedStore(rec)
+    rec[1].fail = UnavailableError("shard 1 is down")
+    keys = [f"k{i}" for i in range(300)]
+    with pytest.raises(UnavailableError, match="shard 1"):
+        store.claim_many(keys, namespace=NS)
+    assert ("release_many", 0) not in rec[0].calls and rec[0].calls[-1][0] == "release_many"
+    rec[1].fail = None
+    # Nothing stayed claimed by the caller that never saw the claims.
+    assert all(c.outcome is Outcome.NEW for c in store.claim_many(keys, namespace=NS))
+
+
+def test_input_errors_win_over_unavailability(shards: list[DedupStore]) -> None:
+    rec = [_Recorder(s) for s in shards]
+    store = ShardedStore(rec)
+    keys = [f"k{i}" for i in range(60)]
+    claims = store.claim_many(keys, namespace=NS, fingerprints=[b"A"] * 60)
+    store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+    rec[2].fail = UnavailableError("down")
+    with pytest.raises(ConflictError):
+        store.claim_many(keys, namespace=NS, fingerprints=[b"B"] * 60)
+
+
+def test_stale_token_on_one_shard_is_raised_after_the_others_applied(
+    shards: list[DedupStore],
+) -> None:
+    store = ShardedStore(shards)
+    keys = [f"k{i}" for i in range(50)]
+    claims = store.claim_many(keys, namespace=NS)
+    bad = claims[0]
+    items = [(c.key, c.token + (7 if c is bad else 0)) for c in claims]
+    with pytest.raises(StaleTokenError):
+        store.complete_many(items, namespace=NS)
+    bad_shard = store.shard_of(bad.key, namespace=NS)
+    for c in claims:
+        outcome = store.claim(c.key, namespace=NS).outcome
+        if store.shard_of(c.key, namespace=NS) == bad_shard:
+            assert outcome is Outcome.IN_PROGRESS  # that shard's batch changed nothing
+        else:
+            assert outcome is Outcome.DUPLICATE  # the other shards applied theirs
+
+
+# -- opening by URL ----------------------------------------------------------------------
+
+
+def test_open_store_by_url(tmp_path: Path, rdb: redis.Redis, pg_table: str) -> None:
+    embedded = open_store(tmp_path / "data")
+    assert isinstance(embedded, DedupStore)
+    embedded.close()
+    stack = open_store(PG_URL, cache=f"redis://127.0.0.1:6379/{REDIS_DB}", table=pg_table)
+    assert isinstance(stack, TieredStore) and isinstance(stack.authority, SqlStore)
+    assert isinstance(stack.cache, RedisCache) and stack.front is not None
+    stack.close()
+    sqlite = f"sqlite:///{tmp_path}/a.db"
+    sharded = open_store(
+        [f"redis://127.0.0.1:6379/{REDIS_DB}", sqlite], init_schema=True, archive=tmp_path / "c"
+    )
+    assert isinstance(sharded, ShardedStore) and len(sharded.shards) == 2
+    assert all(isinstance(s, TieredStore) for s in sharded.shards)
+    assert sharded.claim("k", namespace=NS).outcome is Outcome.NEW
+    sharded.close()
+    assert (tmp_path / "c" / "shard-1").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "match"),
+    [
+        ("http://example.com/x", ValueError, "unknown store URL scheme 'http'"),
+        ("", TypeError, "authority is a URL"),
+        (42, TypeError, "not int"),
+        ([], ValueError, "empty list"),
+        ("sqlite://relative.db", ValueError, "sqlite"),
+    ],
+)
+def test_open_store_bad_targets(target: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        open_store(target)
+
+
+def test_open_store_unreachable_authority_is_unavailable() -> None:
+    with pytest.raises(UnavailableError):
+        open_store(f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="authority must implement"):
+        TieredStore(object())  # type: ignore[arg-type]
+    with DedupStore.open(tmp_path / "d") as s:
+        with pytest.raises(TypeError, match="cache must be a CacheTier"):
+            TieredStore(s, cache=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="front must be"):
+            TieredStore(s, front="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one shard"):
+        ShardedStore([])
+    with pytest.raises(TypeError, match="each shard"):
+        ShardedStore([object()])  # type: ignore[list-item]
+
+
+# -- CLI and daemon ----------------------------------------------------------------------
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dedupcore", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_sql_init_command(tmp_path: Path, pg_table: str) -> None:
+    for _ in range(2):  # idempotent
+        out = _cli("sql", "init", "--url", PG_URL, "--table", pg_table)
+        assert out.returncode == 0, out.stderr
+        assert f"dedup table {pg_table!r} ready on postgresql" in out.stdout
+    with SqlStore.from_url(PG_URL, table=pg_table) as s:
+        assert s.claim("k", namespace=NS).outcome is Outcome.NEW
+    bad = _cli("sql", "init", "--url", f"postgresql://postgres@127.0.0.1:{free_port()}/test")
+    assert bad.returncode == 1 and "cannot connect" in bad.stderr
+    bad = _cli("sql", "init", "--url", "sqlite:///x.db", "--table", "no-such;table")
+    assert bad.returncode == 1 and "SQL identifier" in bad.stderr
+
+
+def test_daemon_serves_a_stack_by_url(tmp_path: Path, rdb: redis.Redis) -> None:
+    db = tmp_path / "auth.db"
+    assert _cli("sql", "init", "--url", f"sqlite:///{db}").returncode == 0
+    sock = tmp_path / "run" / "d.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dedupcore",
+            "serve",
+            "--socket",
+            str(sock),
+            "--authority",
+            f"sqlite:///{db}",
+            "--cache",
+            f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "--archive",
+            str(tmp_path / "cold"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+        client = Client(str(sock), timeout=30)
+        c = client.claim("k", namespace=NS)
+        assert c.outcome is Outcome.NEW
+        client.complete("k", c.token, namespace=NS, result="r")
+        assert client.claim("k", namespace=NS).result == "r"
+        st = client.stats()
+        assert st["counts"]["cache_hits"] == 1 and "authority" in st
+        client.close()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    with SqlStore.from_url(f"sqlite:///{db}") as s:
+        assert s.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+
+
+def test_daemon_refuses_a_bad_authority_url(tmp_path: Path) -> None:
+    out = _cli("serve", "--socket", str(tmp_path / "s.sock"), "--authority", "ftp://x")
+    assert out.returncode == 1 and "unknown store URL scheme 'ftp'" in out.stderr
+
+
+# -- races -------------------------------------------------------------------------------
+
+
+def _race_worker(spec: dict[str, Any], keys: list[str], out: Any) -> None:
+    store = open_store(**spec)
+    won: list[str] = []
+    for start in range(0, len(keys), 250):
+        batch = keys[start : start + 250]
+        claims = store.claim_many(batch, namespace=NS, owner=f"p{os.getpid()}")
+        new = [c for c in claims if c.outcome is Outcome.NEW]
+        won.extend(str(c.key) for c in new)
+        store.complete_many([(c.key, c.token) for c in new], namespace=NS)
+    store.close()
+    out.put(won)
+
+
+@pytest.mark.parametrize("stack", ["pg+redis-cache", "sharded-redis"])
+def test_eight_processes_racing_see_one_new_per_key(
+    stack: str, rdb: redis.Redis, pg_table: str
+) -> None:
+    if stack == "pg+redis-cache":
+        # The table is made once; each process opens the stack by URL.
+        _pg(pg_table).close()
+        spec: dict[str, Any] = {
+            "authority": PG_URL,
+            "cache": f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "table": pg_table,
+        }
+    else:
+        spec = {"authority": [f"redis://127.0.0.1:6379/{REDIS_DB}", "redis://127.0.0.1:6379/13"]}
+    keys = [f"race-{i}" for i in range(3000)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = []
+    for n in range(8):
+        mine = keys[n * 100 :] + keys[: n * 100]  # each starts elsewhere, all overlap
+        procs.append(ctx.Process(target=_race_worker, args=(spec, mine, out)))
+    for p in procs:
+        p.start()
+    won = [k for _ in procs for k in out.get(timeout=240)]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(won) == sorted(keys)  # every key NEW exactly once over all processes
+    if stack == "sharded-redis":
+        redis.Redis(host="127.0.0.1", port=6379, db=13).flushdb()
