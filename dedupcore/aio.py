@@ -38,7 +38,7 @@ from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.client import DEFAULT_SOCKET
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.errors import StaleTokenError, UnavailableError
+from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
 
 __all__ = ["DEFAULT_SOCKET", "Client"]
 
@@ -355,7 +355,10 @@ class Client:
         """Claims ``key`` for an ``async with`` block: completes on success, releases on exception.
 
         Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
-        store a result with the completion. Exceptions are re-raised.
+        store a result with the completion. Exceptions are re-raised. A result
+        that cannot be stored (too large, not msgpack-serializable) raises its
+        TypeError/ValueError after the key was completed without it: the work
+        is not done twice.
         """
         c = await self.claim(
             key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
@@ -371,7 +374,16 @@ class Client:
             except StaleTokenError:
                 log.warning("could not release %r: its lease was taken over", key)
             raise
-        await self.complete(key, c.token, namespace=namespace, result=c.result)
+        try:
+            await self.complete(key, c.token, namespace=namespace, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, DedupError):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            # The work is done but its result cannot be stored: record the key
+            # as processed without it, so that a redelivery does not do the
+            # work a second time, and tell the caller.
+            await self.complete(key, c.token, namespace=namespace)
+            raise
 
     def idempotent(
         self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None

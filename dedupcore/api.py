@@ -276,7 +276,10 @@ class ClaimAPI(ABC):
         """Claims ``key`` for a ``with`` block: completes on success, releases on exception.
 
         Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
-        store a result with the completion. Exceptions are re-raised.
+        store a result with the completion. Exceptions are re-raised. A result
+        that cannot be stored (too large, not msgpack-serializable) raises its
+        TypeError/ValueError after the key was completed without it: the work
+        is not done twice.
         """
         c = self.claim(key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint)
         if c.outcome is not Outcome.NEW:
@@ -290,7 +293,16 @@ class ClaimAPI(ABC):
             except StaleTokenError:
                 log.warning("could not release %r: its lease was taken over", key)
             raise
-        self.complete(key, c.token, namespace=namespace, result=c.result)
+        try:
+            self.complete(key, c.token, namespace=namespace, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, DedupError):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            # The work is done but its result cannot be stored: record the key
+            # as processed without it, so that a redelivery does not do the
+            # work a second time, and tell the caller.
+            self.complete(key, c.token, namespace=namespace)
+            raise
 
     def idempotent(
         self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None

@@ -234,6 +234,13 @@ def test_processing_completes_or_releases(daemon: Daemon) -> None:
             async with c.processing("p2", namespace=ns) as claim:
                 assert claim.outcome is Outcome.NEW  # released: the redelivery runs again
 
+            # a result that cannot be stored: completed without it, the error raised
+            with pytest.raises(TypeError):
+                async with c.processing("p4", namespace=ns) as claim:
+                    claim.result = object()
+            dup = await c.claim("p4", namespace=ns)
+            assert dup.outcome is Outcome.DUPLICATE and dup.result is None
+
             # a lease taken over meanwhile: the release is skipped, the error re-raised
             with pytest.raises(KeyError):
                 async with c.processing("p3", namespace=ns, lease=0.1) as claim:
