@@ -12,8 +12,8 @@ a fingerprint conflict or a stale token changes nothing.
 **Redis Cluster.** The bucket in the hash tag (``jump_hash`` of the key
 into ``buckets``) puts each key in one of ``buckets`` slots per namespace,
 spread over the cluster's masters. A batch is grouped by slot: one script
-call per slot (at most 1000 keys each), all sent in one pipeline, which the
-cluster client splits into one round trip per master. On a single server a
+call per slot (at most 1000 keys each), pipelined: one round trip per
+master. On a single server a
 batch is one script call per 1000 keys. Scripts are called by ``EVALSHA``;
 a server that does not know a script (restarted, failed over, a new node)
 gets it by ``SCRIPT LOAD``, which the cluster client sends to every master.
@@ -39,7 +39,14 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from dedupcore import keys as _keys
 from dedupcore._core import shard_many
@@ -304,45 +311,64 @@ class RedisStore(ClaimAPI):
         ]
 
     def _run(self, script: Any, calls: list[tuple[list[bytes], list[Any]]]) -> list[Any]:
-        """Runs ``script`` once per ``(keys, args)``; one pipeline round trip per server.
+        """Runs ``script`` once per ``(keys, args)``: one pipelined round trip per server.
 
         The result of each call, or a ``ResponseError`` in its place for a
         script that refused (DC* replies); any other failure is an
-        :class:`UnavailableError`.
+        :class:`UnavailableError`. A call that did not run (the server lacks
+        the script, or the slot moved) is sent again; a call that may have
+        run (connection lost, timeout) is never re-sent here.
         """
+        out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
         try:
-            if len(calls) == 1:
-                keys, args = calls[0]
-                try:
-                    return [script(keys=keys, args=args)]
-                except ResponseError as exc:
-                    if not str(exc).startswith("DC"):
-                        raise
-                    return [exc]
-            out: list[Any] = [None] * len(calls)
-            todo = list(range(len(calls)))
-            for attempt in range(2):
-                pipe = self.client.pipeline(transaction=False)
-                for i in todo:
-                    keys, args = calls[i]
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                for i, res in zip(todo, pipe.execute(raise_on_error=False), strict=True):
-                    out[i] = res
-                todo = [i for i in todo if isinstance(out[i], NoScriptError)]
-                if not todo:
+            for attempt in range(3):
+                self._send(script.sha, calls, todo, out)
+                noscript = [i for i in todo if isinstance(out[i], NoScriptError)]
+                moved = [i for i in todo if isinstance(out[i], (AskError, TryAgainError))]
+                todo = sorted(noscript + moved)
+                if not todo or attempt == 2:
                     break
-                if attempt == 0:
-                    # A server without the script (restarted, failed over, new node):
+                if noscript:
+                    # A server without the script (restarted, failed over, a new node):
                     # SCRIPT LOAD goes to every primary of a cluster.
                     script.sha = self.client.script_load(script.script)
+                if moved and self.cluster:
+                    self.client.nodes_manager.initialize()  # re-read the slot map
             for res in out:
                 if isinstance(res, ResponseError) and str(res).startswith("DC"):
                     continue
                 if isinstance(res, BaseException):
                     raise res
-            return out
         except _DOWN as exc:
             raise _unavailable(exc) from exc
+        return out
+
+    def _send(
+        self, sha: str, calls: list[tuple[list[bytes], list[Any]]], todo: list[int], out: list[Any]
+    ) -> None:
+        """``EVALSHA`` of the calls ``todo``, one pipeline per server; replies into ``out``.
+
+        (redis-py's cluster pipeline would ask a node for the keys of every
+        ``EVALSHA`` first; the slot of each call is known here, so each
+        master gets a plain pipeline of its own calls.)
+        """
+        per_server: dict[str, tuple[Any, list[int]]] = {}
+        for i in todo:
+            if self.cluster:
+                node = self.client.get_node_from_key(calls[i][0][0])
+                server = self.client.get_redis_connection(node)
+                name = node.name
+            else:
+                server, name = self.client, ""
+            per_server.setdefault(name, (server, []))[1].append(i)
+        for server, idx in per_server.values():
+            pipe = server.pipeline(transaction=False)
+            for i in idx:
+                keys, args = calls[i]
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            for i, res in zip(idx, pipe.execute(raise_on_error=False), strict=True):
+                out[i] = res
 
     def _pipeline(self, build: Any) -> list[Any]:
         """Runs the commands ``build(pipe)`` queues on a non-transactional pipeline."""
