@@ -199,9 +199,11 @@ def ensure_table(conn: Any, table: str = DEFAULT_TABLE) -> None:
     c = Conn(conn)
     for attempt in range(2):
         try:
-            for statement in _schema(c, table):
+            create, *indexes = _schema(c, table)
+            c.execute(create)
+            _check_schema(c, table)  # an older table of that name that is not a dedup table
+            for statement in indexes:
                 c.execute(statement)
-            _check_schema(c, table)
             c.commit()
             return
         except Exception as exc:

@@ -7,6 +7,7 @@ answer skips its tests (fails them under CI=true), as in tests/integration.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -69,10 +70,7 @@ class DB:
 
     def connect(self) -> Any:
         """A connection of the kind under test, transactional, closed after the test."""
-        if self.sa:
-            conn = sa_engine(self.engine, self.sqlite_path).connect()
-        else:
-            conn = self.raw_connect()
+        conn = sa_engine(self.engine, self.sqlite_path).connect() if self.sa else self.raw_connect()
         self.conns.append(conn)
         return conn
 
@@ -155,10 +153,8 @@ class DB:
 
     def cleanup(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(Exception):
                 conn.close()
-            except Exception:
-                pass
         if self.engine != "sqlite":
             for table in self.tables:
                 self.admin(f"DROP TABLE IF EXISTS {table}")
