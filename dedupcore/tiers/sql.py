@@ -77,8 +77,9 @@ table, which then is the one that needs row deletes. So for now every
 engine gets one unpartitioned table keyed by ``(namespace, key)``, and
 retention is :meth:`SqlStore.purge`: bounded batches of deletes driven by
 the ``updated`` index (abandoned claims become tombstones first, as the
-embedded store's sweep does). Day partitions with a race-free lookup remain
-open; so does demotion of purged keys into the cold archive.
+embedded store's sweep does), with a ``before_delete`` hook that copies each
+batch's processed keys into the cold archive before the delete commits.
+Day partitions with a race-free lookup remain open.
 
 Use :meth:`SqlStore.from_url` (``postgresql://``, ``mysql://`` or
 ``mariadb://``, ``sqlite:///relative.db`` / ``sqlite:////absolute.db``) or
@@ -135,6 +136,9 @@ _PROCESSING, _PROCESSED, _RELEASED = (
     int(State.PROCESSED),
     int(State.RELEASED),
 )
+
+#: ``before_delete(namespace, keys)`` of :meth:`SqlStore.purge`.
+BeforeDelete = Callable[[str, list[bytes]], None]
 
 # SET list of a batched UPDATE: (column, i) takes the i-th per-row value, (column, str) is SQL.
 _SetList = list[tuple[str, "int | str"]]
@@ -243,12 +247,22 @@ class _Dialect:
         return ", ".join(f"{col} = {value(e) if isinstance(e, int) else e}" for col, e in sets)
 
     def purge(
-        self, cur: Any, table: str, ns: str | None, skip: list[str], window: float, limit: int
+        self,
+        cur: Any,
+        table: str,
+        ns: str | None,
+        skip: list[str],
+        window: float,
+        limit: int,
+        before_delete: BeforeDelete | None = None,
     ) -> tuple[int, int]:
         """Tombstones abandoned claims, then deletes finished rows; ``(tombstoned, deleted)``.
 
         The conditions are in the outer ``WHERE`` too, so a row claimed again
         while the statement waited for its lock is re-checked and left alone.
+        With ``before_delete`` the rows are first selected and locked, the
+        callback gets each namespace's PROCESSED keys, and then exactly those
+        rows are deleted (see :meth:`SqlStore.purge`).
         """
         p, t = self.ph, self.q(table)
         scope: list[str] = []
@@ -273,11 +287,47 @@ class _Dialect:
             params * self.where_repeats,
         )
         tombstoned = int(cur.rowcount)
-        finished = " AND ".join([*scope, old, f"state IN ({_PROCESSED}, {_RELEASED})"])
+        done = f"state IN ({_PROCESSED}, {_RELEASED})"
+        finished = " AND ".join([*scope, old, done])
+        if before_delete is None:
+            cur.execute(
+                self.limited(f"DELETE FROM {t}", table, finished, limit),
+                params * self.where_repeats,
+            )
+            return tombstoned, int(cur.rowcount)
+        k = self.q("key")
         cur.execute(
-            self.limited(f"DELETE FROM {t}", table, finished, limit), params * self.where_repeats
+            f"SELECT namespace, {k}, state FROM {t} WHERE {finished} "
+            f"ORDER BY updated LIMIT {int(limit)}{self.for_update}",
+            params,
         )
-        return tombstoned, int(cur.rowcount)
+        chosen: dict[str, tuple[list[bytes], list[bytes]]] = {}
+        for name, key, state in cur.fetchall():
+            rows, processed = chosen.setdefault(str(name), ([], []))
+            rows.append(bytes(key))
+            if int(state) == _PROCESSED:
+                processed.append(bytes(key))
+        for name, (_, processed) in sorted(chosen.items()):
+            if processed:
+                before_delete(name, processed)  # raises: the transaction is rolled back
+        deleted = 0
+        for name, (rows, _) in sorted(chosen.items()):
+            deleted += self.delete_keys(cur, table, name, rows, f"{old} AND {done}")
+        return tombstoned, deleted
+
+    def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
+        """Deletes the rows of ``keys`` (already locked) that still match ``where``."""
+        p, k = self.ph, self.q("key")
+        deleted = 0
+        for i in range(0, len(keys), _CHUNK):
+            chunk = keys[i : i + _CHUNK]
+            cur.execute(
+                f"DELETE FROM {self.q(table)} WHERE namespace = {p} "
+                f"AND {k} IN ({', '.join([p] * len(chunk))}) AND {where}",
+                [ns, *chunk],
+            )
+            deleted += int(cur.rowcount)
+        return deleted
 
     where_repeats = 2
 
@@ -399,6 +449,14 @@ class _Postgres(_Dialect):
             f'AS u({", ".join(cols)}) WHERE d.namespace = %s AND d."key" = u.k',
             [*([r[j] for r in rows] for j in range(len(cols))), ns],
         )
+
+    def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
+        cur.execute(
+            f'DELETE FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%s::bytea[]) '
+            f"AND {where}",
+            [ns, keys],
+        )
+        return int(cur.rowcount)
 
 
 class _MySQL(_Dialect):
@@ -1182,7 +1240,7 @@ class SqlStore(ClaimAPI):
 
     # -- retention and figures ------------------------------------------------------
 
-    def purge(self, *, limit: int = 10_000) -> int:
+    def purge(self, *, limit: int = 10_000, before_delete: BeforeDelete | None = None) -> int:
         """Applies retention: deletes up to ``limit`` rows per namespace policy; returns how many.
 
         A PROCESSED record or a tombstone goes when its last change is older
@@ -1191,9 +1249,24 @@ class SqlStore(ClaimAPI):
         a tombstone, so its token keeps growing for one more window (a stale
         owner still gets StaleTokenError). Each policy is one short
         transaction; call again while it returns ``limit`` or more.
+
+        ``before_delete(namespace, keys)`` is the demotion hook (copy, then
+        delete): inside each policy's transaction the rows to delete are
+        selected (oldest first) and locked, the callback is called once per
+        namespace with the PROCESSED keys among them, and only then are
+        exactly those rows deleted (each only if still finished and old) and
+        the transaction committed. If the callback raises, the transaction is
+        rolled back: nothing is deleted, and the error propagates. Tombstones
+        (released claims) are deleted without being passed: their work was
+        never done, so a cold archive must not answer them DUPLICATE. The
+        callback runs while the store's connection is busy (it must not call
+        this store) and may see the same keys again if a deadlock makes the
+        transaction run again, so its copy must be idempotent.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
+        if before_delete is not None and not callable(before_delete):
+            raise TypeError("before_delete must be callable(namespace, keys)")
         d = self._dialect
         assert d is not None
         deleted = 0
@@ -1205,7 +1278,13 @@ class SqlStore(ClaimAPI):
         for ns, window in policies:
             tombstoned, gone = self._tx(
                 functools.partial(
-                    d.purge, table=self.table, ns=ns, skip=skip, window=window, limit=limit
+                    d.purge,
+                    table=self.table,
+                    ns=ns,
+                    skip=skip,
+                    window=window,
+                    limit=limit,
+                    before_delete=before_delete,
                 )
             )
             deleted += gone

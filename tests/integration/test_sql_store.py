@@ -397,6 +397,56 @@ def test_purge_in_bounded_batches(engine: Engine) -> None:
         assert [store.purge(limit=10) for _ in range(4)] == [10, 10, 5, 0]
 
 
+def test_purge_copies_processed_keys_before_deleting(engine: Engine) -> None:
+    with engine.store(retention=Retention(exact_window=0.3)) as store:
+        done = {ns: [f"{ns}-{i}".encode() for i in range(12)] for ns in ("a", "b")}
+        for ns, keys in done.items():
+            store.claim_many(keys, namespace=ns)
+            store.complete_many([(k, 1) for k in keys], namespace=ns)
+        gone = store.claim("gone", namespace="a")
+        store.release("gone", gone.token, namespace="a")
+        store.claim("busy", namespace="a")
+        time.sleep(0.5)
+        total = sum(len(k) for k in done.values()) + 1
+
+        def present() -> int:
+            rows = engine.execute(f"SELECT COUNT(*) FROM {engine.table}")
+            return int(rows[0][0])
+
+        def failing(namespace: str, keys: list[bytes]) -> None:
+            assert present() == total + 1  # nothing is deleted before the copy
+            raise RuntimeError("cold archive is full")
+
+        with pytest.raises(RuntimeError, match="archive is full"):
+            store.purge(before_delete=failing)
+        assert present() == total + 1  # the copy failed: every row stays
+        assert store.claim("a-0", namespace="a").outcome is Outcome.DUPLICATE
+
+        copied: list[tuple[str, list[bytes]]] = []
+        rows_before: list[int] = []
+
+        def copy(namespace: str, keys: list[bytes]) -> None:
+            assert present() == rows_before[-1]  # the copy runs before the delete
+            copied.append((namespace, list(keys)))
+
+        # Bounded chunks; a tombstone is deleted but never copied.
+        deleted = []
+        for _ in range(4):
+            rows_before.append(present())
+            deleted.append(store.purge(limit=10, before_delete=copy))
+        assert deleted == [10, 10, total - 20, 0]
+        got: dict[str, list[bytes]] = {}
+        for ns, keys in copied:
+            got.setdefault(ns, []).extend(keys)
+        assert {ns: sorted(k) for ns, k in got.items()} == {ns: sorted(k) for ns, k in done.items()}
+        assert sum(len(k) for _, k in copied) == total - 1
+        assert present() == 1  # only the claim whose lease still runs
+        assert store.get("gone", namespace="a") is None
+        assert store.claim("busy", namespace="a").outcome is Outcome.IN_PROGRESS
+        with pytest.raises(TypeError):
+            store.purge(before_delete="not callable")  # type: ignore[arg-type]
+
+
 def test_init_schema_is_idempotent_and_stats(store: SqlStore, engine: Engine) -> None:
     store.init_schema()
     store.claim("k", namespace=NS)
