@@ -32,6 +32,7 @@ evict them is refused unless ``allow_eviction=True``.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -66,6 +67,8 @@ from dedupcore.errors import ConflictError, DedupError, StaleTokenError, Unavail
 from dedupcore.record import State
 
 __all__ = ["RedisStore"]
+
+log = logging.getLogger("dedupcore")
 
 _CLAIM = """
 local t = redis.call('TIME')
@@ -188,6 +191,13 @@ class RedisStore(ClaimAPI):
         except _DOWN as exc:
             raise _unavailable(exc) from exc
         unsafe = [(node, p) for node, p in policies if p is not None and p not in _SAFE_POLICIES]
+        unknown = [node for node, p in policies if p is None]
+        if unknown:
+            log.warning(
+                "redis %s: CONFIG GET is refused, so maxmemory-policy and persistence are "
+                "unknown; make sure the policy is noeviction",
+                ", ".join(unknown),
+            )
         if unsafe and not allow_eviction:
             node, policy = unsafe[0]
             where = f" on {node}" if self.cluster else ""
@@ -248,14 +258,20 @@ class RedisStore(ClaimAPI):
             raise _unavailable(exc) from exc
         worst: tuple[int, str, str] | None = None
         for node in appendonly:
-            mode = (fsync.get(node) or "no") if appendonly[node] == "yes" else ""
-            rank = _DURABILITY_RANK.get(mode, 0)
+            if appendonly[node] is None:
+                mode = "?"  # CONFIG is disabled (managed Redis): nothing can be promised
+            else:
+                mode = (fsync.get(node) or "no") if appendonly[node] == "yes" else ""
+            rank = _DURABILITY_RANK.get(mode, -1)
             if worst is None or rank < worst[0]:
                 worst = (rank, node, mode)
-        if worst is None:
-            return "unknown: the server does not report its persistence settings"
-        _, node, mode = worst
-        where = f" (weakest node {node})" if self.cluster else ""
+        where = f" (weakest node {worst[1]})" if self.cluster and worst else ""
+        if worst is None or worst[2] == "?":
+            return (
+                f"unknown{where}: the server does not report its persistence settings "
+                "(CONFIG is disabled); assume a Redis restart can lose acknowledged claims"
+            )
+        mode = worst[2]
         if mode == "always":
             return f"appendfsync always{where}: survives a Redis crash and a power loss"
         if mode == "everysec":
@@ -563,10 +579,14 @@ class RedisStore(ClaimAPI):
         would let a demoter miss keys).
         """
         ns = _keys.check_namespace(namespace)
-        if isinstance(within, bool) or not isinstance(within, (int, float)) or not within > 0:
-            raise ValueError(f"within must be a positive number of seconds, got {within!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise ValueError(f"count must be a positive int, got {count!r}")
+        if isinstance(within, bool) or not isinstance(within, (int, float)):
+            raise TypeError(f"within must be a number of seconds, not {type(within).__name__}")
+        if not within > 0:
+            raise ValueError(f"within must be > 0 seconds, got {within!r}")
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"count must be an int, not {type(count).__name__}")
+        if count <= 0:
+            raise ValueError(f"count must be > 0, got {count!r}")
         head = self._head(ns)
         limit_ms = within * 1000.0
         found: list[bytes] = []

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dedupcore.api import Outcome
-from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 from dedupcore.tiers.redis import RedisStore
 
@@ -85,17 +85,6 @@ def test_bad_input(store: RedisStore) -> None:
         store.claim("k", namespace=NS, lease=0)
 
 
-def test_eviction_policy_is_refused(redis_client: Any) -> None:
-    old = redis_client.config_get("maxmemory-policy")["maxmemory-policy"]
-    redis_client.config_set("maxmemory-policy", "allkeys-lru")
-    try:
-        with pytest.raises(DedupError, match="maxmemory-policy"):
-            RedisStore(redis_client)
-        RedisStore(redis_client, allow_eviction=True)
-    finally:
-        redis_client.config_set("maxmemory-policy", old)
-
-
 def test_unreachable_redis_is_unavailable_never_new() -> None:
     import redis
 
@@ -136,63 +125,27 @@ def test_processes_racing_on_the_same_keys_get_one_new_each(redis_client: Any) -
     assert set(winners) == set(keys)
 
 
-def _private_redis(port: int, tmp: Any) -> Any:
-    import shutil
-    import subprocess
+def test_expiring_lists_processed_keys_near_their_ttl(redis_client: Any) -> None:
+    from dedupcore.config import Retention
 
-    import redis
-
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed (scripts/services.sh installs it)")
-    proc = subprocess.Popen(
-        [
-            server,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, client
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail("private redis-server did not start")
-
-
-def test_redis_stopped_mid_run_fails_closed(tmp_path: Any) -> None:
-    proc, client = _private_redis(6391, tmp_path)
-    try:
-        store = RedisStore(client)
-        c = store.claim("done", namespace=NS)
-        store.complete("done", c.token, namespace=NS)
-        client.shutdown(nosave=True)
-        proc.wait(10)
-        for _ in range(3):
-            with pytest.raises(UnavailableError):
-                store.claim("fresh", namespace=NS)
-            with pytest.raises(UnavailableError):
-                store.complete("done", c.token, namespace=NS)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    proc, client = _private_redis(6391, tmp_path)
-    try:
-        # This server kept nothing (no persistence): durability() says so plainly.
-        store = RedisStore(client)
-        assert "no AOF" in store.durability()
-        assert store.claim("fresh", namespace=NS).outcome is Outcome.NEW
-    finally:
-        proc.kill()
+    store = RedisStore(redis_client, namespaces={"short": Retention(exact_window=5.0)})
+    claims = store.claim_many([f"k{i}" for i in range(30)], namespace="short")
+    store.complete_many([(c.key, c.token) for c in claims[:20]], namespace="short")
+    store.release_many([(c.key, c.token) for c in claims[20:25]], namespace="short")
+    # Keys with '}:' in them, and a namespace that extends "short" past a ':'.
+    odd = store.claim("x}:y", namespace="short")
+    store.complete("x}:y", odd.token, namespace="short")
+    other = store.claim("k0", namespace="short:1")
+    store.complete("k0", other.token, namespace="short:1")
+    found = store.expiring("short", within=60, count=7)
+    assert sorted(found) == sorted([f"k{i}".encode() for i in range(20)] + [b"x}:y"])
+    assert store.expiring("short", within=0.001) == []
+    assert store.expiring("short:1", within=60) == []  # the default window: 7 days
+    assert store.expiring("short:1", within=8 * 86400) == [b"k0"]
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError):
+            store.expiring("short", within=bad)
+    with pytest.raises(TypeError):
+        store.expiring("short", within="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.expiring("short", within=1, count=0)

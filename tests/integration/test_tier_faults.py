@@ -1,0 +1,422 @@
+"""Faults of the shared tiers with real servers: paused, stopped and restarted servers.
+
+Every server that a test pauses, stops or reconfigures is a private instance
+(free loopback port, temporary directory), so other test runs on the
+machine's shared Redis/PostgreSQL are not disturbed. Connection kills on the
+shared MariaDB/PostgreSQL end only this test's own connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dedupcore.api import Outcome
+from dedupcore.errors import DedupError, UnavailableError
+from dedupcore.record import State
+from dedupcore.tiers.redis import RedisStore
+from dedupcore.tiers.sql import SqlStore
+
+from .cluster import RedisServer, free_port, redis_server
+from .test_sql_store import NS, Engine, _engine
+
+# -- Redis -------------------------------------------------------------------------
+
+
+def _client(server: RedisServer, timeout: float = 2.0) -> Any:
+    """A client that gives up quickly: one retry, short backoff (the caller's deadline)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return server.client(
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1),
+    )
+
+
+def _in_thread(fn: Any, limit: float = 60.0) -> Any:
+    """``fn()`` in a thread; fails the test if it has not returned after ``limit`` s (a hang)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), "the call hung instead of failing"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_redis_paused_past_the_socket_timeout_fails_closed(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        store = RedisStore(_client(server, timeout=0.5))
+        done = [f"done{i}" for i in range(50)]
+        claims = store.claim_many(done, namespace=NS)
+        store.complete_many([(c.key, c.token, "r") for c in claims], namespace=NS)
+        server.pause()
+        try:
+            for call in (
+                lambda: store.claim("paused", namespace=NS, owner="w"),
+                lambda: store.claim_many(done, namespace=NS),
+                lambda: store.complete("done0", 1, namespace=NS),
+                lambda: store.get("done0", namespace=NS),
+            ):
+                with pytest.raises(UnavailableError):
+                    _in_thread(call)
+        finally:
+            server.resume()
+        # The store answers again on the same client; nothing acknowledged was lost.
+        again = _in_thread(lambda: store.claim_many(done, namespace=NS))
+        assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
+        # A timed-out claim may still reach the server after SIGCONT: then it is held
+        # for its owner, never NEW to anyone else.
+        rec = store.get("paused", namespace=NS)
+        if rec is not None:
+            assert (rec.state, rec.owner) == (State.PROCESSING, b"w")
+            assert store.claim("paused", namespace=NS, owner="other").outcome is (
+                Outcome.IN_PROGRESS
+            )
+            assert store.claim("paused", namespace=NS, owner="w").token == rec.token
+        else:
+            assert store.claim("paused", namespace=NS, owner="w").outcome is Outcome.NEW
+
+
+def _stopped_server_is_unavailable(store: RedisStore) -> None:
+    for call in (
+        lambda: store.claim("fresh", namespace=NS),
+        lambda: store.complete("done0", 1, namespace=NS),
+        lambda: store.get("done0", namespace=NS),
+        lambda: store.durability(),
+        lambda: store.expiring(NS, within=60),
+    ):
+        with pytest.raises(UnavailableError):
+            _in_thread(call)
+
+
+def test_redis_stopped_without_persistence_loses_what_durability_says(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        store = RedisStore(_client(server))
+        said = store.durability()
+        assert said.startswith("no AOF") and "processed keys can come back NEW" in said
+        done = [f"done{i}" for i in range(20)]
+        claims = store.claim_many(done, namespace=NS)
+        store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+        server.cli("shutdown", "nosave")
+        server.wait_exit()
+        _stopped_server_is_unavailable(store)
+        server.start()
+        # As durability() said: the records are gone and the keys are NEW again.
+        assert {c.outcome for c in store.claim_many(done, namespace=NS)} == {Outcome.NEW}
+
+
+@pytest.mark.parametrize("stop", ["shutdown nosave", "SIGKILL"])
+def test_redis_with_fsync_always_aof_keeps_acknowledged_keys(tmp_path: Path, stop: str) -> None:
+    with redis_server(tmp_path, "--appendonly", "yes", "--appendfsync", "always") as server:
+        store = RedisStore(_client(server))
+        assert store.durability().startswith("appendfsync always: survives a Redis crash")
+        done = [f"done{i}" for i in range(200)]
+        claims = store.claim_many(done, namespace=NS)
+        store.complete_many([(c.key, c.token, c.key) for c in claims], namespace=NS)
+        held = store.claim_many(["held"], namespace=NS, owner="w")[0]
+        if stop == "SIGKILL":
+            server.kill()
+        else:
+            server.cli("shutdown", "nosave")
+            server.wait_exit()
+        _stopped_server_is_unavailable(store)
+        server.start()
+        again = store.claim_many(done, namespace=NS)
+        assert [(c.outcome, c.result) for c in again] == [(Outcome.DUPLICATE, k) for k in done]
+        assert store.claim("held", namespace=NS).outcome is Outcome.IN_PROGRESS
+        assert store.claim("held", namespace=NS, owner="w").token == held.token
+
+
+def test_redis_that_can_evict_is_refused(tmp_path: Path) -> None:
+    with redis_server(tmp_path, "--maxmemory-policy", "allkeys-lru") as server:
+        client = server.client()
+        with pytest.raises(DedupError, match="maxmemory-policy is 'allkeys-lru'"):
+            RedisStore(client)
+        store = RedisStore(client, allow_eviction=True)
+        assert store.stats()["maxmemory_policy"] == "allkeys-lru"
+        assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+
+
+def test_redis_without_config_says_durability_is_unknown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Managed Redis services often disable CONFIG: nothing can be promised.
+    with redis_server(tmp_path, "--rename-command", "CONFIG", '""') as server:
+        with caplog.at_level(logging.WARNING, logger="dedupcore"):
+            store = RedisStore(server.client())
+        assert "maxmemory-policy and persistence are unknown" in caplog.text
+        assert store.durability().startswith("unknown")
+        assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+
+
+# -- PostgreSQL, private instance ----------------------------------------------------
+
+
+class PrivatePostgres:
+    """A throwaway PostgreSQL cluster: initdb into a temp dir, pg_ctl on a free port."""
+
+    def __init__(self) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            pytest.fail("PostgreSQL server binaries are not installed (scripts/services.sh)")
+        self.bin = Path(found[-1]).parent
+        self.root = os.geteuid() == 0
+        # initdb refuses to run as root: run the server as the postgres OS user,
+        # in a directory that user owns (pytest's tmp_path is private to root).
+        self.dir = Path(tempfile.mkdtemp(prefix="dedupcore-pg-"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        if self.root:
+            shutil.chown(self.dir, "postgres", "postgres")
+
+    def run(self, *args: str, timeout: float = 120) -> None:
+        cmd = [str(self.bin / args[0]), *args[1:]]
+        if self.root:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        out = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{args[0]} failed: {out.stdout.decode()} {out.stderr.decode()}")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        self.run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.dir / "log"),
+            "-w",
+            "start",
+            "-o",
+            self._options(),
+        )
+
+    def _options(self) -> str:
+        return (
+            f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+            "-c shared_buffers=16MB -c max_connections=20"
+        )
+
+    def restart(self, mode: str) -> None:
+        self.run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.dir / "log"),
+            "-w",
+            "-m",
+            mode,
+            "restart",
+            "-o",
+            self._options(),
+        )
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run("pg_ctl", "-D", str(self.data), "-w", "-m", "immediate", "stop", timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def private_pg() -> Iterator[PrivatePostgres]:
+    pg = PrivatePostgres()
+    try:
+        pg.run(
+            "initdb",
+            "-D",
+            str(pg.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
+        pg.start()
+        yield pg
+    finally:
+        pg.stop()
+
+
+def test_postgresql_restarted_mid_batch(private_pg: PrivatePostgres) -> None:
+    with SqlStore.from_url(private_pg.url, retries=2) as setup:
+        setup.init_schema()
+    store = SqlStore.from_url(private_pg.url, retries=2, connect_args={"connect_timeout": 2})
+    acked: list[list[str]] = []  # batches whose claims were returned
+    completed: list[str] = []  # completions acknowledged
+    failed: list[list[str]] = []  # batches that raised UnavailableError
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                batch = [f"b{i}-{j}" for j in range(300)]
+                i += 1
+                try:
+                    claims = store.claim_many(batch, namespace=NS, owner="w", lease=600)
+                except UnavailableError:
+                    failed.append(batch)
+                    time.sleep(0.05)
+                    continue
+                assert all(c.outcome is Outcome.NEW for c in claims)
+                acked.append(batch)
+                half = batch[:150]
+                with contextlib.suppress(UnavailableError):
+                    store.complete_many([(k, 1, k) for k in half], namespace=NS)
+                    completed.extend(half)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def wait_for_batches(n: int) -> None:
+        deadline = time.monotonic() + 120  # only a guard against a hang
+        while len(acked) < n and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        for mode in ("fast", "immediate"):
+            wait_for_batches(len(acked) + 3)
+            private_pg.restart(mode)
+        wait_for_batches(len(acked) + 3)  # the store reconnected and answers again
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not errors, errors
+    print(
+        f"batches acknowledged {len(acked)}, failed {len(failed)}, "
+        f"completions acknowledged {len(completed)}, store stats {store.stats()}"
+    )
+    assert failed, "no batch ran into a restart"
+    assert store.stats()["unavailable"] >= 1
+    done = set(completed)
+    with SqlStore.from_url(private_pg.url) as other:
+        for batch in acked:
+            got = other.claim_many(batch, namespace=NS, owner="other")
+            for c in got:
+                if c.key in done:
+                    assert c.outcome is Outcome.DUPLICATE and c.result == c.key, c
+                else:
+                    # Acknowledged to "w" and not completed: still held for "w".
+                    assert c.outcome in (Outcome.IN_PROGRESS, Outcome.DUPLICATE), c
+                    assert c.outcome is Outcome.DUPLICATE or c.token == 1
+        for batch in failed:
+            # Unknown whether the cut-off transaction committed: held for "w" or absent,
+            # never processed.
+            for key in batch:
+                rec = other.get(key, namespace=NS)
+                assert rec is None or (rec.state, rec.owner) == (State.PROCESSING, b"w")
+    store.close()
+
+
+# -- MariaDB and PostgreSQL (shared servers, own table, own connections) ---------------
+
+
+def test_mariadb_over_long_key_is_refused_before_any_sql(tmp_path: Path) -> None:
+    from .test_sql_store import _counting_store
+
+    engine = _engine("mysql", tmp_path)
+    with engine.store() as s:
+        s.init_schema()
+    try:
+        store, conns = _counting_store(engine)
+        del conns[0].statements[:]
+        # 256 two-byte characters fill the VARBINARY(512) column exactly; one more does not.
+        with pytest.raises(ValueError, match=r"514 bytes.*max_key_bytes=512"):
+            store.claim("é" * 257, namespace=NS)
+        with pytest.raises(ValueError, match="max_key_bytes=512"):
+            store.complete_many([("é" * 257, 1)], namespace=NS)
+        assert conns[0].statements == []
+        exact = store.claim("é" * 256, namespace=NS)
+        assert exact.outcome is Outcome.NEW
+        store.complete("é" * 256, exact.token, namespace=NS)
+        # Nothing was truncated: a key that shares the first 510 bytes is another key.
+        assert store.claim("é" * 255 + "e", namespace=NS).outcome is Outcome.NEW
+        assert store.claim("é" * 256, namespace=NS).outcome is Outcome.DUPLICATE
+        rows = engine.execute(f"SELECT LENGTH(`key`) FROM {engine.table} ORDER BY 1")
+        assert [r[0] for r in rows] == [511, 512]
+        with (
+            engine.store(max_key_bytes=64) as small,
+            pytest.raises(ValueError, match="max_key_bytes=64"),
+        ):
+            small.claim(b"k" * 65, namespace=NS)
+        store.close()
+    finally:
+        engine.execute(f"DROP TABLE IF EXISTS {engine.table}")
+
+
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
+def test_completion_survives_a_dropped_connection(
+    name: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Extends test_sql_store's dropped-connection test: the same store retries and wins."""
+    import importlib
+
+    if name == "postgresql":  # the private server: the shared one may be out of connections
+        pg: PrivatePostgres = request.getfixturevalue("private_pg")
+        engine = Engine(name, pg.url, f"dedup_t_{uuid.uuid4().hex[:12]}")
+    else:
+        engine = _engine(name, tmp_path)
+    with engine.store() as s:
+        s.init_schema()
+    sql = importlib.import_module("dedupcore.tiers.sql")
+    _, factory = sql._factory(engine.url, {})
+    conns: list[Any] = []
+
+    def connect() -> Any:
+        conns.append(factory())
+        return conns[-1]
+
+    try:
+        store = SqlStore(connect, table=engine.table)
+        keys = [f"k{i}" for i in range(20)]
+        claims = store.claim_many(keys, namespace=NS)
+        engine.kill(conns[-1])  # dropped between claim and complete
+        try:
+            store.complete_many([(c.key, c.token, "r") for c in claims], namespace=NS)
+        except UnavailableError:
+            # Not applied (the connection was gone before the transaction began):
+            # the same store reconnects and the retried completion goes through.
+            store.complete_many([(c.key, c.token, "r") for c in claims], namespace=NS)
+        assert len(conns) == 2
+        # Dropped after the completion was acknowledged: it is kept.
+        engine.kill(conns[-1])
+        with pytest.raises(UnavailableError):
+            store.claim_many(keys, namespace=NS)
+        again = store.claim_many(keys, namespace=NS)
+        assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
+        with engine.store() as other:
+            assert {other.get(k, namespace=NS).state for k in keys} == {State.PROCESSED}  # type: ignore[union-attr]
+        store.close()
+    finally:
+        engine.execute(f"DROP TABLE IF EXISTS {engine.table}")
