@@ -480,6 +480,16 @@ class SqlEngine:
             for suffix in ("", "-wal", "-shm"):
                 Path(str(self.sqlite_path) + suffix).unlink(missing_ok=True)
             return
+        for attempt in range(30):  # a shared server may be out of connections for a while
+            try:
+                self._drop_tables()
+                return
+            except Exception:
+                if attempt == 29:
+                    raise
+                time.sleep(2.0)
+
+    def _drop_tables(self) -> None:
         self.admin(
             f"DROP TABLE IF EXISTS {self.dc_table}", f"DROP TABLE IF EXISTS {self.peer_table}"
         )
