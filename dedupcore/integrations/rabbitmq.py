@@ -301,6 +301,14 @@ class _Gate:
         key = delivery.key
         if key in self.active:
             return Verdict.RETRY
+        self.active.add(key)
+        try:
+            return self._decide_store(delivery)
+        finally:
+            self.active.discard(key)
+
+    def _decide_store(self, delivery: Delivery) -> Verdict:
+        key = delivery.key
         try:
             c = self.store.claim(key, namespace=self.namespace, lease=self.lease, owner=self.owner)
         except _STORE_ERRORS as exc:
@@ -316,21 +324,17 @@ class _Gate:
             self._before_ack(delivery, c.outcome)
             return Verdict.ACKED
         delivery.claim = c
-        self.active.add(key)
         try:
-            try:
-                self.handler(delivery)
-            except Exception:
-                log.exception("handler failed on key %r; releasing it", key)
-                self._release(key, c.token)
-                return Verdict.FAILED
-            self._complete(key, c.token)
-        finally:
-            self.active.discard(key)
+            self.handler(delivery)
+        except Exception:
+            log.exception("handler failed on key %r; releasing it", key)
+            self._release(key, c.token)
+            return Verdict.FAILED
+        self._complete(key, c.token)
         self._before_ack(delivery, c.outcome)
         return Verdict.ACKED
 
-    def _decide_table(self, delivery: Delivery) -> Verdict:
+    def _decide_table(self, delivery: Delivery, *, hook: bool = True) -> Verdict:
         assert isinstance(self.store, TransactionalTable)
         try:
             self.store.check(delivery.namespace, delivery.key)
@@ -342,7 +346,8 @@ class _Gate:
         except Exception:
             log.exception("handler or dedup transaction failed on %r; rolled back", delivery.key)
             return Verdict.FAILED
-        self._before_ack(delivery, outcome)
+        if hook:
+            self._before_ack(delivery, outcome)
         return Verdict.ACKED
 
     def _before_ack(self, delivery: Delivery, outcome: Outcome) -> None:
@@ -406,10 +411,24 @@ class _AsyncGate(_Gate):
 
     async def adecide(self, delivery: Delivery) -> Verdict:
         if self.table:
-            return await asyncio.to_thread(self._locked_table, delivery)
+            verdict = await asyncio.to_thread(self._locked_table, delivery)
+            if verdict is Verdict.ACKED:
+                assert delivery.outcome is not None
+                await self._abefore_ack(delivery, delivery.outcome)
+            return verdict
         key = delivery.key
         if key in self.active:
             return Verdict.RETRY
+        # Reserved before the claim is sent: a copy of the key arriving while the claim is
+        # in flight must not send one of its own (the same owner would get NEW back).
+        self.active.add(key)
+        try:
+            return await self._adecide_store(delivery)
+        finally:
+            self.active.discard(key)
+
+    async def _adecide_store(self, delivery: Delivery) -> Verdict:
+        key = delivery.key
         try:
             c = await self._call(
                 "claim", key, namespace=self.namespace, lease=self.lease, owner=self.owner
@@ -427,26 +446,22 @@ class _AsyncGate(_Gate):
             await self._abefore_ack(delivery, c.outcome)
             return Verdict.ACKED
         delivery.claim = c
-        self.active.add(key)
         try:
-            try:
-                if self.async_handler:
-                    await self.handler(delivery)
-                else:
-                    self.handler(delivery)
-            except Exception:
-                log.exception("handler failed on key %r; releasing it", key)
-                await self._arelease(key, c.token)
-                return Verdict.FAILED
-            await self._acomplete(key, c.token)
-        finally:
-            self.active.discard(key)
+            if self.async_handler:
+                await self.handler(delivery)
+            else:
+                self.handler(delivery)
+        except Exception:
+            log.exception("handler failed on key %r; releasing it", key)
+            await self._arelease(key, c.token)
+            return Verdict.FAILED
+        await self._acomplete(key, c.token)
         await self._abefore_ack(delivery, c.outcome)
         return Verdict.ACKED
 
     def _locked_table(self, delivery: Delivery) -> Verdict:
         with self._table_lock:
-            return self._decide_table(delivery)
+            return self._decide_table(delivery, hook=False)
 
     async def _call(self, name: str, *args: Any, **kw: Any) -> Any:
         fn = getattr(self.store, name)

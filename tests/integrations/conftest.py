@@ -67,9 +67,9 @@ def channel() -> Iterator[Any]:
     ch = conn.channel()
     queues: list[str] = []
 
-    def declare(name: str | None = None, **arguments: Any) -> str:
+    def declare(name: str | None = None, *, durable: bool = False, **arguments: Any) -> str:
         q = name or uid("dc_q")
-        ch.queue_declare(q, durable=False, auto_delete=False, arguments=arguments or None)
+        ch.queue_declare(q, durable=durable, auto_delete=False, arguments=arguments or None)
         queues.append(q)
         return q
 

@@ -1,0 +1,353 @@
+"""The RabbitMQ wrappers' contract on the real broker (pika and aio-pika), small message counts.
+
+Each test declares its own queues (uuid names, deleted afterwards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from dedupcore.api import Outcome
+from dedupcore.integrations.rabbitmq import (
+    AsyncDedupConsumer,
+    DedupConsumer,
+    Delivery,
+    TransactionalTable,
+    Verdict,
+)
+from dedupcore.record import State
+from tests.integration.conftest import require_server
+
+from .conftest import AMQP_URL, STORE_KINDS, uid
+
+NS = "transfers/ledger"
+PATIENCE = 60.0
+
+
+def body_key(body: bytes, headers: Any) -> Any:
+    return json.loads(body).get("id")
+
+
+def publish(ch: Any, queue: str, body: dict[str, Any] | bytes, **props: Any) -> None:
+    import pika
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    ch.basic_publish("", queue, raw, pika.BasicProperties(**props))
+
+
+def pump(ch: Any, until: Callable[[], bool], timeout: float = PATIENCE) -> None:
+    """Runs the connection's loop until ``until()`` (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        ch.connection.process_data_events(time_limit=0.05)
+
+
+def ready(ch: Any, queue: str) -> int:
+    return int(ch.queue_declare(queue, passive=True).method.message_count)
+
+
+class Recorder:
+    """A handler that records its calls and can fail its first ``fail`` calls."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.calls: list[Delivery] = []
+        self.fail = fail
+
+    def __call__(self, d: Delivery) -> None:
+        self.calls.append(d)
+        if len(self.calls) <= self.fail:
+            raise RuntimeError("handler failure")
+
+    @property
+    def keys(self) -> list[Any]:
+        return [d.key for d in self.calls]
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_new_then_duplicate_acked_without_handler(
+    kind: str, channel: Any, store_factory: Any
+) -> None:
+    store = store_factory(kind)
+    q = channel.declare()
+    handler = Recorder()
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key)
+    consumer.consume(channel, q)
+    for k in ("a", "b", "a", "b", "a"):
+        publish(channel, q, {"id": k})
+    pump(channel, lambda: consumer.counts[Verdict.ACKED] == 5)
+    assert sorted(handler.keys) == ["a", "b"]
+    assert ready(channel, q) == 0
+    for k in ("a", "b"):
+        rec = store.get(k, namespace=NS)
+        assert rec is not None and rec.state is State.PROCESSED
+
+
+def test_in_progress_is_nacked_after_the_delay_and_redelivered(
+    channel: Any, store_factory: Any
+) -> None:
+    store = store_factory("embedded")
+    other = store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
+    assert other.outcome is Outcome.NEW
+    q = channel.declare()
+    handler = Recorder()
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, retry_delay=0.3)
+    seen: list[tuple[float, bool, Verdict]] = []
+    decide = consumer.handle
+
+    def spy(ch: Any, method: Any, props: Any, body: bytes) -> Verdict:
+        v = decide(ch, method, props, body)
+        seen.append((time.monotonic(), bool(method.redelivered), v))
+        return v
+
+    consumer.handle = spy  # type: ignore[method-assign]
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "x"})
+    pump(channel, lambda: len(seen) >= 2)
+    assert [v for _, _, v in seen[:2]] == [Verdict.RETRY, Verdict.RETRY]
+    assert seen[1][1] is True  # requeued by the nack, not a new message
+    assert seen[1][0] - seen[0][0] >= 0.3  # held for the delay before the nack
+    assert handler.calls == []
+    # The other owner finishes: the next redelivery is a DUPLICATE, acked without the handler.
+    store.complete("x", other.token, namespace=NS)
+    pump(channel, lambda: consumer.counts[Verdict.ACKED] == 1)
+    assert handler.calls == []
+    assert ready(channel, q) == 0
+
+
+def test_in_progress_released_elsewhere_then_runs_once(channel: Any, store_factory: Any) -> None:
+    store = store_factory("embedded")
+    other = store.claim("y", namespace=NS, lease=120.0, owner="someone-else")
+    q = channel.declare()
+    handler = Recorder()
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, retry_delay=0.1)
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "y"})
+    pump(channel, lambda: consumer.counts[Verdict.RETRY] >= 1)
+    store.release("y", other.token, namespace=NS)
+    pump(channel, lambda: consumer.counts[Verdict.ACKED] == 1)
+    assert handler.keys == ["y"]
+
+
+def test_handler_failure_releases_and_requeues(channel: Any, store_factory: Any) -> None:
+    store = store_factory("embedded")
+    q = channel.declare()
+    handler = Recorder(fail=2)
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, retry_delay=0.05)
+    states: list[Any] = []
+
+    def after_failure(d: Delivery, outcome: Outcome) -> None:
+        states.append(outcome)
+
+    consumer._gate.before_ack = after_failure
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "f"})
+    pump(channel, lambda: consumer.counts[Verdict.FAILED] >= 1)
+    # Released, not recorded as processed: the key is free for the redelivery.
+    rec = store.get("f", namespace=NS)
+    assert rec is None or rec.state is not State.PROCESSED
+    pump(channel, lambda: consumer.counts[Verdict.ACKED] == 1)
+    assert consumer.counts[Verdict.FAILED] == 2
+    assert handler.keys == ["f", "f", "f"]
+    assert [d.redelivered for d in handler.calls] == [False, True, True]
+    assert states == [Outcome.NEW]
+    rec = store.get("f", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSED
+    assert ready(channel, q) == 0
+
+
+def test_missing_key_and_refused_key_are_dead_lettered(channel: Any, store_factory: Any) -> None:
+    store = store_factory("embedded")
+    dlq = channel.declare()
+    q = channel.declare(**{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    handler = Recorder()
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, key_header="x-id")
+    consumer.consume(channel, q)
+    publish(channel, q, {"nothing": 1})  # no id, no header, no message_id
+    publish(channel, q, b"not json", message_id="m-1")  # the key function raises
+    publish(channel, q, {"id": "k" * 600})  # longer than the store's max_key_bytes
+    publish(channel, q, {}, headers={"x-id": "from-header"})
+    publish(channel, q, {}, message_id="from-message-id")
+    pump(channel, lambda: sum(consumer.counts.values()) == 5)
+    assert consumer.counts[Verdict.INVALID] == 3
+    assert sorted(handler.keys) == ["from-header", "from-message-id"]
+    pump(channel, lambda: ready(channel, dlq) == 3)
+    assert ready(channel, q) == 0
+
+
+def test_failure_without_requeue_goes_to_the_dead_letter_exchange(
+    channel: Any, store_factory: Any
+) -> None:
+    store = store_factory("embedded")
+    dlq = channel.declare()
+    q = channel.declare(**{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    consumer = DedupConsumer(
+        store, Recorder(fail=1), namespace=NS, key=body_key, failure_requeue=False
+    )
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "z"})
+    pump(channel, lambda: ready(channel, dlq) == 1)
+    rec = store.get("z", namespace=NS)
+    assert rec is None or rec.state is not State.PROCESSED
+
+
+def test_quorum_queue_delivery_limit_dead_letters_a_failing_message(
+    channel: Any, store_factory: Any
+) -> None:
+    """The broker counts redeliveries (x-delivery-limit) and dead-letters; the wrapper does not."""
+    store = store_factory("embedded")
+    dlq = channel.declare()
+    q = uid("dc_quorum")
+    channel.declare(
+        q,
+        durable=True,
+        **{
+            "x-queue-type": "quorum",
+            "x-delivery-limit": 2,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": dlq,
+        },
+    )
+    handler = Recorder(fail=10**6)
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, retry_delay=0.05)
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "poison"})
+    pump(channel, lambda: ready(channel, dlq) == 1)
+    assert len(handler.calls) == 3  # the first delivery and two redeliveries
+    rec = store.get("poison", namespace=NS)
+    assert rec is None or rec.state is not State.PROCESSED
+
+
+def test_auto_ack_is_refused(channel: Any, store_factory: Any) -> None:
+    consumer = DedupConsumer(store_factory("embedded"), Recorder(), namespace=NS)
+    with pytest.raises(ValueError, match="auto_ack"):
+        consumer.consume(channel, channel.declare(), auto_ack=True)
+
+
+def test_table_mode_commits_business_writes_with_the_dedup_row(
+    channel: Any, pg: Any, pg_tables: list[str]
+) -> None:
+    ded, biz = uid("dc_ded"), uid("dc_biz")
+    pg_tables += [ded, biz]
+    pg.execute(f"CREATE TABLE {biz} (k text, n int)")
+    pg.commit()
+    q = channel.declare()
+    calls: list[str] = []
+
+    def handler(d: Delivery) -> None:
+        calls.append(str(d.key))
+        assert d.consumption is not None and d.consumption.new
+        d.conn.execute(f"INSERT INTO {biz} VALUES (%s, %s)", (d.key, len(calls)))
+        if d.key == "boom" and calls.count("boom") == 1:
+            raise RuntimeError("rolled back with the dedup row")
+
+    consumer = DedupConsumer(
+        TransactionalTable(pg, table=ded), handler, namespace=NS, key=body_key, retry_delay=0.05
+    )
+    consumer.consume(channel, q)
+    for k in ("a", "a", "boom", "b", "a"):
+        publish(channel, q, {"id": k})
+    pump(channel, lambda: consumer.counts[Verdict.ACKED] == 5)
+    assert sorted(calls) == ["a", "b", "boom", "boom"]
+    rows = pg.execute(f"SELECT k FROM {biz} ORDER BY k").fetchall()
+    pg.commit()
+    assert [r[0] for r in rows] == ["a", "b", "boom"]  # the failed attempt left nothing
+    assert consumer.counts[Verdict.FAILED] == 1
+    assert ready(channel, q) == 0
+
+
+# -- aio-pika --------------------------------------------------------------------------
+
+
+async def _aio_run(
+    store: Any,
+    bodies: list[dict[str, Any] | bytes],
+    handler: Any,
+    until: Callable[[AsyncDedupConsumer], bool],
+    **kw: Any,
+) -> AsyncDedupConsumer:
+    import aio_pika
+
+    conn = await aio_pika.connect_robust(AMQP_URL)
+    try:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=10)
+        q = await ch.declare_queue(f"dc_aio_{uuid.uuid4().hex[:16]}", auto_delete=False)
+        try:
+            consumer = AsyncDedupConsumer(store, handler, namespace=NS, key=body_key, **kw)
+            await consumer.consume(q)
+            for b in bodies:
+                raw = b if isinstance(b, bytes) else json.dumps(b).encode()
+                # aio-pika gives every message a random message_id of its own.
+                await ch.default_exchange.publish(aio_pika.Message(raw), routing_key=q.name)
+            deadline = time.monotonic() + PATIENCE
+            while not until(consumer):
+                assert time.monotonic() < deadline, f"not reached: {consumer.counts}"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
+            declared = await ch.declare_queue(q.name, passive=True)
+            assert declared.declaration_result.message_count == 0
+        finally:
+            await q.delete(if_unused=False, if_empty=False)
+    finally:
+        await conn.close()
+    return consumer
+
+
+def test_aio_pika_concurrent_copies_of_a_key_run_once(store_factory: Any) -> None:
+    """Ten copies of one key arrive at once (prefetch 10): the handler runs once."""
+    require_server("rabbitmq", 5672)
+    store = store_factory("embedded")
+    calls: list[Any] = []
+
+    async def handler(d: Delivery) -> None:
+        calls.append(d.key)
+        await asyncio.sleep(0.2)  # keep the claim while the copies arrive
+
+    consumer = asyncio.run(
+        _aio_run(
+            store,
+            [{"id": "same"}] * 10 + [{"id": "other"}],
+            handler,
+            lambda c: c.counts[Verdict.ACKED] == 11,
+            retry_delay=0.05,
+        )
+    )
+    assert sorted(calls) == ["other", "same"]
+    assert consumer.counts[Verdict.RETRY] >= 1
+
+
+def test_aio_pika_with_the_async_daemon_client_and_failures(store_factory: Any) -> None:
+    require_server("rabbitmq", 5672)
+    from dedupcore import aio
+
+    sync_client = store_factory("daemon")
+    calls: list[Any] = []
+
+    def handler(d: Delivery) -> None:
+        calls.append(d.key)
+        if d.key == "bad" and calls.count("bad") == 1:
+            raise RuntimeError("first attempt fails")
+
+    async def main() -> AsyncDedupConsumer:
+        async with aio.Client(sync_client.path) as client:
+            return await _aio_run(
+                client,
+                [{"id": "a"}, {"id": "bad"}, {"id": "a"}, b"not json"],
+                handler,
+                lambda c: c.counts[Verdict.ACKED] == 3 and c.counts[Verdict.INVALID] == 1,
+                retry_delay=0.05,
+            )
+
+    consumer = asyncio.run(main())
+    assert sorted(calls) == ["a", "bad", "bad"]
+    assert consumer.counts[Verdict.FAILED] == 1
+    rec = sync_client.get("bad", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSED
