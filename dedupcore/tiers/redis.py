@@ -142,6 +142,7 @@ _SAFE_POLICIES = ("noeviction",)
 _SCRIPT_KEYS = 1000
 #: Errors meaning "the server or cluster could not answer" (DC* replies are decisions).
 _DOWN: tuple[type[BaseException], ...] = (RedisError, RedisClusterException)
+_STATS_DOWN: tuple[type[BaseException], ...] = (UnavailableError, *_DOWN)
 _DURABILITY_RANK = {"always": 3, "everysec": 2, "no": 1, "": 0}
 
 
@@ -335,6 +336,10 @@ class RedisStore(ClaimAPI):
         the script, or the slot moved) is sent again; a call that may have
         run (connection lost, timeout) is never re-sent here.
         """
+        # (The client's own retry policy may re-send a call after a timeout; the
+        # scripts are safe to run twice: a claim then finds its own record and
+        # answers IN_PROGRESS, or NEW with the same token to its owner; a
+        # completion is a no-op.)
         out: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         try:
@@ -630,14 +635,19 @@ class RedisStore(ClaimAPI):
         return name[end + 2 :]
 
     def stats(self) -> dict[str, Any]:
-        """The server's persistence and memory settings (every node of a cluster)."""
+        """The server's persistence and memory settings (every node of a cluster).
+
+        A server that cannot answer does not make this raise (it is for
+        metrics): ``unavailable`` then says why.
+        """
         try:
             policies = self._config_all("maxmemory-policy")
-        except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            durability = self.durability()
+        except _STATS_DOWN as exc:
+            return {"cluster": self.cluster, "unavailable": str(exc)}
         unsafe = [p for _, p in policies if p is not None and p not in _SAFE_POLICIES]
         return {
-            "durability": self.durability(),
+            "durability": durability,
             "maxmemory_policy": unsafe[0] if unsafe else (policies[0][1] if policies else None),
             "cluster": self.cluster,
             "servers": len(policies),

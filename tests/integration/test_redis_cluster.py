@@ -150,6 +150,17 @@ def test_settings_are_read_from_every_node(client: Any, cluster: Cluster) -> Non
             n.client().config_set("appendonly", "no")
 
 
+def test_store_from_a_cluster_url(cluster: Cluster, client: Any) -> None:
+    store = RedisStore.from_url(f"redis://127.0.0.1:{cluster.ports[0]}", cluster=True)
+    assert store.cluster and store.stats()["servers"] == 3
+    keys = [f"u{i}" for i in range(100)]
+    assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.NEW}
+    assert {c.outcome for c in RedisStore(client).claim_many(keys, namespace=NS)} == {
+        Outcome.IN_PROGRESS
+    }
+    store.client.close()
+
+
 def test_expiring_scans_every_master(cluster: Cluster, client: Any) -> None:
     store = RedisStore(client, namespaces={"short": Retention(exact_window=3.0)})
     keys = [f"s{i}" for i in range(300)]

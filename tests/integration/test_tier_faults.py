@@ -111,6 +111,7 @@ def _stopped_server_is_unavailable(store: RedisStore) -> None:
     ):
         with pytest.raises(UnavailableError):
             _in_thread(call)
+    assert "unavailable" in _in_thread(store.stats)  # metrics do not raise
 
 
 def test_redis_stopped_without_persistence_loses_what_durability_says(tmp_path: Path) -> None:
