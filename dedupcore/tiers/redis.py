@@ -24,6 +24,11 @@ them (with ``cluster-require-full-coverage yes``, the default, the
 surviving masters refuse every command once the cluster marks the failed
 master down).
 
+**Demotion.** Redis expires a record ``exact_window`` after its last
+change; :meth:`RedisStore.expiring` lists the PROCESSED keys of a namespace
+whose TTL ends soon (``SCAN`` of every master), so that a demoter can copy
+them into the cold archive first.
+
 Durability is Redis's own: :meth:`RedisStore.durability` reads the server's
 persistence settings and says what an acknowledged claim survives. Eviction
 would forget processed keys, so a server whose ``maxmemory-policy`` can

@@ -298,3 +298,30 @@ def test_killed_node_fails_closed_and_the_others_keep_answering(tmp_path: Path) 
         with pytest.raises(UnavailableError):
             store.expiring(NS, within=60)  # a partial scan would let a demoter miss keys
         client.close()
+
+
+def test_cluster_marked_down_fails_closed_everywhere(tmp_path: Path) -> None:
+    # Default cluster-require-full-coverage: once the cluster marks the killed master
+    # failed, the surviving masters refuse every command (CLUSTERDOWN).
+    with redis_cluster(tmp_path, 3, "--cluster-node-timeout", "1000") as cluster:
+        client = cluster.client(socket_timeout=2, socket_connect_timeout=1)
+        store = RedisStore(client)
+        keys = [f"k{i}" for i in range(200)]
+        claims = store.claim_many(keys, namespace=NS)
+        store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+        owner = _owner_ports(cluster, store, keys)
+        victim, survivor = cluster.nodes[0], cluster.nodes[1]
+        victim.kill()
+        probe = survivor.client()
+        deadline = time.monotonic() + 60  # a guard against a hang, not a timing check
+        while probe.execute_command("CLUSTER INFO").get("cluster_state") != "fail":
+            assert time.monotonic() < deadline, "the cluster never marked the node failed"
+            time.sleep(0.1)
+        probe.close()
+        elsewhere = [k for k in keys if owner[k] != victim.port]
+        for k in elsewhere[:10]:
+            with pytest.raises(UnavailableError, match=r"CLUSTERDOWN|ClusterDown"):
+                store.claim(k, namespace=NS)
+        with pytest.raises(UnavailableError):
+            store.claim_many(keys, namespace=NS)
+        client.close()
