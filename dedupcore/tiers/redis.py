@@ -5,16 +5,17 @@ Each key is a Redis hash ``<prefix>:{<namespace>:<bucket>}:<key>`` with fields
 ``o`` (owner), ``f`` (fingerprint), ``d`` (lease deadline, ms of the Redis
 server's clock) and ``r`` (msgpack result). The NX create, the lease, owner,
 token and fingerprint checks and the TTL are one script call per batch (per
-hash-tag bucket), so racing consumers on any number of hosts see exactly one
-NEW per key. Every script checks the whole batch before it writes anything:
-a fingerprint conflict or a stale token changes nothing.
+cluster slot), so racing consumers on any number of hosts see exactly one
+NEW per key. Every script checks all its keys before it writes anything, and
+a batch split over several calls is checked as a whole first: a fingerprint
+conflict or a stale token changes nothing.
 
 **Redis Cluster.** The bucket in the hash tag (``jump_hash`` of the key
 into ``buckets``) puts each key in one of ``buckets`` slots per namespace,
 spread over the cluster's masters. A batch is grouped by slot: one script
-call per slot (at most 1000 keys each), pipelined: one round trip per
-master. On a single server a
-batch is one script call per 1000 keys. Scripts are called by ``EVALSHA``;
+call per slot (at most 1000 keys each), pipelined, so one round trip per
+master. On a single server a batch is one script call per 1000 keys.
+Scripts are called by ``EVALSHA``;
 a server that does not know a script (restarted, failed over, a new node)
 gets it by ``SCRIPT LOAD``, which the cluster client sends to every master.
 Settings are read from every node (``CONFIG GET`` per node). When a master
