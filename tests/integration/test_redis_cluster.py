@@ -182,6 +182,40 @@ def test_expiring_scans_every_master(cluster: Cluster, client: Any) -> None:
     assert store.expiring(NS, within=60) == []  # 7-day window: nothing expires soon
 
 
+def _move_empty_slot(slot: int, src: Any, dst: Any) -> None:
+    dst_id = dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    dst.execute_command("CLUSTER BUMPEPOCH")  # the new owner's claim wins everywhere
+
+
+def test_a_moved_slot_is_followed(cluster: Cluster, client: Any) -> None:
+    store = RedisStore(client)
+    store.claim_many(["warm-up"], namespace=NS)  # the client has read the slot map
+    name = store._names(NS.encode(), [b"m0"])[0]
+    slot = key_slot(name)
+    src_port = cluster.node_of_slot(slot)
+    src_node = next(n for n in cluster.nodes if n.port == src_port)
+    dst_node = next(n for n in cluster.nodes if n.port != src_port)
+    src, dst = src_node.client(), dst_node.client()
+    assert src.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+    src.config_resetstat()
+    _move_empty_slot(slot, src, dst)
+    try:
+        # The client still routes the slot to its old master: MOVED, re-read, sent again.
+        claims = store.claim_many(["m0", "other-1", "other-2"], namespace=NS)
+        assert {c.outcome for c in claims} == {Outcome.NEW}
+        assert "errorstat_MOVED" in src.info("errorstats")
+        assert dst.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 1
+        assert src.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+        assert store.claim("m0", namespace=NS).outcome is Outcome.IN_PROGRESS
+    finally:
+        client.flushall()
+        _move_empty_slot(slot, dst, src)
+        src.close()
+        dst.close()
+
+
 def _race(ports: list[int], keys: list[str], seed: int, start: Any, queue: Any) -> None:
     from redis.cluster import ClusterNode, RedisCluster
 
