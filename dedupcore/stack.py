@@ -128,6 +128,7 @@ class TieredStore(ClaimAPI):
         self._fps: OrderedDict[tuple[bytes, bytes], bytes | None] = OrderedDict()
         self._counts: Counter[str] = Counter()
         self._outcomes: Counter[tuple[str, str]] = Counter()
+        self._seen_namespaces: set[str] = set()  # whose keys sweep() looks for in Redis
         self._cache_down_until = 0.0
         self._closed = False
 
@@ -216,6 +217,7 @@ class TieredStore(ClaimAPI):
         n = len(raw)
         if not n:
             return []
+        self._seen_namespaces.add(namespace)
         hashes = _keys.front_hashes(_keys.digests(ns, raw))
         out: list[Claim | None] = [None] * n
         seen = list(self.front.contains_many(hashes)) if self.front is not None else [True] * n
@@ -366,7 +368,7 @@ class TieredStore(ClaimAPI):
         if purge is not None:
             purge(limit=limit, before_delete=add)
         elif expiring is not None and archive is not None:
-            for namespace in {*self.namespaces, *self._recent_namespaces()}:
+            for namespace in sorted({*self.namespaces, *self._seen_namespaces}):
                 add(namespace, expiring(namespace, 2 * self.sweep_interval, count=limit))
         if archive is not None:
             archive.expire(now_w)
@@ -376,10 +378,6 @@ class TieredStore(ClaimAPI):
     #: How often :meth:`sweep` is expected to run (seconds); Redis keys expiring
     #: within two periods are archived ahead of their expiry.
     sweep_interval = 60.0
-
-    def _recent_namespaces(self) -> set[str]:
-        with self._lock:
-            return {ns.decode() for ns, _ in self._fps}
 
     def stats(self) -> dict[str, Any]:
         """Counters of each tier's calls and answers, and the tiers' own figures."""

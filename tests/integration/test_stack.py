@@ -28,6 +28,7 @@ import redis
 from dedupcore import shard_of
 from dedupcore.api import ClaimAPI, KeyRecord, Outcome
 from dedupcore.client import Client
+from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.stack import ShardedStore, TieredStore, open_store
 from dedupcore.store import DedupStore
@@ -239,6 +240,55 @@ def test_cold_archive_answers_for_keys_the_authority_no_longer_holds(
     again = TieredStore(_pg(pg_table), archive=tmp_path / "cold")
     assert again.claim("old", namespace=NS).exact is False
     again.close()
+
+
+def test_sweep_demotes_a_sql_authority_copy_then_delete(tmp_path: Path) -> None:
+    short = Retention(exact_window=1.0)
+    authority = SqlStore.from_url(f"sqlite:///{tmp_path}/a.db", retention=short)
+    authority.init_schema()
+    store = TieredStore(authority, archive=tmp_path / "cold", retention=short)
+    done = store.claim_many([f"d{i}" for i in range(50)], namespace=NS)
+    store.complete_many([(c.key, c.token) for c in done], namespace=NS)
+    gone = store.claim("released", namespace=NS)
+    store.release("released", gone.token, namespace=NS)
+    time.sleep(1.5)
+    assert store.archive is not None
+
+    def broken(*args: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    real_add = store.archive.add_many
+    store.archive.add_many = broken  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="No space"):
+        store.sweep()
+    assert authority.get("d0", namespace=NS) is not None  # copy failed: nothing deleted
+    store.archive.add_many = real_add  # type: ignore[method-assign]
+    assert store.sweep() == 50
+    assert authority.get("d0", namespace=NS) is None
+    answers = store.claim_many([f"d{i}" for i in range(50)], namespace=NS)
+    assert all(c.outcome is Outcome.DUPLICATE and not c.exact for c in answers)
+    # A released claim's work was never done: it is not archived.
+    assert store.claim("released", namespace=NS).outcome is Outcome.NEW
+    store.close()
+
+
+def test_sweep_archives_redis_keys_before_their_ttl_ends(tmp_path: Path, rdb: redis.Redis) -> None:
+    short = Retention(exact_window=2.0)
+    authority = RedisStore(rdb, retention=short, prefix="sweep")
+    store = TieredStore(authority, archive=tmp_path / "cold", retention=short, front=False)
+    store.sweep_interval = 5.0  # keys expiring within 10 s are archived
+    done = store.claim_many([f"d{i}" for i in range(20)], namespace=NS)
+    store.complete_many([(c.key, c.token) for c in done], namespace=NS)
+    held = store.claim("held", namespace=NS)
+    assert store.sweep() == 20  # the processed keys; a claim in progress is not archived
+    deadline = time.monotonic() + 30
+    while rdb.exists(*(authority._names(NS.encode(), [b"d0"]))):
+        assert time.monotonic() < deadline, "redis did not expire the key"
+        time.sleep(0.2)
+    answers = store.claim_many([f"d{i}" for i in range(20)], namespace=NS)
+    assert all(c.outcome is Outcome.DUPLICATE and not c.exact for c in answers)
+    store.release("held", held.token, namespace=NS)
+    store.close()
 
 
 # -- sharding --------------------------------------------------------------------------
