@@ -238,6 +238,8 @@ class StateMachine:
         if at is not None:
             if self.updated_column is None:
                 raise ValueError("at= needs a StateMachine with updated_column")
+            if isinstance(at, bool) or not isinstance(at, (datetime, int, float)):
+                raise TypeError(f"at must be a datetime or unix seconds, not {type(at).__name__}")
             at_s = _epoch(at)
         if id is None:
             raise ValueError("id must not be None")
