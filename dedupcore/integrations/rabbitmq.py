@@ -326,9 +326,11 @@ class _Gate:
         delivery.claim = c
         try:
             self.handler(delivery)
-        except Exception:
-            log.exception("handler failed on key %r; releasing it", key)
+        except BaseException as exc:
             self._release(key, c.token)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: stop
+                raise
+            log.exception("handler failed on key %r; released it", key)
             return Verdict.FAILED
         self._complete(key, c.token)
         self._before_ack(delivery, c.outcome)
@@ -451,9 +453,12 @@ class _AsyncGate(_Gate):
                 await self.handler(delivery)
             else:
                 self.handler(delivery)
-        except Exception:
-            log.exception("handler failed on key %r; releasing it", key)
-            await self._arelease(key, c.token)
+        except BaseException as exc:
+            # Cancelled, KeyboardInterrupt, SystemExit: released too, then re-raised.
+            await asyncio.shield(self._arelease(key, c.token))
+            if not isinstance(exc, Exception):
+                raise
+            log.exception("handler failed on key %r; released it", key)
             return Verdict.FAILED
         await self._acomplete(key, c.token)
         await self._abefore_ack(delivery, c.outcome)

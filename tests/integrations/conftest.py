@@ -9,6 +9,7 @@ CI=true), through :func:`tests.integration.conftest.require_server`.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,24 @@ REDIS_URL = "redis://127.0.0.1:6379/13"
 STORE_KINDS = ("embedded", "daemon", "sql", "redis")
 
 
+def pg_connect(url: str = PG_URL, *, patience: float = 120.0, **kwargs: Any) -> Any:
+    """``psycopg.connect``, retried while the server is out of connection slots.
+
+    Other test suites share this PostgreSQL; one that holds many connections
+    for a while must not fail these tests.
+    """
+    import psycopg
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return psycopg.connect(url, **kwargs)
+        except psycopg.OperationalError as exc:
+            if "too many clients" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def uid(prefix: str) -> str:
     """A name no other test run uses (an SQL identifier, a queue or stream name)."""
     return f"{prefix}_{uuid.uuid4().hex[:16]}"
@@ -36,9 +55,7 @@ def uid(prefix: str) -> str:
 def pg() -> Iterator[Any]:
     """A psycopg connection to the test database (autocommit off)."""
     require_server("postgresql", 5432)
-    import psycopg
-
-    conn = psycopg.connect(PG_URL)
+    conn = pg_connect()
     yield conn
     conn.close()
 
@@ -50,9 +67,7 @@ def pg_tables() -> Iterator[list[str]]:
     yield names
     if not names:
         return
-    import psycopg
-
-    with psycopg.connect(PG_URL, autocommit=True) as conn:
+    with pg_connect(autocommit=True) as conn:
         for name in names:
             conn.execute(f"DROP TABLE IF EXISTS {name}")
 

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import psycopg
@@ -27,7 +28,7 @@ import psycopg
 
 def main() -> None:
     cfg: dict[str, Any] = json.loads(sys.argv[1])
-    conn = psycopg.connect(cfg["pg_url"])
+    conn = connect(cfg["pg_url"])
     accounts, changelog = cfg["accounts"], cfg["changelog"]
     kill_every = int(cfg.get("kill_every") or 0)
     applied = 0
@@ -54,6 +55,18 @@ def main() -> None:
         run_rabbitmq(cfg, conn, apply, committed)
     else:
         asyncio.run(run_nats(cfg, conn, apply, committed))
+
+
+def connect(url: str) -> Any:
+    """A PostgreSQL connection, retried while the server is out of connection slots."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return psycopg.connect(url)
+        except psycopg.OperationalError as exc:
+            if "too many clients" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def transfer_key(body: bytes, headers: Any) -> str:

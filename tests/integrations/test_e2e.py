@@ -44,7 +44,7 @@ import pytest
 from dedupcore.patterns.table import ensure_table
 from tests.integration.conftest import require_server
 
-from .conftest import AMQP_URL, NATS_URL, PG_URL, uid
+from .conftest import AMQP_URL, NATS_URL, PG_URL, pg_connect, uid
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = Path(__file__).with_name("e2e_consumer.py")
@@ -110,24 +110,24 @@ class Business:
     """The business tables of one run in PostgreSQL (accounts, change log, dedup table)."""
 
     def __init__(self) -> None:
-        import psycopg
-
         u = uid("e2e")
         self.accounts, self.changelog, self.dedup = f"{u}_acct", f"{u}_chg", f"{u}_ded"
-        self.conn = psycopg.connect(PG_URL, autocommit=True)
+        self.conn = pg_connect(autocommit=True)
         self.conn.execute(
             f"CREATE TABLE {self.accounts} (id int PRIMARY KEY, balance bigint NOT NULL)"
         )
         self.conn.execute(
             f"CREATE TABLE {self.changelog} (id bigserial PRIMARY KEY, transfer_id text NOT NULL,"
-            " account int NOT NULL, amount bigint NOT NULL, pid int NOT NULL)"
+            " account int NOT NULL, amount bigint NOT NULL, pid int NOT NULL,"
+            " txid bigint NOT NULL DEFAULT txid_current(),"
+            " at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
         with self.conn.cursor() as cur:
             cur.executemany(
                 f"INSERT INTO {self.accounts} (id, balance) VALUES (%s, 0)",
                 [(i,) for i in range(ACCOUNTS)],
             )
-        with psycopg.connect(PG_URL) as c:
+        with pg_connect() as c:
             ensure_table(c, table=self.dedup)
 
     def applied(self) -> tuple[int, int]:

@@ -351,3 +351,22 @@ def test_aio_pika_with_the_async_daemon_client_and_failures(store_factory: Any) 
     assert consumer.counts[Verdict.FAILED] == 1
     rec = sync_client.get("bad", namespace=NS)
     assert rec is not None and rec.state is State.PROCESSED
+
+
+def test_interrupted_handler_releases_then_propagates(store_factory: Any) -> None:
+    """A KeyboardInterrupt in the handler gives the key back before it stops the consumer."""
+    from types import SimpleNamespace
+
+    store = store_factory("embedded")
+
+    def handler(d: Delivery) -> None:
+        raise KeyboardInterrupt
+
+    consumer = DedupConsumer(store, handler, namespace=NS, key=body_key)
+    method = SimpleNamespace(delivery_tag=1, redelivered=False)
+    props = SimpleNamespace(headers=None, message_id=None)
+    with pytest.raises(KeyboardInterrupt):
+        consumer.handle(object(), method, props, b'{"id": "k"}')
+    rec = store.get("k", namespace=NS)
+    assert rec is None or rec.state is not State.PROCESSING
+    assert store.claim("k", namespace=NS, owner="next").outcome is Outcome.NEW
