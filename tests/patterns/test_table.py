@@ -104,36 +104,39 @@ def test_unserializable_result_rolls_back(db: DB) -> None:
         assert c.outcome is Outcome.DUPLICATE and c.result is None
 
 
-@pytest.mark.parametrize("front_kind", ["bloom", "ring", "set"])
-def test_front_filter_skips_the_select_for_fresh_keys(db: DB, front_kind: str) -> None:
+def _fronts(engine: str) -> dict[str, Any]:
+    fronts: dict[str, Any] = {"bloom": BloomFilter(10_000, 0.001)}
+    if engine == "sqlite":  # the front logic is the same on every engine
+        fronts["ring"] = BloomRing(window=3600, slice_seconds=600, slice_capacity=10_000)
+        fronts["set"] = set()
+    return fronts
+
+
+def test_front_filter_skips_the_select_for_fresh_keys(db: DB) -> None:
     conn = db.connect()
     table = _dedup(db, conn)
-    front: Any = {
-        "bloom": lambda: BloomFilter(10_000, 0.001),
-        "ring": lambda: BloomRing(window=3600, slice_seconds=600, slice_capacity=10_000),
-        "set": set,
-    }[front_kind]()
-    before = stats()
-    for i in range(50):
-        with consume(conn, NS, f"fresh-{i}", table=table, front=front) as c:
-            assert c.new
-            assert c.statements == ["insert"]  # no SELECT for a key the front never saw
-    after = stats()
-    assert after.get("select", 0) - before.get("select", 0) == 0
-    # Known keys: the front says "maybe", one SELECT answers, no failed insert.
-    for i in range(50):
-        with consume(conn, NS, f"fresh-{i}", table=table, front=front) as c:
-            assert c.outcome is Outcome.DUPLICATE
-            assert c.statements == ["select"]
+    fronts = _fronts(db.engine)
+    for kind, front in fronts.items():
+        before = stats()
+        for i in range(20):
+            with consume(conn, NS, f"{kind}-{i}", table=table, front=front) as c:
+                assert c.new
+                assert c.statements == ["insert"]  # no SELECT for a key the front never saw
+        assert stats().get("select", 0) - before.get("select", 0) == 0
+        # Known keys: the front says "maybe", one SELECT answers, no failed insert.
+        for i in range(20):
+            with consume(conn, NS, f"{kind}-{i}", table=table, front=front) as c:
+                assert c.outcome is Outcome.DUPLICATE
+                assert c.statements == ["select"]
     # Without a front: straight to the insert; a duplicate costs the insert and a read.
-    with consume(conn, NS, "fresh-0", table=table) as c:
+    with consume(conn, NS, "bloom-0", table=table) as c:
         assert c.outcome is Outcome.DUPLICATE and c.statements == ["insert", "select"]
     # A front positive that is not in the table (another consumer's front, a false positive):
     # the SELECT finds nothing and the insert decides.
     front2: Any = {_front_key("absent")}
     with consume(conn, NS, "absent", table=table, front=front2) as c:
         assert c.new and c.statements == ["select", "insert"]
-    assert db.count(table) == 51
+    assert db.count(table) == 20 * len(fronts) + 1
 
 
 def _front_key(key: str) -> bytes:

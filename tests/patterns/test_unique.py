@@ -94,7 +94,8 @@ def test_only_the_business_key_is_a_duplicate(anydb: DB) -> None:
     assert anydb.count(table) == 1
 
 
-def test_setup_errors(anydb: DB) -> None:
+def test_setup_errors(db: DB) -> None:
+    anydb = db
     plain = anydb.create("plain", "id INT NOT NULL, code VARCHAR(10)")
     partial = anydb.create("wide", "a INT NOT NULL, b INT NOT NULL, UNIQUE (a, b)")
     conn = anydb.connect()
@@ -113,7 +114,8 @@ def test_setup_errors(anydb: DB) -> None:
     assert anydb.count(plain) == 0
 
 
-def test_bad_input(anydb: DB) -> None:
+def test_bad_input(db: DB) -> None:
+    anydb = db
     table = _payments(anydb)
     conn = anydb.connect()
     row = {"id": 1, "code": "a", "amount": 5}
