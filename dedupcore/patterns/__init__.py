@@ -12,16 +12,30 @@
 
 from dedupcore.patterns.state import StateMachine, Transition, TransitionOutcome
 from dedupcore.patterns.table import Consumption, consume, ensure_table
+from dedupcore.patterns.tokens import (
+    ExpiredTokenError,
+    InvalidTokenError,
+    Tokens,
+    UnstoredResultError,
+    issue_token,
+    redeem,
+)
 from dedupcore.patterns.unique import SchemaError, insert_once, is_unique_violation
 
 __all__ = [
     "Consumption",
+    "ExpiredTokenError",
+    "InvalidTokenError",
     "SchemaError",
     "StateMachine",
+    "Tokens",
     "Transition",
     "TransitionOutcome",
+    "UnstoredResultError",
     "consume",
     "ensure_table",
     "insert_once",
     "is_unique_violation",
+    "issue_token",
+    "redeem",
 ]
