@@ -63,6 +63,8 @@ T = TypeVar("T")
 #: NEW claims whose fingerprint this process remembers until they are completed.
 _MAX_REMEMBERED = 1_000_000
 _MISSING = object()
+#: Purge calls per sweep at most (a backlog is worked off over several sweeps).
+_MAX_PURGE_ROUNDS = 100
 
 
 class TieredStore(ClaimAPI):
@@ -366,7 +368,10 @@ class TieredStore(ClaimAPI):
         purge = getattr(self.authority, "purge", None)
         expiring = getattr(self.authority, "expiring", None)
         if purge is not None:
-            purge(limit=limit, before_delete=add)
+            # Each call deletes at most ``limit`` rows per retention policy.
+            for _ in range(_MAX_PURGE_ROUNDS):
+                if purge(limit=limit, before_delete=add) < limit:
+                    break
         elif expiring is not None and archive is not None:
             for namespace in sorted({*self.namespaces, *self._seen_namespaces}):
                 add(namespace, expiring(namespace, 2 * self.sweep_interval, count=limit))

@@ -64,7 +64,7 @@ from typing import Any
 
 from dedupcore.api import Outcome
 from dedupcore.errors import DedupError
-from dedupcore.tiers.sql import _detect
+from dedupcore.tiers.sql import detect_dialect
 
 __all__ = ["SchemaError", "forget_schema", "insert_once", "is_unique_violation"]
 
@@ -153,7 +153,7 @@ class Conn:
             self.raw: Any = conn.connection.dbapi_connection
         else:
             self.raw = conn
-        self.dialect = _detect(self.raw)
+        self.dialect = detect_dialect(self.raw)
         self.ph = "?" if self.dialect == "sqlite" else "%s"
 
     @property

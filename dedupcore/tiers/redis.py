@@ -2,8 +2,9 @@
 
 Each key is a Redis hash ``<prefix>:{<namespace>:<bucket>}:<key>`` with fields
 ``s`` (state: 1 PROCESSING, 2 PROCESSED, 3 RELEASED), ``t`` (fencing token),
-``o`` (owner), ``f`` (fingerprint), ``d`` (lease deadline, ms of the Redis
-server's clock) and ``r`` (msgpack result). The NX create, the lease, owner,
+``o`` (owner), ``f`` (fingerprint), ``d`` (lease deadline), ``c`` and ``u``
+(created and last changed; all three in ms of the Redis server's clock) and
+``r`` (msgpack result). The NX create, the lease, owner,
 token and fingerprint checks and the TTL are one script call per batch (per
 cluster slot), so racing consumers on any number of hosts see exactly one
 NEW per key. Every script checks all its keys before it writes anything, and
@@ -96,19 +97,20 @@ for i, k in ipairs(KEYS) do
   local s = r[1]
   if (not s) or s == '3' then
     local token = (tonumber(r[2]) or 0) + 1
-    redis.call('HSET', k, 's', '1', 't', token, 'o', owner, 'f', fp, 'd', now + lease, 'r', '')
+    redis.call('HSET', k, 's', '1', 't', token, 'o', owner, 'f', fp, 'd', now + lease, 'r', '',
+               'c', now, 'u', now)
     redis.call('PEXPIRE', k, ttl)
     out[i] = {0, token, false}
   elseif s == '2' then
     out[i] = {1, tonumber(r[2]), r[5]}
   elseif owner ~= '' and r[3] == owner then
-    redis.call('HSET', k, 'd', now + lease)
+    redis.call('HSET', k, 'd', now + lease, 'u', now)
     out[i] = {0, tonumber(r[2]), false}
   elseif tonumber(r[4]) > now then
     out[i] = {2, tonumber(r[2]), false}
   else
     local token = tonumber(r[2]) + 1
-    redis.call('HSET', k, 't', token, 'o', owner, 'd', now + lease)
+    redis.call('HSET', k, 't', token, 'o', owner, 'd', now + lease, 'u', now)
     redis.call('PEXPIRE', k, ttl)
     out[i] = {3, token, false}
   end
@@ -118,6 +120,8 @@ return out
 
 # ARGV: ttl_ms, new_state ('2' complete / '3' release), then token, result per key.
 _CHANGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 local state = ARGV[2]
 for i, k in ipairs(KEYS) do
@@ -136,7 +140,7 @@ end
 for i, k in ipairs(KEYS) do
   local r = redis.call('HGET', k, 's')
   if r == '1' then
-    redis.call('HSET', k, 's', state, 'r', ARGV[2 + 2 * i])
+    redis.call('HSET', k, 's', state, 'r', ARGV[2 + 2 * i], 'u', now)
     redis.call('PEXPIRE', k, ttl)
   end
 end
@@ -562,7 +566,7 @@ class RedisStore(ClaimAPI):
         ns = _keys.check_namespace(namespace)
         name = self._names(ns, [_keys.check_key(key, self.max_key_bytes)])[0]
         try:
-            s, t, o, f, r = self.client.hmget(name, "s", "t", "o", "f", "r")
+            s, t, o, f, r, c, u = self.client.hmget(name, "s", "t", "o", "f", "r", "c", "u")
         except _DOWN as exc:
             raise _unavailable(exc) from exc
         if s is None:
@@ -573,8 +577,8 @@ class RedisStore(ClaimAPI):
             o or None,
             f or None,
             unpack_result(r),
-            0.0,
-            0.0,
+            int(c or 0) / 1000.0,  # ms of the Redis server's clock
+            int(u or 0) / 1000.0,
         )
 
     # -- demotion ----------------------------------------------------------------

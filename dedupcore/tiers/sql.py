@@ -120,7 +120,7 @@ from dedupcore.config import Retention, check_lease
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 
-__all__ = ["SqlStore"]
+__all__ = ["SqlStore", "detect_dialect"]
 
 log = logging.getLogger("dedupcore")
 
@@ -696,7 +696,8 @@ _DIALECTS: dict[str, type[_Dialect]] = {
 }
 
 
-def _detect(conn: Any) -> str:
+def detect_dialect(conn: Any) -> str:
+    """``"postgresql"``, ``"mysql"`` or ``"sqlite"`` from a DB-API connection's driver."""
     module = type(conn).__module__.split(".")[0]
     found = {"psycopg": "postgresql", "pymysql": "mysql", "sqlite3": "sqlite"}.get(module)
     if found is None:
@@ -881,7 +882,7 @@ class SqlStore(ClaimAPI):
             raise UnavailableError(f"cannot connect to the SQL authority: {exc}") from exc
         if self._dialect is None:
             try:
-                name = _detect(conn)
+                name = detect_dialect(conn)
             except ValueError:
                 self._close(conn)
                 raise

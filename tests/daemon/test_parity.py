@@ -1,8 +1,11 @@
-"""One suite of claim-API semantics, run against an embedded DedupStore and a daemon Client.
+"""One suite of claim-API semantics, run against every front end and every store stack.
 
-Every test takes ``api``: the same assertions must hold for the store in
-this process and for :class:`dedupcore.Client` talking to ``dedupcore serve``
-(a real subprocess), including the exception classes. The daemon is shared
+Every test takes ``api``: the same assertions must hold for the embedded
+store in this process, for :class:`dedupcore.Client` talking to ``dedupcore
+serve`` (a real subprocess), for Redis and each SQL engine as the authority
+(the machine's real servers), for a stack with a front filter, a Redis cache
+and a cold archive over PostgreSQL, and for a store sharded over Redis and
+SQLite — including the exception classes. Servers and the daemon are shared
 by the module; each test works in a namespace of its own.
 """
 
@@ -10,17 +13,25 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from dedupcore.api import ClaimAPI, InProgressError, Outcome
 from dedupcore.client import Client
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
+from dedupcore.stack import ShardedStore, TieredStore
 from dedupcore.store import DedupStore
+from dedupcore.tiers.cache import RedisCache
+from dedupcore.tiers.redis import RedisStore
+from dedupcore.tiers.sql import SqlStore
+from tests.integration.conftest import require_server
+from tests.integration.test_sql_store import MY_URL, PG_URL
 
 from .conftest import Daemon
 
@@ -39,9 +50,70 @@ def client(daemon: Daemon) -> Iterator[Client]:
     c.close()
 
 
-@pytest.fixture(params=["store", "client"])
+@pytest.fixture(scope="module")
+def redis_store() -> Iterator[ClaimAPI]:
+    require_server("redis", 6379)
+    client = redis.Redis(host="127.0.0.1", port=6379, db=14)
+    s = RedisStore(client, prefix=f"parity{uuid.uuid4().hex[:8]}")
+    yield s
+    for name in client.scan_iter(match=s.prefix + b":*", count=1000):
+        client.delete(name)
+    s.close()
+
+
+def _sql(url: str, tmp: Path) -> Iterator[SqlStore]:
+    table = f"parity_{uuid.uuid4().hex[:10]}"
+    s = SqlStore.from_url(url.format(tmp=tmp), table=table)
+    s.init_schema()
+    yield s
+    s._drop()
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def sql_postgresql(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqlStore]:
+    require_server("postgresql", 5432)
+    yield from _sql(PG_URL, tmp_path_factory.mktemp("pg"))
+
+
+@pytest.fixture(scope="module")
+def sql_mysql(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqlStore]:
+    require_server("mariadb", 3306)
+    yield from _sql(MY_URL, tmp_path_factory.mktemp("my"))
+
+
+@pytest.fixture(scope="module")
+def sql_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqlStore]:
+    yield from _sql("sqlite:///{tmp}/parity.db", tmp_path_factory.mktemp("sqlite"))
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TieredStore]:
+    """Front filter + Redis cache + cold archive over PostgreSQL."""
+    require_server("redis", 6379)
+    require_server("postgresql", 5432)
+    tmp = tmp_path_factory.mktemp("tiered")
+    authority = next(_sql(PG_URL, tmp))
+    cache = RedisCache(redis.Redis(host="127.0.0.1", port=6379, db=14), prefix="paritycache")
+    s = TieredStore(authority, cache=cache, archive=tmp / "cold")
+    yield s
+    authority._drop()
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def sharded(redis_store: RedisStore, tmp_path_factory: pytest.TempPathFactory) -> ShardedStore:
+    """Keys routed over Redis and SQLite by jump hash (the shards are closed by their fixtures)."""
+    sqlite = next(_sql("sqlite:///{tmp}/shard.db", tmp_path_factory.mktemp("shard")))
+    return ShardedStore([redis_store, sqlite])
+
+
+SERVER_APIS = ["redis_store", "sql_postgresql", "sql_mysql", "sql_sqlite", "tiered", "sharded"]
+
+
+@pytest.fixture(params=["store", "client", *SERVER_APIS])
 def api(request: pytest.FixtureRequest) -> ClaimAPI:
-    """The embedded store or a client of a running daemon."""
+    """The embedded store, a daemon client, or one of the store stacks."""
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 
@@ -243,6 +315,11 @@ def test_complete_many_and_release_many(api: ClaimAPI, ns: str) -> None:
     api.release_many([], namespace=ns)
 
 
+# A sharded batch is not atomic across shards (ShardedStore's docstring);
+# tests/integration/test_stack.py checks what it does instead.
+@pytest.mark.parametrize(
+    "api", ["store", "client", *(a for a in SERVER_APIS if a != "sharded")], indirect=True
+)
 def test_a_stale_token_in_a_batch_changes_nothing(api: ClaimAPI, ns: str) -> None:
     a, b = api.claim_many(["a", "b"], namespace=ns)
     with pytest.raises(StaleTokenError):
@@ -318,6 +395,18 @@ def test_processing_completes_on_success_and_releases_on_error(api: ClaimAPI, ns
     assert api.claim("fails", namespace=ns).outcome is Outcome.NEW
 
 
+def test_processing_with_an_unstorable_result_completes_without_it(api: ClaimAPI, ns: str) -> None:
+    # The work ran: a redelivery must not run it again because its result
+    # could not be stored.
+    with pytest.raises(TypeError), api.processing("obj", namespace=ns) as c:
+        c.result = object()
+    with pytest.raises(ValueError), api.processing("big", namespace=ns) as c:
+        c.result = b"x" * (1 << 20)
+    for key in ("obj", "big"):
+        dup = api.claim(key, namespace=ns)
+        assert dup.outcome is Outcome.DUPLICATE and dup.result is None
+
+
 def test_processing_yields_duplicates_and_busy_keys_without_changing_them(
     api: ClaimAPI, ns: str
 ) -> None:
@@ -373,6 +462,8 @@ def test_idempotent_decorator_runs_once(api: ClaimAPI, ns: str) -> None:
     assert calls == ["t1", "t2", "t2"]
 
 
+# RedisStore and SqlStore count outcomes per store, not per namespace.
+@pytest.mark.parametrize("api", ["store", "client", "tiered", "sharded"], indirect=True)
 def test_stats_count_outcomes_per_namespace(api: ClaimAPI, ns: str) -> None:
     api.claim_many(["a", "b", "a"], namespace=ns)
     c = api.claim("c", namespace=ns)
