@@ -5,6 +5,7 @@ from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomFilter, BloomRing
 from dedupcore.client import Client
 from dedupcore.config import Retention, StoreConfig
+from dedupcore.stack import ShardedStore, TieredStore, open_store
 from dedupcore.store import DedupStore
 
 __all__ = [
@@ -17,8 +18,11 @@ __all__ = [
     "KeyRecord",
     "Outcome",
     "Retention",
+    "ShardedStore",
     "StoreConfig",
+    "TieredStore",
     "hash64",
+    "open_store",
     "shard_many",
     "shard_of",
 ]

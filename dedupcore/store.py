@@ -182,6 +182,11 @@ class DedupStore(ClaimAPI):
         another process gets :class:`StoreLockedError` (share it through
         ``dedupcore serve``) but may open it with ``readonly=True``.
         """
+        if isinstance(path, str) and "://" in path:
+            raise ValueError(
+                f"{path!r} is a URL: DedupStore.open takes a data directory; open a Redis or "
+                "SQL authority (and stacks, shards) with dedupcore.open_store(url)"
+            )
         if config is None:
             config = StoreConfig(**settings)
         elif settings:

@@ -445,6 +445,11 @@ def test_open_store_bad_targets(target: Any, error: type[Exception], match: str)
         open_store(target)
 
 
+def test_dedupstore_open_points_urls_to_open_store() -> None:
+    with pytest.raises(ValueError, match="dedupcore.open_store"):
+        DedupStore.open("postgresql://postgres@127.0.0.1/test")
+
+
 def test_open_store_unreachable_authority_is_unavailable() -> None:
     with pytest.raises(UnavailableError):
         open_store(f"redis://127.0.0.1:{free_port()}/0")
