@@ -122,6 +122,7 @@ def store_factory(tmp_path: Path, pg_tables: list[str]) -> Iterator[Any]:
             table = uid("dc_claims")
             pg_tables.append(table)
             s = SqlStore.from_url(PG_URL, table=table)
+            s.init_schema()
         elif kind == "redis":
             require_server("redis", 6379)
             import redis
