@@ -149,6 +149,22 @@ class Business:
         ).fetchall()
         return {str(t): int(n) for t, n in rows}
 
+    def explain(self, transfer_ids: list[str]) -> str:
+        """Change-log rows (process, transaction, time) and dedup row of each transfer."""
+        out = []
+        for tid in transfer_ids:
+            rows = self.conn.execute(
+                f"SELECT pid, txid, at FROM {self.changelog} WHERE transfer_id = %s ORDER BY id",
+                (tid,),
+            ).fetchall()
+            ded = self.conn.execute(
+                f"SELECT namespace, xmin::text, created FROM {self.dedup}"
+                " WHERE \"key\" = convert_to(%s, 'UTF8')",
+                (tid,),
+            ).fetchall()
+            out.append(f"{tid}: change log (pid, txid, at) {rows}; dedup rows (ns, xmin) {ded}")
+        return "\n".join(out)
+
     def drop(self) -> None:
         if os.environ.get("E2E_KEEP"):
             print(f"kept tables {self.accounts} {self.changelog} {self.dedup}")
@@ -308,7 +324,10 @@ def check_exactly_once(business: Business, transfers: Transfers) -> None:
     counts = business.rows_per_transfer()
     assert set(counts) == set(transfers.unique), "change log misses or invents transfers"
     twice = {t: n for t, n in counts.items() if n != 1}
-    assert not twice, f"{len(twice)} transfers applied more than once, e.g. {list(twice)[:5]}"
+    assert not twice, (
+        f"{len(twice)} transfers applied more than once; the first ones:\n"
+        + business.explain(sorted(twice)[:5])
+    )
     assert business.balances() == transfers.expected_balances()
 
 
