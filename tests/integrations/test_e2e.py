@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,10 @@ CONSUMER = Path(__file__).with_name("e2e_consumer.py")
 MESSAGES = int(os.environ.get("E2E_MESSAGES", "10000"))
 RETRY_FRACTION = float(os.environ.get("E2E_RETRY_FRACTION", "0.2"))
 CONSUMERS = int(os.environ.get("E2E_CONSUMERS", "3"))
-KILL_EVERY = int(os.environ.get("E2E_KILL_EVERY", "397"))
-CHAOS_MIN, CHAOS_MAX = 200, 500  # applied transfers between two chaos kills
+# Smaller runs (E2E_MESSAGES) kill more often, so that every run has kills of both kinds.
+KILL_EVERY = int(os.environ.get("E2E_KILL_EVERY", str(max(5, min(397, MESSAGES // 10)))))
+# Applied transfers between two chaos kills: "every few hundred messages".
+CHAOS_MIN, CHAOS_MAX = max(5, min(200, MESSAGES // 20)), max(10, min(500, MESSAGES // 8))
 ACCOUNTS = 50
 #: Bound for a whole run on a loaded machine; only a hang reaches it.
 DEADLINE = float(os.environ.get("E2E_DEADLINE", "600"))
@@ -104,7 +106,6 @@ class Figures:
     changelog_rows: int = 0
     duplicate_rows: int = 0
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 class Business:
