@@ -10,8 +10,10 @@ contract to every delivery:
 1. **Key.** ``key(body, headers)`` (a business id from the body), else the
    header named ``key_header``, else the AMQP ``message_id`` property. A
    business id is preferred: a producer that retries publishes a new message
-   with the same business id. A returned ``int`` is used as its decimal
-   string. A message without a key (or whose key the store refuses as too
+   with the same business id (aio-pika also gives every published message a
+   random ``message_id`` of its own, so that fallback then dedups
+   redeliveries only, never re-sends). A returned ``int`` is used as its
+   decimal string. A message without a key (or whose key the store refuses as too
    long or of the wrong type) is ``basic_reject(requeue=False)``-ed: the
    queue's dead-letter exchange receives it if one is configured, otherwise
    RabbitMQ drops it; it is logged either way.
