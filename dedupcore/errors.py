@@ -30,3 +30,7 @@ class CorruptFileError(DedupError, ValueError):
 
 class UnsupportedFormatError(CorruptFileError):
     """A file was written by a newer format version than this dedupcore reads."""
+
+
+class SchemaError(DedupError, LookupError):
+    """A table is missing, or lacks the columns or unique index a dedup pattern needs."""

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedupcore.api import Outcome
-from dedupcore.errors import DedupError
+from dedupcore.errors import SchemaError
 from dedupcore.tiers.sql import detect_dialect
 
 __all__ = ["SchemaError", "forget_schema", "insert_once", "is_unique_violation"]
@@ -77,10 +77,6 @@ _SQLITE_CONSTRAINT_UNIQUE = 2067
 # MariaDB/MySQL: ER_DUP_ENTRY and ER_DUP_ENTRY_WITH_KEY_NAME.
 _MYSQL_DUP_ENTRY = (1062, 1586)
 _MYSQL_DUP_KEY_RE = re.compile(r"for key '(.*)'\Z", re.S)
-
-
-class SchemaError(DedupError, LookupError):
-    """The table is missing, or lacks a column or the unique constraint a pattern needs."""
 
 
 def check_identifier(name: object, what: str) -> str:

@@ -117,7 +117,7 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 
 __all__ = ["SqlStore", "detect_dialect"]
@@ -185,6 +185,9 @@ class _Dialect:
         raise NotImplementedError
 
     def is_transient(self, exc: BaseException) -> bool:
+        return False
+
+    def is_missing_table(self, exc: BaseException) -> bool:
         return False
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
@@ -366,6 +369,11 @@ class _Postgres(_Dialect):
 
         return (psycopg.Error,)
 
+    def is_missing_table(self, exc: BaseException) -> bool:
+        import psycopg.errors
+
+        return isinstance(exc, psycopg.errors.UndefinedTable)
+
     def is_transient(self, exc: BaseException) -> bool:
         import psycopg.errors
 
@@ -483,6 +491,10 @@ class _MySQL(_Dialect):
         import pymysql
 
         return (pymysql.err.Error,)
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        args: tuple[Any, ...] = exc.args
+        return bool(args) and args[0] == 1146  # ER_NO_SUCH_TABLE
 
     def is_transient(self, exc: BaseException) -> bool:
         # 1213 deadlock, 1205 lock wait timeout (we roll the whole transaction back).
@@ -606,6 +618,9 @@ class _SQLite(_Dialect):
         import sqlite3
 
         return (sqlite3.Error,)
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return "no such table" in str(exc)
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
         import sqlite3
@@ -946,6 +961,11 @@ class SqlStore(ClaimAPI):
                         self._drop()
                     else:
                         self._rollback(conn)
+                    if not broken and d.is_missing_table(exc):
+                        raise SchemaError(
+                            f"the dedup table {self.table!r} does not exist on {d.name}: "
+                            "create it with `dedupcore sql init --url ...` or init_schema()"
+                        ) from exc
                     if broken or attempt >= self.retries or not d.is_transient(exc):
                         self._counts["unavailable"] += 1
                         what = "connection lost" if broken else "error"

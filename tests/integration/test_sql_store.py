@@ -22,7 +22,7 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.config import Retention
-from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 from dedupcore.tiers.sql import SqlStore
 
@@ -534,11 +534,6 @@ def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
             SqlStore.from_url(url, connect_args=args)
 
 
-def test_missing_table_is_unavailable_never_new(engine: Engine) -> None:
-    with engine.store(table="no_such_table_here") as store, pytest.raises(UnavailableError):
-        store.claim("k", namespace=NS)
-
-
 # -- faults -------------------------------------------------------------------------
 
 
@@ -619,3 +614,15 @@ def test_processes_racing_on_the_same_keys_get_one_new_each(engine: Engine) -> N
     assert set(winners) == set(keys)
     with engine.store() as store:
         assert all(c.token == 1 for c in store.claim_many(keys, namespace=NS))
+
+
+def test_missing_table_is_a_setup_error_not_unavailability(engine: Engine) -> None:
+    with SqlStore.from_url(engine.url, table=f"{engine.table}_absent") as store:
+        for call in (
+            lambda: store.claim("k", namespace=NS),
+            lambda: store.complete("k", 1, namespace=NS),
+            lambda: store.get("k", namespace=NS),
+        ):
+            with pytest.raises(SchemaError, match="dedupcore sql init"):
+                call()
+        assert store.stats().get("unavailable", 0) == 0

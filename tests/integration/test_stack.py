@@ -446,7 +446,7 @@ def test_open_store_bad_targets(target: Any, error: type[Exception], match: str)
 
 
 def test_dedupstore_open_points_urls_to_open_store() -> None:
-    with pytest.raises(ValueError, match="dedupcore.open_store"):
+    with pytest.raises(ValueError, match=r"dedupcore\.open_store"):
         DedupStore.open("postgresql://postgres@127.0.0.1/test")
 
 
