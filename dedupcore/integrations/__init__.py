@@ -1,8 +1,7 @@
 """Broker integrations: consumer wrappers that claim before the handler and ack after it.
 
 - :mod:`dedupcore.integrations.rabbitmq` - ``DedupConsumer`` (pika) and
-  ``AsyncDedupConsumer`` (aio-pika); also the pieces the others share:
-  ``Delivery``, ``TransactionalTable``, ``derive_key``, ``MissingKeyError``.
+  ``AsyncDedupConsumer`` (aio-pika).
 - :mod:`dedupcore.integrations.nats` - NATS JetStream pull consumers
   (:class:`~dedupcore.integrations.nats.JetStreamConsumer`).
 - :mod:`dedupcore.integrations.kafka` - a confluent-kafka consumer loop
@@ -35,4 +34,18 @@ store unavailable   as IN_PROGRESS: never run the handler on an undecided claim
 Giving up on a message after N failed deliveries is the broker's job:
 RabbitMQ quorum queues with ``x-delivery-limit`` and a dead-letter exchange,
 JetStream ``max_deliver`` with its MAX_DELIVERIES advisory.
+
+The pieces every wrapper shares are importable from here: :class:`Delivery`,
+:class:`TransactionalTable`, :func:`derive_key`, :class:`MissingKeyError`,
+:class:`Verdict`. Importing them needs no broker client library.
 """
+
+from dedupcore.integrations._common import (
+    Delivery,
+    MissingKeyError,
+    TransactionalTable,
+    Verdict,
+    derive_key,
+)
+
+__all__ = ["Delivery", "MissingKeyError", "TransactionalTable", "Verdict", "derive_key"]

@@ -66,7 +66,7 @@ from typing import Any
 
 from dedupcore.api import Outcome
 from dedupcore.errors import StaleTokenError, UnavailableError
-from dedupcore.integrations.rabbitmq import (
+from dedupcore.integrations._common import (
     Delivery,
     KeyFunc,
     MissingKeyError,

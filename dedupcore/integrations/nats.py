@@ -55,7 +55,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from dedupcore.integrations.rabbitmq import (
+from dedupcore.integrations._common import (
     BeforeAck,
     Delivery,
     KeyFunc,

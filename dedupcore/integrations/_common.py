@@ -1,0 +1,441 @@
+"""What the broker wrappers share: the delivery, key derivation, the dedup contract.
+
+:class:`Delivery` is one message as every wrapper sees it; :func:`derive_key`
+finds its dedup key; :class:`TransactionalTable` is the transactional dedup
+table mode; ``_Gate``/``_AsyncGate`` run the contract of
+:mod:`dedupcore.integrations` (claim, handler, complete or commit, then the
+broker's ack/nack) for one delivery, with the broker calls left to each wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from dedupcore import keys as _keys
+from dedupcore.api import Claim, ClaimAPI, Outcome
+from dedupcore.errors import StaleTokenError, UnavailableError
+from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
+from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
+
+__all__ = [
+    "BeforeAck",
+    "Delivery",
+    "KeyFunc",
+    "MissingKeyError",
+    "Store",
+    "TransactionalTable",
+    "Verdict",
+    "default_owner",
+    "derive_key",
+]
+
+log = logging.getLogger("dedupcore.integrations")
+
+#: ``key(body, headers)`` -> the business id, or None when the message has none.
+KeyFunc = Callable[[bytes, Mapping[str, Any]], bytes | str | int | None]
+#: Called after the dedup decision is durable (completed / committed) and before the ack.
+BeforeAck = Callable[["Delivery", Outcome], None]
+
+
+class MissingKeyError(ValueError):
+    """A message carries no dedup key (no business id, key header or message id)."""
+
+
+class Verdict(enum.Enum):
+    """What a consumer did with one delivery."""
+
+    ACKED = "acked"  #: processed now (NEW) or before (DUPLICATE), then acked
+    RETRY = "retry"  #: IN_PROGRESS elsewhere or the store was unavailable: redelivered later
+    FAILED = "failed"  #: the handler raised: claim released / transaction rolled back, requeued
+    INVALID = "invalid"  #: no usable key: rejected without requeue (dead-letter path)
+
+
+@dataclass
+class Delivery:
+    """One message as the handler sees it.
+
+    ``raw`` is the broker's own message object (pika: ``(channel, method,
+    properties)``; aio-pika: the ``IncomingMessage``; nats-py: the ``Msg``;
+    confluent-kafka: the ``Message``). In store mode ``claim`` is the NEW
+    claim; in table mode ``conn`` is the connection holding the open
+    transaction and ``consumption`` what :func:`~dedupcore.patterns.table.consume`
+    yielded.
+    """
+
+    body: bytes
+    headers: Mapping[str, Any]
+    key: bytes | str
+    namespace: str
+    message_id: str | None = None
+    redelivered: bool = False
+    raw: Any = None
+    claim: Claim | None = None
+    conn: Any = None
+    consumption: Any = None
+    outcome: Outcome | None = field(default=None)
+
+
+def derive_key(
+    body: bytes,
+    headers: Mapping[str, Any] | None,
+    message_id: str | bytes | None,
+    *,
+    key: KeyFunc | None = None,
+    key_header: str | None = None,
+) -> bytes | str:
+    """The dedup key of a message: ``key(body, headers)``, the ``key_header``, the message id.
+
+    Raises :class:`MissingKeyError` (a ``ValueError``) naming what was tried
+    when none gives a key, or when ``key`` itself raises.
+    """
+    hdrs: Mapping[str, Any] = headers or {}
+    tried = []
+    if key is not None:
+        tried.append("key(body, headers)")
+        try:
+            value = key(body, hdrs)
+        except Exception as exc:
+            raise MissingKeyError(f"key(body, headers) raised {type(exc).__name__}: {exc}") from exc
+        found = _as_key(value, "key(body, headers)")
+        if found is not None:
+            return found
+    if key_header is not None:
+        tried.append(f"header {key_header!r}")
+        found = _as_key(hdrs.get(key_header), f"header {key_header!r}")
+        if found is not None:
+            return found
+    tried.append("message id")
+    found = _as_key(message_id, "message id")
+    if found is not None:
+        return found
+    raise MissingKeyError("message has no dedup key (tried " + ", ".join(tried) + ")")
+
+
+def _as_key(value: object, source: str) -> bytes | str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise MissingKeyError(f"{source} gave a bool, not a key")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (bytes, str)):
+        return value if value else None
+    raise MissingKeyError(f"{source} gave {type(value).__name__}; a key is str, bytes or int")
+
+
+def default_owner() -> str:
+    """An owner id unique to this consumer object: host, pid and a random part."""
+    return f"{socket.gethostname()[:100]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+class TransactionalTable:
+    """Dedup mode: a dedup row in the business database, committed with the handler's writes.
+
+    ``conn`` is a DB-API connection (psycopg 3, PyMySQL, sqlite3; autocommit
+    off) used for nothing else while the consumer runs. With ``create=True``
+    the table is created if absent (:func:`~dedupcore.patterns.table.ensure_table`,
+    which commits). ``front`` is passed on to
+    :func:`~dedupcore.patterns.table.consume` (a Bloom filter that spares the
+    lookup of keys never seen).
+    """
+
+    def __init__(
+        self,
+        conn: Any,
+        *,
+        table: str = DEFAULT_TABLE,
+        create: bool = True,
+        front: Any = None,
+    ) -> None:
+        self.conn = conn
+        self.table = table
+        self.front = front
+        if create:
+            ensure_table(conn, table=table)
+
+    def check(self, namespace: str, key: bytes | str) -> None:
+        """Raises ValueError/TypeError for a key or namespace the table cannot hold."""
+        _keys.check_namespace(namespace)
+        _keys.check_key(key, TABLE_MAX_KEY_BYTES)
+
+    def run(self, delivery: Delivery, handler: Callable[[Delivery], Any]) -> Outcome:
+        """Runs ``handler`` inside the dedup transaction when the key is new; the outcome.
+
+        The transaction commits when this returns; an exception from the
+        handler or the database rolls it back and is re-raised.
+        """
+        with consume(
+            self.conn, delivery.namespace, delivery.key, table=self.table, front=self.front
+        ) as c:
+            outcome: Outcome = c.outcome
+            delivery.outcome = outcome
+            if c.new:
+                delivery.conn = self.conn
+                delivery.consumption = c
+                handler(delivery)
+        return outcome
+
+
+Store = Union[ClaimAPI, TransactionalTable]  # noqa: UP007 (a runtime alias on 3.10)
+
+_STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
+
+
+class _Gate:
+    """The contract over one store, for consumers that call it from one thread at a time."""
+
+    def __init__(
+        self,
+        store: Any,
+        handler: Callable[[Delivery], Any],
+        *,
+        namespace: str,
+        lease: float | None,
+        owner: bytes | str | None,
+        before_ack: BeforeAck | None,
+        complete_retries: int = 5,
+    ) -> None:
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
+        self.store = store
+        self.handler = handler
+        self.namespace = namespace
+        self.lease = lease
+        self.owner = default_owner() if owner is None else owner
+        self.before_ack = before_ack
+        self.complete_retries = complete_retries
+        self.table = isinstance(store, TransactionalTable)
+        # Keys claimed by this consumer and not yet completed or released: a second
+        # delivery of one of them (a producer duplicate) must not get the owner's own
+        # claim back as NEW while the first is still running.
+        self.active: set[bytes | str] = set()
+
+    def decide(self, delivery: Delivery) -> Verdict:
+        """Claims, runs the handler, completes or releases; what to do with the message."""
+        if self.table:
+            return self._decide_table(delivery)
+        key = delivery.key
+        if key in self.active:
+            return Verdict.RETRY
+        self.active.add(key)
+        try:
+            return self._decide_store(delivery)
+        finally:
+            self.active.discard(key)
+
+    def _decide_store(self, delivery: Delivery) -> Verdict:
+        key = delivery.key
+        try:
+            c = self.store.claim(key, namespace=self.namespace, lease=self.lease, owner=self.owner)
+        except _STORE_ERRORS as exc:
+            log.warning("claim of %r failed, retrying later: %s", key, exc)
+            return Verdict.RETRY
+        except (TypeError, ValueError) as exc:  # key too long, bad type, fingerprint conflict
+            log.error("message with key %.80r refused: %s", key, exc)
+            return Verdict.INVALID
+        delivery.outcome = c.outcome
+        if c.outcome is Outcome.IN_PROGRESS:
+            return Verdict.RETRY
+        if c.outcome is Outcome.DUPLICATE:
+            self._before_ack(delivery, c.outcome)
+            return Verdict.ACKED
+        delivery.claim = c
+        try:
+            self.handler(delivery)
+        except BaseException as exc:
+            self._release(key, c.token)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: stop
+                raise
+            log.exception("handler failed on key %r; released it", key)
+            return Verdict.FAILED
+        self._complete(key, c.token)
+        self._before_ack(delivery, c.outcome)
+        return Verdict.ACKED
+
+    def _decide_table(self, delivery: Delivery, *, hook: bool = True) -> Verdict:
+        assert isinstance(self.store, TransactionalTable)
+        try:
+            self.store.check(delivery.namespace, delivery.key)
+        except (TypeError, ValueError) as exc:
+            log.error("message with key %.80r refused: %s", delivery.key, exc)
+            return Verdict.INVALID
+        try:
+            outcome = self.store.run(delivery, self.handler)
+        except Exception:
+            log.exception("handler or dedup transaction failed on %r; rolled back", delivery.key)
+            return Verdict.FAILED
+        if hook:
+            self._before_ack(delivery, outcome)
+        return Verdict.ACKED
+
+    def _before_ack(self, delivery: Delivery, outcome: Outcome) -> None:
+        if self.before_ack is not None:
+            self.before_ack(delivery, outcome)
+
+    def _release(self, key: bytes | str, token: int) -> None:
+        try:
+            self.store.release(key, token, namespace=self.namespace)
+        except StaleTokenError:
+            log.warning("could not release %r: its lease was taken over", key)
+        except _STORE_ERRORS as exc:
+            log.warning("could not release %r (%s); it is retried after its lease", key, exc)
+
+    def _complete(self, key: bytes | str, token: int) -> None:
+        delay = 0.05
+        for attempt in range(self.complete_retries + 1):
+            try:
+                self.store.complete(key, token, namespace=self.namespace)
+                return
+            except StaleTokenError:
+                log.error(
+                    "key %r: the lease ran out while the handler ran and was taken over; "
+                    "raise `lease` above the handler's longest run",
+                    key,
+                )
+                return
+            except _STORE_ERRORS as exc:
+                if attempt == self.complete_retries:
+                    log.error(
+                        "key %r was processed but its completion failed (%s); acking it "
+                        "anyway, a redelivery after the lease ends would run it again",
+                        key,
+                        exc,
+                    )
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+class _AsyncGate(_Gate):
+    """The contract from an event loop: async or sync stores and handlers.
+
+    A :class:`TransactionalTable` runs in a worker thread, one transaction at
+    a time (its connection is not shared between transactions), so the
+    handler must be a plain function there.
+    """
+
+    def __init__(self, store: Any, handler: Callable[[Delivery], Any], **kw: Any) -> None:
+        super().__init__(store, handler, **kw)
+        self.async_store = not self.table and inspect.iscoroutinefunction(
+            getattr(store, "claim", None)
+        )
+        self.async_handler = inspect.iscoroutinefunction(handler)
+        if self.table and self.async_handler:
+            raise TypeError(
+                "in table mode the handler runs inside a database transaction in a worker "
+                "thread and must be a plain function, not async"
+            )
+        self._table_lock = threading.Lock()
+
+    async def adecide(self, delivery: Delivery) -> Verdict:
+        if self.table:
+            verdict = await asyncio.to_thread(self._locked_table, delivery)
+            if verdict is Verdict.ACKED:
+                assert delivery.outcome is not None
+                await self._abefore_ack(delivery, delivery.outcome)
+            return verdict
+        key = delivery.key
+        if key in self.active:
+            return Verdict.RETRY
+        # Reserved before the claim is sent: a copy of the key arriving while the claim is
+        # in flight must not send one of its own (the same owner would get NEW back).
+        self.active.add(key)
+        try:
+            return await self._adecide_store(delivery)
+        finally:
+            self.active.discard(key)
+
+    async def _adecide_store(self, delivery: Delivery) -> Verdict:
+        key = delivery.key
+        try:
+            c = await self._call(
+                "claim", key, namespace=self.namespace, lease=self.lease, owner=self.owner
+            )
+        except _STORE_ERRORS as exc:
+            log.warning("claim of %r failed, retrying later: %s", key, exc)
+            return Verdict.RETRY
+        except (TypeError, ValueError) as exc:  # key too long, bad type, fingerprint conflict
+            log.error("message with key %.80r refused: %s", key, exc)
+            return Verdict.INVALID
+        delivery.outcome = c.outcome
+        if c.outcome is Outcome.IN_PROGRESS:
+            return Verdict.RETRY
+        if c.outcome is Outcome.DUPLICATE:
+            await self._abefore_ack(delivery, c.outcome)
+            return Verdict.ACKED
+        delivery.claim = c
+        try:
+            if self.async_handler:
+                await self.handler(delivery)
+            else:
+                self.handler(delivery)
+        except BaseException as exc:
+            # Cancelled, KeyboardInterrupt, SystemExit: released too, then re-raised.
+            await asyncio.shield(self._arelease(key, c.token))
+            if not isinstance(exc, Exception):
+                raise
+            log.exception("handler failed on key %r; released it", key)
+            return Verdict.FAILED
+        await self._acomplete(key, c.token)
+        await self._abefore_ack(delivery, c.outcome)
+        return Verdict.ACKED
+
+    def _locked_table(self, delivery: Delivery) -> Verdict:
+        with self._table_lock:
+            return self._decide_table(delivery, hook=False)
+
+    async def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        fn = getattr(self.store, name)
+        if self.async_store:
+            return await fn(*args, **kw)
+        return fn(*args, **kw)
+
+    async def _abefore_ack(self, delivery: Delivery, outcome: Outcome) -> None:
+        if self.before_ack is not None:
+            result = self.before_ack(delivery, outcome)
+            if inspect.isawaitable(result):
+                await result
+
+    async def _arelease(self, key: bytes | str, token: int) -> None:
+        try:
+            await self._call("release", key, token, namespace=self.namespace)
+        except StaleTokenError:
+            log.warning("could not release %r: its lease was taken over", key)
+        except _STORE_ERRORS as exc:
+            log.warning("could not release %r (%s); it is retried after its lease", key, exc)
+
+    async def _acomplete(self, key: bytes | str, token: int) -> None:
+        delay = 0.05
+        for attempt in range(self.complete_retries + 1):
+            try:
+                await self._call("complete", key, token, namespace=self.namespace)
+                return
+            except StaleTokenError:
+                log.error(
+                    "key %r: the lease ran out while the handler ran and was taken over; "
+                    "raise `lease` above the handler's longest run",
+                    key,
+                )
+                return
+            except _STORE_ERRORS as exc:
+                if attempt == self.complete_retries:
+                    log.error(
+                        "key %r was processed but its completion failed (%s); acking it "
+                        "anyway, a redelivery after the lease ends would run it again",
+                        key,
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
