@@ -38,7 +38,7 @@ from dedupcore.tiers.sql import SqlStore
 
 from .cluster import free_port, redis_server
 from .conftest import require_server
-from .test_sql_store import PG_URL, Engine, _counting_store
+from .test_sql_store import MY_URL, PG_URL, Engine, _counting_store
 
 NS = "orders/billing"
 REDIS_DB = 15
@@ -560,20 +560,37 @@ def _race_worker(spec: dict[str, Any], keys: list[str], out: Any) -> None:
     out.put(won)
 
 
-@pytest.mark.parametrize("stack", ["pg+redis-cache", "sharded-redis"])
+@pytest.mark.parametrize(
+    "stack", ["redis", "mysql", "sqlite", "pg+redis-cache", "sharded-redis", "sharded-pg+sqlite"]
+)
 def test_eight_processes_racing_see_one_new_per_key(
-    stack: str, rdb: redis.Redis, pg_table: str
+    stack: str, rdb: redis.Redis, pg_table: str, tmp_path: Path
 ) -> None:
-    if stack == "pg+redis-cache":
+    """Each authority and stack: 8 processes, the same 3000 keys, one NEW per key overall."""
+    sqlite = f"sqlite:///{tmp_path}/race.db"
+    if stack == "redis":
+        spec: dict[str, Any] = {"authority": f"redis://127.0.0.1:6379/{REDIS_DB}"}
+    elif stack == "mysql":
+        require_server("mariadb", 3306)
+        spec = {"authority": MY_URL, "table": pg_table}
+        SqlStore.from_url(MY_URL, table=pg_table).init_schema()
+    elif stack == "sqlite":
+        spec = {"authority": sqlite}
+        SqlStore.from_url(sqlite).init_schema()
+    elif stack == "pg+redis-cache":
         # The table is made once; each process opens the stack by URL.
         _pg(pg_table).close()
-        spec: dict[str, Any] = {
+        spec = {
             "authority": PG_URL,
             "cache": f"redis://127.0.0.1:6379/{REDIS_DB}",
             "table": pg_table,
         }
-    else:
+    elif stack == "sharded-redis":
         spec = {"authority": [f"redis://127.0.0.1:6379/{REDIS_DB}", "redis://127.0.0.1:6379/13"]}
+    else:
+        _pg(pg_table).close()
+        SqlStore.from_url(sqlite, table=pg_table).init_schema()
+        spec = {"authority": [PG_URL, sqlite], "table": pg_table}
     keys = [f"race-{i}" for i in range(3000)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -590,3 +607,6 @@ def test_eight_processes_racing_see_one_new_per_key(
     assert sorted(won) == sorted(keys)  # every key NEW exactly once over all processes
     if stack == "sharded-redis":
         redis.Redis(host="127.0.0.1", port=6379, db=13).flushdb()
+    if stack == "mysql":
+        with SqlStore.from_url(MY_URL, table=pg_table) as s:
+            s._drop()
