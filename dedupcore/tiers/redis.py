@@ -4,12 +4,18 @@ Each key is a Redis hash ``<prefix>:{<namespace>:<bucket>}:<key>`` with fields
 ``s`` (state: 1 PROCESSING, 2 PROCESSED, 3 RELEASED), ``t`` (fencing token),
 ``o`` (owner), ``f`` (fingerprint), ``d`` (lease deadline), ``c`` and ``u``
 (created and last changed; all three in ms of the Redis server's clock) and
-``r`` (msgpack result). The NX create, the lease, owner,
-token and fingerprint checks and the TTL are one script call per batch (per
-cluster slot), so racing consumers on any number of hosts see exactly one
-NEW per key. Every script checks all its keys before it writes anything, and
-a batch split over several calls is checked as a whole first: a fingerprint
-conflict or a stale token changes nothing.
+``r`` (msgpack result). A new record has only ``s``, ``t``, ``d``, ``c`` and
+the ``o`` and ``f`` it was claimed with (absent, or empty after a takeover,
+mean none); ``u`` is absent until its first change (updated = created) and
+``r`` until it is completed or released. A claim of a RELEASED key replaces
+the tombstone with a new record whose token continues the old one.
+
+The NX create, the lease, owner, token and fingerprint checks and the TTL
+are one script call per batch (per cluster slot), so racing consumers on any
+number of hosts see exactly one NEW per key. Every script checks all its keys
+before it writes anything, and a batch split over several calls is checked
+as a whole first: a fingerprint conflict or a stale token changes nothing.
+The fingerprint check is skipped for a call whose keys have no fingerprints.
 
 **Redis Cluster.** The bucket in the hash tag (``jump_hash`` of the key
 into ``buckets``) puts each key in one of ``buckets`` slots per namespace,
@@ -77,45 +83,78 @@ __all__ = ["RedisStore"]
 
 log = logging.getLogger("dedupcore")
 
+# ARGV: lease_ms, owner ('' for none), ttl_ms, then '1' and one fingerprint per key
+# ('' for none), or '0' and nothing more when the batch has no fingerprints.
+# The reply is flat: {codes, tokens, results}: one outcome digit per key (0 NEW,
+# 1 DUPLICATE, 2 IN_PROGRESS, 3 takeover), the tokens joined by ',', and the
+# stored result of each DUPLICATE in key order.
 _CLAIM = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
 local owner = ARGV[2]
-local ttl = tonumber(ARGV[3])
-for i, k in ipairs(KEYS) do
-  local fp = ARGV[3 + i]
-  local r = redis.call('HMGET', k, 's', 'f')
-  if r[1] and r[1] ~= '3' and fp ~= '' and r[2] and r[2] ~= '' and r[2] ~= fp then
-    return redis.error_reply('DCCONFLICT ' .. i)
+local ttl = ARGV[3]
+local withfp = ARGV[4] == '1'
+if withfp then
+  for i, k in ipairs(KEYS) do
+    local fp = ARGV[4 + i]
+    if fp ~= '' then
+      local r = redis.call('HMGET', k, 's', 'f')
+      if r[1] and r[1] ~= '3' and r[2] and r[2] ~= '' and r[2] ~= fp then
+        return redis.error_reply('DCCONFLICT ' .. i)
+      end
+    end
   end
 end
-local out = {}
+local codes, tokens, results = {}, {}, {}
+local deadline = now + lease
+-- a new PROCESSING record: no 'u' (updated = created) and no empty 'o', 'f' or 'r'
+local function create(k, token, fp)
+  if owner == '' and fp == '' then
+    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now)
+  elseif fp == '' then
+    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'o', owner)
+  elseif owner == '' then
+    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'f', fp)
+  else
+    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'o', owner, 'f', fp)
+  end
+  redis.call('PEXPIRE', k, ttl)
+end
 for i, k in ipairs(KEYS) do
-  local fp = ARGV[3 + i]
   local r = redis.call('HMGET', k, 's', 't', 'o', 'd', 'r')
   local s = r[1]
-  if (not s) or s == '3' then
-    local token = (tonumber(r[2]) or 0) + 1
-    redis.call('HSET', k, 's', '1', 't', token, 'o', owner, 'f', fp, 'd', now + lease, 'r', '',
-               'c', now, 'u', now)
-    redis.call('PEXPIRE', k, ttl)
-    out[i] = {0, token, false}
+  if not s then
+    create(k, '1', withfp and ARGV[4 + i] or '')
+    codes[i] = '0'
+    tokens[i] = '1'
   elseif s == '2' then
-    out[i] = {1, tonumber(r[2]), r[5]}
+    codes[i] = '1'
+    tokens[i] = r[2]
+    results[#results + 1] = r[5] or ''
+  elseif s == '3' then
+    -- a RELEASED tombstone: a new record whose token continues the old one
+    local token = tonumber(r[2]) + 1
+    redis.call('DEL', k)
+    create(k, token, withfp and ARGV[4 + i] or '')
+    codes[i] = '0'
+    tokens[i] = token
   elseif owner ~= '' and r[3] == owner then
-    redis.call('HSET', k, 'd', now + lease, 'u', now)
-    out[i] = {0, tonumber(r[2]), false}
+    redis.call('HSET', k, 'd', deadline, 'u', now)
+    codes[i] = '0'
+    tokens[i] = r[2]
   elseif tonumber(r[4]) > now then
-    out[i] = {2, tonumber(r[2]), false}
+    codes[i] = '2'
+    tokens[i] = r[2]
   else
     local token = tonumber(r[2]) + 1
-    redis.call('HSET', k, 't', token, 'o', owner, 'd', now + lease, 'u', now)
+    redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now)
     redis.call('PEXPIRE', k, ttl)
-    out[i] = {3, token, false}
+    codes[i] = '3'
+    tokens[i] = token
   end
 end
-return out
+return {table.concat(codes), table.concat(tokens, ','), results}
 """
 
 # ARGV: ttl_ms, new_state ('2' complete / '3' release), then token, result per key.
@@ -311,7 +350,10 @@ class RedisStore(ClaimAPI):
     def _names(self, ns: bytes, raw: list[bytes]) -> list[bytes]:
         buckets = shard_many([ns + b"\x00" + k for k in raw], self.buckets)
         head = self._head(ns)
-        return [head + str(b).encode() + b"}:" + k for b, k in zip(buckets, raw, strict=True)]
+        if len(raw) < 64:
+            return [head + b"%d}:" % b + k for b, k in zip(buckets, raw, strict=True)]
+        heads = [head + b"%d}:" % b for b in range(self.buckets)]
+        return [heads[b] + k for b, k in zip(buckets, raw, strict=True)]
 
     def _groups(self, names: list[bytes]) -> list[list[int]]:
         """Indexes of the keys each script call gets: one cluster slot per call.
@@ -395,9 +437,10 @@ class RedisStore(ClaimAPI):
             per_server.setdefault(name, (server, []))[1].append(i)
         for server, idx in per_server.values():
             pipe = server.pipeline(transaction=False)
+            command = pipe.execute_command
             for i in idx:
                 keys, args = calls[i]
-                pipe.evalsha(sha, len(keys), *keys, *args)
+                command("EVALSHA", sha, len(keys), *keys, *args)
             for i, res in zip(idx, pipe.execute(raise_on_error=False), strict=True):
                 out[i] = res
 
@@ -437,30 +480,44 @@ class RedisStore(ClaimAPI):
         if not raw:
             return []
         names = self._names(ns, raw)
-        rows: list[Any] = [None] * len(raw)
         ttl = self._window_ms(namespace, lease_s)
         groups = self._groups(names)
         if len(groups) > 1:
             # Each script checks its own keys first; checking every group's
             # fingerprints up front keeps a conflict from claiming other groups.
             self._check_conflicts(names, fps, key_list, namespace)
-        calls = [
-            (
-                [names[i] for i in idx],
-                [int(lease_s * 1000), owner_b, ttl, *[fps[i] or b"" for i in idx]],
-            )
-            for idx in groups
-        ]
+        head = [int(lease_s * 1000), owner_b, ttl]
+        calls: list[tuple[list[bytes], list[Any]]] = []
+        for idx in groups:
+            group_names = names if len(idx) == len(names) else [names[i] for i in idx]
+            group_fps = fps if len(idx) == len(fps) else [fps[i] for i in idx]
+            if any(fp is not None for fp in group_fps):
+                args = [*head, b"1", *[fp or b"" for fp in group_fps]]
+            else:
+                args = [*head, b"0"]  # no fingerprint pass in the script
+            calls.append((group_names, args))
+        claims: list[Any] = [None] * len(raw)
+        new, dup, busy = Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS
         for idx, out in zip(groups, self._run(self._claim, calls), strict=True):
             if isinstance(out, ResponseError):
                 raise self._error(out, [key_list[i] for i in idx], namespace) from None
-            for i, row in zip(idx, out, strict=True):
-                rows[i] = row
-        claims = []
-        for k, (code, token, result) in zip(key_list, rows, strict=True):
-            outcome = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS, Outcome.NEW)[code]
-            value = unpack_result(result) if code == 1 else None
-            claims.append(Claim(k, namespace, outcome, int(token), value, True, code == 3))
+            codes, tokens, results = out
+            if len(idx) == len(raw) and codes.count(48) == len(codes):  # b"0": all NEW
+                return [
+                    Claim(k, namespace, new, t)
+                    for k, t in zip(key_list, map(int, tokens.split(b",")), strict=True)
+                ]
+            found = iter(results)
+            for i, code, token in zip(idx, codes, map(int, tokens.split(b",")), strict=True):
+                if code == 48:  # b"0"
+                    claims[i] = Claim(key_list[i], namespace, new, token)
+                elif code == 49:  # b"1"
+                    value = unpack_result(next(found))
+                    claims[i] = Claim(key_list[i], namespace, dup, token, value)
+                elif code == 50:  # b"2"
+                    claims[i] = Claim(key_list[i], namespace, busy, token)
+                else:  # b"3": an expired lease taken over
+                    claims[i] = Claim(key_list[i], namespace, new, token, None, True, True)
         return claims
 
     def _check_conflicts(
@@ -578,7 +635,7 @@ class RedisStore(ClaimAPI):
             f or None,
             unpack_result(r),
             int(c or 0) / 1000.0,  # ms of the Redis server's clock
-            int(u or 0) / 1000.0,
+            int(u or c or 0) / 1000.0,  # a record never changed since its creation has no 'u'
         )
 
     # -- demotion ----------------------------------------------------------------

@@ -149,3 +149,84 @@ def test_expiring_lists_processed_keys_near_their_ttl(redis_client: Any) -> None
         store.expiring("short", within="1")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         store.expiring("short", within=1, count=0)
+
+
+def test_fresh_record_fields_and_get(store: RedisStore, redis_client: Any) -> None:
+    # A new record has no empty owner, fingerprint or result and no 'u'; get()
+    # reports updated = created until the first change.
+    store.claim("plain", namespace=NS)
+    store.claim("full", namespace=NS, owner=b"w", fingerprint=b"fp")
+    (plain,) = [n for n in redis_client.keys("*") if n.endswith(b":plain")]
+    (full,) = [n for n in redis_client.keys("*") if n.endswith(b":full")]
+    assert sorted(redis_client.hgetall(plain)) == [b"c", b"d", b"s", b"t"]
+    assert sorted(redis_client.hgetall(full)) == [b"c", b"d", b"f", b"o", b"s", b"t"]
+    assert 0 < redis_client.pttl(plain) <= store._window_ms(NS, store.lease)
+    rec = store.get("plain", namespace=NS)
+    assert rec is not None and rec.owner is None and rec.fingerprint is None
+    assert isinstance(rec.updated, float) and rec.updated == rec.created
+    time.sleep(0.01)
+    store.complete("plain", 1, namespace=NS, result=7)
+    done = store.get("plain", namespace=NS)
+    assert done is not None and done.created == rec.created and done.updated > rec.updated
+
+
+def test_claim_of_a_released_key_forgets_its_owner_fingerprint_and_result(
+    store: RedisStore,
+) -> None:
+    c = store.claim("k", namespace=NS, owner=b"a", fingerprint=b"one")
+    store.release("k", c.token, namespace=NS)
+    again = store.claim_many(["k"], namespace=NS)[0]
+    assert again.outcome is Outcome.NEW and again.token == c.token + 1 and not again.takeover
+    rec = store.get("k", namespace=NS)
+    assert rec is not None and (rec.state, rec.owner, rec.fingerprint, rec.result) == (
+        State.PROCESSING,
+        None,
+        None,
+        None,
+    )
+    # Another fingerprint is no conflict after a release, and owner "a" is not the owner.
+    assert store.claim("k", namespace=NS, owner=b"a").outcome is Outcome.IN_PROGRESS
+
+
+def test_batch_mixing_every_outcome(store: RedisStore) -> None:
+    d1 = store.claim("dup1", namespace=NS)
+    store.complete("dup1", d1.token, namespace=NS, result={"n": 1})
+    d2 = store.claim("dup2", namespace=NS)
+    store.complete("dup2", d2.token, namespace=NS)  # no result
+    d3 = store.claim("dup3", namespace=NS)
+    store.complete("dup3", d3.token, namespace=NS, result=[3])
+    store.claim("busy", namespace=NS)
+    mine = store.claim("mine", namespace=NS, owner=b"me")
+    store.claim("lapsed", namespace=NS, lease=0.05)
+    gone = store.claim("gone", namespace=NS)
+    store.release("gone", gone.token, namespace=NS)
+    time.sleep(0.1)
+    keys = ["dup1", "new", "busy", "dup2", "mine", "lapsed", "gone", "dup3", "new"]
+    claims = store.claim_many(keys, namespace=NS, owner=b"me")
+    got = [(c.key, c.outcome, c.token, c.result, c.takeover) for c in claims]
+    assert got == [
+        ("dup1", Outcome.DUPLICATE, 1, {"n": 1}, False),
+        ("new", Outcome.NEW, 1, None, False),
+        ("busy", Outcome.IN_PROGRESS, 1, None, False),
+        ("dup2", Outcome.DUPLICATE, 1, None, False),
+        ("mine", Outcome.NEW, mine.token, None, False),  # the owner's own claim back
+        ("lapsed", Outcome.NEW, 2, None, True),
+        ("gone", Outcome.NEW, 2, None, False),
+        ("dup3", Outcome.DUPLICATE, 1, [3], False),
+        ("new", Outcome.NEW, 1, None, False),  # repeated, same owner
+    ]
+    again = store.claim_many(["new", "fresh", "fresh"], namespace=NS)
+    assert [c.outcome for c in again] == [Outcome.IN_PROGRESS, Outcome.NEW, Outcome.IN_PROGRESS]
+
+
+def test_fingerprints_of_part_of_a_batch(store: RedisStore) -> None:
+    store.claim("k", namespace=NS, fingerprint=b"one")
+    fresh = store.claim_many(["a", "b"], namespace=NS, fingerprints=[b"x", None])
+    assert [c.outcome for c in fresh] == [Outcome.NEW, Outcome.NEW]
+    assert store.get("a", namespace=NS).fingerprint == b"x"  # type: ignore[union-attr]
+    assert store.get("b", namespace=NS).fingerprint is None  # type: ignore[union-attr]
+    with pytest.raises(ConflictError):
+        store.claim_many(["c", "b", "k"], namespace=NS, fingerprints=[None, b"y", b"two"])
+    assert store.get("c", namespace=NS) is None  # nothing written
+    same = store.claim_many(["c", "k"], namespace=NS, fingerprints=[None, b"one"])
+    assert [c.outcome for c in same] == [Outcome.NEW, Outcome.IN_PROGRESS]
