@@ -335,6 +335,12 @@ def test_results_up_to_the_limit(engine: Engine) -> None:
         assert store.get("k2", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
 
 
+def _kinds(conn: _Counting) -> list[str]:
+    kinds = [s.split()[0] for s in conn.statements if not s.startswith("BEGIN")]
+    del conn.statements[:]
+    return kinds
+
+
 def test_one_insert_per_batch(engine: Engine) -> None:
     store, conns = _counting_store(engine)
     keys = [f"k{i}" for i in range(1000)]
@@ -346,15 +352,96 @@ def test_one_insert_per_batch(engine: Engine) -> None:
         ["INSERT", "SELECT"] if engine.name == "mysql" else ["INSERT"]
     )
     del conns[0].statements[:]
+    if engine.name == "postgresql":
+        # A namespace that has only seen fresh keys tries a plain INSERT (no ON CONFLICT):
+        # it fails on the first existing key, and the transaction runs again the safe way.
+        store.claim_many(keys, namespace=NS)
+        assert _kinds(conns[0]) == ["INSERT", "INSERT", "SELECT"]
+        assert store.stats().get("retries", 0) == 0
     store.claim_many(keys, namespace=NS)  # all in progress: INSERT finds them, one SELECT
-    assert [s.split()[0] for s in conns[0].statements if not s.startswith("BEGIN")] == [
-        "INSERT",
-        "SELECT",
-    ]
-    del conns[0].statements[:]
+    assert _kinds(conns[0]) == ["INSERT", "SELECT"]
     store.complete_many([(k, 1, k) for k in keys], namespace=NS)
-    kinds = [s.split()[0] for s in conns[0].statements if not s.startswith("BEGIN")]
-    assert kinds == ["SELECT", "UPDATE"]
+    assert _kinds(conns[0]) == ["SELECT", "UPDATE"]
+    store.close()
+
+
+def test_mostly_duplicate_batches_are_read_first(engine: Engine) -> None:
+    store, conns = _counting_store(engine)
+    keys = [f"k{i}".encode() for i in range(1000)]
+    fps = [b"fp"] * len(keys)
+    claims = store.claim_many(keys, namespace=NS, fingerprints=fps)
+    store.complete_many([(k, c.token, k) for k, c in zip(keys, claims, strict=True)], namespace=NS)
+    del conns[0].statements[:]
+    pg = engine.name == "postgresql"
+    # The first batches of a namespace go insert-first; the DUPLICATE share is followed.
+    first = ["INSERT", "INSERT", "SELECT"] if pg else ["INSERT", "SELECT"]
+    for expected in (first, ["INSERT", "SELECT"]):
+        dups = store.claim_many(keys, namespace=NS)
+        assert all(c.outcome is Outcome.DUPLICATE for c in dups)
+        assert _kinds(conns[0]) == expected
+    dups = store.claim_many(keys, namespace=NS, fingerprints=fps)
+    assert [(c.outcome, c.token, c.result) for c in dups] == [
+        (Outcome.DUPLICATE, 1, k) for k in keys
+    ]
+    if not pg:  # MariaDB and SQLite keep insert-first
+        assert _kinds(conns[0]) == ["INSERT", "SELECT"]
+        store.close()
+        return
+    # All PROCESSED: one unlocked SELECT, no write transaction.
+    assert _kinds(conns[0]) == ["SELECT"]
+    # Mixed: the absent keys are inserted, nothing else is locked.
+    fresh = [f"new{i}".encode() for i in range(100)]
+    got = store.claim_many(keys[:900] + fresh, namespace=NS)
+    assert [c.outcome for c in got] == [Outcome.DUPLICATE] * 900 + [Outcome.NEW] * 100
+    assert _kinds(conns[0]) == ["SELECT", "INSERT"]
+    # A key in progress among processed ones: read, then locked (no INSERT).
+    got = store.claim_many(keys[:999] + fresh[:1], namespace=NS)
+    assert got[-1].outcome is Outcome.IN_PROGRESS
+    assert _kinds(conns[0]) == ["SELECT", "SELECT"]
+    # A PROCESSED row with another fingerprint: ConflictError before anything is written.
+    with pytest.raises(ConflictError):
+        store.claim_many([b"brand-new", keys[5]], namespace=NS, fingerprints=[None, b"other"])
+    assert _kinds(conns[0]) == ["SELECT"]
+    assert store.get(b"brand-new", namespace=NS) is None
+    store.close()
+
+
+def test_read_first_races_with_purge(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the unlocked read saw may be gone by the write transaction (purge deleted it)."""
+    if engine.name != "postgresql":
+        pytest.skip("only PostgreSQL reads first")
+    store, conns = _counting_store(engine)
+    keys = [f"k{i}".encode() for i in range(10)]
+    claims = store.claim_many(keys, namespace=NS)
+    store.complete_many(
+        [(k, c.token, "r") for k, c in zip(keys, claims, strict=True)], namespace=NS
+    )
+    for _ in range(3):
+        store.claim_many(keys, namespace=NS)
+    d = store._dialect
+    assert d is not None
+    real = d.read_rows
+
+    def stale(cur: Any, table: str, ns: str, batch: list[bytes]) -> list[Any]:
+        rows = real(cur, table, ns, batch)
+        # "gone-done" was PROCESSED and purged since; "gone-busy" was a tombstone, purged.
+        return [
+            *rows,
+            (b"gone-done", 2, 4, None, None, None),
+            (b"gone-busy", 3, 7, None, None, None),
+        ]
+
+    monkeypatch.setattr(d, "read_rows", stale)
+    del conns[0].statements[:]
+    got = store.claim_many([*keys, b"gone-done", b"gone-busy"], namespace=NS)
+    # A processed key that retention dropped is still answered DUPLICATE (it was final);
+    # the vanished tombstone is created again by the retried transaction.
+    assert [(c.outcome, c.token) for c in got[-2:]] == [(Outcome.DUPLICATE, 4), (Outcome.NEW, 1)]
+    assert all(c.outcome is Outcome.DUPLICATE for c in got[:-2])
+    assert _kinds(conns[0]) == ["SELECT", "SELECT", "INSERT"]  # read, lock (gone), retry
+    assert store.get(b"gone-done", namespace=NS) is None  # nothing written for it
+    rec = store.get(b"gone-busy", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSING
     store.close()
 
 
