@@ -1250,6 +1250,8 @@ class SqlStore(ClaimAPI):
                 created = set()
             if created is not None and not read_first:
                 seen.append(len(unique) - len(created))
+                if len(created) == len(unique) == len(raw):  # all fresh, none repeated
+                    return [Claim(key, ns, Outcome.NEW, 1) for key in key_list]
             current: dict[bytes, _Row | None] = dict(final)
             current.update((k, None) for k in created or ())
             lock = rest if created is None else [k for k in rest if k not in created]
