@@ -406,10 +406,9 @@ def test_mostly_duplicate_batches_are_read_first(engine: Engine) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("engine", ["postgresql"], indirect=True)  # only PostgreSQL reads first
 def test_read_first_races_with_purge(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the unlocked read saw may be gone by the write transaction (purge deleted it)."""
-    if engine.name != "postgresql":
-        pytest.skip("only PostgreSQL reads first")
     store, conns = _counting_store(engine)
     keys = [f"k{i}".encode() for i in range(10)]
     claims = store.claim_many(keys, namespace=NS)
