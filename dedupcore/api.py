@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import msgpack
 
-from dedupcore.errors import DedupError, StaleTokenError
+from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "check_fingerprints",
     "check_owner",
     "check_token",
+    "fingerprint_conflict",
     "namespace_counts",
     "pack_result",
     "unpack_result",
@@ -133,6 +134,14 @@ def check_fingerprints(fps: Sequence[bytes | None] | None, n: int) -> list[bytes
         if not 1 <= len(fp) <= MAX_FINGERPRINT_BYTES:
             raise ValueError(f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes, got {len(fp)}")
     return out
+
+
+def fingerprint_conflict(key: object, namespace: str) -> ConflictError:
+    """The error for a key claimed again with another fingerprint than its first claim's."""
+    return ConflictError(
+        f"key {key!r} in namespace {namespace!r} was claimed with a different fingerprint "
+        "(same idempotency key, another request)"
+    )
 
 
 def change_items(items: Iterable[Any], *, with_results: bool) -> list[tuple[Any, int, Any]]:

@@ -43,6 +43,7 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    fingerprint_conflict,
     namespace_counts,
     pack_result,
     unpack_result,
@@ -237,10 +238,7 @@ class TieredStore(ClaimAPI):
                 if fp is not None and not entry.fingerprint_known:
                     continue  # the authority has to check the fingerprint
                 if fp is not None and entry.fingerprint is not None and fp != entry.fingerprint:
-                    raise ConflictError(
-                        f"key {key_list[i]!r} in namespace {namespace!r} was claimed with "
-                        "another fingerprint"
-                    )
+                    raise fingerprint_conflict(key_list[i], namespace)
                 out[i] = Claim(
                     key_list[i],
                     namespace,

@@ -48,6 +48,7 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    fingerprint_conflict,
     namespace_counts,
     pack_result,
     unpack_result,
@@ -55,7 +56,6 @@ from dedupcore.api import (
 from dedupcore.bloom import BloomRing
 from dedupcore.config import Retention, StoreConfig, check_lease
 from dedupcore.errors import (
-    ConflictError,
     CorruptFileError,
     DedupError,
     StaleTokenError,
@@ -459,10 +459,7 @@ class DedupStore(ClaimAPI):
                 key = key_list[i]
                 if r is not None and r.state is not State.RELEASED:
                     if fp is not None and r.fingerprint is not None and fp != r.fingerprint:
-                        raise ConflictError(
-                            f"key {key!r} in namespace {ns_name!r} was claimed with a "
-                            "different fingerprint (same idempotency key, another request)"
-                        )
+                        raise fingerprint_conflict(key, ns_name)
                     if r.lsn > depends:
                         depends = r.lsn
                     if r.state is State.PROCESSED:

@@ -72,11 +72,12 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    fingerprint_conflict,
     pack_result,
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
+from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 
 __all__ = ["RedisStore"]
@@ -529,10 +530,7 @@ class RedisStore(ClaimAPI):
         stored = self._pipeline(lambda pipe: [pipe.hmget(names[i], "s", "f") for i in wanted])
         for i, (s, f) in zip(wanted, stored, strict=True):
             if s is not None and s != b"3" and f and f != fps[i]:
-                raise ConflictError(
-                    f"key {keys[i]!r} in namespace {namespace!r} was claimed with a different "
-                    "fingerprint (same idempotency key, another request)"
-                )
+                raise fingerprint_conflict(keys[i], namespace)
 
     def _error(self, exc: ResponseError, keys: list[Any], namespace: str) -> Exception:
         words = str(exc).split()
@@ -541,10 +539,7 @@ class RedisStore(ClaimAPI):
         key = keys[int(words[1]) - 1]
         kind = words[0]
         if kind == "DCCONFLICT":
-            return ConflictError(
-                f"key {key!r} in namespace {namespace!r} was claimed with a "
-                "different fingerprint (same idempotency key, another request)"
-            )
+            return fingerprint_conflict(key, namespace)
         if kind == "DCNOTCLAIMED":
             return StaleTokenError(
                 f"key {key!r} in namespace {namespace!r} is not claimed "

@@ -131,11 +131,12 @@ from dedupcore.api import (
     change_items,
     check_fingerprints,
     check_owner,
+    fingerprint_conflict,
     pack_result,
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, UnavailableError
+from dedupcore.errors import SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 
 __all__ = ["SqlStore", "detect_dialect"]
@@ -857,13 +858,6 @@ def _lease(lease: object) -> float:
     return value
 
 
-def _conflict(key: Any, namespace: str) -> ConflictError:
-    return ConflictError(
-        f"key {key!r} in namespace {namespace!r} was claimed with a different fingerprint "
-        "(same idempotency key, another request)"
-    )
-
-
 # -- URLs ----------------------------------------------------------------------------
 
 
@@ -1202,7 +1196,7 @@ class SqlStore(ClaimAPI):
                 if hit is None:
                     continue
                 if fp is not None and hit[4] is not None and fp != hit[4]:
-                    raise _conflict(key, ns)  # before anything is written
+                    raise fingerprint_conflict(key, ns)  # before anything is written
                 claims.append(Claim(key, ns, Outcome.DUPLICATE, int(hit[2]), unpack_result(hit[5])))
             if len(claims) == len(raw):  # every key PROCESSED: no write transaction at all
                 self._count(ns, claims)
@@ -1322,7 +1316,9 @@ class SqlStore(ClaimAPI):
                 continue
             if r.state != _RELEASED:
                 if fp is not None and r.fingerprint is not None and fp != r.fingerprint:
-                    raise _conflict(key, ns)  # the transaction is rolled back: nothing changes
+                    raise fingerprint_conflict(
+                        key, ns
+                    )  # the transaction is rolled back: nothing changes
                 if r.state == _PROCESSED:
                     result = unpack_result(r.result)
                     claims.append(Claim(key, ns, Outcome.DUPLICATE, r.token, result))
