@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DURABILITY_MODES", "Retention", "StoreConfig"]
+__all__ = ["DURABILITY_MODES", "Retention", "StoreConfig", "policies"]
 
 DAY = 86400.0
 
@@ -124,9 +124,12 @@ class StoreConfig:
 
     def longest_exact_window(self) -> float:
         """The longest exact window of any namespace (the front filter's span)."""
-        return max(
-            [self.retention.exact_window, *(p.exact_window for p in self.namespaces.values())]
-        )
+        return max(p.exact_window for p in policies(self.retention, self.namespaces))
+
+
+def policies(retention: Retention, namespaces: Mapping[str, Retention]) -> list[Retention]:
+    """The default policy and every namespace's own: all the windows a store must cover."""
+    return [retention, *namespaces.values()]
 
 
 def check_lease(lease: object) -> float:

@@ -49,7 +49,7 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.bloom import BloomRing
-from dedupcore.config import Retention, check_lease
+from dedupcore.config import Retention, check_lease, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.tiers.archive import ColdArchive
@@ -112,11 +112,10 @@ class TieredStore(ClaimAPI):
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.cache_retry_after = cache_retry_after
-        windows = [self.retention.exact_window, *(p.exact_window for p in self.namespaces.values())]
         if isinstance(front, BloomRing):
             self.front: BloomRing | None = front
         elif front is True:
-            window = max(windows)
+            window = max(p.exact_window for p in policies(self.retention, self.namespaces))
             self.front = BloomRing(window, window / 8, front_slice_capacity, front_error_rate)
         elif front is False:
             self.front = None
@@ -125,13 +124,12 @@ class TieredStore(ClaimAPI):
         if archive is None or isinstance(archive, ColdArchive):
             self.archive = archive
         else:
-            cold = [self.retention.cold_window, *(p.cold_window for p in self.namespaces.values())]
+            cold = [p.cold_window for p in policies(self.retention, self.namespaces)]
             self.archive = ColdArchive(Path(archive), cold)
         self._lock = threading.Lock()
         self._fps: OrderedDict[tuple[bytes, bytes], bytes | None] = OrderedDict()
         self._counts: Counter[str] = Counter()
         self._outcomes: Counter[tuple[str, str]] = Counter()
-        self._seen_namespaces: set[str] = set()  # whose keys sweep() looks for in Redis
         self._cache_down_until = 0.0
         self._closed = False
 
@@ -186,6 +184,26 @@ class TieredStore(ClaimAPI):
             )
             return None
 
+    def _cache_entry(
+        self, k: bytes, token: int, result: Any, fp: object = _MISSING
+    ) -> tuple[bytes, Cached] | None:
+        """A PROCESSED record as the cache holds it; None if its result cannot be kept there."""
+        try:
+            packed = pack_result(result, self.max_result_bytes)
+        except (TypeError, ValueError):
+            return None  # the authority accepted it under its own limit
+        if fp is _MISSING:
+            return k, Cached(token, packed)  # fingerprint unknown: claims with one go on
+        return k, Cached(token, packed, cast("bytes | None", fp), True)
+
+    def _write_through(
+        self, ns: bytes, namespace: str, entries: list[tuple[bytes, Cached]]
+    ) -> None:
+        if entries and self.cache is not None:
+            cache = self.cache
+            ttl = self._policy(namespace).hot_window
+            self._cache_call("writes", lambda: cache.put_many(ns, entries, ttl))
+
     def _remember(self, ns: bytes, k: bytes, fp: bytes | None) -> None:
         with self._lock:
             self._fps[(ns, k)] = fp
@@ -220,7 +238,6 @@ class TieredStore(ClaimAPI):
         n = len(raw)
         if not n:
             return []
-        self._seen_namespaces.add(namespace)
         hashes = _keys.front_hashes(_keys.digests(ns, raw))
         out: list[Claim | None] = [None] * n
         seen = list(self.front.contains_many(hashes)) if self.front is not None else [True] * n
@@ -278,15 +295,10 @@ class TieredStore(ClaimAPI):
                 if c.outcome is Outcome.NEW:
                     self._remember(ns, raw[i], fps[i])
                 elif c.outcome is Outcome.DUPLICATE and c.exact and self.cache is not None:
-                    try:
-                        packed = pack_result(c.result, self.max_result_bytes)
-                    except (TypeError, ValueError):
-                        continue
-                    fills.append((raw[i], Cached(c.token, packed)))
-        if fills and self.cache is not None:
-            cache = self.cache
-            ttl = self._policy(namespace).hot_window
-            self._cache_call("writes", lambda: cache.put_many(ns, fills, ttl))
+                    fill = self._cache_entry(raw[i], c.token, c.result)
+                    if fill is not None:
+                        fills.append(fill)
+        self._write_through(ns, namespace, fills)
         if self.front is not None:
             self.front.add_many(hashes, time.time())
         claims = [c for c in out if c is not None]
@@ -305,20 +317,11 @@ class TieredStore(ClaimAPI):
         for key, token, result in checked:
             k = _keys.check_key(key, self.max_key_bytes)
             fp = self._forget(ns, k)
-            if self.cache is None:
-                continue
-            try:
-                packed = pack_result(result, self.max_result_bytes)
-            except (TypeError, ValueError):
-                continue  # the authority accepted it under its own limit
-            if fp is _MISSING:
-                entries.append((k, Cached(token, packed)))
-            else:
-                entries.append((k, Cached(token, packed, cast("bytes | None", fp), True)))
-        if entries and self.cache is not None:
-            cache = self.cache
-            ttl = self._policy(namespace).hot_window
-            self._cache_call("writes", lambda: cache.put_many(ns, entries, ttl))
+            if self.cache is not None:
+                entry = self._cache_entry(k, token, result, fp)
+                if entry is not None:
+                    entries.append(entry)
+        self._write_through(ns, namespace, entries)
 
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases at the authority (the cache never holds a claim that can be released)."""
@@ -371,7 +374,9 @@ class TieredStore(ClaimAPI):
                 if purge(limit=limit, before_delete=add) < limit:
                     break
         elif expiring is not None and archive is not None:
-            for namespace in sorted({*self.namespaces, *self._seen_namespaces}):
+            # Every namespace configured or claimed through this stack.
+            claimed = {ns for ns, _ in list(self._outcomes)}
+            for namespace in sorted({*self.namespaces, *claimed}):
                 add(namespace, expiring(namespace, 2 * self.sweep_interval, count=limit))
         if archive is not None:
             archive.expire(now_w)

@@ -54,7 +54,7 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.bloom import BloomRing
-from dedupcore.config import Retention, StoreConfig, check_lease
+from dedupcore.config import Retention, StoreConfig, check_lease, policies
 from dedupcore.errors import (
     CorruptFileError,
     DedupError,
@@ -142,10 +142,7 @@ class DedupStore(ClaimAPI):
             self._ns_names = {i: name.decode() for name, i in self._ns_ids.items()}
             self._cold = ColdArchive(
                 self.path / "cold",
-                [
-                    config.retention.cold_window,
-                    *(p.cold_window for p in config.namespaces.values()),
-                ],
+                [p.cold_window for p in policies(config.retention, config.namespaces)],
                 slice_capacity=config.cold_slice_capacity,
                 error_rate=config.cold_error_rate,
                 readonly=readonly,
