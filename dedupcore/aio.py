@@ -34,11 +34,11 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
-from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
+from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, result_refused
 from dedupcore.client import DEFAULT_SOCKET
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
+from dedupcore.errors import StaleTokenError, UnavailableError
 
 __all__ = ["DEFAULT_SOCKET", "Client"]
 
@@ -377,11 +377,10 @@ class Client:
         try:
             await self.complete(key, c.token, namespace=namespace, result=c.result)
         except (TypeError, ValueError) as exc:
-            if isinstance(exc, DedupError):
+            if not result_refused(exc):
                 raise  # the store's own answer (e.g. the lease was taken over)
-            # The work is done but its result cannot be stored: record the key
-            # as processed without it, so that a redelivery does not do the
-            # work a second time, and tell the caller.
+            # Record the key as processed without its result, so that a
+            # redelivery does not do the work a second time; tell the caller.
             await self.complete(key, c.token, namespace=namespace)
             raise
 

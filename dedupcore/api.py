@@ -36,6 +36,7 @@ __all__ = [
     "fingerprint_conflict",
     "namespace_counts",
     "pack_result",
+    "result_refused",
     "unpack_result",
 ]
 
@@ -142,6 +143,17 @@ def fingerprint_conflict(key: object, namespace: str) -> ConflictError:
         f"key {key!r} in namespace {namespace!r} was claimed with a different fingerprint "
         "(same idempotency key, another request)"
     )
+
+
+def result_refused(exc: BaseException) -> bool:
+    """Whether ``complete`` failed because the store cannot keep the result.
+
+    That is a TypeError/ValueError about the result (not msgpack-serializable,
+    over the store's limit), not one of the store's own answers such as
+    :class:`StaleTokenError`: the work is done, so the key should be completed
+    without the result rather than left to run again.
+    """
+    return isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, DedupError)
 
 
 def change_items(items: Iterable[Any], *, with_results: bool) -> list[tuple[Any, int, Any]]:
@@ -305,11 +317,10 @@ class ClaimAPI(ABC):
         try:
             self.complete(key, c.token, namespace=namespace, result=c.result)
         except (TypeError, ValueError) as exc:
-            if isinstance(exc, DedupError):
+            if not result_refused(exc):
                 raise  # the store's own answer (e.g. the lease was taken over)
-            # The work is done but its result cannot be stored: record the key
-            # as processed without it, so that a redelivery does not do the
-            # work a second time, and tell the caller.
+            # Record the key as processed without its result, so that a
+            # redelivery does not do the work a second time; tell the caller.
             self.complete(key, c.token, namespace=namespace)
             raise
 

@@ -87,7 +87,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from dedupcore.api import Outcome, pack_result
+from dedupcore.api import Outcome, pack_result, result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.keys import check_namespace
 
@@ -516,7 +516,7 @@ class _Exchange:
                     "complete", self.key, self.token, namespace=self.mw.namespace, result=result
                 )
             except (TypeError, ValueError) as exc:
-                if isinstance(exc, StaleTokenError) or result[0] != _RESPONSE:
+                if not result_refused(exc) or result[0] != _RESPONSE:
                     raise
                 # The store's own limit (a daemon's) is below the one assumed here.
                 note = [_NOT_REPLAYABLE, f"the store refused to keep it ({exc})", status]

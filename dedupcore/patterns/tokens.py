@@ -76,7 +76,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dedupcore.api import ClaimAPI, InProgressError, Outcome, pack_result, unpack_result
+from dedupcore.api import (
+    ClaimAPI,
+    InProgressError,
+    Outcome,
+    pack_result,
+    result_refused,
+    unpack_result,
+)
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.keys import check_namespace
 from dedupcore.record import State
@@ -352,9 +359,9 @@ class Tokens:
             return self._complete_unstored(key, token, result, exc)
         try:
             self.store.complete(key, token, namespace=self.namespace, result=envelope)
-        except StaleTokenError:
-            raise
         except (TypeError, ValueError) as exc:
+            if not result_refused(exc):
+                raise
             # The store's own limit (a daemon's) was lower than the one known here.
             return self._complete_unstored(key, token, result, exc)
         return unpack_result(packed)[1]
