@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Generic, TypeVar, Union
 
 from dedupcore import keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
@@ -439,3 +439,36 @@ class _AsyncGate(_Gate):
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+G = TypeVar("G", bound=_Gate)
+
+
+class _Consumer(Generic[G]):
+    """What every per-message broker consumer keeps: the gate that runs the contract,
+    how the key is found, the retry delay and a tally of verdicts."""
+
+    def __init__(
+        self,
+        gate: type[G],
+        store: Any,
+        handler: Callable[[Delivery], Any],
+        *,
+        namespace: str,
+        key: KeyFunc | None,
+        key_header: str | None,
+        retry_delay: float,
+        lease: float | None,
+        owner: bytes | str | None,
+        before_ack: BeforeAck | None,
+    ) -> None:
+        if retry_delay < 0:
+            raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
+        self._gate = gate(
+            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+        )
+        self.namespace = namespace
+        self.key = key
+        self.key_header = key_header
+        self.retry_delay = retry_delay
+        self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)

@@ -64,6 +64,7 @@ from dedupcore.integrations._common import (
     TransactionalTable,
     Verdict,
     _AsyncGate,
+    _Consumer,
     derive_key,
 )
 
@@ -82,7 +83,7 @@ log = logging.getLogger("dedupcore.integrations")
 MSG_ID_HEADER = "Nats-Msg-Id"
 
 
-class JetStreamConsumer:
+class JetStreamConsumer(_Consumer[_AsyncGate]):
     """Runs the dedup contract over messages of a JetStream pull subscription.
 
     ``handler(delivery)`` may be ``async def`` (except in table mode).
@@ -106,17 +107,19 @@ class JetStreamConsumer:
         before_ack: BeforeAck | None = None,
         ack_sync: bool = False,
     ) -> None:
-        if retry_delay < 0:
-            raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
-        self._gate = _AsyncGate(
-            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+        super().__init__(
+            _AsyncGate,
+            store,
+            handler,
+            namespace=namespace,
+            key=key,
+            key_header=key_header,
+            retry_delay=retry_delay,
+            lease=lease,
+            owner=owner,
+            before_ack=before_ack,
         )
-        self.namespace = namespace
-        self.key = key
-        self.key_header = key_header
-        self.retry_delay = retry_delay
         self.ack_sync = ack_sync
-        self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
 
     async def handle(self, msg: Any) -> Verdict:
         """The decision for one message, without replying to it."""

@@ -98,6 +98,7 @@ from dedupcore.integrations._common import (
     TransactionalTable,
     Verdict,
     _AsyncGate,
+    _Consumer,
     _Gate,
     derive_key,
     log,
@@ -122,7 +123,7 @@ def _pika_headers(properties: Any) -> Mapping[str, Any]:
     return headers if isinstance(headers, Mapping) else {}
 
 
-class DedupConsumer:
+class DedupConsumer(_Consumer[_Gate]):
     """A pika ``on_message_callback`` that runs the dedup contract (see the module doc).
 
     ``store`` is a :class:`~dedupcore.api.ClaimAPI` store or a
@@ -149,17 +150,19 @@ class DedupConsumer:
         owner: bytes | str | None = None,
         before_ack: BeforeAck | None = None,
     ) -> None:
-        if retry_delay < 0:
-            raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
-        self._gate = _Gate(
-            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+        super().__init__(
+            _Gate,
+            store,
+            handler,
+            namespace=namespace,
+            key=key,
+            key_header=key_header,
+            retry_delay=retry_delay,
+            lease=lease,
+            owner=owner,
+            before_ack=before_ack,
         )
-        self.namespace = namespace
-        self.key = key
-        self.key_header = key_header
-        self.retry_delay = retry_delay
         self.failure_requeue = failure_requeue
-        self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
 
     def consume(self, channel: Any, queue: str, **kwargs: Any) -> str:
         """``channel.basic_consume(queue, self.on_message, **kwargs)`` (manual acks); the tag."""
@@ -221,7 +224,7 @@ class DedupConsumer:
 # -- aio-pika --------------------------------------------------------------------------
 
 
-class AsyncDedupConsumer:
+class AsyncDedupConsumer(_Consumer[_AsyncGate]):
     """An aio-pika consumer callback that runs the dedup contract (see the module doc).
 
     ``store`` may also be a :class:`dedupcore.aio.Client`; ``handler`` may be
@@ -245,17 +248,19 @@ class AsyncDedupConsumer:
         owner: bytes | str | None = None,
         before_ack: BeforeAck | None = None,
     ) -> None:
-        if retry_delay < 0:
-            raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
-        self._gate = _AsyncGate(
-            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+        super().__init__(
+            _AsyncGate,
+            store,
+            handler,
+            namespace=namespace,
+            key=key,
+            key_header=key_header,
+            retry_delay=retry_delay,
+            lease=lease,
+            owner=owner,
+            before_ack=before_ack,
         )
-        self.namespace = namespace
-        self.key = key
-        self.key_header = key_header
-        self.retry_delay = retry_delay
         self.failure_requeue = failure_requeue
-        self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
         self._later: set[asyncio.Task[None]] = set()
 
     async def consume(self, queue: Any, **kwargs: Any) -> str:
