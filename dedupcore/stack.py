@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from dedupcore import keys as _keys
-from dedupcore._core import shard_many
+from dedupcore._core import shard_many, shard_of
 from dedupcore.api import (
     Claim,
     ClaimAPI,
@@ -461,16 +461,19 @@ class ShardedStore(ClaimAPI):
 
     def shard_of(self, key: bytes | str, *, namespace: str) -> int:
         """The index of the shard that holds ``key``."""
-        return self._route(_keys.check_namespace(namespace), [key])[0][0]
+        joined = (
+            _keys.check_namespace(namespace) + b"\x00" + _keys.check_key(key, self.max_key_bytes)
+        )
+        return shard_of(joined, len(self.shards))
 
-    def _route(self, ns: bytes, keys: Sequence[Any]) -> tuple[list[int], dict[int, list[int]]]:
+    def _route(self, ns: bytes, keys: Sequence[Any]) -> dict[int, list[int]]:
+        """Positions of the batch's keys, grouped by shard."""
         prefix = ns + b"\x00"
         joined = [prefix + _keys.check_key(k, self.max_key_bytes) for k in keys]
-        where = list(shard_many(joined, len(self.shards))) if joined else []
         groups: dict[int, list[int]] = {}
-        for i, s in enumerate(where):
+        for i, s in enumerate(shard_many(joined, len(self.shards)) if joined else ()):
             groups.setdefault(s, []).append(i)
-        return where, groups
+        return groups
 
     def _each(self, calls: dict[int, Callable[[], T]]) -> dict[int, T | BaseException]:
         """Runs one call per shard concurrently; a single shard runs inline."""
@@ -508,7 +511,7 @@ class ShardedStore(ClaimAPI):
             check_lease(lease)
         if not key_list:
             return []
-        _, groups = self._route(ns, key_list)
+        groups = self._route(ns, key_list)
 
         def call(s: int, idx: list[int]) -> Callable[[], list[Claim]]:
             shard = self.shards[s]
@@ -547,7 +550,7 @@ class ShardedStore(ClaimAPI):
     def _change(self, items: Iterable[Any], namespace: str, *, complete: bool) -> None:
         checked = change_items(items, with_results=complete)
         ns = _keys.check_namespace(namespace)
-        _, groups = self._route(ns, [k for k, _, _ in checked])
+        groups = self._route(ns, [k for k, _, _ in checked])
 
         def call(s: int, idx: list[int]) -> Callable[[], None]:
             shard = self.shards[s]

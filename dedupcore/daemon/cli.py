@@ -112,8 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
     log.info("serving %r", store)
+    stop_sweeping = threading.Event()
     if hasattr(store, "sweep") and (remote or s.get("cache") or s.get("archive")):
-        _start_sweeper(store)
+        _start_sweeper(store, stop_sweeping)
     options: dict[str, Any] = {}
     if s.get("group"):
         options["group"] = s["group"]
@@ -131,21 +132,20 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
     finally:
+        stop_sweeping.set()
         store.close()
     return 0
 
 
-def _start_sweeper(store: Any, interval: float = 60.0) -> None:
-    """Demotes a stacked store's expiring records to its cold archive every ``interval`` s."""
+def _start_sweeper(store: Any, stop: threading.Event, interval: float = 60.0) -> None:
+    """Demotes a stacked store's expiring records to its cold archive every ``interval`` s,
+    until ``stop`` is set."""
 
     def loop() -> None:
-        while True:
-            time.sleep(interval)
+        while not stop.wait(interval):
             try:
                 store.sweep()
             except DedupError as exc:
-                if "closed" in str(exc):
-                    return
                 log.warning("sweep failed: %s", exc)
             except Exception:
                 log.exception("sweep failed")
