@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +97,56 @@ def absent_keys(cfg: BenchConfig) -> list[bytes]:
 def fpr_keys(cfg: BenchConfig) -> list[bytes]:
     """The absent keys of the false-positive-rate measurement."""
     return random_keys(cfg.fpr_n, cfg.seed + 2)
+
+
+# -- what every store/daemon/tier benchmark records beside its figures ------------------
+
+REPO = Path(__file__).resolve().parent.parent
+_LOAD_AT_START: list[float] = []
+
+
+@pytest.fixture(autouse=True)
+def _load_average() -> None:
+    """The 1-minute load average when each benchmark starts (a noisy-machine hint)."""
+    _LOAD_AT_START[:] = [os.getloadavg()[0]]
+
+
+def git_provenance() -> dict[str, Any]:
+    """The commit measured and the files of dedupcore/ and ext/ changed since it."""
+    info: dict[str, Any] = {}
+    try:
+        info["git_rev"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "dedupcore", "ext"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        info["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def record_info(
+    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
+) -> dict[str, Any]:
+    """Writes what identifies a benchmark into its extra_info (with the load average
+    at its start and end); returns the dict for the caller's own figures."""
+    info: dict[str, Any] = benchmark.extra_info
+    info.update(
+        library=library,
+        operation=operation,
+        n_keys=n_keys,
+        call=call,
+        loadavg_1min=[*_LOAD_AT_START, os.getloadavg()[0]],
+        **extra,
+    )
+    return info

@@ -67,7 +67,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.conftest import CONFIG, _env_int, random_keys
+from benchmarks.conftest import CONFIG, _env_int, git_provenance, random_keys, record_info
 
 NS = "bench/daemon"
 REPO = Path(__file__).resolve().parent.parent
@@ -124,25 +124,11 @@ CALLS = {
 
 
 def _provenance() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": sys.version.split()[0], "repo": str(REPO)}
-    try:
-        info["git_rev"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "dedupcore", "ext"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-        info["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "repo": str(REPO),
+        **git_provenance(),
+    }
     try:
         import uvloop  # noqa: F401
     except ImportError:
@@ -152,26 +138,16 @@ def _provenance() -> dict[str, Any]:
     return info
 
 
-_LOAD_AT_START: list[float] = []
-
-
-@pytest.fixture(autouse=True)
-def _load_average() -> None:
-    """The 1-minute load average when each benchmark starts (a noisy-machine hint)."""
-    _LOAD_AT_START[:] = [os.getloadavg()[0]]
-
-
 def _record(
     benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
 ) -> None:
-    info = benchmark.extra_info
-    info.update(
+    info = record_info(
+        benchmark,
         library=library,
         operation=operation,
         n_keys=n_keys,
         call=call,
         daemon_bench=asdict(DCFG),
-        loadavg_1min=[*_LOAD_AT_START, os.getloadavg()[0]],
         cpus=os.cpu_count(),
         **_provenance(),
         **extra,

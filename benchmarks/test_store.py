@@ -43,7 +43,6 @@ import hashlib
 import os
 import shutil
 import sqlite3
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.conftest import CONFIG, _env_int, random_keys
+from benchmarks.conftest import CONFIG, _env_int, git_provenance, random_keys, record_info
 
 NS = "bench/store"
 REDIS_PREFIX = b"dcbench:"
@@ -91,25 +90,7 @@ WARMUP = 500  # single calls made before the latency measurement (not recorded)
 
 def _provenance() -> dict[str, Any]:
     """What was measured: the commit and whether store/ext had local changes."""
-    info: dict[str, Any] = {"sqlite_version": sqlite3.sqlite_version}
-    try:
-        info["git_rev"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "dedupcore", "ext"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-        info["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    info: dict[str, Any] = {"sqlite_version": sqlite3.sqlite_version, **git_provenance()}
     # The code measured, byte for byte (the store is being worked on concurrently).
     digest = hashlib.sha256()
     package = REPO / "dedupcore"
@@ -120,26 +101,18 @@ def _provenance() -> dict[str, Any]:
 
 
 PROVENANCE = _provenance()
-_LOAD_AT_START: list[float] = []
-
-
-@pytest.fixture(autouse=True)
-def _load_average() -> None:
-    """Remembers the 1-minute load average when each benchmark starts (a noisy-machine hint)."""
-    _LOAD_AT_START[:] = [os.getloadavg()[0]]
 
 
 def _record(
     benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
 ) -> None:
-    info = benchmark.extra_info
-    info.update(
+    info = record_info(
+        benchmark,
         library=library,
         operation=operation,
         n_keys=n_keys,
         call=call,
         store_bench=asdict(SCFG),
-        loadavg_1min=[*_LOAD_AT_START, os.getloadavg()[0]],
         **PROVENANCE,
         **extra,
     )

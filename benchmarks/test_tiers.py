@@ -59,7 +59,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.conftest import _env_int, random_keys
+from benchmarks.conftest import _env_int, random_keys, record_info
 from benchmarks.test_store import PROVENANCE, _percentiles, _redis_info
 from dedupcore.api import Outcome
 
@@ -113,7 +113,6 @@ TCFG = TierBenchConfig(
 SINGLE_WARMUP = 200
 ALT_REDIS = os.environ.get("DEDUPCORE_BENCH_TIER_ALT_REDIS", "")
 ALT_SQL = os.environ.get("DEDUPCORE_BENCH_TIER_ALT_SQL", "")
-_LOAD_AT_START: list[float] = []
 
 
 def _needs(engine: str) -> None:
@@ -126,22 +125,16 @@ def _import(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-@pytest.fixture(autouse=True)
-def _load_average() -> None:
-    _LOAD_AT_START[:] = [os.getloadavg()[0]]
-
-
 def _record(
     benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
 ) -> None:
-    info = benchmark.extra_info
-    info.update(
+    info = record_info(
+        benchmark,
         library=library,
         operation=operation,
         n_keys=n_keys,
         call=call,
         tier_bench=asdict(TCFG),
-        loadavg_1min=[*_LOAD_AT_START, os.getloadavg()[0]],
         **PROVENANCE,
         **extra,
     )
