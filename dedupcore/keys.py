@@ -25,6 +25,7 @@ __all__ = [
     "digests",
     "front_hash",
     "front_hashes",
+    "key_hashes",
     "u64",
 ]
 
@@ -93,6 +94,16 @@ def digests(namespace: bytes, keys: list[bytes]) -> list[bytes]:
     hi = hash64_many(joined, DIGEST_SEED_HI)
     pack = _DIGEST.pack
     return [pack(a, b) for a, b in zip(lo, hi, strict=True)]
+
+
+def key_hashes(namespace: bytes, keys: Sequence[bytes]) -> memoryview:
+    """The Bloom-filter hashes of checked keys, without their full record digests.
+
+    The same values as ``front_hashes(digests(namespace, keys))``: the first
+    half of each digest, computed alone where no record is looked up.
+    """
+    prefix = namespace + b"\x00"
+    return hash64_many([prefix + k for k in keys], 0)
 
 
 def front_hash(d: bytes) -> int:

@@ -238,7 +238,7 @@ class TieredStore(ClaimAPI):
         n = len(raw)
         if not n:
             return []
-        hashes = _keys.front_hashes(_keys.digests(ns, raw))
+        hashes = _keys.key_hashes(ns, raw)
         out: list[Claim | None] = [None] * n
         seen = list(self.front.contains_many(hashes)) if self.front is not None else [True] * n
         self._counts["front_negative"] += seen.count(False)
@@ -340,7 +340,7 @@ class TieredStore(ClaimAPI):
         rec = self.authority.get(key, namespace=namespace)
         if rec is not None or self.archive is None:
             return rec
-        hashes = _keys.front_hashes(_keys.digests(ns, [k]))
+        hashes = _keys.key_hashes(ns, [k])
         if self.archive.contains_many(self._policy(namespace).cold_window, hashes)[0]:
             return KeyRecord(State.PROCESSED, 0, None, None, None, 0.0, 0.0, exact=False)
         return None
@@ -363,8 +363,8 @@ class TieredStore(ClaimAPI):
             if archive is None or not keys:
                 return
             window = self._policy(namespace).cold_window
-            digests = _keys.digests(_keys.check_namespace(namespace), keys)
-            moved += archive.add_many(window, _keys.front_hashes(digests), now_w)
+            hashes = _keys.key_hashes(_keys.check_namespace(namespace), keys)
+            moved += archive.add_many(window, hashes, now_w)
 
         purge = getattr(self.authority, "purge", None)
         expiring = getattr(self.authority, "expiring", None)

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dedupcore import _core, hash64
+from dedupcore import keys as dkeys
 from dedupcore._core import hash64_many
 
 SEEDS = [0, 1, 2**32, 2**64 - 1]
@@ -173,3 +174,12 @@ def test_format_constants() -> None:
     assert _core.BLOCK_BYTES == 64
     assert _core.LANES == 8
     assert _core.MAX_BLOCKS == 2**32 - 1
+
+
+def test_key_hashes_are_the_front_hashes_of_the_digests() -> None:
+    # A stack reads cold archives the embedded store wrote from digests.
+    raw = [b"a", "ü".encode(), b"x" * 512, b"\x00"]
+    assert list(dkeys.key_hashes(b"orders/billing", raw)) == list(
+        dkeys.front_hashes(dkeys.digests(b"orders/billing", raw))
+    )
+    assert len(dkeys.key_hashes(b"ns", [])) == 0
