@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DURABILITY_MODES", "Retention", "StoreConfig", "policies"]
+__all__ = ["DURABILITY_MODES", "MAX_LEASE_SECONDS", "MIN_LEASE_SECONDS", "Retention", "StoreConfig", "policies"]
 
 DAY = 86400.0
 
@@ -132,10 +132,22 @@ def policies(retention: Retention, namespaces: Mapping[str, Retention]) -> list[
     return [retention, *namespaces.values()]
 
 
+#: Bounds of a lease, shared by every store, the daemon and the CLI. A lease
+#: is how long one attempt at the work may take before another consumer takes
+#: the key over; 30 days is far beyond any sane attempt and still fits every
+#: record format (the embedded log, Redis' integer milliseconds, SQL
+#: intervals). A millisecond is the resolution every authority keeps.
+MAX_LEASE_SECONDS = 30 * 86400.0
+MIN_LEASE_SECONDS = 0.001
+
+
 def check_lease(lease: object) -> float:
-    """A lease in seconds, or ValueError/TypeError."""
+    """A lease in seconds within [MIN_LEASE_SECONDS, MAX_LEASE_SECONDS], or ValueError/TypeError."""
     if isinstance(lease, bool) or not isinstance(lease, (int, float)):
         raise TypeError(f"lease must be a number of seconds, not {type(lease).__name__}")
-    if not math.isfinite(lease) or lease <= 0:
-        raise ValueError(f"lease must be > 0 seconds, got {lease!r}")
+    if not math.isfinite(lease) or not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:
+        raise ValueError(
+            f"lease must be between {MIN_LEASE_SECONDS} and {MAX_LEASE_SECONDS:.0f} seconds "
+            f"(30 days), got {lease!r}"
+        )
     return float(lease)

@@ -620,6 +620,7 @@ EDGE_CASES: list[Any] = [
     pytest.param(lambda a, ns: a.claim("k", namespace=ns.encode()).outcome, id="bytes-namespace"),
     pytest.param(lambda a, ns: a.claim(memoryview(b"k"), namespace=ns).outcome, id="memoryview"),
     pytest.param(lambda a, ns: a.claim("k", namespace=ns, lease=1e-9).outcome, id="tiny-lease"),
+    pytest.param(lambda a, ns: a.claim("k", namespace=ns, lease=1e39).outcome, id="huge-lease"),
     pytest.param(lambda a, ns: a.complete("k", 2**64, namespace=ns), id="token-2**64"),
     pytest.param(lambda a, ns: a.complete("k", 2**63, namespace=ns), id="token-2**63"),
     pytest.param(

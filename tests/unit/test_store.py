@@ -135,6 +135,8 @@ def test_namespaces_are_separate_keys(store: DedupStore) -> None:
         ({"lease": -1.0}, ValueError),
         ({"lease": float("nan")}, ValueError),
         ({"lease": "30"}, TypeError),
+        ({"lease": 1e39}, ValueError),  # past MAX_LEASE_SECONDS: refused, never half-logged
+        ({"lease": 30 * 86400 + 1}, ValueError),
         ({"fingerprint": "text"}, TypeError),
         ({"owner": 12}, TypeError),
     ],
@@ -145,6 +147,11 @@ def test_bad_claim_input_is_a_precise_error(store: DedupStore, kwargs, error) ->
     with pytest.raises(error):
         store.claim(key, **args)
     assert store.claim(b"ok", namespace=NS).outcome is Outcome.NEW  # nothing was claimed
+
+
+def test_store_config_refuses_a_lease_past_the_bound(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="30 days"):
+        DedupStore.open(tmp_path / "d", lease=1e39)
 
 
 def test_bad_key_in_batch_claims_nothing(store: DedupStore) -> None:
