@@ -1,4 +1,5 @@
-"""Builds dedupcore's native core (ext/_core.pyx) as the private dedupcore._core."""
+"""Builds dedupcore's native core: ext/_core.pyx (hashing, Bloom filters, sharding) as
+dedupcore._core and ext/_engine.pyx (the embedded store's claim engine) as dedupcore._engine."""
 
 import sys
 
@@ -14,7 +15,14 @@ extensions = [
         include_dirs=["ext"],
         depends=["ext/dc_hash.h"],
         extra_compile_args=compile_args,
-    )
+    ),
+    Extension(
+        "dedupcore._engine",
+        sources=["ext/_engine.pyx"],
+        include_dirs=["ext"],
+        depends=["ext/dc_hash.h", "ext/dc_engine.h"],
+        extra_compile_args=compile_args,
+    ),
 ]
 
 setup(

@@ -6,7 +6,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DURABILITY_MODES", "MAX_LEASE_SECONDS", "MIN_LEASE_SECONDS", "Retention", "StoreConfig", "policies"]
+__all__ = [
+    "DURABILITY_MODES",
+    "MAX_LEASE_SECONDS",
+    "MIN_LEASE_SECONDS",
+    "Retention",
+    "StoreConfig",
+    "policies",
+]
 
 DAY = 86400.0
 

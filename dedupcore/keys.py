@@ -25,6 +25,7 @@ __all__ = [
     "digests",
     "front_hash",
     "front_hashes",
+    "front_hashes_of",
     "key_hashes",
     "u64",
 ]
@@ -116,6 +117,13 @@ def front_hashes(ds: Sequence[bytes]) -> memoryview:
     if not ds:
         return memoryview(b"").cast("Q")
     return memoryview(b"".join(ds)).cast("Q")[::2]
+
+
+def front_hashes_of(joined: bytes) -> memoryview:
+    """The Bloom-filter hashes of concatenated 16-byte digests, as a uint64 buffer."""
+    if not joined:
+        return memoryview(b"").cast("Q")
+    return memoryview(joined).cast("Q")[::2]
 
 
 def u64(values: Sequence[int]) -> memoryview:

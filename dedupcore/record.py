@@ -1,4 +1,4 @@
-"""Dedup records and their compact, versioned binary encoding.
+"""Dedup records: their states and their stored format.
 
 A record is what the authority knows about one key: its state, the fencing
 token, the owner and lease of a PROCESSING claim, the fingerprint of the
@@ -7,32 +7,32 @@ retention). Lease deadlines are not stored: they are kept on the monotonic
 clock of the owning process, and a record loaded at startup gets a fresh
 lease of its stored duration (a holder may still be alive and complete it).
 
-Encoding (version 1), little-endian::
+The embedded store keeps records in the native engine (``dedupcore._engine``),
+which also encodes them; the format (version 2, docs/engine.md) is a
+handful of bytes next to the 16-byte digest, with the optional parts stored
+only when present and a checksum over digest and value::
 
-    u8  version (1)          u8  state
-    u16 namespace id         u64 token
-    f64 created (unix s)     f64 updated (unix s)
-    f32 lease (s)            u8  owner length, owner bytes
-    u8  fingerprint length, fingerprint bytes
-    u32 result length, result bytes (msgpack)
+    u8   head: state (bits 0-1), owner (bit 2), fingerprint (bit 3),
+         result (bit 4), created differs from updated (bit 5)
+    u16  namespace id            u48 updated (unix ms)
+    [varint zigzag(updated - created) in ms]    varint token
+    [u32 lease in ms, PROCESSING only]
+    [u8 length, owner]  [u8 length, fingerprint]  [varint length, result]
+    u32  low half of XXH64(digest + the bytes above)
+
+A PROCESSED record without a result is 14-15 bytes.
 """
 
 from __future__ import annotations
 
 import enum
-import struct
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from dedupcore import _engine
 from dedupcore.errors import CorruptFileError
 
-__all__ = ["Record", "State", "decode", "encode"]
-
-VERSION = 1
-_HEAD = struct.Struct("<BBHQddf")
-_U8 = struct.Struct("<B")
-_U32 = struct.Struct("<I")
-MAX_OWNER_BYTES = 255
-MAX_FINGERPRINT_BYTES = 255
+__all__ = ["State", "decode_stored", "encode_stored"]
 
 
 class State(enum.IntEnum):
@@ -43,85 +43,31 @@ class State(enum.IntEnum):
     RELEASED = 3  # a tombstone: the work may run again, the token keeps growing
 
 
-@dataclass(slots=True)
-class Record:
-    """One key's record in the authority."""
-
-    state: State
-    ns_id: int
-    token: int
-    created: float
-    updated: float
-    lease: float
-    owner: bytes | None = None
-    fingerprint: bytes | None = None
-    result: bytes | None = None  # msgpack-encoded result
-    deadline: float = 0.0  # monotonic lease deadline (not stored)
-    lsn: int = 0  # log position of the last change (not stored)
-
-
-def encode(r: Record) -> bytes:
-    """The record's stored bytes."""
-    owner = r.owner or b""
-    fp = r.fingerprint or b""
-    result = r.result if r.result is not None else b""
-    flags = (
-        (1 if r.owner is not None else 0)
-        | (2 if r.fingerprint is not None else 0)
-        | (4 if r.result is not None else 0)
-    )
-    return b"".join(
-        (
-            _HEAD.pack(
-                VERSION,
-                int(r.state) | (flags << 4),
-                r.ns_id,
-                r.token,
-                r.created,
-                r.updated,
-                r.lease,
-            ),
-            _U8.pack(len(owner)),
-            owner,
-            _U8.pack(len(fp)),
-            fp,
-            _U32.pack(len(result)),
-            result,
-        )
+def encode_stored(
+    digest: bytes,
+    state: State,
+    ns_id: int,
+    token: int,
+    created: float,
+    updated: float,
+    lease: float,
+    owner: bytes | None = None,
+    fingerprint: bytes | None = None,
+    result: bytes | None = None,
+) -> bytes:
+    """The stored bytes of one record under ``digest``."""
+    return _engine.encode_value(
+        digest, int(state), ns_id, token, created, updated, lease, owner, fingerprint, result
     )
 
 
-def decode(data: bytes | memoryview) -> Record:
-    """A record from its stored bytes; CorruptFileError if they are damaged."""
+def decode_stored(digest: bytes, raw: bytes, where: Path | str = "") -> tuple[Any, ...]:
+    """(state, ns_id, token, created, updated, lease, owner, fingerprint, result) of a
+    stored record; CorruptFileError if it fails its checksum or does not parse."""
     try:
-        version, packed, ns_id, token, created, updated, lease = _HEAD.unpack_from(data)
-        if version != VERSION:
-            raise CorruptFileError(f"record version {version} is not {VERSION}")
-        state = State(packed & 0x0F)
-        flags = packed >> 4
-        pos = _HEAD.size
-        (n,) = _U8.unpack_from(data, pos)
-        owner = bytes(data[pos + 1 : pos + 1 + n])
-        pos += 1 + n
-        (n,) = _U8.unpack_from(data, pos)
-        fp = bytes(data[pos + 1 : pos + 1 + n])
-        pos += 1 + n
-        (n,) = _U32.unpack_from(data, pos)
-        result = bytes(data[pos + 4 : pos + 4 + n])
-        if pos + 4 + n != len(data) or len(result) != n:
-            raise CorruptFileError("record length does not match its fields")
-    except (struct.error, ValueError) as exc:
-        if isinstance(exc, CorruptFileError):
-            raise
-        raise CorruptFileError(f"damaged record: {exc}") from exc
-    return Record(
-        state=state,
-        ns_id=ns_id,
-        token=token,
-        created=created,
-        updated=updated,
-        lease=lease,
-        owner=owner if flags & 1 else None,
-        fingerprint=fp if flags & 2 else None,
-        result=result if flags & 4 else None,
-    )
+        return tuple(_engine.decode_value(digest, raw))
+    except ValueError:
+        raise CorruptFileError(
+            f"{where}: the record of digest {digest.hex()} fails its checksum or does not "
+            "parse; the store refuses to answer from damaged data"
+        ) from None

@@ -25,19 +25,18 @@ Lease timeline of one key (tokens grow on every new owner)::
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+from dedupcore import _engine
 from dedupcore import keys as _keys
 from dedupcore.api import (
     Claim,
@@ -53,16 +52,17 @@ from dedupcore.api import (
     pack_result,
     unpack_result,
 )
-from dedupcore.bloom import BloomRing
+from dedupcore.bloom import BloomRing, atomic_write
 from dedupcore.config import Retention, StoreConfig, check_lease, policies
 from dedupcore.errors import (
     CorruptFileError,
     DedupError,
     StaleTokenError,
 )
-from dedupcore.record import Record, State, decode, encode
+from dedupcore.migrate import migrate_v1
+from dedupcore.record import State, decode_stored
 from dedupcore.tiers.archive import ColdArchive
-from dedupcore.tiers.lmdb import Change, LmdbTier
+from dedupcore.tiers.lmdb import LmdbTier
 from dedupcore.wal import WriteAheadLog
 
 __all__ = [
@@ -80,6 +80,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 LOCK_FILE = "LOCK"
+# The log position the saved front filter covers: every key logged through it
+# is in the filter. Written after the filter, before LMDB's checkpoint moves.
+FRONT_COVERS = "covers_lsn"
 _MAX_NAMESPACES = 65535
 
 
@@ -113,11 +116,14 @@ class DedupStore(ClaimAPI):
         self.readonly = readonly
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        self._recent: dict[bytes, Record] = {}
-        self._flushing: dict[bytes, Record] = {}
-        # PROCESSING records stay in memory whatever their age: their lease
-        # deadlines live on this process's monotonic clock, not on disk.
-        self._inflight: dict[bytes, Record] = {}
+        # Records in memory (the native engine's table): every PROCESSING
+        # record whatever its age (lease deadlines live on this process's
+        # monotonic clock, not on disk), every record logged since the last
+        # checkpoint, and clean copies read back from LMDB.
+        self._table = _engine.ClaimTable()
+        self._ckpt_lsn = 0  # LMDB holds every record through this log position
+        self._last_lsn = 0  # the last log position written
+        self._unflushed = 0  # records logged and not yet in LMDB (about)
         self._stats = _Stats()
         self._closed = False
         self._failed: BaseException | None = None
@@ -138,6 +144,15 @@ class DedupStore(ClaimAPI):
             self._lmdb = LmdbTier(
                 self.path / "lmdb", map_size=config.map_size, readonly=readonly, sync=durable
             )
+            if self._lmdb.format == b"1":
+                migrate_v1(
+                    self._lmdb,
+                    self.path / "wal",
+                    readonly=readonly,
+                    window_of=lambda ns_id: (
+                        self.config.retention_for(self._lmdb_namespace(ns_id)).exact_window
+                    ),
+                )
             self._ns_ids = {name: i for name, i in self._lmdb.namespaces().items()}
             self._ns_names = {i: name.decode() for name, i in self._ns_ids.items()}
             self._cold = ColdArchive(
@@ -270,6 +285,15 @@ class DedupStore(ClaimAPI):
             ring = BloomRing.open(path)
             if ring.window != window or ring.error_rate != self.config.front_error_rate:
                 raise CorruptFileError("front filter settings changed")
+            covers = _read_covers(path / FRONT_COVERS)
+            checkpoint = self._lmdb.checkpoint_lsn()
+            if covers < checkpoint:
+                # Valid files from an earlier moment (a restored or copied
+                # directory) would answer "definitely new" for keys LMDB holds.
+                raise CorruptFileError(
+                    f"front filter covers the log through {covers}, behind the checkpoint "
+                    f"{checkpoint}"
+                )
         except CorruptFileError as exc:
             if (path / "ring.json").exists() or self._lmdb.record_count():
                 log.warning(
@@ -310,10 +334,16 @@ class DedupStore(ClaimAPI):
             self._front.add_many(_keys.u64(batch), now)
             done += len(batch)
         progress(done)
-        for d in self._recent:
-            self._front.add_many(_keys.u64([_keys.front_hash(d)]), now)
+        held = self._table.digests()
+        if held:
+            self._front.add_many(_keys.front_hashes_of(held), now)
         if not self.readonly:
-            self._front.save()
+            self._save_front(self._last_lsn)
+
+    def _save_front(self, lsn: int) -> None:
+        """Saves the front filter and records that it covers the log through ``lsn``."""
+        self._front.save()
+        atomic_write(self.path / "front" / FRONT_COVERS, [f"{lsn}\n".encode()])
 
     # -- replay ----------------------------------------------------------------
 
@@ -321,29 +351,37 @@ class DedupStore(ClaimAPI):
         """Loads in-flight records and the log past the last checkpoint into memory."""
         now_w = time.time()
         now_m = time.monotonic()
+        self._ckpt_lsn = self._lmdb.checkpoint_lsn()
         held = self._lmdb.inflight_digests()
-        for d, raw in zip(held, self._lmdb.get_many(held), strict=True):
-            if raw is not None:
-                r = decode(raw)
-                if r.state is State.PROCESSING:
-                    # A holder may still be alive: it gets a fresh lease of its duration.
-                    r.deadline = now_m + r.lease
-                    self._inflight[d] = r
-        replayed: list[bytes] = []
-        for lsn, payload in self._wal.replay(self._lmdb.checkpoint_lsn()):
-            for digest, record in _unpack_batch(payload):
-                record.lsn = lsn
-                self._recent[digest] = record
-                replayed.append(digest)
-                if record.state is State.PROCESSING:
-                    record.deadline = now_m + record.lease
-                    self._inflight[digest] = record
-                else:
-                    self._inflight.pop(digest, None)
-        if replayed:
-            self._front.add_many(_keys.front_hashes(replayed), now_w)
+        # A holder may still be alive: a PROCESSING record gets a fresh lease of its duration.
+        self._load(held, self._lmdb.get_many(held), now_m)
+        for lsn, payload in self._wal.replay(self._ckpt_lsn):
+            try:
+                replayed = self._table.replay(payload, lsn, now_m)
+            except ValueError as exc:
+                raise CorruptFileError(
+                    f"{self.path / 'wal'}: log record {lsn} is damaged: {exc}"
+                ) from None
+            if replayed:
+                self._front.add_many(_keys.front_hashes_of(replayed), now_w)
+        self._last_lsn = max(self._ckpt_lsn, self._wal.last_lsn)
+        self._unflushed = self._table.dirty(self._ckpt_lsn)
+
+    def _load(self, digests: list[bytes], raws: list[bytes | None], now_m: float) -> None:
+        """Puts records read from LMDB into the table; CorruptFileError if one is damaged."""
+        bad = self._table.load(digests, raws, now_m)
+        if bad >= 0:
+            raise CorruptFileError(
+                f"{self.path / 'lmdb'}: the record of digest {digests[bad].hex()} fails its "
+                "checksum; the store refuses to answer from damaged data (restore the "
+                "directory from a backup)"
+            )
 
     # -- namespaces ----------------------------------------------------------
+
+    def _lmdb_namespace(self, ns_id: int) -> str:
+        names = {i: name.decode() for name, i in self._lmdb.namespaces().items()}
+        return names.get(ns_id, "")
 
     def _ns_id(self, namespace: bytes) -> int:
         ns_id = self._ns_ids.get(namespace)
@@ -366,34 +404,31 @@ class DedupStore(ClaimAPI):
 
     # -- lookups ---------------------------------------------------------------
 
-    def _records(self, digests: Sequence[bytes], ns_id: int) -> list[Record | None]:
-        """Current records of digests (under the lock): memory, then front, then LMDB."""
-        out: list[Record | None] = [None] * len(digests)
-        missing: list[int] = []
-        for i, d in enumerate(digests):
-            r = self._inflight.get(d) or self._recent.get(d) or self._flushing.get(d)
-            if r is None:
-                missing.append(i)
-            else:
-                out[i] = r
+    def _fetch(self, joined: bytes, digests: Sequence[bytes]) -> list[int]:
+        """Brings the digests' records into the table (under the lock); returns the
+        indexes of those the exact tiers do not hold: memory, then front, then LMDB."""
+        if self._table.clean > self.config.checkpoint_records:
+            # Clean copies are a read cache: drop them before they crowd the table.
+            self._table.evict(self._ckpt_lsn)
+        missing = self._table.missing(joined)
         if not missing:
-            return out
+            return missing
         maybe = self._front.contains_many(
-            _keys.front_hashes(
-                digests if len(missing) == len(digests) else [digests[i] for i in missing]
+            _keys.front_hashes_of(
+                joined if len(missing) == len(digests) else b"".join(digests[i] for i in missing)
             )
         )
         to_read = [i for i, m in zip(missing, maybe, strict=True) if m]
         self._stats.front_negative += len(missing) - len(to_read)
         self._stats.front_positive += len(to_read)
-        if to_read:
-            self._stats.lmdb_reads += len(to_read)
-            raws = self._lmdb.get_many([digests[i] for i in to_read])
-            for i, raw in zip(to_read, raws, strict=True):
-                if raw is not None:
-                    # Never PROCESSING: in-flight records are all in memory.
-                    out[i] = decode(raw)
-        return out
+        if not to_read:
+            return missing
+        self._stats.lmdb_reads += len(to_read)
+        wanted = [digests[i] for i in to_read]
+        raws = self._lmdb.get_many(wanted)
+        self._load(wanted, raws, time.monotonic())
+        found = {i for i, raw in zip(to_read, raws, strict=True) if raw is not None}
+        return [i for i in missing if i not in found]
 
     def _cold_hits(self, digests: Sequence[bytes], ns_id: int) -> list[bool]:
         if not digests:
@@ -430,99 +465,42 @@ class DedupStore(ClaimAPI):
         if not raw_keys:
             return []
         digests = _keys.digests(ns, raw_keys)
+        joined = b"".join(digests)
         ns_id = self._ns_id(ns)
+        table = self._table
         with self._lock:
             self._check_usable(write=True)
             now_m = time.monotonic()
             now_w = time.time()
-            current = self._records(digests, ns_id)
-            pending: dict[bytes, Record] = {}
-            claims: list[Claim] = []
-            writes: list[tuple[bytes, Record]] = []
-            depends = 0
-            takeovers = 0
-            n_new = n_dup = n_busy = 0
-            no_record = [i for i, r in enumerate(current) if r is None]
-            cold_hits = self._cold_hits([digests[i] for i in no_record], ns_id)
-            cold = {i for i, hit in zip(no_record, cold_hits, strict=True) if hit}
-            # Records are never changed once logged, so every never-seen key
-            # of the batch shares one record (and one encoding in the log).
-            fresh: Record | None = None
-            renewals: list[tuple[bytes, Record]] = []
-            deadline = now_m + lease_s
-            for i, d in enumerate(digests):
-                r = pending.get(d, current[i]) if pending else current[i]
-                fp = fps[i]
-                key = key_list[i]
-                if r is not None and r.state is not State.RELEASED:
-                    if fp is not None and r.fingerprint is not None and fp != r.fingerprint:
-                        raise fingerprint_conflict(key, ns_name)
-                    if r.lsn > depends:
-                        depends = r.lsn
-                    if r.state is State.PROCESSED:
-                        n_dup += 1
-                        claims.append(
-                            Claim(key, ns_name, Outcome.DUPLICATE, r.token, unpack_result(r.result))
-                        )
-                        continue
-                    if owner_b is not None and r.owner == owner_b:
-                        # A lease renewal lives in memory only (deadlines are not stored).
-                        renewed = dataclasses.replace(r, deadline=deadline)
-                        renewals.append((d, renewed))
-                        pending[d] = renewed
-                        n_new += 1
-                        claims.append(Claim(key, ns_name, Outcome.NEW, r.token))
-                        continue
-                    if r.deadline > now_m:
-                        n_busy += 1
-                        claims.append(Claim(key, ns_name, Outcome.IN_PROGRESS, r.token))
-                        continue
-                    takeover = True
-                    takeovers += 1
-                else:
-                    if r is None and i in cold:
-                        n_dup += 1
-                        claims.append(Claim(key, ns_name, Outcome.DUPLICATE, 0, None, exact=False))
-                        continue
-                    takeover = False
-                if r is None and fp is None:
-                    if fresh is None:
-                        fresh = Record(
-                            State.PROCESSING,
-                            ns_id,
-                            1,
-                            now_w,
-                            now_w,
-                            lease_s,
-                            owner_b,
-                            None,
-                            None,
-                            deadline,
-                        )
-                    new = fresh
-                else:
-                    token = 1 if r is None else r.token + 1
-                    new = Record(
-                        State.PROCESSING,
-                        ns_id,
-                        token,
-                        now_w,
-                        now_w,
-                        lease_s,
-                        owner_b,
-                        fp,
-                        None,
-                        deadline,
-                    )
-                pending[d] = new
-                writes.append((d, new))
-                n_new += 1
-                claims.append(Claim(key, ns_name, Outcome.NEW, new.token, takeover=takeover))
+            absent = self._fetch(joined, digests)
+            cold: bytearray | None = None
+            if absent:
+                hits = self._cold_hits([digests[i] for i in absent], ns_id)
+                if any(hits):
+                    cold = bytearray(len(digests))
+                    for i, hit in zip(absent, hits, strict=True):
+                        cold[i] = hit
+            claims, conflict, depends, payloads, counts = table.claim(
+                joined,
+                key_list,
+                ns_name,
+                ns_id,
+                lease_s,
+                owner_b,
+                None if fingerprints is None else fps,
+                cold,
+                now_w,
+                now_m,
+                Claim,
+                _OUTCOMES,
+                _unpack_stored,
+            )
+            if claims is None:
+                raise fingerprint_conflict(key_list[conflict], ns_name)
             # Only now, with every key of the batch checked, does anything change.
-            for d, renewed in renewals:
-                if self._inflight.get(d) is not None:
-                    self._inflight[d] = renewed
-            last = self._log(writes)
+            written = table.staged_digests() if counts[4] else b""
+            last = self._log(payloads, counts[4])
+            n_new, n_dup, n_busy, takeovers, _ = counts
             for outcome, n in (
                 (Outcome.NEW, n_new),
                 (Outcome.DUPLICATE, n_dup),
@@ -531,8 +509,8 @@ class DedupStore(ClaimAPI):
                 if n:
                     self._stats.outcomes[(ns_name, outcome.value)] += n
             self._stats.takeovers += takeovers
-            if writes:
-                self._front.add_many(_keys.front_hashes([d for d, _ in writes]), now_w)
+            if written:
+                self._front.add_many(_keys.front_hashes_of(written), now_w)
         self._sync(max(last, depends))
         return claims
 
@@ -569,50 +547,24 @@ class DedupStore(ClaimAPI):
         if not parsed:
             return
         digests = _keys.digests(ns, [p[1] for p in parsed])
-        ns_id = self._ns_id(ns)
+        joined = b"".join(digests)
+        self._ns_id(ns)
+        tokens = [p[2] for p in parsed]
+        results = [p[3] for p in parsed] if state is State.PROCESSED else None
         with self._lock:
             self._check_usable(write=True)
             now_w = time.time()
-            current = self._records(digests, ns_id)
-            pending: dict[bytes, Record] = {}
-            writes: list[tuple[bytes, Record]] = []
-            depends = 0
-            for (key, _raw, token, packed), d, r0 in zip(parsed, digests, current, strict=True):
-                r = pending.get(d, r0)
-                if r is None or r.state is State.RELEASED:
-                    raise StaleTokenError(
-                        f"key {key!r} in namespace {ns_name!r} is not claimed (never claimed, "
-                        "released, or expired from the store)"
-                    )
-                if r.token != token:
-                    raise StaleTokenError(
-                        f"token {token} of key {key!r} is not the key's current token "
-                        f"{r.token} (a stale owner whose lease was taken over, or a wrong token)"
-                    )
-                if r.state is State.PROCESSED:
-                    if state is State.PROCESSED:
-                        depends = max(depends, r.lsn)  # a retried completion: already done
-                        continue
-                    raise StaleTokenError(
-                        f"key {key!r} was already completed; it cannot be released"
-                    )
-                new = Record(
-                    state,
-                    r.ns_id,
-                    token,
-                    r.created,
-                    now_w,
-                    r.lease,
-                    r.owner,
-                    r.fingerprint,
-                    packed if state is State.PROCESSED else None,
-                )
-                pending[d] = new
-                writes.append((d, new))
-            last = self._log(writes)
-            if state is State.PROCESSED and writes:
+            self._fetch(joined, digests)
+            bad, kind, current, depends, payloads, n = self._table.change(
+                joined, tokens, results, int(state), now_w
+            )
+            if bad >= 0:
+                raise _stale(kind, parsed[bad][0], tokens[bad], current, ns_name)
+            written = self._table.staged_digests() if n and state is State.PROCESSED else b""
+            last = self._log(payloads, n)
+            if written:
                 # Completion re-adds the key so the front spans the exact window from now.
-                self._front.add_many(_keys.front_hashes([d for d, _ in writes]), now_w)
+                self._front.add_many(_keys.front_hashes_of(written), now_w)
         self._sync(max(last, depends))
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
@@ -623,43 +575,44 @@ class DedupStore(ClaimAPI):
         d = _keys.digest(ns, raw)
         ns_id = self._ns_ids.get(ns, -1)
         with self._lock:
-            r = self._records([d], ns_id)[0]
+            self._fetch(d, [d])
+            r = self._table.get(d)
             if r is None:
                 if self._cold_hits([d], ns_id)[0]:
                     return KeyRecord(State.PROCESSED, 0, None, None, None, 0.0, 0.0, exact=False)
                 return None
-            depends = r.lsn
+            state, _ns, token, created, updated, _lease, owner, fp, result, depends, _ = r
         if not self.readonly:  # a read-only view reports the owner's log as it finds it
             self._sync(depends)
-        return KeyRecord(
-            r.state, r.token, r.owner, r.fingerprint, unpack_result(r.result), r.created, r.updated
-        )
+        return KeyRecord(State(state), token, owner, fp, _unpack_stored(result), created, updated)
 
     # -- the log -------------------------------------------------------------
 
-    def _log(self, writes: list[tuple[bytes, Record]]) -> int:
-        """Appends records to the log and to memory (under the lock); returns the last LSN.
+    def _log(self, payloads: list[bytes], count: int) -> int:
+        """Appends the staged records' payloads to the log and stores them in the table
+        (under the lock); returns the last LSN (0 if nothing was written).
 
-        A batch is one log record (split only past ``_LOG_CHUNK_BYTES``), see
-        :func:`_pack_batches`. Every record of the batch gets the batch's last LSN.
+        A batch is one log record (split only past 8 MiB). Every record of the
+        batch gets the batch's last LSN. An error before a byte reaches the log
+        (a payload the log refuses) leaves the store usable; after that, the
+        bytes past the last acknowledged record are unknown and the store stops.
         """
-        if not writes:
+        if not payloads:
+            self._table.apply(0)  # lease renewals only: memory, nothing to log
             return 0
         try:
-            last = self._wal.write(_pack_batches(writes))
+            last = self._wal.write(payloads)
+        except (ValueError, TypeError):
+            self._table.discard()
+            raise
         except BaseException as exc:
+            self._table.discard()
             self._failed = exc
             raise
-        recent = self._recent
-        inflight = self._inflight
-        for d, r in writes:
-            r.lsn = last
-            recent[d] = r
-            if r.state is State.PROCESSING:
-                inflight[d] = r
-            elif inflight:
-                inflight.pop(d, None)
-        if len(recent) >= self.config.checkpoint_records:
+        self._table.apply(last)
+        self._last_lsn = last
+        self._unflushed += count
+        if self._unflushed >= self.config.checkpoint_records:
             self._wake.notify_all()
         return last
 
@@ -682,48 +635,38 @@ class DedupStore(ClaimAPI):
     def _checkpoint(self) -> None:
         with self._checkpoint_lock:
             with self._lock:
-                if not self._recent:
+                upto = self._last_lsn
+                if upto <= self._ckpt_lsn:
+                    if self._table.clean:
+                        self._table.evict(self._ckpt_lsn)
                     self._last_checkpoint = time.monotonic()
                     return
-                snapshot = self._recent
-                self._flushing = snapshot
-                self._recent = {}
-                lsn = max(r.lsn for r in snapshot.values())
-            started = time.monotonic()
-            try:
-                with self._lock:
-                    # Later records go to a new segment, so the old ones can be dropped whole.
-                    self._wal.rotate()
-                    # Keys that stay in flight must not age out of the front filter:
-                    # those claimed more than half a front window ago go in again.
-                    now_w = time.time()
-                    old = now_w - self._front_window() / 2
-                    aged = [d for d, r in self._inflight.items() if r.updated < old]
-                    if aged:
-                        self._front.add_many(_keys.front_hashes(aged), now_w)
-                    # The front is saved before LMDB records the checkpoint, so a
-                    # saved front holds every key LMDB holds.
-                    self._front.save()
-                self._wal.sync(lsn, force=True)
-                changes = []
-                for d, r in snapshot.items():
-                    expiry = None
-                    if r.state is not State.PROCESSING:
-                        window = self._retention(r.ns_id).exact_window
-                        expiry = int((r.updated + window) * 1000)
-                    changes.append(Change(d, encode(r), expiry, r.state is State.PROCESSING))
-                self._lmdb.checkpoint(changes, lsn)
-                self._wal.drop_through(lsn)
-            except BaseException:
-                with self._lock:
-                    # Keep serving the records from memory: the log still holds
-                    # them, and the next checkpoint writes them again.
-                    snapshot.update(self._recent)
-                    self._recent = snapshot
-                    self._flushing = {}
-                raise
+                started = time.monotonic()
+                # Later records go to a new segment, so the old ones can be dropped whole.
+                self._wal.rotate()
+                # Keys that stay in flight must not age out of the front filter:
+                # those claimed more than half a front window ago go in again.
+                now_w = time.time()
+                aged = self._table.inflight_records(float("inf"), now_w - self._front_window() / 2)
+                if aged:
+                    self._front.add_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
+                # The front is saved before LMDB records the checkpoint, so a
+                # saved front holds every key LMDB holds.
+                self._save_front(upto)
+            self._wal.sync(upto, force=True)
             with self._lock:
-                self._flushing = {}
+                windows = {i: self._retention(i).exact_window for i in self._ns_names}
+                items, expiry, inflight, settled = self._table.export(
+                    self._ckpt_lsn, upto, windows, self.config.retention.exact_window
+                )
+            # Records changed meanwhile have later LSNs: they stay in memory
+            # and go to the next checkpoint.
+            self._lmdb.checkpoint(items, expiry, inflight, settled, upto)
+            self._wal.drop_through(upto)
+            with self._lock:
+                self._ckpt_lsn = upto
+                self._table.evict(upto)
+                self._unflushed = self._table.dirty(upto)
                 self._last_checkpoint = time.monotonic()
                 self._stats.checkpoints += 1
                 self._stats.checkpoint_seconds += time.monotonic() - started
@@ -749,20 +692,23 @@ class DedupStore(ClaimAPI):
                 to_cold: dict[float, list[int]] = {}
                 deletes: list[tuple[bytes, bytes | None]] = []
                 for (ekey, d), raw in zip(entries, raws, strict=True):
-                    if raw is None or d in self._recent or d in self._flushing:
-                        deletes.append((ekey, None))
+                    held = self._table.get(d)
+                    if raw is None or (held is not None and held[9] > self._ckpt_lsn):
+                        deletes.append((ekey, None))  # gone, or changed since the checkpoint
                         continue
-                    r = decode(raw)
-                    policy = self._retention(r.ns_id)
-                    if r.state is State.PROCESSING or r.updated + policy.exact_window > now_w:
+                    state, ns_id, _t, _c, updated, *_ = decode_stored(d, raw, self.path)
+                    policy = self._retention(ns_id)
+                    if state == State.PROCESSING or updated + policy.exact_window > now_w:
                         deletes.append((ekey, None))  # stale entry: the key changed since
                         continue
-                    if r.state is State.PROCESSED and policy.cold_window > 0:
+                    if state == State.PROCESSED and policy.cold_window > 0:
                         to_cold.setdefault(policy.cold_window, []).append(_keys.front_hash(d))
                     deletes.append((ekey, d))
                 for window, hashes in to_cold.items():
                     demoted += self._cold.add_many(window, hashes, now_w)
                 self._lmdb.delete_expired(deletes)
+                if any(d is not None for _, d in deletes):
+                    self._table.evict(self._ckpt_lsn)  # no clean copy of a deleted record
                 self._stats.swept += sum(1 for _, d in deletes if d is not None)
         with self._lock:
             self._cold.expire(now_w)
@@ -778,27 +724,23 @@ class DedupStore(ClaimAPI):
         remove the key like any other.
         """
         now_m = time.monotonic()
+        last = 0
         with self._lock:
-            writes = [
-                (
-                    d,
-                    Record(
-                        State.RELEASED,
-                        r.ns_id,
-                        r.token,
-                        r.created,
-                        now_w,
-                        r.lease,
-                        r.owner,
-                        r.fingerprint,
-                        None,
-                    ),
-                )
-                for d, r in self._inflight.items()
-                if r.deadline <= now_m
-                and r.updated + self._retention(r.ns_id).exact_window <= now_w
+            gone = [
+                (d, token)
+                for d, ns_id, token, updated in self._table.inflight_records(now_m, float("inf"))
+                if updated + self._retention(ns_id).exact_window <= now_w
             ]
-            last = self._log(writes)
+            if gone:
+                bad, _kind, _cur, _dep, payloads, n = self._table.change(
+                    b"".join(d for d, _ in gone),
+                    [t for _, t in gone],
+                    None,
+                    int(State.RELEASED),
+                    now_w,
+                )
+                if bad < 0:
+                    last = self._log(payloads, n)
         self._sync(last)
 
     def _background(self) -> None:
@@ -812,7 +754,7 @@ class DedupStore(ClaimAPI):
                     return
                 now = time.monotonic()
                 due_checkpoint = (
-                    len(self._recent) >= self.config.checkpoint_records
+                    self._unflushed >= self.config.checkpoint_records
                     or now - self._last_checkpoint >= self.config.checkpoint_interval
                 )
                 due_sweep = now - self._last_sweep >= self.config.sweep_interval
@@ -849,8 +791,9 @@ class DedupStore(ClaimAPI):
                     "disk_bytes": self._lmdb.disk_bytes(),
                     "reads": self._stats.lmdb_reads,
                 },
-                "recent_records": len(self._recent) + len(self._flushing),
-                "in_flight": len(self._inflight),
+                "recent_records": self._table.dirty(self._ckpt_lsn),
+                "in_flight": self._table.inflight,
+                "memory": {"records": len(self._table), "table_bytes": self._table.nbytes},
                 "checkpoints": self._stats.checkpoints,
                 "checkpoint_seconds": self._stats.checkpoint_seconds,
                 "demoted": self._stats.demoted,
@@ -858,53 +801,37 @@ class DedupStore(ClaimAPI):
             }
 
 
-_LOG_CHUNK_BYTES = 8 << 20
-_BATCH_COUNT = struct.Struct("<I")
-_ENTRY_LEN = struct.Struct("<I")
+_OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
 
 
-def _pack_batches(writes: Sequence[tuple[bytes, Record]]) -> list[bytes]:
-    """Log payloads for many records: u32 count, then per record its 16-byte
-    digest, u32 length and encoded record. Records shared by several keys are
-    encoded once; a payload is closed once it passes 8 MiB."""
-    encoded: dict[int, bytes] = {}
-    payloads: list[bytes] = []
-    parts: list[bytes] = []
-    size = 0
-    for d, r in writes:
-        body = encoded.get(id(r))
-        if body is None:
-            raw = encode(r)
-            body = encoded[id(r)] = _ENTRY_LEN.pack(len(raw)) + raw
-        parts.append(d)
-        parts.append(body)
-        size += 16 + len(body)
-        if size >= _LOG_CHUNK_BYTES:
-            payloads.append(_BATCH_COUNT.pack(len(parts) // 2) + b"".join(parts))
-            parts, size = [], 0
-    if parts:
-        payloads.append(_BATCH_COUNT.pack(len(parts) // 2) + b"".join(parts))
-    return payloads
-
-
-def _unpack_batch(payload: bytes) -> Iterator[tuple[bytes, Record]]:
-    """The (digest, record) entries of a log payload; CorruptFileError if malformed."""
+def _unpack_stored(raw: bytes | None) -> Any:
+    """A stored result; CorruptFileError if its bytes are not the msgpack it was."""
     try:
-        (count,) = _BATCH_COUNT.unpack_from(payload)
-        pos = _BATCH_COUNT.size
-        view = memoryview(payload)
-        for _ in range(count):
-            digest = bytes(view[pos : pos + 16])
-            (n,) = _ENTRY_LEN.unpack_from(payload, pos + 16)
-            start = pos + 16 + _ENTRY_LEN.size
-            if len(digest) != 16 or start + n > len(payload):
-                raise CorruptFileError("log batch entry runs past its payload")
-            yield digest, decode(view[start : start + n])
-            pos = start + n
-        if pos != len(payload):
-            raise CorruptFileError("log batch has trailing bytes")
-    except struct.error as exc:
-        raise CorruptFileError(f"malformed log batch: {exc}") from exc
+        return unpack_result(raw)
+    except Exception as exc:
+        raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
+
+
+def _stale(kind: int, key: object, token: int, current: int, ns_name: str) -> StaleTokenError:
+    if kind == 1:
+        return StaleTokenError(
+            f"key {key!r} in namespace {ns_name!r} is not claimed (never claimed, "
+            "released, or expired from the store)"
+        )
+    if kind == 2:
+        return StaleTokenError(
+            f"token {token} of key {key!r} is not the key's current token "
+            f"{current} (a stale owner whose lease was taken over, or a wrong token)"
+        )
+    return StaleTokenError(f"key {key!r} was already completed; it cannot be released")
+
+
+def _read_covers(path: Path) -> int:
+    """The log position a saved front filter covers; -1 if unknown (it is rebuilt)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return -1
 
 
 def _slice_dict(s: Any) -> dict[str, Any]:

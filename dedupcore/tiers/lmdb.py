@@ -5,12 +5,14 @@ the store's recent records; acknowledgements never wait for it (see
 DESIGN.md §2: a durable LMDB commit of random keys costs about one page write
 per key). Sub-databases:
 
-- ``records``: 16-byte digest -> encoded :class:`~dedupcore.record.Record`.
+- ``records``: 16-byte digest -> the record in the stored format of
+  docs/engine.md (a handful of bytes and a checksum; see dedupcore.record).
 - ``expiry``: 8-byte big-endian expiry time in ms + digest -> b"" for every
   PROCESSED record and tombstone, so retention is a range scan, not a full one.
 - ``inflight``: digest -> b"" for PROCESSING records, loaded at open.
 - ``meta``: ``checkpoint_lsn`` (the write-ahead log position LMDB holds
-  everything up to), ``format``, and namespace names <-> 16-bit ids.
+  everything up to), ``format`` (b"2"; b"1" is the older record format,
+  migrated at open by the store), and namespace names <-> 16-bit ids.
 """
 
 from __future__ import annotations
@@ -20,29 +22,19 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
-from dedupcore.errors import CorruptFileError, DedupError
+from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
-__all__ = ["Change", "LmdbTier"]
+__all__ = ["FORMAT", "LmdbTier"]
 
-FORMAT = b"1"
+FORMAT = b"2"
+_KNOWN_FORMATS = (b"1", FORMAT)
 _U64 = struct.Struct(">Q")
 _MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One record's new state for a checkpoint batch."""
-
-    digest: bytes
-    value: bytes | None  # encoded record; None deletes it
-    expiry_ms: int | None  # set for PROCESSED records and tombstones
-    inflight: bool  # True for PROCESSING records
 
 
 class LmdbTier:
@@ -109,8 +101,17 @@ class LmdbTier:
                 fmt = txn.get(b"format", db=self.meta)
                 if fmt is None:
                     txn.put(b"format", FORMAT, db=self.meta)
-                elif fmt != FORMAT:
-                    raise CorruptFileError(f"{self.path}: LMDB format {fmt!r} is not {FORMAT!r}")
+                    fmt = FORMAT
+        else:
+            with self._txn(db=self.meta) as txn:
+                fmt = txn.get(b"format") or FORMAT
+        self.format = bytes(fmt)
+        if self.format not in _KNOWN_FORMATS:
+            self.env.close()
+            raise UnsupportedFormatError(
+                f"{self.path}: record format {self.format!r} is newer than this version of "
+                f"dedupcore knows ({FORMAT!r}); open it with the version that wrote it"
+            )
 
     def close(self) -> None:
         """Closes the environment."""
@@ -211,23 +212,35 @@ class LmdbTier:
 
     # -- writes --------------------------------------------------------------
 
-    def checkpoint(self, changes: list[Change], lsn: int) -> None:
-        """Applies changes sorted by digest and records ``lsn``, in one durable transaction."""
-        changes = sorted(changes, key=lambda c: c.digest)
+    def checkpoint(
+        self,
+        items: list[tuple[bytes, bytes]],
+        expiry_keys: list[bytes],
+        inflight: list[bytes],
+        settled: list[bytes],
+        lsn: int,
+        *,
+        fmt: bytes | None = None,
+    ) -> None:
+        """Writes records and their index entries and records ``lsn``, in one durable
+        transaction. ``items`` are (digest, value) sorted by digest; ``expiry_keys``
+        sorted; ``inflight`` digests are PROCESSING, ``settled`` ones are not (any
+        in-flight entry goes). ``fmt`` also sets the format (a migration)."""
 
         def apply(txn: lmdb.Transaction) -> None:
-            for c in changes:
-                if c.value is None:
-                    txn.delete(c.digest, db=self.records)
-                else:
-                    txn.put(c.digest, c.value, db=self.records)
-                if c.expiry_ms is not None:
-                    txn.put(_U64.pack(c.expiry_ms) + c.digest, b"", db=self.expiry)
-                if c.inflight:
-                    txn.put(c.digest, b"", db=self.inflight)
-                else:
-                    txn.delete(c.digest, db=self.inflight)
+            with txn.cursor(db=self.records) as cur:
+                cur.putmulti(items)
+            with txn.cursor(db=self.expiry) as cur:
+                cur.putmulti([(k, b"") for k in expiry_keys])
+            if inflight:
+                with txn.cursor(db=self.inflight) as cur:
+                    cur.putmulti([(d, b"") for d in inflight])
+            if settled and txn.stat(self.inflight)["entries"]:
+                for d in settled:
+                    txn.delete(d, db=self.inflight)
             txn.put(b"checkpoint_lsn", _U64.pack(lsn), db=self.meta)
+            if fmt is not None:
+                txn.put(b"format", fmt, db=self.meta)
 
         self._write(apply)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 NS = "crash/test"
 BATCH = 500
@@ -62,11 +63,11 @@ def _trace_checkpoints(stall: str | None) -> None:
     real_checkpoint = LmdbTier.checkpoint
     real_drop = WriteAheadLog.drop_through
 
-    def checkpoint(self: LmdbTier, changes: list, lsn: int) -> None:  # type: ignore[type-arg]
+    def checkpoint(self: LmdbTier, *args: Any, **kwargs: Any) -> None:
         _print("CKPT begin")
         if stall == "begin":
             time.sleep(30)
-        real_checkpoint(self, changes, lsn)
+        real_checkpoint(self, *args, **kwargs)
         _print("CKPT committed")
         if stall == "committed":
             time.sleep(30)

@@ -147,6 +147,8 @@ class StoreModel(RuleBasedStateMachine):
             else:
                 takeover = False
             token = 1 if r is None else r.token + 1
+            if takeover and fp is None:
+                fp = r.fingerprint  # a takeover keeps the first claim's fingerprint
             recs[key] = MRec(PROCESSING, token, owner, fp, None, lease_s, now + lease_s)
             out.append((Outcome.NEW, token, None, takeover))
         return out, recs

@@ -1,0 +1,700 @@
+# cython: language_level=3, embedsignature=True, cdivision=True, boundscheck=False, wraparound=False
+"""Native claim engine of the embedded store (private; see docs/engine.md).
+
+:class:`ClaimTable` is the store's in-memory table of records and its batch
+decisions over it; ``encode_value``/``decode_value`` are the stored record
+format. The engine raises only built-in exceptions: ``ValueError`` for bytes
+that fail their checksum or do not parse (the store turns it into
+CorruptFileError), ``MemoryError`` when an allocation fails (nothing changed).
+
+The work that touches no Python object runs with the GIL released: the
+decision loops, the staging, the log encoding, the checkpoint export's scan.
+"""
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.ref cimport PyObject
+
+cdef extern from "dc_engine.h" nogil:
+    ctypedef struct dc_extra:
+        uint32_t refs
+        uint32_t result_len
+        uint8_t has
+        uint8_t owner_len
+        uint8_t fp_len
+    ctypedef struct dc_rec:
+        unsigned char digest[16]
+        uint64_t token
+        uint64_t lsn
+        double created
+        double updated
+        double deadline
+        dc_extra* extra
+        float lease
+        uint16_t ns_id
+        uint8_t state
+        uint8_t renewal
+    ctypedef struct dc_table:
+        dc_rec* slots
+        uint64_t mask
+        uint64_t count
+        uint64_t inflight
+        uint64_t clean
+    ctypedef struct dc_stage:
+        dc_rec* recs
+        size_t n
+    ctypedef struct dc_claim_io:
+        const unsigned char* digests
+        size_t n
+        const unsigned char* const* fps
+        const size_t* fp_lens
+        const unsigned char* owner
+        size_t owner_len
+        const unsigned char* cold
+        uint16_t ns_id
+        float lease
+        double now_w
+        double now_m
+        unsigned char* outcomes
+        uint64_t* tokens
+        const dc_extra** dup_extra
+        uint64_t depends
+        int64_t conflict
+        uint64_t takeovers, n_new, n_dup, n_busy, n_writes
+    ctypedef struct dc_change_io:
+        const unsigned char* digests
+        size_t n
+        const uint64_t* tokens
+        const unsigned char* const* results
+        const size_t* result_lens
+        uint8_t state
+        double now_w
+        uint64_t depends
+        int64_t error_index
+        int error_kind
+        uint64_t current_token
+        uint64_t n_writes
+
+    int DC_PROCESSING, DC_PROCESSED, DC_RELEASED
+    int DC_HAS_OWNER, DC_HAS_FP, DC_HAS_RESULT
+    const unsigned char* dc_owner(const dc_extra* e)
+    const unsigned char* dc_fp(const dc_extra* e)
+    const unsigned char* dc_result(const dc_extra* e)
+    void dc_incref(dc_extra* e)
+    void dc_decref(dc_extra* e)
+    dc_extra* dc_extra_new(const unsigned char* owner, size_t owner_len, int has_owner,
+                           const unsigned char* fp, size_t fp_len, int has_fp,
+                           const unsigned char* result, size_t result_len, int has_result,
+                           int* oom)
+    int dc_table_init(dc_table* t, uint64_t capacity)
+    void dc_table_free(dc_table* t)
+    dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
+    int dc_put(dc_table* t, const dc_rec* r)
+    int64_t dc_evict(dc_table* t, uint64_t upto)
+    size_t dc_value_bound(const dc_rec* r)
+    size_t dc_encode_value(const dc_rec* r, unsigned char* out)
+    int dc_decode_value(const unsigned char* digest, const unsigned char* p, size_t length,
+                        dc_rec* r)
+    int dc_stage_init(dc_stage* s, size_t cap)
+    void dc_stage_free(dc_stage* s)
+    int dc_decide_claim(const dc_table* t, dc_stage* s, dc_claim_io* io)
+    int dc_decide_change(const dc_table* t, dc_stage* s, dc_change_io* io)
+    int dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
+
+PROCESSING = 1
+PROCESSED = 2
+RELEASED = 3
+
+#: Log payload format: u8 version, u32 count, then per record its 16-byte
+#: digest, u32 value length and the value (the stored record format).
+cdef enum:
+    _LOG_VERSION = 2
+    _LOG_CHUNK_BYTES = 8 << 20
+LOG_VERSION = _LOG_VERSION
+#: A log payload is closed once it passes this many bytes (the log takes up to 64 MiB).
+LOG_CHUNK_BYTES = _LOG_CHUNK_BYTES
+
+
+cdef inline const unsigned char* _digests_of(bytes digests, size_t* n) except NULL:
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(digests)
+    if size % 16:
+        raise ValueError("digests must be a multiple of 16 bytes")
+    n[0] = <size_t>(size // 16)
+    return <const unsigned char*>PyBytes_AS_STRING(digests)
+
+
+cdef object _blob_part(const dc_extra* e, int which):
+    if e == NULL or not (e.has & which):
+        return None
+    if which == DC_HAS_OWNER:
+        return PyBytes_FromStringAndSize(<const char*>dc_owner(e), e.owner_len)
+    if which == DC_HAS_FP:
+        return PyBytes_FromStringAndSize(<const char*>dc_fp(e), e.fp_len)
+    return PyBytes_FromStringAndSize(<const char*>dc_result(e), e.result_len)
+
+
+cdef tuple _record_tuple(const dc_rec* r):
+    return (r.state, r.ns_id, r.token, r.created, r.updated, r.lease,
+            _blob_part(r.extra, DC_HAS_OWNER), _blob_part(r.extra, DC_HAS_FP),
+            _blob_part(r.extra, DC_HAS_RESULT), r.lsn, r.deadline)
+
+
+cdef list _encode_stage(const dc_stage* s, uint64_t* written):
+    """The staged records (renewals excepted) as log payloads of at most ~8 MiB each."""
+    cdef list payloads = []
+    cdef size_t i = 0, j, start, size, pos, count, vlen
+    cdef uint32_t vlen32, count32
+    cdef unsigned char* buf
+    cdef bytes out
+    written[0] = 0
+    while i < s.n:
+        start = i
+        size = 5
+        count = 0
+        while i < s.n and (size < _LOG_CHUNK_BYTES or count == 0):
+            if not s.recs[i].renewal:
+                size += 20 + dc_value_bound(&s.recs[i])
+                count += 1
+            i += 1
+        if count == 0:
+            break
+        buf = <unsigned char*>malloc(size)
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                buf[0] = _LOG_VERSION
+                count32 = <uint32_t>count
+                memcpy(buf + 1, &count32, 4)
+                pos = 5
+                for j in range(start, i):
+                    if s.recs[j].renewal:
+                        continue
+                    memcpy(buf + pos, s.recs[j].digest, 16)
+                    vlen = dc_encode_value(&s.recs[j], buf + pos + 20)
+                    vlen32 = <uint32_t>vlen
+                    memcpy(buf + pos + 16, &vlen32, 4)
+                    pos += 20 + vlen
+            out = PyBytes_FromStringAndSize(<const char*>buf, pos)
+        finally:
+            free(buf)
+        payloads.append(out)
+        written[0] += count
+    return payloads
+
+
+def encode_value(bytes digest, int state, int ns_id, uint64_t token, double created,
+                 double updated, float lease, owner, fingerprint, result):
+    """The stored bytes of one record (the format of LMDB values and log entries)."""
+    if PyBytes_GET_SIZE(digest) != 16:
+        raise ValueError("a digest is 16 bytes")
+    if state not in (1, 2, 3) or not 0 <= ns_id <= 65535 or token == 0:
+        raise ValueError("bad record fields")
+    cdef dc_rec r
+    cdef int oom = 0
+    cdef bytes o = owner if owner is not None else b""
+    cdef bytes f = fingerprint if fingerprint is not None else b""
+    cdef bytes res = result if result is not None else b""
+    if len(o) > 255 or len(f) > 255:
+        raise ValueError("owner and fingerprint are at most 255 bytes")
+    memcpy(r.digest, PyBytes_AS_STRING(digest), 16)
+    r.state = <uint8_t>state
+    r.ns_id = <uint16_t>ns_id
+    r.token = token
+    r.created = created
+    r.updated = updated
+    r.lease = lease
+    r.lsn = 0
+    r.renewal = 0
+    r.deadline = 0
+    r.extra = dc_extra_new(<const unsigned char*>PyBytes_AS_STRING(o), len(o), owner is not None,
+                           <const unsigned char*>PyBytes_AS_STRING(f), len(f),
+                           fingerprint is not None,
+                           <const unsigned char*>PyBytes_AS_STRING(res), len(res),
+                           result is not None, &oom)
+    if oom:
+        raise MemoryError()
+    cdef size_t bound = dc_value_bound(&r)
+    cdef unsigned char* buf = <unsigned char*>malloc(bound)
+    if buf == NULL:
+        dc_decref(r.extra)
+        raise MemoryError()
+    try:
+        n = dc_encode_value(&r, buf)
+        return PyBytes_FromStringAndSize(<const char*>buf, n)
+    finally:
+        free(buf)
+        dc_decref(r.extra)
+
+
+def decode_value(bytes digest, value):
+    """(state, ns_id, token, created, updated, lease, owner, fingerprint, result) of
+    stored bytes; ValueError if they fail their checksum or do not parse."""
+    if PyBytes_GET_SIZE(digest) != 16:
+        raise ValueError("a digest is 16 bytes")
+    cdef const unsigned char[:] view = value
+    cdef dc_rec r
+    cdef int rc
+    if view.shape[0] == 0:
+        raise ValueError("empty record")
+    rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(digest), &view[0],
+                         <size_t>view.shape[0], &r)
+    if rc == -2:
+        raise MemoryError()
+    if rc:
+        raise ValueError("record fails its checksum or does not parse")
+    try:
+        return _record_tuple(&r)[:9]
+    finally:
+        dc_decref(r.extra)
+
+
+cdef class ClaimTable:
+    """Records in memory, keyed by 16-byte digest, and the batch decisions over them.
+
+    Not thread-safe: the store calls it under its lock. A decision
+    (``claim``/``change``) stages its records; ``apply(lsn)`` stores them once
+    the log holds them, ``discard()`` forgets them.
+    """
+
+    cdef dc_table t
+    cdef dc_stage stage
+    cdef bint staged
+
+    def __cinit__(self, uint64_t capacity=1024):
+        if dc_table_init(&self.t, capacity):
+            raise MemoryError()
+        self.staged = False
+
+    def __dealloc__(self):
+        if self.staged:
+            dc_stage_free(&self.stage)
+        dc_table_free(&self.t)
+
+    def __len__(self):
+        return self.t.count
+
+    @property
+    def inflight(self):
+        """Number of PROCESSING records."""
+        return self.t.inflight
+
+    @property
+    def clean(self):
+        """Number of clean copies read back from LMDB."""
+        return self.t.clean
+
+    @property
+    def nbytes(self):
+        """Bytes of the slot array (blobs not counted)."""
+        return (self.t.mask + 1) * sizeof(dc_rec)
+
+    def missing(self, bytes digests):
+        """Indexes of the digests the table holds no record of."""
+        cdef size_t n, i
+        cdef const unsigned char* d = _digests_of(digests, &n)
+        cdef list out = []
+        for i in range(n):
+            if dc_find(&self.t, d + 16 * i) == NULL:
+                out.append(i)
+        return out
+
+    def get(self, bytes digest):
+        """(state, ns_id, token, created, updated, lease, owner, fingerprint, result, lsn,
+        deadline) of a digest, or None."""
+        if PyBytes_GET_SIZE(digest) != 16:
+            raise ValueError("a digest is 16 bytes")
+        cdef const dc_rec* r = dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(digest))
+        return None if r == NULL else _record_tuple(r)
+
+    def load(self, list digests, list values, double now_m):
+        """Adds records read from LMDB as clean copies (lsn 0), where the table has none.
+
+        A PROCESSING record gets a fresh lease from now_m (a holder may still
+        be alive). Returns -1, or the index of the first value that fails its
+        checksum (nothing after it is loaded).
+        """
+        cdef Py_ssize_t i
+        cdef dc_rec r
+        cdef int rc
+        cdef bytes d, v
+        for i in range(len(digests)):
+            v = values[i]
+            if v is None:
+                continue
+            d = digests[i]
+            if dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(d)) != NULL:
+                continue
+            rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(d),
+                                 <const unsigned char*>PyBytes_AS_STRING(v),
+                                 <size_t>PyBytes_GET_SIZE(v), &r)
+            if rc == -2:
+                raise MemoryError()
+            if rc:
+                return i
+            if r.state == DC_PROCESSING:
+                r.deadline = now_m + r.lease
+            rc = dc_put(&self.t, &r)
+            dc_decref(r.extra)
+            if rc:
+                raise MemoryError()
+        return -1
+
+    def replay(self, payload, uint64_t lsn, double now_m):
+        """Applies one log payload with its LSN; returns the digests it held (concatenated).
+
+        ValueError if the payload does not parse or a record fails its checksum.
+        """
+        cdef const unsigned char[:] view = payload
+        cdef size_t size = view.shape[0], pos = 5, k
+        cdef uint32_t count, vlen
+        cdef dc_rec r
+        cdef int rc
+        if size < 5 or view[0] != _LOG_VERSION:
+            raise ValueError("not a log payload of format 2")
+        memcpy(&count, &view[1], 4)
+        digests = bytearray(16 * count) if count <= size // 20 else None
+        if digests is None:
+            raise ValueError("log payload count runs past its end")
+        cdef unsigned char[:] out = digests
+        for k in range(count):
+            if pos + 20 > size:
+                raise ValueError("log payload entry runs past its end")
+            memcpy(&vlen, &view[pos + 16], 4)
+            if vlen == 0 or pos + 20 + vlen > size:
+                raise ValueError("log payload entry runs past its end")
+            rc = dc_decode_value(&view[pos], &view[pos + 20], vlen, &r)
+            if rc == -2:
+                raise MemoryError()
+            if rc:
+                raise ValueError(f"log record {k} fails its checksum or does not parse")
+            r.lsn = lsn
+            if r.state == DC_PROCESSING:
+                r.deadline = now_m + r.lease
+            memcpy(&out[16 * k], &view[pos], 16)
+            rc = dc_put(&self.t, &r)
+            dc_decref(r.extra)
+            if rc:
+                raise MemoryError()
+            pos += 20 + vlen
+        if pos != size:
+            raise ValueError("log payload has trailing bytes")
+        return bytes(digests)
+
+    cdef int _begin(self, size_t n) except -1:
+        if self.staged:
+            dc_stage_free(&self.stage)
+            self.staged = False
+        if dc_stage_init(&self.stage, n):
+            raise MemoryError()
+        self.staged = True
+        return 0
+
+    def claim(self, bytes digests, list keys, str namespace, int ns_id, float lease, owner,
+              list fingerprints, cold, double now_w, double now_m, claim_type, tuple outcomes,
+              unpack):
+        """Decides a claim batch and stages its new records.
+
+        Returns ``(claims, conflict, depends, payloads, counts)``: on a
+        fingerprint conflict ``claims`` is None and ``conflict`` the key's
+        index (nothing is staged); otherwise ``claims`` are built with
+        ``claim_type(key, namespace, outcome, token, result, exact, takeover)``
+        (``outcomes`` = (NEW, DUPLICATE, IN_PROGRESS)), ``payloads`` are the
+        log payloads of the staged records and ``counts`` is (new, duplicate,
+        in progress, takeovers, writes). ``cold`` is None or one byte per key,
+        1 where a key without a record is in a cold slice.
+        """
+        cdef size_t n, i
+        cdef const unsigned char* d = _digests_of(digests, &n)
+        if <size_t>len(keys) != n:
+            raise ValueError("one key per digest")
+        cdef dc_claim_io io
+        cdef bytes owner_b
+        cdef const unsigned char** fps = NULL
+        cdef size_t* fp_lens = NULL
+        cdef object fp
+        cdef const unsigned char[:] cold_view
+        io.digests = d
+        io.n = n
+        io.fps = NULL
+        io.fp_lens = NULL
+        io.owner = NULL
+        io.owner_len = 0
+        io.cold = NULL
+        io.ns_id = <uint16_t>ns_id
+        io.lease = lease
+        io.now_w = now_w
+        io.now_m = now_m
+        if owner is not None:
+            owner_b = owner
+            io.owner = <const unsigned char*>PyBytes_AS_STRING(owner_b)
+            io.owner_len = PyBytes_GET_SIZE(owner_b)
+        if cold is not None:
+            cold_view = cold
+            if <size_t>cold_view.shape[0] != n:
+                raise ValueError("one cold flag per key")
+            if n:
+                io.cold = &cold_view[0]
+        cdef unsigned char* outc = <unsigned char*>malloc(n + 1)
+        cdef uint64_t* toks = <uint64_t*>malloc((n + 1) * sizeof(uint64_t))
+        cdef const dc_extra** dups = <const dc_extra**>malloc((n + 1) * sizeof(void*))
+        if fingerprints is not None:
+            fps = <const unsigned char**>malloc((n + 1) * sizeof(void*))
+            fp_lens = <size_t*>malloc((n + 1) * sizeof(size_t))
+        cdef int rc
+        cdef uint64_t written = 0
+        cdef list claims
+        cdef object new, dup, busy
+        try:
+            if outc == NULL or toks == NULL or dups == NULL or (
+                fingerprints is not None and (fps == NULL or fp_lens == NULL)
+            ):
+                raise MemoryError()
+            if fingerprints is not None:
+                if <size_t>len(fingerprints) != n:
+                    raise ValueError("one fingerprint per key")
+                for i in range(n):
+                    fp = <object>PyList_GET_ITEM(fingerprints, i)
+                    if fp is None:
+                        fps[i] = NULL
+                        fp_lens[i] = 0
+                    else:
+                        fps[i] = <const unsigned char*>PyBytes_AS_STRING(<bytes>fp)
+                        fp_lens[i] = PyBytes_GET_SIZE(<bytes>fp)
+                io.fps = fps
+                io.fp_lens = fp_lens
+            io.outcomes = outc
+            io.tokens = toks
+            io.dup_extra = dups
+            self._begin(n)
+            with nogil:
+                rc = dc_decide_claim(&self.t, &self.stage, &io)
+            if rc == -2:
+                self.discard()
+                raise MemoryError()
+            if rc == -1:
+                self.discard()
+                return None, io.conflict, 0, [], (0, 0, 0, 0, 0)
+            new, dup, busy = outcomes
+            claims = [None] * n
+            for i in range(n):
+                c = outc[i]
+                key = <object>PyList_GET_ITEM(keys, i)
+                if c == 0:
+                    claims[i] = claim_type(key, namespace, new, toks[i])
+                elif c == 1:
+                    if dups[i] != NULL and (dups[i].has & DC_HAS_RESULT):
+                        claims[i] = claim_type(key, namespace, dup, toks[i],
+                                               unpack(_blob_part(dups[i], DC_HAS_RESULT)))
+                    else:
+                        claims[i] = claim_type(key, namespace, dup, toks[i])
+                elif c == 2:
+                    claims[i] = claim_type(key, namespace, busy, toks[i])
+                elif c == 3:
+                    claims[i] = claim_type(key, namespace, new, toks[i], None, True, True)
+                else:
+                    claims[i] = claim_type(key, namespace, dup, 0, None, False)
+            payloads = _encode_stage(&self.stage, &written)
+            return claims, -1, io.depends, payloads, (
+                io.n_new, io.n_dup, io.n_busy, io.takeovers, written)
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            free(outc)
+            free(toks)
+            free(dups)
+            free(fps)
+            free(fp_lens)
+
+    def change(self, bytes digests, list tokens, list results, int state, double now_w):
+        """Decides a complete (state 2) or release (state 3) batch and stages it.
+
+        ``results`` is None or one packed result (bytes) or None per item.
+        Returns ``(error_index, error_kind, current_token, depends, payloads,
+        writes)``; on an error (kind 1 not claimed, 2 wrong token, 3 already
+        completed) nothing is staged.
+        """
+        cdef size_t n, i
+        cdef const unsigned char* d = _digests_of(digests, &n)
+        if <size_t>len(tokens) != n or (results is not None and <size_t>len(results) != n):
+            raise ValueError("one token (and result) per digest")
+        if state != DC_PROCESSED and state != DC_RELEASED:
+            raise ValueError("state must be PROCESSED or RELEASED")
+        cdef dc_change_io io
+        cdef uint64_t* toks = <uint64_t*>malloc((n + 1) * sizeof(uint64_t))
+        cdef const unsigned char** res = NULL
+        cdef size_t* res_lens = NULL
+        cdef object v
+        cdef int rc
+        cdef uint64_t written = 0
+        if results is not None:
+            res = <const unsigned char**>malloc((n + 1) * sizeof(void*))
+            res_lens = <size_t*>malloc((n + 1) * sizeof(size_t))
+        try:
+            if toks == NULL or (results is not None and (res == NULL or res_lens == NULL)):
+                raise MemoryError()
+            for i in range(n):
+                toks[i] = tokens[i]
+                if res != NULL:
+                    v = <object>PyList_GET_ITEM(results, i)
+                    if v is None:
+                        res[i] = NULL
+                        res_lens[i] = 0
+                    else:
+                        res[i] = <const unsigned char*>PyBytes_AS_STRING(<bytes>v)
+                        res_lens[i] = PyBytes_GET_SIZE(<bytes>v)
+            io.digests = d
+            io.n = n
+            io.tokens = toks
+            io.results = res
+            io.result_lens = res_lens
+            io.state = <uint8_t>state
+            io.now_w = now_w
+            self._begin(n)
+            with nogil:
+                rc = dc_decide_change(&self.t, &self.stage, &io)
+            if rc == -2:
+                self.discard()
+                raise MemoryError()
+            if rc == -1:
+                self.discard()
+                return io.error_index, io.error_kind, io.current_token, 0, [], 0
+            payloads = _encode_stage(&self.stage, &written)
+            return -1, 0, 0, io.depends, payloads, written
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            free(toks)
+            free(res)
+            free(res_lens)
+
+    def apply(self, uint64_t lsn):
+        """Stores the staged records with log position ``lsn`` (renewals keep theirs)."""
+        cdef int rc = 0
+        if not self.staged:
+            return
+        rc = dc_apply(&self.t, &self.stage, lsn)
+        self.discard()
+        if rc:
+            raise MemoryError()
+
+    def discard(self):
+        """Forgets the staged records."""
+        if self.staged:
+            dc_stage_free(&self.stage)
+            self.staged = False
+
+    def staged_digests(self):
+        """Digests of the staged records that go to the log, concatenated."""
+        cdef size_t i
+        cdef list parts = []
+        if not self.staged:
+            return b""
+        for i in range(self.stage.n):
+            if not self.stage.recs[i].renewal:
+                parts.append(PyBytes_FromStringAndSize(<const char*>self.stage.recs[i].digest, 16))
+        return b"".join(parts)
+
+    def export(self, uint64_t after, uint64_t upto, windows, double default_window):
+        """The records changed in (after, upto], for a checkpoint, sorted by digest.
+
+        Returns ``(items, expiry_keys, inflight, settled)``: ``items`` are
+        (digest, value) pairs; ``expiry_keys`` are 8-byte big-endian expiry
+        times in ms + digest for every PROCESSED record and tombstone, using
+        ``windows[ns_id]`` (or ``default_window``) seconds after its last
+        change; ``inflight`` the digests of PROCESSING records; ``settled``
+        the digests of the others.
+        """
+        cdef uint64_t i
+        cdef dc_rec* r
+        cdef list picked = []
+        cdef size_t bound = 0, n
+        for i in range(self.t.mask + 1):
+            r = &self.t.slots[i]
+            if r.state and after < r.lsn <= upto:
+                picked.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), i))
+                if dc_value_bound(r) > bound:
+                    bound = dc_value_bound(r)
+        picked.sort()
+        cdef list items = [], expiry = [], inflight = [], settled = []
+        cdef int64_t exp_ms
+        cdef unsigned char ek[24]
+        cdef bytes digest
+        cdef double window
+        cdef int k
+        cdef unsigned char* buf = <unsigned char*>malloc(bound + 1)
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            for digest, j in picked:
+                r = &self.t.slots[<uint64_t>j]
+                n = dc_encode_value(r, buf)
+                items.append((digest, PyBytes_FromStringAndSize(<const char*>buf, n)))
+                if r.state == DC_PROCESSING:
+                    inflight.append(digest)
+                else:
+                    settled.append(digest)
+                    window = windows.get(r.ns_id, default_window)
+                    exp_ms = <int64_t>((r.updated + window) * 1000)
+                    if exp_ms < 0:
+                        exp_ms = 0
+                    for k in range(8):
+                        ek[k] = <unsigned char>((<uint64_t>exp_ms) >> (8 * (7 - k)))
+                    memcpy(ek + 8, r.digest, 16)
+                    expiry.append(PyBytes_FromStringAndSize(<const char*>ek, 24))
+        finally:
+            free(buf)
+        expiry.sort()
+        return items, expiry, inflight, settled
+
+    def evict(self, uint64_t upto):
+        """Drops the records LMDB holds (lsn <= upto) that are not PROCESSING; returns how many."""
+        cdef int64_t n
+        with nogil:
+            n = dc_evict(&self.t, upto)
+        if n < 0:
+            raise MemoryError()
+        return n
+
+    def dirty(self, uint64_t after):
+        """Number of records changed after log position ``after``."""
+        cdef uint64_t i, n = 0
+        with nogil:
+            for i in range(self.t.mask + 1):
+                if self.t.slots[i].state and self.t.slots[i].lsn > after:
+                    n += 1
+        return n
+
+    def inflight_records(self, double deadline_before, double updated_before):
+        """(digest, ns_id, token, updated) of PROCESSING records whose lease deadline is
+        <= deadline_before and last change < updated_before."""
+        cdef uint64_t i
+        cdef dc_rec* r
+        cdef list out = []
+        for i in range(self.t.mask + 1):
+            r = &self.t.slots[i]
+            if r.state == DC_PROCESSING and r.deadline <= deadline_before \
+                    and r.updated < updated_before:
+                out.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), r.ns_id,
+                            r.token, r.updated))
+        return out
+
+    def digests(self):
+        """Every digest held, concatenated."""
+        cdef uint64_t i
+        cdef list parts = []
+        for i in range(self.t.mask + 1):
+            if self.t.slots[i].state:
+                parts.append(PyBytes_FromStringAndSize(<const char*>self.t.slots[i].digest, 16))
+        return b"".join(parts)
+
+    def forget_clean(self, list digests):
+        """Drops clean copies (lsn <= 0 changes none) of these digests: their LMDB
+        records were deleted. Implemented as a full eviction of clean copies."""
+        if digests:
+            self.evict(0)

@@ -1,0 +1,687 @@
+/*
+ * dc_engine.h - the native claim engine of the embedded store.
+ *
+ * Plain C, no Python objects: ext/_engine.pyx wraps it. See docs/engine.md for
+ * the record format and the decision; the decision here must answer exactly
+ * like the pure reference in dedupcore/decision.py (a differential test drives
+ * both side by side).
+ *
+ * The table holds the records the store keeps in memory: every PROCESSING
+ * record (its lease deadline lives on this process's monotonic clock), every
+ * record changed since the last checkpoint, and records read back from LMDB
+ * (clean copies, dropped at the next eviction). It is open addressing with
+ * linear probing over fixed 72-byte slots keyed by the 16-byte digest; the
+ * variable parts (owner, fingerprint, result) live in one reference-counted
+ * heap blob per record, or none.
+ *
+ * A batch is decided in two steps: dc_decide_* reads the table and stages the
+ * new records (nothing changes, so an error such as a fingerprint conflict
+ * leaves no trace), the caller logs the staged records, then dc_apply puts
+ * them into the table with the log position they got.
+ */
+#ifndef DC_ENGINE_H
+#define DC_ENGINE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dc_hash.h"
+
+#define DC_PROCESSING 1
+#define DC_PROCESSED 2
+#define DC_RELEASED 3
+
+/* Outcomes of a claim, per key. */
+#define DC_NEW 0
+#define DC_DUPLICATE 1
+#define DC_IN_PROGRESS 2
+#define DC_NEW_TAKEOVER 3
+#define DC_DUPLICATE_COLD 4
+
+/* Errors of a complete/release, per batch (the first bad item). */
+#define DC_ERR_NOT_CLAIMED 1
+#define DC_ERR_WRONG_TOKEN 2
+#define DC_ERR_COMPLETED 3
+
+#define DC_HAS_OWNER 1
+#define DC_HAS_FP 2
+#define DC_HAS_RESULT 4
+
+/* Seed of the per-record checksum (XXH64 of digest + value, low 32 bits). */
+#define DC_RECORD_SEED 0x64656475703276ULL
+
+typedef struct dc_extra {
+    uint32_t refs;
+    uint32_t result_len;
+    uint8_t has;
+    uint8_t owner_len;
+    uint8_t fp_len;
+    uint8_t pad;
+    unsigned char data[]; /* owner, fingerprint, result */
+} dc_extra;
+
+typedef struct {
+    unsigned char digest[16];
+    uint64_t token;
+    uint64_t lsn; /* log position of the last change; 0 = a clean copy of LMDB */
+    double created;
+    double updated;
+    double deadline; /* monotonic; PROCESSING only */
+    dc_extra *extra;
+    float lease;
+    uint16_t ns_id;
+    uint8_t state; /* 0 = empty slot */
+    uint8_t renewal; /* staged only: a lease renewal, kept in memory, not logged */
+} dc_rec;
+
+typedef struct {
+    dc_rec *slots;
+    uint64_t mask;
+    uint64_t count;
+    uint64_t inflight;
+    uint64_t clean;
+} dc_table;
+
+/* ---- variable parts --------------------------------------------------- */
+
+static inline const unsigned char *dc_owner(const dc_extra *e) { return e->data; }
+static inline const unsigned char *dc_fp(const dc_extra *e) { return e->data + e->owner_len; }
+static inline const unsigned char *dc_result(const dc_extra *e) {
+    return e->data + e->owner_len + e->fp_len;
+}
+
+static inline void dc_incref(dc_extra *e) {
+    if (e) e->refs++;
+}
+static inline void dc_decref(dc_extra *e) {
+    if (e && --e->refs == 0) free(e);
+}
+
+/* A new blob (refs 1); NULL when nothing is present or on allocation failure (*oom set). */
+static dc_extra *dc_extra_new(const unsigned char *owner, size_t owner_len, int has_owner,
+                              const unsigned char *fp, size_t fp_len, int has_fp,
+                              const unsigned char *result, size_t result_len, int has_result,
+                              int *oom) {
+    if (!has_owner && !has_fp && !has_result) return NULL;
+    dc_extra *e = (dc_extra *)malloc(sizeof(dc_extra) + owner_len + fp_len + result_len);
+    if (!e) {
+        *oom = 1;
+        return NULL;
+    }
+    e->refs = 1;
+    e->has = (has_owner ? DC_HAS_OWNER : 0) | (has_fp ? DC_HAS_FP : 0) |
+             (has_result ? DC_HAS_RESULT : 0);
+    e->owner_len = (uint8_t)owner_len;
+    e->fp_len = (uint8_t)fp_len;
+    e->pad = 0;
+    e->result_len = (uint32_t)result_len;
+    if (owner_len) memcpy(e->data, owner, owner_len);
+    if (fp_len) memcpy(e->data + owner_len, fp, fp_len);
+    if (result_len) memcpy(e->data + owner_len + fp_len, result, result_len);
+    return e;
+}
+
+static inline int dc_bytes_eq(const unsigned char *a, size_t alen, const unsigned char *b,
+                              size_t blen) {
+    return alen == blen && (alen == 0 || memcmp(a, b, alen) == 0);
+}
+
+/* ---- the table -------------------------------------------------------- */
+
+static inline uint64_t dc_slot_of(const unsigned char *digest) {
+    uint64_t h;
+    memcpy(&h, digest + 8, 8); /* the digest's second XXH64: already uniform */
+    return h;
+}
+
+static int dc_table_init(dc_table *t, uint64_t capacity) {
+    uint64_t n = 1024;
+    while (n < capacity * 2) n <<= 1;
+    t->slots = (dc_rec *)calloc(n, sizeof(dc_rec));
+    if (!t->slots) return -1;
+    t->mask = n - 1;
+    t->count = t->inflight = t->clean = 0;
+    return 0;
+}
+
+static void dc_table_free(dc_table *t) {
+    if (!t->slots) return;
+    for (uint64_t i = 0; i <= t->mask; i++)
+        if (t->slots[i].state) dc_decref(t->slots[i].extra);
+    free(t->slots);
+    t->slots = NULL;
+}
+
+static inline dc_rec *dc_find(const dc_table *t, const unsigned char *digest) {
+    uint64_t i = dc_slot_of(digest) & t->mask;
+    for (;;) {
+        dc_rec *r = &t->slots[i];
+        if (!r->state) return NULL;
+        if (memcmp(r->digest, digest, 16) == 0) return r;
+        i = (i + 1) & t->mask;
+    }
+}
+
+static inline void dc_prefetch_slot(const dc_table *t, const unsigned char *digest) {
+    dc_prefetch(&t->slots[dc_slot_of(digest) & t->mask]);
+}
+
+static inline void dc_count(dc_table *t, const dc_rec *r, int sign) {
+    if (r->state == DC_PROCESSING) t->inflight += sign;
+    if (r->lsn == 0) t->clean += sign;
+}
+
+/* Moves a record into a table with room (no count changes, no refcounting). */
+static inline void dc_place(dc_table *t, const dc_rec *r) {
+    uint64_t i = dc_slot_of(r->digest) & t->mask;
+    while (t->slots[i].state) i = (i + 1) & t->mask;
+    t->slots[i] = *r;
+}
+
+static int dc_resize(dc_table *t, uint64_t n) {
+    dc_rec *old = t->slots;
+    uint64_t old_n = t->mask + 1;
+    dc_rec *slots = (dc_rec *)calloc(n, sizeof(dc_rec));
+    if (!slots) return -1;
+    t->slots = slots;
+    t->mask = n - 1;
+    for (uint64_t i = 0; i < old_n; i++)
+        if (old[i].state) dc_place(t, &old[i]);
+    free(old);
+    return 0;
+}
+
+/* Stores a copy of r (taking a new reference to its blob), replacing the
+ * digest's record if any. -1 on allocation failure (the table is unchanged). */
+static int dc_put(dc_table *t, const dc_rec *r) {
+    if ((t->count + 1) * 10 > (t->mask + 1) * 7) {
+        if (dc_resize(t, (t->mask + 1) * 2)) return -1;
+    }
+    uint64_t i = dc_slot_of(r->digest) & t->mask;
+    for (;;) {
+        dc_rec *s = &t->slots[i];
+        if (!s->state) {
+            *s = *r;
+            s->renewal = 0;
+            dc_incref(s->extra);
+            t->count++;
+            dc_count(t, s, 1);
+            return 0;
+        }
+        if (memcmp(s->digest, r->digest, 16) == 0) {
+            dc_count(t, s, -1);
+            dc_incref(r->extra);
+            dc_decref(s->extra);
+            *s = *r;
+            s->renewal = 0;
+            dc_count(t, s, 1);
+            return 0;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING,
+ * then shrinks the table to fit. Returns how many were dropped, -1 on OOM. */
+static int64_t dc_evict(dc_table *t, uint64_t upto) {
+    uint64_t keep = 0;
+    for (uint64_t i = 0; i <= t->mask; i++) {
+        dc_rec *r = &t->slots[i];
+        if (r->state && (r->state == DC_PROCESSING || r->lsn > upto)) keep++;
+    }
+    uint64_t n = 1024;
+    while (n * 7 < keep * 10 * 2) n <<= 1; /* at most 35 % full afterwards */
+    dc_rec *slots = (dc_rec *)calloc(n, sizeof(dc_rec));
+    if (!slots) return -1;
+    dc_rec *old = t->slots;
+    uint64_t old_n = t->mask + 1, dropped = 0;
+    t->slots = slots;
+    t->mask = n - 1;
+    t->count = t->inflight = t->clean = 0;
+    for (uint64_t i = 0; i < old_n; i++) {
+        dc_rec *r = &old[i];
+        if (!r->state) continue;
+        if (r->state == DC_PROCESSING || r->lsn > upto) {
+            dc_place(t, r);
+            t->count++;
+            dc_count(t, r, 1);
+        } else {
+            dc_decref(r->extra);
+            dropped++;
+        }
+    }
+    free(old);
+    return (int64_t)dropped;
+}
+
+/* ---- the record format (docs/engine.md) -------------------------------- */
+
+#define DC_F_OWNER 0x04
+#define DC_F_FP 0x08
+#define DC_F_RESULT 0x10
+#define DC_F_CREATED 0x20
+#define DC_MAX_HEAD 64 /* fixed part + varints, without owner/fp/result */
+
+static inline size_t dc_put_varint(unsigned char *p, uint64_t v) {
+    size_t n = 0;
+    while (v >= 0x80) {
+        p[n++] = (unsigned char)(v | 0x80);
+        v >>= 7;
+    }
+    p[n++] = (unsigned char)v;
+    return n;
+}
+
+static inline int dc_get_varint(const unsigned char *p, size_t len, size_t *pos, uint64_t *out) {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (*pos >= len) return -1;
+        unsigned char b = p[(*pos)++];
+        v |= (uint64_t)(b & 0x7F) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static inline int64_t dc_ms(double seconds) { return (int64_t)llround(seconds * 1000.0); }
+
+/* The stored size of r's value (an upper bound is enough for buffers). */
+static inline size_t dc_value_bound(const dc_rec *r) {
+    size_t n = DC_MAX_HEAD;
+    if (r->extra) n += 2 + r->extra->owner_len + r->extra->fp_len + 10 + r->extra->result_len;
+    return n;
+}
+
+/* Encodes r's value (without the digest) at out; returns its length. */
+static size_t dc_encode_value(const dc_rec *r, unsigned char *out) {
+    const dc_extra *e = r->extra;
+    int64_t updated = dc_ms(r->updated), created = dc_ms(r->created);
+    uint64_t updated_u = updated < 0 ? 0 : (uint64_t)updated;
+    unsigned char head = r->state & 0x03;
+    if (e && (e->has & DC_HAS_OWNER)) head |= DC_F_OWNER;
+    if (e && (e->has & DC_HAS_FP)) head |= DC_F_FP;
+    if (e && (e->has & DC_HAS_RESULT)) head |= DC_F_RESULT;
+    if (created != updated) head |= DC_F_CREATED;
+    size_t n = 0;
+    out[n++] = head;
+    out[n++] = (unsigned char)(r->ns_id & 0xFF);
+    out[n++] = (unsigned char)(r->ns_id >> 8);
+    for (int i = 0; i < 6; i++) out[n++] = (unsigned char)(updated_u >> (8 * i));
+    if (head & DC_F_CREATED) {
+        int64_t delta = updated - created; /* zigzag: a wall clock may step back */
+        n += dc_put_varint(out + n, ((uint64_t)delta << 1) ^ (uint64_t)(delta >> 63));
+    }
+    n += dc_put_varint(out + n, r->token);
+    if (r->state == DC_PROCESSING) {
+        double ms = ceil((double)r->lease * 1000.0);
+        uint32_t lease_ms = ms < 1 ? 1 : ms > 4294967295.0 ? 4294967295u : (uint32_t)ms;
+        memcpy(out + n, &lease_ms, 4);
+        n += 4;
+    }
+    if (head & DC_F_OWNER) {
+        out[n++] = e->owner_len;
+        memcpy(out + n, dc_owner(e), e->owner_len);
+        n += e->owner_len;
+    }
+    if (head & DC_F_FP) {
+        out[n++] = e->fp_len;
+        memcpy(out + n, dc_fp(e), e->fp_len);
+        n += e->fp_len;
+    }
+    if (head & DC_F_RESULT) {
+        n += dc_put_varint(out + n, e->result_len);
+        memcpy(out + n, dc_result(e), e->result_len);
+        n += e->result_len;
+    }
+    /* The checksum covers the digest too: a value under another key is damage. */
+    uint64_t h = dc_xxh64(r->digest, 16, DC_RECORD_SEED);
+    h = dc_xxh64(out, n, h);
+    uint32_t sum = (uint32_t)h;
+    memcpy(out + n, &sum, 4);
+    return n + 4;
+}
+
+/* Decodes a value stored under digest into r (lsn 0, deadline 0, a new blob).
+ * Returns 0, -1 if the bytes are damaged, -2 on allocation failure. */
+static int dc_decode_value(const unsigned char *digest, const unsigned char *p, size_t len,
+                           dc_rec *r) {
+    if (len < 14) return -1;
+    uint32_t sum;
+    memcpy(&sum, p + len - 4, 4);
+    uint64_t h = dc_xxh64(digest, 16, DC_RECORD_SEED);
+    if ((uint32_t)dc_xxh64(p, len - 4, h) != sum) return -1;
+    len -= 4;
+    unsigned char head = p[0];
+    if ((head & 0x03) == 0 || (head & 0xC0)) return -1;
+    memset(r, 0, sizeof(*r));
+    memcpy(r->digest, digest, 16);
+    r->state = head & 0x03;
+    r->ns_id = (uint16_t)(p[1] | (p[2] << 8));
+    uint64_t updated = 0;
+    for (int i = 0; i < 6; i++) updated |= (uint64_t)p[3 + i] << (8 * i);
+    size_t pos = 9;
+    int64_t created = (int64_t)updated;
+    if (head & DC_F_CREATED) {
+        uint64_t z;
+        if (dc_get_varint(p, len, &pos, &z)) return -1;
+        created = (int64_t)updated - (int64_t)((z >> 1) ^ (~(z & 1) + 1));
+    }
+    r->updated = (double)updated / 1000.0;
+    r->created = (double)created / 1000.0;
+    if (dc_get_varint(p, len, &pos, &r->token) || r->token == 0) return -1;
+    if (r->state == DC_PROCESSING) {
+        uint32_t lease_ms;
+        if (pos + 4 > len) return -1;
+        memcpy(&lease_ms, p + pos, 4);
+        pos += 4;
+        r->lease = (float)(lease_ms / 1000.0);
+    }
+    const unsigned char *owner = NULL, *fp = NULL, *result = NULL;
+    size_t owner_len = 0, fp_len = 0;
+    uint64_t result_len = 0;
+    if (head & DC_F_OWNER) {
+        if (pos >= len) return -1;
+        owner_len = p[pos++];
+        if (pos + owner_len > len) return -1;
+        owner = p + pos;
+        pos += owner_len;
+    }
+    if (head & DC_F_FP) {
+        if (pos >= len) return -1;
+        fp_len = p[pos++];
+        if (pos + fp_len > len) return -1;
+        fp = p + pos;
+        pos += fp_len;
+    }
+    if (head & DC_F_RESULT) {
+        if (dc_get_varint(p, len, &pos, &result_len) || result_len > len - pos) return -1;
+        result = p + pos;
+        pos += result_len;
+    }
+    if (pos != len) return -1;
+    int oom = 0;
+    r->extra = dc_extra_new(owner, owner_len, head & DC_F_OWNER, fp, fp_len, head & DC_F_FP,
+                            result, (size_t)result_len, head & DC_F_RESULT, &oom);
+    return oom ? -2 : 0;
+}
+
+/* ---- staging: the records a batch is about to write -------------------- */
+
+typedef struct {
+    dc_rec *recs;      /* staged records, in batch order */
+    int32_t *map;      /* open addressing over recs by digest, -1 = empty */
+    uint64_t map_mask;
+    size_t n;
+} dc_stage;
+
+static int dc_stage_init(dc_stage *s, size_t cap) {
+    uint64_t m = 16;
+    while (m < cap * 2) m <<= 1;
+    s->recs = (dc_rec *)malloc((cap ? cap : 1) * sizeof(dc_rec));
+    s->map = (int32_t *)malloc(m * sizeof(int32_t));
+    if (!s->recs || !s->map) {
+        free(s->recs);
+        free(s->map);
+        s->recs = NULL;
+        s->map = NULL;
+        return -1;
+    }
+    memset(s->map, 0xFF, m * sizeof(int32_t));
+    s->map_mask = m - 1;
+    s->n = 0;
+    return 0;
+}
+
+/* Releases the stage and the blob references its records hold. */
+static void dc_stage_free(dc_stage *s) {
+    if (s->recs)
+        for (size_t i = 0; i < s->n; i++) dc_decref(s->recs[i].extra);
+    free(s->recs);
+    free(s->map);
+    s->recs = NULL;
+    s->map = NULL;
+    s->n = 0;
+}
+
+static inline dc_rec *dc_stage_find(const dc_stage *s, const unsigned char *digest,
+                                    uint64_t *slot) {
+    uint64_t i = dc_slot_of(digest) & s->map_mask;
+    for (;;) {
+        int32_t k = s->map[i];
+        if (k < 0) {
+            *slot = i;
+            return NULL;
+        }
+        if (memcmp(s->recs[k].digest, digest, 16) == 0) {
+            *slot = i;
+            return &s->recs[k];
+        }
+        i = (i + 1) & s->map_mask;
+    }
+}
+
+/* Stages r (taking over its blob reference) in map slot `slot` or over `existing`. */
+static inline void dc_stage_put(dc_stage *s, dc_rec *existing, uint64_t slot, const dc_rec *r) {
+    if (existing) {
+        dc_decref(existing->extra);
+        *existing = *r;
+    } else {
+        s->recs[s->n] = *r;
+        s->map[slot] = (int32_t)s->n;
+        s->n++;
+    }
+}
+
+/* ---- the claim decision --------------------------------------------------- */
+
+typedef struct {
+    /* inputs */
+    const unsigned char *digests; /* n * 16 */
+    size_t n;
+    const unsigned char *const *fps; /* per key, NULL = none; or fps == NULL */
+    const size_t *fp_lens;
+    const unsigned char *owner; /* NULL = none */
+    size_t owner_len;
+    const unsigned char *cold; /* per key 1 = in a cold slice (for keys with no record) */
+    uint16_t ns_id;
+    float lease;
+    double now_w, now_m;
+    /* outputs */
+    unsigned char *outcomes;
+    uint64_t *tokens;
+    const dc_extra **dup_extra; /* DUPLICATE answers: the record's blob (result) */
+    uint64_t depends;
+    int64_t conflict; /* index of a fingerprint conflict, -1 if none */
+    uint64_t takeovers, n_new, n_dup, n_busy, n_writes;
+} dc_claim_io;
+
+/* Decides a claim batch against the table, staging new records in s.
+ * Returns 0, -1 on a conflict (io->conflict set, nothing staged that
+ * matters: the caller drops the stage), -2 on allocation failure. */
+static int dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
+    dc_extra *owner_blob = NULL; /* shared by the batch's new records without a fingerprint */
+    int oom = 0;
+    if (io->owner) {
+        owner_blob = dc_extra_new(io->owner, io->owner_len, 1, NULL, 0, 0, NULL, 0, 0, &oom);
+        if (oom) return -2;
+    }
+    double deadline = io->now_m + (double)io->lease;
+    io->conflict = -1;
+    io->depends = io->takeovers = io->n_new = io->n_dup = io->n_busy = io->n_writes = 0;
+    int rc = 0;
+    for (size_t i = 0; i < io->n; i++) {
+        const unsigned char *d = io->digests + 16 * i;
+        if (i + 8 < io->n) dc_prefetch_slot(t, io->digests + 16 * (i + 8));
+        uint64_t slot;
+        dc_rec *staged = dc_stage_find(s, d, &slot);
+        const dc_rec *r = staged ? staged : dc_find(t, d);
+        const unsigned char *fp = io->fps ? io->fps[i] : NULL;
+        size_t fp_len = fp ? io->fp_lens[i] : 0;
+        int takeover = 0;
+        io->dup_extra[i] = NULL;
+        if (r && r->state != DC_RELEASED) {
+            const dc_extra *e = r->extra;
+            if (fp && e && (e->has & DC_HAS_FP) && !dc_bytes_eq(fp, fp_len, dc_fp(e), e->fp_len)) {
+                io->conflict = (int64_t)i;
+                rc = -1;
+                break;
+            }
+            if (!staged && r->lsn > io->depends) io->depends = r->lsn;
+            if (r->state == DC_PROCESSED) {
+                io->outcomes[i] = DC_DUPLICATE;
+                io->tokens[i] = r->token;
+                io->dup_extra[i] = e;
+                io->n_dup++;
+                continue;
+            }
+            if (io->owner && e && (e->has & DC_HAS_OWNER) &&
+                dc_bytes_eq(io->owner, io->owner_len, dc_owner(e), e->owner_len)) {
+                /* Its own claim back: the lease is renewed in memory only. */
+                dc_rec renewed = *r;
+                renewed.deadline = deadline;
+                if (!staged) {
+                    renewed.renewal = 1;
+                    dc_incref(renewed.extra);
+                    dc_stage_put(s, NULL, slot, &renewed);
+                } else {
+                    staged->deadline = deadline;
+                }
+                io->outcomes[i] = DC_NEW;
+                io->tokens[i] = r->token;
+                io->n_new++;
+                continue;
+            }
+            if (r->deadline > io->now_m) {
+                io->outcomes[i] = DC_IN_PROGRESS;
+                io->tokens[i] = r->token;
+                io->n_busy++;
+                continue;
+            }
+            takeover = 1;
+        } else if (!r && io->cold && io->cold[i]) {
+            io->outcomes[i] = DC_DUPLICATE_COLD;
+            io->tokens[i] = 0;
+            io->n_dup++;
+            continue;
+        }
+        dc_rec nr;
+        memset(&nr, 0, sizeof(nr));
+        memcpy(nr.digest, d, 16);
+        nr.state = DC_PROCESSING;
+        nr.ns_id = io->ns_id;
+        nr.token = r ? r->token + 1 : 1;
+        nr.created = takeover ? r->created : io->now_w;
+        nr.updated = io->now_w;
+        nr.lease = io->lease;
+        nr.deadline = deadline;
+        /* A takeover keeps the first claim's fingerprint when none is given. */
+        const unsigned char *keep_fp = fp;
+        size_t keep_len = fp_len;
+        if (!fp && takeover && r->extra && (r->extra->has & DC_HAS_FP)) {
+            keep_fp = dc_fp(r->extra);
+            keep_len = r->extra->fp_len;
+        }
+        if (keep_fp) {
+            nr.extra = dc_extra_new(io->owner, io->owner_len, io->owner != NULL, keep_fp,
+                                    keep_len, 1, NULL, 0, 0, &oom);
+            if (oom) {
+                rc = -2;
+                break;
+            }
+        } else {
+            nr.extra = owner_blob;
+            dc_incref(owner_blob);
+        }
+        dc_stage_put(s, staged, slot, &nr);
+        io->outcomes[i] = takeover ? DC_NEW_TAKEOVER : DC_NEW;
+        io->tokens[i] = nr.token;
+        io->takeovers += takeover;
+        io->n_new++;
+    }
+    dc_decref(owner_blob);
+    if (rc == 0)
+        for (size_t k = 0; k < s->n; k++) io->n_writes += !s->recs[k].renewal;
+    return rc;
+}
+
+/* ---- the complete / release decision ------------------------------------- */
+
+typedef struct {
+    const unsigned char *digests;
+    size_t n;
+    const uint64_t *tokens;
+    const unsigned char *const *results; /* per item, NULL = no result; or results == NULL */
+    const size_t *result_lens;
+    uint8_t state; /* DC_PROCESSED or DC_RELEASED */
+    double now_w;
+    uint64_t depends;
+    int64_t error_index;
+    int error_kind;
+    uint64_t current_token;
+    uint64_t n_writes;
+} dc_change_io;
+
+static int dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
+    io->depends = io->n_writes = 0;
+    io->error_index = -1;
+    io->error_kind = 0;
+    for (size_t i = 0; i < io->n; i++) {
+        const unsigned char *d = io->digests + 16 * i;
+        uint64_t slot;
+        dc_rec *staged = dc_stage_find(s, d, &slot);
+        const dc_rec *r = staged ? staged : dc_find(t, d);
+        int kind = 0;
+        if (!r || r->state == DC_RELEASED)
+            kind = DC_ERR_NOT_CLAIMED;
+        else if (r->token != io->tokens[i])
+            kind = DC_ERR_WRONG_TOKEN;
+        else if (r->state == DC_PROCESSED) {
+            if (io->state == DC_PROCESSED) { /* a retried completion: already done */
+                if (!staged && r->lsn > io->depends) io->depends = r->lsn;
+                continue;
+            }
+            kind = DC_ERR_COMPLETED;
+        }
+        if (kind) {
+            io->error_index = (int64_t)i;
+            io->error_kind = kind;
+            io->current_token = r ? r->token : 0;
+            return -1;
+        }
+        dc_rec nr = *r;
+        nr.state = io->state;
+        nr.updated = io->now_w;
+        nr.renewal = 0;
+        nr.deadline = 0;
+        const dc_extra *e = r->extra;
+        const unsigned char *res = io->results ? io->results[i] : NULL;
+        int has_owner = e && (e->has & DC_HAS_OWNER), has_fp = e && (e->has & DC_HAS_FP);
+        int has_res = io->state == DC_PROCESSED && res != NULL;
+        int oom = 0;
+        nr.extra = dc_extra_new(has_owner ? dc_owner(e) : NULL, has_owner ? e->owner_len : 0,
+                                has_owner, has_fp ? dc_fp(e) : NULL, has_fp ? e->fp_len : 0,
+                                has_fp, res, has_res ? io->result_lens[i] : 0, has_res, &oom);
+        if (oom) return -2;
+        dc_stage_put(s, staged, slot, &nr);
+    }
+    io->n_writes = s->n;
+    return 0;
+}
+
+/* Puts the staged records into the table with log position lsn (renewals keep
+ * theirs). -1 on allocation failure. */
+static int dc_apply(dc_table *t, const dc_stage *s, uint64_t lsn) {
+    for (size_t i = 0; i < s->n; i++) {
+        dc_rec r = s->recs[i];
+        if (!r.renewal) r.lsn = lsn;
+        if (dc_put(t, &r)) return -1;
+    }
+    return 0;
+}
+
+#endif /* DC_ENGINE_H */

@@ -1,0 +1,316 @@
+"""The native claim engine against the pure reference decision, side by side.
+
+Hypothesis drives dedupcore._engine.ClaimTable and dedupcore.decision over the
+same operations on a small key space (claims with owners, fingerprints,
+leases and cold hits; completes and releases with current, stale and wrong
+tokens; clock steps; checkpoints that evict and reload records through the
+stored format) and compares every answer, error and record. The stored
+format is checked for round trips and for damage: every flipped byte fails
+the checksum.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from dedupcore import _engine
+from dedupcore import decision as ref
+from dedupcore.record import State
+
+DIGESTS = [struct.pack("<QQ", 0x1000 + i, 0xABCDEF00 + i * 7919) for i in range(6)]
+OWNERS = [None, b"a", b"b"]
+FPS = [None, b"fp-1", b"fp-2"]
+RESULTS = [None, b"\xa2ok", b"\x01", b"x" * 300]
+
+
+def _ref_rec(t: tuple[Any, ...]) -> ref.Rec:
+    state, ns_id, token, created, updated, lease, owner, fp, result, _lsn, deadline = t
+    return ref.Rec(
+        State(state),
+        ns_id,
+        token,
+        created,
+        updated,
+        lease,
+        deadline if state == State.PROCESSING else 0.0,
+        owner,
+        fp,
+        result,
+    )
+
+
+def _ms(x: float) -> float:
+    return round(x * 1000) / 1000
+
+
+class EngineVsReference(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = _engine.ClaimTable()
+        self.model: dict[bytes, ref.Rec] = {}
+        self.lsn = 0
+        self.ckpt = 0
+        self.now_w = 1_700_000_000.0
+        self.now_m = 1000.0
+        self.lmdb: dict[bytes, bytes] = {}
+        self.log: list[tuple[int, bytes]] = []
+
+    @rule(
+        idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=6),
+        owner=st.sampled_from(OWNERS),
+        fps=st.none() | st.lists(st.sampled_from(FPS), min_size=6, max_size=6),
+        lease=st.sampled_from([0.5, 2.0, 30.0]),
+        cold=st.none() | st.lists(st.booleans(), min_size=6, max_size=6),
+    )
+    def claim(self, idx, owner, fps, lease, cold) -> None:
+        ds = [DIGESTS[i] for i in idx]
+        fp_list = None if fps is None else fps[: len(ds)]
+        cold_list = None if cold is None else cold[: len(ds)]
+        self._load(ds)
+        plan = ref.decide_claim(
+            self.model.get,
+            ds,
+            ns_id=3,
+            lease=lease,
+            owner=owner,
+            fingerprints=fp_list,
+            cold=cold_list,
+            now_w=self.now_w,
+            now_m=self.now_m,
+        )
+        claims, conflict, _dep, payloads, counts = self.table.claim(
+            b"".join(ds),
+            list(range(len(ds))),
+            "ns",
+            3,
+            lease,
+            owner,
+            fp_list,
+            None if cold_list is None else bytes(cold_list),
+            self.now_w,
+            self.now_m,
+            lambda *a: a,
+            ("NEW", "DUP", "BUSY"),
+            lambda r: r,
+        )
+        if plan.conflict is not None:
+            assert claims is None and conflict == plan.conflict
+            return
+        assert claims is not None and conflict == -1
+        codes = {0: "NEW", 1: "DUP", 2: "BUSY", 3: "NEW", 4: "DUP"}
+        for c, (code, token, result) in zip(claims, plan.answers, strict=True):
+            assert c[2] == codes[code] and c[3] == token
+            if code == ref.DUPLICATE:
+                assert (c[4] if len(c) > 4 else None) == result
+            if code == ref.NEW_TAKEOVER:
+                assert c[6] is True
+            if code == ref.DUPLICATE_COLD:
+                assert c[5] is False
+        assert counts[4] == len(plan.logged)
+        self._commit(payloads, plan.logged, plan.renewed)
+
+    @rule(
+        idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=4),
+        how=st.lists(
+            st.sampled_from(["current", "current", "stale", "wrong"]), min_size=4, max_size=4
+        ),
+        results=st.lists(st.sampled_from(RESULTS), min_size=4, max_size=4),
+        complete=st.booleans(),
+    )
+    def change(self, idx, how, results, complete) -> None:
+        ds = [DIGESTS[i] for i in idx]
+        self._load(ds)
+        tokens = []
+        for d, h in zip(ds, how, strict=False):
+            r = self.model.get(d)
+            cur = r.token if r is not None else 1
+            tokens.append({"current": cur, "stale": max(cur - 1, 1), "wrong": cur + 5}[h])
+        state = State.PROCESSED if complete else State.RELEASED
+        res = results[: len(ds)] if complete else None
+        plan = ref.decide_change(self.model.get, ds, tokens, res, state=state, now_w=self.now_w)
+        bad, kind, current, _dep, payloads, n = self.table.change(
+            b"".join(ds), tokens, res, int(state), self.now_w
+        )
+        if plan.error is not None:
+            assert (bad, kind, current) == plan.error
+            return
+        assert bad == -1 and n == len(plan.logged)
+        self._commit(payloads, plan.logged, {})
+
+    @rule(dt=st.sampled_from([0.1, 1.0, 3.0, 40.0]))
+    def advance(self, dt: float) -> None:
+        self.now_m += dt
+        self.now_w += dt
+
+    @rule()
+    def checkpoint(self) -> None:
+        """Exports what changed, stores it as LMDB would, evicts and reloads later."""
+        items, expiry, _inflight, settled = self.table.export(self.ckpt, self.lsn, {}, 60.0)
+        for d, v in items:
+            self.lmdb[d] = v
+        assert len(expiry) == len(settled)
+        self.ckpt = self.lsn
+        self.table.evict(self.ckpt)
+        # What survives in memory is exactly the in-flight records.
+        assert self.table.inflight == sum(
+            1 for r in self.model.values() if r.state is State.PROCESSING
+        )
+        assert len(self.table) == self.table.inflight
+
+    @rule()
+    def crash_and_replay(self) -> None:
+        """A new table from LMDB's in-flight records and the log past the checkpoint."""
+        table = _engine.ClaimTable()
+        for d, v in self.lmdb.items():
+            if _engine.decode_value(d, v)[0] == State.PROCESSING:
+                assert table.load([d], [v], self.now_m) == -1
+        for lsn, payload in self.log:
+            if lsn > self.ckpt:
+                table.replay(payload, lsn, self.now_m)
+        self.table = table
+        # Deadlines restart from now; stored times are whole milliseconds.
+        self.model = {
+            d: ref.Rec(
+                r.state,
+                r.ns_id,
+                r.token,
+                _ms(r.created),
+                _ms(r.updated),
+                r.lease,
+                self.now_m + r.lease if r.state is State.PROCESSING else 0.0,
+                r.owner,
+                r.fingerprint,
+                r.result,
+            )
+            for d, r in self.model.items()
+        }
+
+    def _commit(self, payloads, logged, renewed) -> None:
+        if payloads:
+            self.lsn += 1
+            self.log.extend((self.lsn, p) for p in payloads)
+        self.table.apply(self.lsn if payloads else 0)
+        self.model.update(logged)
+        self.model.update(renewed)
+
+    def _load(self, ds: list[bytes]) -> None:
+        missing = self.table.missing(b"".join(ds))
+        want = [ds[i] for i in missing]
+        assert self.table.load(want, [self.lmdb.get(d) for d in want], self.now_m) == -1
+
+    @invariant()
+    def records_match(self) -> None:
+        for d in DIGESTS:
+            self._load([d])
+            got = self.table.get(d)
+            want = self.model.get(d)
+            if want is None:
+                assert got is None
+                continue
+            assert got is not None
+            g = _ref_rec(got)
+            assert (g.state, g.token, g.owner, g.fingerprint, g.result, g.ns_id) == (
+                want.state,
+                want.token,
+                want.owner,
+                want.fingerprint,
+                want.result,
+                want.ns_id,
+            )
+            assert abs(g.created - want.created) <= 0.0006
+            assert abs(g.updated - want.updated) <= 0.0006
+            if want.state is State.PROCESSING:
+                assert g.deadline == pytest.approx(want.deadline, abs=0.002)
+                assert g.lease == pytest.approx(want.lease, rel=1e-6)
+
+
+EngineVsReference.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
+)
+TestEngineVsReference = EngineVsReference.TestCase
+
+
+@given(
+    state=st.sampled_from(list(State)),
+    ns_id=st.integers(0, 65535),
+    token=st.integers(1, 2**63 - 1),
+    created=st.floats(0, 4e9),
+    delta=st.floats(-1000, 1e6),
+    lease=st.sampled_from([0.001, 1.0, 30.0, 30 * 86400.0]),
+    owner=st.none() | st.binary(min_size=1, max_size=255),
+    fp=st.none() | st.binary(min_size=1, max_size=255),
+    result=st.none() | st.binary(max_size=2000),
+)
+def test_stored_format_round_trips(
+    state, ns_id, token, created, delta, lease, owner, fp, result
+) -> None:
+    d = DIGESTS[0]
+    updated = created + delta if created + delta >= 0 else created
+    raw = _engine.encode_value(
+        d, int(state), ns_id, token, created, updated, lease, owner, fp, result
+    )
+    got = _engine.decode_value(d, raw)
+    assert got[0] == state and got[1] == ns_id and got[2] == token
+    assert got[3] == pytest.approx(round(created * 1000) / 1000, abs=1e-3)
+    assert got[4] == pytest.approx(round(updated * 1000) / 1000, abs=1e-3)
+    assert got[6:] == (owner, fp, result)
+    if state is State.PROCESSING:
+        assert lease <= got[5] <= lease + 0.001 + lease * 1e-6
+
+
+def test_a_processed_record_without_a_result_is_a_handful_of_bytes() -> None:
+    raw = _engine.encode_value(DIGESTS[0], 2, 7, 1, 1.7e9, 1.7e9, 30.0, None, None, None)
+    assert len(raw) == 14
+
+
+def test_every_flipped_byte_and_every_truncation_is_caught() -> None:
+    d = DIGESTS[1]
+    raw = _engine.encode_value(d, 2, 7, 3, 1.7e9, 1.7e9 + 5, 30.0, b"own", b"fp", b"\xa2ok")
+    for i in range(len(raw)):
+        for bit in range(8):
+            bad = bytearray(raw)
+            bad[i] ^= 1 << bit
+            with pytest.raises(ValueError):
+                _engine.decode_value(d, bytes(bad))
+    for n in range(len(raw)):
+        with pytest.raises(ValueError):
+            _engine.decode_value(d, raw[:n])
+    with pytest.raises(ValueError):  # the right bytes under another digest
+        _engine.decode_value(DIGESTS[2], raw)
+
+
+def test_damaged_log_payloads_are_refused() -> None:
+    table = _engine.ClaimTable()
+    _claims, _c, _d, payloads, _n = table.claim(
+        b"".join(DIGESTS),
+        list(range(6)),
+        "ns",
+        1,
+        5.0,
+        None,
+        None,
+        None,
+        1.7e9,
+        10.0,
+        lambda *a: a,
+        ("NEW", "DUP", "BUSY"),
+        lambda r: r,
+    )
+    table.discard()
+    (payload,) = payloads
+    assert len(_engine.ClaimTable().replay(payload, 1, 10.0)) == 16 * 6
+    for cut in (0, 3, 5, 20, len(payload) - 1):
+        with pytest.raises(ValueError):
+            _engine.ClaimTable().replay(payload[:cut], 1, 10.0)
+    with pytest.raises(ValueError):
+        _engine.ClaimTable().replay(payload + b"\x00", 1, 10.0)
+    bad = bytearray(payload)
+    bad[30] ^= 0x40
+    with pytest.raises(ValueError):
+        _engine.ClaimTable().replay(bytes(bad), 1, 10.0)
