@@ -132,7 +132,7 @@ class DedupStore(ClaimAPI):
             if not self.path.is_dir():
                 raise FileNotFoundError(f"{self.path}: no data directory to open read-only")
         else:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._take_lock()
         try:
             self._lmdb = LmdbTier(
@@ -192,7 +192,7 @@ class DedupStore(ClaimAPI):
 
     def _take_lock(self) -> None:
         lock_path = self.path / LOCK_FILE
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

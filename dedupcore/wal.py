@@ -418,7 +418,7 @@ class WriteAheadLog:
         if not self.path.is_dir():
             if readonly:
                 raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             _fsync_dir(self.path.parent)
         firsts = []
         for entry in os.listdir(self.path):
@@ -538,7 +538,7 @@ class WriteAheadLog:
         if final.exists():
             raise CorruptFileError(f"{final}: segment already exists")
         tmp = self.path / f".{final.name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, _pack_header(first_lsn))
             os.fsync(fd)
