@@ -56,14 +56,12 @@ Durability
   loss could lose the whole new segment with the records acknowledged in it.
   Before a segment is created the previous one is synced even with
   ``sync="none"``, so every segment but the last is complete on disk.
-- Cutting a torn tail truncates the segment and fsyncs it, and deleting
-  segments (``drop_through``, or an interrupted last segment at open) is
-  followed by a directory ``fsync``, before anything new is appended: cut
-  bytes or a deleted segment that came back after a later power loss would
-  put stale records under the LSNs that new records reuse. For
-  ``drop_through`` the directory sync only makes the freed space stick (a
-  dropped segment that reappears precedes the checkpoint, is never read and
-  is dropped again).
+- Cutting a torn tail truncates the segment and fsyncs it before anything
+  new is appended: cut bytes that came back after a later power loss would
+  put stale records under the LSNs that new records reuse. Deleting
+  segments (``drop_through``) is followed by a directory ``fsync``, which
+  only makes the freed space stick (a dropped segment that reappears
+  precedes the checkpoint, is never read and is dropped again).
 - ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
   orders records under its own lock and waits for durability outside it.
 - A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
@@ -76,26 +74,40 @@ Durability
 Recovery: torn tail versus damage
 ---------------------------------
 
-A crash can only leave garbage after the last durable record of the *last*
-segment (a batch partly written, pages persisted out of order, a zero-filled
-or garbage tail from the filesystem), or a last segment whose creation was
-interrupted (shorter than a header, or all zero). Opening the log cuts such
-a tail at the last valid record: the segment is truncated there and fsynced,
-and a warning on the ``dedupcore.wal`` logger says how many bytes were
-dropped and why. Nothing after the first invalid byte is used, even a record
-that looks valid (pages of an unsynced batch may reach the disk in any
-order). Records cut off this way were never acknowledged in ``fdatasync``
-mode.
+A crash can leave two things only. A temporary file ``.wal-*.log.tmp`` of a
+segment whose creation was interrupted before its rename (it never held a
+record; opening deletes it): a segment is renamed into place only once its
+header is synced, so a segment *in place* always has a valid header. And a
+torn tail: garbage after the last durable record of the *last* segment (a
+batch partly written, a zero-filled or garbage tail from the filesystem),
+with no valid record after it that continues the log. Opening the log cuts
+such a tail at the last valid record: the segment is truncated there and
+fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
+were dropped and why. Records cut off this way were never acknowledged in
+``fdatasync`` mode.
 
-An invalid record or header anywhere else — inside a segment followed by
-another segment, or the header of a segment needed for replay — cannot be a
-crash artifact, because a segment is created only after the previous one was
-synced complete. It is damage to acknowledged records (media error, a stray
-write, a file from elsewhere) and raises :class:`CorruptFileError` naming the
-file, the offset and the first LSN affected, instead of silently forgetting
-those records. The operator decides: restore the file, or truncate it at the
-offset given to accept the loss. Damage in the last segment cannot be told
-apart from a torn tail and is cut (with the warning).
+Everything else is damage to acknowledged records (media error, a stray
+write, a file from elsewhere), and raises :class:`CorruptFileError` naming
+the file, the offset and the first LSN affected, instead of silently
+forgetting those records:
+
+- a segment in place without a valid header, whatever its size (empty,
+  shorter than a header, zero-filled, garbage);
+- invalid bytes in the last segment followed by a valid record that carries
+  the next expected LSN or any later one: the records after the damage were
+  written, so the ones it covers were too. Opening searches the rest of the
+  segment for such a record before it cuts anything. (Should a power loss
+  write the pages of an unsynced batch out of order, leaving a hole inside
+  that never-acknowledged batch, opening refuses too: the log cannot tell
+  that hole from damage, and refusing is the side that loses nothing.)
+- an invalid record or header anywhere else: inside a segment followed by
+  another segment, or the header of a segment needed for replay (a segment
+  is created only after the previous one was synced complete);
+- with ``must_exist`` (the store's log once a checkpoint was taken from it):
+  a missing log directory, or one without a segment.
+
+The operator decides: restore the file, or truncate it at the offset given
+(and delete later segments) to accept the loss.
 """
 
 from __future__ import annotations
@@ -251,6 +263,62 @@ class _Scan:
             self.next_lsn += 1
 
 
+# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see _later_record).
+_SMALL_LSN_END = re.compile(b"[^\x00]\x00\x00\x00\x00")
+
+
+def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
+    """The LSN of a valid record at offset ``pos`` carrying an LSN in lo..hi, else None."""
+    size = len(buf)
+    if pos < 0 or size - pos < FRAME_OVERHEAD:
+        return None
+    length, lsn = FRAME_HEAD.unpack_from(buf, pos)
+    if not lo <= lsn <= hi or length > MAX_RECORD_BYTES:
+        return None
+    body_end = pos + FRAME_HEAD.size + length
+    if body_end + CHECKSUM.size > size:
+        return None
+    (stored,) = CHECKSUM.unpack_from(buf, body_end)
+    return lsn if stored == _core.hash64(buf[pos:body_end]) else None
+
+
+def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
+    """(offset, LSN) of a valid record at or after ``start`` carrying ``next_lsn`` or later.
+
+    Any LSN from ``next_lsn`` up to the end of the 2**32 block after its own
+    counts: farther than records could reach in a file. Rather than trying every offset in Python,
+    candidates come from C-speed searches for the upper half of such an LSN:
+    its 4 bytes when nonzero, else the last nonzero byte of the lower half
+    followed by 4 zero bytes. A zero-filled tail has no candidate at all; a
+    candidate counts only with a valid checksum.
+    """
+    size = len(buf)
+    if size - start < FRAME_OVERHEAD:
+        return None
+    lo = next_lsn
+    hi = min(MAX_LSN, (((next_lsn >> 32) + 2) << 32) - 1)
+    best: tuple[int, int] | None = None
+    for high in range(lo >> 32, (hi >> 32) + 1):
+        if high:
+            pattern = re.compile(re.escape(high.to_bytes(4, "little")))
+            shifts: tuple[int, ...] = (8,)  # the upper half starts 8 bytes into a record
+        else:
+            pattern = _SMALL_LSN_END
+            shifts = (7, 6, 5, 4)  # the last nonzero byte is one of LSN bytes 0..3
+        match = pattern.search(buf, start)
+        while match is not None:
+            at = match.start()
+            if best is not None and at - max(shifts) >= best[0]:
+                break
+            for shift in shifts:
+                if at - shift >= start:
+                    lsn = _frame_at(buf, at - shift, lo, hi)
+                    if lsn is not None and (best is None or at - shift < best[0]):
+                        best = (at - shift, lsn)
+            match = pattern.search(buf, at + 1)
+    return best
+
+
 class _Mapped:
     """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
 
@@ -344,6 +412,7 @@ class WriteAheadLog:
         sync: SyncMode = "fdatasync",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
+        must_exist: bool = False,
     ) -> None:
         if not isinstance(sync, str):
             raise TypeError(f"sync must be a str, not {type(sync).__name__}")
@@ -374,7 +443,7 @@ class WriteAheadLog:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
-        self._recover()
+        self._recover(must_exist)
 
     @classmethod
     def open(
@@ -384,6 +453,7 @@ class WriteAheadLog:
         sync: SyncMode = "fdatasync",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
+        must_exist: bool = False,
     ) -> WriteAheadLog:
         """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
 
@@ -397,25 +467,39 @@ class WriteAheadLog:
 
         Recovery cuts a torn tail of the last segment (see the module
         documentation), so ``append`` right after ``open`` is safe with or
-        without a ``replay``. A damaged header of the last segment raises
-        :class:`CorruptFileError`.
+        without a ``replay``. Damage to the last segment (an invalid header,
+        or invalid bytes followed by a valid record continuing the log)
+        raises :class:`CorruptFileError` and changes nothing.
 
         ``readonly=True`` is for inspection (possibly while the owner process
         appends): the directory must exist, nothing on disk is changed (a torn
         tail is skipped, not cut), and only ``replay``, ``last_lsn``,
         ``segments`` and ``close`` work.
+
+        ``must_exist=True`` says that records were logged here before (the
+        store passes it once a checkpoint was taken from this log): a missing
+        directory, or one without a segment, then raises
+        :class:`CorruptFileError` instead of starting an empty log.
         """
-        return cls(path, sync=sync, segment_bytes=segment_bytes, readonly=readonly)
+        return cls(
+            path, sync=sync, segment_bytes=segment_bytes, readonly=readonly, must_exist=must_exist
+        )
 
     # -- opening -------------------------------------------------------------
 
     def _file(self, first_lsn: int) -> Path:
         return self.path / _segment_name(first_lsn)
 
-    def _recover(self) -> None:
+    def _recover(self, must_exist: bool) -> None:
         """Lists the segments, cuts a torn tail of the last one and opens it for appending."""
         readonly = self.readonly
         if not self.path.is_dir():
+            if must_exist:
+                raise CorruptFileError(
+                    f"{self.path}: the write-ahead log directory is missing, but records "
+                    "were logged in it (restore it; an empty log would forget every "
+                    "acknowledged record after the last checkpoint)"
+                )
             if readonly:
                 raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -429,44 +513,21 @@ class WriteAheadLog:
                 # A segment whose creation stopped before its rename: it never held a record.
                 os.unlink(self.path / entry)
         self._segments = sorted(firsts)
-        removed_first: int | None = None
-        end = last_lsn = 0
-        while self._segments:
-            first = self._segments[-1]
-            # A segment before an interrupted one was synced complete before the
-            # interrupted one was created: it must end cleanly, just before it.
-            end, last_lsn, torn_creation = self._recover_last(
-                first, strict=removed_first is not None
-            )
-            if not torn_creation:
-                if removed_first is not None and last_lsn != removed_first - 1:
-                    raise CorruptFileError(
-                        f"{self._file(first)}: ends at LSN {last_lsn} but the next segment "
-                        f"was created at LSN {removed_first}; records are missing"
-                    )
-                break
-            self._segments.pop()
-            if not readonly:
-                self._file(first).unlink()
-            removed_first = first
-        if removed_first is not None and not readonly:
-            _fsync_dir(self.path)
-        if readonly:
-            if self._segments:
-                self._durable_lsn = last_lsn
-            elif removed_first is not None:
-                self._durable_lsn = removed_first - 1
-            self._next_lsn = self._durable_lsn + 1
-            return
         if not self._segments:
-            start = 1 if removed_first is None else removed_first
-            self._create_segment(start)
-            self._segments.append(start)
-            self._durable_lsn = start - 1
-            self._next_lsn = start
+            if must_exist:
+                raise CorruptFileError(
+                    f"{self.path}: no write-ahead log segment, but records were logged here "
+                    "(the last segment is never deleted): restore the segments"
+                )
+            if not readonly:
+                self._create_segment(1)
+                self._segments.append(1)
             return
+        end, last_lsn = self._recover_last(self._segments[-1])
         self._durable_lsn = last_lsn
         self._next_lsn = last_lsn + 1
+        if readonly:
+            return
         fd = os.open(self._file(self._segments[-1]), os.O_WRONLY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size > end:
@@ -479,38 +540,37 @@ class WriteAheadLog:
         self._fd = fd
         self._seg_size = end
 
-    def _recover_last(self, first: int, *, strict: bool = False) -> tuple[int, int, bool]:
-        """Scans the last segment: (valid end offset, last LSN, its creation was interrupted).
+    def _recover_last(self, first: int) -> tuple[int, int]:
+        """Scans the last segment: (end offset of its last valid record, the record's LSN).
 
-        Logs the cut of a torn tail (the caller truncates). With ``strict``, any
-        invalid byte is damage, not a torn tail.
+        Logs the cut of a torn tail (the caller truncates). Raises
+        :class:`CorruptFileError` for an invalid header (a segment is renamed
+        into place only with a synced header) and for invalid bytes followed
+        by a valid record carrying the next LSN or a later one.
         """
         path = self._file(first)
         with _Mapped(path) as data:
             buf = data.view
             problem = _header_problem(buf, first, str(path))
             if problem is not None:
-                if not strict and (len(buf) < HEADER_SIZE or _all_zero(buf)):
-                    # Shorter than a header, or all zero: the creation was interrupted
-                    # (possible only where a rename is not ordered after the synced
-                    # header); no record can be in it.
-                    log.warning(
-                        "%s: %s a segment whose creation was interrupted (%d bytes, %s)",
-                        path,
-                        "ignoring" if self.readonly else "deleting",
-                        len(buf),
-                        problem,
-                    )
-                    return 0, first - 1, True
-                raise CorruptFileError(f"{path}: {problem}")
+                zero = ", all zero" if len(buf) and _all_zero(buf) else ""
+                raise CorruptFileError(
+                    f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed into "
+                    "place only once its header is synced, so this is damage, not an "
+                    "interrupted creation; its records are unreadable (restore the file)"
+                )
             scan = _Scan(buf, first)
             for _ in scan.records():
                 pass
             if scan.problem is not None:
-                if strict:
+                later = _later_record(buf, scan.pos, scan.next_lsn)
+                if later is not None:
+                    offset, lsn = later
                     raise CorruptFileError(
-                        f"{path}: {scan.problem} at offset {scan.pos} (LSN {scan.next_lsn}) "
-                        "in a segment that was complete when the next one was created"
+                        f"{path}: {scan.problem} at offset {scan.pos}, but a valid record "
+                        f"of LSN {lsn} follows at offset {offset}: records from LSN "
+                        f"{scan.next_lsn} on are damaged, not a torn tail (restore the file; "
+                        f"or, to accept losing them, truncate it at offset {scan.pos})"
                     )
                 dropped = len(buf) - scan.pos
                 zero = ", all zero" if _all_zero(buf[scan.pos :]) else ""
@@ -525,7 +585,7 @@ class WriteAheadLog:
                     dropped,
                     zero,
                 )
-            return scan.pos, scan.next_lsn - 1, False
+            return scan.pos, scan.next_lsn - 1
 
     def _create_segment(self, first_lsn: int) -> None:
         """Creates segment ``first_lsn`` durably and makes it the one appended to.

@@ -297,44 +297,76 @@ def frames_upto(path: Path, size: int) -> Iterator[tuple[int, int, int]]:
         pos = end
 
 
-def test_truncated_or_blank_header_of_the_last_segment_is_a_torn_creation(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _segment_damages() -> list[tuple[str, Callable[[Path], None]]]:
+    """Ways a segment in place can lose its header: emptied, cut short, zeroed, overwritten."""
+
+    def cut(size: int) -> Callable[[Path], None]:
+        return lambda seg: os.truncate(seg, size)
+
+    def zero(size: int) -> Callable[[Path], None]:
+        return lambda seg: seg.write_bytes(bytes(size))
+
+    def zero_keep_size(seg: Path) -> None:
+        seg.write_bytes(bytes(seg.stat().st_size))
+
+    def garbage(seg: Path) -> None:
+        seg.write_bytes(random.Random(8).randbytes(seg.stat().st_size))
+
+    return [
+        ("empty", cut(0)),
+        ("1 byte", cut(1)),
+        ("31 bytes", cut(31)),
+        ("32 zero bytes", zero(32)),
+        ("4096 zero bytes", zero(4096)),
+        ("zeroed in place", zero_keep_size),
+        ("garbage in place", garbage),
+    ]
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["after-another", "only-segment"])
+def test_segment_in_place_without_a_valid_header_is_damage(tmp_path: Path, only: bool) -> None:
+    """A segment is renamed into place only once its header is synced: whatever its size
+    or content, a segment without a valid header is damage, never an interrupted creation
+    to delete (that dropped every acknowledged record in it)."""
     src = tmp_path / "src"
     with WriteAheadLog.open(src) as wal:
         records = fill(wal, 4, random.Random(4))
         nxt = wal.rotate()
-    new_seg = src / f"wal-{nxt:020d}.log"
-    for size, blank in [(0, False), (1, False), (17, False), (31, False), (32, True), (4096, True)]:
-        work = tmp_path / f"h{size}"
+        records += fill(wal, 30, random.Random(5))
+        if only:
+            wal.rotate()
+            wal.drop_through(nxt - 1)
+    seg = src / f"wal-{nxt:020d}.log"
+    assert seg.exists() and seg.stat().st_size > 4096
+    for name, damage in _segment_damages():
+        work = tmp_path / name.replace(" ", "-")
         shutil.copytree(src, work)
-        if blank:
-            (work / new_seg.name).write_bytes(bytes(size))
-        else:
-            os.truncate(work / new_seg.name, size)
-        caplog.clear()
-        with (
-            caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
-            WriteAheadLog.open(work) as wal,
-        ):
+        if only:  # the segment holding the log's records is the only one left
+            (work / f"wal-{records[-1][0] + 1:020d}.log").unlink()
+        damage(work / seg.name)
+        before = sorted((p.name, p.read_bytes()) for p in work.iterdir())
+        with pytest.raises(CorruptFileError) as info:
+            WriteAheadLog.open(work)
+        assert seg.name in str(info.value) and "not an interrupted creation" in str(info.value)
+        assert sorted((p.name, p.read_bytes()) for p in work.iterdir()) == before, name
+        with pytest.raises(CorruptFileError):
+            WriteAheadLog.open(work, readonly=True)
+    after = nxt - 1 if only else 0
+    assert replay(src, after) == records[after:]  # the undamaged log
+
+
+def test_interrupted_segment_creation_leaves_only_a_temporary_file(tmp_path: Path) -> None:
+    """What an interrupted creation can leave (any prefix of the header, zeros after it)
+    is a temporary file; opening removes it and the log goes on where it was."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        records = fill(wal, 3, random.Random(9))
+    nxt = records[-1][0] + 1
+    for content in (b"", b"DDCW", bytes(32), bytes(4096)):
+        (tmp_path / f".wal-{nxt:020d}.log.tmp").write_bytes(content)
+        with WriteAheadLog.open(tmp_path) as wal:
             assert wal.last_lsn == nxt - 1
             assert list(wal.replay(0)) == records
-            assert wal.append([b"x"]) == nxt
-        assert any("creation was interrupted" in m for m in cut_warnings(caplog))
-        assert replay(work) == [*records, (nxt, b"x")]
-
-
-def test_only_segment_with_truncated_header_keeps_its_lsn(tmp_path: Path) -> None:
-    with WriteAheadLog.open(tmp_path) as wal:
-        fill(wal, 2, random.Random(5))
-        nxt = wal.rotate()
-        wal.drop_through(nxt - 1)
-    (seg,) = tmp_path.iterdir()
-    os.truncate(seg, 10)
-    with WriteAheadLog.open(tmp_path) as wal:
-        assert wal.last_lsn == nxt - 1
-        assert wal.append([b"x"]) == nxt
-    assert replay(tmp_path, nxt - 1) == [(nxt, b"x")]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"wal-{1:020d}.log"]
 
 
 def test_flipped_byte_in_the_last_record_cuts_there(
@@ -361,18 +393,59 @@ def test_flipped_byte_in_the_last_record_cuts_there(
         shutil.rmtree(work)
 
 
-def test_flipped_byte_in_a_middle_record_of_the_last_segment_cuts_everything_after(
+def test_damage_in_the_last_segment_followed_by_valid_records_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """In the last segment damage cannot be told from a torn tail: cut, and say so loudly."""
+    """A torn tail has no valid record continuing the log after it; damage inside the last
+    segment does: refuse to open, naming the file and the offset, and change nothing."""
     src, records = _log_with_last_record(tmp_path)
     (seg,) = src.iterdir()
-    lsn, start, _ = frames(seg)[5]
-    flip(seg, start + 14)
+    lsn, start, end = frames(seg)[5]
+    for offset in range(start, end):
+        work = tmp_path / f"flip{offset}"
+        shutil.copytree(src, work)
+        flip(work / seg.name, offset)
+        before = (work / seg.name).read_bytes()
+        with pytest.raises(CorruptFileError) as info:
+            WriteAheadLog.open(work)
+        message = str(info.value)
+        assert seg.name in message and f"at offset {start}," in message, message
+        assert f"of LSN {lsn + 1} follows at offset {end}" in message, message
+        assert (work / seg.name).read_bytes() == before
+        with pytest.raises(CorruptFileError):
+            WriteAheadLog.open(work, readonly=True)
+        shutil.rmtree(work)
+    # Zeros over a whole page of records, the rest intact: damage too.
+    work = tmp_path / "zero-page"
+    shutil.copytree(src, work)
+    data = bytearray((work / seg.name).read_bytes())
+    data[start : start + 100] = bytes(100)
+    (work / seg.name).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="not a torn tail"):
+        WriteAheadLog.open(work)
+    # The same bytes as a tail, with nothing valid after them, are a torn tail.
+    os.truncate(work / seg.name, start + 100)
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
-        assert replay(src) == records[: lsn - 1]
+        assert replay(work) == records[: lsn - 1]
     (msg,) = cut_warnings(caplog)
-    assert "checksum mismatch" in msg and f"after LSN {lsn - 1}" in msg
+    assert f"after LSN {lsn - 1}" in msg and "dropped 100 bytes, all zero" in msg
+
+
+def test_record_with_a_later_lsn_after_damage_is_found_at_any_lsn(tmp_path: Path) -> None:
+    """Any later LSN counts (damage may span many records), small or past 2**32."""
+    for first in (1, 255, 256, 65536, 2**32 - 3, 2**40 + 7):
+        path = tmp_path / f"log{first}"
+        path.mkdir()
+        header = struct.pack("<8sHHIQ", b"DDCWAL01", 1, 1, 0, first)
+        good = frame(first, b"a") + frame(first + 1, b"b")
+        tail = b"\x00" * 7 + frame(first + 9, b"\x00" * 30)
+        seg = path / f"wal-{first:020d}.log"
+        seg.write_bytes(header + struct.pack("<Q", hash64(header)) + good + tail)
+        with pytest.raises(CorruptFileError, match=f"of LSN {first + 9} follows at offset"):
+            WriteAheadLog.open(path)
+        os.truncate(seg, seg.stat().st_size - 1)  # the later record is invalid now
+        with WriteAheadLog.open(path) as wal:
+            assert list(wal.replay(first - 1)) == [(first, b"a"), (first + 1, b"b")]
 
 
 def _multi_segment_log(tmp_path: Path) -> tuple[Path, Records, list[Path]]:
@@ -455,21 +528,18 @@ def test_garbage_after_the_last_record_is_cut(
     (seg,) = src.iterdir()
     nxt = records[-1][0] + 1
     garbage = random.Random(7).randbytes(1000)
-    # A valid-looking record for the next LSN after the garbage must not be used.
     with open(seg, "ab") as fh:
-        fh.write(garbage[:5] + frame(nxt, b"ghost"))
+        fh.write(garbage)
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
         assert list(wal.replay(0)) == records
         assert wal.last_lsn == nxt - 1
     (msg,) = cut_warnings(caplog)
-    assert f"dropped {5 + len(frame(nxt, b'ghost'))} bytes" in msg
-    with open(seg, "ab") as fh:
-        fh.write(garbage)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
-        assert replay(src) == records
-    (msg,) = cut_warnings(caplog)
     assert "dropped 1000 bytes" in msg
+    # A valid record continuing the log after garbage is damage, not a torn tail.
+    with open(seg, "ab") as fh:
+        fh.write(garbage[:5] + frame(nxt, b"ghost"))
+    with pytest.raises(CorruptFileError, match=f"valid record of LSN {nxt} follows"):
+        WriteAheadLog.open(src)
 
 
 def test_zero_filled_tail_is_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -507,11 +577,16 @@ def test_wrong_lsn_in_a_valid_frame_is_invalid(
     (seg,) = src.iterdir()
     nxt = records[-1][0] + 1
     with open(seg, "ab") as fh:
-        fh.write(frame(nxt + 1, b"skips one") + frame(nxt, b"late"))
+        fh.write(frame(nxt - 3, b"stale"))
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
         assert replay(src) == records
     (msg,) = cut_warnings(caplog)
-    assert f"LSN {nxt + 1} where {nxt} was expected" in msg
+    assert f"LSN {nxt - 3} where {nxt} was expected" in msg
+    # A valid record skipping an LSN: the record before it is missing, not torn.
+    with open(seg, "ab") as fh:
+        fh.write(frame(nxt + 1, b"skips one"))
+    with pytest.raises(CorruptFileError, match=f"LSN {nxt + 1} where {nxt} was expected"):
+        WriteAheadLog.open(src)
 
 
 def test_leftover_temporary_segment_is_removed(tmp_path: Path) -> None:
@@ -521,6 +596,25 @@ def test_leftover_temporary_segment_is_removed(tmp_path: Path) -> None:
     with WriteAheadLog.open(tmp_path) as wal:
         assert wal.append([b"b"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"wal-{1:020d}.log"]
+
+
+def test_must_exist_refuses_a_missing_or_empty_log(tmp_path: Path) -> None:
+    """A log that records were taken from (the store passes must_exist once it has a
+    checkpoint) is never silently replaced by an empty one."""
+    missing = tmp_path / "missing"
+    for readonly in (False, True):
+        with pytest.raises(CorruptFileError, match="directory is missing"):
+            WriteAheadLog.open(missing, must_exist=True, readonly=readonly)
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CorruptFileError, match="no write-ahead log segment"):
+        WriteAheadLog.open(empty, must_exist=True)
+    assert list(empty.iterdir()) == []
+    with WriteAheadLog.open(empty) as wal:  # a new log: created
+        wal.append([b"a"])
+    with WriteAheadLog.open(empty, must_exist=True) as wal:
+        assert list(wal.replay(0)) == [(1, b"a")]
 
 
 def test_readonly_open_changes_nothing(tmp_path: Path) -> None:
