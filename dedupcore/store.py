@@ -148,7 +148,10 @@ class DedupStore(ClaimAPI):
                 readonly=readonly,
             )
             self._wal = WriteAheadLog.open(
-                self.path / "wal", sync="fdatasync" if durable else "none", readonly=readonly
+                self.path / "wal",
+                sync="fdatasync" if durable else "none",
+                readonly=readonly,
+                must_exist=self._lmdb.checkpoint_lsn() > 0,
             )
             front_ok = self._open_front()
             self._replay()

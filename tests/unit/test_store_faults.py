@@ -428,6 +428,68 @@ def test_damaged_front_filter_is_rebuilt_and_every_key_stays_duplicate(
             assert all(c.outcome is Outcome.DUPLICATE for c in claims)
 
 
+# ------------------------------------------------------------ damaged log ---
+
+
+def _damage_log(wal: Path, damage: str) -> None:
+    segs = sorted(wal.glob("wal-*.log"))
+    assert segs
+    last = segs[-1]
+    if damage == "zeroed-segment":
+        last.write_bytes(bytes(last.stat().st_size))
+    elif damage == "empty-segment":
+        os.truncate(last, 0)
+    elif damage == "flipped-first-record":
+        data = bytearray(last.read_bytes())
+        data[32 + 20] ^= 0x40  # inside the payload of the segment's first record
+        last.write_bytes(bytes(data))
+    elif damage == "zeroed-first-page":
+        data = bytearray(last.read_bytes())
+        data[32:4096] = bytes(4096 - 32)
+        last.write_bytes(bytes(data))
+    elif damage == "no-segments":
+        for seg in segs:
+            seg.unlink()
+    else:
+        shutil.rmtree(wal)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "zeroed-segment",
+        "empty-segment",
+        "flipped-first-record",
+        "zeroed-first-page",
+        "no-segments",
+        "no-wal-dir",
+    ],
+)
+def test_damaged_log_is_refused_never_acknowledged_keys_coming_back_new(
+    crashed_store: tuple[Path, int], tmp_path: Path, damage: str
+) -> None:
+    """Batches 3-4 are acknowledged and only in the log. A damaged last segment (or a
+    missing log) must stop the store from opening: answering NEW for them would let
+    every one of those messages be processed again."""
+    source, _held_token = crashed_store
+    path = tmp_path / "data"
+    shutil.copytree(source, path)
+    log_size = sum(f.stat().st_size for f in (path / "wal").glob("wal-*.log"))
+    assert log_size > 2 * 500 * 16  # batches 3-5 are in it
+    _damage_log(path / "wal", damage)
+    before = sorted(
+        (str(f.relative_to(path)), f.read_bytes()) for f in path.rglob("wal*") if f.is_file()
+    )
+    with pytest.raises(CorruptFileError) as info:
+        DedupStore.open(path).close()
+    assert "wal" in str(info.value)
+    after = sorted(
+        (str(f.relative_to(path)), f.read_bytes()) for f in path.rglob("wal*") if f.is_file()
+    )
+    assert after == before  # nothing cut, deleted or created
+    assert (path / "wal").exists() == (damage != "no-wal-dir")
+
+
 # ---------------------------------------------------------- damaged cold slice ---
 
 
