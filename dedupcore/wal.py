@@ -70,6 +70,14 @@ Durability
   and after a failed ``fsync`` the kernel may have dropped the dirty pages
   and report success next time, so nothing is acknowledged after it. Later
   calls raise :class:`WalFailedError` until the log is reopened.
+- A new segment that cannot be put in place (out of file descriptors, a full
+  disk: opening, writing, syncing or renaming its temporary file) does NOT
+  fail the log: no byte of a record was written, so nothing acknowledged is
+  in doubt. The temporary file is removed, appends go on in the current
+  segment, and the rotation is tried again at the next commit past
+  ``segment_bytes`` (or the next ``rotate``, which raises the error). Only
+  a failed sync of the current segment before it, or of the directory after
+  the rename, fails the log.
 
 Recovery: torn tail versus damage
 ---------------------------------
@@ -112,6 +120,7 @@ The operator decides: restore the file, or truncate it at the offset given
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap as _mmap
 import os
@@ -443,6 +452,7 @@ class WriteAheadLog:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
+        self._rotation_failures = 0  # new segments that could not be created in a row
         self._recover(must_exist)
 
     @classmethod
@@ -587,36 +597,58 @@ class WriteAheadLog:
                 )
             return scan.pos, scan.next_lsn - 1
 
-    def _create_segment(self, first_lsn: int) -> None:
-        """Creates segment ``first_lsn`` durably and makes it the one appended to.
+    def _new_segment_file(self, first_lsn: int) -> tuple[int, int]:
+        """Puts segment ``first_lsn`` in place; returns (its fd, the directory's fd).
 
-        Written under a temporary name, fsynced, renamed into place, directory
-        fsynced: the segment appears whole or not at all, and stays after a
-        power loss. The caller adds it to ``_segments`` (under the lock).
+        Written under a temporary name, fsynced and renamed into place: the
+        segment appears whole or not at all. The directory is opened first, so
+        that running out of file descriptors shows here. An ``OSError`` here
+        leaves no new segment in place (the temporary file is removed) and no
+        byte of a record written: nothing changed, the creation can be retried.
         """
         final = self._file(first_lsn)
         if final.exists():
             raise CorruptFileError(f"{final}: segment already exists")
+        dir_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         tmp = self.path / f".{final.name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except BaseException:
+            os.close(dir_fd)
+            raise
         try:
             _write_all(fd, _pack_header(first_lsn))
             os.fsync(fd)
             os.rename(tmp, final)
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
+            os.close(dir_fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
+        return fd, dir_fd
+
+    def _install_segment(self, fd: int, dir_fd: int) -> None:
+        """Fsyncs the directory (so the new segment stays after a power loss) and
+        makes the new segment the one appended to. The caller adds it to
+        ``_segments`` (under the lock). A failure here fails the log: the
+        segment is in place, its directory entry maybe not durable."""
         try:
-            _fsync_dir(self.path)
+            os.fsync(dir_fd)
         except BaseException:
             os.close(fd)
             raise
+        finally:
+            os.close(dir_fd)
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = fd
         self._seg_size = HEADER_SIZE
         self._unsynced = False
+
+    def _create_segment(self, first_lsn: int) -> None:
+        """Creates segment ``first_lsn`` durably and makes it the one appended to."""
+        self._install_segment(*self._new_segment_file(first_lsn))
 
     # -- appending -----------------------------------------------------------
 
@@ -740,9 +772,12 @@ class WriteAheadLog:
         self._cond.release()
         failure: BaseException | None = None
         rotated = False
+        not_created: OSError | None = None
         try:
             if rotate:
-                self._rotate_io(first)
+                # A segment that cannot be created (no file descriptor, no space)
+                # costs nothing acknowledged: the batch goes to the current one.
+                not_created = self._rotate_io(first)
                 rotated = True
             _write_all(self._fd, batch)
             self._seg_size += len(batch)
@@ -756,7 +791,7 @@ class WriteAheadLog:
             self._cond.acquire()
             self._busy = False
         if rotated:
-            self._segments.append(first)
+            self._rotated(first, not_created)
         if failure is None:
             self._durable_lsn = last
         else:
@@ -813,12 +848,52 @@ class WriteAheadLog:
                 self._fail(failure, 0, -1)
             self._cond.notify_all()
 
-    def _rotate_io(self, first_lsn: int) -> None:
-        """Syncs the last segment complete (in any sync mode), then creates the next one."""
+    def _rotate_io(self, first_lsn: int) -> OSError | None:
+        """Syncs the last segment complete (in any sync mode), then creates the next one.
+
+        Returns the error that kept the new segment from being put in place
+        (out of file descriptors, a full disk): the last segment then stays
+        the one appended to, and the log is fine. A failed sync, or a failure
+        once the segment is in place, raises (and fails the log).
+        """
         if self._unsynced:
             os.fdatasync(self._fd)
             self._unsynced = False
-        self._create_segment(first_lsn)
+        try:
+            fd, dir_fd = self._new_segment_file(first_lsn)
+        except OSError as exc:
+            if self._file(first_lsn).exists():
+                # A rename that reported an error but happened (an I/O error): records
+                # appended to the current segment would sit behind a segment claiming
+                # their LSNs.
+                raise
+            return exc
+        self._install_segment(fd, dir_fd)
+        return None
+
+    def _rotated(self, first_lsn: int, error: OSError | None) -> None:
+        """Records the outcome of a rotation (lock held)."""
+        if error is None:
+            self._segments.append(first_lsn)
+            if self._rotation_failures:
+                log.info(
+                    "%s: new segment at LSN %d created after %d failed attempts",
+                    self.path,
+                    first_lsn,
+                    self._rotation_failures,
+                )
+                self._rotation_failures = 0
+            return
+        self._rotation_failures += 1
+        log.log(
+            logging.WARNING if self._rotation_failures == 1 else logging.DEBUG,
+            "%s: cannot create a new segment at LSN %d (%s); appending to the current "
+            "segment and trying again later (attempt %d)",
+            self.path,
+            first_lsn,
+            error,
+            self._rotation_failures,
+        )
 
     def _sync_io(self) -> None:
         os.fdatasync(self._fd)
@@ -830,13 +905,20 @@ class WriteAheadLog:
         The current segment is synced complete first, in either sync mode. If
         it holds no record yet, it stays the one appended to and its first LSN
         is returned.
+
+        If the new segment cannot be created (out of file descriptors, a full
+        disk), raises that ``OSError`` without failing the log: nothing
+        acknowledged is in doubt, appends go on in the current segment, and
+        a later ``rotate`` (or an append past ``segment_bytes``) tries again.
         """
         with self._cond:
             self._exclusive_io()
             first = self._durable_lsn + 1
             if self._segments[-1] != first:
-                self._io(lambda: self._rotate_io(first))
-                self._segments.append(first)
+                error = self._io(lambda: self._rotate_io(first))
+                self._rotated(first, error)
+                if error is not None:
+                    raise error
             return first
 
     def sync(self, lsn: int | None = None, *, force: bool = False) -> int:

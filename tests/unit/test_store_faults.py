@@ -202,33 +202,51 @@ def test_front_filter_save_failing_in_a_checkpoint_loses_nothing(
         assert_duplicates(store, first + second)
 
 
-def test_log_rotation_failing_in_a_checkpoint_loses_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENOSPC])
+def test_log_rotation_failing_in_a_checkpoint_keeps_the_store_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ) -> None:
+    """Out of file descriptors (or space) for a new log segment: the checkpoint fails, but
+    nothing acknowledged is in doubt, so the store goes on acknowledging claims in the
+    current segment, and checkpoints once segments can be created again."""
     path = tmp_path / "data"
     first = [f"first-{i}" for i in range(500)]
+    during = [f"during-{i}" for i in range(500)]
+    after = [f"after-{i}" for i in range(100)]
     store = DedupStore.open(path, **NO_AUTO_CHECKPOINT)
     try:
         done_keys(store, first)
         real_open = os.open
+        refused = [0]
 
         def no_new_segment(file: Any, flags: int, *args: Any, **kw: Any) -> int:
             if str(path / "wal") in str(file):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+                refused[0] += 1
+                raise OSError(err, os.strerror(err), str(file))
             return real_open(file, flags, *args, **kw)
 
         with monkeypatch.context() as m:
             m.setattr(os, "open", no_new_segment)
+            with pytest.raises(OSError) as info:
+                store.checkpoint()
+            assert info.value.errno == err and refused[0] >= 1
+            assert_duplicates(store, first)  # still served
+            done_keys(store, during)  # and new claims are acknowledged
             with pytest.raises(OSError):
                 store.checkpoint()
-        assert_duplicates(store, first)  # still served
-        with pytest.raises(DedupError):  # but nothing new is acknowledged
-            store.claim("new-after-failure", namespace=NS)
+            assert_duplicates(store, first + during)
+            # What a crash right now would leave: the log holds every acknowledged key.
+            shutil.copytree(path, tmp_path / "crash-image")
+        store.checkpoint()  # segments can be created again
+        assert store.stats()["checkpoints"] >= 1
+        done_keys(store, after)
+        assert_duplicates(store, first + during + after)
     finally:
         store.close()
+    with DedupStore.open(tmp_path / "crash-image") as image:
+        assert_duplicates(image, first + during)
     with DedupStore.open(path) as store:
-        assert_duplicates(store, first)
-        assert store.claim("new-after-failure", namespace=NS).outcome is Outcome.NEW
+        assert_duplicates(store, first + during + after)
 
 
 # ------------------------------------------------------------- LMDB map full ---

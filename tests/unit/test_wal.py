@@ -10,6 +10,7 @@ import queue
 import random
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -934,21 +936,134 @@ def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
     assert len(got) in (len(good), len(good) + 5)  # the failed batch is all or nothing
 
 
-def test_failed_rotation_fails_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_once(
+    monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool], err: int
+) -> list[object]:
+    """Makes the first call of ``os.<name>`` for which ``when(*args)`` holds raise ``err``."""
+    real = getattr(os, name)
+    failed: list[object] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if not failed and when(*args):
+            failed.append(args)
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, failing)
+    return failed
+
+
+def _is_temp(target: object, *_: object) -> bool:
+    return str(target).endswith(".tmp")
+
+
+def _fd_is_temp(fd: int, *_: object) -> bool:
+    return os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp")
+
+
+SEGMENT_CREATION_FAILURES = {
+    "EMFILE-opening-the-directory": ("open", lambda p, *_: not _is_temp(p), errno.EMFILE),
+    "EMFILE-opening-the-temp-file": ("open", _is_temp, errno.EMFILE),
+    "ENOSPC-writing-the-header": ("write", _fd_is_temp, errno.ENOSPC),
+    "ENOSPC-syncing-the-temp-file": ("fsync", _fd_is_temp, errno.ENOSPC),
+    "ENOSPC-renaming": ("rename", lambda *_: True, errno.ENOSPC),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(SEGMENT_CREATION_FAILURES))
+def test_segment_that_cannot_be_created_does_not_fail_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    """No byte of a record was written: rotate raises, but appends go on in the current
+    segment, and a later rotation creates the segment."""
+    name, when, err = SEGMENT_CREATION_FAILURES[failure]
     with WriteAheadLog.open(tmp_path) as wal:
         acked = fill(wal, 3, random.Random(14))
+        with monkeypatch.context() as m:
+            failed = _fail_once(m, name, when, err)
+            with (
+                caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
+                pytest.raises(OSError) as info,
+            ):
+                wal.rotate()
+            assert info.value.errno == err and len(failed) == 1
+            assert not isinstance(info.value, WalFailedError)
+            assert any("cannot create a new segment" in msg for msg in cut_warnings(caplog))
+            # Still in the first segment, no temporary file left, still appending.
+            assert [p.name for p in tmp_path.iterdir()] == [f"wal-{1:020d}.log"]
+            acked += fill(wal, 2, random.Random(15))
+            nxt = wal.rotate()  # the failure was once: this one works
+        assert nxt == acked[-1][0] + 1
+        assert [p.name for p in wal.segments()] == [f"wal-{1:020d}.log", f"wal-{nxt:020d}.log"]
+        acked += fill(wal, 2, random.Random(16))
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
 
-        def readonly_fs(*args: object, **kwargs: object) -> int:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-        monkeypatch.setattr(os, "rename", readonly_fs)
-        with pytest.raises(OSError, match="Read-only"):
-            wal.rotate()
-        monkeypatch.undo()
+def test_automatic_rotation_that_fails_is_retried_at_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with WriteAheadLog.open(tmp_path, segment_bytes=256) as wal:
+        acked = fill(wal, 1, random.Random(17), max_batch=1)
+        while wal.segments()[-1].stat().st_size < 256:
+            acked += fill(wal, 1, random.Random(18), max_batch=1)
+        with monkeypatch.context() as m:
+            failed = _fail_once(m, "open", _is_temp, errno.EMFILE)
+            acked += fill(wal, 1, random.Random(19))  # acknowledged, in the full segment
+            assert len(failed) == 1
+            assert len(wal.segments()) == 1
+            acked += fill(wal, 1, random.Random(20))  # rotates first now
+        assert len(wal.segments()) == 2
+        seg2 = wal.segments()[1]
+        assert frames(seg2)[0][0] == int(seg2.name[4:24])  # the last batch, whole
+        assert frames(seg2)[-1][0] == acked[-1][0]
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
+
+
+def test_rename_that_reports_an_error_but_happened_fails_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records must never go to the current segment behind a new one claiming their LSNs."""
+    real_rename = os.rename
+
+    def rename_then_eio(src: Any, dst: Any) -> None:
+        real_rename(src, dst)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(22))
+        with monkeypatch.context() as m:
+            m.setattr(os, "rename", rename_then_eio)
+            with pytest.raises(OSError, match="Input/output"):
+                wal.rotate()
         with pytest.raises(WalFailedError):
             wal.append([b"x"])
-    assert [p.name for p in tmp_path.iterdir()] == [f"wal-{1:020d}.log"]  # no temp file left
     assert replay(tmp_path) == acked
+
+
+def test_failed_directory_sync_after_the_rename_fails_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the segment is in place, a failed directory fsync leaves its entry's durability
+    unknown: records must not go into it, so the log fails."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(21))
+        with monkeypatch.context() as m:
+            _fail_once(m, "fsync", lambda fd: stat.S_ISDIR(os.fstat(fd).st_mode), errno.EIO)
+            with pytest.raises(OSError, match="Input/output"):
+                wal.rotate()
+        with pytest.raises(WalFailedError):
+            wal.append([b"x"])
+    nxt = acked[-1][0] + 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"wal-{1:020d}.log",
+        f"wal-{nxt:020d}.log",
+    ]
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert list(wal.replay(0)) == acked
+        assert wal.append([b"x"]) == nxt
+    assert replay(tmp_path) == [*acked, (nxt, b"x")]
 
 
 # ------------------------------------------------------------- bad input ---
