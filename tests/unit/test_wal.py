@@ -1021,6 +1021,56 @@ def test_automatic_rotation_that_fails_is_retried_at_the_next_commit(
     assert replay(tmp_path) == acked
 
 
+RLIMIT_CHILD = """
+import errno, os, resource, sys
+from dedupcore.wal import WriteAheadLog
+
+wal = WriteAheadLog.open(sys.argv[1], segment_bytes=4096)
+wal.append([b"a" * 100] * 50)  # past segment_bytes: the next commit starts a new segment
+# Every descriptor below the limit in use: the next open fails with EMFILE.
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+held = [os.open(os.devnull, os.O_RDONLY)]
+while held[-1] < highest:
+    held.append(os.open(os.devnull, os.O_RDONLY))
+top = held[-1]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+print("appended", wal.append([b"b"]), len(wal.segments()))
+try:
+    wal.rotate()
+except OSError as exc:
+    print("rotate", errno.errorcode[exc.errno])
+print("appended", wal.append([b"c"]), len(wal.segments()))
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("appended", wal.append([b"d"]), len(wal.segments()))
+wal.close()
+"""
+
+
+def test_out_of_file_descriptors_for_a_new_segment_keeps_the_log_appending(
+    tmp_path: Path,
+) -> None:
+    """A real RLIMIT_NOFILE in a child process: no descriptor for the new segment."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RLIMIT_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(dedupcore.__file__).parent.parent)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:4] == [
+        "appended 51 1",  # acknowledged in the full segment
+        "rotate EMFILE",  # an explicit rotation says why, without failing the log
+        "appended 52 1",
+        "appended 53 2",  # descriptors again: the next commit starts the segment
+    ], (proc.stdout, proc.stderr)
+    assert "cannot create a new segment" in proc.stderr
+    records = replay(tmp_path)
+    assert [lsn for lsn, _ in records] == list(range(1, 54))
+    assert [p for _, p in records[-3:]] == [b"b", b"c", b"d"]
+
+
 def test_rename_that_reports_an_error_but_happened_fails_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
