@@ -140,6 +140,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _mkdir_private(path: Path) -> None:
+    """Creates ``path`` and its missing parents with mode 0o700 (``mkdir -p`` ignores the mode
+    for parents): the filters tell which keys were seen, so only the owner may read them."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+
+
 def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes | memoryview]) -> None:
     """Writes a file so that readers see the old or the new content, never a mix.
 
@@ -481,7 +494,7 @@ class BloomRing:
         self._slices: list[_Slice] = []
         self._lock = threading.RLock()
         if self.path is not None:
-            self.path.mkdir(parents=True, exist_ok=True)
+            _mkdir_private(self.path)
 
     # -- time ----------------------------------------------------------------
 

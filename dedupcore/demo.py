@@ -15,9 +15,11 @@ What runs:
   ``claim_many`` -> apply the effect of every NEW claim (append a line to an
   effects file) -> ``complete_many`` -> acknowledge. An id held by another
   consumer (IN_PROGRESS) is retried until it is DUPLICATE or NEW;
-- the supervisor SIGKILLs consumers at random moments and at chosen points:
-  after the claim, between the effect and ``complete``, and between
-  ``complete`` and the acknowledgement.
+- consumers are SIGKILLed (and restarted) at planned places: after the
+  claim, between the effect and ``complete``, between ``complete`` and the
+  acknowledgement, and at a random moment of a batch. The plan is drawn from
+  the seed before the run and each consumer SIGKILLs itself when it gets
+  there, so every planned kill happens however loaded the machine is.
 
 A kill between ``complete`` and the acknowledgement redelivers messages
 whose claims are completed: they come back DUPLICATE and are suppressed --
@@ -55,7 +57,7 @@ __all__ = ["DemoResult", "run_demo", "simulate"]
 
 NAMESPACE = "orders/demo-consumers"
 
-#: Where the supervisor aims a kill (``RANDOM``: whenever the signal lands).
+#: Where a consumer is killed (``RANDOM``: a moment of the batch drawn from the seed).
 RANDOM, AFTER_CLAIM, AFTER_EFFECT, AFTER_COMPLETE = 0, 1, 2, 3
 KILL_POINTS = {
     RANDOM: "at a random moment",
@@ -63,6 +65,14 @@ KILL_POINTS = {
     AFTER_EFFECT: "between the effect and complete",
     AFTER_COMPLETE: "between complete and the ack",
 }
+# The moments a RANDOM kill may land on besides the points above: once the
+# batch is delivered (before its claim), and halfway through writing the effect.
+BEFORE_CLAIM, MID_EFFECT = 4, 5
+_RANDOM_MOMENTS = (BEFORE_CLAIM, AFTER_CLAIM, MID_EFFECT, AFTER_EFFECT, AFTER_COMPLETE)
+
+#: One planned kill of a partition's consumer: at the first ``moment`` it reaches
+#: in a batch starting at ``from_offset`` or later, counted under ``point``.
+Kill = tuple[int, int, int]  # (from_offset, point, moment)
 
 # Shared counters, one row of _FIELDS per partition. A row is written by the
 # partition's live consumer only (and by the supervisor while none is alive),
@@ -77,11 +87,9 @@ KILL_POINTS = {
     _REDELIVERED_NEW,
     _IN_PROGRESS,
     _SAME_BATCH,
-    _PAUSE_AT,  # supervisor -> consumer: stop at this point (0: never) ...
-    _PAUSED,  # ... consumer -> supervisor: stopped there, kill me
-    _READY,  # the incarnation that is connected and consuming
+    _KILLED,  # planned kills done: the next one due is plan[_KILLED]
     _FIELDS,
-) = range(13)
+) = range(11)
 
 
 @dataclass
@@ -121,14 +129,24 @@ class DemoResult:
 # -- the consumer process ------------------------------------------------------------------
 
 
-def _checkpoint(row: Any, base: int, point: int) -> None:
-    """Stops here if the supervisor asked to; it then SIGKILLs this process."""
-    if row[base + _PAUSE_AT] != point:
-        return
-    row[base + _PAUSED] = point
-    while row[base + _PAUSE_AT] == point:
-        time.sleep(0.002)
-    row[base + _PAUSED] = 0  # the supervisor changed its mind
+def _due(row: Any, base: int, plan: list[Kill], offset: int, moment: int) -> bool:
+    """Whether the partition's next planned kill is at ``moment`` of the batch at ``offset``."""
+    done = int(row[base + _KILLED])
+    if done >= len(plan):
+        return False
+    from_offset, _point, at = plan[done]
+    return at == moment and offset >= from_offset
+
+
+def _die(row: Any, base: int) -> None:
+    """Counts the planned kill (shared memory outlives the process) and SIGKILLs itself."""
+    row[base + _KILLED] += 1
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_point(row: Any, base: int, plan: list[Kill], offset: int, moment: int) -> None:
+    if _due(row, base, plan, offset, moment):
+        _die(row, base)
 
 
 def _consumer(
@@ -140,8 +158,12 @@ def _consumer(
     shared: Any,
     batch_size: int,
     lease: float,
+    plan: list[Kill],
 ) -> None:
-    """One consumer of one partition: claim, apply the effect, complete, acknowledge."""
+    """One consumer of one partition: claim, apply the effect, complete, acknowledge.
+
+    It SIGKILLs itself where ``plan`` says (see :func:`_kill_plan`).
+    """
     from dedupcore.api import Outcome
     from dedupcore.client import Client
 
@@ -156,7 +178,6 @@ def _consumer(
         step = 0
         with Client(socket_path, timeout=60.0, retries=100, backoff=0.02) as client:
             client.ping()
-            s[base + _READY] = incarnation
             while True:
                 offset = s[base + _COMMITTED]
                 if offset >= len(messages):
@@ -168,13 +189,14 @@ def _consumer(
                 s[base + _DELIVERIES] += len(batch)
                 s[base + _REDELIVERIES] += max(0, min(end, high) - offset)
                 s[base + _HIGH_WATER] = max(high, end)
+                _kill_point(s, base, plan, offset, BEFORE_CLAIM)
                 # An id twice in one batch is claimed once.
                 todo: list[bytes | str] = list(dict.fromkeys(batch))
                 s[base + _SAME_BATCH] += len(batch) - len(todo)
                 first = True
                 while todo:
                     claims = client.claim_many(todo, namespace=NAMESPACE, owner=owner, lease=lease)
-                    _checkpoint(s, base, AFTER_CLAIM)
+                    _kill_point(s, base, plan, offset, AFTER_CLAIM)
                     new = [c for c in claims if c.outcome is Outcome.NEW]
                     waiting = [c.key for c in claims if c.outcome is Outcome.IN_PROGRESS]
                     dup = [c for c in claims if c.outcome is Outcome.DUPLICATE]
@@ -189,15 +211,15 @@ def _consumer(
                         # (Each write starts a new line, and a line counts only with its
                         # final " .", so a write torn by a SIGKILL is not an effect.)
                         t = time.monotonic_ns()
-                        os.write(
-                            fd,
-                            b"\n"
-                            + b"".join(
-                                b"E %d %d %d %s .\n" % (incarnation, step, t, _as_bytes(c.key))
-                                for c in new
-                            ),
+                        effect = b"\n" + b"".join(
+                            b"E %d %d %d %s .\n" % (incarnation, step, t, _as_bytes(c.key))
+                            for c in new
                         )
-                        _checkpoint(s, base, AFTER_EFFECT)
+                        if _due(s, base, plan, offset, MID_EFFECT):
+                            os.write(fd, effect[: len(effect) // 2])  # a torn effect
+                            _die(s, base)
+                        os.write(fd, effect)
+                        _kill_point(s, base, plan, offset, AFTER_EFFECT)
                         client.complete_many([(c.key, c.token) for c in new], namespace=NAMESPACE)
                         t = time.monotonic_ns()
                         os.write(fd, b"\nC %d %d %d .\n" % (incarnation, step, t))
@@ -205,7 +227,7 @@ def _consumer(
                         time.sleep(0.005)  # held by another consumer: nack, retry shortly
                     todo = waiting
                     first = False
-                _checkpoint(s, base, AFTER_COMPLETE)
+                _kill_point(s, base, plan, offset, AFTER_COMPLETE)
                 s[base + _COMMITTED] = end  # the ack
     except BaseException:
         traceback.print_exc()
@@ -222,6 +244,29 @@ def _publish(keys: int, duplicate_rate: float, rng: random.Random) -> tuple[list
     stream = ids + [ids[rng.randrange(keys)] for _ in range(retries)]
     rng.shuffle(stream)
     return stream, retries
+
+
+def _kill_plan(sizes: list[int], batch: int, n_kills: int, rng: random.Random) -> list[list[Kill]]:
+    """Each partition's planned kills, in the order they happen.
+
+    The points take turns (shuffled), and the partitions too; a partition's
+    kills are spread over batch starts in the first three quarters of its
+    messages, so that batches remain after each one to reach its point (a
+    kill between the effect and complete needs a batch with a NEW claim). A
+    RANDOM kill lands on a moment of the batch drawn here.
+    """
+    points = [(RANDOM, AFTER_CLAIM, AFTER_EFFECT, AFTER_COMPLETE)[i % 4] for i in range(n_kills)]
+    rng.shuffle(points)
+    consumers = len(sizes)
+    plan: list[list[Kill]] = [[] for _ in range(consumers)]
+    for i, point in enumerate(points):
+        moment = rng.choice(_RANDOM_MOMENTS) if point == RANDOM else point
+        plan[i % consumers].append((0, point, moment))
+    for p, kills in enumerate(plan):
+        batches = max(1, (sizes[p] + batch - 1) // batch * 3 // 4)
+        for j, (_, point, moment) in enumerate(kills):
+            kills[j] = ((j + 1) * batches // (len(kills) + 1) * batch, point, moment)
+    return plan
 
 
 def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -294,8 +339,10 @@ def simulate(
     ``batch`` messages are claimed at a time (default: from 50 to 1000, about
     40 batches per consumer). ``kills`` SIGKILLs are spread over the run
     (default: 4 per consumer), aimed in turn at each point of
-    :data:`KILL_POINTS`. ``progress(done, total, note)`` is called as
-    acknowledged messages advance.
+    :data:`KILL_POINTS`: each consumer kills itself where the plan drawn
+    from ``seed`` says (:func:`_kill_plan`), so the kills do not depend on
+    timing. ``progress(done, total, note)`` is called as acknowledged
+    messages advance.
     """
     if keys <= 0 or not 0.0 <= duplicate_rate < 1.0:
         raise ValueError("keys must be > 0 and duplicate_rate in [0, 1)")
@@ -306,10 +353,8 @@ def simulate(
     if batch is None:  # some 40 batches per consumer, 50..1000 messages each
         batch = max(50, min(1000, len(stream) // (40 * consumers)))
     n_kills = 4 * consumers if kills is None else kills
-    points = [(RANDOM, AFTER_CLAIM, AFTER_EFFECT, AFTER_COMPLETE)[i % 4] for i in range(n_kills)]
-    rng.shuffle(points)
-    # Kill i happens once this many messages are acknowledged in all.
-    thresholds = [len(stream) * (i + 1) // (n_kills + 1) for i in range(n_kills)]
+    sizes = [len(stream[p::consumers]) for p in range(consumers)]
+    plan = _kill_plan(sizes, batch, n_kills, rng)
 
     ctx = multiprocessing.get_context("spawn")
     shared = RawArray("q", consumers * _FIELDS)
@@ -317,21 +362,17 @@ def simulate(
     daemon: subprocess.Popen[bytes] | None = None
     procs: list[Any] = [None] * consumers
     incarnations = [0] * consumers
+    killed = [0] * consumers  # planned kills seen done, per partition
     kill_counts = {name: 0 for name in KILL_POINTS.values()}
     crashes = 0
     started = time.perf_counter()
     try:
         daemon, socket_path = _start_daemon(tmp)
-        sizes = []
         for p in range(consumers):
-            part = stream[p::consumers]
-            sizes.append(len(part))
-            (tmp / f"partition-{p}").write_bytes(b"\n".join(part))
+            (tmp / f"partition-{p}").write_bytes(b"\n".join(stream[p::consumers]))
 
         def spawn(p: int) -> None:
             incarnations[p] += 1
-            shared[p * _FIELDS + _PAUSE_AT] = 0
-            shared[p * _FIELDS + _PAUSED] = 0
             proc = ctx.Process(
                 target=_consumer,
                 args=(
@@ -343,6 +384,7 @@ def simulate(
                     shared,
                     batch,
                     lease,
+                    plan[p],
                 ),
                 name=f"dedupcore-demo-consumer-{p}",
                 daemon=True,
@@ -356,72 +398,38 @@ def simulate(
         def unfinished(p: int) -> bool:
             return int(shared[p * _FIELDS + _COMMITTED]) < sizes[p]
 
-        def kill(p: int, point: int) -> None:
-            os.kill(procs[p].pid, signal.SIGKILL)
-            procs[p].join()
-            kill_counts[KILL_POINTS[point]] += 1
-            spawn(p)
-
-        def aimed_kill(point: int) -> bool:
-            """Stops a consumer at ``point`` and SIGKILLs it there."""
-            candidates = [
-                p
-                for p in range(consumers)
-                if procs[p].is_alive() and sizes[p] - shared[p * _FIELDS + _COMMITTED] > batch
-            ]
-            if not candidates:
-                return False
-            p = rng.choice(candidates)
-            base = p * _FIELDS
-            if point == RANDOM:
-                # Anywhere in its work, not while it is still starting up.
-                deadline = time.monotonic() + 10.0
-                while shared[base + _READY] != incarnations[p] and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                time.sleep(rng.uniform(0.0, 0.05))
-                if not procs[p].is_alive():
-                    return False
-                kill(p, point)
-                return True
-            shared[base + _PAUSE_AT] = point
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and procs[p].is_alive():
-                if shared[base + _PAUSED] == point:
-                    kill(p, point)
-                    return True
-                time.sleep(0.002)
-            shared[base + _PAUSE_AT] = 0  # never got there (done, or waiting on others)
-            return False
+        def count_kills(p: int) -> bool:
+            """Counts the planned kills partition ``p`` did; False if it did none."""
+            done = int(shared[p * _FIELDS + _KILLED])
+            for _from_offset, point, _moment in plan[p][killed[p] : done]:
+                kill_counts[KILL_POINTS[point]] += 1
+            new, killed[p] = done > killed[p], done
+            return new
 
         for p in range(consumers):
             spawn(p)
         total = len(stream)
-        next_kill = tries = 0
         while True:
             done = acked()
             if progress is not None:
                 progress(done, total, f"{sum(kill_counts.values())} consumers SIGKILLed")
             if done >= total:
                 break
-            if next_kill < n_kills and done >= thresholds[next_kill]:
-                # A consumer near its end, or one that never reached the point in
-                # time, is not killed; the kill is tried again a few times.
-                tries += 1
-                if aimed_kill(points[next_kill]) or tries == 5:
-                    next_kill += 1
-                    tries = 0
-                continue
             for p in range(consumers):
                 proc = procs[p]
                 if not proc.is_alive() and unfinished(p):
                     proc.join()
-                    crashes += 1
-                    if crashes > 10 * consumers:
-                        raise RuntimeError("consumers keep failing; see the errors above")
+                    planned = proc.exitcode == -signal.SIGKILL and count_kills(p)
+                    if not planned:
+                        crashes += 1
+                        if crashes > 10 * consumers:
+                            raise RuntimeError("consumers keep failing; see the errors above")
                     spawn(p)
             time.sleep(0.02)
         for proc in procs:
             proc.join(60)
+        for p in range(consumers):
+            count_kills(p)
         if progress is not None:
             progress(total, total, f"{sum(kill_counts.values())} consumers SIGKILLed")
 

@@ -138,7 +138,7 @@ class DedupStore(ClaimAPI):
             if not self.path.is_dir():
                 raise FileNotFoundError(f"{self.path}: no data directory to open read-only")
         else:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._take_lock()
         try:
             self._lmdb = LmdbTier(
@@ -163,7 +163,10 @@ class DedupStore(ClaimAPI):
                 readonly=readonly,
             )
             self._wal = WriteAheadLog.open(
-                self.path / "wal", sync="fdatasync" if durable else "none", readonly=readonly
+                self.path / "wal",
+                sync="fdatasync" if durable else "none",
+                readonly=readonly,
+                must_exist=self._lmdb.checkpoint_lsn() > 0,
             )
             front_ok = self._open_front()
             self._replay()
@@ -207,7 +210,7 @@ class DedupStore(ClaimAPI):
 
     def _take_lock(self) -> None:
         lock_path = self.path / LOCK_FILE
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

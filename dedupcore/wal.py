@@ -56,14 +56,12 @@ Durability
   loss could lose the whole new segment with the records acknowledged in it.
   Before a segment is created the previous one is synced even with
   ``sync="none"``, so every segment but the last is complete on disk.
-- Cutting a torn tail truncates the segment and fsyncs it, and deleting
-  segments (``drop_through``, or an interrupted last segment at open) is
-  followed by a directory ``fsync``, before anything new is appended: cut
-  bytes or a deleted segment that came back after a later power loss would
-  put stale records under the LSNs that new records reuse. For
-  ``drop_through`` the directory sync only makes the freed space stick (a
-  dropped segment that reappears precedes the checkpoint, is never read and
-  is dropped again).
+- Cutting a torn tail truncates the segment and fsyncs it before anything
+  new is appended: cut bytes that came back after a later power loss would
+  put stale records under the LSNs that new records reuse. Deleting
+  segments (``drop_through``) is followed by a directory ``fsync``, which
+  only makes the freed space stick (a dropped segment that reappears
+  precedes the checkpoint, is never read and is dropped again).
 - ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
   orders records under its own lock and waits for durability outside it.
 - A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
@@ -72,34 +70,57 @@ Durability
   and after a failed ``fsync`` the kernel may have dropped the dirty pages
   and report success next time, so nothing is acknowledged after it. Later
   calls raise :class:`WalFailedError` until the log is reopened.
+- A new segment that cannot be put in place (out of file descriptors, a full
+  disk: opening, writing, syncing or renaming its temporary file) does NOT
+  fail the log: no byte of a record was written, so nothing acknowledged is
+  in doubt. The temporary file is removed, appends go on in the current
+  segment, and the rotation is tried again at the next commit past
+  ``segment_bytes`` (or the next ``rotate``, which raises the error). Only
+  a failed sync of the current segment before it, or of the directory after
+  the rename, fails the log.
 
 Recovery: torn tail versus damage
 ---------------------------------
 
-A crash can only leave garbage after the last durable record of the *last*
-segment (a batch partly written, pages persisted out of order, a zero-filled
-or garbage tail from the filesystem), or a last segment whose creation was
-interrupted (shorter than a header, or all zero). Opening the log cuts such
-a tail at the last valid record: the segment is truncated there and fsynced,
-and a warning on the ``dedupcore.wal`` logger says how many bytes were
-dropped and why. Nothing after the first invalid byte is used, even a record
-that looks valid (pages of an unsynced batch may reach the disk in any
-order). Records cut off this way were never acknowledged in ``fdatasync``
-mode.
+A crash can leave two things only. A temporary file ``.wal-*.log.tmp`` of a
+segment whose creation was interrupted before its rename (it never held a
+record; opening deletes it): a segment is renamed into place only once its
+header is synced, so a segment *in place* always has a valid header. And a
+torn tail: garbage after the last durable record of the *last* segment (a
+batch partly written, a zero-filled or garbage tail from the filesystem),
+with no valid record after it that continues the log. Opening the log cuts
+such a tail at the last valid record: the segment is truncated there and
+fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
+were dropped and why. Records cut off this way were never acknowledged in
+``fdatasync`` mode.
 
-An invalid record or header anywhere else — inside a segment followed by
-another segment, or the header of a segment needed for replay — cannot be a
-crash artifact, because a segment is created only after the previous one was
-synced complete. It is damage to acknowledged records (media error, a stray
-write, a file from elsewhere) and raises :class:`CorruptFileError` naming the
-file, the offset and the first LSN affected, instead of silently forgetting
-those records. The operator decides: restore the file, or truncate it at the
-offset given to accept the loss. Damage in the last segment cannot be told
-apart from a torn tail and is cut (with the warning).
+Everything else is damage to acknowledged records (media error, a stray
+write, a file from elsewhere), and raises :class:`CorruptFileError` naming
+the file, the offset and the first LSN affected, instead of silently
+forgetting those records:
+
+- a segment in place without a valid header, whatever its size (empty,
+  shorter than a header, zero-filled, garbage);
+- invalid bytes in the last segment followed by a valid record that carries
+  the next expected LSN or any later one: the records after the damage were
+  written, so the ones it covers were too. Opening searches the rest of the
+  segment for such a record before it cuts anything. (Should a power loss
+  write the pages of an unsynced batch out of order, leaving a hole inside
+  that never-acknowledged batch, opening refuses too: the log cannot tell
+  that hole from damage, and refusing is the side that loses nothing.)
+- an invalid record or header anywhere else: inside a segment followed by
+  another segment, or the header of a segment needed for replay (a segment
+  is created only after the previous one was synced complete);
+- with ``must_exist`` (the store's log once a checkpoint was taken from it):
+  a missing log directory, or one without a segment.
+
+The operator decides: restore the file, or truncate it at the offset given
+(and delete later segments) to accept the loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap as _mmap
 import os
@@ -251,6 +272,62 @@ class _Scan:
             self.next_lsn += 1
 
 
+# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see _later_record).
+_SMALL_LSN_END = re.compile(b"[^\x00]\x00\x00\x00\x00")
+
+
+def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
+    """The LSN of a valid record at offset ``pos`` carrying an LSN in lo..hi, else None."""
+    size = len(buf)
+    if pos < 0 or size - pos < FRAME_OVERHEAD:
+        return None
+    length, lsn = FRAME_HEAD.unpack_from(buf, pos)
+    if not lo <= lsn <= hi or length > MAX_RECORD_BYTES:
+        return None
+    body_end = pos + FRAME_HEAD.size + length
+    if body_end + CHECKSUM.size > size:
+        return None
+    (stored,) = CHECKSUM.unpack_from(buf, body_end)
+    return lsn if stored == _core.hash64(buf[pos:body_end]) else None
+
+
+def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
+    """(offset, LSN) of a valid record at or after ``start`` carrying ``next_lsn`` or later.
+
+    Any LSN from ``next_lsn`` up to the end of the 2**32 block after its own
+    counts: farther than records could reach in a file. Rather than trying every offset in Python,
+    candidates come from C-speed searches for the upper half of such an LSN:
+    its 4 bytes when nonzero, else the last nonzero byte of the lower half
+    followed by 4 zero bytes. A zero-filled tail has no candidate at all; a
+    candidate counts only with a valid checksum.
+    """
+    size = len(buf)
+    if size - start < FRAME_OVERHEAD:
+        return None
+    lo = next_lsn
+    hi = min(MAX_LSN, (((next_lsn >> 32) + 2) << 32) - 1)
+    best: tuple[int, int] | None = None
+    for high in range(lo >> 32, (hi >> 32) + 1):
+        if high:
+            pattern = re.compile(re.escape(high.to_bytes(4, "little")))
+            shifts: tuple[int, ...] = (8,)  # the upper half starts 8 bytes into a record
+        else:
+            pattern = _SMALL_LSN_END
+            shifts = (7, 6, 5, 4)  # the last nonzero byte is one of LSN bytes 0..3
+        match = pattern.search(buf, start)
+        while match is not None:
+            at = match.start()
+            if best is not None and at - max(shifts) >= best[0]:
+                break
+            for shift in shifts:
+                if at - shift >= start:
+                    lsn = _frame_at(buf, at - shift, lo, hi)
+                    if lsn is not None and (best is None or at - shift < best[0]):
+                        best = (at - shift, lsn)
+            match = pattern.search(buf, at + 1)
+    return best
+
+
 class _Mapped:
     """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
 
@@ -344,6 +421,7 @@ class WriteAheadLog:
         sync: SyncMode = "fdatasync",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
+        must_exist: bool = False,
     ) -> None:
         if not isinstance(sync, str):
             raise TypeError(f"sync must be a str, not {type(sync).__name__}")
@@ -374,7 +452,8 @@ class WriteAheadLog:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
-        self._recover()
+        self._rotation_failures = 0  # new segments that could not be created in a row
+        self._recover(must_exist)
 
     @classmethod
     def open(
@@ -384,6 +463,7 @@ class WriteAheadLog:
         sync: SyncMode = "fdatasync",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
+        must_exist: bool = False,
     ) -> WriteAheadLog:
         """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
 
@@ -397,28 +477,42 @@ class WriteAheadLog:
 
         Recovery cuts a torn tail of the last segment (see the module
         documentation), so ``append`` right after ``open`` is safe with or
-        without a ``replay``. A damaged header of the last segment raises
-        :class:`CorruptFileError`.
+        without a ``replay``. Damage to the last segment (an invalid header,
+        or invalid bytes followed by a valid record continuing the log)
+        raises :class:`CorruptFileError` and changes nothing.
 
         ``readonly=True`` is for inspection (possibly while the owner process
         appends): the directory must exist, nothing on disk is changed (a torn
         tail is skipped, not cut), and only ``replay``, ``last_lsn``,
         ``segments`` and ``close`` work.
+
+        ``must_exist=True`` says that records were logged here before (the
+        store passes it once a checkpoint was taken from this log): a missing
+        directory, or one without a segment, then raises
+        :class:`CorruptFileError` instead of starting an empty log.
         """
-        return cls(path, sync=sync, segment_bytes=segment_bytes, readonly=readonly)
+        return cls(
+            path, sync=sync, segment_bytes=segment_bytes, readonly=readonly, must_exist=must_exist
+        )
 
     # -- opening -------------------------------------------------------------
 
     def _file(self, first_lsn: int) -> Path:
         return self.path / _segment_name(first_lsn)
 
-    def _recover(self) -> None:
+    def _recover(self, must_exist: bool) -> None:
         """Lists the segments, cuts a torn tail of the last one and opens it for appending."""
         readonly = self.readonly
         if not self.path.is_dir():
+            if must_exist:
+                raise CorruptFileError(
+                    f"{self.path}: the write-ahead log directory is missing, but records "
+                    "were logged in it (restore it; an empty log would forget every "
+                    "acknowledged record after the last checkpoint)"
+                )
             if readonly:
                 raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             _fsync_dir(self.path.parent)
         firsts = []
         for entry in os.listdir(self.path):
@@ -429,44 +523,21 @@ class WriteAheadLog:
                 # A segment whose creation stopped before its rename: it never held a record.
                 os.unlink(self.path / entry)
         self._segments = sorted(firsts)
-        removed_first: int | None = None
-        end = last_lsn = 0
-        while self._segments:
-            first = self._segments[-1]
-            # A segment before an interrupted one was synced complete before the
-            # interrupted one was created: it must end cleanly, just before it.
-            end, last_lsn, torn_creation = self._recover_last(
-                first, strict=removed_first is not None
-            )
-            if not torn_creation:
-                if removed_first is not None and last_lsn != removed_first - 1:
-                    raise CorruptFileError(
-                        f"{self._file(first)}: ends at LSN {last_lsn} but the next segment "
-                        f"was created at LSN {removed_first}; records are missing"
-                    )
-                break
-            self._segments.pop()
-            if not readonly:
-                self._file(first).unlink()
-            removed_first = first
-        if removed_first is not None and not readonly:
-            _fsync_dir(self.path)
-        if readonly:
-            if self._segments:
-                self._durable_lsn = last_lsn
-            elif removed_first is not None:
-                self._durable_lsn = removed_first - 1
-            self._next_lsn = self._durable_lsn + 1
-            return
         if not self._segments:
-            start = 1 if removed_first is None else removed_first
-            self._create_segment(start)
-            self._segments.append(start)
-            self._durable_lsn = start - 1
-            self._next_lsn = start
+            if must_exist:
+                raise CorruptFileError(
+                    f"{self.path}: no write-ahead log segment, but records were logged here "
+                    "(the last segment is never deleted): restore the segments"
+                )
+            if not readonly:
+                self._create_segment(1)
+                self._segments.append(1)
             return
+        end, last_lsn = self._recover_last(self._segments[-1])
         self._durable_lsn = last_lsn
         self._next_lsn = last_lsn + 1
+        if readonly:
+            return
         fd = os.open(self._file(self._segments[-1]), os.O_WRONLY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size > end:
@@ -479,38 +550,37 @@ class WriteAheadLog:
         self._fd = fd
         self._seg_size = end
 
-    def _recover_last(self, first: int, *, strict: bool = False) -> tuple[int, int, bool]:
-        """Scans the last segment: (valid end offset, last LSN, its creation was interrupted).
+    def _recover_last(self, first: int) -> tuple[int, int]:
+        """Scans the last segment: (end offset of its last valid record, the record's LSN).
 
-        Logs the cut of a torn tail (the caller truncates). With ``strict``, any
-        invalid byte is damage, not a torn tail.
+        Logs the cut of a torn tail (the caller truncates). Raises
+        :class:`CorruptFileError` for an invalid header (a segment is renamed
+        into place only with a synced header) and for invalid bytes followed
+        by a valid record carrying the next LSN or a later one.
         """
         path = self._file(first)
         with _Mapped(path) as data:
             buf = data.view
             problem = _header_problem(buf, first, str(path))
             if problem is not None:
-                if not strict and (len(buf) < HEADER_SIZE or _all_zero(buf)):
-                    # Shorter than a header, or all zero: the creation was interrupted
-                    # (possible only where a rename is not ordered after the synced
-                    # header); no record can be in it.
-                    log.warning(
-                        "%s: %s a segment whose creation was interrupted (%d bytes, %s)",
-                        path,
-                        "ignoring" if self.readonly else "deleting",
-                        len(buf),
-                        problem,
-                    )
-                    return 0, first - 1, True
-                raise CorruptFileError(f"{path}: {problem}")
+                zero = ", all zero" if len(buf) and _all_zero(buf) else ""
+                raise CorruptFileError(
+                    f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed into "
+                    "place only once its header is synced, so this is damage, not an "
+                    "interrupted creation; its records are unreadable (restore the file)"
+                )
             scan = _Scan(buf, first)
             for _ in scan.records():
                 pass
             if scan.problem is not None:
-                if strict:
+                later = _later_record(buf, scan.pos, scan.next_lsn)
+                if later is not None:
+                    offset, lsn = later
                     raise CorruptFileError(
-                        f"{path}: {scan.problem} at offset {scan.pos} (LSN {scan.next_lsn}) "
-                        "in a segment that was complete when the next one was created"
+                        f"{path}: {scan.problem} at offset {scan.pos}, but a valid record "
+                        f"of LSN {lsn} follows at offset {offset}: records from LSN "
+                        f"{scan.next_lsn} on are damaged, not a torn tail (restore the file; "
+                        f"or, to accept losing them, truncate it at offset {scan.pos})"
                     )
                 dropped = len(buf) - scan.pos
                 zero = ", all zero" if _all_zero(buf[scan.pos :]) else ""
@@ -525,38 +595,60 @@ class WriteAheadLog:
                     dropped,
                     zero,
                 )
-            return scan.pos, scan.next_lsn - 1, False
+            return scan.pos, scan.next_lsn - 1
 
-    def _create_segment(self, first_lsn: int) -> None:
-        """Creates segment ``first_lsn`` durably and makes it the one appended to.
+    def _new_segment_file(self, first_lsn: int) -> tuple[int, int]:
+        """Puts segment ``first_lsn`` in place; returns (its fd, the directory's fd).
 
-        Written under a temporary name, fsynced, renamed into place, directory
-        fsynced: the segment appears whole or not at all, and stays after a
-        power loss. The caller adds it to ``_segments`` (under the lock).
+        Written under a temporary name, fsynced and renamed into place: the
+        segment appears whole or not at all. The directory is opened first, so
+        that running out of file descriptors shows here. An ``OSError`` here
+        leaves no new segment in place (the temporary file is removed) and no
+        byte of a record written: nothing changed, the creation can be retried.
         """
         final = self._file(first_lsn)
         if final.exists():
             raise CorruptFileError(f"{final}: segment already exists")
+        dir_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         tmp = self.path / f".{final.name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except BaseException:
+            os.close(dir_fd)
+            raise
         try:
             _write_all(fd, _pack_header(first_lsn))
             os.fsync(fd)
             os.rename(tmp, final)
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
+            os.close(dir_fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
+        return fd, dir_fd
+
+    def _install_segment(self, fd: int, dir_fd: int) -> None:
+        """Fsyncs the directory (so the new segment stays after a power loss) and
+        makes the new segment the one appended to. The caller adds it to
+        ``_segments`` (under the lock). A failure here fails the log: the
+        segment is in place, its directory entry maybe not durable."""
         try:
-            _fsync_dir(self.path)
+            os.fsync(dir_fd)
         except BaseException:
             os.close(fd)
             raise
+        finally:
+            os.close(dir_fd)
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = fd
         self._seg_size = HEADER_SIZE
         self._unsynced = False
+
+    def _create_segment(self, first_lsn: int) -> None:
+        """Creates segment ``first_lsn`` durably and makes it the one appended to."""
+        self._install_segment(*self._new_segment_file(first_lsn))
 
     # -- appending -----------------------------------------------------------
 
@@ -680,9 +772,12 @@ class WriteAheadLog:
         self._cond.release()
         failure: BaseException | None = None
         rotated = False
+        not_created: OSError | None = None
         try:
             if rotate:
-                self._rotate_io(first)
+                # A segment that cannot be created (no file descriptor, no space)
+                # costs nothing acknowledged: the batch goes to the current one.
+                not_created = self._rotate_io(first)
                 rotated = True
             _write_all(self._fd, batch)
             self._seg_size += len(batch)
@@ -696,7 +791,7 @@ class WriteAheadLog:
             self._cond.acquire()
             self._busy = False
         if rotated:
-            self._segments.append(first)
+            self._rotated(first, not_created)
         if failure is None:
             self._durable_lsn = last
         else:
@@ -753,12 +848,52 @@ class WriteAheadLog:
                 self._fail(failure, 0, -1)
             self._cond.notify_all()
 
-    def _rotate_io(self, first_lsn: int) -> None:
-        """Syncs the last segment complete (in any sync mode), then creates the next one."""
+    def _rotate_io(self, first_lsn: int) -> OSError | None:
+        """Syncs the last segment complete (in any sync mode), then creates the next one.
+
+        Returns the error that kept the new segment from being put in place
+        (out of file descriptors, a full disk): the last segment then stays
+        the one appended to, and the log is fine. A failed sync, or a failure
+        once the segment is in place, raises (and fails the log).
+        """
         if self._unsynced:
             os.fdatasync(self._fd)
             self._unsynced = False
-        self._create_segment(first_lsn)
+        try:
+            fd, dir_fd = self._new_segment_file(first_lsn)
+        except OSError as exc:
+            if self._file(first_lsn).exists():
+                # A rename that reported an error but happened (an I/O error): records
+                # appended to the current segment would sit behind a segment claiming
+                # their LSNs.
+                raise
+            return exc
+        self._install_segment(fd, dir_fd)
+        return None
+
+    def _rotated(self, first_lsn: int, error: OSError | None) -> None:
+        """Records the outcome of a rotation (lock held)."""
+        if error is None:
+            self._segments.append(first_lsn)
+            if self._rotation_failures:
+                log.info(
+                    "%s: new segment at LSN %d created after %d failed attempts",
+                    self.path,
+                    first_lsn,
+                    self._rotation_failures,
+                )
+                self._rotation_failures = 0
+            return
+        self._rotation_failures += 1
+        log.log(
+            logging.WARNING if self._rotation_failures == 1 else logging.DEBUG,
+            "%s: cannot create a new segment at LSN %d (%s); appending to the current "
+            "segment and trying again later (attempt %d)",
+            self.path,
+            first_lsn,
+            error,
+            self._rotation_failures,
+        )
 
     def _sync_io(self) -> None:
         os.fdatasync(self._fd)
@@ -770,13 +905,20 @@ class WriteAheadLog:
         The current segment is synced complete first, in either sync mode. If
         it holds no record yet, it stays the one appended to and its first LSN
         is returned.
+
+        If the new segment cannot be created (out of file descriptors, a full
+        disk), raises that ``OSError`` without failing the log: nothing
+        acknowledged is in doubt, appends go on in the current segment, and
+        a later ``rotate`` (or an append past ``segment_bytes``) tries again.
         """
         with self._cond:
             self._exclusive_io()
             first = self._durable_lsn + 1
             if self._segments[-1] != first:
-                self._io(lambda: self._rotate_io(first))
-                self._segments.append(first)
+                error = self._io(lambda: self._rotate_io(first))
+                self._rotated(first, error)
+                if error is not None:
+                    raise error
             return first
 
     def sync(self, lsn: int | None = None, *, force: bool = False) -> int:

@@ -52,7 +52,8 @@ class LmdbTier:
         self._resizing = False
         data = self.path / "data.mdb"
         if not readonly:
-            self.path.mkdir(parents=True, exist_ok=True)
+            # Records hold results: only the owner may list or read them.
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         elif not data.exists():
             raise CorruptFileError(f"{self.path}: no LMDB environment to open read-only")
         if data.exists() and data.stat().st_size < _MIN_DATA_BYTES:
@@ -70,6 +71,7 @@ class LmdbTier:
                 sync=sync,
                 metasync=sync,
                 lock=True,
+                mode=0o700,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
                 readahead=False,
                 meminit=False,
             )

@@ -202,33 +202,51 @@ def test_front_filter_save_failing_in_a_checkpoint_loses_nothing(
         assert_duplicates(store, first + second)
 
 
-def test_log_rotation_failing_in_a_checkpoint_loses_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENOSPC])
+def test_log_rotation_failing_in_a_checkpoint_keeps_the_store_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ) -> None:
+    """Out of file descriptors (or space) for a new log segment: the checkpoint fails, but
+    nothing acknowledged is in doubt, so the store goes on acknowledging claims in the
+    current segment, and checkpoints once segments can be created again."""
     path = tmp_path / "data"
     first = [f"first-{i}" for i in range(500)]
+    during = [f"during-{i}" for i in range(500)]
+    after = [f"after-{i}" for i in range(100)]
     store = DedupStore.open(path, **NO_AUTO_CHECKPOINT)
     try:
         done_keys(store, first)
         real_open = os.open
+        refused = [0]
 
         def no_new_segment(file: Any, flags: int, *args: Any, **kw: Any) -> int:
             if str(path / "wal") in str(file):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+                refused[0] += 1
+                raise OSError(err, os.strerror(err), str(file))
             return real_open(file, flags, *args, **kw)
 
         with monkeypatch.context() as m:
             m.setattr(os, "open", no_new_segment)
+            with pytest.raises(OSError) as info:
+                store.checkpoint()
+            assert info.value.errno == err and refused[0] >= 1
+            assert_duplicates(store, first)  # still served
+            done_keys(store, during)  # and new claims are acknowledged
             with pytest.raises(OSError):
                 store.checkpoint()
-        assert_duplicates(store, first)  # still served
-        with pytest.raises(DedupError):  # but nothing new is acknowledged
-            store.claim("new-after-failure", namespace=NS)
+            assert_duplicates(store, first + during)
+            # What a crash right now would leave: the log holds every acknowledged key.
+            shutil.copytree(path, tmp_path / "crash-image")
+        store.checkpoint()  # segments can be created again
+        assert store.stats()["checkpoints"] >= 1
+        done_keys(store, after)
+        assert_duplicates(store, first + during + after)
     finally:
         store.close()
+    with DedupStore.open(tmp_path / "crash-image") as image:
+        assert_duplicates(image, first + during)
     with DedupStore.open(path) as store:
-        assert_duplicates(store, first)
-        assert store.claim("new-after-failure", namespace=NS).outcome is Outcome.NEW
+        assert_duplicates(store, first + during + after)
 
 
 # ------------------------------------------------------------- LMDB map full ---
@@ -426,6 +444,68 @@ def test_damaged_front_filter_is_rebuilt_and_every_key_stays_duplicate(
         for b in range(5):
             claims = store.claim_many(batch_keys(b), namespace=CHILD_NS)
             assert all(c.outcome is Outcome.DUPLICATE for c in claims)
+
+
+# ------------------------------------------------------------ damaged log ---
+
+
+def _damage_log(wal: Path, damage: str) -> None:
+    segs = sorted(wal.glob("wal-*.log"))
+    assert segs
+    last = segs[-1]
+    if damage == "zeroed-segment":
+        last.write_bytes(bytes(last.stat().st_size))
+    elif damage == "empty-segment":
+        os.truncate(last, 0)
+    elif damage == "flipped-first-record":
+        data = bytearray(last.read_bytes())
+        data[32 + 20] ^= 0x40  # inside the payload of the segment's first record
+        last.write_bytes(bytes(data))
+    elif damage == "zeroed-first-page":
+        data = bytearray(last.read_bytes())
+        data[32:4096] = bytes(4096 - 32)
+        last.write_bytes(bytes(data))
+    elif damage == "no-segments":
+        for seg in segs:
+            seg.unlink()
+    else:
+        shutil.rmtree(wal)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "zeroed-segment",
+        "empty-segment",
+        "flipped-first-record",
+        "zeroed-first-page",
+        "no-segments",
+        "no-wal-dir",
+    ],
+)
+def test_damaged_log_is_refused_never_acknowledged_keys_coming_back_new(
+    crashed_store: tuple[Path, int], tmp_path: Path, damage: str
+) -> None:
+    """Batches 3-4 are acknowledged and only in the log. A damaged last segment (or a
+    missing log) must stop the store from opening: answering NEW for them would let
+    every one of those messages be processed again."""
+    source, _held_token = crashed_store
+    path = tmp_path / "data"
+    shutil.copytree(source, path)
+    log_size = sum(f.stat().st_size for f in (path / "wal").glob("wal-*.log"))
+    assert log_size > 2 * 500 * 16  # batches 3-5 are in it
+    _damage_log(path / "wal", damage)
+    before = sorted(
+        (str(f.relative_to(path)), f.read_bytes()) for f in path.rglob("wal*") if f.is_file()
+    )
+    with pytest.raises(CorruptFileError) as info:
+        DedupStore.open(path).close()
+    assert "wal" in str(info.value)
+    after = sorted(
+        (str(f.relative_to(path)), f.read_bytes()) for f in path.rglob("wal*") if f.is_file()
+    )
+    assert after == before  # nothing cut, deleted or created
+    assert (path / "wal").exists() == (damage != "no-wal-dir")
 
 
 # ---------------------------------------------------------- damaged cold slice ---

@@ -10,6 +10,7 @@ import queue
 import random
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -297,44 +299,76 @@ def frames_upto(path: Path, size: int) -> Iterator[tuple[int, int, int]]:
         pos = end
 
 
-def test_truncated_or_blank_header_of_the_last_segment_is_a_torn_creation(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _segment_damages() -> list[tuple[str, Callable[[Path], None]]]:
+    """Ways a segment in place can lose its header: emptied, cut short, zeroed, overwritten."""
+
+    def cut(size: int) -> Callable[[Path], None]:
+        return lambda seg: os.truncate(seg, size)
+
+    def zero(size: int) -> Callable[[Path], None]:
+        return lambda seg: seg.write_bytes(bytes(size))
+
+    def zero_keep_size(seg: Path) -> None:
+        seg.write_bytes(bytes(seg.stat().st_size))
+
+    def garbage(seg: Path) -> None:
+        seg.write_bytes(random.Random(8).randbytes(seg.stat().st_size))
+
+    return [
+        ("empty", cut(0)),
+        ("1 byte", cut(1)),
+        ("31 bytes", cut(31)),
+        ("32 zero bytes", zero(32)),
+        ("4096 zero bytes", zero(4096)),
+        ("zeroed in place", zero_keep_size),
+        ("garbage in place", garbage),
+    ]
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["after-another", "only-segment"])
+def test_segment_in_place_without_a_valid_header_is_damage(tmp_path: Path, only: bool) -> None:
+    """A segment is renamed into place only once its header is synced: whatever its size
+    or content, a segment without a valid header is damage, never an interrupted creation
+    to delete (that dropped every acknowledged record in it)."""
     src = tmp_path / "src"
     with WriteAheadLog.open(src) as wal:
         records = fill(wal, 4, random.Random(4))
         nxt = wal.rotate()
-    new_seg = src / f"wal-{nxt:020d}.log"
-    for size, blank in [(0, False), (1, False), (17, False), (31, False), (32, True), (4096, True)]:
-        work = tmp_path / f"h{size}"
+        records += fill(wal, 30, random.Random(5))
+        if only:
+            wal.rotate()
+            wal.drop_through(nxt - 1)
+    seg = src / f"wal-{nxt:020d}.log"
+    assert seg.exists() and seg.stat().st_size > 4096
+    for name, damage in _segment_damages():
+        work = tmp_path / name.replace(" ", "-")
         shutil.copytree(src, work)
-        if blank:
-            (work / new_seg.name).write_bytes(bytes(size))
-        else:
-            os.truncate(work / new_seg.name, size)
-        caplog.clear()
-        with (
-            caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
-            WriteAheadLog.open(work) as wal,
-        ):
+        if only:  # the segment holding the log's records is the only one left
+            (work / f"wal-{records[-1][0] + 1:020d}.log").unlink()
+        damage(work / seg.name)
+        before = sorted((p.name, p.read_bytes()) for p in work.iterdir())
+        with pytest.raises(CorruptFileError) as info:
+            WriteAheadLog.open(work)
+        assert seg.name in str(info.value) and "not an interrupted creation" in str(info.value)
+        assert sorted((p.name, p.read_bytes()) for p in work.iterdir()) == before, name
+        with pytest.raises(CorruptFileError):
+            WriteAheadLog.open(work, readonly=True)
+    after = nxt - 1 if only else 0
+    assert replay(src, after) == records[after:]  # the undamaged log
+
+
+def test_interrupted_segment_creation_leaves_only_a_temporary_file(tmp_path: Path) -> None:
+    """What an interrupted creation can leave (any prefix of the header, zeros after it)
+    is a temporary file; opening removes it and the log goes on where it was."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        records = fill(wal, 3, random.Random(9))
+    nxt = records[-1][0] + 1
+    for content in (b"", b"DDCW", bytes(32), bytes(4096)):
+        (tmp_path / f".wal-{nxt:020d}.log.tmp").write_bytes(content)
+        with WriteAheadLog.open(tmp_path) as wal:
             assert wal.last_lsn == nxt - 1
             assert list(wal.replay(0)) == records
-            assert wal.append([b"x"]) == nxt
-        assert any("creation was interrupted" in m for m in cut_warnings(caplog))
-        assert replay(work) == [*records, (nxt, b"x")]
-
-
-def test_only_segment_with_truncated_header_keeps_its_lsn(tmp_path: Path) -> None:
-    with WriteAheadLog.open(tmp_path) as wal:
-        fill(wal, 2, random.Random(5))
-        nxt = wal.rotate()
-        wal.drop_through(nxt - 1)
-    (seg,) = tmp_path.iterdir()
-    os.truncate(seg, 10)
-    with WriteAheadLog.open(tmp_path) as wal:
-        assert wal.last_lsn == nxt - 1
-        assert wal.append([b"x"]) == nxt
-    assert replay(tmp_path, nxt - 1) == [(nxt, b"x")]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"wal-{1:020d}.log"]
 
 
 def test_flipped_byte_in_the_last_record_cuts_there(
@@ -361,18 +395,59 @@ def test_flipped_byte_in_the_last_record_cuts_there(
         shutil.rmtree(work)
 
 
-def test_flipped_byte_in_a_middle_record_of_the_last_segment_cuts_everything_after(
+def test_damage_in_the_last_segment_followed_by_valid_records_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """In the last segment damage cannot be told from a torn tail: cut, and say so loudly."""
+    """A torn tail has no valid record continuing the log after it; damage inside the last
+    segment does: refuse to open, naming the file and the offset, and change nothing."""
     src, records = _log_with_last_record(tmp_path)
     (seg,) = src.iterdir()
-    lsn, start, _ = frames(seg)[5]
-    flip(seg, start + 14)
+    lsn, start, end = frames(seg)[5]
+    for offset in range(start, end):
+        work = tmp_path / f"flip{offset}"
+        shutil.copytree(src, work)
+        flip(work / seg.name, offset)
+        before = (work / seg.name).read_bytes()
+        with pytest.raises(CorruptFileError) as info:
+            WriteAheadLog.open(work)
+        message = str(info.value)
+        assert seg.name in message and f"at offset {start}," in message, message
+        assert f"of LSN {lsn + 1} follows at offset {end}" in message, message
+        assert (work / seg.name).read_bytes() == before
+        with pytest.raises(CorruptFileError):
+            WriteAheadLog.open(work, readonly=True)
+        shutil.rmtree(work)
+    # Zeros over a whole page of records, the rest intact: damage too.
+    work = tmp_path / "zero-page"
+    shutil.copytree(src, work)
+    data = bytearray((work / seg.name).read_bytes())
+    data[start : start + 100] = bytes(100)
+    (work / seg.name).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="not a torn tail"):
+        WriteAheadLog.open(work)
+    # The same bytes as a tail, with nothing valid after them, are a torn tail.
+    os.truncate(work / seg.name, start + 100)
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
-        assert replay(src) == records[: lsn - 1]
+        assert replay(work) == records[: lsn - 1]
     (msg,) = cut_warnings(caplog)
-    assert "checksum mismatch" in msg and f"after LSN {lsn - 1}" in msg
+    assert f"after LSN {lsn - 1}" in msg and "dropped 100 bytes, all zero" in msg
+
+
+def test_record_with_a_later_lsn_after_damage_is_found_at_any_lsn(tmp_path: Path) -> None:
+    """Any later LSN counts (damage may span many records), small or past 2**32."""
+    for first in (1, 255, 256, 65536, 2**32 - 3, 2**40 + 7):
+        path = tmp_path / f"log{first}"
+        path.mkdir()
+        header = struct.pack("<8sHHIQ", b"DDCWAL01", 1, 1, 0, first)
+        good = frame(first, b"a") + frame(first + 1, b"b")
+        tail = b"\x00" * 7 + frame(first + 9, b"\x00" * 30)
+        seg = path / f"wal-{first:020d}.log"
+        seg.write_bytes(header + struct.pack("<Q", hash64(header)) + good + tail)
+        with pytest.raises(CorruptFileError, match=f"of LSN {first + 9} follows at offset"):
+            WriteAheadLog.open(path)
+        os.truncate(seg, seg.stat().st_size - 1)  # the later record is invalid now
+        with WriteAheadLog.open(path) as wal:
+            assert list(wal.replay(first - 1)) == [(first, b"a"), (first + 1, b"b")]
 
 
 def _multi_segment_log(tmp_path: Path) -> tuple[Path, Records, list[Path]]:
@@ -455,21 +530,18 @@ def test_garbage_after_the_last_record_is_cut(
     (seg,) = src.iterdir()
     nxt = records[-1][0] + 1
     garbage = random.Random(7).randbytes(1000)
-    # A valid-looking record for the next LSN after the garbage must not be used.
     with open(seg, "ab") as fh:
-        fh.write(garbage[:5] + frame(nxt, b"ghost"))
+        fh.write(garbage)
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
         assert list(wal.replay(0)) == records
         assert wal.last_lsn == nxt - 1
     (msg,) = cut_warnings(caplog)
-    assert f"dropped {5 + len(frame(nxt, b'ghost'))} bytes" in msg
-    with open(seg, "ab") as fh:
-        fh.write(garbage)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
-        assert replay(src) == records
-    (msg,) = cut_warnings(caplog)
     assert "dropped 1000 bytes" in msg
+    # A valid record continuing the log after garbage is damage, not a torn tail.
+    with open(seg, "ab") as fh:
+        fh.write(garbage[:5] + frame(nxt, b"ghost"))
+    with pytest.raises(CorruptFileError, match=f"valid record of LSN {nxt} follows"):
+        WriteAheadLog.open(src)
 
 
 def test_zero_filled_tail_is_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -507,11 +579,16 @@ def test_wrong_lsn_in_a_valid_frame_is_invalid(
     (seg,) = src.iterdir()
     nxt = records[-1][0] + 1
     with open(seg, "ab") as fh:
-        fh.write(frame(nxt + 1, b"skips one") + frame(nxt, b"late"))
+        fh.write(frame(nxt - 3, b"stale"))
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
         assert replay(src) == records
     (msg,) = cut_warnings(caplog)
-    assert f"LSN {nxt + 1} where {nxt} was expected" in msg
+    assert f"LSN {nxt - 3} where {nxt} was expected" in msg
+    # A valid record skipping an LSN: the record before it is missing, not torn.
+    with open(seg, "ab") as fh:
+        fh.write(frame(nxt + 1, b"skips one"))
+    with pytest.raises(CorruptFileError, match=f"LSN {nxt + 1} where {nxt} was expected"):
+        WriteAheadLog.open(src)
 
 
 def test_leftover_temporary_segment_is_removed(tmp_path: Path) -> None:
@@ -521,6 +598,25 @@ def test_leftover_temporary_segment_is_removed(tmp_path: Path) -> None:
     with WriteAheadLog.open(tmp_path) as wal:
         assert wal.append([b"b"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"wal-{1:020d}.log"]
+
+
+def test_must_exist_refuses_a_missing_or_empty_log(tmp_path: Path) -> None:
+    """A log that records were taken from (the store passes must_exist once it has a
+    checkpoint) is never silently replaced by an empty one."""
+    missing = tmp_path / "missing"
+    for readonly in (False, True):
+        with pytest.raises(CorruptFileError, match="directory is missing"):
+            WriteAheadLog.open(missing, must_exist=True, readonly=readonly)
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CorruptFileError, match="no write-ahead log segment"):
+        WriteAheadLog.open(empty, must_exist=True)
+    assert list(empty.iterdir()) == []
+    with WriteAheadLog.open(empty) as wal:  # a new log: created
+        wal.append([b"a"])
+    with WriteAheadLog.open(empty, must_exist=True) as wal:
+        assert list(wal.replay(0)) == [(1, b"a")]
 
 
 def test_readonly_open_changes_nothing(tmp_path: Path) -> None:
@@ -840,21 +936,184 @@ def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
     assert len(got) in (len(good), len(good) + 5)  # the failed batch is all or nothing
 
 
-def test_failed_rotation_fails_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_once(
+    monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool], err: int
+) -> list[object]:
+    """Makes the first call of ``os.<name>`` for which ``when(*args)`` holds raise ``err``."""
+    real = getattr(os, name)
+    failed: list[object] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if not failed and when(*args):
+            failed.append(args)
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, failing)
+    return failed
+
+
+def _is_temp(target: object, *_: object) -> bool:
+    return str(target).endswith(".tmp")
+
+
+def _fd_is_temp(fd: int, *_: object) -> bool:
+    return os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp")
+
+
+SEGMENT_CREATION_FAILURES = {
+    "EMFILE-opening-the-directory": ("open", lambda p, *_: not _is_temp(p), errno.EMFILE),
+    "EMFILE-opening-the-temp-file": ("open", _is_temp, errno.EMFILE),
+    "ENOSPC-writing-the-header": ("write", _fd_is_temp, errno.ENOSPC),
+    "ENOSPC-syncing-the-temp-file": ("fsync", _fd_is_temp, errno.ENOSPC),
+    "ENOSPC-renaming": ("rename", lambda *_: True, errno.ENOSPC),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(SEGMENT_CREATION_FAILURES))
+def test_segment_that_cannot_be_created_does_not_fail_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    """No byte of a record was written: rotate raises, but appends go on in the current
+    segment, and a later rotation creates the segment."""
+    name, when, err = SEGMENT_CREATION_FAILURES[failure]
     with WriteAheadLog.open(tmp_path) as wal:
         acked = fill(wal, 3, random.Random(14))
+        with monkeypatch.context() as m:
+            failed = _fail_once(m, name, when, err)
+            with (
+                caplog.at_level(logging.WARNING, logger="dedupcore.wal"),
+                pytest.raises(OSError) as info,
+            ):
+                wal.rotate()
+            assert info.value.errno == err and len(failed) == 1
+            assert not isinstance(info.value, WalFailedError)
+            assert any("cannot create a new segment" in msg for msg in cut_warnings(caplog))
+            # Still in the first segment, no temporary file left, still appending.
+            assert [p.name for p in tmp_path.iterdir()] == [f"wal-{1:020d}.log"]
+            acked += fill(wal, 2, random.Random(15))
+            nxt = wal.rotate()  # the failure was once: this one works
+        assert nxt == acked[-1][0] + 1
+        assert [p.name for p in wal.segments()] == [f"wal-{1:020d}.log", f"wal-{nxt:020d}.log"]
+        acked += fill(wal, 2, random.Random(16))
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
 
-        def readonly_fs(*args: object, **kwargs: object) -> int:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-        monkeypatch.setattr(os, "rename", readonly_fs)
-        with pytest.raises(OSError, match="Read-only"):
-            wal.rotate()
-        monkeypatch.undo()
+def test_automatic_rotation_that_fails_is_retried_at_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with WriteAheadLog.open(tmp_path, segment_bytes=256) as wal:
+        acked = fill(wal, 1, random.Random(17), max_batch=1)
+        while wal.segments()[-1].stat().st_size < 256:
+            acked += fill(wal, 1, random.Random(18), max_batch=1)
+        with monkeypatch.context() as m:
+            failed = _fail_once(m, "open", _is_temp, errno.EMFILE)
+            acked += fill(wal, 1, random.Random(19))  # acknowledged, in the full segment
+            assert len(failed) == 1
+            assert len(wal.segments()) == 1
+            acked += fill(wal, 1, random.Random(20))  # rotates first now
+        assert len(wal.segments()) == 2
+        seg2 = wal.segments()[1]
+        assert frames(seg2)[0][0] == int(seg2.name[4:24])  # the last batch, whole
+        assert frames(seg2)[-1][0] == acked[-1][0]
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
+
+
+RLIMIT_CHILD = """
+import errno, os, resource, sys
+from dedupcore.wal import WriteAheadLog
+
+wal = WriteAheadLog.open(sys.argv[1], segment_bytes=4096)
+wal.append([b"a" * 100] * 50)  # past segment_bytes: the next commit starts a new segment
+# Every descriptor below the limit in use: the next open fails with EMFILE.
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+held = [os.open(os.devnull, os.O_RDONLY)]
+while held[-1] < highest:
+    held.append(os.open(os.devnull, os.O_RDONLY))
+top = held[-1]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+print("appended", wal.append([b"b"]), len(wal.segments()))
+try:
+    wal.rotate()
+except OSError as exc:
+    print("rotate", errno.errorcode[exc.errno])
+print("appended", wal.append([b"c"]), len(wal.segments()))
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("appended", wal.append([b"d"]), len(wal.segments()))
+wal.close()
+"""
+
+
+def test_out_of_file_descriptors_for_a_new_segment_keeps_the_log_appending(
+    tmp_path: Path,
+) -> None:
+    """A real RLIMIT_NOFILE in a child process: no descriptor for the new segment."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RLIMIT_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(dedupcore.__file__).parent.parent)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:4] == [
+        "appended 51 1",  # acknowledged in the full segment
+        "rotate EMFILE",  # an explicit rotation says why, without failing the log
+        "appended 52 1",
+        "appended 53 2",  # descriptors again: the next commit starts the segment
+    ], (proc.stdout, proc.stderr)
+    assert "cannot create a new segment" in proc.stderr
+    records = replay(tmp_path)
+    assert [lsn for lsn, _ in records] == list(range(1, 54))
+    assert [p for _, p in records[-3:]] == [b"b", b"c", b"d"]
+
+
+def test_rename_that_reports_an_error_but_happened_fails_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records must never go to the current segment behind a new one claiming their LSNs."""
+    real_rename = os.rename
+
+    def rename_then_eio(src: Any, dst: Any) -> None:
+        real_rename(src, dst)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(22))
+        with monkeypatch.context() as m:
+            m.setattr(os, "rename", rename_then_eio)
+            with pytest.raises(OSError, match="Input/output"):
+                wal.rotate()
         with pytest.raises(WalFailedError):
             wal.append([b"x"])
-    assert [p.name for p in tmp_path.iterdir()] == [f"wal-{1:020d}.log"]  # no temp file left
     assert replay(tmp_path) == acked
+
+
+def test_failed_directory_sync_after_the_rename_fails_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the segment is in place, a failed directory fsync leaves its entry's durability
+    unknown: records must not go into it, so the log fails."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 3, random.Random(21))
+        with monkeypatch.context() as m:
+            _fail_once(m, "fsync", lambda fd: stat.S_ISDIR(os.fstat(fd).st_mode), errno.EIO)
+            with pytest.raises(OSError, match="Input/output"):
+                wal.rotate()
+        with pytest.raises(WalFailedError):
+            wal.append([b"x"])
+    nxt = acked[-1][0] + 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"wal-{1:020d}.log",
+        f"wal-{nxt:020d}.log",
+    ]
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert list(wal.replay(0)) == acked
+        assert wal.append([b"x"]) == nxt
+    assert replay(tmp_path) == [*acked, (nxt, b"x")]
 
 
 # ------------------------------------------------------------- bad input ---
