@@ -17,8 +17,8 @@ or front that fails is skipped with a counter and a log line; an authority
 that fails raises :class:`~dedupcore.errors.UnavailableError`.
 
 :class:`ShardedStore` routes keys over N stores by jump consistent hash of
-``namespace \\0 key`` (:func:`dedupcore.shard_many`), one call per shard,
-run concurrently. :func:`open_store` builds either from URLs.
+``hash64(namespace \\0 key, SHARD_SEED)``, one call per shard, run
+concurrently. :func:`open_store` builds either from URLs.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from dedupcore import keys as _keys
-from dedupcore._core import shard_many, shard_of
+from dedupcore._core import hash64, hash64_many, jump_hash, shard_many
 from dedupcore.api import (
     Claim,
     ClaimAPI,
@@ -55,7 +55,7 @@ from dedupcore.record import State
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.base import Authority, Cached, CacheTier
 
-__all__ = ["ShardedStore", "TieredStore", "open_store"]
+__all__ = ["SHARD_SEED", "ShardedStore", "TieredStore", "open_store"]
 
 log = logging.getLogger("dedupcore")
 
@@ -66,6 +66,9 @@ _MAX_REMEMBERED = 1_000_000
 _MISSING = object()
 #: Purge calls per sweep at most (a backlog is worked off over several sweeps).
 _MAX_PURGE_ROUNDS = 100
+#: Seed of the XXH64 hash that routes a key to its shard (see :class:`ShardedStore`):
+#: not 0, the seed of the hash that picks a RedisStore's bucket.
+SHARD_SEED = 0x5348415244  # b"SHARD"
 
 
 class TieredStore(ClaimAPI):
@@ -414,12 +417,26 @@ class TieredStore(ClaimAPI):
 class ShardedStore(ClaimAPI):
     """Routes keys over N stores by jump consistent hash; one concurrent call per shard.
 
-    The shard of a key is ``shard_of(namespace + b"\\0" + key, N)``: stable
-    across processes, hosts and versions, and adding a shard moves only
-    ``1/(N+1)`` of the keys. A batch is not atomic across shards: when one
-    shard fails (or raises :class:`ConflictError`), the NEW claims the other
-    shards made for the batch are released before the error is raised, so
-    nothing stays claimed by a caller that never saw the claim.
+    The shard of a key is ``jump_hash(hash64(namespace + b"\\0" + key,
+    SHARD_SEED), N)``: stable across processes, hosts and versions, and adding
+    a shard moves only ``1/(N+1)`` of the keys. A batch is not atomic across
+    shards: when one shard fails (or raises :class:`ConflictError`), the NEW
+    claims the other shards made for the batch are released before the error
+    is raised, so nothing stays claimed by a caller that never saw the claim.
+
+    **Why a seed of its own.** A :class:`~dedupcore.tiers.redis.RedisStore`
+    puts each key in a hash-tag bucket (a Redis Cluster slot) by
+    ``jump_hash(hash64(namespace + b"\\0" + key, 0), buckets)``. Jump hashes
+    of one 64-bit value into N and into 16 agree whenever the second is
+    below N, so routing shards by that same hash left shard ``s`` only the
+    buckets ``{s}`` and ``N..15``: with 16 sharded Redis servers every key of
+    a namespace on a server was in one slot. The shard hash is therefore
+    XXH64 with :data:`SHARD_SEED`, independent of the bucket hash. The bucket
+    is what decides where an existing key lives inside Redis (and in every
+    unsharded Redis deployment), so it stays as it was; the routing is what
+    changed. A sharded deployment whose shards already hold keys routed by
+    the seed-0 hash must be drained (or its keys left to expire) before it
+    is opened with this routing: most of its keys now route to another shard.
     """
 
     def __init__(self, shards: Sequence[ClaimAPI], *, max_key_bytes: int = 512) -> None:
@@ -464,14 +481,16 @@ class ShardedStore(ClaimAPI):
         joined = (
             _keys.check_namespace(namespace) + b"\x00" + _keys.check_key(key, self.max_key_bytes)
         )
-        return shard_of(joined, len(self.shards))
+        return int(jump_hash(hash64(joined, SHARD_SEED), len(self.shards)))
 
     def _route(self, ns: bytes, keys: Sequence[Any]) -> dict[int, list[int]]:
         """Positions of the batch's keys, grouped by shard."""
         prefix = ns + b"\x00"
         joined = [prefix + _keys.check_key(k, self.max_key_bytes) for k in keys]
         groups: dict[int, list[int]] = {}
-        for i, s in enumerate(shard_many(joined, len(self.shards)) if joined else ()):
+        if not joined:
+            return groups
+        for i, s in enumerate(shard_many(hash64_many(joined, SHARD_SEED), len(self.shards))):
             groups.setdefault(s, []).append(i)
         return groups
 

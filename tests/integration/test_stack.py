@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 import redis
 
-from dedupcore import shard_of
+from dedupcore import hash64, shard_many
+from dedupcore._core import jump_hash
 from dedupcore.api import ClaimAPI, KeyRecord, Outcome
 from dedupcore.client import Client
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.stack import ShardedStore, TieredStore, open_store
+from dedupcore.stack import SHARD_SEED, ShardedStore, TieredStore, open_store
 from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
@@ -349,7 +350,7 @@ def test_sharding_routes_by_jump_hash_one_concurrent_call_per_shard(
     keys = [f"k{i}" for i in range(3000)]
     claims = store.claim_many(keys, namespace=NS)  # would time out unless run concurrently
     assert [c.key for c in claims] == keys and all(c.outcome is Outcome.NEW for c in claims)
-    expected = [shard_of(NS.encode() + b"\x00" + k.encode(), 3) for k in keys]
+    expected = [jump_hash(hash64(NS.encode() + b"\x00" + k.encode(), SHARD_SEED), 3) for k in keys]
     for i, r in enumerate(rec):
         assert r.calls == [("claim_many", expected.count(i))]
         assert 800 < expected.count(i) < 1200
@@ -406,6 +407,32 @@ def test_stale_token_on_one_shard_is_raised_after_the_others_applied(
             assert outcome is Outcome.IN_PROGRESS  # that shard's batch changed nothing
         else:
             assert outcome is Outcome.DUPLICATE  # the other shards applied theirs
+
+
+@pytest.mark.parametrize("n", [4, 16])
+def test_sharded_redis_spreads_every_shard_over_every_bucket(rdb: redis.Redis, n: int) -> None:
+    """The shard and the Redis hash-tag bucket of a key are independent hashes.
+
+    With both taken from one hash, shard s only held buckets {s} and n..15
+    (one cluster slot per namespace and server at n = 16).
+    """
+    stores = [RedisStore(rdb, prefix=f"sh{s}") for s in range(n)]
+    store = ShardedStore(stores)
+    keys = [f"k{i}" for i in range(n * 200)]
+    assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.NEW}
+    buckets: dict[int, set[int]] = {s: set() for s in range(n)}
+    for name in rdb.scan_iter(match=b"sh*", count=1000):
+        shard = int(name[2 : name.index(b":")])
+        buckets[shard].add(int(name[name.index(b"{") :].split(b":")[1].rstrip(b"}")))
+    assert sum(1 for _ in rdb.scan_iter(match=b"sh*", count=1000)) == len(keys)
+    assert buckets == {s: set(range(16)) for s in range(n)}
+    # What routing by the bucket's own hash did: shard s only ever saw buckets {s} and n..15.
+    joined = [NS.encode() + b"\x00" + k.encode() for k in keys]
+    old: dict[int, set[int]] = {s: set() for s in range(n)}
+    for shard, bucket in zip(shard_many(joined, n), shard_many(joined, 16), strict=True):
+        old[shard].add(bucket)
+    assert all(old[s] <= {s, *range(n, 16)} for s in range(n))
+    store.close()
 
 
 # -- opening by URL ----------------------------------------------------------------------
