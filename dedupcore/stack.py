@@ -18,7 +18,8 @@ that fails raises :class:`~dedupcore.errors.UnavailableError`.
 
 :class:`ShardedStore` routes keys over N stores by jump consistent hash of
 ``hash64(namespace \\0 key, SHARD_SEED)``, one call per shard, run
-concurrently. :func:`open_store` builds either from URLs.
+concurrently. :func:`open_store` builds either from URLs, and returns the
+authority itself when no tier would be added to it.
 """
 
 from __future__ import annotations
@@ -679,7 +680,11 @@ def open_store(
     ``init_schema``: create a SQL authority's table when it is missing (what
     ``dedupcore sql init`` does); otherwise a missing table is an error.
 
-    The embedded directory with no cache or archive is returned as is.
+    A stack is only built when it adds a tier: with no ``cache`` and no
+    ``archive`` the authority itself is returned (a front filter alone saves
+    nothing, since every key it passes still goes to the authority). A SQL
+    authority returned alone keeps its retention through its own
+    :meth:`~dedupcore.tiers.sql.SqlStore.sweep`.
     """
     if isinstance(authority, (list, tuple)):
         if not authority:
@@ -701,13 +706,12 @@ def open_store(
         init = getattr(store, "init_schema", None)
         if init is not None:
             init()
+    if cache is None and archive is None:
+        return store
     from dedupcore.store import DedupStore
 
-    embedded = isinstance(store, DedupStore)
     if front is None:
-        front = not embedded
-    if embedded and cache is None and archive is None and not front:
-        return store
+        front = not isinstance(store, DedupStore)  # the embedded store has its own
     cache_tier: CacheTier | None
     if isinstance(cache, str):
         from dedupcore.tiers.cache import RedisCache

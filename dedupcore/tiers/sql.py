@@ -1529,6 +1529,22 @@ class SqlStore(ClaimAPI):
                 self._counts["tombstoned"] += tombstoned
         return deleted
 
+    def sweep(self, now: float | None = None, *, limit: int = 10_000) -> int:
+        """Applies retention as a stack's sweep does for a SQL authority; rows deleted.
+
+        :meth:`purge` is called until a call deletes fewer than ``limit``
+        rows (at most 100 calls: a larger backlog is left to the next
+        sweep). ``now`` is accepted for the sweep signature and not used:
+        windows are measured on the database server's clock.
+        """
+        deleted = 0
+        for _ in range(100):
+            gone = self.purge(limit=limit)
+            deleted += gone
+            if gone < limit:
+                break
+        return deleted
+
     def server_version(self) -> str:
         """The database server's name and version."""
         d = self._dialect

@@ -457,6 +457,46 @@ def test_open_store_by_url(tmp_path: Path, rdb: redis.Redis, pg_table: str) -> N
     assert (tmp_path / "c" / "shard-1").is_dir()
 
 
+def test_open_store_without_a_tier_to_add_returns_the_authority(
+    tmp_path: Path, rdb: redis.Redis, pg_table: str
+) -> None:
+    """No cache and no archive: no stack (a front filter alone saves no authority call)."""
+    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    for front in (None, True, False):
+        plain = open_store(url, front=front)
+        assert type(plain) is RedisStore
+        plain.close()
+    sql = open_store(PG_URL, table=pg_table, init_schema=True)
+    assert type(sql) is SqlStore and sql.claim("k", namespace=NS).outcome is Outcome.NEW
+    sql.close()
+    sharded = open_store([url, f"sqlite:///{tmp_path}/s.db"], init_schema=True)
+    assert isinstance(sharded, ShardedStore)
+    assert [type(s) for s in sharded.shards] == [RedisStore, SqlStore]
+    sharded.close()
+    with open_store(url, archive=tmp_path / "cold") as archived:
+        assert isinstance(archived, TieredStore) and archived.front is not None
+    with open_store(tmp_path / "data", cache=RedisCache(rdb)) as cached:
+        assert isinstance(cached, TieredStore) and cached.front is None  # DedupStore has one
+
+
+def test_sql_authority_alone_applies_retention_by_its_own_sweep(tmp_path: Path) -> None:
+    store = open_store(
+        f"sqlite:///{tmp_path}/r.db",
+        init_schema=True,
+        retention=Retention(exact_window=0.2),
+        namespaces={"keep": Retention(exact_window=3600)},
+    )
+    assert type(store) is SqlStore
+    for ns, n in ((NS, 30), ("keep", 5)):
+        claims = store.claim_many([f"k{i}" for i in range(n)], namespace=ns)
+        store.complete_many([(c.key, c.token) for c in claims], namespace=ns)
+    time.sleep(0.3)  # past the short window (on the same machine's clock)
+    assert store.sweep(limit=7) == 30  # several purge rounds of at most 7 rows
+    assert store.get("k0", namespace=NS) is None
+    assert store.get("k0", namespace="keep") is not None
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("target", "error", "match"),
     [
