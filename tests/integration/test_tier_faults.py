@@ -27,6 +27,7 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.errors import DedupError, UnavailableError
 from dedupcore.record import State
+from dedupcore.stack import open_store
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 
@@ -101,6 +102,103 @@ def test_redis_paused_past_the_socket_timeout_fails_closed(tmp_path: Path) -> No
             assert store.claim("paused", namespace=NS, owner="w").outcome is Outcome.NEW
 
 
+def test_redis_from_url_has_timeouts_so_a_paused_server_fails_closed(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        store = open_store(url, timeout=0.5)
+        assert isinstance(store, RedisStore)
+        assert store.claim("before", namespace=NS).outcome is Outcome.NEW
+        server.pause()
+        try:
+            for call in (
+                lambda: store.claim("paused", namespace=NS),
+                lambda: store.complete("before", 1, namespace=NS),
+                lambda: store.get("before", namespace=NS),
+            ):
+                with pytest.raises(UnavailableError):
+                    _in_thread(call, limit=30)  # returns: ~2 x 0.5 s, never a hang
+        finally:
+            server.resume()
+        store.complete("before", 1, namespace=NS)
+        assert store.claim("before", namespace=NS).outcome is Outcome.DUPLICATE
+        store.close()
+
+
+def test_redis_timeouts_are_defaults_that_urls_and_options_override() -> None:
+    def pool_options(store: Any) -> dict[str, Any]:
+        options: dict[str, Any] = store.client.connection_pool.connection_kwargs
+        return options
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    defaults = pool_options(RedisStore.from_url(url))
+    assert (defaults["socket_timeout"], defaults["socket_connect_timeout"]) == (5.0, 5.0)
+    assert defaults["socket_keepalive"] is True and defaults["retry"].get_retries() == 1
+    assert pool_options(RedisStore.from_url(url, timeout=2))["socket_timeout"] == 2.0
+    by_url = pool_options(RedisStore.from_url(url + "?socket_timeout=0.25", timeout=2))
+    assert (by_url["socket_timeout"], by_url["socket_connect_timeout"]) == (0.25, 2.0)
+    own = pool_options(RedisStore.from_url(url, client_options={"socket_keepalive": False}))
+    assert own["socket_keepalive"] is False
+    for bad in (0, -1, float("inf"), 1e39):
+        with pytest.raises(ValueError, match="timeout"):
+            RedisStore.from_url(url, timeout=bad)
+
+
+def test_redis_store_opens_while_its_server_is_down(tmp_path: Path) -> None:
+    server = RedisServer(free_port(), tmp_path)
+    try:
+        store = open_store(f"redis://127.0.0.1:{server.port}/0", timeout=1)
+        assert isinstance(store, RedisStore)
+        with pytest.raises(UnavailableError):
+            _in_thread(lambda: store.claim("k", namespace=NS))
+        server.start()
+        c = store.claim("k", namespace=NS)
+        assert c.outcome is Outcome.NEW
+        store.complete("k", c.token, namespace=NS)
+        assert store.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+        store.close()
+    finally:
+        server.kill()
+
+
+def test_redis_warns_on_first_contact_and_when_the_server_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis_server(tmp_path) as server:
+        with caplog.at_level(logging.INFO, logger="dedupcore"):
+            store = RedisStore.from_url(f"redis://127.0.0.1:{server.port}/0", timeout=1)
+            assert caplog.records == []  # nothing was sent
+            claims = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+            store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "can lose acknowledged claims: no AOF" in warned[0]
+        assert store.stats()["restarts"] == 0
+        caplog.clear()
+        server.cli("shutdown", "nosave")
+        server.wait_exit()
+        server.start()
+        with caplog.at_level(logging.WARNING, logger="dedupcore"):
+            try:
+                got = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+            except UnavailableError:  # the pooled connection died with the server
+                got = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+        # The restart lost every record: the keys are NEW again, and the log says why.
+        assert {c.outcome for c in got} == {Outcome.NEW}
+        (restart,) = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+        assert "run_id changed" in restart and "no AOF" in restart
+        assert store.stats()["restarts"] == 1
+
+
+def test_redis_with_fsync_always_does_not_warn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis_server(tmp_path, "--appendonly", "yes", "--appendfsync", "always") as server:
+        with caplog.at_level(logging.INFO, logger="dedupcore"):
+            store = RedisStore(_client(server))
+            assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        assert "appendfsync always" in caplog.records[0].getMessage()
+
+
 def _stopped_server_is_unavailable(store: RedisStore) -> None:
     for call in (
         lambda: store.claim("fresh", namespace=NS),
@@ -155,8 +253,15 @@ def test_redis_with_fsync_always_aof_keeps_acknowledged_keys(tmp_path: Path, sto
 def test_redis_that_can_evict_is_refused(tmp_path: Path) -> None:
     with redis_server(tmp_path, "--maxmemory-policy", "allkeys-lru") as server:
         client = server.client()
-        with pytest.raises(DedupError, match="maxmemory-policy is 'allkeys-lru'"):
-            RedisStore(client)
+        refused = RedisStore(client)  # nothing is sent before the first call
+        for call in (
+            lambda: refused.claim("k", namespace=NS),
+            lambda: refused.complete("k", 1, namespace=NS),
+            lambda: refused.get("k", namespace=NS),
+        ):
+            with pytest.raises(DedupError, match="maxmemory-policy is 'allkeys-lru'"):
+                call()
+        assert refused.stats()["maxmemory_policy"] == "allkeys-lru"
         store = RedisStore(client, allow_eviction=True)
         assert store.stats()["maxmemory_policy"] == "allkeys-lru"
         assert store.claim("k", namespace=NS).outcome is Outcome.NEW
@@ -169,9 +274,11 @@ def test_redis_without_config_says_durability_is_unknown(
     with redis_server(tmp_path, "--rename-command", "CONFIG", '""') as server:
         with caplog.at_level(logging.WARNING, logger="dedupcore"):
             store = RedisStore(server.client())
+            assert caplog.text == ""  # nothing is sent before the first call
+            assert store.claim("k", namespace=NS).outcome is Outcome.NEW
         assert "maxmemory-policy and persistence are unknown" in caplog.text
+        assert "can lose acknowledged claims: unknown" in caplog.text
         assert store.durability().startswith("unknown")
-        assert store.claim("k", namespace=NS).outcome is Outcome.NEW
 
 
 # -- PostgreSQL, private instance ----------------------------------------------------
