@@ -13,6 +13,7 @@ import glob
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -347,6 +348,31 @@ class PrivatePostgres:
             self._options(),
         )
 
+    def processes(self) -> list[int]:
+        """The postmaster and its children (backends and auxiliary processes)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                text = Path(stat).read_text()
+                if int(text[text.rindex(")") + 2 :].split()[1]) == postmaster:
+                    children.append(int(text.split()[0]))
+        return [postmaster, *children]
+
+    def pause(self) -> list[int]:
+        """SIGSTOPs the whole server; the pids to resume."""
+        pids = self.processes()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def resume(pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.run("pg_ctl", "-D", str(self.data), "-w", "-m", "immediate", "stop", timeout=60)
@@ -445,6 +471,59 @@ def test_postgresql_restarted_mid_batch(private_pg: PrivatePostgres) -> None:
                 rec = other.get(key, namespace=NS)
                 assert rec is None or (rec.state, rec.owner) == (State.PROCESSING, b"w")
     store.close()
+
+
+def test_postgresql_paused_fails_closed_within_the_timeout(private_pg: PrivatePostgres) -> None:
+    url = private_pg.url
+    with SqlStore.from_url(url, table="paused") as setup:
+        setup.init_schema()
+    store = SqlStore.from_url(url, table="paused", timeout=1)
+    assert store.claim("before", namespace=NS).outcome is Outcome.NEW
+    pids = private_pg.pause()
+    try:
+        # The open connection waits for a reply the stopped server never sends: it is cut
+        # after 2 x timeout. Later calls cannot connect (connect_timeout). Generous limits:
+        # the point is that each call returns.
+        for call in (
+            lambda: store.claim("paused", namespace=NS),
+            lambda: store.complete("before", 1, namespace=NS),
+            lambda: store.get("before", namespace=NS),
+        ):
+            with pytest.raises(UnavailableError):
+                _in_thread(call, limit=60)
+        assert store.stats()["cut_connections"] == 1
+        # A store opened now opens at once (nothing is sent) and fails closed.
+        late = SqlStore.from_url(url, table="paused", timeout=1)
+        with pytest.raises(UnavailableError):
+            _in_thread(lambda: late.claim("late", namespace=NS), limit=60)
+    finally:
+        private_pg.resume(pids)
+    store.complete("before", 1, namespace=NS)
+    assert store.claim("before", namespace=NS).outcome is Outcome.DUPLICATE
+    assert late.claim("late", namespace=NS).outcome is Outcome.NEW
+    assert store.get("paused", namespace=NS) is None  # the cut claim never ran
+    store.close()
+    late.close()
+
+
+def test_postgresql_timeouts_are_defaults_that_the_url_overrides(
+    private_pg: PrivatePostgres,
+) -> None:
+    def setting(store: SqlStore, name: str) -> str:
+        value: str = store._tx(lambda cur: cur.execute(f"SHOW {name}").fetchone()[0], write=False)
+        return value
+
+    with SqlStore.from_url(private_pg.url) as default:
+        assert setting(default, "statement_timeout") == "5s"
+        assert default._watchdog is not None and default._watchdog.limit == 10.0
+    with SqlStore.from_url(private_pg.url, timeout=0.5) as short:
+        assert setting(short, "statement_timeout") == "500ms"
+    given = private_pg.url + "?options=-c%20statement_timeout%3D1234&keepalives_idle=7"
+    with SqlStore.from_url(given) as by_url:
+        assert setting(by_url, "statement_timeout") == "1234ms"
+        conn = by_url._conn
+        assert conn.info.get_parameters()["keepalives_idle"] == "7"
+        assert conn.info.get_parameters()["keepalives"] == "1"
 
 
 # -- MariaDB and PostgreSQL (shared servers, own table, own connections) ---------------
