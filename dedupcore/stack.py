@@ -54,7 +54,7 @@ from dedupcore.config import Retention, check_lease, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.tiers.archive import ColdArchive
-from dedupcore.tiers.base import Authority, Cached, CacheTier
+from dedupcore.tiers.base import Authority, Cached, CacheTier, durability_report
 
 __all__ = ["SHARD_SEED", "ShardedStore", "TieredStore", "open_store"]
 
@@ -164,6 +164,13 @@ class TieredStore(ClaimAPI):
 
     def _policy(self, namespace: str) -> Retention:
         return self.namespaces.get(namespace, self.retention)
+
+    def durability(self) -> str:
+        """The authority's: the cache and the archive only ever repeat what it acknowledged."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        return durability_report(self.authority)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -476,6 +483,18 @@ class ShardedStore(ClaimAPI):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def durability(self) -> str:
+        """The weakest shard's (each key lives on one shard), naming it."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        reports = [durability_report(s) for s in self.shards]
+        level, said = min(reports, key=lambda r: r[0])
+        if len(self.shards) == 1:
+            return level, said
+        weakest = reports.index((level, said))
+        return level, f"shard {weakest} of {len(self.shards)} (the weakest): {said}"
 
     def shard_of(self, key: bytes | str, *, namespace: str) -> int:
         """The index of the shard that holds ``key``."""

@@ -47,6 +47,7 @@ __all__ = [
     "check_limit",
     "check_retention",
     "check_timeout",
+    "durability_report",
 ]
 
 #: Longest retention window (any of exact, cold, hot) a remote authority takes:
@@ -63,6 +64,24 @@ class RequestRefusedError(DedupError, ValueError):
     Retrying cannot help, so it is a ``ValueError`` as every other bad input,
     never an :class:`~dedupcore.errors.UnavailableError` (which callers retry).
     """
+
+
+def durability_report(store: Any) -> tuple[int, str]:
+    """How much a store's ``durability()`` promises, and its words.
+
+    The level orders stores by what an acknowledged claim survives: 3 a
+    crash and a power loss, 2 a process crash (a power loss can lose the
+    last moments), 1 less than that, 0 a crash or restart can lose every
+    record, -1 unknown (assume the worst). Stores that know it give
+    ``_durability_report()``; the embedded store's follows its config.
+    """
+    report = getattr(store, "_durability_report", None)
+    if callable(report):
+        level, said = report()
+        return int(level), str(said)
+    said = store.durability() if callable(getattr(store, "durability", None)) else "unknown"
+    mode = getattr(getattr(store, "config", None), "durability", None)
+    return {"durable": 3, "power-loss-unsafe": 2}.get(str(mode), -1), said
 
 
 def check_retention(

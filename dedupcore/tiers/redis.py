@@ -323,7 +323,7 @@ class RedisStore(ClaimAPI):
                 return
             try:
                 policies = self._config_all("maxmemory-policy")
-                said, weak = self._durability()
+                level, said = self._durability()
                 run_ids = self._read_run_ids()
             except _DOWN as exc:
                 raise _failure(exc) from exc
@@ -343,7 +343,7 @@ class RedisStore(ClaimAPI):
                     "unknown; make sure the policy is noeviction",
                     ", ".join(unknown),
                 )
-            if weak:
+            if level < 2:
                 log.warning("redis authority can lose acknowledged claims: %s", said)
             else:
                 log.info("redis authority durability: %s", said)
@@ -372,7 +372,7 @@ class RedisStore(ClaimAPI):
             return
         self.restarts += len(restarted)
         try:
-            said, _ = self._durability()
+            _, said = self._durability()
         except _DOWN as exc:
             said = f"unknown ({exc})"
         log.warning(
@@ -470,13 +470,17 @@ class RedisStore(ClaimAPI):
 
         On a cluster this is the weakest node's answer (a key lives on one node).
         """
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        """See :func:`~dedupcore.tiers.base.durability_report`."""
         try:
-            return self._durability()[0]
+            return self._durability()
         except _DOWN as exc:
             raise _failure(exc) from exc
 
-    def _durability(self) -> tuple[str, bool]:
-        """:meth:`durability`'s words, and whether a restart can lose acknowledged claims."""
+    def _durability(self) -> tuple[int, str]:
+        """:meth:`durability`'s level (as ``durability_report``) and words."""
         appendonly = dict(self._config_all("appendonly"))
         fsync = dict(self._config_all("appendfsync"))
         worst: tuple[int, str, str] | None = None
@@ -491,29 +495,29 @@ class RedisStore(ClaimAPI):
         where = f" (weakest node {worst[1]})" if self.cluster and worst else ""
         if worst is None or worst[2] == "?":
             return (
+                -1,
                 f"unknown{where}: the server does not report its persistence settings "
                 "(CONFIG is disabled); assume a Redis restart can lose acknowledged claims",
-                True,
             )
         mode = worst[2]
         if mode == "always":
-            return f"appendfsync always{where}: survives a Redis crash and a power loss", False
+            return 3, f"appendfsync always{where}: survives a Redis crash and a power loss"
         if mode == "everysec":
             return (
+                2,
                 f"appendfsync everysec{where}: survives a Redis process crash; a power loss "
                 "can lose the last second of acknowledged claims",
-                False,
             )
         if mode:
             return (
+                1,
                 f"appendfsync no{where}: the OS decides when to write; a power loss can lose "
                 "claims",
-                True,
             )
         return (
+            0,
             f"no AOF{where}: a Redis restart loses every record since the last RDB snapshot "
             "(or all of them): processed keys can come back NEW",
-            True,
         )
 
     # -- keys --------------------------------------------------------------------

@@ -242,8 +242,8 @@ class _Dialect:
         """The connection's socket, for a driver with no timeout of its own on replies."""
         return None
 
-    def durability(self, cur: Any) -> tuple[str, bool]:
-        """What a committed claim survives, and whether a crash can lose committed ones."""
+    def durability(self, cur: Any) -> tuple[int, str]:
+        """What a committed claim survives: a level (see ``durability_report``) and words."""
         raise NotImplementedError
 
     def prepare(self, conn: Any) -> None:
@@ -487,21 +487,21 @@ class _Postgres(_Dialect):
         fd: int = conn.fileno()
         return fd
 
-    def durability(self, cur: Any) -> tuple[str, bool]:
+    def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')")
         fsync, commit = cur.fetchone()
         if fsync != "on":
             return (
+                0,
                 "fsync off: an OS crash or a power loss can lose or corrupt committed claims",
-                True,
             )
         if commit == "off":
             return (
+                1,
                 "synchronous_commit off: a server crash can lose the last committed claims "
                 "(up to three wal_writer_delay periods)",
-                True,
             )
-        return f"fsync on, synchronous_commit {commit}: survives a crash and a power loss", False
+        return 3, f"fsync on, synchronous_commit {commit}: survives a crash and a power loss"
 
     def prepare(self, conn: Any) -> None:
         import psycopg
@@ -690,21 +690,21 @@ class _MySQL(_Dialect):
 
         return isinstance(exc, (pymysql.err.DataError, pymysql.err.IntegrityError))
 
-    def durability(self, cur: Any) -> tuple[str, bool]:
+    def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("SELECT @@innodb_flush_log_at_trx_commit")
         mode = int(cur.fetchone()[0])
         if mode == 1:
-            return "innodb_flush_log_at_trx_commit 1: survives a crash and a power loss", False
+            return 3, "innodb_flush_log_at_trx_commit 1: survives a crash and a power loss"
         if mode == 2:
             return (
+                2,
                 "innodb_flush_log_at_trx_commit 2: survives a server crash; an OS crash or a "
                 "power loss can lose about the last second of committed claims",
-                False,
             )
         return (
+            1,
             f"innodb_flush_log_at_trx_commit {mode}: a server crash can lose about the last "
             "second of committed claims",
-            True,
         )
 
     def prepare(self, conn: Any) -> None:
@@ -827,23 +827,23 @@ class _SQLite(_Dialect):
 
         return isinstance(exc, (sqlite3.DataError, sqlite3.IntegrityError))
 
-    def durability(self, cur: Any) -> tuple[str, bool]:
+    def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("PRAGMA synchronous")
         level = int(cur.fetchone()[0])
         cur.execute("PRAGMA journal_mode")
         journal = str(cur.fetchone()[0]).lower()
         if level >= 2:
-            return f"synchronous {level} ({journal}): survives a crash and a power loss", False
+            return 3, f"synchronous {level} ({journal}): survives a crash and a power loss"
         if level == 1 and journal == "wal":
             return (
+                2,
                 "synchronous NORMAL (wal): survives a process crash; a power loss can lose "
                 "the last committed claims",
-                False,
             )
         return (
+            0,
             f"synchronous {level} ({journal}): an OS crash or a power loss can lose or "
             "corrupt committed claims",
-            True,
         )
 
     def prepare(self, conn: Any) -> None:
@@ -1264,7 +1264,7 @@ class SqlStore(ClaimAPI):
         try:
             cur = conn.cursor()
             try:
-                said, weak = d.durability(cur)
+                level, said = d.durability(cur)
             finally:
                 cur.close()
             conn.rollback()
@@ -1274,16 +1274,20 @@ class SqlStore(ClaimAPI):
             with contextlib.suppress(Exception):
                 conn.rollback()
             return
-        if weak:
+        if level < 2:
             log.warning("SQL authority (%s) can lose committed claims: %s", d.name, said)
         else:
             log.info("SQL authority (%s) durability: %s", d.name, said)
 
     def durability(self) -> str:
         """What a committed claim survives, from the database server's settings."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        """See :func:`~dedupcore.tiers.base.durability_report`."""
         d = self._dialect
         assert d is not None
-        return self._tx(lambda cur: d.durability(cur)[0], write=False)
+        return self._tx(d.durability, write=False)
 
     @staticmethod
     def _close(conn: Any) -> None:

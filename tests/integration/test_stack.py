@@ -497,6 +497,22 @@ def test_sql_authority_alone_applies_retention_by_its_own_sweep(tmp_path: Path) 
     store.close()
 
 
+def test_embedded_stacks_and_shards_report_durability(tmp_path: Path) -> None:
+    safe = DedupStore.open(tmp_path / "safe")
+    fast = DedupStore.open(tmp_path / "fast", durability="power-loss-unsafe")
+    assert safe.durability().startswith("durable: the write-ahead log is fdatasynced")
+    assert fast.durability().startswith("power-loss-unsafe: survives a process crash")
+    stack = TieredStore(fast, archive=tmp_path / "cold")
+    assert stack.durability() == fast.durability()
+    sharded = ShardedStore([safe, stack])
+    assert sharded.durability() == f"shard 1 of 2 (the weakest): {fast.durability()}"
+    assert ShardedStore([safe]).durability() == safe.durability()
+    # A claim API store that does not say is "unknown", the weakest of all.
+    unknown = ShardedStore([safe, _Recorder(safe)])
+    assert unknown.durability().startswith("shard 1 of 2 (the weakest): unknown")
+    sharded.close()
+
+
 @pytest.mark.parametrize(
     ("target", "error", "match"),
     [

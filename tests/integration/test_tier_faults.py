@@ -28,7 +28,8 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.errors import DedupError, UnavailableError
 from dedupcore.record import State
-from dedupcore.stack import open_store
+from dedupcore.stack import TieredStore, open_store
+from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 
@@ -198,6 +199,27 @@ def test_redis_with_fsync_always_does_not_warn(
             assert store.claim("k", namespace=NS).outcome is Outcome.NEW
         assert [r.levelno for r in caplog.records] == [logging.INFO]
         assert "appendfsync always" in caplog.records[0].getMessage()
+
+
+def test_stacks_report_their_authority_s_and_their_weakest_shard_s_durability(
+    tmp_path: Path,
+) -> None:
+    with (
+        redis_server(tmp_path / "a", "--appendonly", "yes", "--appendfsync", "always") as safe,
+        redis_server(tmp_path / "b") as bare,
+    ):
+        urls = [f"redis://127.0.0.1:{server.port}/0" for server in (safe, bare)]
+        with open_store(urls[0], archive=tmp_path / "cold") as stack:
+            assert isinstance(stack, TieredStore)
+            assert stack.durability().startswith("appendfsync always: survives a Redis crash")
+        with open_store(urls) as sharded:
+            said = sharded.durability()
+            assert said.startswith("shard 1 of 2 (the weakest): no AOF")
+            assert "processed keys can come back NEW" in said
+        with open_store(urls[::-1], cache=RedisCache.from_url(urls[0])) as stacks:
+            assert stacks.durability().startswith("shard 0 of 2 (the weakest): no AOF")
+        with open_store(urls[:1] * 2) as both_safe:
+            assert both_safe.durability().startswith("shard 0 of 2 (the weakest): appendfsync")
 
 
 def _stopped_server_is_unavailable(store: RedisStore) -> None:
