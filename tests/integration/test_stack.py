@@ -533,9 +533,22 @@ def test_dedupstore_open_points_urls_to_open_store() -> None:
         DedupStore.open("postgresql://postgres@127.0.0.1/test")
 
 
-def test_open_store_unreachable_authority_is_unavailable() -> None:
+def test_open_store_unreachable_authority_is_unavailable(tmp_path: Path) -> None:
+    # Opening sends nothing (redis-py and the SQL drivers connect on demand); the first
+    # call fails closed.
+    for url in (
+        f"redis://127.0.0.1:{free_port()}/0",
+        f"postgresql://postgres@127.0.0.1:{free_port()}/test",
+        f"mysql://root@127.0.0.1:{free_port()}/test",
+    ):
+        store = open_store(url, timeout=1)
+        with pytest.raises(UnavailableError):
+            store.claim("k", namespace=NS)
+        store.close()
+    stack = open_store(f"redis://127.0.0.1:{free_port()}/0", archive=tmp_path / "c")
     with pytest.raises(UnavailableError):
-        open_store(f"redis://127.0.0.1:{free_port()}/0")
+        stack.claim("k", namespace=NS)
+    stack.close()
 
 
 def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
