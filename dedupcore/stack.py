@@ -54,7 +54,13 @@ from dedupcore.config import Retention, check_lease, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.tiers.archive import ColdArchive
-from dedupcore.tiers.base import Authority, Cached, CacheTier, durability_report
+from dedupcore.tiers.base import (
+    Authority,
+    Cached,
+    CacheTier,
+    check_retention,
+    durability_report,
+)
 
 __all__ = ["SHARD_SEED", "ShardedStore", "TieredStore", "open_store"]
 
@@ -109,10 +115,8 @@ class TieredStore(ClaimAPI):
             raise TypeError(f"cache must be a CacheTier, not {type(cache).__name__}")
         self.authority = authority
         self.cache = cache
-        self.retention = retention or Retention()
-        self.namespaces = dict(namespaces or {})
-        for ns in self.namespaces:
-            _keys.check_namespace(ns)
+        # Bounded windows: the hot one is the cache's TTL, sent to its server.
+        self.retention, self.namespaces = check_retention(retention, namespaces)
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.cache_retry_after = cache_retry_after

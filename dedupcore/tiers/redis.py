@@ -313,6 +313,7 @@ class RedisStore(ClaimAPI):
         self._check_lock = threading.Lock()
         self._run_ids: dict[str, str] = {}
         self.restarts = 0
+        self._owns_client = False
 
     def _ready(self) -> None:
         """The first call that reaches the server checks it (see "Connecting" above)."""
@@ -427,14 +428,17 @@ class RedisStore(ClaimAPI):
         except _DOWN as exc:
             raise _failure(exc) from exc
         try:
-            return cls(client, **options)
+            store = cls(client, **options)
         except BaseException:
             client.close()
             raise
+        store._owns_client = True
+        return store
 
     def close(self) -> None:
-        """Closes the client's connections (it reconnects if used again)."""
-        self.client.close()
+        """Closes the client that :meth:`from_url` made (a client you passed in stays open)."""
+        if self._owns_client:
+            self.client.close()
 
     # -- server settings ---------------------------------------------------------
 

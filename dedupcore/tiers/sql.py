@@ -1017,7 +1017,10 @@ def _pg_defaults(url: str, timeout: float) -> dict[str, Any]:
     """Connect timeout, TCP keepalive and statement_timeout, where the URL sets none."""
     from psycopg.conninfo import conninfo_to_dict
 
-    given = conninfo_to_dict(url)
+    try:
+        given = conninfo_to_dict(url)
+    except Exception as exc:  # psycopg.ProgrammingError: not a connection string
+        raise ValueError(f"bad PostgreSQL URL: {exc}") from None
     out: dict[str, Any] = {
         "connect_timeout": max(2, round(timeout)),  # libpq waits whole seconds, 2 at least
         "keepalives": 1,

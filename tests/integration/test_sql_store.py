@@ -633,6 +633,8 @@ def test_bad_settings_are_refused_before_connecting() -> None:
             SqlStore.from_url(url, **options)
     with pytest.raises(ValueError, match="read_timeout"):
         SqlStore.from_url("mysql://root@127.0.0.1:1/test?read_timeout=0")
+    with pytest.raises(ValueError, match="bad PostgreSQL URL"):
+        SqlStore.from_url(url + "?no_such_parameter=1")
     store = SqlStore.from_url(url, lease=30 * 86400, retention=Retention(exact_window=3e9))
     with pytest.raises(UnavailableError):  # valid, so it gets as far as the (absent) server
         store.claim("k", namespace=NS)

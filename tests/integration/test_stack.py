@@ -559,6 +559,8 @@ def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
             TieredStore(s, cache=object())  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="front must be"):
             TieredStore(s, front="yes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="hot_window"):
+            TieredStore(s, retention=Retention(hot_window=1e39))  # a cache TTL out of range
     with pytest.raises(ValueError, match="at least one shard"):
         ShardedStore([])
     with pytest.raises(TypeError, match="each shard"):
