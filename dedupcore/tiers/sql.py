@@ -1,7 +1,7 @@
 """A relational database as the dedup authority: PostgreSQL, MariaDB/MySQL or SQLite.
 
-One table (``dedup`` unless told otherwise) holds the record of DESIGN.md §1
-per ``(namespace, key)``::
+One table (``dedup`` unless told otherwise) holds the record of the embedded
+store (:class:`~dedupcore.api.KeyRecord`) per ``(namespace, key)``::
 
     namespace    text / VARCHAR(128) ascii_bin / TEXT      primary key, part 1
     key          bytea / VARBINARY(512) / BLOB              primary key, part 2
@@ -77,11 +77,19 @@ A connection that failed is closed and dropped; the next call opens a new
 one through the connection factory. A claim or completion whose ``COMMIT``
 was cut off may or may not have been applied: the caller gets
 ``UnavailableError`` and may retry (an owner gets its own claim back, a
-completion with the same token is a no-op).
+completion with the same token is a no-op). A store from
+:meth:`SqlStore.from_url` connects on its first call (a database that is
+down fails that call, not the open) and waits a bounded time for every
+answer (``timeout``; see there), so a server that stops answering fails a
+call instead of blocking it. A database error that refuses the request's
+own data (out of range, too long, a CHECK) is a
+:class:`~dedupcore.tiers.base.RequestRefusedError`, a ``ValueError``: the
+arguments are all checked before they are sent, so it only happens when the
+table does not have the shape :meth:`SqlStore.init_schema` gives it.
 
-**Why the table is not partitioned (yet).** The issue asks for declarative
-``RANGE`` partitions by day on ``created`` so that retention is a ``DROP``
-of old partitions. Both PostgreSQL and MariaDB require the partition key to
+**Why the table is not partitioned (yet).** Declarative ``RANGE``
+partitions by day on ``created`` would make retention a ``DROP`` of old
+partitions. Both PostgreSQL and MariaDB require the partition key to
 be part of every unique constraint of a partitioned table, so the primary
 key would have to become ``(namespace, key, created)``: ``ON CONFLICT`` /
 ``ON DUPLICATE KEY`` would then only see a claim of the same key made on the
