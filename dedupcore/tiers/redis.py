@@ -237,18 +237,18 @@ _STATS_DOWN: tuple[type[BaseException], ...] = (DedupError, *_DOWN)
 _DURABILITY_RANK = {"always": 3, "everysec": 2, "no": 1, "": 0}
 #: Words of a reply that refuses the request's own arguments or data: retrying
 #: cannot help, so it is a RequestRefusedError (ValueError). Every other error
-#: reply (LOADING, BUSY, MISCONF, OOM, READONLY, NOPERM, unknown command, ...)
-#: is a state of the server: UnavailableError.
+#: reply (LOADING, BUSY, MISCONF, OOM, READONLY, NOPERM, unknown command, a
+#: database index out of range, ...) is a state or a setting of the server
+#: that holds for every request alike: UnavailableError, which callers retry
+#: rather than reject the message.
 _REFUSALS = (
-    "not an integer",
-    "out of range",
+    "not an integer or out of range",
+    "value is out of range",
     "invalid expire time",
     "not a valid float",
-    "wrong number of arguments",
-    "syntax error",
     "wrongtype",
     "would overflow",
-    "exceeds maximum",
+    "exceeds maximum allowed size",
 )
 
 

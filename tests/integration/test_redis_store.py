@@ -165,6 +165,12 @@ def test_a_refused_request_is_a_value_error_not_unavailability(
     # A script stops at the error and keeps what it wrote before it (here a record with
     # no TTL): the reason why every argument is checked before it is sent.
     assert redis_client.hget(other, "s") == b"1" and redis_client.pttl(other) == -1
+    # A server setting that refuses every request alike is no bad input: unavailable.
+    import redis
+
+    no_such_db = RedisStore(redis.Redis(host="127.0.0.1", port=6379, db=100_000))
+    with pytest.raises(UnavailableError, match="DB index"):
+        no_such_db.claim("k", namespace=NS)
 
 
 def test_unreachable_redis_is_unavailable_never_new() -> None:
