@@ -1268,17 +1268,25 @@ class SqlStore(ClaimAPI):
             self._tell_durability(conn)
         return conn
 
+    def _guard(self, conn: Any) -> contextlib.AbstractContextManager[None]:
+        """The watchdog over ``conn`` while it waits for the database (see ``_Watchdog``)."""
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        assert self._dialect is not None
+        return self._watchdog.guard(self._dialect.socket_of(conn))
+
     def _tell_durability(self, conn: Any) -> None:
         """Logs once what committed claims survive: a warning when a crash can lose them."""
         d = self._dialect
         assert d is not None
         try:
-            cur = conn.cursor()
-            try:
-                level, said = d.durability(cur)
-            finally:
-                cur.close()
-            conn.rollback()
+            with self._guard(conn):
+                cur = conn.cursor()
+                try:
+                    level, said = d.durability(cur)
+                finally:
+                    cur.close()
+                conn.rollback()
         except d.error_classes() as exc:
             # Not fatal: a connection that is broken fails the call that needed it.
             log.info("SQL authority (%s): durability unknown: %s", d.name, exc)
@@ -1334,12 +1342,7 @@ class SqlStore(ClaimAPI):
                 try:
                     if autocommit:
                         conn.autocommit = True  # a lone read: no BEGIN, no COMMIT
-                    guard = (
-                        self._watchdog.guard(d.socket_of(conn))
-                        if self._watchdog is not None
-                        else contextlib.nullcontext()
-                    )
-                    with guard:
+                    with self._guard(conn):
                         cur = conn.cursor()
                         try:
                             d.begin(cur, write)
