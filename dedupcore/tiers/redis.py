@@ -367,11 +367,12 @@ class RedisStore(ClaimAPI):
     def _check_restarts(self) -> None:
         """After a NOSCRIPT reply: warns of every master whose ``run_id`` changed."""
         seen = self._read_run_ids()
-        restarted = sorted(n for n, rid in seen.items() if self._run_ids.get(n, rid) != rid)
-        self._run_ids.update(seen)
+        with self._check_lock:  # calls from several threads warn and count a restart once
+            restarted = sorted(n for n, rid in seen.items() if self._run_ids.get(n, rid) != rid)
+            self._run_ids.update(seen)
+            self.restarts += len(restarted)
         if not restarted:
             return
-        self.restarts += len(restarted)
         try:
             _, said = self._durability()
         except _DOWN as exc:
