@@ -640,6 +640,23 @@ def test_bad_settings_are_refused_before_connecting() -> None:
         store.claim("k", namespace=NS)
 
 
+def test_mariadb_timeouts_are_defaults_that_the_url_overrides() -> None:
+    require_server("mariadb", 3306)
+
+    def waits(store: SqlStore) -> tuple[float, float, float]:
+        store.server_version()  # connects
+        conn = store._conn
+        out = (conn.connect_timeout, conn._read_timeout, conn._write_timeout)
+        store.close()
+        return out
+
+    assert waits(SqlStore.from_url(MY_URL)) == (5.0, 10.0, 10.0)
+    assert waits(SqlStore.from_url(MY_URL, timeout=1.5)) == (1.5, 3.0, 3.0)
+    assert waits(SqlStore.from_url(MY_URL + "?read_timeout=7", timeout=1)) == (1, 7.0, 2)
+    own = SqlStore.from_url(MY_URL, connect_args={"write_timeout": 9})
+    assert waits(own) == (5.0, 10.0, 9)
+
+
 def test_a_refused_request_is_a_value_error_not_unavailability(store: SqlStore) -> None:
     # Data the checks let through but the database refuses (here: past the key column,
     # which is 512 bytes on MariaDB, or against the token CHECK elsewhere).
