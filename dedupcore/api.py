@@ -250,6 +250,27 @@ class ClaimAPI(ABC):
     def close(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
         """Releases the front end's resources (files, connections)."""
 
+    def durability(self) -> str:
+        """What an acknowledged claim or completion survives, in words.
+
+        Remote authorities read it from their server's settings, and stacks
+        report their authority's (a sharded store its weakest shard's). This
+        default answers for the embedded store from ``config.durability``,
+        and "unknown" for a front end that cannot tell.
+        """
+        mode = getattr(getattr(self, "config", None), "durability", None)
+        if mode == "durable":
+            return (
+                "durable: the write-ahead log is fdatasynced before each answer: survives a "
+                "process crash and a power loss"
+            )
+        if mode == "power-loss-unsafe":
+            return (
+                "power-loss-unsafe: survives a process crash; a power loss or an OS crash can "
+                "lose the last acknowledged claims"
+            )
+        return "unknown: this store does not report what an acknowledged claim survives"
+
     def claim(
         self,
         key: bytes | str,

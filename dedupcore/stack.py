@@ -17,8 +17,9 @@ or front that fails is skipped with a counter and a log line; an authority
 that fails raises :class:`~dedupcore.errors.UnavailableError`.
 
 :class:`ShardedStore` routes keys over N stores by jump consistent hash of
-``namespace \\0 key`` (:func:`dedupcore.shard_many`), one call per shard,
-run concurrently. :func:`open_store` builds either from URLs.
+``hash64(namespace \\0 key, SHARD_SEED)``, one call per shard, run
+concurrently. :func:`open_store` builds either from URLs, and returns the
+authority itself when no tier would be added to it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from dedupcore import keys as _keys
-from dedupcore._core import shard_many, shard_of
+from dedupcore._core import hash64, hash64_many, jump_hash, shard_many
 from dedupcore.api import (
     Claim,
     ClaimAPI,
@@ -53,9 +54,15 @@ from dedupcore.config import Retention, check_lease, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.tiers.archive import ColdArchive
-from dedupcore.tiers.base import Authority, Cached, CacheTier
+from dedupcore.tiers.base import (
+    Authority,
+    Cached,
+    CacheTier,
+    check_retention,
+    durability_report,
+)
 
-__all__ = ["ShardedStore", "TieredStore", "open_store"]
+__all__ = ["SHARD_SEED", "ShardedStore", "TieredStore", "open_store"]
 
 log = logging.getLogger("dedupcore")
 
@@ -66,6 +73,9 @@ _MAX_REMEMBERED = 1_000_000
 _MISSING = object()
 #: Purge calls per sweep at most (a backlog is worked off over several sweeps).
 _MAX_PURGE_ROUNDS = 100
+#: Seed of the XXH64 hash that routes a key to its shard (see :class:`ShardedStore`):
+#: not 0, the seed of the hash that picks a RedisStore's bucket.
+SHARD_SEED = 0x5348415244  # b"SHARD"
 
 
 class TieredStore(ClaimAPI):
@@ -105,10 +115,8 @@ class TieredStore(ClaimAPI):
             raise TypeError(f"cache must be a CacheTier, not {type(cache).__name__}")
         self.authority = authority
         self.cache = cache
-        self.retention = retention or Retention()
-        self.namespaces = dict(namespaces or {})
-        for ns in self.namespaces:
-            _keys.check_namespace(ns)
+        # Bounded windows: the hot one is the cache's TTL, sent to its server.
+        self.retention, self.namespaces = check_retention(retention, namespaces)
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.cache_retry_after = cache_retry_after
@@ -160,6 +168,13 @@ class TieredStore(ClaimAPI):
 
     def _policy(self, namespace: str) -> Retention:
         return self.namespaces.get(namespace, self.retention)
+
+    def durability(self) -> str:
+        """The authority's: the cache and the archive only ever repeat what it acknowledged."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        return durability_report(self.authority)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -414,12 +429,26 @@ class TieredStore(ClaimAPI):
 class ShardedStore(ClaimAPI):
     """Routes keys over N stores by jump consistent hash; one concurrent call per shard.
 
-    The shard of a key is ``shard_of(namespace + b"\\0" + key, N)``: stable
-    across processes, hosts and versions, and adding a shard moves only
-    ``1/(N+1)`` of the keys. A batch is not atomic across shards: when one
-    shard fails (or raises :class:`ConflictError`), the NEW claims the other
-    shards made for the batch are released before the error is raised, so
-    nothing stays claimed by a caller that never saw the claim.
+    The shard of a key is ``jump_hash(hash64(namespace + b"\\0" + key,
+    SHARD_SEED), N)``: stable across processes, hosts and versions, and adding
+    a shard moves only ``1/(N+1)`` of the keys. A batch is not atomic across
+    shards: when one shard fails (or raises :class:`ConflictError`), the NEW
+    claims the other shards made for the batch are released before the error
+    is raised, so nothing stays claimed by a caller that never saw the claim.
+
+    **Why a seed of its own.** A :class:`~dedupcore.tiers.redis.RedisStore`
+    puts each key in a hash-tag bucket (a Redis Cluster slot) by
+    ``jump_hash(hash64(namespace + b"\\0" + key, 0), buckets)``. Jump hashes
+    of one 64-bit value into N and into 16 agree whenever the second is
+    below N, so routing shards by that same hash left shard ``s`` only the
+    buckets ``{s}`` and ``N..15``: with 16 sharded Redis servers every key of
+    a namespace on a server was in one slot. The shard hash is therefore
+    XXH64 with :data:`SHARD_SEED`, independent of the bucket hash. The bucket
+    is what decides where an existing key lives inside Redis (and in every
+    unsharded Redis deployment), so it stays as it was; the routing is what
+    changed. A sharded deployment whose shards already hold keys routed by
+    the seed-0 hash must be drained (or its keys left to expire) before it
+    is opened with this routing: most of its keys now route to another shard.
     """
 
     def __init__(self, shards: Sequence[ClaimAPI], *, max_key_bytes: int = 512) -> None:
@@ -459,19 +488,33 @@ class ShardedStore(ClaimAPI):
         if errors:
             raise errors[0]
 
+    def durability(self) -> str:
+        """The weakest shard's (each key lives on one shard), naming it."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        reports = [durability_report(s) for s in self.shards]
+        level, said = min(reports, key=lambda r: r[0])
+        if len(self.shards) == 1:
+            return level, said
+        weakest = reports.index((level, said))
+        return level, f"shard {weakest} of {len(self.shards)} (the weakest): {said}"
+
     def shard_of(self, key: bytes | str, *, namespace: str) -> int:
         """The index of the shard that holds ``key``."""
         joined = (
             _keys.check_namespace(namespace) + b"\x00" + _keys.check_key(key, self.max_key_bytes)
         )
-        return shard_of(joined, len(self.shards))
+        return int(jump_hash(hash64(joined, SHARD_SEED), len(self.shards)))
 
     def _route(self, ns: bytes, keys: Sequence[Any]) -> dict[int, list[int]]:
         """Positions of the batch's keys, grouped by shard."""
         prefix = ns + b"\x00"
         joined = [prefix + _keys.check_key(k, self.max_key_bytes) for k in keys]
         groups: dict[int, list[int]] = {}
-        for i, s in enumerate(shard_many(joined, len(self.shards)) if joined else ()):
+        if not joined:
+            return groups
+        for i, s in enumerate(shard_many(hash64_many(joined, SHARD_SEED), len(self.shards))):
             groups.setdefault(s, []).append(i)
         return groups
 
@@ -660,7 +703,11 @@ def open_store(
     ``init_schema``: create a SQL authority's table when it is missing (what
     ``dedupcore sql init`` does); otherwise a missing table is an error.
 
-    The embedded directory with no cache or archive is returned as is.
+    A stack is only built when it adds a tier: with no ``cache`` and no
+    ``archive`` the authority itself is returned (a front filter alone saves
+    nothing, since every key it passes still goes to the authority). A SQL
+    authority returned alone keeps its retention through its own
+    :meth:`~dedupcore.tiers.sql.SqlStore.sweep`.
     """
     if isinstance(authority, (list, tuple)):
         if not authority:
@@ -682,13 +729,12 @@ def open_store(
         init = getattr(store, "init_schema", None)
         if init is not None:
             init()
+    if cache is None and archive is None:
+        return store
     from dedupcore.store import DedupStore
 
-    embedded = isinstance(store, DedupStore)
     if front is None:
-        front = not embedded
-    if embedded and cache is None and archive is None and not front:
-        return store
+        front = not isinstance(store, DedupStore)  # the embedded store has its own
     cache_tier: CacheTier | None
     if isinstance(cache, str):
         from dedupcore.tiers.cache import RedisCache

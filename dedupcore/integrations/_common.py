@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import inspect
 import logging
 import os
@@ -320,7 +321,9 @@ class _Gate:
 class _AsyncGate(_Gate):
     """The contract from an event loop: async or sync stores and handlers.
 
-    A :class:`TransactionalTable` runs in a worker thread, one transaction at
+    An async store (``dedupcore.aio.Client``) is awaited; a sync store's calls
+    run in worker threads (``asyncio.to_thread``), so they never block the
+    loop. A :class:`TransactionalTable` runs in a worker thread, one transaction at
     a time (its connection is not shared between transactions), so the
     handler must be a plain function there.
     """
@@ -396,10 +399,16 @@ class _AsyncGate(_Gate):
             return self._decide_table(delivery, hook=False)
 
     async def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        """The store's ``name`` call: awaited for an async store, in a worker thread otherwise.
+
+        A sync store's call can wait on an fdatasync or a network round trip;
+        run inline it would stall every other delivery, heartbeat and timer
+        of the event loop for that long.
+        """
         fn = getattr(self.store, name)
         if self.async_store:
             return await fn(*args, **kw)
-        return fn(*args, **kw)
+        return await asyncio.to_thread(functools.partial(fn, *args, **kw))
 
     async def _abefore_ack(self, delivery: Delivery, outcome: Outcome) -> None:
         if self.before_ack is not None:

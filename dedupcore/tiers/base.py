@@ -15,19 +15,117 @@ A stack (:class:`dedupcore.stack.TieredStore`) is, from the top:
 
 An authority is any claim API with ``close()``; a cache implements the two
 template methods below. A cache or front that fails is skipped (slower, never
-wrong); an authority that fails raises :class:`~dedupcore.errors.UnavailableError`.
+wrong); an authority that fails raises :class:`~dedupcore.errors.UnavailableError`,
+and one that refuses a request (a bad argument the checks here did not catch)
+raises :class:`RequestRefusedError`, a ``ValueError`` that retrying cannot fix.
+
+The checks below are shared by the remote authorities, which validate every
+argument before it is sent: a server's "out of range" reply must never be the
+first to notice a bad input.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from dedupcore import keys as _keys
 from dedupcore.api import Claim, KeyRecord
+from dedupcore.config import Retention
+from dedupcore.errors import DedupError
 
-__all__ = ["Authority", "CacheTier", "Cached"]
+__all__ = [
+    "MAX_TIMEOUT_SECONDS",
+    "MAX_WINDOW_SECONDS",
+    "Authority",
+    "CacheTier",
+    "Cached",
+    "RequestRefusedError",
+    "check_limit",
+    "check_retention",
+    "check_timeout",
+    "durability_report",
+]
+
+#: Longest retention window (any of exact, cold, hot) a remote authority takes:
+#: expiry times stay far inside every engine's range (Redis' 64-bit
+#: milliseconds, SQL intervals, DATETIME back to year 1000).
+MAX_WINDOW_SECONDS = 100 * 365 * 86400.0
+#: Longest connect/reply timeout accepted for a remote authority.
+MAX_TIMEOUT_SECONDS = 3600.0
+
+
+class RequestRefusedError(DedupError, ValueError):
+    """A server refused a request's arguments or data: a bad request, not an outage.
+
+    Retrying cannot help, so it is a ``ValueError`` as every other bad input,
+    never an :class:`~dedupcore.errors.UnavailableError` (which callers retry).
+    """
+
+
+def durability_report(store: Any) -> tuple[int, str]:
+    """How much a store's ``durability()`` promises, and its words.
+
+    The level orders stores by what an acknowledged claim survives: 3 a
+    crash and a power loss, 2 a process crash (a power loss can lose the
+    last moments), 1 less than that, 0 a crash or restart can lose every
+    record, -1 unknown (assume the worst). Stores that know it give
+    ``_durability_report()``; the embedded store's follows its config.
+    """
+    report = getattr(store, "_durability_report", None)
+    if callable(report):
+        level, said = report()
+        return int(level), str(said)
+    said = store.durability() if callable(getattr(store, "durability", None)) else "unknown"
+    mode = getattr(getattr(store, "config", None), "durability", None)
+    return {"durable": 3, "power-loss-unsafe": 2}.get(str(mode), -1), said
+
+
+def check_retention(
+    retention: object, namespaces: Mapping[str, Retention] | None
+) -> tuple[Retention, dict[str, Retention]]:
+    """The default and per-namespace policies, each window at most MAX_WINDOW_SECONDS."""
+    policy = Retention() if retention is None else retention
+    if not isinstance(policy, Retention):
+        raise TypeError(f"retention must be a Retention, not {type(policy).__name__}")
+    per_ns: dict[str, Retention] = {}
+    for ns, p in dict(namespaces or {}).items():
+        _keys.check_namespace(ns)
+        if not isinstance(p, Retention):
+            raise TypeError(f"namespaces[{ns!r}] must be a Retention, not {type(p).__name__}")
+        per_ns[ns] = p
+    for p in (policy, *per_ns.values()):
+        for name in ("exact_window", "cold_window", "hot_window"):
+            value = getattr(p, name)
+            if value > MAX_WINDOW_SECONDS:
+                raise ValueError(
+                    f"{name} must be at most {MAX_WINDOW_SECONDS:.0f} seconds (100 years), "
+                    f"got {value!r}"
+                )
+    return policy, per_ns
+
+
+def check_limit(name: str, value: object, limit: int) -> int:
+    """A size setting: an int in 1..limit (TypeError/ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 1 <= value <= limit:
+        raise ValueError(f"{name} must be in 1..{limit}, got {value}")
+    return value
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """Seconds to wait for a server: a number in (0, MAX_TIMEOUT_SECONDS]."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(timeout).__name__}")
+    if not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(
+            f"{name} must be > 0 and at most {MAX_TIMEOUT_SECONDS:.0f} seconds, got {timeout!r}"
+        )
+    return float(timeout)
 
 
 @runtime_checkable

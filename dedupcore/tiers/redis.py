@@ -37,20 +37,44 @@ change; :meth:`RedisStore.expiring` lists the PROCESSED keys of a namespace
 whose TTL ends soon (``SCAN`` of every master), so that a demoter can copy
 them into the cold archive first.
 
-Durability is Redis's own: :meth:`RedisStore.durability` reads the server's
-persistence settings and says what an acknowledged claim survives. Eviction
-would forget processed keys, so a server whose ``maxmemory-policy`` can
-evict them is refused unless ``allow_eviction=True``.
+**Connecting.** The constructor sends nothing (redis-py connects lazily),
+so a store opens while its server is down; the first call that reaches the
+server then checks it: ``maxmemory-policy`` (eviction would forget
+processed keys, so a server that can evict them is refused with
+:class:`~dedupcore.errors.DedupError` unless ``allow_eviction=True``), the
+persistence settings (a server that can lose acknowledged claims on a
+restart is logged as a warning, with :meth:`RedisStore.durability`'s
+words) and each master's ``run_id``. A server without a script that the
+store loaded before (``NOSCRIPT``) has its ``run_id`` read again: a changed
+one means it restarted, which is logged as a warning (records it did not
+persist are gone: their keys come back NEW) and counted in ``stats()``.
+
+**Timeouts.** :meth:`RedisStore.from_url` gives its client a connect and a
+reply timeout (``timeout``, 5 s), TCP keepalive and one retry on a fresh
+connection, so a server that stops answering fails a call with
+:class:`~dedupcore.errors.UnavailableError` after about twice ``timeout``
+instead of blocking it. A client you pass yourself keeps its own settings.
+
+**Bad input** is a ``ValueError``/``TypeError`` raised before anything is
+sent: keys, namespace, owner, fingerprints, tokens, leases (at most
+:data:`~dedupcore.config.MAX_LEASE_SECONDS`), retention windows and the
+size settings are all checked. A reply refusing an argument anyway
+(``value is not an integer or out of range``, ``WRONGTYPE``, ...) is a
+:class:`~dedupcore.tiers.base.RequestRefusedError` (a ``ValueError``),
+never an :class:`~dedupcore.errors.UnavailableError`.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
@@ -61,6 +85,7 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.retry import Retry
 
 from dedupcore import keys as _keys
 from dedupcore._core import shard_many
@@ -79,8 +104,24 @@ from dedupcore.api import (
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.tiers.base import (
+    RequestRefusedError,
+    check_limit,
+    check_retention,
+    check_timeout,
+)
 
-__all__ = ["RedisStore"]
+__all__ = ["DEFAULT_TIMEOUT", "RedisStore"]
+
+#: Seconds :meth:`RedisStore.from_url` waits to connect and for each reply.
+DEFAULT_TIMEOUT = 5.0
+#: TCP keepalive of the connections from_url makes: probes after 30 s idle, every
+#: 10 s, 3 unanswered ones end the connection (where the platform has the options).
+_KEEPALIVE = {
+    getattr(socket, name): value
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)
+}
 
 log = logging.getLogger("dedupcore")
 
@@ -192,8 +233,23 @@ _SAFE_POLICIES = ("noeviction",)
 _SCRIPT_KEYS = 1000
 #: Errors meaning "the server or cluster could not answer" (DC* replies are decisions).
 _DOWN: tuple[type[BaseException], ...] = (RedisError, RedisClusterException)
-_STATS_DOWN: tuple[type[BaseException], ...] = (UnavailableError, *_DOWN)
+_STATS_DOWN: tuple[type[BaseException], ...] = (DedupError, *_DOWN)
 _DURABILITY_RANK = {"always": 3, "everysec": 2, "no": 1, "": 0}
+#: Words of a reply that refuses the request's own arguments or data: retrying
+#: cannot help, so it is a RequestRefusedError (ValueError). Every other error
+#: reply (LOADING, BUSY, MISCONF, OOM, READONLY, NOPERM, unknown command, a
+#: database index out of range, ...) is a state or a setting of the server
+#: that holds for every request alike: UnavailableError, which callers retry
+#: rather than reject the message.
+_REFUSALS = (
+    "not an integer or out of range",
+    "value is out of range",
+    "invalid expire time",
+    "not a valid float",
+    "wrongtype",
+    "would overflow",
+    "exceeds maximum allowed size",
+)
 
 
 def _text(raw: Any) -> str | None:
@@ -204,6 +260,21 @@ def _text(raw: Any) -> str | None:
 
 def _unavailable(exc: BaseException) -> UnavailableError:
     return UnavailableError(f"redis unavailable: {type(exc).__name__}: {exc}")
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether an error reply refuses the request itself (see ``_REFUSALS``)."""
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc).lower()
+    return any(words in text for words in _REFUSALS)
+
+
+def _failure(exc: BaseException) -> DedupError:
+    """The error to raise for a failed call: refused request or unavailable server."""
+    if _refused(exc):
+        return RequestRefusedError(f"redis refused the request: {exc}")
+    return _unavailable(exc)
 
 
 class RedisStore(ClaimAPI):
@@ -228,45 +299,147 @@ class RedisStore(ClaimAPI):
     ) -> None:
         self.client = client
         self.prefix = _keys.check_namespace(prefix)
-        self.retention = retention or Retention()
-        self.namespaces = dict(namespaces or {})
+        self.retention, self.namespaces = check_retention(retention, namespaces)
         self.lease = check_lease(lease)
-        self.max_key_bytes = max_key_bytes
-        self.max_result_bytes = max_result_bytes
-        self.buckets = buckets
+        self.max_key_bytes = check_limit("max_key_bytes", max_key_bytes, 65536)
+        self.max_result_bytes = check_limit("max_result_bytes", max_result_bytes, 16 << 20)
+        self.buckets = check_limit("buckets", buckets, 16384)
+        self.allow_eviction = bool(allow_eviction)
         self.cluster = isinstance(client, RedisCluster)
+        # Script objects only hash their source here; nothing is sent before the first call.
+        self._claim = client.register_script(_CLAIM)
+        self._change = client.register_script(_CHANGE)
+        self._checked = False
+        self._check_lock = threading.Lock()
+        self._run_ids: dict[str, str] = {}
+        self.restarts = 0
+        self._owns_client = False
+
+    def _ready(self) -> None:
+        """The first call that reaches the server checks it (see "Connecting" above)."""
+        if self._checked:
+            return
+        with self._check_lock:
+            if self._checked:
+                return
+            try:
+                policies = self._config_all("maxmemory-policy")
+                level, said = self._durability()
+                run_ids = self._read_run_ids()
+            except _DOWN as exc:
+                raise _failure(exc) from exc
+            unsafe = [(n, p) for n, p in policies if p is not None and p not in _SAFE_POLICIES]
+            if unsafe and not self.allow_eviction:
+                node, policy = unsafe[0]
+                where = f" on {node}" if self.cluster else ""
+                raise DedupError(
+                    f"redis maxmemory-policy is {policy!r}{where}: it can evict dedup records "
+                    "and so report processed keys as NEW; set it to noeviction, or pass "
+                    "allow_eviction=True to accept that"
+                )
+            unknown = [node for node, p in policies if p is None]
+            if unknown:
+                log.warning(
+                    "redis %s: CONFIG GET is refused, so maxmemory-policy and persistence are "
+                    "unknown; make sure the policy is noeviction",
+                    ", ".join(unknown),
+                )
+            if level < 2:
+                log.warning("redis authority can lose acknowledged claims: %s", said)
+            else:
+                log.info("redis authority durability: %s", said)
+            self._run_ids = run_ids
+            self._checked = True
+
+    def _read_run_ids(self) -> dict[str, str]:
+        """Each master's ``run_id`` (none where INFO is refused, as on some managed Redis)."""
+        out: dict[str, str] = {}
+        for node, server in self._primaries():
+            try:
+                info = server.info("server")
+            except ResponseError:
+                continue
+            run_id = info.get("run_id") if isinstance(info, dict) else None
+            if run_id:
+                out[node] = _text(run_id) or ""
+        return out
+
+    def _check_restarts(self) -> None:
+        """After a NOSCRIPT reply: warns of every master whose ``run_id`` changed."""
+        seen = self._read_run_ids()
+        with self._check_lock:  # calls from several threads warn and count a restart once
+            restarted = sorted(n for n, rid in seen.items() if self._run_ids.get(n, rid) != rid)
+            self._run_ids.update(seen)
+            self.restarts += len(restarted)
+        if not restarted:
+            return
         try:
-            self._claim = client.register_script(_CLAIM)
-            self._change = client.register_script(_CHANGE)
-            policies = self._config_all("maxmemory-policy")
+            _, said = self._durability()
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
-        unsafe = [(node, p) for node, p in policies if p is not None and p not in _SAFE_POLICIES]
-        unknown = [node for node, p in policies if p is None]
-        if unknown:
-            log.warning(
-                "redis %s: CONFIG GET is refused, so maxmemory-policy and persistence are "
-                "unknown; make sure the policy is noeviction",
-                ", ".join(unknown),
-            )
-        if unsafe and not allow_eviction:
-            node, policy = unsafe[0]
-            where = f" on {node}" if self.cluster else ""
-            raise DedupError(
-                f"redis maxmemory-policy is {policy!r}{where}: it can evict dedup records and "
-                "so report processed keys as NEW; set it to noeviction, or pass "
-                "allow_eviction=True to accept that"
-            )
+            said = f"unknown ({exc})"
+        log.warning(
+            "redis %s restarted (its run_id changed): records it did not persist are gone "
+            "and their keys can come back NEW; its durability: %s",
+            ", ".join(restarted),
+            said,
+        )
 
     @classmethod
-    def from_url(cls, url: str, *, cluster: bool = False, **options: Any) -> RedisStore:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        client_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> RedisStore:
         """A store on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax).
 
-        ``cluster=True`` treats the URL as one node of a Redis Cluster.
+        The client gets ``timeout`` seconds (default 5) to connect and to
+        wait for each reply, TCP keepalive, and one retry on a fresh
+        connection after a connection error or timeout: a server that stops
+        answering fails a call with :class:`UnavailableError` after about
+        twice ``timeout``. The URL's query parameters (``socket_timeout``,
+        ``socket_connect_timeout``, ``socket_keepalive``, ...) win over
+        these defaults, and ``client_options`` (any redis-py client argument,
+        e.g. ``retry``) over both. Nothing is sent here: a server that is
+        down makes the first call fail, not the open. ``cluster=True`` treats
+        the URL as one node of a Redis Cluster, whose client reads the slot
+        map when it is made (so a cluster that cannot answer fails the open,
+        with :class:`UnavailableError`). Other ``options`` go to the
+        constructor.
         """
-        if cluster:
-            return cls(RedisCluster.from_url(url), **options)
-        return cls(redis.Redis.from_url(url), **options)
+        wait = check_timeout(timeout)
+        kwargs: dict[str, Any] = {
+            "socket_timeout": wait,
+            "socket_connect_timeout": wait,
+            "socket_keepalive": True,
+        }
+        if not cluster:
+            kwargs["socket_keepalive_options"] = _KEEPALIVE
+            kwargs["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), 1)
+        kwargs.update(client_options or {})
+        try:
+            client = (
+                RedisCluster.from_url(url, **kwargs)
+                if cluster
+                else redis.Redis.from_url(url, **kwargs)
+            )
+        except _DOWN as exc:
+            raise _failure(exc) from exc
+        try:
+            store = cls(client, **options)
+        except BaseException:
+            client.close()
+            raise
+        store._owns_client = True
+        return store
+
+    def close(self) -> None:
+        """Closes the client that :meth:`from_url` made (a client you passed in stays open)."""
+        if self._owns_client:
+            self.client.close()
 
     # -- server settings ---------------------------------------------------------
 
@@ -302,11 +475,19 @@ class RedisStore(ClaimAPI):
 
         On a cluster this is the weakest node's answer (a key lives on one node).
         """
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        """See :func:`~dedupcore.tiers.base.durability_report`."""
         try:
-            appendonly = dict(self._config_all("appendonly"))
-            fsync = dict(self._config_all("appendfsync"))
+            return self._durability()
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            raise _failure(exc) from exc
+
+    def _durability(self) -> tuple[int, str]:
+        """:meth:`durability`'s level (as ``durability_report``) and words."""
+        appendonly = dict(self._config_all("appendonly"))
+        fsync = dict(self._config_all("appendfsync"))
         worst: tuple[int, str, str] | None = None
         for node in appendonly:
             if appendonly[node] is None:
@@ -319,24 +500,29 @@ class RedisStore(ClaimAPI):
         where = f" (weakest node {worst[1]})" if self.cluster and worst else ""
         if worst is None or worst[2] == "?":
             return (
+                -1,
                 f"unknown{where}: the server does not report its persistence settings "
-                "(CONFIG is disabled); assume a Redis restart can lose acknowledged claims"
+                "(CONFIG is disabled); assume a Redis restart can lose acknowledged claims",
             )
         mode = worst[2]
         if mode == "always":
-            return f"appendfsync always{where}: survives a Redis crash and a power loss"
+            return 3, f"appendfsync always{where}: survives a Redis crash and a power loss"
         if mode == "everysec":
             return (
+                2,
                 f"appendfsync everysec{where}: survives a Redis process crash; a power loss "
-                "can lose the last second of acknowledged claims"
+                "can lose the last second of acknowledged claims",
             )
         if mode:
             return (
-                f"appendfsync no{where}: the OS decides when to write; a power loss can lose claims"
+                1,
+                f"appendfsync no{where}: the OS decides when to write; a power loss can lose "
+                "claims",
             )
         return (
+            0,
             f"no AOF{where}: a Redis restart loses every record since the last RDB snapshot "
-            "(or all of them): processed keys can come back NEW"
+            "(or all of them): processed keys can come back NEW",
         )
 
     # -- keys --------------------------------------------------------------------
@@ -384,8 +570,9 @@ class RedisStore(ClaimAPI):
         """Runs ``script`` once per ``(keys, args)``: one pipelined round trip per server.
 
         The result of each call, or a ``ResponseError`` in its place for a
-        script that refused (DC* replies); any other failure is an
-        :class:`UnavailableError`. A call that did not run (the server lacks
+        script that refused (DC* replies); any other failure is a
+        :class:`RequestRefusedError` or an :class:`UnavailableError` (see
+        ``_failure``). A call that did not run (the server lacks
         the script, or the slot moved) is sent again; a call that may have
         run (connection lost, timeout) is never re-sent here.
         """
@@ -406,6 +593,7 @@ class RedisStore(ClaimAPI):
                 if noscript:
                     # A server without the script (restarted, failed over, a new node):
                     # SCRIPT LOAD goes to every primary of a cluster.
+                    self._check_restarts()
                     script.sha = self.client.script_load(script.script)
                 if moved and self.cluster:
                     self.client.nodes_manager.initialize()  # re-read the slot map
@@ -415,7 +603,7 @@ class RedisStore(ClaimAPI):
                 if isinstance(res, BaseException):
                     raise res
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            raise _failure(exc) from exc
         return out
 
     def _send(
@@ -453,7 +641,7 @@ class RedisStore(ClaimAPI):
             result: list[Any] = pipe.execute()
             return result
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            raise _failure(exc) from exc
 
     # -- the claim API -----------------------------------------------------------
 
@@ -480,6 +668,7 @@ class RedisStore(ClaimAPI):
         fps = check_fingerprints(fingerprints, len(raw))
         if not raw:
             return []
+        self._ready()
         names = self._names(ns, raw)
         ttl = self._window_ms(namespace, lease_s)
         groups = self._groups(names)
@@ -535,7 +724,7 @@ class RedisStore(ClaimAPI):
     def _error(self, exc: ResponseError, keys: list[Any], namespace: str) -> Exception:
         words = str(exc).split()
         if not words or not words[0].startswith("DC"):
-            return UnavailableError(f"redis error: {exc}")
+            return _failure(exc)
         key = keys[int(words[1]) - 1]
         kind = words[0]
         if kind == "DCCONFLICT":
@@ -565,6 +754,7 @@ class RedisStore(ClaimAPI):
         ]
         if not parsed:
             return
+        self._ready()
         names = self._names(ns, [p[1] for p in parsed])
         ttl = self._window_ms(namespace)
         groups = self._groups(names)
@@ -617,10 +807,11 @@ class RedisStore(ClaimAPI):
         """The key's record without claiming it."""
         ns = _keys.check_namespace(namespace)
         name = self._names(ns, [_keys.check_key(key, self.max_key_bytes)])[0]
+        self._ready()
         try:
             s, t, o, f, r, c, u = self.client.hmget(name, "s", "t", "o", "f", "r", "c", "u")
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            raise _failure(exc) from exc
         if s is None:
             return None
         return KeyRecord(
@@ -652,8 +843,9 @@ class RedisStore(ClaimAPI):
             raise ValueError(f"within must be > 0 seconds, got {within!r}")
         if isinstance(count, bool) or not isinstance(count, int):
             raise TypeError(f"count must be an int, not {type(count).__name__}")
-        if count <= 0:
-            raise ValueError(f"count must be > 0, got {count!r}")
+        if not 0 < count <= 1_000_000:
+            raise ValueError(f"count must be in 1..1000000, got {count!r}")
+        self._ready()
         head = self._head(ns)
         limit_ms = within * 1000.0
         found: list[bytes] = []
@@ -678,7 +870,7 @@ class RedisStore(ClaimAPI):
                     if cursor == 0:
                         break
         except _DOWN as exc:
-            raise _unavailable(exc) from exc
+            raise _failure(exc) from exc
         return found
 
     @staticmethod
@@ -706,11 +898,12 @@ class RedisStore(ClaimAPI):
             policies = self._config_all("maxmemory-policy")
             durability = self.durability()
         except _STATS_DOWN as exc:
-            return {"cluster": self.cluster, "unavailable": str(exc)}
+            return {"cluster": self.cluster, "unavailable": str(exc), "restarts": self.restarts}
         unsafe = [p for _, p in policies if p is not None and p not in _SAFE_POLICIES]
         return {
             "durability": durability,
             "maxmemory_policy": unsafe[0] if unsafe else (policies[0][1] if policies else None),
             "cluster": self.cluster,
             "servers": len(policies),
+            "restarts": self.restarts,
         }

@@ -1,7 +1,7 @@
 """A relational database as the dedup authority: PostgreSQL, MariaDB/MySQL or SQLite.
 
-One table (``dedup`` unless told otherwise) holds the record of DESIGN.md §1
-per ``(namespace, key)``::
+One table (``dedup`` unless told otherwise) holds the record of the embedded
+store (:class:`~dedupcore.api.KeyRecord`) per ``(namespace, key)``::
 
     namespace    text / VARCHAR(128) ascii_bin / TEXT      primary key, part 1
     key          bytea / VARBINARY(512) / BLOB              primary key, part 2
@@ -77,11 +77,19 @@ A connection that failed is closed and dropped; the next call opens a new
 one through the connection factory. A claim or completion whose ``COMMIT``
 was cut off may or may not have been applied: the caller gets
 ``UnavailableError`` and may retry (an owner gets its own claim back, a
-completion with the same token is a no-op).
+completion with the same token is a no-op). A store from
+:meth:`SqlStore.from_url` connects on its first call (a database that is
+down fails that call, not the open) and waits a bounded time for every
+answer (``timeout``; see there), so a server that stops answering fails a
+call instead of blocking it. A database error that refuses the request's
+own data (out of range, too long, a CHECK) is a
+:class:`~dedupcore.tiers.base.RequestRefusedError`, a ``ValueError``: the
+arguments are all checked before they are sent, so it only happens when the
+table does not have the shape :meth:`SqlStore.init_schema` gives it.
 
-**Why the table is not partitioned (yet).** The issue asks for declarative
-``RANGE`` partitions by day on ``created`` so that retention is a ``DROP``
-of old partitions. Both PostgreSQL and MariaDB require the partition key to
+**Why the table is not partitioned (yet).** Declarative ``RANGE``
+partitions by day on ``created`` would make retention a ``DROP`` of old
+partitions. Both PostgreSQL and MariaDB require the partition key to
 be part of every unique constraint of a partitioned table, so the primary
 key would have to become ``(namespace, key, created)``: ``ON CONFLICT`` /
 ``ON DUPLICATE KEY`` would then only see a claim of the same key made on the
@@ -114,10 +122,11 @@ import logging
 import os
 import random
 import re
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -138,8 +147,17 @@ from dedupcore.api import (
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.tiers.base import (
+    RequestRefusedError,
+    check_limit,
+    check_retention,
+    check_timeout,
+)
 
-__all__ = ["SqlStore", "detect_dialect"]
+__all__ = ["DEFAULT_TIMEOUT", "SqlStore", "detect_dialect"]
+
+#: Seconds :meth:`SqlStore.from_url` gives a connect and a statement (see there).
+DEFAULT_TIMEOUT = 5.0
 
 log = logging.getLogger("dedupcore")
 
@@ -148,8 +166,6 @@ T = TypeVar("T")
 _TABLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}\Z")
 #: Rows per statement where the statement carries one set of parameters per row.
 _CHUNK = 1000
-#: Longest lease accepted (timestamps of every engine stay in range).
-_MAX_LEASE = 100 * 365 * 86400.0
 _PROCESSING, _PROCESSED, _RELEASED = (
     int(State.PROCESSING),
     int(State.PROCESSED),
@@ -225,6 +241,18 @@ class _Dialect:
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
         return False
+
+    def is_refused(self, exc: BaseException) -> bool:
+        """Whether the server refused the request's data (out of range, too long, a CHECK)."""
+        return False
+
+    def socket_of(self, conn: Any) -> int | None:
+        """The connection's socket, for a driver with no timeout of its own on replies."""
+        return None
+
+    def durability(self, cur: Any) -> tuple[int, str]:
+        """What a committed claim survives: a level (see ``durability_report``) and words."""
+        raise NotImplementedError
 
     def prepare(self, conn: Any) -> None:
         """Session setup of a new connection (transactions, time zone, isolation)."""
@@ -456,6 +484,33 @@ class _Postgres(_Dialect):
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
         return bool(getattr(conn, "broken", False) or getattr(conn, "closed", False))
 
+    def is_refused(self, exc: BaseException) -> bool:
+        import psycopg
+
+        # SQLSTATE 22 (data exception: out of range, too long) and 23 (integrity).
+        return isinstance(exc, (psycopg.DataError, psycopg.IntegrityError))
+
+    def socket_of(self, conn: Any) -> int | None:
+        # psycopg waits for a reply without a timeout of its own (see _Watchdog).
+        fd: int = conn.fileno()
+        return fd
+
+    def durability(self, cur: Any) -> tuple[int, str]:
+        cur.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')")
+        fsync, commit = cur.fetchone()
+        if fsync != "on":
+            return (
+                0,
+                "fsync off: an OS crash or a power loss can lose or corrupt committed claims",
+            )
+        if commit == "off":
+            return (
+                1,
+                "synchronous_commit off: a server crash can lose the last committed claims "
+                "(up to three wal_writer_delay periods)",
+            )
+        return 3, f"fsync on, synchronous_commit {commit}: survives a crash and a power loss"
+
     def prepare(self, conn: Any) -> None:
         import psycopg
 
@@ -638,6 +693,28 @@ class _MySQL(_Dialect):
             or not getattr(conn, "open", True)
         )
 
+    def is_refused(self, exc: BaseException) -> bool:
+        import pymysql
+
+        return isinstance(exc, (pymysql.err.DataError, pymysql.err.IntegrityError))
+
+    def durability(self, cur: Any) -> tuple[int, str]:
+        cur.execute("SELECT @@innodb_flush_log_at_trx_commit")
+        mode = int(cur.fetchone()[0])
+        if mode == 1:
+            return 3, "innodb_flush_log_at_trx_commit 1: survives a crash and a power loss"
+        if mode == 2:
+            return (
+                2,
+                "innodb_flush_log_at_trx_commit 2: survives a server crash; an OS crash or a "
+                "power loss can lose about the last second of committed claims",
+            )
+        return (
+            1,
+            f"innodb_flush_log_at_trx_commit {mode}: a server crash can lose about the last "
+            "second of committed claims",
+        )
+
     def prepare(self, conn: Any) -> None:
         conn.autocommit(False)
         with conn.cursor() as cur:
@@ -753,6 +830,30 @@ class _SQLite(_Dialect):
         # "Cannot operate on a closed database."
         return isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc)
 
+    def is_refused(self, exc: BaseException) -> bool:
+        import sqlite3
+
+        return isinstance(exc, (sqlite3.DataError, sqlite3.IntegrityError))
+
+    def durability(self, cur: Any) -> tuple[int, str]:
+        cur.execute("PRAGMA synchronous")
+        level = int(cur.fetchone()[0])
+        cur.execute("PRAGMA journal_mode")
+        journal = str(cur.fetchone()[0]).lower()
+        if level >= 2:
+            return 3, f"synchronous {level} ({journal}): survives a crash and a power loss"
+        if level == 1 and journal == "wal":
+            return (
+                2,
+                "synchronous NORMAL (wal): survives a process crash; a power loss can lose "
+                "the last committed claims",
+            )
+        return (
+            0,
+            f"synchronous {level} ({journal}): an OS crash or a power loss can lose or "
+            "corrupt committed claims",
+        )
+
     def prepare(self, conn: Any) -> None:
         conn.isolation_level = None  # explicit BEGIN IMMEDIATE / COMMIT
         cur = conn.cursor()
@@ -848,25 +949,17 @@ def detect_dialect(conn: Any) -> str:
     return found
 
 
-# -- input checks (as DedupStore) ---------------------------------------------------
-
-
-def _lease(lease: object) -> float:
-    value = check_lease(lease)
-    if value > _MAX_LEASE:
-        raise ValueError(f"lease must be at most {_MAX_LEASE:.0f} seconds, got {value!r}")
-    return value
-
-
 # -- URLs ----------------------------------------------------------------------------
 
 
-def _factory(url: str, connect_args: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
+def _factory(
+    url: str, connect_args: dict[str, Any], timeout: float = DEFAULT_TIMEOUT
+) -> tuple[str, Callable[[], Any]]:
     if not isinstance(url, str):
         raise TypeError(f"url must be str, not {type(url).__name__}")
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("postgresql", "postgres"):
-        args = {"connect_timeout": 5, **connect_args}
+        args = {**_pg_defaults(url, timeout), **connect_args}
 
         def connect_pg() -> Any:
             import psycopg
@@ -877,6 +970,17 @@ def _factory(url: str, connect_args: dict[str, Any]) -> tuple[str, Callable[[], 
     if scheme in ("mysql", "mariadb"):
         parts = urlsplit(url)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        waits: dict[str, Any] = {
+            "connect_timeout": timeout,
+            "read_timeout": 2 * timeout,
+            "write_timeout": 2 * timeout,
+        }
+        for name in waits:
+            if name in query:
+                try:
+                    waits[name] = check_timeout(float(query[name]), name)
+                except ValueError as exc:
+                    raise ValueError(f"{name} in the URL: {exc}") from None
         args = {
             "host": parts.hostname or "localhost",
             "port": parts.port or 3306,
@@ -884,7 +988,7 @@ def _factory(url: str, connect_args: dict[str, Any]) -> tuple[str, Callable[[], 
             "password": unquote(parts.password) if parts.password else "",
             "database": unquote(parts.path.lstrip("/")) or None,
             "charset": "utf8mb4",
-            "connect_timeout": 5,
+            **waits,
             **({"unix_socket": query["unix_socket"]} if "unix_socket" in query else {}),
             **connect_args,
         }
@@ -917,6 +1021,94 @@ def _factory(url: str, connect_args: dict[str, Any]) -> tuple[str, Callable[[], 
     )
 
 
+def _pg_defaults(url: str, timeout: float) -> dict[str, Any]:
+    """Connect timeout, TCP keepalive and statement_timeout, where the URL sets none."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url)
+    except Exception as exc:  # psycopg.ProgrammingError: not a connection string
+        raise ValueError(f"bad PostgreSQL URL: {exc}") from None
+    out: dict[str, Any] = {
+        "connect_timeout": max(2, round(timeout)),  # libpq waits whole seconds, 2 at least
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }
+    out = {k: v for k, v in out.items() if k not in given}
+    options = str(given.get("options") or "")
+    if "statement_timeout" not in options:
+        out["options"] = f"{options} -c statement_timeout={round(timeout * 1000)}".strip()
+    return out
+
+
+class _Watchdog:
+    """Cuts the connection of a transaction that has waited longer than ``limit`` seconds.
+
+    psycopg waits for a reply without a timeout of its own, and the server's
+    statement_timeout cannot fire in a server that does not run (stopped,
+    or on a host that froze while its kernel still acknowledges packets, so
+    TCP keepalive does not notice either). A thread that shuts the socket
+    down wakes the waiting call, which then fails as a lost connection
+    (:class:`UnavailableError`); the next call connects again. The thread
+    runs while transactions do and ends after a while without any.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._since = 0.0
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def guard(self, fd: int | None) -> Iterator[None]:
+        """Watches the socket ``fd`` for the block's duration (nothing when None)."""
+        if fd is None or fd < 0:
+            yield
+            return
+        with self._lock:
+            self._fd, self._since = fd, time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="dedupcore-sql-watchdog", daemon=True
+                )
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._fd = None
+
+    def _run(self) -> None:
+        step = min(0.25, self.limit / 4)
+        idle = 0.0
+        while True:
+            time.sleep(step)
+            with self._lock:
+                if self._fd is None:
+                    idle += step
+                    if idle >= 30.0:
+                        self._thread = None
+                        return
+                    continue
+                idle = 0.0
+                if time.monotonic() - self._since < self.limit:
+                    continue
+                # Under the lock: the transaction cannot finish (and its connection
+                # cannot be closed, freeing the descriptor) in the meantime.
+                self.cuts += 1
+                with contextlib.suppress(OSError):
+                    cut = socket.socket(fileno=os.dup(self._fd))
+                    try:
+                        cut.shutdown(socket.SHUT_RDWR)
+                    finally:
+                        cut.close()  # the duplicate only; the driver owns the socket
+                self._fd = None
+
+
 # -- the store -------------------------------------------------------------------------
 
 
@@ -926,7 +1118,20 @@ class SqlStore(ClaimAPI):
     ``connect`` is a DB-API connection factory (psycopg 3, PyMySQL or
     sqlite3); the store owns the connections it makes, one at a time, and
     serializes its calls on it. ``dialect`` is guessed from the connection's
-    driver when not given. Or use :meth:`from_url`.
+    driver when not given (which takes a connection at once); with a
+    ``dialect`` nothing is sent before the first call, so a store opens
+    while its database is down and its first call fails closed. Or use
+    :meth:`from_url`. ``hang_timeout``: seconds a transaction may wait on a
+    PostgreSQL server before its connection is cut (see ``_Watchdog``);
+    None (the constructor's default) for no limit.
+
+    Every argument is checked before it is sent: keys, namespace, owner,
+    fingerprints, tokens, leases (at most
+    :data:`~dedupcore.config.MAX_LEASE_SECONDS`), retention windows and
+    size settings. A database error that refuses the request's data anyway
+    (out of range, too long, a CHECK) is a
+    :class:`~dedupcore.tiers.base.RequestRefusedError` (a ``ValueError``),
+    never an :class:`UnavailableError`.
     """
 
     def __init__(
@@ -941,6 +1146,7 @@ class SqlStore(ClaimAPI):
         max_key_bytes: int = 512,
         max_result_bytes: int = 65536,
         retries: int = 8,
+        hang_timeout: float | None = None,
     ) -> None:
         if not callable(connect):
             raise TypeError("connect must be a callable returning a DB-API connection")
@@ -956,17 +1162,18 @@ class SqlStore(ClaimAPI):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        check_limit("max_key_bytes", max_key_bytes, 65536)
+        check_limit("max_result_bytes", max_result_bytes, 16 << 20)
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+            raise ValueError(f"retries must be an int in 0..100, got {retries!r}")
         self.table = table
-        self.retention = retention or Retention()
-        self.namespaces = dict(namespaces or {})
-        for ns in self.namespaces:
-            _keys.check_namespace(ns)
-        self.lease = _lease(lease)
+        self.retention, self.namespaces = check_retention(retention, namespaces)
+        self.lease = check_lease(lease)
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.retries = retries
+        self._watchdog = None if hang_timeout is None else _Watchdog(check_timeout(hang_timeout))
+        self._told_durability = False
         self._connect = connect
         self._conn: Any = None
         self._lock = threading.Lock()
@@ -976,20 +1183,45 @@ class SqlStore(ClaimAPI):
         self._dialect: _Dialect | None = _DIALECTS[dialect]() if dialect else None
         if self._dialect is not None:
             self._check_limits(self._dialect)
-        with self._lock:
-            self._connection()  # fail early (UnavailableError) and learn the dialect
+        else:
+            with self._lock:
+                self._connection()  # learn the dialect (UnavailableError when down)
         assert self._dialect is not None
 
     @classmethod
     def from_url(
-        cls, url: str, *, connect_args: dict[str, Any] | None = None, **options: Any
+        cls,
+        url: str,
+        *,
+        connect_args: dict[str, Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        **options: Any,
     ) -> SqlStore:
         """A store on ``postgresql://``, ``mysql://``/``mariadb://`` or ``sqlite:///path``.
 
-        ``connect_args`` go to the driver's ``connect`` (e.g. ``sslmode``,
-        ``read_timeout``); other options to the constructor.
+        Nothing is sent here: a database that is down makes the first call
+        fail with :class:`UnavailableError`, not the open. Each connection
+        gets ``timeout`` seconds (default 5) by default:
+
+        - PostgreSQL: ``connect_timeout`` (whole seconds, at least 2),
+          ``statement_timeout`` (through ``options``), TCP keepalive (30 s
+          idle, 10 s apart, 3 probes), and a transaction that waits twice
+          ``timeout`` without an answer has its connection cut (a stopped
+          server never runs its statement_timeout). URL query parameters
+          (``?connect_timeout=2&options=-c%20statement_timeout%3D1000``)
+          win over these defaults.
+        - MariaDB/MySQL: ``connect_timeout``, and ``read_timeout`` and
+          ``write_timeout`` of twice ``timeout`` (also as URL query
+          parameters); PyMySQL turns TCP keepalive on itself.
+        - SQLite, a local file, waits up to 30 s for another writer's lock.
+
+        ``connect_args`` go to the driver's ``connect`` and win over all of
+        these; other options go to the constructor.
         """
-        dialect, factory = _factory(url, dict(connect_args or {}))
+        wait = check_timeout(timeout)
+        dialect, factory = _factory(url, dict(connect_args or {}), wait)
+        if dialect == "postgresql":
+            options.setdefault("hang_timeout", 2 * wait)
         return cls(factory, dialect=dialect, **options)
 
     @property
@@ -1031,7 +1263,50 @@ class SqlStore(ClaimAPI):
             raise UnavailableError(f"cannot set up the SQL connection: {exc}") from exc
         self._counts["connects"] += 1
         self._conn = conn
+        if not self._told_durability:
+            self._told_durability = True
+            self._tell_durability(conn)
         return conn
+
+    def _guard(self, conn: Any) -> contextlib.AbstractContextManager[None]:
+        """The watchdog over ``conn`` while it waits for the database (see ``_Watchdog``)."""
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        assert self._dialect is not None
+        return self._watchdog.guard(self._dialect.socket_of(conn))
+
+    def _tell_durability(self, conn: Any) -> None:
+        """Logs once what committed claims survive: a warning when a crash can lose them."""
+        d = self._dialect
+        assert d is not None
+        try:
+            with self._guard(conn):
+                cur = conn.cursor()
+                try:
+                    level, said = d.durability(cur)
+                finally:
+                    cur.close()
+                conn.rollback()
+        except d.error_classes() as exc:
+            # Not fatal: a connection that is broken fails the call that needed it.
+            log.info("SQL authority (%s): durability unknown: %s", d.name, exc)
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            return
+        if level < 2:
+            log.warning("SQL authority (%s) can lose committed claims: %s", d.name, said)
+        else:
+            log.info("SQL authority (%s) durability: %s", d.name, said)
+
+    def durability(self) -> str:
+        """What a committed claim survives, from the database server's settings."""
+        return self._durability_report()[1]
+
+    def _durability_report(self) -> tuple[int, str]:
+        """See :func:`~dedupcore.tiers.base.durability_report`."""
+        d = self._dialect
+        assert d is not None
+        return self._tx(d.durability, write=False)
 
     @staticmethod
     def _close(conn: Any) -> None:
@@ -1067,13 +1342,14 @@ class SqlStore(ClaimAPI):
                 try:
                     if autocommit:
                         conn.autocommit = True  # a lone read: no BEGIN, no COMMIT
-                    cur = conn.cursor()
-                    try:
-                        d.begin(cur, write)
-                        out = body(cur)
-                    finally:
-                        cur.close()
-                    conn.commit()
+                    with self._guard(conn):
+                        cur = conn.cursor()
+                        try:
+                            d.begin(cur, write)
+                            out = body(cur)
+                        finally:
+                            cur.close()
+                        conn.commit()
                     return out
                 except _Fallback:
                     self._rollback(conn)
@@ -1087,6 +1363,11 @@ class SqlStore(ClaimAPI):
                         self._drop()
                     else:
                         self._rollback(conn)
+                    if not broken and d.is_refused(exc):
+                        self._counts["refused"] += 1
+                        raise RequestRefusedError(
+                            f"SQL authority ({d.name}) refused the request: {exc}"
+                        ) from exc
                     if not broken and d.is_missing_table(exc):
                         raise SchemaError(
                             f"the dedup table {self.table!r} does not exist on {d.name}: "
@@ -1165,7 +1446,7 @@ class SqlStore(ClaimAPI):
         key_list = list(keys)
         ns = _keys.check_namespace(namespace).decode()
         raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
-        lease_s = self.lease if lease is None else _lease(lease)
+        lease_s = self.lease if lease is None else check_lease(lease)
         owner_b = check_owner(owner)
         fps = check_fingerprints(fingerprints, len(raw))
         if not raw:
@@ -1499,8 +1780,8 @@ class SqlStore(ClaimAPI):
         this store) and may see the same keys again if a deadlock makes the
         transaction run again, so its copy must be idempotent.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1_000_000:
+            raise ValueError(f"limit must be an int in 1..1000000, got {limit!r}")
         if before_delete is not None and not callable(before_delete):
             raise TypeError("before_delete must be callable(namespace, keys)")
         d = self._dialect
@@ -1529,6 +1810,22 @@ class SqlStore(ClaimAPI):
                 self._counts["tombstoned"] += tombstoned
         return deleted
 
+    def sweep(self, now: float | None = None, *, limit: int = 10_000) -> int:
+        """Applies retention as a stack's sweep does for a SQL authority; rows deleted.
+
+        :meth:`purge` is called until a call deletes fewer than ``limit``
+        rows (at most 100 calls: a larger backlog is left to the next
+        sweep). ``now`` is accepted for the sweep signature and not used:
+        windows are measured on the database server's clock.
+        """
+        deleted = 0
+        for _ in range(100):
+            gone = self.purge(limit=limit)
+            deleted += gone
+            if gone < limit:
+                break
+        return deleted
+
     def server_version(self) -> str:
         """The database server's name and version."""
         d = self._dialect
@@ -1539,4 +1836,6 @@ class SqlStore(ClaimAPI):
         """Engine, table and this store's counters (outcomes, retries, reconnects)."""
         with self._lock:
             counts = dict(self._counts)
+        if self._watchdog is not None:
+            counts["cut_connections"] = self._watchdog.cuts
         return {"engine": self.dialect, "table": self.table, **counts}

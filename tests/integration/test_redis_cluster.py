@@ -19,7 +19,7 @@ from dedupcore.errors import ConflictError, DedupError, StaleTokenError, Unavail
 from dedupcore.record import State
 from dedupcore.tiers.redis import RedisStore
 
-from .cluster import Cluster, redis_cluster
+from .cluster import Cluster, free_port, redis_cluster
 
 NS = "orders/billing"
 
@@ -132,8 +132,9 @@ def test_settings_are_read_from_every_node(client: Any, cluster: Cluster) -> Non
     unsafe = cluster.nodes[2].client()
     unsafe.config_set("maxmemory-policy", "volatile-lru")
     try:
+        refused = RedisStore(client)  # checked on its first call
         with pytest.raises(DedupError, match=f"volatile-lru.*{cluster.nodes[2].port}"):
-            RedisStore(client)
+            refused.claim("k", namespace=NS)
         assert RedisStore(client, allow_eviction=True).stats()["maxmemory_policy"] == (
             "volatile-lru"
         )
@@ -159,6 +160,10 @@ def test_store_from_a_cluster_url(cluster: Cluster, client: Any) -> None:
         Outcome.IN_PROGRESS
     }
     store.client.close()
+    # The cluster client reads the slot map when it is made: a cluster that cannot answer
+    # fails the open, as UnavailableError.
+    with pytest.raises(UnavailableError):
+        RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", cluster=True, timeout=1)
 
 
 def test_expiring_scans_every_master(cluster: Cluster, client: Any) -> None:

@@ -10,9 +10,13 @@ from typing import Any
 import pytest
 
 from dedupcore.api import Outcome
+from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.redis import RedisStore
+
+from .cluster import free_port
 
 NS = "orders/billing"
 
@@ -83,6 +87,90 @@ def test_bad_input(store: RedisStore) -> None:
         store.claim("k", namespace="bad namespace")
     with pytest.raises(ValueError):
         store.claim("k", namespace=NS, lease=0)
+
+
+def test_every_argument_is_checked_before_anything_is_sent() -> None:
+    """Against a port where nothing listens: bad input must be a ValueError/TypeError, not
+    an UnavailableError from a round trip that was never needed."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    store = RedisStore(client)  # sends nothing
+    for lease in (1e39, 30 * 86400 + 1, 0.0009, 0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lease"):
+            store.claim("k", namespace=NS, lease=lease)
+    for lease in ("1", True, None.__class__):
+        with pytest.raises(TypeError):
+            store.claim("k", namespace=NS, lease=lease)  # type: ignore[arg-type]
+    for token, error in ((0, ValueError), (1 << 63, ValueError), (2.0, TypeError)):
+        with pytest.raises(error):
+            store.complete("k", token, namespace=NS)  # type: ignore[arg-type]
+        with pytest.raises(error):
+            store.release("k", token, namespace=NS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.claim("k", namespace=NS, owner=b"o" * 256)
+    with pytest.raises(ValueError):
+        store.claim("k", namespace=NS, fingerprint=b"f" * 256)
+    with pytest.raises(ValueError, match="max_result_bytes"):
+        store.complete("k", 1, namespace=NS, result=b"r" * 70000)
+    with pytest.raises(ValueError):
+        store.get("k" * 513, namespace=NS)
+    for count in (0, 10**20):
+        with pytest.raises(ValueError, match="count"):
+            store.expiring(NS, within=1, count=count)
+    with pytest.raises(ValueError, match="within"):
+        store.expiring(NS, within=float("nan"))
+    huge = Retention(exact_window=1e39)
+    for options in (
+        {"lease": 1e39},
+        {"retention": huge},
+        {"namespaces": {NS: huge}},
+        {"retention": Retention(cold_window=1e12)},
+        {"buckets": 0},
+        {"buckets": 1 << 20},
+        {"max_result_bytes": 10**12},
+        {"max_key_bytes": 0},
+        {"prefix": "bad prefix"},
+        {"namespaces": {"bad ns": Retention()}},
+    ):
+        with pytest.raises(ValueError):
+            RedisStore(client, **options)
+    for options in ({"buckets": 1.5}, {"retention": 7}, {"namespaces": {NS: 7}}):
+        with pytest.raises(TypeError):
+            RedisStore(client, **options)
+    # What is left after the checks does need the server, and fails closed.
+    with pytest.raises(UnavailableError):
+        store.claim("k", namespace=NS, lease=30 * 86400)
+
+
+def test_a_refused_request_is_a_value_error_not_unavailability(
+    store: RedisStore, redis_client: Any
+) -> None:
+    # A key of ours holding another type: the server refuses the request (WRONGTYPE).
+    name = store._names(NS.encode(), [b"taken"])[0]
+    redis_client.set(name, b"not a hash")
+    for call in (
+        lambda: store.claim("taken", namespace=NS),
+        lambda: store.complete("taken", 1, namespace=NS),
+        lambda: store.get("taken", namespace=NS),
+    ):
+        with pytest.raises(RequestRefusedError) as info:
+            call()
+        assert isinstance(info.value, ValueError) and not isinstance(info.value, UnavailableError)
+    # An out-of-range argument past the checks (a TTL that does not fit, as a lease of
+    # 1e39 s once made): "value is not an integer or out of range" is refused, not down.
+    other = store._names(NS.encode(), [b"other"])[0]
+    with pytest.raises(RequestRefusedError, match="out of range"):
+        store._run(store._claim, [([other], [1000, b"", 10**40, b"0"])])
+    # A script stops at the error and keeps what it wrote before it (here a record with
+    # no TTL): the reason why every argument is checked before it is sent.
+    assert redis_client.hget(other, "s") == b"1" and redis_client.pttl(other) == -1
+    # A server setting that refuses every request alike is no bad input: unavailable.
+    import redis
+
+    no_such_db = RedisStore(redis.Redis(host="127.0.0.1", port=6379, db=100_000))
+    with pytest.raises(UnavailableError, match="DB index"):
+        no_such_db.claim("k", namespace=NS)
 
 
 def test_unreachable_redis_is_unavailable_never_new() -> None:

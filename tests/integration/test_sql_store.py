@@ -8,6 +8,7 @@ skip their tests when they do not answer, and fail them under CI=true.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import random
 import sqlite3
@@ -24,6 +25,7 @@ from dedupcore.api import Outcome
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.sql import SqlStore
 
 from .conftest import require_server
@@ -169,7 +171,9 @@ def _counting_store(engine: Engine) -> tuple[SqlStore, list[_Counting]]:
         conns.append(_Counting(factory()))
         return conns[-1]
 
-    return SqlStore(connect, dialect=engine.name, table=engine.table), conns
+    store = SqlStore(connect, dialect=engine.name, table=engine.table)
+    store.server_version()  # the store connects on its first call; tests count from here
+    return store, conns
 
 
 # -- semantics -----------------------------------------------------------------------
@@ -566,9 +570,16 @@ def test_bad_input_raises_before_any_sql(engine: Engine) -> None:
         store.claim("k", namespace="")
     with pytest.raises(TypeError):
         store.claim("k", namespace=b"ns")  # type: ignore[arg-type]
-    for lease in (0, -1, float("nan"), float("inf"), 1e12):
-        with pytest.raises(ValueError):
+    for lease in (0, -1, float("nan"), float("inf"), 1e12, 1e39, 30 * 86400 + 1, 0.0009):
+        with pytest.raises(ValueError, match="lease"):
             store.claim("k", namespace=NS, lease=lease)
+    with pytest.raises(ValueError, match="max_result_bytes"):
+        store.complete("k", 1, namespace=NS, result=b"r" * 70000)
+    for limit in (0, 10**20):
+        with pytest.raises(ValueError, match="limit"):
+            store.purge(limit=limit)
+    with pytest.raises(ValueError, match="limit"):
+        store.sweep(limit=10**20)
     with pytest.raises(TypeError):
         store.claim("k", namespace=NS, lease="1")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
@@ -595,6 +606,114 @@ def test_bad_input_raises_before_any_sql(engine: Engine) -> None:
     store.close()
 
 
+def test_bad_settings_are_refused_before_connecting() -> None:
+    # A URL where nothing listens: every error below comes from the checks, none from a
+    # connection attempt.
+    url = "postgresql://postgres@127.0.0.1:1/test"
+    huge = Retention(exact_window=1e39)
+    for options in (
+        {"lease": 1e39},
+        {"lease": 30 * 86400 + 1},
+        {"retention": huge},
+        {"namespaces": {NS: huge}},
+        {"namespaces": {"bad ns": Retention()}},
+        {"retention": Retention(cold_window=1e12)},
+        {"max_result_bytes": 10**12},
+        {"max_key_bytes": 10**6},
+        {"retries": 10**6},
+        {"timeout": 0},
+        {"timeout": 1e39},
+        {"timeout": float("nan")},
+        {"hang_timeout": -1},
+    ):
+        with pytest.raises(ValueError):
+            SqlStore.from_url(url, **options)
+    for options in ({"retention": 7}, {"lease": "1"}, {"timeout": "5"}):
+        with pytest.raises(TypeError):
+            SqlStore.from_url(url, **options)
+    with pytest.raises(ValueError, match="read_timeout"):
+        SqlStore.from_url("mysql://root@127.0.0.1:1/test?read_timeout=0")
+    with pytest.raises(ValueError, match="bad PostgreSQL URL"):
+        SqlStore.from_url(url + "?no_such_parameter=1")
+    store = SqlStore.from_url(url, lease=30 * 86400, retention=Retention(exact_window=3e9))
+    with pytest.raises(UnavailableError):  # valid, so it gets as far as the (absent) server
+        store.claim("k", namespace=NS)
+
+
+def test_mariadb_timeouts_are_defaults_that_the_url_overrides() -> None:
+    require_server("mariadb", 3306)
+
+    def waits(store: SqlStore) -> tuple[float, float, float]:
+        store.server_version()  # connects
+        conn = store._conn
+        out = (conn.connect_timeout, conn._read_timeout, conn._write_timeout)
+        store.close()
+        return out
+
+    assert waits(SqlStore.from_url(MY_URL)) == (5.0, 10.0, 10.0)
+    assert waits(SqlStore.from_url(MY_URL, timeout=1.5)) == (1.5, 3.0, 3.0)
+    assert waits(SqlStore.from_url(MY_URL + "?read_timeout=7", timeout=1)) == (1, 7.0, 2)
+    own = SqlStore.from_url(MY_URL, connect_args={"write_timeout": 9})
+    assert waits(own) == (5.0, 10.0, 9)
+
+
+def test_a_refused_request_is_a_value_error_not_unavailability(store: SqlStore) -> None:
+    # Data the checks let through but the database refuses (here: past the key column,
+    # which is 512 bytes on MariaDB, or against the token CHECK elsewhere).
+    def too_big(cur: Any) -> None:
+        d = store._dialect
+        assert d is not None
+        if d.name == "mysql":
+            d.insert_fresh(cur, store.table, NS, [b"k" * 600], [None], None, 1.0, b"n" * 16)
+        else:
+            cur.execute(
+                f"INSERT INTO {d.q(store.table)} (namespace, {d.q('key')}, state, token, "
+                f"created, updated) VALUES ({d.ph}, {d.ph}, 1, -1, 0, 0)"
+                if d.name == "sqlite"
+                else f"INSERT INTO {d.q(store.table)} (namespace, {d.q('key')}, state, token, "
+                "created, updated) VALUES (%s, %s, 1, -1, now(), now())",
+                [NS, b"k"],
+            )
+
+    with pytest.raises(RequestRefusedError) as info:
+        store._tx(too_big)
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, UnavailableError)
+    assert store.stats()["refused"] == 1 and "unavailable" not in store.stats()
+    # Nothing was written, and the same connection goes on.
+    assert store.get("k", namespace=NS) is None
+    assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+
+
+def test_durability_is_told_on_first_connect(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="dedupcore"), engine.store() as store:
+        assert caplog.records == []  # nothing is sent before the first call
+        store.claim("k", namespace=NS)
+        store.claim("k2", namespace=NS)
+        said = store.durability()
+    told = [r for r in caplog.records if "durability" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.INFO and said in told[0].getMessage()
+    assert "power loss" in said
+
+
+def test_sqlite_without_sync_warns_on_first_connect(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(tmp_path / "x.db", check_same_thread=False)
+        conn.execute("PRAGMA synchronous = OFF")
+        return conn
+
+    store = SqlStore(connect, dialect="sqlite")
+    with caplog.at_level(logging.WARNING, logger="dedupcore"):
+        store.init_schema()
+    (warning,) = caplog.records
+    assert "can lose committed claims: synchronous 0" in warning.getMessage()
+    assert store.durability().startswith("synchronous 0")
+    store.close()
+
+
 def test_bad_configuration(engine: Engine) -> None:
     if engine.name == "mysql":
         with pytest.raises(ValueError, match="at most 512 bytes"):
@@ -616,8 +735,16 @@ def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
         ("mysql://root@127.0.0.1:1/test", {"connect_timeout": 2}),
         (f"sqlite:///{tmp_path}/no/such/dir/x.db", {}),
     ):
+        store = SqlStore.from_url(url, connect_args=args)  # opens: nothing is sent yet
         with pytest.raises(UnavailableError):
-            SqlStore.from_url(url, connect_args=args)
+            store.claim("k", namespace=NS)
+        with pytest.raises(UnavailableError):
+            store.complete("k", 1, namespace=NS)
+        with pytest.raises(UnavailableError):
+            store.get("k", namespace=NS)
+        with pytest.raises(UnavailableError):
+            store.init_schema()
+        assert store.stats()["unavailable"] == 4
 
 
 # -- faults -------------------------------------------------------------------------

@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 import redis
 
-from dedupcore import shard_of
+from dedupcore import hash64, shard_many
+from dedupcore._core import jump_hash
 from dedupcore.api import ClaimAPI, KeyRecord, Outcome
 from dedupcore.client import Client
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.stack import ShardedStore, TieredStore, open_store
+from dedupcore.stack import SHARD_SEED, ShardedStore, TieredStore, open_store
 from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
@@ -349,7 +350,7 @@ def test_sharding_routes_by_jump_hash_one_concurrent_call_per_shard(
     keys = [f"k{i}" for i in range(3000)]
     claims = store.claim_many(keys, namespace=NS)  # would time out unless run concurrently
     assert [c.key for c in claims] == keys and all(c.outcome is Outcome.NEW for c in claims)
-    expected = [shard_of(NS.encode() + b"\x00" + k.encode(), 3) for k in keys]
+    expected = [jump_hash(hash64(NS.encode() + b"\x00" + k.encode(), SHARD_SEED), 3) for k in keys]
     for i, r in enumerate(rec):
         assert r.calls == [("claim_many", expected.count(i))]
         assert 800 < expected.count(i) < 1200
@@ -408,6 +409,32 @@ def test_stale_token_on_one_shard_is_raised_after_the_others_applied(
             assert outcome is Outcome.DUPLICATE  # the other shards applied theirs
 
 
+@pytest.mark.parametrize("n", [4, 16])
+def test_sharded_redis_spreads_every_shard_over_every_bucket(rdb: redis.Redis, n: int) -> None:
+    """The shard and the Redis hash-tag bucket of a key are independent hashes.
+
+    With both taken from one hash, shard s only held buckets {s} and n..15
+    (one cluster slot per namespace and server at n = 16).
+    """
+    stores = [RedisStore(rdb, prefix=f"sh{s}") for s in range(n)]
+    store = ShardedStore(stores)
+    keys = [f"k{i}" for i in range(n * 200)]
+    assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.NEW}
+    buckets: dict[int, set[int]] = {s: set() for s in range(n)}
+    for name in rdb.scan_iter(match=b"sh*", count=1000):
+        shard = int(name[2 : name.index(b":")])
+        buckets[shard].add(int(name[name.index(b"{") :].split(b":")[1].rstrip(b"}")))
+    assert sum(1 for _ in rdb.scan_iter(match=b"sh*", count=1000)) == len(keys)
+    assert buckets == {s: set(range(16)) for s in range(n)}
+    # What routing by the bucket's own hash did: shard s only ever saw buckets {s} and n..15.
+    joined = [NS.encode() + b"\x00" + k.encode() for k in keys]
+    old: dict[int, set[int]] = {s: set() for s in range(n)}
+    for shard, bucket in zip(shard_many(joined, n), shard_many(joined, 16), strict=True):
+        old[shard].add(bucket)
+    assert all(old[s] <= {s, *range(n, 16)} for s in range(n))
+    store.close()
+
+
 # -- opening by URL ----------------------------------------------------------------------
 
 
@@ -430,6 +457,62 @@ def test_open_store_by_url(tmp_path: Path, rdb: redis.Redis, pg_table: str) -> N
     assert (tmp_path / "c" / "shard-1").is_dir()
 
 
+def test_open_store_without_a_tier_to_add_returns_the_authority(
+    tmp_path: Path, rdb: redis.Redis, pg_table: str
+) -> None:
+    """No cache and no archive: no stack (a front filter alone saves no authority call)."""
+    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    for front in (None, True, False):
+        plain = open_store(url, front=front)
+        assert type(plain) is RedisStore
+        plain.close()
+    sql = open_store(PG_URL, table=pg_table, init_schema=True)
+    assert type(sql) is SqlStore and sql.claim("k", namespace=NS).outcome is Outcome.NEW
+    sql.close()
+    sharded = open_store([url, f"sqlite:///{tmp_path}/s.db"], init_schema=True)
+    assert isinstance(sharded, ShardedStore)
+    assert [type(s) for s in sharded.shards] == [RedisStore, SqlStore]
+    sharded.close()
+    with open_store(url, archive=tmp_path / "cold") as archived:
+        assert isinstance(archived, TieredStore) and archived.front is not None
+    with open_store(tmp_path / "data", cache=RedisCache(rdb)) as cached:
+        assert isinstance(cached, TieredStore) and cached.front is None  # DedupStore has one
+
+
+def test_sql_authority_alone_applies_retention_by_its_own_sweep(tmp_path: Path) -> None:
+    store = open_store(
+        f"sqlite:///{tmp_path}/r.db",
+        init_schema=True,
+        retention=Retention(exact_window=0.2),
+        namespaces={"keep": Retention(exact_window=3600)},
+    )
+    assert type(store) is SqlStore
+    for ns, n in ((NS, 30), ("keep", 5)):
+        claims = store.claim_many([f"k{i}" for i in range(n)], namespace=ns)
+        store.complete_many([(c.key, c.token) for c in claims], namespace=ns)
+    time.sleep(0.3)  # past the short window (on the same machine's clock)
+    assert store.sweep(limit=7) == 30  # several purge rounds of at most 7 rows
+    assert store.get("k0", namespace=NS) is None
+    assert store.get("k0", namespace="keep") is not None
+    store.close()
+
+
+def test_embedded_stacks_and_shards_report_durability(tmp_path: Path) -> None:
+    safe = DedupStore.open(tmp_path / "safe")
+    fast = DedupStore.open(tmp_path / "fast", durability="power-loss-unsafe")
+    assert safe.durability().startswith("durable: the write-ahead log is fdatasynced")
+    assert fast.durability().startswith("power-loss-unsafe: survives a process crash")
+    stack = TieredStore(fast, archive=tmp_path / "cold")
+    assert stack.durability() == fast.durability()
+    sharded = ShardedStore([safe, stack])
+    assert sharded.durability() == f"shard 1 of 2 (the weakest): {fast.durability()}"
+    assert ShardedStore([safe]).durability() == safe.durability()
+    # A claim API store that does not say is "unknown", the weakest of all.
+    unknown = ShardedStore([safe, _Recorder(safe)])
+    assert unknown.durability().startswith("shard 1 of 2 (the weakest): unknown")
+    sharded.close()
+
+
 @pytest.mark.parametrize(
     ("target", "error", "match"),
     [
@@ -450,9 +533,22 @@ def test_dedupstore_open_points_urls_to_open_store() -> None:
         DedupStore.open("postgresql://postgres@127.0.0.1/test")
 
 
-def test_open_store_unreachable_authority_is_unavailable() -> None:
+def test_open_store_unreachable_authority_is_unavailable(tmp_path: Path) -> None:
+    # Opening sends nothing (redis-py and the SQL drivers connect on demand); the first
+    # call fails closed.
+    for url in (
+        f"redis://127.0.0.1:{free_port()}/0",
+        f"postgresql://postgres@127.0.0.1:{free_port()}/test",
+        f"mysql://root@127.0.0.1:{free_port()}/test",
+    ):
+        store = open_store(url, timeout=1)
+        with pytest.raises(UnavailableError):
+            store.claim("k", namespace=NS)
+        store.close()
+    stack = open_store(f"redis://127.0.0.1:{free_port()}/0", archive=tmp_path / "c")
     with pytest.raises(UnavailableError):
-        open_store(f"redis://127.0.0.1:{free_port()}/0")
+        stack.claim("k", namespace=NS)
+    stack.close()
 
 
 def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
@@ -463,6 +559,8 @@ def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
             TieredStore(s, cache=object())  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="front must be"):
             TieredStore(s, front="yes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="hot_window"):
+            TieredStore(s, retention=Retention(hot_window=1e39))  # a cache TTL out of range
     with pytest.raises(ValueError, match="at least one shard"):
         ShardedStore([])
     with pytest.raises(TypeError, match="each shard"):

@@ -13,6 +13,7 @@ import glob
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -27,6 +28,8 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.errors import DedupError, UnavailableError
 from dedupcore.record import State
+from dedupcore.stack import TieredStore, open_store
+from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 
@@ -101,6 +104,124 @@ def test_redis_paused_past_the_socket_timeout_fails_closed(tmp_path: Path) -> No
             assert store.claim("paused", namespace=NS, owner="w").outcome is Outcome.NEW
 
 
+def test_redis_from_url_has_timeouts_so_a_paused_server_fails_closed(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        store = open_store(url, timeout=0.5)
+        assert isinstance(store, RedisStore)
+        assert store.claim("before", namespace=NS).outcome is Outcome.NEW
+        server.pause()
+        try:
+            for call in (
+                lambda: store.claim("paused", namespace=NS),
+                lambda: store.complete("before", 1, namespace=NS),
+                lambda: store.get("before", namespace=NS),
+            ):
+                with pytest.raises(UnavailableError):
+                    _in_thread(call, limit=30)  # returns: ~2 x 0.5 s, never a hang
+        finally:
+            server.resume()
+        store.complete("before", 1, namespace=NS)
+        assert store.claim("before", namespace=NS).outcome is Outcome.DUPLICATE
+        store.close()
+
+
+def test_redis_timeouts_are_defaults_that_urls_and_options_override() -> None:
+    def pool_options(store: Any) -> dict[str, Any]:
+        options: dict[str, Any] = store.client.connection_pool.connection_kwargs
+        return options
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    defaults = pool_options(RedisStore.from_url(url))
+    assert (defaults["socket_timeout"], defaults["socket_connect_timeout"]) == (5.0, 5.0)
+    assert defaults["socket_keepalive"] is True and defaults["retry"].get_retries() == 1
+    assert pool_options(RedisStore.from_url(url, timeout=2))["socket_timeout"] == 2.0
+    by_url = pool_options(RedisStore.from_url(url + "?socket_timeout=0.25", timeout=2))
+    assert (by_url["socket_timeout"], by_url["socket_connect_timeout"]) == (0.25, 2.0)
+    own = pool_options(RedisStore.from_url(url, client_options={"socket_keepalive": False}))
+    assert own["socket_keepalive"] is False
+    for bad in (0, -1, float("inf"), 1e39):
+        with pytest.raises(ValueError, match="timeout"):
+            RedisStore.from_url(url, timeout=bad)
+
+
+def test_redis_store_opens_while_its_server_is_down(tmp_path: Path) -> None:
+    server = RedisServer(free_port(), tmp_path)
+    try:
+        store = open_store(f"redis://127.0.0.1:{server.port}/0", timeout=1)
+        assert isinstance(store, RedisStore)
+        with pytest.raises(UnavailableError):
+            _in_thread(lambda: store.claim("k", namespace=NS))
+        server.start()
+        c = store.claim("k", namespace=NS)
+        assert c.outcome is Outcome.NEW
+        store.complete("k", c.token, namespace=NS)
+        assert store.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
+        store.close()
+    finally:
+        server.kill()
+
+
+def test_redis_warns_on_first_contact_and_when_the_server_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis_server(tmp_path) as server:
+        with caplog.at_level(logging.INFO, logger="dedupcore"):
+            store = RedisStore.from_url(f"redis://127.0.0.1:{server.port}/0", timeout=1)
+            assert caplog.records == []  # nothing was sent
+            claims = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+            store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "can lose acknowledged claims: no AOF" in warned[0]
+        assert store.stats()["restarts"] == 0
+        caplog.clear()
+        server.cli("shutdown", "nosave")
+        server.wait_exit()
+        server.start()
+        with caplog.at_level(logging.WARNING, logger="dedupcore"):
+            try:
+                got = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+            except UnavailableError:  # the pooled connection died with the server
+                got = store.claim_many([f"k{i}" for i in range(10)], namespace=NS)
+        # The restart lost every record: the keys are NEW again, and the log says why.
+        assert {c.outcome for c in got} == {Outcome.NEW}
+        (restart,) = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+        assert "run_id changed" in restart and "no AOF" in restart
+        assert store.stats()["restarts"] == 1
+
+
+def test_redis_with_fsync_always_does_not_warn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis_server(tmp_path, "--appendonly", "yes", "--appendfsync", "always") as server:
+        with caplog.at_level(logging.INFO, logger="dedupcore"):
+            store = RedisStore(_client(server))
+            assert store.claim("k", namespace=NS).outcome is Outcome.NEW
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        assert "appendfsync always" in caplog.records[0].getMessage()
+
+
+def test_stacks_report_their_authority_s_and_their_weakest_shard_s_durability(
+    tmp_path: Path,
+) -> None:
+    with (
+        redis_server(tmp_path / "a", "--appendonly", "yes", "--appendfsync", "always") as safe,
+        redis_server(tmp_path / "b") as bare,
+    ):
+        urls = [f"redis://127.0.0.1:{server.port}/0" for server in (safe, bare)]
+        with open_store(urls[0], archive=tmp_path / "cold") as stack:
+            assert isinstance(stack, TieredStore)
+            assert stack.durability().startswith("appendfsync always: survives a Redis crash")
+        with open_store(urls) as sharded:
+            said = sharded.durability()
+            assert said.startswith("shard 1 of 2 (the weakest): no AOF")
+            assert "processed keys can come back NEW" in said
+        with open_store(urls[::-1], cache=RedisCache.from_url(urls[0])) as stacks:
+            assert stacks.durability().startswith("shard 0 of 2 (the weakest): no AOF")
+        with open_store(urls[:1] * 2) as both_safe:
+            assert both_safe.durability().startswith("shard 0 of 2 (the weakest): appendfsync")
+
+
 def _stopped_server_is_unavailable(store: RedisStore) -> None:
     for call in (
         lambda: store.claim("fresh", namespace=NS),
@@ -155,8 +276,15 @@ def test_redis_with_fsync_always_aof_keeps_acknowledged_keys(tmp_path: Path, sto
 def test_redis_that_can_evict_is_refused(tmp_path: Path) -> None:
     with redis_server(tmp_path, "--maxmemory-policy", "allkeys-lru") as server:
         client = server.client()
-        with pytest.raises(DedupError, match="maxmemory-policy is 'allkeys-lru'"):
-            RedisStore(client)
+        refused = RedisStore(client)  # nothing is sent before the first call
+        for call in (
+            lambda: refused.claim("k", namespace=NS),
+            lambda: refused.complete("k", 1, namespace=NS),
+            lambda: refused.get("k", namespace=NS),
+        ):
+            with pytest.raises(DedupError, match="maxmemory-policy is 'allkeys-lru'"):
+                call()
+        assert refused.stats()["maxmemory_policy"] == "allkeys-lru"
         store = RedisStore(client, allow_eviction=True)
         assert store.stats()["maxmemory_policy"] == "allkeys-lru"
         assert store.claim("k", namespace=NS).outcome is Outcome.NEW
@@ -169,9 +297,11 @@ def test_redis_without_config_says_durability_is_unknown(
     with redis_server(tmp_path, "--rename-command", "CONFIG", '""') as server:
         with caplog.at_level(logging.WARNING, logger="dedupcore"):
             store = RedisStore(server.client())
+            assert caplog.text == ""  # nothing is sent before the first call
+            assert store.claim("k", namespace=NS).outcome is Outcome.NEW
         assert "maxmemory-policy and persistence are unknown" in caplog.text
+        assert "can lose acknowledged claims: unknown" in caplog.text
         assert store.durability().startswith("unknown")
-        assert store.claim("k", namespace=NS).outcome is Outcome.NEW
 
 
 # -- PostgreSQL, private instance ----------------------------------------------------
@@ -239,6 +369,31 @@ class PrivatePostgres:
             "-o",
             self._options(),
         )
+
+    def processes(self) -> list[int]:
+        """The postmaster and its children (backends and auxiliary processes)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                text = Path(stat).read_text()
+                if int(text[text.rindex(")") + 2 :].split()[1]) == postmaster:
+                    children.append(int(text.split()[0]))
+        return [postmaster, *children]
+
+    def pause(self) -> list[int]:
+        """SIGSTOPs the whole server; the pids to resume."""
+        pids = self.processes()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def resume(pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -338,6 +493,59 @@ def test_postgresql_restarted_mid_batch(private_pg: PrivatePostgres) -> None:
                 rec = other.get(key, namespace=NS)
                 assert rec is None or (rec.state, rec.owner) == (State.PROCESSING, b"w")
     store.close()
+
+
+def test_postgresql_paused_fails_closed_within_the_timeout(private_pg: PrivatePostgres) -> None:
+    url = private_pg.url
+    with SqlStore.from_url(url, table="paused") as setup:
+        setup.init_schema()
+    store = SqlStore.from_url(url, table="paused", timeout=1)
+    assert store.claim("before", namespace=NS).outcome is Outcome.NEW
+    pids = private_pg.pause()
+    try:
+        # The open connection waits for a reply the stopped server never sends: it is cut
+        # after 2 x timeout. Later calls cannot connect (connect_timeout). Generous limits:
+        # the point is that each call returns.
+        for call in (
+            lambda: store.claim("paused", namespace=NS),
+            lambda: store.complete("before", 1, namespace=NS),
+            lambda: store.get("before", namespace=NS),
+        ):
+            with pytest.raises(UnavailableError):
+                _in_thread(call, limit=60)
+        assert store.stats()["cut_connections"] == 1
+        # A store opened now opens at once (nothing is sent) and fails closed.
+        late = SqlStore.from_url(url, table="paused", timeout=1)
+        with pytest.raises(UnavailableError):
+            _in_thread(lambda: late.claim("late", namespace=NS), limit=60)
+    finally:
+        private_pg.resume(pids)
+    store.complete("before", 1, namespace=NS)
+    assert store.claim("before", namespace=NS).outcome is Outcome.DUPLICATE
+    assert late.claim("late", namespace=NS).outcome is Outcome.NEW
+    assert store.get("paused", namespace=NS) is None  # the cut claim never ran
+    store.close()
+    late.close()
+
+
+def test_postgresql_timeouts_are_defaults_that_the_url_overrides(
+    private_pg: PrivatePostgres,
+) -> None:
+    def setting(store: SqlStore, name: str) -> str:
+        value: str = store._tx(lambda cur: cur.execute(f"SHOW {name}").fetchone()[0], write=False)
+        return value
+
+    with SqlStore.from_url(private_pg.url) as default:
+        assert setting(default, "statement_timeout") == "5s"
+        assert default._watchdog is not None and default._watchdog.limit == 10.0
+    with SqlStore.from_url(private_pg.url, timeout=0.5) as short:
+        assert setting(short, "statement_timeout") == "500ms"
+    given = private_pg.url + "?options=-c%20statement_timeout%3D1234&keepalives_idle=7"
+    with SqlStore.from_url(given) as by_url:
+        assert setting(by_url, "statement_timeout") == "1234ms"
+        conn = by_url._conn
+        assert conn.info.get_parameters()["keepalives_idle"] == "7"
+        assert conn.info.get_parameters()["keepalives"] == "1"
 
 
 # -- MariaDB and PostgreSQL (shared servers, own table, own connections) ---------------
