@@ -73,6 +73,12 @@ class StoreConfig:
     - ``checkpoint_records`` (200,000) and ``checkpoint_interval`` (30.0 s):
       when recent records are written into LMDB and the log is truncated.
     - ``sweep_interval`` (60.0 s): cadence of demotion to the cold archive.
+    - ``slice_records`` (4,000,000) and ``slice_seconds`` (None: an eighth of
+      the longest exact window): the warm tier writes into one time slice
+      until it holds this many records or is this old, then starts the next;
+      a slice past the exact window is dropped whole (docs/warm-tier.md).
+    - ``slice_error_rate`` (0.01): false-positive rate of each slice's
+      filter; a false positive costs one LMDB read in that slice.
     """
 
     lease: float = 30.0
@@ -89,6 +95,9 @@ class StoreConfig:
     checkpoint_records: int = 200_000
     checkpoint_interval: float = 30.0
     sweep_interval: float = 60.0
+    slice_records: int = 4_000_000
+    slice_seconds: float | None = None
+    slice_error_rate: float = 0.01
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
@@ -99,6 +108,7 @@ class StoreConfig:
             "front_slice_capacity",
             "cold_slice_capacity",
             "checkpoint_records",
+            "slice_records",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -111,7 +121,7 @@ class StoreConfig:
             raise ValueError(
                 f"durability must be one of {DURABILITY_MODES}, got {self.durability!r}"
             )
-        for name in ("front_error_rate", "cold_error_rate"):
+        for name in ("front_error_rate", "cold_error_rate", "slice_error_rate"):
             value = getattr(self, name)
             if not isinstance(value, float) or not 0.0 < value < 1.0:
                 raise ValueError(f"{name} must be a float in (0, 1), got {value!r}")
@@ -119,6 +129,14 @@ class StoreConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if self.slice_seconds is not None and (
+            isinstance(self.slice_seconds, bool)
+            or not isinstance(self.slice_seconds, (int, float))
+            or not self.slice_seconds > 0
+        ):
+            raise ValueError(
+                f"slice_seconds must be > 0 seconds or None, got {self.slice_seconds!r}"
+            )
         if not isinstance(self.retention, Retention):
             raise TypeError("retention must be a Retention")
         for ns, policy in self.namespaces.items():
@@ -128,6 +146,12 @@ class StoreConfig:
     def retention_for(self, namespace: str) -> Retention:
         """The retention policy of a namespace."""
         return self.namespaces.get(namespace, self.retention)
+
+    def slice_span(self) -> float:
+        """Seconds a warm-tier slice takes writes before the next one starts."""
+        if self.slice_seconds is not None:
+            return float(self.slice_seconds)
+        return self.longest_exact_window() / 8
 
     def longest_exact_window(self) -> float:
         """The longest exact window of any namespace (the front filter's span)."""

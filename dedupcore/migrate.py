@@ -4,9 +4,11 @@ Format 1 stored every record with fixed 8-byte timestamps, a 4-byte lease
 and length bytes for absent parts (about 40 bytes before owner, fingerprint
 and result), and no checksum; its log payloads held format-1 records.
 Opening such a directory read-write converts it in one durable LMDB
-transaction: every record in LMDB and every record of the log past the last
-checkpoint is written in format 2 (docs/engine.md), the checkpoint moves to
-the end of the log and the format becomes b"2". A crash before that commit
+transaction: every record of the single format-1 tree and every record of
+the log past the last checkpoint is written in format 2 (docs/engine.md)
+into the first warm-tier slice, the checkpoint moves to the end of the log
+and the format becomes b"2"; then the old tree and its expiry index are
+deleted. A crash before that commit
 leaves the directory in format 1, untouched; after it, the old log records
 precede the checkpoint and are never read again. A read-only open of a
 format-1 directory is refused with what to do.
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +123,7 @@ def unpack_v1_batch(payload: bytes) -> Iterator[tuple[bytes, V1Record]]:
         raise CorruptFileError(f"malformed format-1 log batch: {exc}") from exc
 
 
-def migrate_v1(
-    lmdb_tier: LmdbTier,
-    wal_dir: Path,
-    *,
-    readonly: bool,
-    window_of: Callable[[int], float],
-) -> int:
+def migrate_v1(lmdb_tier: LmdbTier, wal_dir: Path, *, readonly: bool) -> int:
     """Converts a format-1 data directory to the current format; returns the records converted."""
     if readonly:
         raise UnsupportedFormatError(
@@ -135,7 +132,7 @@ def migrate_v1(
             "converts it to format 2 in one transaction, then open it read-only"
         )
     items: dict[bytes, bytes] = {}
-    for digest, raw in lmdb_tier.iter_records():
+    for digest, raw in lmdb_tier.v1_records():
         items[digest] = decode_v1(raw).encode_v2(digest)
     logged: dict[bytes, V1Record] = {}
     wal = WriteAheadLog.open(wal_dir)
@@ -144,20 +141,15 @@ def migrate_v1(
             for digest, rec in unpack_v1_batch(payload):
                 logged[digest] = rec
         last = max(wal.last_lsn, lmdb_tier.checkpoint_lsn())
-        expiry: list[bytes] = []
         inflight: list[bytes] = []
         settled: list[bytes] = []
         for digest, rec in logged.items():
             items[digest] = rec.encode_v2(digest)
-            if rec.state is State.PROCESSING:
-                inflight.append(digest)
-            else:
-                settled.append(digest)
-                ms = int((rec.updated + window_of(rec.ns_id)) * 1000)
-                expiry.append(struct.pack(">Q", max(ms, 0)) + digest)
+            (inflight if rec.state is State.PROCESSING else settled).append(digest)
         lmdb_tier.checkpoint(
-            sorted(items.items()), sorted(expiry), sorted(inflight), settled, last, fmt=FORMAT
+            sorted(items.items()), sorted(inflight), settled, last, now=time.time(), fmt=FORMAT
         )
+        lmdb_tier.drop_v1_trees()
         wal.rotate()
         wal.drop_through(last)
     finally:

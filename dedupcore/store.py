@@ -142,17 +142,17 @@ class DedupStore(ClaimAPI):
             self._take_lock()
         try:
             self._lmdb = LmdbTier(
-                self.path / "lmdb", map_size=config.map_size, readonly=readonly, sync=durable
+                self.path / "lmdb",
+                map_size=config.map_size,
+                readonly=readonly,
+                sync=durable,
+                slice_records=config.slice_records,
+                slice_seconds=config.slice_span(),
+                slice_error_rate=config.slice_error_rate,
+                filters=self.path / "slices",
             )
             if self._lmdb.format == b"1":
-                migrate_v1(
-                    self._lmdb,
-                    self.path / "wal",
-                    readonly=readonly,
-                    window_of=lambda ns_id: (
-                        self.config.retention_for(self._lmdb_namespace(ns_id)).exact_window
-                    ),
-                )
+                migrate_v1(self._lmdb, self.path / "wal", readonly=readonly)
             self._ns_ids = {name: i for name, i in self._lmdb.namespaces().items()}
             self._ns_names = {i: name.decode() for name, i in self._ns_ids.items()}
             self._cold = ColdArchive(
@@ -381,10 +381,6 @@ class DedupStore(ClaimAPI):
             )
 
     # -- namespaces ----------------------------------------------------------
-
-    def _lmdb_namespace(self, ns_id: int) -> str:
-        names = {i: name.decode() for name, i in self._lmdb.namespaces().items()}
-        return names.get(ns_id, "")
 
     def _ns_id(self, namespace: bytes) -> int:
         ns_id = self._ns_ids.get(namespace)
@@ -658,13 +654,10 @@ class DedupStore(ClaimAPI):
                 self._save_front(upto)
             self._wal.sync(upto, force=True)
             with self._lock:
-                windows = {i: self._retention(i).exact_window for i in self._ns_names}
-                items, expiry, inflight, settled = self._table.export(
-                    self._ckpt_lsn, upto, windows, self.config.retention.exact_window
-                )
+                items, inflight, settled, newest = self._table.export(self._ckpt_lsn, upto)
             # Records changed meanwhile have later LSNs: they stay in memory
             # and go to the next checkpoint.
-            self._lmdb.checkpoint(items, expiry, inflight, settled, upto)
+            self._lmdb.checkpoint(items, inflight, settled, upto, now=time.time(), newest=newest)
             self._wal.drop_through(upto)
             with self._lock:
                 self._ckpt_lsn = upto
@@ -675,49 +668,71 @@ class DedupStore(ClaimAPI):
                 self._stats.checkpoint_seconds += time.monotonic() - started
 
     def sweep(self, now: float | None = None) -> int:
-        """Demotes expired PROCESSED records to the cold archive; returns how many.
+        """Drops warm-tier slices past the exact window; returns the keys demoted to cold.
 
-        Copy then delete: the cold slice is written, fsynced and renamed into
-        place before the records are deleted from LMDB. Released tombstones
-        past their window are deleted; expired cold slices are dropped.
+        A slice is dropped whole once its newest record is older than the
+        longest exact window (docs/warm-tier.md). Copy then drop: its PROCESSED
+        keys (those no newer slice holds) are written into the cold archive,
+        fsynced and renamed into place first; records still in flight move to
+        the newest slice in the same LMDB transaction as the drop. Abandoned
+        claims past their window become tombstones first; expired cold slices
+        are dropped.
         """
         self._check_usable(write=True)
         now_w = time.time() if now is None else float(now)
         self._release_abandoned(now_w)
         self._checkpoint()
+        window = self.config.longest_exact_window()
         demoted = 0
-        while True:
-            with self._lock:
-                entries = self._lmdb.expired(int(now_w * 1000), 50_000)
-                if not entries:
-                    break
-                raws = self._lmdb.get_many([d for _, d in entries])
-                to_cold: dict[float, list[int]] = {}
-                deletes: list[tuple[bytes, bytes | None]] = []
-                for (ekey, d), raw in zip(entries, raws, strict=True):
-                    held = self._table.get(d)
-                    if raw is None or (held is not None and held[9] > self._ckpt_lsn):
-                        deletes.append((ekey, None))  # gone, or changed since the checkpoint
-                        continue
-                    state, ns_id, _t, _c, updated, *_ = decode_stored(d, raw, self.path)
-                    policy = self._retention(ns_id)
-                    if state == State.PROCESSING or updated + policy.exact_window > now_w:
-                        deletes.append((ekey, None))  # stale entry: the key changed since
-                        continue
-                    if state == State.PROCESSED and policy.cold_window > 0:
-                        to_cold.setdefault(policy.cold_window, []).append(_keys.front_hash(d))
-                    deletes.append((ekey, d))
-                for window, hashes in to_cold.items():
-                    demoted += self._cold.add_many(window, hashes, now_w)
-                self._lmdb.delete_expired(deletes)
-                if any(d is not None for _, d in deletes):
-                    self._table.evict(self._ckpt_lsn)  # no clean copy of a deleted record
-                self._stats.swept += sum(1 for _, d in deletes if d is not None)
+        with self._checkpoint_lock:  # no checkpoint writes into a slice being dropped
+            self._lmdb.seal_idle(now_w, window)
+            for sid in self._lmdb.droppable(now_w, window):
+                keep, to_cold, dropped = self._drop_plan(sid)
+                for cold_window, hashes in to_cold.items():
+                    demoted += self._cold.add_many(cold_window, hashes, now_w)
+                with self._lock:
+                    self._lmdb.drop_slice(sid, keep, now=time.time())
+                    self._table.evict(self._ckpt_lsn)  # no clean copy of a dropped record
+                    self._stats.swept += dropped
         with self._lock:
             self._cold.expire(now_w)
             self._stats.demoted += demoted
             self._last_sweep = time.monotonic()
         return demoted
+
+    def _drop_plan(self, sid: int) -> tuple[list[tuple[bytes, bytes]], dict[float, list[int]], int]:
+        """What dropping slice ``sid`` must keep: (in-flight records to move, PROCESSED
+        front hashes per cold window, records dropped). Only the newest version of a
+        key counts: a key a newer slice holds is that slice's business."""
+        inflight = set(self._lmdb.inflight_digests())
+        keep: list[tuple[bytes, bytes]] = []
+        to_cold: dict[float, list[int]] = {}
+        seen = 0
+        batch: list[tuple[bytes, bytes]] = []
+
+        def flush() -> None:
+            nonlocal seen
+            newer = self._lmdb.newer_holds(sid, [d for d, _ in batch])
+            for (d, raw), superseded in zip(batch, newer, strict=True):
+                seen += 1
+                if superseded:
+                    continue
+                state, ns_id, *_ = decode_stored(d, raw, self.path / "lmdb")
+                if state == State.PROCESSING and d in inflight:
+                    keep.append((d, raw))
+                elif state == State.PROCESSED:
+                    policy = self._retention(ns_id)
+                    if policy.cold_window > 0:
+                        to_cold.setdefault(policy.cold_window, []).append(_keys.front_hash(d))
+            batch.clear()
+
+        for item in self._lmdb.scan_slice(sid):
+            batch.append(item)
+            if len(batch) >= 100_000:
+                flush()
+        if batch:
+            flush()
+        return keep, to_cold, seen - len(keep)
 
     def _release_abandoned(self, now_w: float) -> None:
         """Releases PROCESSING records older than their exact window whose lease ran out.
@@ -793,6 +808,7 @@ class DedupStore(ClaimAPI):
                     "records": self._lmdb.record_count(),
                     "disk_bytes": self._lmdb.disk_bytes(),
                     "reads": self._stats.lmdb_reads,
+                    "slices": self._lmdb.slices(),
                 },
                 "recent_records": self._table.dirty(self._ckpt_lsn),
                 "in_flight": self._table.inflight,

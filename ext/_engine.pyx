@@ -600,15 +600,13 @@ cdef class ClaimTable:
                 parts.append(PyBytes_FromStringAndSize(<const char*>self.stage.recs[i].digest, 16))
         return b"".join(parts)
 
-    def export(self, uint64_t after, uint64_t upto, windows, double default_window):
+    def export(self, uint64_t after, uint64_t upto):
         """The records changed in (after, upto], for a checkpoint, sorted by digest.
 
-        Returns ``(items, expiry_keys, inflight, settled)``: ``items`` are
-        (digest, value) pairs; ``expiry_keys`` are 8-byte big-endian expiry
-        times in ms + digest for every PROCESSED record and tombstone, using
-        ``windows[ns_id]`` (or ``default_window``) seconds after its last
-        change; ``inflight`` the digests of PROCESSING records; ``settled``
-        the digests of the others.
+        Returns ``(items, inflight, settled, newest)``: ``items`` are (digest,
+        value) pairs; ``inflight`` the digests of PROCESSING records;
+        ``settled`` the digests of the others; ``newest`` the latest
+        ``updated`` time among them (0.0 if none).
         """
         cdef uint64_t i
         cdef dc_rec* r
@@ -621,12 +619,9 @@ cdef class ClaimTable:
                 if dc_value_bound(r) > bound:
                     bound = dc_value_bound(r)
         picked.sort()
-        cdef list items = [], expiry = [], inflight = [], settled = []
-        cdef int64_t exp_ms
-        cdef unsigned char ek[24]
+        cdef list items = [], inflight = [], settled = []
         cdef bytes digest
-        cdef double window
-        cdef int k
+        cdef double newest = 0.0
         cdef unsigned char* buf = <unsigned char*>malloc(bound + 1)
         if buf == NULL:
             raise MemoryError()
@@ -635,22 +630,15 @@ cdef class ClaimTable:
                 r = &self.t.slots[<uint64_t>j]
                 n = dc_encode_value(r, buf)
                 items.append((digest, PyBytes_FromStringAndSize(<const char*>buf, n)))
+                if r.updated > newest:
+                    newest = r.updated
                 if r.state == DC_PROCESSING:
                     inflight.append(digest)
                 else:
                     settled.append(digest)
-                    window = windows.get(r.ns_id, default_window)
-                    exp_ms = <int64_t>((r.updated + window) * 1000)
-                    if exp_ms < 0:
-                        exp_ms = 0
-                    for k in range(8):
-                        ek[k] = <unsigned char>((<uint64_t>exp_ms) >> (8 * (7 - k)))
-                    memcpy(ek + 8, r.digest, 16)
-                    expiry.append(PyBytes_FromStringAndSize(<const char*>ek, 24))
         finally:
             free(buf)
-        expiry.sort()
-        return items, expiry, inflight, settled
+        return items, inflight, settled, newest
 
     def evict(self, uint64_t upto):
         """Drops the records LMDB holds (lsn <= upto) that are not PROCESSING; returns how many."""

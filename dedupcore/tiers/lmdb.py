@@ -1,50 +1,115 @@
-"""LmdbTier: the warm, exact records of the embedded authority, in LMDB (py-lmdb).
+"""LmdbTier: the warm, exact records of the embedded authority, in LMDB, in time slices.
 
 The tier is written only in large, sorted, durable batches (checkpoints) from
-the store's recent records; acknowledgements never wait for it (see
-DESIGN.md §2: a durable LMDB commit of random keys costs about one page write
-per key). Sub-databases:
+the store's records in memory; acknowledgements never wait for it (a durable
+LMDB commit of random keys costs about one page write per key;
+docs/architecture.md). A B-tree that takes random inserts forever gets slower
+and bigger as history grows, so the records live in time slices
+(docs/warm-tier.md):
 
-- ``records``: 16-byte digest -> the record in the stored format of
-  docs/engine.md (a handful of bytes and a checksum; see dedupcore.record).
-- ``expiry``: 8-byte big-endian expiry time in ms + digest -> b"" for every
-  PROCESSED record and tombstone, so retention is a range scan, not a full one.
+- ``s:<id>`` (one named database per slice): 16-byte digest -> the record in
+  the stored format of docs/engine.md. Checkpoints write only into the
+  newest slice, so the tree that takes random inserts stays small. A slice
+  holds at most ``slice_records`` records and takes writes for at most
+  ``slice_seconds``; then it is sealed and the next one starts.
+- Every slice has a Bloom filter of its digests (second half of the digest,
+  independent of the front filter's hash): a lookup reads only the slices
+  whose filter says "maybe", newest first, and the first version found wins.
+  Sealed slices' filters are files under ``slices/`` (written, fsynced and
+  renamed before the slice is marked sealed); the open slice's filter is
+  rebuilt from its keys at open.
+- A sealed slice whose newest record is past the exact window is dropped
+  whole (no per-key deletes); LMDB reuses its pages. The store copies its
+  PROCESSED keys into the cold archive first and moves records still in
+  flight into the newest slice in the same transaction as the drop.
 - ``inflight``: digest -> b"" for PROCESSING records, loaded at open.
 - ``meta``: ``checkpoint_lsn`` (the write-ahead log position LMDB holds
-  everything up to), ``format`` (b"2"; b"1" is the older record format,
-  migrated at open by the store), and namespace names <-> 16-bit ids.
+  everything up to), ``format`` (b"2"; b"1" is the older single-tree format,
+  converted at open by dedupcore.migrate), namespace names <-> 16-bit ids,
+  and one ``slice:<id>`` entry per slice (records, first and last write
+  time, sealed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
+from dedupcore.bloom import BloomFilter
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
-__all__ = ["FORMAT", "LmdbTier"]
+__all__ = ["FORMAT", "LmdbTier", "SliceInfo"]
 
 FORMAT = b"2"
 _KNOWN_FORMATS = (b"1", FORMAT)
 _U64 = struct.Struct(">Q")
+_SLICE_META = struct.Struct("<QQQB")  # records, first write ms, last write ms, sealed
 _MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
+MAX_SLICES = 200  # past this, slices stop rolling over by count (LMDB named-db slots)
+_MAX_DBS = MAX_SLICES + 16
+
+
+@dataclass(slots=True)
+class SliceInfo:
+    """One slice of the warm tier."""
+
+    id: int
+    records: int
+    first_ms: int
+    last_ms: int
+    sealed: bool
+    db: Any = None
+    filter: BloomFilter | None = None
+
+    @property
+    def name(self) -> bytes:
+        return b"s:%08d" % self.id
+
+    def meta_key(self) -> bytes:
+        return b"slice:%08d" % self.id
+
+    def meta_value(self) -> bytes:
+        return _SLICE_META.pack(self.records, self.first_ms, self.last_ms, int(self.sealed))
+
+
+def _second_halves(joined: bytes) -> memoryview:
+    """Slice-filter hashes of concatenated digests: each digest's second 8 bytes."""
+    if not joined:
+        return memoryview(b"").cast("Q")
+    return memoryview(joined).cast("Q")[1::2]
 
 
 class LmdbTier:
     """The LMDB environment of one data directory."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, map_size: int, readonly: bool, sync: bool
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int,
+        readonly: bool,
+        sync: bool,
+        slice_records: int = 4_000_000,
+        slice_seconds: float = 86400.0,
+        slice_error_rate: float = 0.01,
+        filters: str | os.PathLike[str] | None = None,
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
+        self.slice_records = slice_records
+        self.slice_seconds = slice_seconds
+        self.slice_error_rate = slice_error_rate
+        self.filters_dir = Path(filters) if filters is not None else self.path.parent / "slices"
+        self._slices: list[SliceInfo] = []  # oldest first
         # Growing the map invalidates every open transaction (LMDB forbids it
         # while any is open), so transactions pass a gate that a resize closes.
         self._gate = threading.Condition()
@@ -66,7 +131,7 @@ class LmdbTier:
             self.env = lmdb.open(
                 str(self.path),
                 map_size=map_size,
-                max_dbs=8,
+                max_dbs=_MAX_DBS,
                 readonly=readonly,
                 sync=sync,
                 metasync=sync,
@@ -89,8 +154,6 @@ class LmdbTier:
                 f"{data}: truncated: {data.stat().st_size} bytes, but its pages reach {used}"
             )
         try:
-            self.records = self.env.open_db(b"records", create=not readonly)
-            self.expiry = self.env.open_db(b"expiry", create=not readonly)
             self.inflight = self.env.open_db(b"inflight", create=not readonly)
             self.meta = self.env.open_db(b"meta", create=not readonly)
         except lmdb.Error as exc:
@@ -114,6 +177,67 @@ class LmdbTier:
                 f"{self.path}: record format {self.format!r} is newer than this version of "
                 f"dedupcore knows ({FORMAT!r}); open it with the version that wrote it"
             )
+        try:
+            self._load_slices()
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _load_slices(self) -> None:
+        entries: list[SliceInfo] = []
+        with self._txn(db=self.meta) as txn:
+            cur = txn.cursor()
+            if cur.set_range(b"slice:"):
+                for key, value in cur:
+                    key = bytes(key)
+                    if not key.startswith(b"slice:"):
+                        break
+                    try:
+                        records, first, last, sealed = _SLICE_META.unpack(bytes(value))
+                        sid = int(key[6:])
+                    except (struct.error, ValueError):
+                        raise CorruptFileError(
+                            f"{self.path}: damaged slice entry {key!r}"
+                        ) from None
+                    entries.append(SliceInfo(sid, records, first, last, bool(sealed)))
+        for info in entries:
+            try:
+                info.db = self.env.open_db(info.name, create=False)
+            except lmdb.NotFoundError:
+                raise CorruptFileError(
+                    f"{self.path}: slice {info.id} is listed but its database is missing"
+                ) from None
+            info.filter = self._open_filter(info)
+        self._slices = entries
+
+    def _filter_path(self, info: SliceInfo) -> Path:
+        return self.filters_dir / f"{info.id:08d}.bloom"
+
+    def _open_filter(self, info: SliceInfo) -> BloomFilter:
+        """A sealed slice's saved filter, or the slice's filter rebuilt from its keys."""
+        if info.sealed:
+            try:
+                return BloomFilter.open(self._filter_path(info), mmap=True)
+            except (OSError, CorruptFileError):
+                pass  # rebuilt below, and saved again when writable
+        built = self._build_filter(info, max(info.records, 1000) if info.sealed else None)
+        if info.sealed and not self.readonly:
+            self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            built.save(self._filter_path(info))
+        return built
+
+    def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
+        bf = BloomFilter(capacity or self.slice_records, self.slice_error_rate)
+        batch: list[bytes] = []
+        with self._txn(db=info.db) as txn:
+            for key in txn.cursor().iternext(keys=True, values=False):
+                batch.append(bytes(key))
+                if len(batch) >= 100_000:
+                    bf.add_many(_second_halves(b"".join(batch)))
+                    batch.clear()
+        if batch:
+            bf.add_many(_second_halves(b"".join(batch)))
+        return bf
 
     def close(self) -> None:
         """Closes the environment."""
@@ -149,11 +273,33 @@ class LmdbTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def get_many(self, digests: Iterable[bytes]) -> list[bytes | None]:
-        """Stored bytes of each digest's record (None where absent), in one read transaction."""
-        with self._txn(db=self.records, buffers=False) as txn:
-            get = txn.get
-            return [get(d) for d in digests]  # type: ignore[misc]  # buffers=False: bytes
+    def get_many(self, digests: list[bytes]) -> list[bytes | None]:
+        """Stored bytes of each digest's newest record (None where absent).
+
+        Slices are probed newest first, each only for the digests its filter
+        may hold and that no newer slice had; one read transaction.
+        """
+        out: list[bytes | None] = [None] * len(digests)
+        if not digests or not self._slices:
+            return out
+        todo = list(range(len(digests)))
+        with self._txn(buffers=False) as txn:
+            for info in reversed(self._slices):
+                if not todo:
+                    break
+                assert info.filter is not None
+                maybe = info.filter.contains_many(
+                    _second_halves(b"".join(digests[i] for i in todo))
+                )
+                left: list[int] = []
+                for i, m in zip(todo, maybe, strict=True):
+                    raw = txn.get(digests[i], db=info.db) if m else None
+                    if raw is None:
+                        left.append(i)
+                    else:
+                        out[i] = bytes(raw)
+                todo = left
+        return out
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""
@@ -167,32 +313,67 @@ class LmdbTier:
             return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every (digest, record bytes), in digest order."""
-        with self._txn(db=self.records) as txn:
+        """Every (digest, record bytes) of every slice, newest slice first (a digest
+        written in several slices comes once per slice)."""
+        for info in list(reversed(self._slices)):
+            yield from self.scan_slice(info.id)
+
+    def scan_slice(self, slice_id: int) -> Iterator[tuple[bytes, bytes]]:
+        """Every (digest, record bytes) of one slice, in digest order."""
+        info = self._slice(slice_id)
+        with self._txn(db=info.db) as txn:
             for key, value in txn.cursor():
                 yield bytes(key), bytes(value)
 
-    def expired(self, now_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
-        """Up to ``limit`` (expiry key, digest) pairs whose expiry time is <= now_ms."""
-        out: list[tuple[bytes, bytes]] = []
-        with self._txn(db=self.expiry) as txn:
-            for key in txn.cursor().iternext(keys=True, values=False):
-                key = bytes(key)
-                if _U64.unpack_from(key)[0] > now_ms or len(out) >= limit:
-                    break
-                out.append((key, key[8:]))
+    def newer_holds(self, slice_id: int, digests: list[bytes]) -> list[bool]:
+        """Whether a slice newer than ``slice_id`` holds each digest."""
+        out = [False] * len(digests)
+        newer = [s for s in self._slices if s.id > slice_id]
+        if not newer or not digests:
+            return out
+        with self._txn(buffers=False) as txn:
+            for info in newer:
+                assert info.filter is not None
+                maybe = info.filter.contains_many(_second_halves(b"".join(digests)))
+                for i, m in enumerate(maybe):
+                    if m and not out[i] and txn.get(digests[i], db=info.db) is not None:
+                        out[i] = True
         return out
 
     def record_count(self) -> int:
-        """Number of records."""
+        """Number of records in every slice (a key in two slices counts twice)."""
         with self._txn() as txn:
-            return int(txn.stat(self.records)["entries"])
+            return sum(int(txn.stat(s.db)["entries"]) for s in self._slices)
 
     def disk_bytes(self) -> int:
-        """Bytes of the environment's data file in use (pages used)."""
+        """Bytes of the environment's data file in use (pages used, free pages included)."""
         info = self.env.info()
         stat = self.env.stat()
         return int((info["last_pgno"] + 1) * stat["psize"])
+
+    def slices(self) -> list[dict[str, Any]]:
+        """Per slice, oldest first: id, records, first and last write (unix s), sealed."""
+        return [
+            {
+                "id": s.id,
+                "records": s.records,
+                "first": s.first_ms / 1000,
+                "last": s.last_ms / 1000,
+                "sealed": s.sealed,
+                "filter_bytes": s.filter.nbytes if s.filter is not None else 0,
+            }
+            for s in self._slices
+        ]
+
+    def droppable(self, now: float, window: float) -> list[int]:
+        """Ids of sealed slices whose newest record is more than ``window`` seconds old."""
+        return [s.id for s in self._slices if s.sealed and s.last_ms / 1000 + window <= now]
+
+    def _slice(self, slice_id: int) -> SliceInfo:
+        for s in self._slices:
+            if s.id == slice_id:
+                return s
+        raise KeyError(f"no slice {slice_id}")
 
     # -- namespaces ----------------------------------------------------------
 
@@ -214,50 +395,136 @@ class LmdbTier:
 
     # -- writes --------------------------------------------------------------
 
+    def _current(self, now_ms: int, incoming: int) -> SliceInfo:
+        """The slice a checkpoint writes into: the open one, or a new one after sealing
+        it when it is full or old enough."""
+        cur = self._slices[-1] if self._slices and not self._slices[-1].sealed else None
+        if cur is not None:
+            full = cur.records and cur.records + incoming > self.slice_records
+            old = cur.records and now_ms - cur.first_ms >= self.slice_seconds * 1000
+            if (full or old) and len(self._slices) < MAX_SLICES:
+                self.seal(cur.id)
+                cur = None
+        if cur is None:
+            sid = self._slices[-1].id + 1 if self._slices else 1
+            cur = SliceInfo(sid, 0, now_ms, now_ms, False)
+            # The database before its entry: a crash in between leaves an empty,
+            # unlisted database that the next slice of the same id reuses.
+            cur.db = self.env.open_db(cur.name, create=True)
+            new = cur
+
+            def create(txn: lmdb.Transaction) -> None:
+                txn.put(new.meta_key(), new.meta_value(), db=self.meta)
+
+            self._write(create)
+            cur.filter = BloomFilter(self.slice_records, self.slice_error_rate)
+            self._slices.append(cur)
+        return cur
+
+    def seal_idle(self, now: float, window: float) -> None:
+        """Seals the open slice if its newest record is past ``window`` (so it can go)."""
+        if self._slices and not self._slices[-1].sealed:
+            cur = self._slices[-1]
+            if cur.records and cur.last_ms / 1000 + window <= now:
+                self.seal(cur.id)
+
+    def seal(self, slice_id: int) -> None:
+        """Ends writes to a slice: its filter, sized to what it holds, is written,
+        fsynced and renamed into place before the slice is marked sealed."""
+        info = self._slice(slice_id)
+        if info.sealed:
+            return
+        with self._txn() as txn:
+            info.records = int(txn.stat(info.db)["entries"])
+        bf = self._build_filter(info, max(info.records, 1000))
+        self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        bf.save(self._filter_path(info))
+        info.sealed = True
+        self._write(lambda txn: txn.put(info.meta_key(), info.meta_value(), db=self.meta))
+        info.filter = BloomFilter.open(self._filter_path(info), mmap=True, verify=False)
+
     def checkpoint(
         self,
         items: list[tuple[bytes, bytes]],
-        expiry_keys: list[bytes],
         inflight: list[bytes],
         settled: list[bytes],
         lsn: int,
         *,
+        now: float,
+        newest: float = 0.0,
         fmt: bytes | None = None,
     ) -> None:
-        """Writes records and their index entries and records ``lsn``, in one durable
-        transaction. ``items`` are (digest, value) sorted by digest; ``expiry_keys``
-        sorted; ``inflight`` digests are PROCESSING, ``settled`` ones are not (any
-        in-flight entry goes). ``fmt`` also sets the format (a migration)."""
+        """Writes records into the newest slice and records ``lsn``, in one durable
+        transaction. ``items`` are (digest, value) sorted by digest; ``inflight``
+        digests are PROCESSING, ``settled`` ones are not (their in-flight entry
+        goes). ``newest`` is the latest change time among them: a slice goes
+        when its latest one is past the window. ``fmt`` also sets the format."""
+        now_ms = int(now * 1000)
+        newest_ms = int(newest * 1000)
+        cur = self._current(now_ms, len(items))
+        assert cur.filter is not None
+        # The filter first: a filter that holds a key LMDB lacks costs a read;
+        # the reverse would hide a record.
+        cur.filter.add_many(_second_halves(b"".join(d for d, _ in items)))
 
         def apply(txn: lmdb.Transaction) -> None:
-            with txn.cursor(db=self.records) as cur:
-                cur.putmulti(items)
-            with txn.cursor(db=self.expiry) as cur:
-                cur.putmulti([(k, b"") for k in expiry_keys])
+            with txn.cursor(db=cur.db) as c:
+                c.putmulti(items)
             if inflight:
-                with txn.cursor(db=self.inflight) as cur:
-                    cur.putmulti([(d, b"") for d in inflight])
+                with txn.cursor(db=self.inflight) as c:
+                    c.putmulti([(d, b"") for d in inflight])
             if settled and txn.stat(self.inflight)["entries"]:
                 for d in settled:
                     txn.delete(d, db=self.inflight)
             txn.put(b"checkpoint_lsn", _U64.pack(lsn), db=self.meta)
             if fmt is not None:
                 txn.put(b"format", fmt, db=self.meta)
+            cur.records = int(txn.stat(cur.db)["entries"])
+            cur.last_ms = max(cur.last_ms, newest_ms)
+            txn.put(cur.meta_key(), cur.meta_value(), db=self.meta)
 
         self._write(apply)
 
-    def delete_expired(self, entries: list[tuple[bytes, bytes | None]]) -> None:
-        """Deletes expiry entries and, where a digest is given, their records; one transaction.
-
-        A record whose expiry entry is stale (the key was claimed again after
-        a release) is passed with digest None: only the entry goes.
-        """
+    def drop_slice(self, slice_id: int, keep: list[tuple[bytes, bytes]], *, now: float) -> None:
+        """Drops a sealed slice whole; ``keep`` (digest, value) records move into the
+        newest slice in the same transaction (records still in flight)."""
+        info = self._slice(slice_id)
+        if not info.sealed:
+            raise ValueError(f"slice {slice_id} is still taking writes")
+        cur = self._current(int(now * 1000), len(keep)) if keep else None
+        if cur is not None:
+            assert cur.filter is not None
+            cur.filter.add_many(_second_halves(b"".join(d for d, _ in keep)))
 
         def apply(txn: lmdb.Transaction) -> None:
-            for expiry_key, digest in entries:
-                txn.delete(expiry_key, db=self.expiry)
-                if digest is not None:
-                    txn.delete(digest, db=self.records)
+            if cur is not None:
+                with txn.cursor(db=cur.db) as c:
+                    c.putmulti(sorted(keep))
+                cur.records = int(txn.stat(cur.db)["entries"])
+                txn.put(cur.meta_key(), cur.meta_value(), db=self.meta)
+            txn.drop(info.db, delete=True)
+            txn.delete(info.meta_key(), db=self.meta)
+
+        self._write(apply)
+        self._slices.remove(info)
+        self._filter_path(info).unlink(missing_ok=True)
+
+    # -- the older format ------------------------------------------------------
+
+    def v1_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every (digest, record bytes) of a format-1 environment's single tree."""
+        db = self.env.open_db(b"records", create=False)
+        with self._txn(db=db) as txn:
+            for key, value in txn.cursor():
+                yield bytes(key), bytes(value)
+
+    def drop_v1_trees(self) -> None:
+        """Deletes the format-1 record tree and its expiry index (after a conversion)."""
+
+        def apply(txn: lmdb.Transaction) -> None:
+            for name in (b"records", b"expiry"):
+                with contextlib.suppress(lmdb.NotFoundError):
+                    txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
 
         self._write(apply)
 

@@ -151,10 +151,10 @@ class EngineVsReference(RuleBasedStateMachine):
     @rule()
     def checkpoint(self) -> None:
         """Exports what changed, stores it as LMDB would, evicts and reloads later."""
-        items, expiry, _inflight, settled = self.table.export(self.ckpt, self.lsn, {}, 60.0)
+        items, inflight, settled, _newest = self.table.export(self.ckpt, self.lsn)
         for d, v in items:
             self.lmdb[d] = v
-        assert len(expiry) == len(settled)
+        assert sorted(inflight + settled) == [d for d, _ in items]
         self.ckpt = self.lsn
         self.table.evict(self.ckpt)
         # What survives in memory is exactly the in-flight records.

@@ -33,9 +33,9 @@ def _digest(key: str) -> bytes:
 
 
 def _lmdb_value(path: Path, key: str) -> bytes:
-    env = lmdb.open(str(path / "lmdb"), max_dbs=8, readonly=True, lock=False)
+    env = lmdb.open(str(path / "lmdb"), max_dbs=64, readonly=True, lock=False)
     try:
-        with env.begin(db=env.open_db(b"records", create=False)) as txn:
+        with env.begin(db=env.open_db(b"s:00000001", create=False)) as txn:
             value = txn.get(_digest(key))
     finally:
         env.close()
@@ -44,10 +44,10 @@ def _lmdb_value(path: Path, key: str) -> bytes:
 
 
 def _put_lmdb_value(path: Path, key: str, value: bytes) -> None:
-    env = lmdb.open(str(path / "lmdb"), max_dbs=8)
+    env = lmdb.open(str(path / "lmdb"), max_dbs=64)
     try:
         with env.begin(write=True) as txn:
-            txn.put(_digest(key), value, db=env.open_db(b"records", txn=txn))
+            txn.put(_digest(key), value, db=env.open_db(b"s:00000001", txn=txn))
     finally:
         env.close()
 

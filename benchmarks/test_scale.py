@@ -1,0 +1,303 @@
+"""Scale: claims and completions as the store grows to 100M keys, next to its peers.
+
+Opt-in and slow (never part of the test run; ``benchmarks/`` is not collected
+by ``pytest tests``). Run it on a quiet machine::
+
+    DEDUPCORE_BENCH_SCALE_N=100000000 PYTHONPATH=. .venv/bin/python -m benchmarks.test_scale
+
+or through pytest (``PYTHONPATH=. .venv/bin/pytest benchmarks/test_scale.py -s``).
+It prints one row per tenth of the run and writes ``benchmarks/results/scale.json``
+and the chart ``docs/scale.png``:
+
+- dedupcore (embedded, durable): fresh 16-byte random keys through
+  ``claim_many`` then ``complete_many`` in batches of 1000, the background
+  checkpoints running as they would. Per tenth: claims/s (claim + complete
+  of a key counts once; the time is that of the two calls only, not the key
+  generation), on-disk bytes per key (LMDB + log + slice filters + front +
+  cold, after a checkpoint), anonymous RSS (``RssAnon``, not page cache).
+- Redis pipelined ``SET NX PX`` then ``SET XX`` (the complete) and SQLite
+  ``INSERT OR IGNORE`` then ``UPDATE`` (WAL, synchronous=FULL), on the same
+  kind of keys, up to ``DEDUPCORE_BENCH_SCALE_PEER_N`` keys (they hold every
+  key in memory or in one B-tree).
+- Open time of the 100M-key store after a clean close, and after a SIGKILL
+  in the middle of claims (a child process is killed after its acknowledged
+  batches).
+- A billion-key history: ``DEDUPCORE_BENCH_SCALE_COLD`` (default 900M) keys
+  put into the cold archive through ``ColdArchive.add_many`` (the path a
+  dropped slice's keys take), then fresh claims measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+N = int(os.environ.get("DEDUPCORE_BENCH_SCALE_N", "100000000"))
+PEER_N = int(os.environ.get("DEDUPCORE_BENCH_SCALE_PEER_N", "20000000"))
+COLD = int(os.environ.get("DEDUPCORE_BENCH_SCALE_COLD", "900000000"))
+BATCH = 1000
+NS = "bench/scale"
+DIR = Path(os.environ.get("DEDUPCORE_BENCH_STORE_DIR", "") or tempfile.gettempdir())
+
+
+def rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def keys_of(rng: np.random.Generator, n: int) -> list[bytes]:
+    raw = rng.bytes(16 * n)
+    return [raw[i : i + 16] for i in range(0, 16 * n, 16)]
+
+
+def run_dedupcore(path: Path, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    from dedupcore import DedupStore
+
+    rows = []
+    step = max(n // 10, BATCH)
+    store = DedupStore.open(path)
+    spent = 0.0
+    done = 0
+    perf = time.perf_counter
+    try:
+        while done < n:
+            target = min(done + step, n)
+            t_step = 0.0
+            while done < target:
+                keys = keys_of(rng, BATCH)
+                t0 = perf()
+                claims = store.claim_many(keys, namespace=NS)
+                store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+                t_step += perf() - t0
+                done += BATCH
+            spent += t_step
+            store.checkpoint()
+            row = {
+                "keys": done,
+                "claims_per_s": step / t_step,
+                "disk_bytes_per_key": tree_bytes(path) / done,
+                "lmdb_bytes_per_key": store.stats()["lmdb"]["disk_bytes"] / done,
+                "rss_anon_bytes": rss_anon(),
+                "slices": len(store.stats()["lmdb"]["slices"]),
+            }
+            rows.append(row)
+            print("dedupcore", json.dumps(row), flush=True)
+    finally:
+        t0 = perf()
+        store.close()
+        print("close seconds", perf() - t0, flush=True)
+    return rows
+
+
+def run_redis(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    import redis
+
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/15")
+    client.flushdb()
+    rows = []
+    step = max(n // 10, BATCH)
+    done = 0
+    perf = time.perf_counter
+    try:
+        while done < n:
+            t_step = 0.0
+            target = min(done + step, n)
+            while done < target:
+                keys = keys_of(rng, BATCH)
+                t0 = perf()
+                pipe = client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.set(k, 1, nx=True, px=86_400_000)
+                pipe.execute()
+                pipe = client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.set(k, 2, xx=True, px=86_400_000)
+                pipe.execute()
+                t_step += perf() - t0
+                done += BATCH
+            row = {
+                "keys": done,
+                "claims_per_s": step / t_step,
+                "memory_bytes_per_key": client.info("memory")["used_memory"] / done,
+            }
+            rows.append(row)
+            print("redis", json.dumps(row), flush=True)
+    finally:
+        client.flushdb()
+    return rows
+
+
+def run_sqlite(path: Path, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE dedup (k BLOB PRIMARY KEY, state INTEGER) WITHOUT ROWID")
+    rows = []
+    step = max(n // 10, BATCH)
+    done = 0
+    perf = time.perf_counter
+    while done < n:
+        t_step = 0.0
+        target = min(done + step, n)
+        while done < target:
+            keys = [(k,) for k in keys_of(rng, BATCH)]
+            t0 = perf()
+            conn.execute("BEGIN")
+            conn.executemany("INSERT OR IGNORE INTO dedup (k, state) VALUES (?, 1)", keys)
+            conn.execute("COMMIT")
+            conn.execute("BEGIN")
+            conn.executemany("UPDATE dedup SET state = 2 WHERE k = ?", keys)
+            conn.execute("COMMIT")
+            t_step += perf() - t0
+            done += BATCH
+        row = {
+            "keys": done,
+            "claims_per_s": step / t_step,
+            "disk_bytes_per_key": tree_bytes(path.parent) / done,
+        }
+        rows.append(row)
+        print("sqlite", json.dumps(row), flush=True)
+    conn.close()
+    return rows
+
+
+def open_seconds(path: Path) -> float:
+    code = (
+        "import sys,time; from dedupcore import DedupStore; t=time.perf_counter(); "
+        "s=DedupStore.open(sys.argv[1]); print(time.perf_counter()-t); s._closed=True"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def killed_open_seconds(path: Path) -> float:
+    """Claims in a child until it has acknowledged 200 batches, SIGKILL, then reopen."""
+    code = (
+        "import os,sys; from dedupcore import DedupStore; s=DedupStore.open(sys.argv[1]);\n"
+        "for i in range(10**9):\n"
+        "    s.claim_many([os.urandom(16) for _ in range(1000)], namespace='bench/scale')\n"
+        "    if i == 200: print('acked', flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "acked"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    return open_seconds(path)
+
+
+def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Fills the cold archive with n_cold keys, then measures fresh claims again."""
+    from dedupcore import DedupStore
+
+    with DedupStore.open(path) as store:
+        cold = store._cold  # the archive a dropped slice's keys go into
+        window = store.config.retention.cold_window
+        now = time.time()
+        t0 = time.perf_counter()
+        for i in range(0, n_cold, 10_000_000):
+            hashes = rng.integers(0, 2**64, size=min(10_000_000, n_cold - i), dtype=np.uint64)
+            cold.add_many(window, memoryview(hashes), now)
+        fill = time.perf_counter() - t0
+        spent = 0.0
+        for _ in range(1000):
+            keys = keys_of(rng, BATCH)
+            t1 = time.perf_counter()
+            claims = store.claim_many(keys, namespace=NS)
+            store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+            spent += time.perf_counter() - t1
+        stats = store.stats()["cold"]
+    return {
+        "cold_keys": n_cold,
+        "fill_seconds": fill,
+        "claims_per_s": 1000 * BATCH / spent,
+        "cold_stats": stats,
+    }
+
+
+def chart(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, key in (
+        ("dedupcore", "disk_bytes_per_key"),
+        ("sqlite", "disk_bytes_per_key"),
+        ("redis", "memory_bytes_per_key"),
+    ):
+        rows = results.get(name) or []
+        if not rows:
+            continue
+        xs = [r["keys"] / 1e6 for r in rows]
+        a.plot(xs, [r["claims_per_s"] / 1e3 for r in rows], marker="o", label=name)
+        b.plot(
+            xs,
+            [r[key] for r in rows],
+            marker="o",
+            label=f"{name} ({'memory' if name == 'redis' else 'disk'})",
+        )
+    a.set_xlabel("keys held (millions)")
+    a.set_ylabel("claim + complete, thousand keys/s")
+    a.set_title("throughput as the store grows")
+    b.set_xlabel("keys held (millions)")
+    b.set_ylabel("bytes per key")
+    b.set_title("footprint")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    rng = np.random.default_rng(20261201)
+    results: dict[str, Any] = {"n": N, "peer_n": PEER_N, "batch": BATCH}
+    with tempfile.TemporaryDirectory(dir=DIR, prefix="dedupcore-scale-") as tmp:
+        base = Path(tmp)
+        results["dedupcore"] = run_dedupcore(base / "store", N, rng)
+        results["open_after_close_s"] = open_seconds(base / "store")
+        print("open after clean close", results["open_after_close_s"], flush=True)
+        results["open_after_sigkill_s"] = killed_open_seconds(base / "store")
+        print("open after SIGKILL", results["open_after_sigkill_s"], flush=True)
+        if COLD:
+            results["billion"] = cold_history(base / "store", COLD, rng)
+            print("cold history", json.dumps(results["billion"])[:400], flush=True)
+        if PEER_N:
+            results["redis"] = run_redis(PEER_N, rng)
+            (base / "sqlite").mkdir()
+            results["sqlite"] = run_sqlite(base / "sqlite" / "dedup.db", PEER_N, rng)
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(results, indent=1))
+    chart(results, REPO / "docs" / "scale.png")
+
+
+def test_scale() -> None:
+    """The whole run as one pytest item (``-s`` to see the rows)."""
+    main()
+
+
+if __name__ == "__main__":
+    main()

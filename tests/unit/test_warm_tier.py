@@ -1,0 +1,146 @@
+"""The embedded store's warm tier in time slices (docs/warm-tier.md).
+
+Small slices (a few hundred records) make every path run in a unit test:
+roll-over by count and by age, newest version first across slices, a slice
+dropped whole past the exact window with its PROCESSED keys in the cold
+archive and its in-flight records moved, pages reused, slice filters damaged
+or missing and rebuilt.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dedupcore.config import Retention
+from dedupcore.record import State
+from dedupcore.store import DedupStore, Outcome
+
+NS = "warm/ns"
+
+
+def _open(path: Path, **kw: object) -> DedupStore:
+    settings: dict[str, object] = {
+        "slice_records": 500,
+        "checkpoint_records": 10_000_000,
+        "checkpoint_interval": 3600.0,
+        "sweep_interval": 3600.0,
+        "retention": Retention(exact_window=100.0, cold_window=10_000.0),
+    }
+    settings.update(kw)
+    return DedupStore.open(path, **settings)  # type: ignore[arg-type]
+
+
+def _fill(store: DedupStore, keys: list[str], *, batch: int = 250) -> None:
+    for i in range(0, len(keys), batch):
+        part = keys[i : i + batch]
+        claims = store.claim_many(part, namespace=NS)
+        assert all(c.outcome is Outcome.NEW for c in claims)
+        store.complete_many([(c.key, c.token, f"r-{c.key}") for c in claims], namespace=NS)
+        store.checkpoint()
+
+
+def test_slices_roll_over_by_count_and_every_key_stays_exact(tmp_path: Path) -> None:
+    keys = [f"k{i}" for i in range(2000)]
+    with _open(tmp_path) as store:
+        _fill(store, keys)
+        slices = store.stats()["lmdb"]["slices"]
+        assert len(slices) >= 4
+        assert all(s["records"] <= 500 for s in slices)
+        assert [s["sealed"] for s in slices][:-1] == [True] * (len(slices) - 1)
+    with _open(tmp_path) as store:
+        for c in store.claim_many(keys, namespace=NS):
+            assert (c.outcome, c.exact, c.result) == (Outcome.DUPLICATE, True, f"r-{c.key}")
+        assert store.stats()["lmdb"]["records"] == 2000
+
+
+def test_slices_roll_over_by_age(tmp_path: Path) -> None:
+    with _open(tmp_path, slice_seconds=0.05) as store:
+        _fill(store, ["a0", "a1"])
+        time.sleep(0.1)
+        _fill(store, ["b0", "b1"])
+        assert len(store.stats()["lmdb"]["slices"]) == 2
+
+
+def test_the_newest_version_of_a_key_wins_across_slices(tmp_path: Path) -> None:
+    with _open(tmp_path) as store:
+        held = store.claim("held", namespace=NS)
+        store.checkpoint()  # PROCESSING, in slice 1
+        _fill(store, [f"f{i}" for i in range(1000)])  # slices 1-3 fill up
+        store.complete("held", held.token, namespace=NS, result="late")
+        store.checkpoint()  # PROCESSED, in a later slice
+        assert len(store.stats()["lmdb"]["slices"]) >= 3
+    with _open(tmp_path) as store:
+        rec = store.get("held", namespace=NS)
+        assert rec is not None and (rec.state, rec.result) == (State.PROCESSED, "late")
+        assert store.claim("held", namespace=NS).outcome is Outcome.DUPLICATE
+
+
+def test_a_slice_past_the_window_is_dropped_whole_into_the_cold_archive(tmp_path: Path) -> None:
+    old = [f"old{i}" for i in range(1200)]
+    with _open(tmp_path) as store:
+        _fill(store, old)
+        before = store.stats()["lmdb"]
+        assert before["records"] == 1200
+        demoted = store.sweep(now=time.time() + 200)
+        after = store.stats()["lmdb"]
+        assert demoted == 1200
+        assert after["records"] == 0 and after["slices"] == []
+        for c in store.claim_many(old, namespace=NS):
+            assert (c.outcome, c.exact) == (Outcome.DUPLICATE, False)
+        disk = after["disk_bytes"]
+        _fill(store, [f"new{i}" for i in range(1200)])
+        # The dropped slices' pages are reused: the file does not grow by another fill.
+        assert store.stats()["lmdb"]["disk_bytes"] <= disk + 8 * 4096
+    with _open(tmp_path) as store:  # and it all holds after reopening
+        assert store.claim("old5", namespace=NS).exact is False
+        assert store.claim("new5", namespace=NS).exact is True
+
+
+def test_a_recent_slice_is_kept_and_an_old_one_goes(tmp_path: Path) -> None:
+    with _open(tmp_path) as store:
+        _fill(store, [f"a{i}" for i in range(600)])
+        cut = time.time()
+        time.sleep(0.05)
+        _fill(store, [f"b{i}" for i in range(600)])
+        # 100 s after the first fill, before 100 s after the second: only the
+        # slices whose newest record predates the cut go.
+        store.sweep(now=cut + 100.01)
+        left = store.stats()["lmdb"]["slices"]
+        assert left and all(s["first"] >= cut - 1 for s in left)
+        assert all(c.exact for c in store.claim_many([f"b{i}" for i in range(600)], namespace=NS))
+
+
+def test_an_in_flight_record_in_a_dropped_slice_moves_to_the_newest(tmp_path: Path) -> None:
+    with _open(tmp_path) as store:
+        held = store.claim("held", namespace=NS, lease=3600.0)
+        store.checkpoint()
+        _fill(store, [f"f{i}" for i in range(600)])
+        store.sweep(now=time.time() + 200)
+        assert store.stats()["lmdb"]["records"] == 1  # only the in-flight record is left
+    # Reopened (its lease restarts): still held, and completing it works.
+    with _open(tmp_path) as store:
+        assert store.claim("held", namespace=NS).outcome is Outcome.IN_PROGRESS
+        store.complete("held", held.token, namespace=NS)
+        assert store.claim("held", namespace=NS).outcome is Outcome.DUPLICATE
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage"])
+def test_a_sealed_slice_filter_that_is_missing_or_damaged_is_rebuilt(
+    tmp_path: Path, damage: str
+) -> None:
+    keys = [f"k{i}" for i in range(1200)]
+    with _open(tmp_path) as store:
+        _fill(store, keys)
+    files = sorted((tmp_path / "slices").glob("*.bloom"))
+    assert files
+    for f in files:
+        if damage == "missing":
+            f.unlink()
+        else:
+            f.write_bytes(b"\x00" * 200)
+    with _open(tmp_path) as store:
+        assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.DUPLICATE}
+    assert sorted((tmp_path / "slices").glob("*.bloom")) == files  # saved again
