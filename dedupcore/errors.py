@@ -34,3 +34,7 @@ class UnsupportedFormatError(CorruptFileError):
 
 class SchemaError(DedupError, LookupError):
     """A table is missing, or lacks the columns or unique index a dedup pattern needs."""
+
+
+class SocketPathError(DedupError, OSError):
+    """The daemon's socket path cannot be used safely."""

@@ -39,6 +39,8 @@ from dedupcore import errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
 from dedupcore.record import State
+from dedupcore.store import StoreLockedError
+from dedupcore.wal import WalFailedError
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -165,7 +167,8 @@ def encode_response(request_id: int, result: Any) -> bytes:
     return frame(_pack([request_id, int(Status.OK), result]))
 
 
-#: Exceptions the daemon reports by name; anything else arrives as DedupError.
+#: Exceptions the daemon reports by name, so a client raises the class the store
+#: raised; anything else arrives as DedupError (an OSError as UnavailableError).
 _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
@@ -174,6 +177,11 @@ _ERRORS: dict[str, type[BaseException]] = {
         errors.StaleTokenError,
         errors.UnavailableError,
         errors.CorruptFileError,
+        errors.UnsupportedFormatError,
+        errors.SchemaError,
+        errors.SocketPathError,
+        StoreLockedError,
+        WalFailedError,
         InProgressError,
         FrameError,
         ValueError,

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
-from dedupcore.errors import DedupError, UnavailableError
+from dedupcore.errors import SocketPathError, UnavailableError
 
 __all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
 
@@ -68,10 +68,6 @@ async def _within(aw: Awaitable[T], seconds: float) -> T:
 
 #: After SIGTERM, a connection that sends nothing for this long is closed.
 _DRAIN_QUIET = 0.2
-
-
-class SocketPathError(DedupError, OSError):
-    """The socket path cannot be used safely."""
 
 
 def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None) -> Path:
