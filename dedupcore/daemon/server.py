@@ -12,8 +12,12 @@ Defences, so that one bad or slow client cannot hurt the others:
 - the socket lives in a directory created 0700 (0750 with ``group``), the
   socket file is 0600 (0660); a path that is a symlink, belongs to another
   user or is longer than the platform limit is refused;
+- the socket's ancestors must not let another user replace its directory:
+  each belongs to root or to this user and is not writable by others unless
+  sticky (like ``/tmp``), and no symlink on the way belongs to another user;
 - peer credentials (``SO_PEERCRED``) are checked against allowed uids/gids
-  (default: the daemon's own uid);
+  (default: the daemon's own uid); with allowed gids, a peer's supplementary
+  groups (``SO_PEERGROUPS``, else the user database) count as well;
 - a frame larger than ``max_frame`` closes the connection; garbage inside a
   well-framed message gets an error reply and the connection stays usable;
 - a request must arrive completely within ``request_timeout`` once started
@@ -29,6 +33,7 @@ import errno
 import grp
 import logging
 import os
+import pwd
 import signal
 import socket
 import stat
@@ -54,6 +59,8 @@ log = logging.getLogger("dedupcore.daemon")
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: Ops answered on the event loop itself (they neither block nor touch the log).
 _INLINE_OPS = frozenset({Op.PING})
 
@@ -70,12 +77,54 @@ async def _within(aw: Awaitable[T], seconds: float) -> T:
 _DRAIN_QUIET = 0.2
 
 
+def _check_ancestors(parent: Path) -> None:
+    """Refuses a directory that another user could swap out from above.
+
+    Every symlink met on the way to ``parent`` must belong to root or to this
+    user, and every directory on the resolved path must belong to root or to
+    this user and must not be writable by others unless it has the sticky bit
+    (like ``/tmp``): otherwise someone else could rename an ancestor and put
+    a directory of their own in its place.
+    """
+    me = os.geteuid()
+    path = Path(os.path.abspath(parent))
+    seen = Path(path.anchor)
+    for part in path.parts[1:]:
+        seen = seen / part
+        try:
+            st = os.lstat(seen)
+        except FileNotFoundError:
+            break  # created below, by this user
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise SocketPathError(
+                f"{seen} is a symlink of uid {st.st_uid}; that user could redirect the socket"
+            )
+    real = Path(os.path.realpath(path))
+    for directory in (*reversed(real.parents), real):
+        try:
+            st = os.stat(directory)
+        except FileNotFoundError:
+            return  # created below, by this user
+        if st.st_uid not in (0, me):
+            raise SocketPathError(
+                f"{directory} (on the way to {parent}) belongs to uid {st.st_uid}; "
+                "that user could replace the socket's directory"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise SocketPathError(
+                f"{directory} (on the way to {parent}) is writable by others without the "
+                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}); another user could replace "
+                "the socket's directory"
+            )
+
+
 def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None) -> Path:
     """Prepares the socket's directory and refuses unsafe or stale paths.
 
     Creates the directory (0700, or 0750 with ``group``); refuses a path that
-    is too long, a symlink, owned by another user, or a live socket of another
-    daemon; removes the stale socket file of a killed daemon.
+    is too long, a symlink, owned by another user, under an ancestor another
+    user could replace (see :func:`_check_ancestors`), or a live socket of
+    another daemon; removes the stale socket file of a killed daemon.
     """
     p = Path(path)
     if len(os.fsencode(p)) > MAX_SOCKET_PATH:
@@ -83,6 +132,7 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
             f"socket path is {len(os.fsencode(p))} bytes; the limit is {MAX_SOCKET_PATH}"
         )
     parent = p.parent
+    _check_ancestors(parent)
     if not parent.exists():
         parent.mkdir(mode=0o750 if group else 0o700, parents=True)
         if group is not None:
@@ -122,6 +172,27 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
     finally:
         probe.close()
     raise SocketPathError(f"another daemon is serving on {p}")
+
+
+def peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
+    """The peer's groups: the kernel's ``SO_PEERGROUPS`` (the groups the peer process had
+    when it connected), else the groups the user database gives the peer's uid."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)  # 256 groups
+        return {gid, *struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])}
+    except OSError:
+        pass
+    try:
+        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
+    except (KeyError, OSError):
+        return {gid}
+
+
+def peer_admitted(
+    uid: int, gid: int, groups: set[int], allowed_uids: set[int], allowed_gids: set[int]
+) -> bool:
+    """Whether a peer (uid, primary gid, all its groups) may use the daemon."""
+    return uid in allowed_uids or gid in allowed_gids or bool(groups & allowed_gids)
 
 
 class DaemonServer:
@@ -242,7 +313,14 @@ class DaemonServer:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
         who = f"pid {pid} uid {uid} gid {gid}"
-        return (uid in self.allowed_uids or gid in self.allowed_gids), who
+        if uid in self.allowed_uids or gid in self.allowed_gids:
+            return True, who
+        if not self.allowed_gids:
+            return False, who
+        groups = peer_groups(sock, uid, gid)
+        return peer_admitted(uid, gid, groups, self.allowed_uids, self.allowed_gids), (
+            f"{who} groups {sorted(groups)}"
+        )
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
