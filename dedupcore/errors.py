@@ -38,3 +38,10 @@ class SchemaError(DedupError, LookupError):
 
 class SocketPathError(DedupError, OSError):
     """The daemon's socket path cannot be used safely."""
+
+
+class BatchTooLargeError(DedupError, ValueError):
+    """A batch whose reply could exceed the daemon's frame limit; nothing of it was applied.
+
+    Split the batch into smaller ones.
+    """

@@ -61,6 +61,7 @@ __all__ = [
     "error_from_payload",
     "items_arg",
     "key_list",
+    "packed_len",
     "record_from_map",
     "record_map",
 ]
@@ -135,6 +136,11 @@ def _unpack(body: bytes) -> Any:
         raise FrameError(f"frame body is not valid msgpack: {exc}") from None
 
 
+def packed_len(obj: Any) -> int:
+    """Bytes ``obj`` takes in a message."""
+    return len(_pack(obj))
+
+
 def encode_request(request_id: int, op: Op, args: dict[str, Any]) -> bytes:
     """A framed request; TypeError for a value msgpack cannot carry (e.g. an int over 64 bits)."""
     try:
@@ -180,6 +186,7 @@ _ERRORS: dict[str, type[BaseException]] = {
         errors.UnsupportedFormatError,
         errors.SchemaError,
         errors.SocketPathError,
+        errors.BatchTooLargeError,
         StoreLockedError,
         WalFailedError,
         InProgressError,

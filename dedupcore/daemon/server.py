@@ -22,7 +22,11 @@ Defences, so that one bad or slow client cannot hurt the others:
   well-framed message gets an error reply and the connection stays usable;
 - a request must arrive completely within ``request_timeout`` once started
   (slow senders are cut off), idle connections are closed after
-  ``idle_timeout``, and at most ``max_connections`` are served at once.
+  ``idle_timeout``, and at most ``max_connections`` are served at once;
+- a ``CLAIM_MANY`` whose reply could exceed ``max_frame`` is refused with
+  :class:`~dedupcore.errors.BatchTooLargeError` before anything of it is
+  applied (split the batch); the bound counts a fixed size per key plus, for
+  keys that may be duplicates, the results they hold.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +53,7 @@ from typing import Any, TypeVar
 from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
-from dedupcore.errors import SocketPathError, UnavailableError
+from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
 
 __all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
 
@@ -59,6 +64,10 @@ log = logging.getLogger("dedupcore.daemon")
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
+_REPLY_FIXED = 32
+#: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
+_ROW_FIXED = 32
 #: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: Ops answered on the event loop itself (they neither block nor touch the log).
@@ -174,6 +183,50 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
     raise SocketPathError(f"another daemon is serving on {p}")
 
 
+class _Gate:
+    """Two kinds of callers, each sharing the gate with its own kind only.
+
+    Claim batches whose reply size was bounded by reading their keys' results
+    first hold one side; completions (which store results) hold the other,
+    so no result can grow between the reading and the claim.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = [0, 0]
+        self._waiting = [0, 0]
+
+    @contextlib.contextmanager
+    def side(self, side: int) -> Iterator[None]:
+        other = 1 - side
+        with self._cond:
+            self._waiting[side] += 1
+            # Wait while the other side is in, or while it waits and this side is
+            # in (so a steady stream of one kind cannot starve the other).
+            while self._active[other] or (self._waiting[other] and self._active[side]):
+                self._cond.wait()
+            self._waiting[side] -= 1
+            self._active[side] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active[side] -= 1
+                self._cond.notify_all()
+
+
+_CLAIMS, _COMPLETES = 0, 1
+
+
+def _max_result_bytes(store: Any, ceiling: int) -> int:
+    """The largest result ``store`` keeps, as far as it says (else ``ceiling``)."""
+    for holder in (store, getattr(store, "config", None)):
+        limit = getattr(holder, "max_result_bytes", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return ceiling
+
+
 def peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
     """The peer's groups: the kernel's ``SO_PEERGROUPS`` (the groups the peer process had
     when it connected), else the groups the user database gives the peer's uid."""
@@ -225,6 +278,8 @@ class DaemonServer:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.max_in_flight = max_in_flight
+        self._gate = _Gate()
+        self._max_result = _max_result_bytes(store, max_frame)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -237,6 +292,7 @@ class DaemonServer:
             "requests": 0,
             "errors": 0,
             "protocol_errors": 0,
+            "refused_batches": 0,
         }
         self._commit_seconds = 0.0
 
@@ -425,6 +481,8 @@ class DaemonServer:
             )
         except Exception as exc:
             self.counters["errors"] += 1
+            if isinstance(exc, BatchTooLargeError):
+                self.counters["refused_batches"] += 1
             reply = protocol.encode_error(request_id, exc)
         finally:
             slots.release()
@@ -452,16 +510,27 @@ class DaemonServer:
         ns = _arg(args, "ns", str)
         if op is Op.CLAIM_MANY:
             keys = _arg(args, "keys", list)
-            claims = self.store.claim_many(
-                keys,
-                namespace=ns,
-                lease=_optional(args, "lease", (int, float)),
-                owner=_optional(args, "owner", (bytes, str)),
-                fingerprints=_optional(args, "fps", list),
-            )
+            options = {
+                "namespace": ns,
+                "lease": _optional(args, "lease", (int, float)),
+                "owner": _optional(args, "owner", (bytes, str)),
+                "fingerprints": _optional(args, "fps", list),
+            }
+            fixed = _REPLY_FIXED + _ROW_FIXED * len(keys)
+            if fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
+                claims = self.store.claim_many(keys, **options)
+            else:
+                # The reply could exceed a frame if enough keys are duplicates with
+                # large results: count the results they hold now, with completions
+                # held off until the claim is done, and refuse before applying.
+                with self._gate.side(_CLAIMS):
+                    self._check_reply_bound(keys, ns, fixed)
+                    claims = self.store.claim_many(keys, **options)
             return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
-            self.store.complete_many(_arg(args, "items", list), namespace=ns)
+            items = _arg(args, "items", list)
+            with self._gate.side(_COMPLETES):
+                self.store.complete_many(items, namespace=ns)
             return None
         if op is Op.RELEASE_MANY:
             self.store.release_many(_arg(args, "items", list), namespace=ns)
@@ -471,6 +540,29 @@ class DaemonServer:
                 self.store.get(_arg(args, "key", (bytes, str)), namespace=ns)
             )
         raise FrameError(f"op {op!r} is not served")
+
+    def _check_reply_bound(self, keys: list[Any], ns: str, fixed: int) -> None:
+        """BatchTooLargeError if the claim reply for ``keys`` could exceed a frame."""
+        sizes: dict[Any, int] = {}
+        total = fixed
+        for key in keys:
+            size = sizes.get(key)
+            if size is None:
+                try:
+                    record = self.store.get(key, namespace=ns)
+                except (TypeError, ValueError):
+                    record = None  # a bad key: claim_many names it
+                size = 0
+                if record is not None and record.result is not None:
+                    size = 8 + protocol.packed_len(record.result)
+                sizes[key] = size
+            total += size
+            if total > self.max_frame:
+                raise BatchTooLargeError(
+                    f"a claim of these {len(keys)} keys could be answered with more than "
+                    f"{self.max_frame} bytes (the frame limit), counting the stored results "
+                    "of the keys already done; nothing was claimed: split the batch"
+                )
 
 
 def _arg(args: dict[str, Any], name: str, kind: Any) -> Any:

@@ -24,6 +24,7 @@ ERROR_CLASSES = (
     errors.UnsupportedFormatError,
     errors.SchemaError,
     errors.SocketPathError,
+    errors.BatchTooLargeError,
     StoreLockedError,
     WalFailedError,
     InProgressError,
