@@ -1,4 +1,20 @@
-"""``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables."""
+"""``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables.
+
+``serve`` takes its settings from a TOML file (``--config``), ``DEDUPCORE_<NAME>``
+environment variables and the command line. Besides the command-line ones,
+these limits of :class:`~dedupcore.daemon.server.DaemonServer` can be set in
+the TOML file or the environment:
+
+- ``write_timeout`` (seconds, 10): a peer that takes no reply for this long
+  is disconnected;
+- ``idle_timeout`` (seconds, 600): a connection that sends no request for this
+  long is closed;
+- ``max_unsent`` (bytes, 1 MiB): the daemon stops reading a connection while
+  more of its replies than this wait to be sent;
+- ``max_in_flight`` (64): requests of one connection between read and reply;
+- ``max_buffered`` (bytes, 256 MiB): request bytes held across all connections;
+- ``drain_timeout`` (seconds, 30): how long SIGTERM waits for clients to go quiet.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +52,22 @@ _SERVE_KEYS = (
     "request_timeout",
     "metrics_port",
     "log_level",
+    "write_timeout",
+    "idle_timeout",
+    "max_unsent",
+    "max_in_flight",
+    "max_buffered",
+    "drain_timeout",
 )
+#: Settings passed to DaemonServer as they are, with their types.
+_LIMITS: dict[str, type] = {
+    "write_timeout": float,
+    "idle_timeout": float,
+    "max_unsent": int,
+    "max_in_flight": int,
+    "max_buffered": int,
+    "drain_timeout": float,
+}
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +155,14 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_connections"] = int(s["max_connections"])
     if s.get("request_timeout"):
         options["request_timeout"] = float(s["request_timeout"])
+    try:
+        for key, kind in _LIMITS.items():
+            if s.get(key) is not None:
+                options[key] = kind(s[key])
+    except (TypeError, ValueError) as exc:
+        print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
+        store.close()
+        return 2
     if s.get("metrics_port"):
         _start_metrics(store, int(s["metrics_port"]))
     try:

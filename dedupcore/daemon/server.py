@@ -26,7 +26,18 @@ Defences, so that one bad or slow client cannot hurt the others:
 - a ``CLAIM_MANY`` whose reply could exceed ``max_frame`` is refused with
   :class:`~dedupcore.errors.BatchTooLargeError` before anything of it is
   applied (split the batch); the bound counts a fixed size per key plus, for
-  keys that may be duplicates, the results they hold.
+  keys that may be duplicates, the results they hold;
+- each connection has at most ``max_in_flight`` (64) requests between read
+  and reply written, and the daemon stops reading a connection while more
+  than ``max_unsent`` (1 MiB) of its replies are waiting to be sent
+  (backpressure on a client that pipelines without reading);
+- every reply must be taken by the peer within ``write_timeout`` (10 s); a
+  peer that does not read is disconnected, so neither it nor a shutdown
+  waits on it longer;
+- the bodies of frames being read and of requests not yet answered share a
+  budget of ``max_buffered`` (256 MiB) across all connections; a connection
+  whose next frame does not fit waits (within ``request_timeout``) until
+  other requests are answered.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,12 +76,6 @@ log = logging.getLogger("dedupcore.daemon")
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
-#: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
-_REPLY_FIXED = 32
-#: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
-_ROW_FIXED = 32
-#: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: Ops answered on the event loop itself (they neither block nor touch the log).
 _INLINE_OPS = frozenset({Op.PING})
 
@@ -84,6 +90,18 @@ async def _within(aw: Awaitable[T], seconds: float) -> T:
 
 #: After SIGTERM, a connection that sends nothing for this long is closed.
 _DRAIN_QUIET = 0.2
+
+
+#: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
+_REPLY_FIXED = 32
+#: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
+_ROW_FIXED = 32
+#: Read-ahead a connection's stream may hold before the daemon reads a frame from it.
+_STREAM_LIMIT = 16 << 10
+#: A frame this small may pass larger ones waiting for the buffer budget.
+_SMALL_FRAME = 64 << 10
+#: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 
 def _check_ancestors(parent: Path) -> None:
@@ -227,6 +245,52 @@ def _max_result_bytes(store: Any, ceiling: int) -> int:
     return ceiling
 
 
+class _Budget:
+    """Bytes of request frames held (being read or not yet answered), across connections."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.waits = 0  # reservations that had to wait
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def take(self, n: int) -> None:
+        """Reserves ``n`` bytes, waiting in order while they do not fit."""
+        if self.used + n <= self.limit and (not self._waiters or n <= _SMALL_FRAME):
+            self.used += n
+            return
+        self.waits += 1
+        fut = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give(n)  # granted just as the wait was given up
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        # In order; a small frame may pass a large one that does not fit yet.
+        for entry in list(self._waiters):
+            n, fut = entry
+            head = entry is self._waiters[0]
+            if fut.done():
+                self._waiters.remove(entry)
+            elif self.used + n <= self.limit and (head or n <= _SMALL_FRAME):
+                self._waiters.remove(entry)
+                self.used += n
+                fut.set_result(None)
+
+
 def peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
     """The peer's groups: the kernel's ``SO_PEERGROUPS`` (the groups the peer process had
     when it connected), else the groups the user database gives the peer's uid."""
@@ -249,7 +313,15 @@ def peer_admitted(
 
 
 class DaemonServer:
-    """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc)."""
+    """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc).
+
+    Limits (the ``dedupcore serve`` setting of the same name in brackets):
+    ``max_connections`` (1024), ``max_frame`` (16 MiB), ``request_timeout`` (30 s),
+    ``idle_timeout`` (600 s), ``write_timeout`` (10 s), ``max_in_flight``
+    per connection (64), ``max_unsent`` reply bytes per connection (1 MiB),
+    ``max_buffered`` request bytes across connections (256 MiB, at least
+    ``max_frame``), ``drain_timeout`` after SIGTERM (30 s).
+    """
 
     def __init__(
         self,
@@ -265,6 +337,10 @@ class DaemonServer:
         idle_timeout: float = 600.0,
         max_in_flight: int = 64,
         workers: int = 4,
+        write_timeout: float = 10.0,
+        max_unsent: int = 1 << 20,
+        max_buffered: int = 256 << 20,
+        drain_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -278,6 +354,11 @@ class DaemonServer:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.max_in_flight = max_in_flight
+        self.write_timeout = write_timeout
+        self.max_unsent = max_unsent
+        self.max_buffered = max(max_buffered, max_frame)
+        self.drain_timeout = drain_timeout
+        self._budget = _Budget(self.max_buffered)
         self._gate = _Gate()
         self._max_result = _max_result_bytes(store, max_frame)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
@@ -293,6 +374,8 @@ class DaemonServer:
             "errors": 0,
             "protocol_errors": 0,
             "refused_batches": 0,
+            "paused_reads": 0,
+            "write_timeouts": 0,
         }
         self._commit_seconds = 0.0
 
@@ -304,7 +387,7 @@ class DaemonServer:
         old_umask = os.umask(0o177 if self.group is None else 0o117)
         try:
             self._server = await asyncio.start_unix_server(
-                self._accept, path=str(path), limit=self.max_frame + 8
+                self._accept, path=str(path), limit=_STREAM_LIMIT
             )
         finally:
             os.umask(old_umask)
@@ -324,7 +407,7 @@ class DaemonServer:
         if self._server is None:
             await self.start()
         await self._stopping.wait()
-        await self.close()
+        await self.close(self.drain_timeout)
 
     def stop(self) -> None:
         """Asks the server to drain and close."""
@@ -335,7 +418,8 @@ class DaemonServer:
 
         Connections are closed once every one of them has been idle (waiting
         for a request, none in flight) for a short quiet period, or after
-        ``drain_timeout``.
+        ``drain_timeout``. A peer that does not take its replies is
+        disconnected after ``write_timeout`` and holds nothing up.
         """
         self._stopping.set()
         if self._server is not None:
@@ -403,14 +487,47 @@ class DaemonServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes | None) -> bool:
+        """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
+        what is queued; a peer too slow for that is disconnected. False if the connection is
+        gone."""
+        if writer.transport.is_closing():
+            return False
+        if data is not None:
+            writer.write(data)
+        try:
+            await _within(writer.drain(), self.write_timeout)
+        except TimeoutError:
+            self.counters["write_timeouts"] += 1
+            log.warning(
+                "disconnecting a peer that took no reply for %s s (%d bytes unsent)",
+                self.write_timeout,
+                writer.transport.get_write_buffer_size(),
+            )
+            writer.transport.abort()
+            return False
+        except ConnectionError:
+            return False
+        return True
+
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         write_lock = asyncio.Lock()
         slots = asyncio.Semaphore(self.max_in_flight)
         pending: set[asyncio.Task[None]] = set()
+        transport = writer.transport
+        # drain() returns once the unsent bytes are down to a quarter of this.
+        transport.set_write_buffer_limits(high=self.max_unsent)
         try:
             while True:
+                if transport.get_write_buffer_size() > self.max_unsent:
+                    # The peer is not reading its replies: read nothing more from it
+                    # until it does (or write_timeout disconnects it).
+                    self.counters["paused_reads"] += 1
+                    async with write_lock:
+                        if not await self._send(writer, None):
+                            return
                 # After SIGTERM, requests a client already sent are still read
                 # and answered; the connection closes once it goes quiet.
                 wait = _DRAIN_QUIET if self._stopping.is_set() else self.idle_timeout
@@ -429,15 +546,20 @@ class DaemonServer:
                     # The stream cannot be resynchronised: say why and hang up.
                     self.counters["protocol_errors"] += 1
                     async with write_lock:
-                        writer.write(protocol.encode_error(0, exc))
-                        await writer.drain()
+                        await self._send(writer, protocol.encode_error(0, exc))
                     return
                 try:
-                    body = await _within(reader.readexactly(length), self.request_timeout)
+                    body = await _within(self._read_body(reader, length), self.request_timeout)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
-                await slots.acquire()
-                task = asyncio.create_task(self._handle(body, writer, write_lock, slots))
+                if slots.locked():
+                    self.counters["paused_reads"] += 1  # max_in_flight replies not yet written
+                try:
+                    await slots.acquire()
+                except BaseException:
+                    self._budget.give(length)
+                    raise
+                task = asyncio.create_task(self._handle(body, length, writer, write_lock, slots))
                 pending.add(task)
                 self._requests.add(task)
                 task.add_done_callback(pending.discard)
@@ -446,53 +568,67 @@ class DaemonServer:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
+        """A frame body, read once its bytes fit the shared budget (kept until answered)."""
+        await self._budget.take(length)
+        try:
+            return await reader.readexactly(length)
+        except BaseException:
+            self._budget.give(length)
+            raise
+
     async def _handle(
         self,
         body: bytes,
+        reserved: int,
         writer: asyncio.StreamWriter,
         write_lock: asyncio.Lock,
         slots: asyncio.Semaphore,
     ) -> None:
         request_id = 0
         try:
-            request = protocol.decode_request(body)
-            request_id = request.request_id
-            self.counters["requests"] += 1
-            started = time.perf_counter()
-            if request.op in _INLINE_OPS:
-                # Nothing to wait for: answer on the event loop, no thread hop.
-                result = self._dispatch(request.op, request.args)
-            else:
-                loop = asyncio.get_running_loop()
-                result = await _within(
-                    loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
-                    self.request_timeout,
+            try:
+                request = protocol.decode_request(body)
+                request_id = request.request_id
+                self.counters["requests"] += 1
+                started = time.perf_counter()
+                if request.op in _INLINE_OPS:
+                    # Nothing to wait for: answer on the event loop, no thread hop.
+                    result = self._dispatch(request.op, request.args)
+                else:
+                    loop = asyncio.get_running_loop()
+                    result = await _within(
+                        loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                        self.request_timeout,
+                    )
+                self._commit_seconds += time.perf_counter() - started
+                reply = protocol.encode_response(request_id, result)
+            except FrameError as exc:
+                self.counters["protocol_errors"] += 1
+                reply = protocol.encode_error(request_id, exc)
+            except TimeoutError:
+                self.counters["errors"] += 1
+                reply = protocol.encode_error(
+                    request_id,
+                    UnavailableError(f"request not finished within {self.request_timeout} s"),
                 )
-            self._commit_seconds += time.perf_counter() - started
-            reply = protocol.encode_response(request_id, result)
-        except FrameError as exc:
-            self.counters["protocol_errors"] += 1
-            reply = protocol.encode_error(request_id, exc)
-        except TimeoutError:
-            self.counters["errors"] += 1
-            reply = protocol.encode_error(
-                request_id,
-                UnavailableError(f"request not finished within {self.request_timeout} s"),
-            )
-        except Exception as exc:
-            self.counters["errors"] += 1
-            if isinstance(exc, BatchTooLargeError):
-                self.counters["refused_batches"] += 1
-            reply = protocol.encode_error(request_id, exc)
+            except Exception as exc:
+                self.counters["errors"] += 1
+                if isinstance(exc, BatchTooLargeError):
+                    self.counters["refused_batches"] += 1
+                reply = protocol.encode_error(request_id, exc)
+            del body
+            if len(reply) - 4 > self.max_frame:
+                reply = protocol.encode_error(
+                    request_id, FrameError("reply exceeds the frame limit; use smaller batches")
+                )
+            async with write_lock:
+                await self._send(writer, reply)
         finally:
+            # Held until the reply is written: the requests of a connection that does
+            # not read its replies stay bounded, and so do their bytes.
             slots.release()
-        if len(reply) - 4 > self.max_frame:
-            reply = protocol.encode_error(
-                request_id, FrameError("reply exceeds the frame limit; use smaller batches")
-            )
-        async with write_lock:
-            writer.write(reply)
-            await writer.drain()
+            self._budget.give(reserved)
 
     # -- operations (run in the thread pool) ----------------------------------------
 
@@ -504,6 +640,8 @@ class DaemonServer:
             stats["daemon"] = dict(
                 self.counters,
                 connections_open=len(self._connections),
+                buffered_bytes=self._budget.used,
+                buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
             )
             return stats
