@@ -23,6 +23,10 @@ Defences, so that one bad or slow client cannot hurt the others:
 - a request must arrive completely within ``request_timeout`` once started
   (slow senders are cut off), idle connections are closed after
   ``idle_timeout``, and at most ``max_connections`` are served at once;
+- ``max_connections`` is kept below the open-file limit: at start the soft
+  ``RLIMIT_NOFILE`` is raised to the hard one where allowed, and connections
+  are capped at that limit minus the descriptors already open minus
+  ``fd_reserve`` (256) kept for the store's log segments, LMDB and archives;
 - a ``CLAIM_MANY`` whose reply could exceed ``max_frame`` is refused with
   :class:`~dedupcore.errors.BatchTooLargeError` before anything of it is
   applied (split the batch); the bound counts a fixed size per key plus, for
@@ -37,7 +41,11 @@ Defences, so that one bad or slow client cannot hurt the others:
 - the bodies of frames being read and of requests not yet answered share a
   budget of ``max_buffered`` (256 MiB) across all connections; a connection
   whose next frame does not fit waits (within ``request_timeout``) until
-  other requests are answered.
+  other requests are answered;
+- a store that stopped after a failed log write cannot recover in place:
+  the daemon answers the requests it has, then exits with
+  :data:`EXIT_STORE_FAILED` so a supervisor restarts it (reopening the store
+  recovers the log).
 """
 
 from __future__ import annotations
@@ -66,8 +74,9 @@ from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
+from dedupcore.wal import WalFailedError
 
-__all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
+__all__ = ["EXIT_STORE_FAILED", "DaemonServer", "SocketPathError", "check_socket_path"]
 
 T = TypeVar("T")
 
@@ -92,6 +101,8 @@ async def _within(aw: Awaitable[T], seconds: float) -> T:
 _DRAIN_QUIET = 0.2
 
 
+#: Exit status of ``dedupcore serve`` when the store failed and must be reopened.
+EXIT_STORE_FAILED = 3
 #: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
 _REPLY_FIXED = 32
 #: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
@@ -245,6 +256,49 @@ def _max_result_bytes(store: Any, ceiling: int) -> int:
     return ceiling
 
 
+def connection_cap(wanted: int, reserve: int) -> int:
+    """``wanted`` connections, or fewer so that ``reserve`` descriptors stay free.
+
+    Raises the soft ``RLIMIT_NOFILE`` to the hard limit where allowed, then
+    leaves room for the descriptors already open and ``reserve`` more (the
+    store's log segments, LMDB and archive files, the thread pool).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    cap = max(1, soft - in_use - reserve)
+    if cap < wanted:
+        log.warning(
+            "serving at most %d connections, not %d: the open-file limit is %d, %d descriptors "
+            "are open and %d are kept for the store",
+            cap,
+            wanted,
+            soft,
+            in_use,
+            reserve,
+        )
+        return cap
+    return wanted
+
+
 class _Budget:
     """Bytes of request frames held (being read or not yet answered), across connections."""
 
@@ -316,7 +370,8 @@ class DaemonServer:
     """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc).
 
     Limits (the ``dedupcore serve`` setting of the same name in brackets):
-    ``max_connections`` (1024), ``max_frame`` (16 MiB), ``request_timeout`` (30 s),
+    ``max_connections`` (1024, capped by the open-file limit less
+    ``fd_reserve``, 256), ``max_frame`` (16 MiB), ``request_timeout`` (30 s),
     ``idle_timeout`` (600 s), ``write_timeout`` (10 s), ``max_in_flight``
     per connection (64), ``max_unsent`` reply bytes per connection (1 MiB),
     ``max_buffered`` request bytes across connections (256 MiB, at least
@@ -340,6 +395,7 @@ class DaemonServer:
         write_timeout: float = 10.0,
         max_unsent: int = 1 << 20,
         max_buffered: int = 256 << 20,
+        fd_reserve: int = 256,
         drain_timeout: float = 30.0,
     ) -> None:
         self.store = store
@@ -357,7 +413,10 @@ class DaemonServer:
         self.write_timeout = write_timeout
         self.max_unsent = max_unsent
         self.max_buffered = max(max_buffered, max_frame)
+        self.fd_reserve = fd_reserve
         self.drain_timeout = drain_timeout
+        #: Exit status for ``dedupcore serve``: EXIT_STORE_FAILED once the store failed.
+        self.exit_code = 0
         self._budget = _Budget(self.max_buffered)
         self._gate = _Gate()
         self._max_result = _max_result_bytes(store, max_frame)
@@ -384,6 +443,7 @@ class DaemonServer:
     async def start(self) -> None:
         """Binds the socket and starts accepting connections."""
         path = check_socket_path(self.socket_path, group=self.group)
+        self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         old_umask = os.umask(0o177 if self.group is None else 0o117)
         try:
             self._server = await asyncio.start_unix_server(
@@ -396,7 +456,12 @@ class DaemonServer:
             os.chmod(path, 0o660)
         else:
             os.chmod(path, 0o600)
-        log.info("dedupcore serving %r on %s", self.store, path)
+        log.info(
+            "dedupcore serving %r on %s (at most %d connections)",
+            self.store,
+            path,
+            self.max_connections,
+        )
 
     async def serve_forever(self) -> None:
         """Serves until SIGTERM/SIGINT or :meth:`stop`, then drains and closes."""
@@ -617,6 +682,8 @@ class DaemonServer:
                 if isinstance(exc, BatchTooLargeError):
                     self.counters["refused_batches"] += 1
                 reply = protocol.encode_error(request_id, exc)
+                if self._store_failed(exc):
+                    self._fail_stop(exc)
             del body
             if len(reply) - 4 > self.max_frame:
                 reply = protocol.encode_error(
@@ -630,6 +697,36 @@ class DaemonServer:
             slots.release()
             self._budget.give(reserved)
 
+    # -- a failed store --------------------------------------------------------------
+
+    def _store_failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (or the store's state) says the store stopped after a failed write."""
+        seen: BaseException | None = exc
+        for _ in range(8):
+            if seen is None:
+                break
+            if isinstance(seen, WalFailedError):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return self._failed_inside(self.store)
+
+    @staticmethod
+    def _failed_inside(store: Any) -> bool:
+        stores = [store, *getattr(store, "shards", ()), getattr(store, "authority", None)]
+        return any(getattr(s, "_failed", None) is not None for s in stores if s is not None)
+
+    def _fail_stop(self, exc: BaseException) -> None:
+        if self.exit_code == 0:
+            log.error(
+                "the store failed (%s: %s); answering what is in flight, then exiting with %d "
+                "so that a supervisor restarts the daemon and the store recovers its log",
+                type(exc).__name__,
+                exc,
+                EXIT_STORE_FAILED,
+            )
+        self.exit_code = EXIT_STORE_FAILED
+        self.stop()
+
     # -- operations (run in the thread pool) ----------------------------------------
 
     def _dispatch(self, op: Op, args: dict[str, Any]) -> Any:
@@ -640,6 +737,7 @@ class DaemonServer:
             stats["daemon"] = dict(
                 self.counters,
                 connections_open=len(self._connections),
+                max_connections=self.max_connections,
                 buffered_bytes=self._budget.used,
                 buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
@@ -718,8 +816,12 @@ def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
     return _arg(args, name, kind)
 
 
-def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> None:
-    """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed)."""
+def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> int:
+    """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed).
+
+    Returns the exit status: 0, or :data:`EXIT_STORE_FAILED` when it stopped
+    because the store failed.
+    """
     server = DaemonServer(store, socket_path, **options)
     try:
         import uvloop
@@ -733,3 +835,4 @@ def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) 
         if exc.errno == errno.EADDRINUSE:
             raise SocketPathError(f"another daemon is serving on {socket_path}") from exc
         raise
+    return server.exit_code

@@ -1,5 +1,5 @@
 """The daemon's limits, with real processes and sockets: oversized batches, clients that do
-not read their replies and bytes of partial frames.
+not read their replies, descriptors, a failing store and bytes of partial frames.
 
 Waits are deterministic: each test polls the daemon's counters (or a process state) with
 a generous bound rather than sleeping and hoping.
@@ -8,7 +8,9 @@ a generous bound rather than sleeping and hoping.
 from __future__ import annotations
 
 import contextlib
+import resource
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
+from dedupcore.daemon.server import EXIT_STORE_FAILED
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import (
@@ -204,6 +207,96 @@ def test_sigterm_does_not_wait_on_a_peer_that_takes_no_reply(lab: Lab) -> None:
         assert daemon.stop(timeout=PATIENCE) == 0
     finally:
         flood.close()
+
+
+# -- descriptors and a failed store --------------------------------------------------------
+
+
+class LimitedDaemon(Daemon):
+    """A daemon started with this open-file limit (set in its process before the exec)."""
+
+    def __init__(self, home: Path, nofile: tuple[int, int]) -> None:
+        super().__init__(home, home / "data", home / "s" / "d.sock", [])
+        self.nofile = nofile
+
+    def command(self) -> list[str]:
+        soft, hard = self.nofile
+        prelude = (
+            "import os, resource, sys; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+            "os.execv(sys.executable, sys.argv[1:])"
+        )
+        return [sys.executable, "-c", prelude, *super().command()]
+
+
+def limited_daemon(lab: Lab, soft: int, hard: int) -> Daemon:
+    daemon = LimitedDaemon(lab.tmpdir(), (soft, hard))
+    lab.daemons.append(daemon)
+    return daemon.start()
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit")
+
+
+def test_the_daemon_raises_its_open_file_limit_to_the_hard_limit(lab: Lab) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 2048:
+        pytest.skip("needs a finite hard open-file limit of at least 2048")
+    daemon = limited_daemon(lab, 512, hard)
+    assert open_files_limit(daemon.pid) == (hard, hard)
+    assert daemon_stats(daemon)["max_connections"] == 1024
+
+
+def test_idle_connections_cannot_take_the_descriptors_the_store_needs(lab: Lab) -> None:
+    daemon = limited_daemon(lab, 512, 512)  # asks for the default 1024 connections
+    ns = unique_ns()
+    main = daemon.client(timeout=PATIENCE)
+    idle: list[socket.socket] = []
+    try:
+        assert main.ping()
+        cap = main.stats()["daemon"]["max_connections"]
+        assert cap <= 512 - 256
+        for _ in range(600):
+            idle.append(connect(daemon.socket))
+        wait_until(
+            lambda: main.stats()["daemon"]["refused_connections"] >= 600 - cap,
+            "the connections over the cap to be refused",
+        )
+        assert main.stats()["daemon"]["connections_open"] <= cap
+        # The store still has descriptors: claims and completions are logged.
+        claims = main.claim_many([f"k{i}" for i in range(2000)], namespace=ns)
+        assert all(x.outcome is Outcome.NEW for x in claims)
+        main.complete_many([(x.key, x.token, b"x") for x in claims], namespace=ns)
+    finally:
+        for s in idle:
+            s.close()
+        main.close()
+    wait_until(lambda: daemon_stats(daemon)["connections_open"] == 1, "idle ones to close")
+    assert_serves(daemon)
+
+
+def test_a_store_that_fails_makes_the_daemon_exit_for_a_restart(lab: Lab) -> None:
+    daemon = lab.daemon()
+    ns = unique_ns()
+    with daemon.client(timeout=PATIENCE, retries=0) as c:
+        kept = c.claim("kept", namespace=ns)
+        assert kept.outcome is Outcome.NEW
+        # Every later write of the daemon fails with EFBIG: its log can take no more.
+        resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
+        with pytest.raises(errors.UnavailableError, match="write-ahead log"):
+            c.claim("lost", namespace=ns)  # an OSError in the store, as in process
+    assert daemon.proc is not None
+    assert daemon.proc.wait(PATIENCE) == EXIT_STORE_FAILED
+    # Restarted (as a supervisor would), the store recovers what was acknowledged.
+    daemon.start()
+    with daemon.client(timeout=PATIENCE) as c:
+        assert c.claim("kept", namespace=ns).outcome is Outcome.IN_PROGRESS
+        assert c.claim("lost", namespace=ns).outcome is Outcome.NEW
 
 
 # -- bytes of partial frames ---------------------------------------------------------------
