@@ -115,6 +115,45 @@ _SMALL_FRAME = 64 << 10
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 
+def _resolve_checked(path: Path) -> Path:
+    """``path`` with its symlinks resolved (as far as it exists), refusing any symlink met
+    on the way, also inside a symlink's target, that belongs to another user than root
+    or this user: that user could point it elsewhere at any time."""
+    me = os.geteuid()
+    current = Path(path.anchor)
+    todo = list(path.parts[1:])
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return step.joinpath(*todo)  # the rest is created by this user
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_uid not in (0, me):
+            raise SocketPathError(
+                f"{step} is a symlink of uid {st.st_uid}; that user could redirect the socket"
+            )
+        hops += 1
+        if hops > 40:
+            raise SocketPathError(f"too many symlinks on the way to {path}")
+        target = Path(os.readlink(step))
+        if target.is_absolute():
+            current = Path(target.anchor)
+            todo = list(target.parts[1:]) + todo
+        else:
+            todo = list(target.parts) + todo
+    return current
+
+
 def _check_ancestors(parent: Path) -> None:
     """Refuses a directory that another user could swap out from above.
 
@@ -125,19 +164,7 @@ def _check_ancestors(parent: Path) -> None:
     a directory of their own in its place.
     """
     me = os.geteuid()
-    path = Path(os.path.abspath(parent))
-    seen = Path(path.anchor)
-    for part in path.parts[1:]:
-        seen = seen / part
-        try:
-            st = os.lstat(seen)
-        except FileNotFoundError:
-            break  # created below, by this user
-        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
-            raise SocketPathError(
-                f"{seen} is a symlink of uid {st.st_uid}; that user could redirect the socket"
-            )
-    real = Path(os.path.realpath(path))
+    real = _resolve_checked(Path(parent).absolute())
     for directory in (*reversed(real.parents), real):
         try:
             st = os.stat(directory)

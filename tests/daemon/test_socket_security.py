@@ -104,6 +104,18 @@ def test_a_symlink_of_another_user_in_the_path_is_refused(lab: Lab) -> None:
     assert "symlink" in out and f"uid {NOBODY}" in out
 
 
+def test_a_symlink_of_another_user_inside_a_symlinks_target_is_refused(lab: Lab) -> None:
+    home = lab.tmpdir()
+    elsewhere = lab.tmpdir()
+    (home / "real").mkdir(mode=0o700)
+    (elsewhere / "hop").symlink_to(home / "real")  # theirs: they could point it anywhere
+    os.lchown(elsewhere / "hop", NOBODY, NOBODY)
+    (home / "link").symlink_to(elsewhere / "hop")  # ours
+    out = refused(lab, "--data", str(home / "data"), "--socket", str(home / "link/s/d.sock"))
+    assert "symlink" in out and f"uid {NOBODY}" in out
+    assert not (home / "real" / "s").exists()
+
+
 def test_an_ancestor_writable_by_others_without_the_sticky_bit_is_refused(lab: Lab) -> None:
     home = lab.tmpdir()
     (home / "open").mkdir()
