@@ -34,3 +34,14 @@ class UnsupportedFormatError(CorruptFileError):
 
 class SchemaError(DedupError, LookupError):
     """A table is missing, or lacks the columns or unique index a dedup pattern needs."""
+
+
+class SocketPathError(DedupError, OSError):
+    """The daemon's socket path cannot be used safely."""
+
+
+class BatchTooLargeError(DedupError, ValueError):
+    """A batch whose reply could exceed the daemon's frame limit; nothing of it was applied.
+
+    Split the batch into smaller ones.
+    """

@@ -1,8 +1,31 @@
-"""``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables."""
+"""``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables.
+
+``serve`` takes its settings from a TOML file (``--config``), ``DEDUPCORE_<NAME>``
+environment variables and the command line. Besides the command-line ones,
+these limits of :class:`~dedupcore.daemon.server.DaemonServer` can be set in
+the TOML file or the environment:
+
+- ``write_timeout`` (seconds, 10): a peer that takes no reply for this long
+  is disconnected;
+- ``idle_timeout`` (seconds, 600): a connection that sends no request for this
+  long is closed;
+- ``max_unsent`` (bytes, 1 MiB): the daemon stops reading a connection while
+  more of its replies than this wait to be sent;
+- ``max_in_flight`` (64): requests of one connection between read and reply;
+- ``max_buffered`` (bytes, 256 MiB): request bytes held across all connections;
+- ``fd_reserve`` (256): descriptors kept free for the store when capping
+  ``max_connections`` to the open-file limit;
+- ``drain_timeout`` (seconds, 30): how long SIGTERM waits for clients to go quiet.
+
+``serve`` exits with 1 when it cannot start and with
+:data:`~dedupcore.daemon.server.EXIT_STORE_FAILED` (3) when the store failed
+while serving (a supervisor should restart it: reopening recovers the log).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +59,24 @@ _SERVE_KEYS = (
     "request_timeout",
     "metrics_port",
     "log_level",
+    "write_timeout",
+    "idle_timeout",
+    "max_unsent",
+    "max_in_flight",
+    "max_buffered",
+    "fd_reserve",
+    "drain_timeout",
 )
+#: Settings passed to DaemonServer as they are, with their types.
+_LIMITS: dict[str, type] = {
+    "write_timeout": float,
+    "idle_timeout": float,
+    "max_unsent": int,
+    "max_in_flight": int,
+    "max_buffered": int,
+    "fd_reserve": int,
+    "drain_timeout": float,
+}
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,17 +164,33 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_connections"] = int(s["max_connections"])
     if s.get("request_timeout"):
         options["request_timeout"] = float(s["request_timeout"])
+    try:
+        for key, kind in _LIMITS.items():
+            if s.get(key) is not None:
+                options[key] = kind(s[key])
+    except (TypeError, ValueError) as exc:
+        print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
+        store.close()
+        return 2
     if s.get("metrics_port"):
         _start_metrics(store, int(s["metrics_port"]))
     try:
-        serve(store, s["socket"], **options)
+        rc = serve(store, s["socket"], **options)
     except DedupError as exc:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
     finally:
         stop_sweeping.set()
-        store.close()
-    return 0
+        try:
+            store.close()
+        except (DedupError, OSError) as exc:
+            # A store that failed may refuse to close cleanly; reopening recovers it.
+            log.error("closing the store failed: %s", exc)
+    if rc:
+        # The disk that failed the store may hold stderr too: the exit status is what counts.
+        with contextlib.suppress(OSError):
+            print(f"dedupcore serve: the store failed; exiting with {rc}", file=sys.stderr)
+    return rc
 
 
 def _start_sweeper(store: Any, stop: threading.Event, interval: float = 60.0) -> None:

@@ -39,6 +39,8 @@ from dedupcore import errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
 from dedupcore.record import State
+from dedupcore.store import StoreLockedError
+from dedupcore.wal import WalFailedError
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -59,6 +61,7 @@ __all__ = [
     "error_from_payload",
     "items_arg",
     "key_list",
+    "packed_len",
     "record_from_map",
     "record_map",
 ]
@@ -133,6 +136,11 @@ def _unpack(body: bytes) -> Any:
         raise FrameError(f"frame body is not valid msgpack: {exc}") from None
 
 
+def packed_len(obj: Any) -> int:
+    """Bytes ``obj`` takes in a message."""
+    return len(_pack(obj))
+
+
 def encode_request(request_id: int, op: Op, args: dict[str, Any]) -> bytes:
     """A framed request; TypeError for a value msgpack cannot carry (e.g. an int over 64 bits)."""
     try:
@@ -165,7 +173,8 @@ def encode_response(request_id: int, result: Any) -> bytes:
     return frame(_pack([request_id, int(Status.OK), result]))
 
 
-#: Exceptions the daemon reports by name; anything else arrives as DedupError.
+#: Exceptions the daemon reports by name, so a client raises the class the store
+#: raised; anything else arrives as DedupError (an OSError as UnavailableError).
 _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
@@ -174,6 +183,12 @@ _ERRORS: dict[str, type[BaseException]] = {
         errors.StaleTokenError,
         errors.UnavailableError,
         errors.CorruptFileError,
+        errors.UnsupportedFormatError,
+        errors.SchemaError,
+        errors.SocketPathError,
+        errors.BatchTooLargeError,
+        StoreLockedError,
+        WalFailedError,
         InProgressError,
         FrameError,
         ValueError,

@@ -12,13 +12,40 @@ Defences, so that one bad or slow client cannot hurt the others:
 - the socket lives in a directory created 0700 (0750 with ``group``), the
   socket file is 0600 (0660); a path that is a symlink, belongs to another
   user or is longer than the platform limit is refused;
+- the socket's ancestors must not let another user replace its directory:
+  each belongs to root or to this user and is not writable by others unless
+  sticky (like ``/tmp``), and no symlink on the way belongs to another user;
 - peer credentials (``SO_PEERCRED``) are checked against allowed uids/gids
-  (default: the daemon's own uid);
+  (default: the daemon's own uid); with allowed gids, a peer's supplementary
+  groups (``SO_PEERGROUPS``, else the user database) count as well;
 - a frame larger than ``max_frame`` closes the connection; garbage inside a
   well-framed message gets an error reply and the connection stays usable;
 - a request must arrive completely within ``request_timeout`` once started
   (slow senders are cut off), idle connections are closed after
-  ``idle_timeout``, and at most ``max_connections`` are served at once.
+  ``idle_timeout``, and at most ``max_connections`` are served at once;
+- ``max_connections`` is kept below the open-file limit: at start the soft
+  ``RLIMIT_NOFILE`` is raised to the hard one where allowed, and connections
+  are capped at that limit minus the descriptors already open minus
+  ``fd_reserve`` (256) kept for the store's log segments, LMDB and archives;
+- a ``CLAIM_MANY`` whose reply could exceed ``max_frame`` is refused with
+  :class:`~dedupcore.errors.BatchTooLargeError` before anything of it is
+  applied (split the batch); the bound counts a fixed size per key plus, for
+  keys that may be duplicates, the results they hold;
+- each connection has at most ``max_in_flight`` (64) requests between read
+  and reply written, and the daemon stops reading a connection while more
+  than ``max_unsent`` (1 MiB) of its replies are waiting to be sent
+  (backpressure on a client that pipelines without reading);
+- every reply must be taken by the peer within ``write_timeout`` (10 s); a
+  peer that does not read is disconnected, so neither it nor a shutdown
+  waits on it longer;
+- the bodies of frames being read and of requests not yet answered share a
+  budget of ``max_buffered`` (256 MiB) across all connections; a connection
+  whose next frame does not fit waits (within ``request_timeout``) until
+  other requests are answered;
+- a store that stopped after a failed log write cannot recover in place:
+  the daemon answers the requests it has, then exits with
+  :data:`EXIT_STORE_FAILED` so a supervisor restarts it (reopening the store
+  recovers the log).
 """
 
 from __future__ import annotations
@@ -29,13 +56,16 @@ import errno
 import grp
 import logging
 import os
+import pwd
 import signal
 import socket
 import stat
 import struct
 import sys
+import threading
 import time
-from collections.abc import Awaitable
+from collections import deque
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,9 +73,10 @@ from typing import Any, TypeVar
 from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
-from dedupcore.errors import DedupError, UnavailableError
+from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
+from dedupcore.wal import WalFailedError
 
-__all__ = ["DaemonServer", "SocketPathError", "check_socket_path"]
+__all__ = ["EXIT_STORE_FAILED", "DaemonServer", "SocketPathError", "check_socket_path"]
 
 T = TypeVar("T")
 
@@ -70,16 +101,95 @@ async def _within(aw: Awaitable[T], seconds: float) -> T:
 _DRAIN_QUIET = 0.2
 
 
-class SocketPathError(DedupError, OSError):
-    """The socket path cannot be used safely."""
+#: Exit status of ``dedupcore serve`` when the store failed and must be reopened.
+EXIT_STORE_FAILED = 3
+#: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
+_REPLY_FIXED = 32
+#: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
+_ROW_FIXED = 32
+#: Read-ahead a connection's stream may hold before the daemon reads a frame from it.
+_STREAM_LIMIT = 16 << 10
+#: A frame this small may pass larger ones waiting for the buffer budget.
+_SMALL_FRAME = 64 << 10
+#: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+def _resolve_checked(path: Path) -> Path:
+    """``path`` with its symlinks resolved (as far as it exists), refusing any symlink met
+    on the way, also inside a symlink's target, that belongs to another user than root
+    or this user: that user could point it elsewhere at any time."""
+    me = os.geteuid()
+    current = Path(path.anchor)
+    todo = list(path.parts[1:])
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return step.joinpath(*todo)  # the rest is created by this user
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_uid not in (0, me):
+            raise SocketPathError(
+                f"{step} is a symlink of uid {st.st_uid}; that user could redirect the socket"
+            )
+        hops += 1
+        if hops > 40:
+            raise SocketPathError(f"too many symlinks on the way to {path}")
+        target = Path(os.readlink(step))
+        if target.is_absolute():
+            current = Path(target.anchor)
+            todo = list(target.parts[1:]) + todo
+        else:
+            todo = list(target.parts) + todo
+    return current
+
+
+def _check_ancestors(parent: Path) -> None:
+    """Refuses a directory that another user could swap out from above.
+
+    Every symlink met on the way to ``parent`` must belong to root or to this
+    user, and every directory on the resolved path must belong to root or to
+    this user and must not be writable by others unless it has the sticky bit
+    (like ``/tmp``): otherwise someone else could rename an ancestor and put
+    a directory of their own in its place.
+    """
+    me = os.geteuid()
+    real = _resolve_checked(Path(parent).absolute())
+    for directory in (*reversed(real.parents), real):
+        try:
+            st = os.stat(directory)
+        except FileNotFoundError:
+            return  # created below, by this user
+        if st.st_uid not in (0, me):
+            raise SocketPathError(
+                f"{directory} (on the way to {parent}) belongs to uid {st.st_uid}; "
+                "that user could replace the socket's directory"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise SocketPathError(
+                f"{directory} (on the way to {parent}) is writable by others without the "
+                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}); another user could replace "
+                "the socket's directory"
+            )
 
 
 def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None) -> Path:
     """Prepares the socket's directory and refuses unsafe or stale paths.
 
     Creates the directory (0700, or 0750 with ``group``); refuses a path that
-    is too long, a symlink, owned by another user, or a live socket of another
-    daemon; removes the stale socket file of a killed daemon.
+    is too long, a symlink, owned by another user, under an ancestor another
+    user could replace (see :func:`_check_ancestors`), or a live socket of
+    another daemon; removes the stale socket file of a killed daemon.
     """
     p = Path(path)
     if len(os.fsencode(p)) > MAX_SOCKET_PATH:
@@ -87,6 +197,7 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
             f"socket path is {len(os.fsencode(p))} bytes; the limit is {MAX_SOCKET_PATH}"
         )
     parent = p.parent
+    _check_ancestors(parent)
     if not parent.exists():
         parent.mkdir(mode=0o750 if group else 0o700, parents=True)
         if group is not None:
@@ -128,8 +239,171 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
     raise SocketPathError(f"another daemon is serving on {p}")
 
 
+class _Gate:
+    """Two kinds of callers, each sharing the gate with its own kind only.
+
+    Claim batches whose reply size was bounded by reading their keys' results
+    first hold one side; completions (which store results) hold the other,
+    so no result can grow between the reading and the claim.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = [0, 0]
+        self._waiting = [0, 0]
+
+    @contextlib.contextmanager
+    def side(self, side: int) -> Iterator[None]:
+        other = 1 - side
+        with self._cond:
+            self._waiting[side] += 1
+            # Wait while the other side is in, or while it waits and this side is
+            # in (so a steady stream of one kind cannot starve the other).
+            while self._active[other] or (self._waiting[other] and self._active[side]):
+                self._cond.wait()
+            self._waiting[side] -= 1
+            self._active[side] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active[side] -= 1
+                self._cond.notify_all()
+
+
+_CLAIMS, _COMPLETES = 0, 1
+
+
+def _max_result_bytes(store: Any, ceiling: int) -> int:
+    """The largest result ``store`` keeps, as far as it says (else ``ceiling``)."""
+    for holder in (store, getattr(store, "config", None)):
+        limit = getattr(holder, "max_result_bytes", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return ceiling
+
+
+def connection_cap(wanted: int, reserve: int) -> int:
+    """``wanted`` connections, or fewer so that ``reserve`` descriptors stay free.
+
+    Raises the soft ``RLIMIT_NOFILE`` to the hard limit where allowed, then
+    leaves room for the descriptors already open and ``reserve`` more (the
+    store's log segments, LMDB and archive files, the thread pool).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    cap = max(1, soft - in_use - reserve)
+    if cap < wanted:
+        log.warning(
+            "serving at most %d connections, not %d: the open-file limit is %d, %d descriptors "
+            "are open and %d are kept for the store",
+            cap,
+            wanted,
+            soft,
+            in_use,
+            reserve,
+        )
+        return cap
+    return wanted
+
+
+class _Budget:
+    """Bytes of request frames held (being read or not yet answered), across connections."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.waits = 0  # reservations that had to wait
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def take(self, n: int) -> None:
+        """Reserves ``n`` bytes, waiting in order while they do not fit."""
+        if self.used + n <= self.limit and (not self._waiters or n <= _SMALL_FRAME):
+            self.used += n
+            return
+        self.waits += 1
+        fut = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give(n)  # granted just as the wait was given up
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        # In order; a small frame may pass a large one that does not fit yet.
+        for entry in list(self._waiters):
+            n, fut = entry
+            head = entry is self._waiters[0]
+            if fut.done():
+                self._waiters.remove(entry)
+            elif self.used + n <= self.limit and (head or n <= _SMALL_FRAME):
+                self._waiters.remove(entry)
+                self.used += n
+                fut.set_result(None)
+
+
+def peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
+    """The peer's groups: the kernel's ``SO_PEERGROUPS`` (the groups the peer process had
+    when it connected), else the groups the user database gives the peer's uid."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)  # 256 groups
+        return {gid, *struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])}
+    except OSError:
+        pass
+    try:
+        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
+    except (KeyError, OSError):
+        return {gid}
+
+
+def peer_admitted(
+    uid: int, gid: int, groups: set[int], allowed_uids: set[int], allowed_gids: set[int]
+) -> bool:
+    """Whether a peer (uid, primary gid, all its groups) may use the daemon."""
+    return uid in allowed_uids or gid in allowed_gids or bool(groups & allowed_gids)
+
+
 class DaemonServer:
-    """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc)."""
+    """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc).
+
+    Limits (the ``dedupcore serve`` setting of the same name in brackets):
+    ``max_connections`` (1024, capped by the open-file limit less
+    ``fd_reserve``, 256), ``max_frame`` (16 MiB), ``request_timeout`` (30 s),
+    ``idle_timeout`` (600 s), ``write_timeout`` (10 s), ``max_in_flight``
+    per connection (64), ``max_unsent`` reply bytes per connection (1 MiB),
+    ``max_buffered`` request bytes across connections (256 MiB, at least
+    ``max_frame``), ``drain_timeout`` after SIGTERM (30 s).
+    """
 
     def __init__(
         self,
@@ -145,6 +419,11 @@ class DaemonServer:
         idle_timeout: float = 600.0,
         max_in_flight: int = 64,
         workers: int = 4,
+        write_timeout: float = 10.0,
+        max_unsent: int = 1 << 20,
+        max_buffered: int = 256 << 20,
+        fd_reserve: int = 256,
+        drain_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -158,6 +437,16 @@ class DaemonServer:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.max_in_flight = max_in_flight
+        self.write_timeout = write_timeout
+        self.max_unsent = max_unsent
+        self.max_buffered = max(max_buffered, max_frame)
+        self.fd_reserve = fd_reserve
+        self.drain_timeout = drain_timeout
+        #: Exit status for ``dedupcore serve``: EXIT_STORE_FAILED once the store failed.
+        self.exit_code = 0
+        self._budget = _Budget(self.max_buffered)
+        self._gate = _Gate()
+        self._max_result = _max_result_bytes(store, max_frame)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -170,6 +459,9 @@ class DaemonServer:
             "requests": 0,
             "errors": 0,
             "protocol_errors": 0,
+            "refused_batches": 0,
+            "paused_reads": 0,
+            "write_timeouts": 0,
         }
         self._commit_seconds = 0.0
 
@@ -178,10 +470,11 @@ class DaemonServer:
     async def start(self) -> None:
         """Binds the socket and starts accepting connections."""
         path = check_socket_path(self.socket_path, group=self.group)
+        self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         old_umask = os.umask(0o177 if self.group is None else 0o117)
         try:
             self._server = await asyncio.start_unix_server(
-                self._accept, path=str(path), limit=self.max_frame + 8
+                self._accept, path=str(path), limit=_STREAM_LIMIT
             )
         finally:
             os.umask(old_umask)
@@ -190,7 +483,12 @@ class DaemonServer:
             os.chmod(path, 0o660)
         else:
             os.chmod(path, 0o600)
-        log.info("dedupcore serving %r on %s", self.store, path)
+        log.info(
+            "dedupcore serving %r on %s (at most %d connections)",
+            self.store,
+            path,
+            self.max_connections,
+        )
 
     async def serve_forever(self) -> None:
         """Serves until SIGTERM/SIGINT or :meth:`stop`, then drains and closes."""
@@ -201,7 +499,7 @@ class DaemonServer:
         if self._server is None:
             await self.start()
         await self._stopping.wait()
-        await self.close()
+        await self.close(self.drain_timeout)
 
     def stop(self) -> None:
         """Asks the server to drain and close."""
@@ -212,7 +510,8 @@ class DaemonServer:
 
         Connections are closed once every one of them has been idle (waiting
         for a request, none in flight) for a short quiet period, or after
-        ``drain_timeout``.
+        ``drain_timeout``. A peer that does not take its replies is
+        disconnected after ``write_timeout`` and holds nothing up.
         """
         self._stopping.set()
         if self._server is not None:
@@ -246,7 +545,14 @@ class DaemonServer:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
         who = f"pid {pid} uid {uid} gid {gid}"
-        return (uid in self.allowed_uids or gid in self.allowed_gids), who
+        if uid in self.allowed_uids or gid in self.allowed_gids:
+            return True, who
+        if not self.allowed_gids:
+            return False, who
+        groups = peer_groups(sock, uid, gid)
+        return peer_admitted(uid, gid, groups, self.allowed_uids, self.allowed_gids), (
+            f"{who} groups {sorted(groups)}"
+        )
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -273,14 +579,47 @@ class DaemonServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes | None) -> bool:
+        """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
+        what is queued; a peer too slow for that is disconnected. False if the connection is
+        gone."""
+        if writer.transport.is_closing():
+            return False
+        if data is not None:
+            writer.write(data)
+        try:
+            await _within(writer.drain(), self.write_timeout)
+        except TimeoutError:
+            self.counters["write_timeouts"] += 1
+            log.warning(
+                "disconnecting a peer that took no reply for %s s (%d bytes unsent)",
+                self.write_timeout,
+                writer.transport.get_write_buffer_size(),
+            )
+            writer.transport.abort()
+            return False
+        except ConnectionError:
+            return False
+        return True
+
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         write_lock = asyncio.Lock()
         slots = asyncio.Semaphore(self.max_in_flight)
         pending: set[asyncio.Task[None]] = set()
+        transport = writer.transport
+        # drain() returns once the unsent bytes are down to a quarter of this.
+        transport.set_write_buffer_limits(high=self.max_unsent)
         try:
             while True:
+                if transport.get_write_buffer_size() > self.max_unsent:
+                    # The peer is not reading its replies: read nothing more from it
+                    # until it does (or write_timeout disconnects it).
+                    self.counters["paused_reads"] += 1
+                    async with write_lock:
+                        if not await self._send(writer, None):
+                            return
                 # After SIGTERM, requests a client already sent are still read
                 # and answered; the connection closes once it goes quiet.
                 wait = _DRAIN_QUIET if self._stopping.is_set() else self.idle_timeout
@@ -299,15 +638,20 @@ class DaemonServer:
                     # The stream cannot be resynchronised: say why and hang up.
                     self.counters["protocol_errors"] += 1
                     async with write_lock:
-                        writer.write(protocol.encode_error(0, exc))
-                        await writer.drain()
+                        await self._send(writer, protocol.encode_error(0, exc))
                     return
                 try:
-                    body = await _within(reader.readexactly(length), self.request_timeout)
+                    body = await _within(self._read_body(reader, length), self.request_timeout)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
-                await slots.acquire()
-                task = asyncio.create_task(self._handle(body, writer, write_lock, slots))
+                if slots.locked():
+                    self.counters["paused_reads"] += 1  # max_in_flight replies not yet written
+                try:
+                    await slots.acquire()
+                except BaseException:
+                    self._budget.give(length)
+                    raise
+                task = asyncio.create_task(self._handle(body, length, writer, write_lock, slots))
                 pending.add(task)
                 self._requests.add(task)
                 task.add_done_callback(pending.discard)
@@ -316,51 +660,99 @@ class DaemonServer:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
+        """A frame body, read once its bytes fit the shared budget (kept until answered)."""
+        await self._budget.take(length)
+        try:
+            return await reader.readexactly(length)
+        except BaseException:
+            self._budget.give(length)
+            raise
+
     async def _handle(
         self,
         body: bytes,
+        reserved: int,
         writer: asyncio.StreamWriter,
         write_lock: asyncio.Lock,
         slots: asyncio.Semaphore,
     ) -> None:
         request_id = 0
         try:
-            request = protocol.decode_request(body)
-            request_id = request.request_id
-            self.counters["requests"] += 1
-            started = time.perf_counter()
-            if request.op in _INLINE_OPS:
-                # Nothing to wait for: answer on the event loop, no thread hop.
-                result = self._dispatch(request.op, request.args)
-            else:
-                loop = asyncio.get_running_loop()
-                result = await _within(
-                    loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
-                    self.request_timeout,
+            try:
+                request = protocol.decode_request(body)
+                request_id = request.request_id
+                self.counters["requests"] += 1
+                started = time.perf_counter()
+                if request.op in _INLINE_OPS:
+                    # Nothing to wait for: answer on the event loop, no thread hop.
+                    result = self._dispatch(request.op, request.args)
+                else:
+                    loop = asyncio.get_running_loop()
+                    result = await _within(
+                        loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                        self.request_timeout,
+                    )
+                self._commit_seconds += time.perf_counter() - started
+                reply = protocol.encode_response(request_id, result)
+            except FrameError as exc:
+                self.counters["protocol_errors"] += 1
+                reply = protocol.encode_error(request_id, exc)
+            except TimeoutError:
+                self.counters["errors"] += 1
+                reply = protocol.encode_error(
+                    request_id,
+                    UnavailableError(f"request not finished within {self.request_timeout} s"),
                 )
-            self._commit_seconds += time.perf_counter() - started
-            reply = protocol.encode_response(request_id, result)
-        except FrameError as exc:
-            self.counters["protocol_errors"] += 1
-            reply = protocol.encode_error(request_id, exc)
-        except TimeoutError:
-            self.counters["errors"] += 1
-            reply = protocol.encode_error(
-                request_id,
-                UnavailableError(f"request not finished within {self.request_timeout} s"),
-            )
-        except Exception as exc:
-            self.counters["errors"] += 1
-            reply = protocol.encode_error(request_id, exc)
+            except Exception as exc:
+                self.counters["errors"] += 1
+                if isinstance(exc, BatchTooLargeError):
+                    self.counters["refused_batches"] += 1
+                reply = protocol.encode_error(request_id, exc)
+                if self._store_failed(exc):
+                    self._fail_stop(exc)
+            del body
+            if len(reply) - 4 > self.max_frame:
+                reply = protocol.encode_error(
+                    request_id, FrameError("reply exceeds the frame limit; use smaller batches")
+                )
+            async with write_lock:
+                await self._send(writer, reply)
         finally:
+            # Held until the reply is written: the requests of a connection that does
+            # not read its replies stay bounded, and so do their bytes.
             slots.release()
-        if len(reply) - 4 > self.max_frame:
-            reply = protocol.encode_error(
-                request_id, FrameError("reply exceeds the frame limit; use smaller batches")
+            self._budget.give(reserved)
+
+    # -- a failed store --------------------------------------------------------------
+
+    def _store_failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (or the store's state) says the store stopped after a failed write."""
+        seen: BaseException | None = exc
+        for _ in range(8):
+            if seen is None:
+                break
+            if isinstance(seen, WalFailedError):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return self._failed_inside(self.store)
+
+    @staticmethod
+    def _failed_inside(store: Any) -> bool:
+        stores = [store, *getattr(store, "shards", ()), getattr(store, "authority", None)]
+        return any(getattr(s, "_failed", None) is not None for s in stores if s is not None)
+
+    def _fail_stop(self, exc: BaseException) -> None:
+        if self.exit_code == 0:
+            log.error(
+                "the store failed (%s: %s); answering what is in flight, then exiting with %d "
+                "so that a supervisor restarts the daemon and the store recovers its log",
+                type(exc).__name__,
+                exc,
+                EXIT_STORE_FAILED,
             )
-        async with write_lock:
-            writer.write(reply)
-            await writer.drain()
+        self.exit_code = EXIT_STORE_FAILED
+        self.stop()
 
     # -- operations (run in the thread pool) ----------------------------------------
 
@@ -372,22 +764,36 @@ class DaemonServer:
             stats["daemon"] = dict(
                 self.counters,
                 connections_open=len(self._connections),
+                max_connections=self.max_connections,
+                buffered_bytes=self._budget.used,
+                buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
             )
             return stats
         ns = _arg(args, "ns", str)
         if op is Op.CLAIM_MANY:
             keys = _arg(args, "keys", list)
-            claims = self.store.claim_many(
-                keys,
-                namespace=ns,
-                lease=_optional(args, "lease", (int, float)),
-                owner=_optional(args, "owner", (bytes, str)),
-                fingerprints=_optional(args, "fps", list),
-            )
+            options = {
+                "namespace": ns,
+                "lease": _optional(args, "lease", (int, float)),
+                "owner": _optional(args, "owner", (bytes, str)),
+                "fingerprints": _optional(args, "fps", list),
+            }
+            fixed = _REPLY_FIXED + _ROW_FIXED * len(keys)
+            if fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
+                claims = self.store.claim_many(keys, **options)
+            else:
+                # The reply could exceed a frame if enough keys are duplicates with
+                # large results: count the results they hold now, with completions
+                # held off until the claim is done, and refuse before applying.
+                with self._gate.side(_CLAIMS):
+                    self._check_reply_bound(keys, ns, fixed)
+                    claims = self.store.claim_many(keys, **options)
             return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
-            self.store.complete_many(_arg(args, "items", list), namespace=ns)
+            items = _arg(args, "items", list)
+            with self._gate.side(_COMPLETES):
+                self.store.complete_many(items, namespace=ns)
             return None
         if op is Op.RELEASE_MANY:
             self.store.release_many(_arg(args, "items", list), namespace=ns)
@@ -397,6 +803,29 @@ class DaemonServer:
                 self.store.get(_arg(args, "key", (bytes, str)), namespace=ns)
             )
         raise FrameError(f"op {op!r} is not served")
+
+    def _check_reply_bound(self, keys: list[Any], ns: str, fixed: int) -> None:
+        """BatchTooLargeError if the claim reply for ``keys`` could exceed a frame."""
+        sizes: dict[Any, int] = {}
+        total = fixed
+        for key in keys:
+            size = sizes.get(key)
+            if size is None:
+                try:
+                    record = self.store.get(key, namespace=ns)
+                except (TypeError, ValueError):
+                    record = None  # a bad key: claim_many names it
+                size = 0
+                if record is not None and record.result is not None:
+                    size = 8 + protocol.packed_len(record.result)
+                sizes[key] = size
+            total += size
+            if total > self.max_frame:
+                raise BatchTooLargeError(
+                    f"a claim of these {len(keys)} keys could be answered with more than "
+                    f"{self.max_frame} bytes (the frame limit), counting the stored results "
+                    "of the keys already done; nothing was claimed: split the batch"
+                )
 
 
 def _arg(args: dict[str, Any], name: str, kind: Any) -> Any:
@@ -414,8 +843,12 @@ def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
     return _arg(args, name, kind)
 
 
-def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> None:
-    """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed)."""
+def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> int:
+    """Runs a daemon in this process until SIGTERM/SIGINT (uvloop when installed).
+
+    Returns the exit status: 0, or :data:`EXIT_STORE_FAILED` when it stopped
+    because the store failed.
+    """
     server = DaemonServer(store, socket_path, **options)
     try:
         import uvloop
@@ -429,3 +862,4 @@ def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) 
         if exc.errno == errno.EADDRINUSE:
             raise SocketPathError(f"another daemon is serving on {socket_path}") from exc
         raise
+    return server.exit_code
