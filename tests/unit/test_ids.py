@@ -115,6 +115,53 @@ def test_ids_strictly_increase_whatever_the_clock_does(region: int, steps: list[
     assert gen.stats()["backward_steps"] == sum(behind)
 
 
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(-50, 3), min_size=1, max_size=300),
+)
+def test_bounds_hold_with_a_small_sequence_limit(limit: int, steps: list[int]) -> None:
+    """Backward steps and overflows together: still strictly increasing, never behind the
+    reading, and ahead of the highest reading by at most one ms per limit+1 ids."""
+    readings = []
+    t = 1_700_000_000_000
+    for s in steps:
+        t += s
+        readings.append(t)
+    gen = IdGenerator(1, node=1, clock=FakeClock(iter(readings)), sequence_limit=limit)
+    issued = [ids.parse(gen.next_bytes()) for _ in readings]
+    pairs = [(p.time_ms, p.sequence) for p in issued]
+    assert pairs == sorted(set(pairs))
+    assert all(p.sequence <= limit for p in issued)
+    for n, (p, reading) in enumerate(zip(issued, readings, strict=True), start=1):
+        assert p.time_ms >= reading
+        assert p.time_ms <= max(readings[:n]) + n // (limit + 1)
+
+
+def test_threads_with_a_clock_that_keeps_stepping_back() -> None:
+    state = {"now": 1_700_000_000_000}
+
+    def clock() -> int:  # called under the generator's lock: one reading at a time
+        state["now"] -= 1
+        return state["now"]
+
+    gen = IdGenerator(2, clock=clock, sequence_limit=1000)
+    out: list[list[bytes]] = [[] for _ in range(6)]
+
+    def work(i: int) -> None:
+        for _ in range(1500):
+            out[i].append(gen.next_bytes())
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = [x for r in out for x in r]
+    assert len(set(everything)) == len(everything) == 9000
+    assert all(r == sorted(r) for r in out)
+    assert gen.stats()["backward_steps"] == 8999 and gen.stats()["sequence_overflows"] == 8
+
+
 def test_backward_step_continues_from_the_last_time() -> None:
     clock = FakeClock()
     gen = IdGenerator(3, node=1, clock=clock)
