@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -418,3 +419,25 @@ def test_many_threads_lose_nothing(authority: MemoryTable) -> None:
         for i in range(per_thread):
             rec = authority.get(f"t{t}-{i}", namespace=NS)
             assert rec is not None and rec.state is State.PROCESSED and rec.result == i
+
+
+def test_window_and_conflict_with_an_embedded_authority(tmp_path: Path) -> None:
+    from dedupcore.store import DedupStore
+
+    with DedupStore.open(tmp_path / "authority", durability="power-loss-unsafe") as authority:
+        s = WriteBehindStore(authority, local=tmp_path / "local", flush_interval=NEVER)
+        try:
+            c = s.claim("k", namespace=NS)
+            other = authority.claim("k", namespace=NS)  # another consumer, inside the window
+            assert other.outcome is Outcome.NEW
+            pushed = s.claim("p", namespace=NS)
+            s.flush()
+            assert authority.claim("p", namespace=NS).outcome is Outcome.IN_PROGRESS
+            s.complete_many([("k", c.token, "mine"), ("p", pushed.token, "p")], namespace=NS)
+            s.flush()
+            assert authority.claim("p", namespace=NS).result == "p"
+            (conflict,) = s.conflicts
+            assert conflict.key == "k" and conflict.authority_outcome is Outcome.IN_PROGRESS
+            assert state_at(authority, "k") is State.PROCESSING  # still the other consumer's
+        finally:
+            s.close()
