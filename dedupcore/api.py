@@ -616,7 +616,12 @@ class ClaimAPI(ABC):
         """
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            key_of = key if callable(key) else _payload_key(fn, key_path(key), payload)
+            if callable(key):
+                if payload is not None:
+                    raise TypeError("payload= is for a key path; here key is a function")
+                key_of = key
+            else:
+                key_of = _payload_key(fn, key_path(key), payload)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -650,7 +655,8 @@ def _payload_key(
         sig = None
     params = list(sig.parameters.values()) if sig is not None else []
     if payload is not None and sig is not None and payload not in sig.parameters:
-        raise TypeError(f"{fn.__qualname__} has no argument named {payload!r} (payload=)")
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"{name} has no argument named {payload!r} (payload=)")
     name = payload if payload is not None else (params[0].name if params else None)
 
     def key_of(*args: Any, **kwargs: Any) -> bytes | str:

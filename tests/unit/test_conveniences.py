@@ -206,6 +206,8 @@ def test_decorator_payload_argument_by_name(store: DedupStore) -> None:
     assert calls == 1
     with pytest.raises(TypeError, match="no argument named 'evt'"):
         store.idempotent(namespace=NS, key="id", payload="evt")(handle)
+    with pytest.raises(TypeError, match="key is a function"):
+        store.idempotent(namespace=NS, key=lambda e: e, payload="event")(handle)
 
 
 def test_decorator_without_a_key_does_not_run(store: DedupStore) -> None:
