@@ -54,7 +54,7 @@ class ClaimTable:
         claim_type: Callable[..., Any],
         outcomes: tuple[Any, Any, Any],
         unpack: Callable[[bytes], Any],
-    ) -> tuple[list[Any] | None, int, int, list[bytes], tuple[int, int, int, int, int]]: ...
+    ) -> tuple[list[Any] | None, int, int, list[bytes], tuple[int, int, int, int, int, int]]: ...
     def change(
         self,
         digests: bytes,

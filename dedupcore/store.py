@@ -55,6 +55,7 @@ from dedupcore.api import (
 from dedupcore.bloom import BloomRing, atomic_write
 from dedupcore.config import Retention, StoreConfig, check_lease, policies
 from dedupcore.errors import (
+    BatchTooLargeError,
     CorruptFileError,
     DedupError,
     StaleTokenError,
@@ -105,6 +106,10 @@ class _Stats:
 
 class DedupStore(ClaimAPI):
     """An embedded dedup store over one data directory (see the module docstring)."""
+
+    #: claim_many takes reply_limit= and refuses a batch whose answer would pass it
+    #: before anything changes (the daemon relies on it instead of reading ahead).
+    bounds_replies = True
 
     # -- opening and closing -------------------------------------------------
 
@@ -445,12 +450,18 @@ class DedupStore(ClaimAPI):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
+        reply_limit: int | None = None,
+        row_bytes: int = 0,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace; one log write and one sync for all.
 
         A key repeated in the batch is NEW once; its later copies are
         IN_PROGRESS (or NEW with the same token for an ``owner``). A bad key or
-        a fingerprint conflict raises before anything is claimed.
+        a fingerprint conflict raises before anything is claimed. With
+        ``reply_limit``, a batch whose answers would carry more than that many
+        bytes (``row_bytes`` per key plus the stored results of its
+        duplicates) raises BatchTooLargeError, also before anything changes:
+        the daemon passes its frame limit.
         """
         self._check_usable(write=True)
         key_list = list(keys)
@@ -496,10 +507,17 @@ class DedupStore(ClaimAPI):
             )
             if claims is None:
                 raise fingerprint_conflict(key_list[conflict], ns_name)
+            if reply_limit is not None and row_bytes * len(key_list) + counts[5] > reply_limit:
+                table.discard()
+                raise BatchTooLargeError(
+                    f"the answer to a claim of these {len(key_list)} keys would be "
+                    f"{row_bytes * len(key_list) + counts[5]} bytes, over {reply_limit} (the "
+                    "duplicates' stored results included); nothing was claimed: split the batch"
+                )
             # Only now, with every key of the batch checked, does anything change.
             written = table.staged_digests() if counts[4] else b""
             last = self._log(payloads, counts[4])
-            n_new, n_dup, n_busy, takeovers, _ = counts
+            n_new, n_dup, n_busy, takeovers, _, _ = counts
             for outcome, n in (
                 (Outcome.NEW, n_new),
                 (Outcome.DUPLICATE, n_dup),

@@ -404,7 +404,8 @@ cdef class ClaimTable:
         ``claim_type(key, namespace, outcome, token, result, exact, takeover)``
         (``outcomes`` = (NEW, DUPLICATE, IN_PROGRESS)), ``payloads`` are the
         log payloads of the staged records and ``counts`` is (new, duplicate,
-        in progress, takeovers, writes). ``cold`` is None or one byte per key,
+        in progress, takeovers, writes, bytes of the DUPLICATE answers' stored
+        results). ``cold`` is None or one byte per key,
         1 where a key without a record is in a cold slice.
         """
         cdef size_t n, i
@@ -477,8 +478,12 @@ cdef class ClaimTable:
                 raise MemoryError()
             if rc == -1:
                 self.discard()
-                return None, io.conflict, 0, [], (0, 0, 0, 0, 0)
+                return None, io.conflict, 0, [], (0, 0, 0, 0, 0, 0)
             new, dup, busy = outcomes
+            result_bytes = 0
+            for i in range(n):
+                if outc[i] == 1 and dups[i] != NULL and (dups[i].has & DC_HAS_RESULT):
+                    result_bytes += dups[i].result_len
             claims = [None] * n
             for i in range(n):
                 c = outc[i]
@@ -499,7 +504,7 @@ cdef class ClaimTable:
                     claims[i] = claim_type(key, namespace, dup, 0, None, False)
             payloads = _encode_stage(&self.stage, &written)
             return claims, -1, io.depends, payloads, (
-                io.n_new, io.n_dup, io.n_busy, io.takeovers, written)
+                io.n_new, io.n_dup, io.n_busy, io.takeovers, written, result_bytes)
         except BaseException:
             self.discard()
             raise

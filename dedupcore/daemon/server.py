@@ -780,7 +780,17 @@ class DaemonServer:
                 "fingerprints": _optional(args, "fps", list),
             }
             fixed = _REPLY_FIXED + _ROW_FIXED * len(keys)
-            if fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
+            if getattr(self.store, "bounds_replies", False):
+                # The embedded store sizes the answer after deciding and before
+                # applying anything: no read-ahead, no gate.
+                bounded: Any = self.store
+                claims = bounded.claim_many(
+                    keys,
+                    **options,
+                    reply_limit=self.max_frame - _REPLY_FIXED,
+                    row_bytes=_ROW_FIXED + 8,
+                )
+            elif fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
                 claims = self.store.claim_many(keys, **options)
             else:
                 # The reply could exceed a frame if enough keys are duplicates with

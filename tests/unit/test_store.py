@@ -343,3 +343,17 @@ def test_sweep_releases_abandoned_claims(tmp_path: Path) -> None:
         again = s.claim("gone", namespace=NS)
         assert again.outcome is Outcome.NEW and again.token == gone.token + 1
         s.complete("live", live.token, namespace=NS)
+
+
+def test_a_claim_whose_answer_would_pass_reply_limit_claims_nothing(store: DedupStore) -> None:
+    from dedupcore.errors import BatchTooLargeError
+
+    for key in ("big1", "big2"):
+        c = store.claim(key, namespace=NS)
+        store.complete(key, c.token, namespace=NS, result=b"x" * 40_000)
+    keys = ["fresh", "big1", "big2"]
+    with pytest.raises(BatchTooLargeError, match="nothing was claimed"):
+        store.claim_many(keys, namespace=NS, reply_limit=80_000, row_bytes=40)
+    assert store.get("fresh", namespace=NS) is None  # nothing applied
+    claims = store.claim_many(keys, namespace=NS, reply_limit=81_000, row_bytes=40)
+    assert [c.outcome for c in claims] == [Outcome.NEW, Outcome.DUPLICATE, Outcome.DUPLICATE]
