@@ -498,10 +498,6 @@ class RedisStore(ClaimAPI):
             out.append((node, _text(value.get(name)) if isinstance(value, dict) else None))
         return out
 
-    def _config(self, name: str) -> str | None:
-        values = [v for _, v in self._config_all(name)]
-        return values[0] if values else None
-
     def durability(self) -> str:
         """What an acknowledged claim survives, from the server's persistence settings.
 
