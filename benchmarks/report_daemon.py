@@ -6,7 +6,7 @@ Without ``--json`` it reads the newest JSON under benchmarks/results/ that
 holds daemon benchmarks. Throughput uses each benchmark's fastest round (the
 least disturbed one on a shared machine), with the median next to it;
 latencies are percentiles over every timed call of every round. The targets
-(issue 4, "Performance"):
+(the reasons behind the design are in docs/architecture.md, "Performance"):
 
 - ``claim_many`` through the daemon, batches of 1000: >= 3x the keys/s of
   redis-py pipelined ``SET NX PX``;

@@ -1,9 +1,9 @@
 """LmdbTier: the warm, exact records of the embedded authority, in LMDB (py-lmdb).
 
 The tier is written only in large, sorted, durable batches (checkpoints) from
-the store's recent records; acknowledgements never wait for it (see
-DESIGN.md §2: a durable LMDB commit of random keys costs about one page write
-per key). Sub-databases:
+the store's recent records; acknowledgements never wait for it (a durable
+LMDB commit of random keys costs about one page write per key; see
+docs/architecture.md, "Performance"). Sub-databases:
 
 - ``records``: 16-byte digest -> the record in the stored format of
   docs/engine.md (a handful of bytes and a checksum; see dedupcore.record).
