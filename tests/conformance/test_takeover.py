@@ -55,7 +55,9 @@ def test_takeover_without_a_fingerprint_keeps_the_first_one_and_created(
     assert api.claim("k", namespace=ns, owner="c").outcome is Outcome.IN_PROGRESS
     api.complete("k", second.token, namespace=ns, result="b did it")
     done = api.get("k", namespace=ns)
-    assert done is not None and done.fingerprint == b"body-a" and done.created == before.created
+    assert done is not None and done.fingerprint == b"body-a"
+    # A finished record may be read back from LMDB, which stores times in whole ms.
+    assert abs(done.created - before.created) < 0.002
 
 
 def test_takeover_with_another_fingerprint_is_a_conflict_and_takes_nothing_over(
