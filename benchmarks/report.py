@@ -11,15 +11,23 @@ on a shared machine); ratios are dedupcore's time over the peer's, so below
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks import reporting
+from benchmarks.reporting import (
+    RESULTS_DIR,
+    Out,
+    Row,
+    Verdict,
+    fmt_ns,
+    load,
+    print_verdicts,
+    source_line,
+)
+
 DEFAULT_PNG = RESULTS_DIR / "bloom.png"
 DC = "dedupcore"
 GATHER = "numpy-gather"
@@ -63,48 +71,10 @@ TARGET_N = 10_000_000
 TARGET_BIG = 100_000_000
 
 
-@dataclass
-class Row:
-    library: str
-    operation: str
-    n_keys: int
-    ns_per_key: float
-    ns_per_key_median: float
-    call: str
-    rounds: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def newest_json(directory: Path = RESULTS_DIR) -> Path:
-    files = sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise SystemExit(
-            f"no benchmark JSON under {directory}; run pytest benchmarks/test_bloom.py "
-            f"--benchmark-json={directory / 'bloom.json'} first"
-        )
-    return files[-1]
-
-
-def load(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], Row]]:
-    data = json.loads(path.read_text())
-    rows: dict[tuple[str, str], Row] = {}
-    for bench in data.get("benchmarks", []):
-        info = bench.get("extra_info", {})
-        if "operation" not in info or "library" not in info:
-            continue
-        stats = bench["stats"]
-        n = int(info["n_keys"])
-        rows[(info["operation"], info["library"])] = Row(
-            library=info["library"],
-            operation=info["operation"],
-            n_keys=n,
-            ns_per_key=stats["min"] / n * 1e9,
-            ns_per_key_median=stats["median"] / n * 1e9,
-            call=info.get("call", ""),
-            rounds=int(stats.get("rounds", 0)),
-            extra=info,
-        )
-    return data, rows
+    return reporting.newest_json(
+        directory, lambda path: True, "benchmark", "pytest benchmarks/test_bloom.py", "bloom.json"
+    )
 
 
 def lib_key(name: str) -> tuple[int, str]:
@@ -112,14 +82,6 @@ def lib_key(name: str) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------ formatting --
-
-
-def fmt_ns(ns: float | None) -> str:
-    if ns is None or math.isnan(ns):
-        return "-"
-    if ns >= 1000:
-        return f"{ns / 1000:,.2f} µs"
-    return f"{ns:,.1f} ns"
 
 
 def fmt_ratio(r: float | None) -> str:
@@ -132,75 +94,6 @@ def fmt_fpr(fpr: float | None) -> str:
 
 def fmt_bits(bits: float | None) -> str:
     return "-" if bits is None else f"{bits:,.2f}"
-
-
-class Out:
-    """Prints tables with rich when it is installed, as plain text otherwise."""
-
-    def __init__(self, plain: bool = False) -> None:
-        self.console: Any = None
-        if not plain:
-            try:
-                from rich.console import Console
-            except ImportError:
-                pass
-            else:
-                probe = Console()
-                width = probe.width if probe.is_terminal else 200
-                self.console = Console(width=max(160, width), highlight=False)
-
-    def heading(self, text: str) -> None:
-        if self.console is not None:
-            from rich.text import Text
-
-            self.console.print()
-            self.console.print(Text(text, style="bold"))
-        else:
-            print(f"\n{text}\n{'=' * len(text)}")
-
-    def line(self, text: str = "", style: str | None = None) -> None:
-        if self.console is not None:
-            from rich.text import Text
-
-            self.console.print(Text(text, style=style or ""))
-        else:
-            print(text)
-
-    def table(
-        self,
-        title: str,
-        headers: Sequence[str],
-        rows: Sequence[Sequence[str]],
-        right: Sequence[bool] | None = None,
-    ) -> None:
-        right = right or [False] * len(headers)
-        if self.console is not None:
-            from rich.table import Table
-            from rich.text import Text
-
-            t = Table(title=title, title_justify="left", show_lines=False)
-            for h, r in zip(headers, right, strict=True):
-                t.add_column(h, justify="right" if r else "left", no_wrap=True)
-            for row in rows:
-                t.add_row(*(Text(cell) for cell in row))  # no markup: calls contain [..]
-            self.console.print(t)
-            return
-        widths = [
-            max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-            for i, h in enumerate(headers)
-        ]
-
-        def cells(values: Sequence[str]) -> str:
-            return "  ".join(
-                v.rjust(w) if r else v.ljust(w)
-                for v, w, r in zip(values, widths, right, strict=True)
-            ).rstrip()
-
-        print(f"\n{title}")
-        print(cells(headers))
-        print("  ".join("-" * w for w in widths))
-        for row in rows:
-            print(cells(row))
 
 
 # ---------------------------------------------------------------- report --
@@ -306,12 +199,6 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row], cfg: dict[str, Any]
         )
 
 
-@dataclass
-class Verdict:
-    met: bool | None  # None: not measured
-    text: str
-
-
 def _fastest_peer(rows: dict[tuple[str, str], Row], op: str) -> Row | None:
     peers = [r for (o, lib), r in rows.items() if o == op and lib not in NON_PEERS]
     return min(peers, key=lambda r: r.ns_per_key) if peers else None
@@ -409,16 +296,6 @@ def evaluate(rows: dict[tuple[str, str], Row], cfg: dict[str, Any]) -> list[Verd
         else:
             verdicts.append(Verdict(None, f"pre-hashed {what} vs numpy gather: not measured"))
     return verdicts
-
-
-def print_verdicts(out: Out, verdicts: list[Verdict]) -> None:
-    out.heading("targets")
-    for v in verdicts:
-        tag = {True: "MET", False: "MISSED", None: "N/A"}[v.met]
-        style = {True: "green", False: "bold red", None: "yellow"}[v.met]
-        out.line(f"{tag:<7}{v.text}", style=style)
-    met = sum(v.met is True for v in verdicts)
-    out.line(f"\n{met} of {len(verdicts)} targets met")
 
 
 # ----------------------------------------------------------------- chart --
@@ -562,10 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{path}: no dedupcore benchmarks with extra_info in it")
     cfg = data.get("dedupcore_bench", {})
     out = Out(plain=args.plain)
-    out.line(
-        f"source: {path}  ({data.get('datetime', '?')}, "
-        f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')})"
-    )
+    out.line(source_line(path, data))
     print_tables(out, rows, cfg)
     print_verdicts(out, evaluate(rows, cfg))
     png = plot(rows, cfg, args.png)

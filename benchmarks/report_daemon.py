@@ -6,7 +6,7 @@ Without ``--json`` it reads the newest JSON under benchmarks/results/ that
 holds daemon benchmarks. Throughput uses each benchmark's fastest round (the
 least disturbed one on a shared machine), with the median next to it;
 latencies are percentiles over every timed call of every round. The targets
-(issue 4, "Performance"):
+(the reasons behind the design are in docs/architecture.md, "Performance"):
 
 - ``claim_many`` through the daemon, batches of 1000: >= 3x the keys/s of
   redis-py pipelined ``SET NX PX``;
@@ -21,13 +21,23 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import Out, fmt_ns
+from benchmarks import reporting
+from benchmarks.reporting import (
+    RESULTS_DIR,
+    Out,
+    Row,
+    Verdict,
+    fmt_ns,
+    fmt_rate,
+    fmt_x,
+    loads_of,
+    print_verdicts,
+    source_line,
+)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OPERATIONS = {"claim_many", "claim_latency", "concurrent_clients", "protocol_codec"}
 
 TARGET_BATCH_VS_REDIS = 3.0
@@ -36,71 +46,33 @@ TARGET_CLIENTS_SPEEDUP = 1.5
 DEFAULT_N = 200_000
 
 
-@dataclass
-class Row:
-    library: str
-    operation: str
-    n_keys: int
-    ns_per_key: float
-    ns_per_key_median: float
-    rounds: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def keys_per_s(self) -> float:
-        return 1e9 / self.ns_per_key
-
-    @property
-    def keys_per_s_median(self) -> float:
-        return 1e9 / self.ns_per_key_median
-
-
 def _daemon_rows(data: dict[str, Any]) -> dict[tuple[str, str], Row]:
-    rows: dict[tuple[str, str], Row] = {}
-    for bench in data.get("benchmarks", []):
-        info = bench.get("extra_info", {})
-        if info.get("operation") not in OPERATIONS or "library" not in info:
-            continue
-        stats = bench["stats"]
-        n = int(info["n_keys"])
-        rows[(info["operation"], info["library"])] = Row(
-            library=info["library"],
-            operation=info["operation"],
-            n_keys=n,
-            ns_per_key=stats["min"] / n * 1e9,
-            ns_per_key_median=stats["median"] / n * 1e9,
-            rounds=int(stats.get("rounds", 0)),
-            extra=info,
-        )
-    return rows
+    return reporting.rows_of(data, lambda op: op in OPERATIONS)
+
+
+def _holds_daemon_rows(path: Path) -> bool:
+    try:
+        return bool(_daemon_rows(json.loads(path.read_text())))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def newest_json(directory: Path = RESULTS_DIR) -> Path:
     """The newest JSON under ``directory`` that holds daemon benchmarks."""
-    for path in sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            if _daemon_rows(json.loads(path.read_text())):
-                return path
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    raise SystemExit(
-        f"no daemon benchmark JSON under {directory}; run PYTHONPATH=. pytest "
-        f"benchmarks/test_daemon.py --benchmark-json={directory / 'daemon.json'} first"
+    return reporting.newest_json(
+        directory,
+        _holds_daemon_rows,
+        "daemon benchmark",
+        "PYTHONPATH=. pytest benchmarks/test_daemon.py",
+        "daemon.json",
     )
 
 
 def load(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], Row]]:
-    data = json.loads(path.read_text())
-    return data, _daemon_rows(data)
+    return reporting.load(path, lambda op: op in OPERATIONS)
 
 
 # ------------------------------------------------------------ formatting --
-
-
-def fmt_rate(keys_per_s: float | None) -> str:
-    if keys_per_s is None:
-        return "-"
-    return f"{keys_per_s:,.0f}/s"
 
 
 def fmt_us(us: float | None) -> str:
@@ -109,19 +81,11 @@ def fmt_us(us: float | None) -> str:
     return f"{us:,.0f} µs" if us >= 100 else f"{us:,.1f} µs"
 
 
-def fmt_x(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
 def _cfg(rows: dict[tuple[str, str], Row]) -> dict[str, Any]:
     for r in rows.values():
         if "daemon_bench" in r.extra:
             return dict(r.extra["daemon_bench"])
     return {}
-
-
-def _loads(rows: dict[tuple[str, str], Row]) -> list[float]:
-    return [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
 
 
 def _clients_rows(rows: dict[tuple[str, str], Row]) -> list[Row]:
@@ -133,7 +97,7 @@ def _clients_rows(rows: dict[tuple[str, str], Row]) -> list[Row]:
 
 def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
     cfg = _cfg(rows)
-    loads = _loads(rows)
+    loads = loads_of(rows)
     any_row = next(iter(rows.values()))
     e = any_row.extra
     out.heading(
@@ -357,12 +321,6 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
 # -------------------------------------------------------------- verdicts --
 
 
-@dataclass
-class Verdict:
-    met: bool | None  # None: not measured
-    text: str
-
-
 def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
     cfg = _cfg(rows)
     n = cfg.get("n")
@@ -426,16 +384,6 @@ def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
     return verdicts
 
 
-def print_verdicts(out: Out, verdicts: list[Verdict]) -> None:
-    out.heading("targets")
-    for v in verdicts:
-        tag = {True: "MET", False: "MISSED", None: "N/A"}[v.met]
-        style = {True: "green", False: "bold red", None: "yellow"}[v.met]
-        out.line(f"{tag:<7}{v.text}", style=style)
-    met = sum(v.met is True for v in verdicts)
-    out.line(f"\n{met} of {len(verdicts)} targets met")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.report_daemon",
@@ -456,10 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rows:
         raise SystemExit(f"{path}: no daemon benchmarks (benchmarks/test_daemon.py) in it")
     out = Out(plain=args.plain)
-    out.line(
-        f"source: {path}  ({data.get('datetime', '?')}, "
-        f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')})"
-    )
+    out.line(source_line(path, data))
     print_tables(out, rows)
     print_verdicts(out, evaluate(rows))
     return 0

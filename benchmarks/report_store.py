@@ -13,14 +13,27 @@ individually timed single calls.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS_DIR, Out, Row, Verdict, fmt_ns, load, print_verdicts
+from benchmarks import reporting
+from benchmarks.reporting import (
+    RESULTS_DIR,
+    Out,
+    Row,
+    Verdict,
+    fmt_ns,
+    fmt_rate,
+    fmt_x,
+    load,
+    loads_of,
+    local_changes,
+    print_verdicts,
+    source_line,
+)
 
 DC = "dedupcore"
 REDIS = "redis-pipelined"
@@ -59,33 +72,13 @@ def lib_key(name: str) -> tuple[int, str]:
 
 
 def is_store_json(path: Path) -> bool:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return any(
-        str(b.get("extra_info", {}).get("operation", "")).startswith("store_")
-        for b in data.get("benchmarks", [])
-    )
+    return reporting.has_operation(path, "store_")
 
 
 def newest_store_json(directory: Path = RESULTS_DIR) -> Path:
-    files = sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in files:
-        if is_store_json(path):
-            return path
-    raise SystemExit(
-        f"no store benchmark JSON under {directory}; run pytest benchmarks/test_store.py "
-        f"--benchmark-json={directory / 'store.json'} first"
+    return reporting.newest_json(
+        directory, is_store_json, "store benchmark", "pytest benchmarks/test_store.py", "store.json"
     )
-
-
-def fmt_rate(r: float | None) -> str:
-    return "-" if r is None else f"{r:,.0f}/s"
-
-
-def fmt_x(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}x"
 
 
 def fmt_bytes(b: float | None) -> str:
@@ -427,7 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = next(iter(rows.values())).extra.get("store_bench", {})
     out = Out(plain=args.plain)
     info = next(iter(rows.values())).extra
-    dirty = info.get("git_dirty")
     redis_row = rows.get(("store_claim_many_fresh", REDIS)) or rows.get(("store_sustained", REDIS))
     redis_note = ""
     if redis_row is not None and "redis_version" in redis_row.extra:
@@ -437,15 +429,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"redis-py parser {e['redis_parser']})"
         )
     out.line(
-        f"source: {path}  ({data.get('datetime', '?')}, "
-        f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')}; "
-        f"dedupcore at {info.get('git_rev', '?')}"
-        + (f" with local changes in {', '.join(dirty)}" if dirty else "")
-        + f"; SQLite {info.get('sqlite_version', '?')}"
-        + redis_note
-        + ")"
+        source_line(
+            path,
+            data,
+            f"; dedupcore at {info.get('git_rev', '?')}{local_changes(info)}"
+            f"; SQLite {info.get('sqlite_version', '?')}{redis_note}",
+        )
     )
-    loads = [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
+    loads = loads_of(rows)
     if loads:
         out.line(
             f"1-minute load average at the start/end of the benchmarks: {min(loads):.2f} .. "

@@ -13,7 +13,6 @@ ratio over the runs; the verdicts of the spread table use the median run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,7 +20,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS_DIR, Out, Row, Verdict, fmt_ns, load, print_verdicts
+from benchmarks import reporting
+from benchmarks.reporting import (
+    RESULTS_DIR,
+    Out,
+    Row,
+    Verdict,
+    fmt_ns,
+    fmt_rate,
+    fmt_x,
+    load,
+    loads_of,
+    local_changes,
+    print_verdicts,
+)
 
 # (operation, dedupcore library, peer library, target ratio or None, what)
 COMPARISONS: list[tuple[str, str, str, float | None, str]] = [
@@ -97,24 +109,12 @@ TITLES = {
 
 
 def is_tier_json(path: Path) -> bool:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return any(
-        str(b.get("extra_info", {}).get("operation", "")).startswith("tier_")
-        for b in data.get("benchmarks", [])
-    )
+    return reporting.has_operation(path, "tier_")
 
 
 def newest_tier_json(directory: Path = RESULTS_DIR) -> Path:
-    files = sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in files:
-        if is_tier_json(path):
-            return path
-    raise SystemExit(
-        f"no tier benchmark JSON under {directory}; run pytest benchmarks/test_tiers.py "
-        f"--benchmark-json={directory / 'tiers.json'} first"
+    return reporting.newest_json(
+        directory, is_tier_json, "tier benchmark", "pytest benchmarks/test_tiers.py", "tiers.json"
     )
 
 
@@ -130,14 +130,6 @@ def ratio(rows: dict[tuple[str, str], Row], op: str, dc: str, peer: str) -> floa
     return median_ns(b) / median_ns(a)
 
 
-def fmt_x(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
-def fmt_rate(ns: float) -> str:
-    return f"{1e9 / ns:,.0f}/s"
-
-
 def _peer_of(op: str, lib: str) -> str | None:
     for o, dc, peer, _, _ in COMPARISONS:
         if o == op and (lib == dc or lib.startswith("dedupcore-alt-")):
@@ -148,16 +140,15 @@ def _peer_of(op: str, lib: str) -> str | None:
 def print_run(out: Out, path: Path, data: dict[str, Any], rows: dict[tuple[str, str], Row]) -> None:
     info = next(iter(rows.values())).extra
     cfg = info.get("tier_bench", {})
-    dirty = info.get("git_dirty")
     out.heading(
         f"{path.name}: N={cfg.get('n', 0):,} 16-byte keys, batches of {cfg.get('batch', 0):,}, "
         f"{cfg.get('rounds', '?')} rounds after {cfg.get('warmup', '?')} warm-up"
         + (" (QUICK)" if cfg.get("quick") else "")
     )
-    loads = [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
+    loads = loads_of(rows)
     out.line(
         f"{data.get('datetime', '?')}; dedupcore at {info.get('git_rev', '?')}"
-        + (f" with local changes in {', '.join(dirty)}" if dirty else "")
+        + local_changes(info)
         + f", code sha256 {info.get('dedupcore_sha256', '?')}; 1-minute load average "
         + (f"{min(loads):.2f} .. {max(loads):.2f}" if loads else "?")
         + f" on {os.cpu_count()} CPUs"
@@ -189,7 +180,7 @@ def print_run(out: Out, path: Path, data: dict[str, Any], rows: dict[tuple[str, 
             table.append(
                 [
                     lib,
-                    fmt_rate(median_ns(r)),
+                    fmt_rate(1e9 / median_ns(r)),
                     fmt_ns(median_ns(r)),
                     fmt_ns(r.ns_per_key),
                     fmt_ns(server) if server is not None else "",
@@ -245,8 +236,8 @@ def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
         x_min = b.ns_per_key / a.ns_per_key
         n = a.extra.get("tier_bench", {}).get("n", a.n_keys)
         text = (
-            f"{what}: dedupcore {fmt_rate(median_ns(a))} ({fmt_ns(median_ns(a))}/key) vs "
-            f"{peer} {fmt_rate(median_ns(b))} ({fmt_ns(median_ns(b))}/key) = {x:.2f}x "
+            f"{what}: dedupcore {fmt_rate(1e9 / median_ns(a))} ({fmt_ns(median_ns(a))}/key) vs "
+            f"{peer} {fmt_rate(1e9 / median_ns(b))} ({fmt_ns(median_ns(b))}/key) = {x:.2f}x "
             f"(fastest rounds {x_min:.2f}x)"
         )
         if op == "tier_postgresql_duplicate":

@@ -1,4 +1,4 @@
-"""``dedupcore serve`` against what users would pick instead (issue 4, "Performance").
+"""``dedupcore serve`` against what users would pick instead (benchmarks/README.md).
 
 Peers, on the same 16-byte keys, in the same run:
 

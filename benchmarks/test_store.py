@@ -1,4 +1,4 @@
-"""The embedded dedup store against what users would pick instead (issue 3, "Performance").
+"""The embedded dedup store against what users would pick instead (benchmarks/README.md).
 
 Peers, on the same 16-byte keys, in the same batches of 1000, in the same run:
 

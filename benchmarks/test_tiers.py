@@ -1,4 +1,4 @@
-"""Shared tiers against what users would pick instead (issue 5, "Performance").
+"""Shared tiers against what users would pick instead (benchmarks/README.md).
 
 On the machine's real servers, same 16-byte keys, same batches of 1000, same run:
 

@@ -8,6 +8,7 @@ variables ``DEDUPCORE_<OPTION>`` and the command line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -15,6 +16,25 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
+#: The modules of the ``cli`` extra (tables, progress bars, Prometheus metrics), by
+#: distribution name. The library itself imports and works without them.
+CLI_EXTRA = {"rich": "rich", "prometheus_client": "prometheus-client"}
+
+
+def missing_extra(command: str, *modules: str) -> int | None:
+    """Exit code 2 after saying what to install if a module of the ``cli`` extra is
+    missing; None when they all import."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            print(
+                f"dedupcore {command} needs {CLI_EXTRA[module]}, which is not installed: "
+                "install dedupcore[cli] (pip install 'dedupcore[cli]')",
+                file=sys.stderr,
+            )
+            return 2
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,10 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "stats":
         from dedupcore.daemon.cli import run_stats
 
+        if not args.json and (rc := missing_extra("stats", "rich")) is not None:
+            return rc
         return run_stats(args.socket, as_json=args.json)
     if args.command == "demo":
         from dedupcore.demo import run_demo
 
+        if (rc := missing_extra("demo", "rich")) is not None:
+            return rc
         return run_demo(keys=args.keys, duplicate_rate=args.duplicate_rate, seed=args.seed)
     if args.command == "bench":
         return _bench(quick=args.quick, extra=args.pytest_args)

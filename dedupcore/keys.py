@@ -34,7 +34,6 @@ MAX_NAMESPACE_BYTES = 128
 DIGEST_SEED_HI = 0x9E3779B97F4A7C15
 _NAMESPACE_RE = re.compile(rb"[A-Za-z0-9._:/\-]{1,128}\Z")
 _DIGEST = struct.Struct("<QQ")
-KeyLike = bytes | bytearray | memoryview | str
 
 
 def check_namespace(namespace: object) -> bytes:

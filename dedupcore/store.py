@@ -876,11 +876,16 @@ def _slice_dict(s: Any) -> dict[str, Any]:
 
 
 def _progress(total: int, what: str) -> Callable[[int], None]:
+    """A progress bar on a terminal for long work; a no-op elsewhere or without rich
+    (an optional dependency: the ``cli`` extra)."""
     import sys
 
     if not sys.stderr.isatty() or total < 100_000:
         return lambda done: None
-    from rich.progress import Progress
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        return lambda done: None
 
     progress = Progress(transient=True)
     task = progress.add_task(what, total=total)

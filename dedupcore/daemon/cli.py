@@ -127,6 +127,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
         print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
         return 2
+    if s.get("metrics_port"):
+        from dedupcore.cli import missing_extra
+
+        if (rc := missing_extra("serve --metrics-port", "prometheus_client")) is not None:
+            return rc
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter())
     logging.basicConfig(level=str(s["log_level"]).upper(), handlers=[handler])
@@ -256,10 +261,7 @@ def _start_metrics(store: Any, port: int) -> None:
 
 
 def run_stats(socket_path: str, *, as_json: bool) -> int:
-    """Prints a running daemon's figures."""
-    from rich.console import Console
-    from rich.table import Table
-
+    """Prints a running daemon's figures (the tables need rich: the ``cli`` extra)."""
     try:
         with Client(socket_path, timeout=10.0, retries=1) as client:
             st = client.stats()
@@ -269,6 +271,9 @@ def run_stats(socket_path: str, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(st, default=repr, indent=1))
         return 0
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     table = Table(title="claims by namespace")
     for col in ("namespace", "new", "duplicate", "in progress", "duplicate rate"):

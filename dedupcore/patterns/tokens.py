@@ -105,7 +105,7 @@ R = TypeVar("R")
 
 #: Default lifetime of a token: one day (the default exact window is 7 days).
 DEFAULT_TTL = 86400.0
-#: Length of every token string.
+#: Length of every token string: 48 bytes (head, id, mac) in base64, no padding.
 TOKEN_CHARS = 64
 MIN_SECRET_BYTES = 16
 
@@ -114,7 +114,6 @@ _HEAD = struct.Struct(">BQ")  # version, expiry in ms since the epoch
 _ID_BYTES = 15
 _MAC_BYTES = 24
 _SIGNED = _HEAD.size + _ID_BYTES
-_RAW_BYTES = _SIGNED + _MAC_BYTES  # 48 bytes -> 64 base64 characters, no padding
 _ALPHABET = re.compile(r"[A-Za-z0-9_-]*\Z")
 _MAC_CONTEXT = b"dedupcore.tokens.v1\x00"
 _FP_CONTEXT = b"dedupcore.tokens.fingerprint\x00"

@@ -3,7 +3,7 @@
 The tier is written only in large, sorted, durable batches (checkpoints) from
 the store's records in memory; acknowledgements never wait for it (a durable
 LMDB commit of random keys costs about one page write per key;
-docs/architecture.md). A B-tree that takes random inserts forever gets slower
+docs/architecture.md, "Performance"). A B-tree that takes random inserts forever gets slower
 and bigger as history grows, so the records live in time slices
 (docs/warm-tier.md):
 

@@ -125,6 +125,19 @@ _KEEPALIVE = {
 
 log = logging.getLogger("dedupcore")
 
+# The claim script is the one documented second implementation of the claim
+# decision: it answers exactly as dedupcore/decision.py (the reference, whose
+# table is in docs/engine.md) on the Redis server's clock. A lease taken over
+# keeps the first claim's fingerprint and ``c`` (created) unless the record had
+# no fingerprint and the new claim gives one, which is then recorded; token,
+# owner, lease and ``u`` move. A RELEASED tombstone is replaced by a fresh
+# record (its fingerprint, created = now, token + 1). A key repeated in a batch
+# sees what its earlier copies did, so the fingerprint pass follows each key's
+# first copy: a later copy with another fingerprint than the one the record has
+# (or gets from the first copy) is a conflict for the whole batch. The only
+# deliberate difference: an owner's re-claim renews its lease in the record and
+# sets ``u`` (the reference keeps the renewal in memory).
+#
 # ARGV: lease_ms, owner ('' for none), ttl_ms, then '1' and one fingerprint per key
 # ('' for none), or '0' and nothing more when the batch has no fingerprints.
 # The reply is flat: {codes, tokens, results}: one outcome digit per key (0 NEW,
@@ -138,13 +151,25 @@ local owner = ARGV[2]
 local ttl = ARGV[3]
 local withfp = ARGV[4] == '1'
 if withfp then
+  -- the fingerprint each key has once its first copy in the batch is decided
+  local known = {}
   for i, k in ipairs(KEYS) do
     local fp = ARGV[4 + i]
-    if fp ~= '' then
-      local r = redis.call('HMGET', k, 's', 'f')
-      if r[1] and r[1] ~= '3' and r[2] and r[2] ~= '' and r[2] ~= fp then
+    local have = known[k]
+    if have == nil then
+      local r = redis.call('HMGET', k, 's', 'f', 'o', 'd')
+      local live = r[1] and r[1] ~= '3'
+      have = (live and r[2]) or ''
+      if fp ~= '' and have ~= '' and have ~= fp then
         return redis.error_reply('DCCONFLICT ' .. i)
       end
+      local mine = owner ~= '' and r[3] == owner
+      if have == '' and (not live or (r[1] == '1' and not mine and tonumber(r[4]) <= now)) then
+        have = fp  -- a new record or a takeover records this claim's fingerprint
+      end
+      known[k] = have
+    elseif fp ~= '' and have ~= '' and have ~= fp then
+      return redis.error_reply('DCCONFLICT ' .. i)
     end
   end
 end
@@ -189,8 +214,15 @@ for i, k in ipairs(KEYS) do
     codes[i] = '2'
     tokens[i] = r[2]
   else
+    -- a takeover: 'c' and the first fingerprint stay; a fingerprint given where
+    -- the record had none is recorded (a different one was refused above)
     local token = tonumber(r[2]) + 1
-    redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now)
+    local fp = withfp and ARGV[4 + i] or ''
+    if fp == '' then
+      redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now)
+    else
+      redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now, 'f', fp)
+    end
     redis.call('PEXPIRE', k, ttl)
     codes[i] = '3'
     tokens[i] = token
@@ -465,10 +497,6 @@ class RedisStore(ClaimAPI):
                 continue
             out.append((node, _text(value.get(name)) if isinstance(value, dict) else None))
         return out
-
-    def _config(self, name: str) -> str | None:
-        values = [v for _, v in self._config_all(name)]
-        return values[0] if values else None
 
     def durability(self) -> str:
         """What an acknowledged claim survives, from the server's persistence settings.

@@ -11,7 +11,8 @@ store (:class:`~dedupcore.api.KeyRecord`) per ``(namespace, key)``::
     fingerprint  the fingerprint of the request that created the claim
     result       msgpack result of a PROCESSED record (see "MariaDB" below)
     lease_until  end of the lease, on the database server's clock
-    created      first claim, server clock
+    created      first claim, server clock (kept by a takeover; a claim after a release
+                 starts a fresh record)
     updated      last change, server clock (indexed: :meth:`SqlStore.purge`)
 
 Times are ``timestamptz`` on PostgreSQL, ``DATETIME(6)`` in UTC on MariaDB
@@ -1586,7 +1587,10 @@ class SqlStore(ClaimAPI):
         d = self._dialect
         assert d is not None
         pending: dict[bytes, _Row] = {}
-        reclaim: dict[bytes, list[Any]] = {}  # key -> [key, token, fingerprint, owner]
+        # key -> [key, token, fingerprint, owner]: expired leases taken over (the first
+        # claim's created stays) and released tombstones claimed again (a fresh record)
+        reclaim: dict[bytes, list[Any]] = {}
+        restart: dict[bytes, list[Any]] = {}
         renew: dict[bytes, list[Any]] = {}
         claims: list[Claim] = []
         for key, k, fp in zip(key_list, raw, fps, strict=True):
@@ -1619,27 +1623,24 @@ class SqlStore(ClaimAPI):
                 takeover = False
                 new_fp = fp
             token = r.token + 1
-            reclaim[k] = [k, token, new_fp, owner_b]
+            (reclaim if takeover else restart)[k] = [k, token, new_fp, owner_b]
             pending[k] = _Row(_PROCESSING, token, owner_b, new_fp, True)
             claims.append(Claim(key, ns, Outcome.NEW, token, takeover=takeover))
         lease_sql = d.lease_until(lease_s)
-        if reclaim:
-            d.update_rows(
-                cur,
-                self.table,
-                ns,
-                [
-                    ("state", str(_PROCESSING)),
-                    ("token", 0),
-                    ("fingerprint", 1),
-                    ("owner", 2),
-                    ("result", "NULL"),
-                    ("lease_until", lease_sql),
-                    ("updated", d.now),
-                ],
-                ["bigint", "bytea", "bytea"],
-                list(reclaim.values()),
-            )
+        claimed: _SetList = [
+            ("state", str(_PROCESSING)),
+            ("token", 0),
+            ("fingerprint", 1),
+            ("owner", 2),
+            ("result", "NULL"),
+            ("lease_until", lease_sql),
+            ("updated", d.now),
+        ]
+        for rows, sets in ((reclaim, claimed), (restart, [*claimed, ("created", d.now)])):
+            if rows:
+                d.update_rows(
+                    cur, self.table, ns, sets, ["bigint", "bytea", "bytea"], list(rows.values())
+                )
         if renew:
             d.update_rows(
                 cur,

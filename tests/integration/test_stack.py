@@ -1,6 +1,6 @@
 """Stacked and sharded stores on the real servers: order of the tiers, failures, races.
 
-The claim semantics of every stack are checked by tests/daemon/test_parity.py;
+The claim semantics of every stack are checked by tests/conformance/;
 this module checks what is specific to stacking: which tier is asked (tier
 call counters and the SQL statements actually sent), a cache that is down
 or paused, an authority that is down, sharding (routing, one concurrent

@@ -436,7 +436,8 @@ def test_eight_threads_claim_the_same_100k_keys_one_new_each_while_a_process_is_
 def test_read_only_inspection_sees_logged_records_of_a_killed_and_of_a_running_owner(
     tmp_path: Path,
 ) -> None:
-    """DESIGN.md §3: a second process may open a directory read-only for inspection. It
+    """A second process may open a directory read-only for inspection (docs/architecture.md,
+    "The embedded store"). It
     must see what the log holds past the last checkpoint too: the records of a killed
     owner, and those of an owner that is running."""
     path = tmp_path / "data"

@@ -1,4 +1,7 @@
-"""Stateful model test of the embedded store against an in-memory model of DESIGN.md §1.
+"""Stateful model test of the embedded store against an in-memory model of its claim rules.
+
+The rules are those of docs/architecture.md, "The decision" (the table is in
+docs/engine.md).
 
 The model is a dict key -> record (state, token, owner, fingerprint, result, lease,
 lease deadline) driven by a fake monotonic clock that the test advances; the store's
@@ -114,7 +117,7 @@ class StoreModel(RuleBasedStateMachine):
             store_module.time = self._real_time  # type: ignore[assignment]
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    # -- the model of DESIGN.md §1 -------------------------------------------------
+    # -- the model of the claim rules (docs/architecture.md, "The decision") -------
 
     def model_claim(
         self,
