@@ -103,6 +103,7 @@ cdef extern from "dc_engine.h" nogil:
     int dc_decide_claim(const dc_table* t, dc_stage* s, dc_claim_io* io)
     int dc_decide_change(const dc_table* t, dc_stage* s, dc_change_io* io)
     int dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
+    uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
 
 PROCESSING = 1
 PROCESSED = 2
@@ -691,3 +692,51 @@ cdef class ClaimTable:
         records were deleted. Implemented as a full eviction of clean copies."""
         if digests:
             self.evict(0)
+
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+
+
+def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t seed_hi):
+    """Record digests of a checked namespace's keys, concatenated (16 bytes each).
+
+    The same bytes as ``dedupcore.keys.digests``: XXH64 of ``namespace \\0 key``
+    with seeds 0 and ``seed_hi``, little-endian. Returns ``(digests, bad)``:
+    ``bad`` is -1, or the index of the first key that is not bytes/str of
+    1..max_key_bytes bytes (UTF-8 for str) - the caller names what is wrong.
+    """
+    cdef Py_ssize_t n = len(keys), i, klen, nslen = len(namespace)
+    cdef const char* kp
+    cdef object key
+    cdef unsigned char* scratch = <unsigned char*>malloc(nslen + 1 + max_key_bytes + 1)
+    cdef bytearray out = bytearray(16 * n)
+    cdef unsigned char* o = out
+    cdef uint64_t lo, hi
+    if scratch == NULL:
+        raise MemoryError()
+    try:
+        memcpy(scratch, PyBytes_AS_STRING(namespace), nslen)
+        scratch[nslen] = 0
+        for i in range(n):
+            key = <object>PyList_GET_ITEM(keys, i)
+            if type(key) is bytes:
+                kp = PyBytes_AS_STRING(key)
+                klen = PyBytes_GET_SIZE(key)
+            elif type(key) is str:
+                try:
+                    kp = PyUnicode_AsUTF8AndSize(key, &klen)
+                except UnicodeError:
+                    return b"", i
+            else:
+                return b"", i
+            if klen == 0 or klen > max_key_bytes:
+                return b"", i
+            memcpy(scratch + nslen + 1, kp, klen)
+            lo = dc_xxh64(scratch, nslen + 1 + klen, 0)
+            hi = dc_xxh64(scratch, nslen + 1 + klen, seed_hi)
+            memcpy(o + 16 * i, &lo, 8)
+            memcpy(o + 16 * i + 8, &hi, 8)
+        return bytes(out), -1
+    finally:
+        free(scratch)

@@ -314,3 +314,32 @@ def test_damaged_log_payloads_are_refused() -> None:
     bad[30] ^= 0x40
     with pytest.raises(ValueError):
         _engine.ClaimTable().replay(bytes(bad), 1, 10.0)
+
+
+@given(
+    keys=st.lists(
+        st.binary(min_size=1, max_size=64) | st.text(min_size=1, max_size=20), max_size=50
+    )
+)
+def test_native_digests_are_the_python_digests(keys: list[bytes | str]) -> None:
+    from dedupcore import keys as _keys
+
+    raw = [k.encode() if isinstance(k, str) else k for k in keys]
+    want = b"".join(_keys.digests(b"ns/x", raw)) if raw else b""
+    got, bad = _engine.digest_keys(b"ns/x", list(keys), 512, _keys.DIGEST_SEED_HI)
+    assert (got, bad) == (want, -1)
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        (b"", "empty"),
+        (b"x" * 513, "long"),
+        (3, "type"),
+        (bytearray(b"k"), "type"),
+        ("\ud800", "surrogate"),
+    ],
+)
+def test_native_digests_point_at_the_bad_key(key: object, why: str) -> None:
+    got, bad = _engine.digest_keys(b"ns", [b"ok", key, b"ok"], 512, 7)
+    assert (got, bad) == (b"", 1), why
