@@ -42,6 +42,7 @@ else:  # pragma: no cover
 
 from dedupcore.client import DEFAULT_SOCKET, Client
 from dedupcore.errors import DedupError
+from dedupcore.tiers.base import durability_report
 
 log = logging.getLogger("dedupcore.daemon")
 
@@ -157,6 +158,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
     log.info("serving %r", store)
+    # What an acknowledged answer survives, said at start-up: an authority that
+    # can lose acknowledged keys (a Redis without fsync'd AOF) is a warning.
+    try:
+        level, durability = durability_report(store)
+    except DedupError as exc:  # a remote authority that is down: said when it answers
+        level, durability = -1, f"unknown until the authority answers ({exc})"
+    log.log(logging.WARNING if level < 3 else logging.INFO, "durability: %s", durability)
     stop_sweeping = threading.Event()
     if hasattr(store, "sweep") and (remote or s.get("cache") or s.get("archive")):
         _start_sweeper(store, stop_sweeping)

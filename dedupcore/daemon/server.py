@@ -761,6 +761,7 @@ class DaemonServer:
             return "pong"
         if op is Op.STATS:
             stats = self.store.stats()
+            stats["durability"] = self.store.durability()
             stats["daemon"] = dict(
                 self.counters,
                 connections_open=len(self._connections),
