@@ -408,19 +408,19 @@ class DedupStore(ClaimAPI):
 
     # -- lookups ---------------------------------------------------------------
 
-    def _fetch(self, joined: bytes, digests: Sequence[bytes]) -> list[int]:
-        """Brings the digests' records into the table (under the lock); returns the
-        indexes of those the exact tiers do not hold: memory, then front, then LMDB."""
+    def _fetch(self, joined: bytes) -> list[int]:
+        """Brings the records of concatenated digests into the table (under the lock);
+        returns the indexes of those the exact tiers do not hold: memory, then front,
+        then LMDB."""
         if self._table.clean > self.config.checkpoint_records:
             # Clean copies are a read cache: drop them before they crowd the table.
             self._table.evict(self._ckpt_lsn)
         missing = self._table.missing(joined)
         if not missing:
             return missing
+        every = len(missing) * 16 == len(joined)
         maybe = self._front.contains_many(
-            _keys.front_hashes_of(
-                joined if len(missing) == len(digests) else b"".join(digests[i] for i in missing)
-            )
+            _keys.front_hashes_of(joined if every else b"".join(_at(joined, i) for i in missing))
         )
         to_read = [i for i, m in zip(missing, maybe, strict=True) if m]
         self._stats.front_negative += len(missing) - len(to_read)
@@ -428,7 +428,7 @@ class DedupStore(ClaimAPI):
         if not to_read:
             return missing
         self._stats.lmdb_reads += len(to_read)
-        wanted = [digests[i] for i in to_read]
+        wanted = [_at(joined, i) for i in to_read]
         raws = self._lmdb.get_many(wanted)
         self._load(wanted, raws, time.monotonic())
         found = {i for i, raw in zip(to_read, raws, strict=True) if raw is not None}
@@ -467,27 +467,25 @@ class DedupStore(ClaimAPI):
         key_list = list(keys)
         ns = _keys.check_namespace(namespace)
         max_key = self.config.max_key_bytes
-        raw_keys = [_keys.check_key(k, max_key) for k in key_list]
+        joined = _digests_of(ns, key_list, max_key)
         lease_s = self.config.lease if lease is None else check_lease(lease)
         owner_b = check_owner(owner)
-        fps = check_fingerprints(fingerprints, len(raw_keys))
+        fps = check_fingerprints(fingerprints, len(key_list))
         ns_name = ns.decode()
-        if not raw_keys:
+        if not key_list:
             return []
-        digests = _keys.digests(ns, raw_keys)
-        joined = b"".join(digests)
         ns_id = self._ns_id(ns)
         table = self._table
         with self._lock:
             self._check_usable(write=True)
             now_m = time.monotonic()
             now_w = time.time()
-            absent = self._fetch(joined, digests)
+            absent = self._fetch(joined)
             cold: bytearray | None = None
             if absent:
-                hits = self._cold_hits([digests[i] for i in absent], ns_id)
+                hits = self._cold_hits([_at(joined, i) for i in absent], ns_id)
                 if any(hits):
-                    cold = bytearray(len(digests))
+                    cold = bytearray(len(key_list))
                     for i, hit in zip(absent, hits, strict=True):
                         cold[i] = hit
             claims, conflict, depends, payloads, counts = table.claim(
@@ -552,26 +550,22 @@ class DedupStore(ClaimAPI):
         self._check_usable(write=True)
         ns = _keys.check_namespace(namespace)
         ns_name = ns.decode()
-        parsed = [
-            (
-                key,
-                _keys.check_key(key, self.config.max_key_bytes),
-                token,
-                pack_result(result, self.config.max_result_bytes),
-            )
-            for key, token, result in change_items(items, with_results=state is State.PROCESSED)
-        ]
+        parsed = change_items(items, with_results=state is State.PROCESSED)
         if not parsed:
             return
-        digests = _keys.digests(ns, [p[1] for p in parsed])
-        joined = b"".join(digests)
+        max_result = self.config.max_result_bytes
+        joined = _digests_of(ns, [p[0] for p in parsed], self.config.max_key_bytes)
         self._ns_id(ns)
-        tokens = [p[2] for p in parsed]
-        results = [p[3] for p in parsed] if state is State.PROCESSED else None
+        tokens = [p[1] for p in parsed]
+        results = (
+            [None if p[2] is None else pack_result(p[2], max_result) for p in parsed]
+            if state is State.PROCESSED
+            else None
+        )
         with self._lock:
             self._check_usable(write=True)
             now_w = time.time()
-            self._fetch(joined, digests)
+            self._fetch(joined)
             bad, kind, current, depends, payloads, n = self._table.change(
                 joined, tokens, results, int(state), now_w
             )
@@ -592,7 +586,7 @@ class DedupStore(ClaimAPI):
         d = _keys.digest(ns, raw)
         ns_id = self._ns_ids.get(ns, -1)
         with self._lock:
-            self._fetch(d, [d])
+            self._fetch(d)
             r = self._table.get(d)
             if r is None:
                 if self._cold_hits([d], ns_id)[0]:
@@ -839,6 +833,21 @@ class DedupStore(ClaimAPI):
 
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
+
+
+def _at(joined: bytes, i: int) -> bytes:
+    """The i-th 16-byte digest of concatenated digests."""
+    return joined[16 * i : 16 * i + 16]
+
+
+def _digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:
+    """Concatenated record digests of checked keys (natively; a key the native path
+    refuses is checked again in Python, which names what is wrong)."""
+    joined, bad = _engine.digest_keys(ns, keys, max_key_bytes, _keys.DIGEST_SEED_HI)
+    if bad < 0:
+        return joined
+    raw = [_keys.check_key(k, max_key_bytes) for k in keys]  # raises for a bad key
+    return b"".join(_keys.digests(ns, raw))  # bytearray and memoryview keys are fine
 
 
 def _unpack_stored(raw: bytes | None) -> Any:
