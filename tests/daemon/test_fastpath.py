@@ -1,0 +1,141 @@
+"""The embedded store's request path in the daemon: decided on the event loop, replied
+only after the log is durable, one commit shared by many connections, large batches
+in slices that let other connections through (docs/daemon.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dedupcore.api import Outcome
+from dedupcore.client import Client
+from dedupcore.daemon import protocol
+from dedupcore.daemon.protocol import Op, Status
+from dedupcore.daemon.server import SLICE_KEYS
+
+from .conftest import PATIENCE, Daemon, Lab, unique_ns
+from .test_faults import read_frame, wait_until
+from .test_limits import connect, daemon_stats
+
+
+def _store_stats(daemon: Daemon) -> dict[str, Any]:
+    with Client(daemon.socket, timeout=PATIENCE) as c:
+        return c.stats()
+
+
+def _claim(request_id: int, ns: str, keys: list[str]) -> bytes:
+    return protocol.encode_request(request_id, Op.CLAIM_MANY, {"ns": ns, "keys": keys})
+
+
+def test_single_claims_of_many_connections_share_log_commits(lab: Lab) -> None:
+    daemon = lab.daemon()
+    ns = unique_ns("group")
+    n = 64
+    socks = [connect(daemon.socket) for _ in range(n)]
+    try:
+        before = _store_stats(daemon)["wal_commits"]
+        # Every connection sends its claim before any reply is read.
+        for i, s in enumerate(socks):
+            s.sendall(_claim(i, ns, [f"k{i}"]))
+        for i, s in enumerate(socks):
+            rid, status, rows = protocol.decode_response(read_frame(s))
+            assert (rid, status) == (i, Status.OK), rows
+            assert rows[0][0] == Outcome.NEW.value
+        after = _store_stats(daemon)["wal_commits"]
+    finally:
+        for s in socks:
+            s.close()
+    assert isinstance(before, int) and isinstance(after, int)
+    # 64 claims, each its own log record, were made durable by fewer commits.
+    assert 1 <= after - before < n, (before, after)
+
+
+def test_replies_come_after_the_commit_so_a_killed_daemon_keeps_every_acknowledged_key(
+    lab: Lab,
+) -> None:
+    daemon = lab.daemon()
+    ns = unique_ns("acked")
+    n = 32
+    per = 20
+    socks = [connect(daemon.socket) for _ in range(n)]
+    acked: list[tuple[str, int]] = []
+    for c, s in enumerate(socks):
+        s.sendall(b"".join(_claim(j, ns, [f"c{c}-{j}"]) for j in range(per)))
+    # Read some replies, then kill the daemon while the rest may still be in flight.
+    for c, s in enumerate(socks[: n // 2]):
+        for _ in range(per):
+            rid, status, rows = protocol.decode_response(read_frame(s))
+            assert status is Status.OK and rows[0][0] == Outcome.NEW.value
+            acked.append((f"c{c}-{rid}", rows[0][1]))
+    daemon.kill()
+    for c, s in enumerate(socks[n // 2 :], n // 2):
+        s.settimeout(PATIENCE)
+        while True:
+            try:
+                body = read_frame(s)
+            except (TimeoutError, AssertionError, ConnectionError):
+                break
+            rid, status, rows = protocol.decode_response(body)
+            if status is Status.OK:
+                acked.append((f"c{c}-{rid}", rows[0][1]))
+        s.close()
+    daemon.start()
+    assert len(acked) >= n // 2 * per
+    with daemon.client(timeout=PATIENCE) as client:
+        for key, token in acked:
+            record = client.get(key, namespace=ns)
+            assert record is not None and record.token == token, key
+            assert client.claim(key, namespace=ns).outcome is Outcome.IN_PROGRESS, key
+
+
+def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab) -> None:
+    daemon = lab.daemon()
+    n = 200_000
+    assert n > 4 * SLICE_KEYS
+    for _attempt in range(5):
+        ns = unique_ns("fair")
+        big = connect(daemon.socket)
+        try:
+            slices_before = daemon_stats(daemon)["batch_slices"]
+            big.sendall(_claim(1, ns, [f"b{i}" for i in range(n)]))
+            # Once the batch's first slice is claimed, another connection claims one key.
+            wait_until(
+                lambda: daemon_stats(daemon)["batch_slices"] > slices_before,  # noqa: B023
+                "the large batch to start",
+            )
+            with daemon.client(timeout=PATIENCE) as c:
+                single = c.claim("single", namespace=ns)
+                assert single.outcome is Outcome.NEW
+                rid, status, rows = protocol.decode_response(read_frame(big))
+                assert (rid, status, len(rows)) == (1, Status.OK, n)
+                assert all(row[0] == Outcome.NEW.value for row in rows)
+                first = c.get("b0", namespace=ns)
+                last = c.get(f"b{n - 1}", namespace=ns)
+                one = c.get("single", namespace=ns)
+        finally:
+            big.close()
+        assert first is not None and last is not None and one is not None
+        # The single claim was decided after the batch's first slice and before its last.
+        if first.created <= one.created <= last.created and first.created < last.created:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the single claim was never decided inside the large batch")
+
+
+def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -> None:
+    daemon = lab.daemon()
+    ns = unique_ns("atomic")
+    keys = [f"a{i}" for i in range(3 * SLICE_KEYS)]
+    keys[-1] = ""  # an empty key is refused
+    with connect(daemon.socket) as s:
+        s.sendall(_claim(7, ns, keys))
+        rid, status, payload = protocol.decode_response(read_frame(s))
+    assert (rid, status) == (7, Status.ERROR) and payload["type"] == "ValueError", payload
+    with daemon.client(timeout=PATIENCE) as c:
+        assert c.get("a0", namespace=ns) is None
+        assert c.get(f"a{SLICE_KEYS + 1}", namespace=ns) is None
+        # Repeated keys across slices answer as within one batch: NEW once.
+        claims = c.claim_many(["r", *keys[:-1], "r"], namespace=ns)
+        assert claims[0].outcome is Outcome.NEW
+        assert claims[-1].outcome is Outcome.IN_PROGRESS
+        assert all(x.outcome is Outcome.NEW for x in claims[1:-1])
