@@ -834,8 +834,9 @@ class DaemonServer:
                 "owner": _optional(args, "owner", (bytes, str)),
                 "fingerprints": _optional(args, "fps", list),
             }
+            columns = bool(args.get(protocol.COLUMNS_ARG))
             if len(keys) > SLICE_KEYS:
-                result, lsn = await self._claim_sliced(keys, options)
+                result, lsn = await self._claim_sliced(keys, options, columns)
             else:
                 claims, lsn = store.claim_many_deferred(
                     keys,
@@ -843,7 +844,10 @@ class DaemonServer:
                     reply_limit=self.max_frame - _REPLY_FIXED,
                     row_bytes=_ROW_FIXED + 8,
                 )
-                result = [protocol.claim_row(c) for c in claims]
+                if columns:
+                    result = protocol.claim_columns(claims)
+                else:
+                    result = [protocol.claim_row(c) for c in claims]
         elif op is Op.COMPLETE_MANY:
             lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
         else:
@@ -854,8 +858,8 @@ class DaemonServer:
         return result
 
     async def _claim_sliced(
-        self, keys: list[Any], options: dict[str, Any]
-    ) -> tuple[list[list[Any]], int]:
+        self, keys: list[Any], options: dict[str, Any], columns: bool
+    ) -> tuple[Any, int]:
         """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
         two slices so that other connections are served meanwhile.
 
@@ -891,6 +895,7 @@ class DaemonServer:
             )
             await asyncio.sleep(0)
         rows: list[list[Any]] = []
+        cols = protocol.ClaimColumns()
         lsn = 0
         for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
             # Later slices keep the room the checked answers of the others need.
@@ -900,9 +905,12 @@ class DaemonServer:
             )
             self.counters["batch_slices"] += 1
             lsn = max(lsn, part_lsn)
-            rows.extend(protocol.claim_row(c) for c in claims)
+            if columns:
+                cols.add(claims)
+            else:
+                rows.extend(protocol.claim_row(c) for c in claims)
             await asyncio.sleep(0)
-        return rows, lsn
+        return (cols.payload() if columns else rows), lsn
 
     # -- a failed store --------------------------------------------------------------
 
@@ -979,6 +987,8 @@ class DaemonServer:
                 with self._gate.side(_CLAIMS):
                     self._check_reply_bound(keys, ns, fixed)
                     claims = self.store.claim_many(keys, **options)
+            if args.get(protocol.COLUMNS_ARG):
+                return protocol.claim_columns(claims)
             return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
             items = _arg(args, "items", list)

@@ -4,14 +4,20 @@ in slices that let other connections through (docs/daemon.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from typing import Any
 
+import pytest
+
+from dedupcore import aio
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.daemon.server import SLICE_KEYS
+from dedupcore.store import DedupStore
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import read_frame, wait_until
@@ -139,3 +145,87 @@ def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -
         assert claims[0].outcome is Outcome.NEW
         assert claims[-1].outcome is Outcome.IN_PROGRESS
         assert all(x.outcome is Outcome.NEW for x in claims[1:-1])
+
+
+# -- CLAIM_MANY answers in columns ----------------------------------------------------------
+
+
+def _call(s: socket.socket, request_id: int, op: Op, args: dict[str, Any]) -> Any:
+    s.sendall(protocol.encode_request(request_id, op, args))
+    rid, status, payload = protocol.decode_response(read_frame(s))
+    assert (rid, status) == (request_id, Status.OK), payload
+    return payload
+
+
+def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(lab: Lab) -> None:
+    home = lab.tmpdir()
+    ns = unique_ns("cols")
+    # A key demoted to the cold archive (its exact window passed), prepared in process.
+    with DedupStore.open(home / "data") as store:
+        old = store.claim("cold", namespace=ns)
+        store.complete("cold", old.token, namespace=ns, result=b"gone")
+        assert store.sweep(now=time.time() + 8 * 86400) == 1
+    daemon = lab.daemon(data=home / "data")
+    with connect(daemon.socket) as s:
+        first = _call(s, 1, Op.CLAIM_MANY, {"ns": ns, "keys": ["done", "held"]})
+        _call(s, 2, Op.COMPLETE_MANY, {"ns": ns, "items": [["done", first[0][1], {"n": 1}]]})
+        # "late" is claimed with a short lease that runs out: the next claim takes it over.
+        _call(s, 3, Op.CLAIM_MANY, {"ns": ns, "keys": ["late"], "lease": 0.05})
+        time.sleep(0.2)
+        keys = ["done", "held", "fresh", "cold", "late", "fresh"]
+        args = {"ns": ns, "keys": keys}
+        cols = _call(s, 4, Op.CLAIM_MANY, {**args, "cols": 1})
+        rows = _call(s, 5, Op.CLAIM_MANY, args)  # an older client still gets rows
+    assert isinstance(cols, dict) and isinstance(rows, list)
+    claims = protocol.claims_from_reply(keys, ns, cols)
+    assert [c.outcome for c in claims] == [
+        Outcome.DUPLICATE,
+        Outcome.IN_PROGRESS,
+        Outcome.NEW,
+        Outcome.DUPLICATE,
+        Outcome.NEW,
+        Outcome.IN_PROGRESS,
+    ]
+    assert claims[0].result == {"n": 1} and claims[0].token == first[0][1]
+    assert claims[1].token == first[1][1] and claims[1].result is None
+    assert claims[2].token > 0
+    assert claims[3].exact is False and claims[3].result is None
+    assert all(c.exact for i, c in enumerate(claims) if i != 3)
+    assert claims[4].takeover is True and claims[4].token > 1
+    assert [c.takeover for c in claims] == [False, False, False, False, True, False]
+    assert all(c.key == k and c.namespace == ns for c, k in zip(claims, keys, strict=True))
+    # The rows of the same keys, asked right after, agree where nothing changed since.
+    again = protocol.claims_from_reply(keys, ns, rows)
+    assert [c.outcome for c in again[:2]] == [Outcome.DUPLICATE, Outcome.IN_PROGRESS]
+    assert again[0].result == {"n": 1} and again[3].exact is False
+
+
+def test_both_clients_ask_for_columns_and_read_rows_from_an_older_daemon() -> None:
+    args = protocol.claim_args("ns", ["a", "b"], None, None, None)
+    assert args[protocol.COLUMNS_ARG] == 1
+    rows = [["new", 5, None, True, False], ["duplicate", 2, b"r", False, False]]
+    from_rows = protocol.claims_from_reply(["a", "b"], "ns", rows)
+    built = protocol.ClaimColumns()
+    built.add(from_rows[:1])
+    built.add(from_rows[1:])  # slices: indexes continue across them
+    from_cols = protocol.claims_from_reply(["a", "b"], "ns", built.payload())
+    assert from_cols == from_rows
+    with pytest.raises(protocol.FrameError):
+        protocol.claims_from_reply(["a"], "ns", built.payload())
+
+
+def test_the_clients_get_the_same_claims_through_columns(daemon: Daemon) -> None:
+    ns = unique_ns("client-cols")
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many([f"k{i}" for i in range(3 * SLICE_KEYS)], namespace=ns)
+        assert all(x.outcome is Outcome.NEW for x in claims)
+        c.complete_many([(x.key, x.token, x.key) for x in claims[:10]], namespace=ns)
+        again = c.claim_many([f"k{i}" for i in range(12)], namespace=ns)
+    assert [x.result for x in again] == [f"k{i}" for i in range(10)] + [None, None]
+    assert [x.outcome for x in again[10:]] == [Outcome.IN_PROGRESS] * 2
+
+    async def run() -> list[Any]:
+        async with aio.Client(daemon.socket, timeout=PATIENCE) as ac:
+            return await ac.claim_many([f"k{i}" for i in range(12)], namespace=ns)
+
+    assert asyncio.run(run()) == again
