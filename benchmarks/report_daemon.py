@@ -178,7 +178,6 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         )
 
     # latency ---------------------------------------------------------------------
-    redis_l = rows.get(("claim_latency", "redis-single"))
     table = []
     calls = []
     for lib in (
@@ -186,11 +185,16 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         "dedupcore-daemon-single-unsafe",
         "dedupcore-in-process-single",
         "redis-single",
+        "dedupcore-daemon-pair",
+        "redis-pair",
     ):
         r = rows.get(("claim_latency", lib))
         if r is None:
             continue
         calls.append(lib)
+        # A claim+complete pair is compared with Redis's pair, one claim with one SET NX.
+        peer = "redis-pair" if lib.endswith("-pair") else "redis-single"
+        redis_l = rows.get(("claim_latency", peer))
         x = r.extra
         table.append(
             [
@@ -207,7 +211,8 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         )
     if table:
         out.table(
-            "one claim per call: round-trip latency over every timed call of every round",
+            "one claim (or claim+complete pair) per call: round-trip latency over every "
+            "timed call of every round",
             [
                 "library",
                 "p50",
@@ -426,6 +431,45 @@ def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
     return verdicts
 
 
+def comparisons(rows: dict[tuple[str, str], Row]) -> list[str]:
+    """The daemon against Redis and against itself, one line each (fastest round for
+    throughput, p50 over every call for latency)."""
+    lines = []
+
+    def latency(ours: str, theirs: str, what: str, theirs_what: str) -> None:
+        d, r = rows.get(("claim_latency", ours)), rows.get(("claim_latency", theirs))
+        if d and r:
+            dp, rp = d.extra["p50_us"], r.extra["p50_us"]
+            lines.append(
+                f"{what} p50 {fmt_us(dp)} vs redis-py {theirs_what} p50 {fmt_us(rp)}: "
+                f"{dp / rp:.2f}x"
+            )
+        else:
+            lines.append(f"{what} vs redis-py {theirs_what}: not measured")
+
+    latency("dedupcore-daemon-single", "redis-single", "one durable claim", "SET NX PX")
+    latency("dedupcore-daemon-pair", "redis-pair", "durable claim+complete pair", "SET NX + SET XX")
+    d, r = rows.get(("claim_many", "dedupcore-daemon")), rows.get(("claim_many", "redis-pipelined"))
+    if d and r:
+        lines.append(
+            f"claim_many through the daemon {fmt_rate(d.keys_per_s)} vs redis-py pipeline "
+            f"{fmt_rate(r.keys_per_s)}: {d.keys_per_s / r.keys_per_s:.2f}x"
+        )
+    else:
+        lines.append("claim_many through the daemon vs redis-py pipeline: not measured")
+    crows = _clients_rows(rows)
+    one = next((x for x in crows if x.extra.get("procs") == 1), None)
+    many = max(crows, key=lambda x: int(x.extra.get("procs", 0)), default=None)
+    if one and many and many is not one:
+        lines.append(
+            f"{many.extra['procs']} client processes {fmt_rate(many.keys_per_s)} vs one "
+            f"{fmt_rate(one.keys_per_s)}: {many.keys_per_s / one.keys_per_s:.2f}x"
+        )
+    else:
+        lines.append("many client processes vs one: not measured")
+    return lines
+
+
 def print_verdicts(out: Out, verdicts: list[Verdict]) -> None:
     out.heading("targets")
     for v in verdicts:
@@ -461,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')})"
     )
     print_tables(out, rows)
+    out.heading("comparisons")
+    for line in comparisons(rows):
+        out.line(line)
     print_verdicts(out, evaluate(rows))
     return 0
 
