@@ -674,10 +674,15 @@ class DaemonServer:
         """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
         what is queued; a peer too slow for that is disconnected. False if the connection is
         gone."""
-        if writer.transport.is_closing():
+        transport = writer.transport
+        if transport.is_closing():
             return False
         if data is not None:
             writer.write(data)
+            # At or below the low-water mark writing is not paused, so drain() would not
+            # wait: skip it and its timer (most replies leave the buffer empty at once).
+            if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[0]:
+                return True
         try:
             await _within(writer.drain(), self.write_timeout)
         except TimeoutError:
@@ -956,6 +961,7 @@ class DaemonServer:
                 buffered_bytes=self._budget.used,
                 buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
+                commit_rounds=0 if self._committer is None else self._committer.rounds,
             )
             return stats
         ns = _arg(args, "ns", str)
