@@ -272,7 +272,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
             "keys/s: N over the time from releasing the barrier to the last child's report; "
             "children's span: N over first start to last end on the children's clocks. "
             "daemon CPU per key from /proc: the event-loop thread vs all other threads "
-            "(store calls in the worker pool, background checkpoints)."
+            "(the commit thread, background checkpoints; the worker pool for other stores)."
         )
 
     # where the time goes -------------------------------------------------------
@@ -285,7 +285,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         total = daemon.ns_per_key
         parts = [
             ("in-process DedupStore.claim_many", inproc, "the store's own work incl. fdatasync"),
-            ("protocol codec, daemon side", c_dmn, "decode_request, claim_row, encode_response"),
+            ("protocol codec, daemon side", c_dmn, "decode_request, columns, encode_response"),
             ("protocol codec, client side", c_cli, "encode_request, decode_response, Claims"),
         ]
         known = 0.0
@@ -297,7 +297,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         rest = total - known
         table.append(
             [
-                "rest: socket, event loop, thread hop",
+                "rest: socket, event loop, commit thread",
                 fmt_ns(rest),
                 f"{rest / total:.0%}",
                 "daemon end-to-end minus the rows above (negative: overlap across processes)",
@@ -311,7 +311,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
                     "  daemon CPU, event-loop thread",
                     fmt_ns(x["daemon_cpu_event_loop_ns_per_key"]),
                     f"{x['daemon_cpu_event_loop_ns_per_key'] / total:.0%}",
-                    "from /proc (10 ms ticks); reading frames, asyncio, replies",
+                    "from /proc (10 ms ticks); frames, the store's decision, columns, replies",
                 ]
             )
             table.append(
@@ -319,15 +319,15 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
                     "  daemon CPU, other threads",
                     fmt_ns(x["daemon_cpu_other_threads_ns_per_key"]),
                     f"{x['daemon_cpu_other_threads_ns_per_key'] / total:.0%}",
-                    "worker pool: store.claim_many + claim_row; background checkpoints",
+                    "commit thread (fdatasync), background checkpoints; other stores: worker pool",
                 ]
             )
             table.append(
                 [
-                    "  daemon request time (in the pool)",
+                    "  daemon request time",
                     fmt_ns(x["daemon_request_ns_per_key"]),
                     f"{x['daemon_request_ns_per_key'] / total:.0%}",
-                    "the daemon's own request_seconds (executor wait + store call)",
+                    "the daemon's own request_seconds (decision and wait for the commit)",
                 ]
             )
         out.table(

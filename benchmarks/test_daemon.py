@@ -123,8 +123,8 @@ CALLS = {
     "(two round trips)",
     "clients": "P spawn processes, each Client(sock).claim_many(slice[i:i+B]) after one barrier",
     "codec-client": "key_list + claim_args + encode_request; decode_response + "
-    "claims_from_rows  (per batch of B, no socket)",
-    "codec-daemon": "decode_request; [claim_row(c) for c in claims] + encode_response  "
+    "claims_from_reply of a columns reply  (per batch of B, no socket)",
+    "codec-daemon": "decode_request; claim_columns(claims) + encode_response  "
     "(per batch of B, no socket, no store)",
 }
 
@@ -835,18 +835,18 @@ def codec_client(keys: list[bytes], batch: int, reply_body: bytes) -> None:
         args = protocol.claim_args(NS, keys_, None, None, None)
         protocol.encode_request(rid, Op.CLAIM_MANY, args)
         _, _, payload = protocol.decode_response(reply_body)
-        protocol.claims_from_rows(keys_, NS, payload)
+        protocol.claims_from_reply(keys_, NS, payload)
 
 
 def codec_daemon(bodies: list[bytes], claims: list[Any]) -> None:
-    """The daemon's protocol work per batch: decode the request, encode the store's Claims."""
+    """The daemon's protocol work per batch: decode the request, encode the store's Claims
+    (in columns, as both clients ask for them)."""
     from dedupcore.daemon import protocol
 
-    claim_row = protocol.claim_row
     for body in bodies:
         req = protocol.decode_request(body)
         n = len(req.args["keys"])
-        protocol.encode_response(req.request_id, [claim_row(c) for c in claims[:n]])
+        protocol.encode_response(req.request_id, protocol.claim_columns(claims[:n]))
 
 
 @pytest.mark.parametrize("side", ["client", "daemon"])
@@ -862,7 +862,7 @@ def test_protocol_codec(benchmark: Any, daemon_keys: list[bytes], side: str) -> 
     # What the store returns for fresh keys: NEW claims with large fencing tokens.
     claims = [Claim(k, NS, Outcome.NEW, (1 << 40) + i) for i, k in enumerate(daemon_keys[:batch])]
     if side == "client":
-        reply = protocol.encode_response(7, [protocol.claim_row(c) for c in claims])
+        reply = protocol.encode_response(7, protocol.claim_columns(claims))
         args: tuple[Any, ...] = (daemon_keys, batch, reply[hdr:])
         run: Callable[..., None] = codec_client
     else:
