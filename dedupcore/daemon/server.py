@@ -115,9 +115,12 @@ _ROW_FIXED = 32
 _STREAM_LIMIT = 16 << 10
 #: A frame this small may pass larger ones waiting for the buffer budget.
 _SMALL_FRAME = 64 << 10
-#: A CLAIM_MANY of more keys than this is decided on the event loop in slices of this
-#: many keys, with other connections' requests served between two slices.
-SLICE_KEYS = 8192
+#: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
+#: SLICE_KEYS keys, with other connections' requests served between two slices.
+SLICE_ABOVE = 8192
+#: Keys of one slice: a few milliseconds of deciding, the longest a request of another
+#: connection waits behind a large batch.
+SLICE_KEYS = 2048
 #: Ops the embedded store decides on the event loop (then only the commit is waited for).
 _DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 #: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
@@ -840,7 +843,7 @@ class DaemonServer:
                 "fingerprints": _optional(args, "fps", list),
             }
             columns = bool(args.get(protocol.COLUMNS_ARG))
-            if len(keys) > SLICE_KEYS:
+            if len(keys) > SLICE_ABOVE:
                 result, lsn = await self._claim_sliced(keys, options, columns)
             else:
                 claims, lsn = store.claim_many_deferred(

@@ -16,7 +16,7 @@ from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.daemon.server import SLICE_KEYS
+from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS
 from dedupcore.store import DedupStore
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
@@ -97,7 +97,7 @@ def test_replies_come_after_the_commit_so_a_killed_daemon_keeps_every_acknowledg
 def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab) -> None:
     daemon = lab.daemon()
     n = 200_000
-    assert n > 4 * SLICE_KEYS
+    assert n > SLICE_ABOVE and n > 4 * SLICE_KEYS
     for _attempt in range(5):
         ns = unique_ns("fair")
         big = connect(daemon.socket)
@@ -131,7 +131,7 @@ def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab
 def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -> None:
     daemon = lab.daemon()
     ns = unique_ns("atomic")
-    keys = [f"a{i}" for i in range(3 * SLICE_KEYS)]
+    keys = [f"a{i}" for i in range(SLICE_ABOVE + 2 * SLICE_KEYS)]
     keys[-1] = ""  # an empty key is refused
     with connect(daemon.socket) as s:
         s.sendall(_claim(7, ns, keys))
@@ -217,7 +217,7 @@ def test_both_clients_ask_for_columns_and_read_rows_from_an_older_daemon() -> No
 def test_the_clients_get_the_same_claims_through_columns(daemon: Daemon) -> None:
     ns = unique_ns("client-cols")
     with daemon.client(timeout=PATIENCE) as c:
-        claims = c.claim_many([f"k{i}" for i in range(3 * SLICE_KEYS)], namespace=ns)
+        claims = c.claim_many([f"k{i}" for i in range(SLICE_ABOVE + SLICE_KEYS)], namespace=ns)
         assert all(x.outcome is Outcome.NEW for x in claims)
         c.complete_many([(x.key, x.token, x.key) for x in claims[:10]], namespace=ns)
         again = c.claim_many([f"k{i}" for i in range(12)], namespace=ns)
