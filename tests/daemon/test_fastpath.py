@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dedupcore import aio
+from dedupcore import aio, errors
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
@@ -21,7 +21,7 @@ from dedupcore.store import DedupStore
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import read_frame, wait_until
-from .test_limits import connect, daemon_stats
+from .test_limits import RESULT, connect, daemon_stats
 
 
 def _store_stats(daemon: Daemon) -> dict[str, Any]:
@@ -229,3 +229,30 @@ def test_the_clients_get_the_same_claims_through_columns(daemon: Daemon) -> None
             return await ac.claim_many([f"k{i}" for i in range(12)], namespace=ns)
 
     assert asyncio.run(run()) == again
+
+
+def test_a_sliced_batch_whose_answer_passes_the_frame_in_a_late_slice_claims_nothing(
+    lab: Lab,
+) -> None:
+    daemon = lab.daemon()
+    ns = unique_ns("bound")
+    done = [f"done{i}" for i in range(280)]
+    fresh = [f"fresh{i}" for i in range(SLICE_ABOVE)]
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(done, namespace=ns)
+        for start in range(0, len(done), 100):
+            c.complete_many(
+                [(x.key, x.token, RESULT) for x in claims[start : start + 100]], namespace=ns
+            )
+        slices_before = daemon_stats(daemon)["batch_slices"]
+        # The fresh keys come first: only the last slices hold the 280 results of 60 kB
+        # that push the answer over the 16 MiB frame.
+        with pytest.raises(errors.BatchTooLargeError, match="split the batch"):
+            c.claim_many(fresh + done, namespace=ns)
+        assert daemon_stats(daemon)["batch_slices"] == slices_before  # no slice was claimed
+        assert c.get(fresh[0], namespace=ns) is None
+        assert c.get(fresh[-1], namespace=ns) is None
+        # Without the results the same batch is answered.
+        got = c.claim_many(fresh + done[:10], namespace=ns)
+        assert [x.outcome for x in got] == [Outcome.NEW] * len(fresh) + [Outcome.DUPLICATE] * 10
+        assert all(x.result == RESULT for x in got[len(fresh) :])
