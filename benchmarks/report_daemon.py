@@ -142,7 +142,6 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         )
 
     # latency ---------------------------------------------------------------------
-    redis_l = rows.get(("claim_latency", "redis-single"))
     table = []
     calls = []
     for lib in (
@@ -150,11 +149,16 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         "dedupcore-daemon-single-unsafe",
         "dedupcore-in-process-single",
         "redis-single",
+        "dedupcore-daemon-pair",
+        "redis-pair",
     ):
         r = rows.get(("claim_latency", lib))
         if r is None:
             continue
         calls.append(lib)
+        # A claim+complete pair is compared with Redis's pair, one claim with one SET NX.
+        peer = "redis-pair" if lib.endswith("-pair") else "redis-single"
+        redis_l = rows.get(("claim_latency", peer))
         x = r.extra
         table.append(
             [
@@ -171,7 +175,8 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         )
     if table:
         out.table(
-            "one claim per call: round-trip latency over every timed call of every round",
+            "one claim (or claim+complete pair) per call: round-trip latency over every "
+            "timed call of every round",
             [
                 "library",
                 "p50",
@@ -231,7 +236,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
             "keys/s: N over the time from releasing the barrier to the last child's report; "
             "children's span: N over first start to last end on the children's clocks. "
             "daemon CPU per key from /proc: the event-loop thread vs all other threads "
-            "(store calls in the worker pool, background checkpoints)."
+            "(the commit thread, background checkpoints; the worker pool for other stores)."
         )
 
     # where the time goes -------------------------------------------------------
@@ -244,7 +249,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         total = daemon.ns_per_key
         parts = [
             ("in-process DedupStore.claim_many", inproc, "the store's own work incl. fdatasync"),
-            ("protocol codec, daemon side", c_dmn, "decode_request, claim_row, encode_response"),
+            ("protocol codec, daemon side", c_dmn, "decode_request, columns, encode_response"),
             ("protocol codec, client side", c_cli, "encode_request, decode_response, Claims"),
         ]
         known = 0.0
@@ -256,7 +261,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         rest = total - known
         table.append(
             [
-                "rest: socket, event loop, thread hop",
+                "rest: socket, event loop, commit thread",
                 fmt_ns(rest),
                 f"{rest / total:.0%}",
                 "daemon end-to-end minus the rows above (negative: overlap across processes)",
@@ -270,7 +275,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
                     "  daemon CPU, event-loop thread",
                     fmt_ns(x["daemon_cpu_event_loop_ns_per_key"]),
                     f"{x['daemon_cpu_event_loop_ns_per_key'] / total:.0%}",
-                    "from /proc (10 ms ticks); reading frames, asyncio, replies",
+                    "from /proc (10 ms ticks); frames, the store's decision, columns, replies",
                 ]
             )
             table.append(
@@ -278,15 +283,15 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
                     "  daemon CPU, other threads",
                     fmt_ns(x["daemon_cpu_other_threads_ns_per_key"]),
                     f"{x['daemon_cpu_other_threads_ns_per_key'] / total:.0%}",
-                    "worker pool: store.claim_many + claim_row; background checkpoints",
+                    "commit thread (fdatasync), background checkpoints; other stores: worker pool",
                 ]
             )
             table.append(
                 [
-                    "  daemon request time (in the pool)",
+                    "  daemon request time",
                     fmt_ns(x["daemon_request_ns_per_key"]),
                     f"{x['daemon_request_ns_per_key'] / total:.0%}",
-                    "the daemon's own request_seconds (executor wait + store call)",
+                    "the daemon's own request_seconds (decision and wait for the commit)",
                 ]
             )
         out.table(
@@ -384,6 +389,45 @@ def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
     return verdicts
 
 
+def comparisons(rows: dict[tuple[str, str], Row]) -> list[str]:
+    """The daemon against Redis and against itself, one line each (fastest round for
+    throughput, p50 over every call for latency)."""
+    lines = []
+
+    def latency(ours: str, theirs: str, what: str, theirs_what: str) -> None:
+        d, r = rows.get(("claim_latency", ours)), rows.get(("claim_latency", theirs))
+        if d and r:
+            dp, rp = d.extra["p50_us"], r.extra["p50_us"]
+            lines.append(
+                f"{what} p50 {fmt_us(dp)} vs redis-py {theirs_what} p50 {fmt_us(rp)}: "
+                f"{dp / rp:.2f}x"
+            )
+        else:
+            lines.append(f"{what} vs redis-py {theirs_what}: not measured")
+
+    latency("dedupcore-daemon-single", "redis-single", "one durable claim", "SET NX PX")
+    latency("dedupcore-daemon-pair", "redis-pair", "durable claim+complete pair", "SET NX + SET XX")
+    d, r = rows.get(("claim_many", "dedupcore-daemon")), rows.get(("claim_many", "redis-pipelined"))
+    if d and r:
+        lines.append(
+            f"claim_many through the daemon {fmt_rate(d.keys_per_s)} vs redis-py pipeline "
+            f"{fmt_rate(r.keys_per_s)}: {d.keys_per_s / r.keys_per_s:.2f}x"
+        )
+    else:
+        lines.append("claim_many through the daemon vs redis-py pipeline: not measured")
+    crows = _clients_rows(rows)
+    one = next((x for x in crows if x.extra.get("procs") == 1), None)
+    many = max(crows, key=lambda x: int(x.extra.get("procs", 0)), default=None)
+    if one and many and many is not one:
+        lines.append(
+            f"{many.extra['procs']} client processes {fmt_rate(many.keys_per_s)} vs one "
+            f"{fmt_rate(one.keys_per_s)}: {many.keys_per_s / one.keys_per_s:.2f}x"
+        )
+    else:
+        lines.append("many client processes vs one: not measured")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.report_daemon",
@@ -406,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Out(plain=args.plain)
     out.line(source_line(path, data))
     print_tables(out, rows)
+    out.heading("comparisons")
+    for line in comparisons(rows):
+        out.line(line)
     print_verdicts(out, evaluate(rows))
     return 0
 

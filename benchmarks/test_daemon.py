@@ -13,8 +13,10 @@ Peers, on the same 16-byte keys, in the same run:
   (p50/p99), against one redis-py ``SET key 1 NX PX 30000`` round trip; for
   reference the in-process ``store.claim`` and a daemon started with
   ``--durability power-loss-unsafe`` (no fdatasync; the local Redis persists
-  nothing either).
-- P client processes at once (``multiprocessing`` "spawn", default 16, each
+  nothing either). The same for a claim+complete pair (two durable round
+  trips) against redis-py ``SET NX PX`` then ``SET XX`` of a "done" value.
+- P client processes at once (``multiprocessing`` "spawn", default 16, 8 under
+  ``dedupcore bench``, each
   claiming its own slice of the fresh keys in batches of 1000, all released
   by one barrier once connected) against one client process alone with the
   same total keys, through the same harness: aggregate keys/s. Errors in
@@ -115,10 +117,14 @@ CALLS = {
     "(serve --durability power-loss-unsafe: no fdatasync, like this Redis)",
     "dedupcore-in-process-single": "store.claim(k, namespace=ns)  (no daemon)",
     "redis-single": "r.set(k, 1, nx=True, px=30000)  (one round trip)",
+    "dedupcore-daemon-pair": "c = Client(sock).claim(k, namespace=ns); "
+    "complete(k, c.token, namespace=ns)  (two durable round trips)",
+    "redis-pair": "r.set(k, 1, nx=True, px=30000); r.set(k, b'done', xx=True, px=30000)  "
+    "(two round trips)",
     "clients": "P spawn processes, each Client(sock).claim_many(slice[i:i+B]) after one barrier",
     "codec-client": "key_list + claim_args + encode_request; decode_response + "
-    "claims_from_rows  (per batch of B, no socket)",
-    "codec-daemon": "decode_request; [claim_row(c) for c in claims] + encode_response  "
+    "claims_from_reply of a columns reply  (per batch of B, no socket)",
+    "codec-daemon": "decode_request; claim_columns(claims) + encode_response  "
     "(per batch of B, no socket, no store)",
 }
 
@@ -527,6 +533,8 @@ SINGLE_PEERS = [
     "redis-single",
     "dedupcore-in-process-single",
     "dedupcore-daemon-single-unsafe",
+    "dedupcore-daemon-pair",
+    "redis-pair",
 ]
 
 
@@ -546,21 +554,28 @@ def test_claim_latency(
         samples.extend(lat)
         per_round_p50.append(_latency_figures(lat)["p50_us"])
 
-    if name.startswith("dedupcore-daemon-single"):
+    if name.startswith(("dedupcore-daemon-single", "dedupcore-daemon-pair")):
         from dedupcore.api import Outcome
 
         unsafe = name.endswith("-unsafe")
+        pair = name == "dedupcore-daemon-pair"
         rounds = Rounds("power-loss-unsafe" if unsafe else "durable")
         extra["durability"] = rounds.durability
         new_counts: list[int] = []
 
         def claim_call(client: Any) -> Callable[[bytes], Any]:
             claim = client.claim
+            complete = client.complete
 
             def call(k: bytes) -> Any:
                 return claim(k, namespace=NS)
 
-            return call
+            def call_pair(k: bytes) -> Any:
+                c = claim(k, namespace=NS)
+                complete(k, c.token, namespace=NS)
+                return c
+
+            return call_pair if pair else call
 
         try:
 
@@ -617,8 +632,17 @@ def test_claim_latency(
         px = DCFG.px_ms
         sizes: list[int] = []  # keys in the db after each round: every SET NX created one
 
-        def call(k: bytes) -> Any:
-            return set_(k, 1, nx=True, px=px)
+        if name == "redis-pair":
+            # Claim, then mark done: SET NX PX, then SET XX of the "done" value.
+            def call(k: bytes) -> Any:
+                got = set_(k, 1, nx=True, px=px)
+                set_(k, b"done", xx=True, px=px)
+                return got
+
+        else:
+
+            def call(k: bytes) -> Any:
+                return set_(k, 1, nx=True, px=px)
 
         def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
             if per_round_p50:  # a round ran: check it before flushing
@@ -811,18 +835,18 @@ def codec_client(keys: list[bytes], batch: int, reply_body: bytes) -> None:
         args = protocol.claim_args(NS, keys_, None, None, None)
         protocol.encode_request(rid, Op.CLAIM_MANY, args)
         _, _, payload = protocol.decode_response(reply_body)
-        protocol.claims_from_rows(keys_, NS, payload)
+        protocol.claims_from_reply(keys_, NS, payload)
 
 
 def codec_daemon(bodies: list[bytes], claims: list[Any]) -> None:
-    """The daemon's protocol work per batch: decode the request, encode the store's Claims."""
+    """The daemon's protocol work per batch: decode the request, encode the store's Claims
+    (in columns, as both clients ask for them)."""
     from dedupcore.daemon import protocol
 
-    claim_row = protocol.claim_row
     for body in bodies:
         req = protocol.decode_request(body)
         n = len(req.args["keys"])
-        protocol.encode_response(req.request_id, [claim_row(c) for c in claims[:n]])
+        protocol.encode_response(req.request_id, protocol.claim_columns(claims[:n]))
 
 
 @pytest.mark.parametrize("side", ["client", "daemon"])
@@ -838,7 +862,7 @@ def test_protocol_codec(benchmark: Any, daemon_keys: list[bytes], side: str) -> 
     # What the store returns for fresh keys: NEW claims with large fencing tokens.
     claims = [Claim(k, NS, Outcome.NEW, (1 << 40) + i) for i, k in enumerate(daemon_keys[:batch])]
     if side == "client":
-        reply = protocol.encode_response(7, [protocol.claim_row(c) for c in claims])
+        reply = protocol.encode_response(7, protocol.claim_columns(claims))
         args: tuple[Any, ...] = (daemon_keys, batch, reply[hdr:])
         run: Callable[..., None] = codec_client
     else:

@@ -281,7 +281,7 @@ class Client:
         keys_ = protocol.key_list(keys)
         args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
         rows = await self._call(Op.CLAIM_MANY, args)
-        return protocol.claims_from_rows(keys_, namespace, rows)
+        return protocol.claims_from_reply(keys_, namespace, rows)
 
     async def claim(
         self,

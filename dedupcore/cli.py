@@ -109,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="small sizes (seconds, not minutes); figures are indicative only",
     )
+    bench.add_argument(
+        "--daemon",
+        action="store_true",
+        help="only the daemon benchmarks: one claim and a claim+complete pair vs redis-py, "
+        "claim_many vs a redis-py pipeline, 8 client processes vs 1 (Redis on "
+        "DEDUPCORE_BENCH_REDIS_URL, default redis://127.0.0.1:6379)",
+    )
     bench.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
     return parser
 
@@ -135,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return rc
         return run_demo(keys=args.keys, duplicate_rate=args.duplicate_rate, seed=args.seed)
     if args.command == "bench":
-        return _bench(quick=args.quick, extra=args.pytest_args)
+        return _bench(quick=args.quick, daemon=args.daemon, extra=args.pytest_args)
     raise AssertionError(args.command)
 
 
@@ -153,7 +160,7 @@ def _sql_init(url: str, table: str) -> int:
     return 0
 
 
-def _bench(*, quick: bool, extra: Sequence[str]) -> int:
+def _bench(*, quick: bool, daemon: bool, extra: Sequence[str]) -> int:
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks").is_dir():
         print(
@@ -164,13 +171,39 @@ def _bench(*, quick: bool, extra: Sequence[str]) -> int:
     if quick:
         env.setdefault("DEDUPCORE_BENCH_N", "200000")
         env.setdefault("DEDUPCORE_BENCH_BIG", "2000000")
+        env.setdefault("DEDUPCORE_BENCH_DAEMON_N", "50000")
+        env.setdefault("DEDUPCORE_BENCH_DAEMON_SINGLE", "2000")
+    # The daemon's comparison runs 8 client processes against one.
+    env.setdefault("DEDUPCORE_BENCH_DAEMON_PROCS", "8")
+    _note_redis(env.get("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"))
     results = root / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    out = results / "bloom.json"
-    cmd = [sys.executable, "-m", "pytest", "benchmarks", "-q", f"--benchmark-json={out}", *extra]
+    out = results / ("daemon.json" if daemon else "bloom.json")
+    suite = "benchmarks/test_daemon.py" if daemon else "benchmarks"
+    cmd = [sys.executable, "-m", "pytest", suite, "-q", f"--benchmark-json={out}", *extra]
     rc = subprocess.call(cmd, cwd=root, env=env)
     if rc != 0:
         return rc
+    if not daemon:
+        rc = subprocess.call(
+            [sys.executable, "-m", "benchmarks.report", "--json", str(out)], cwd=root, env=env
+        )
+        if rc != 0:
+            return rc
     return subprocess.call(
-        [sys.executable, "-m", "benchmarks.report", "--json", str(out)], cwd=root, env=env
+        [sys.executable, "-m", "benchmarks.report_daemon", "--json", str(out)], cwd=root, env=env
     )
+
+
+def _note_redis(url: str) -> None:
+    """Says so when no Redis answers at ``url`` (its comparisons are then skipped)."""
+    try:
+        import redis
+
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except Exception as exc:
+        print(
+            f"dedupcore bench: no Redis at {url} ({exc}); the comparisons with Redis are "
+            "skipped: start redis-server or set DEDUPCORE_BENCH_REDIS_URL",
+            file=sys.stderr,
+        )

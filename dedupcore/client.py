@@ -197,7 +197,7 @@ class Client(ClaimAPI):
         keys_ = protocol.key_list(keys)
         args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
         rows = self._call(Op.CLAIM_MANY, args)
-        return protocol.claims_from_rows(keys_, namespace, rows)
+        return protocol.claims_from_reply(keys_, namespace, rows)
 
     def complete_many(
         self,

@@ -110,6 +110,9 @@ class DedupStore(ClaimAPI):
     #: claim_many takes reply_limit= and refuses a batch whose answer would pass it
     #: before anything changes (the daemon relies on it instead of reading ahead).
     bounds_replies = True
+    #: claim_many_deferred / complete_many_deferred / release_many_deferred answer
+    #: without waiting for the log; wait_durable(lsn) waits (the daemon's fast path).
+    defers_durability = True
 
     # -- opening and closing -------------------------------------------------
 
@@ -463,6 +466,75 @@ class DedupStore(ClaimAPI):
         duplicates) raises BatchTooLargeError, also before anything changes:
         the daemon passes its frame limit.
         """
+        claims, lsn = self.claim_many_deferred(
+            keys,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=fingerprints,
+            reply_limit=reply_limit,
+            row_bytes=row_bytes,
+        )
+        self._sync(lsn)
+        return claims
+
+    def claim_many_deferred(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+        reply_limit: int | None = None,
+        row_bytes: int = 0,
+    ) -> tuple[list[Claim], int]:
+        """:meth:`claim_many` without waiting for durability: (claims, lsn).
+
+        The answer may NOT be passed on before :meth:`wait_durable` ``(lsn)``
+        has returned: it can depend on records (this batch's, or the ones
+        its duplicates were answered from) that a crash could still take
+        back. ``lsn`` is 0 when everything the answer depends on is durable
+        already. The daemon uses this split to decide on its event loop and
+        wait for many requests' commit in one place (docs/daemon.md).
+        """
+        return self._claim_many(
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, False
+        )
+
+    def check_claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+        reply_limit: int | None = None,
+        row_bytes: int = 0,
+    ) -> int:
+        """Decides a claim batch as :meth:`claim_many` would and applies nothing.
+
+        Raises what claiming the batch now would raise (a bad key, a fingerprint
+        conflict, BatchTooLargeError); else returns the bytes of the duplicates'
+        stored results its answer would carry. The daemon checks the slices of a
+        large batch so before claiming any of them (docs/daemon.md).
+        """
+        return self._claim_many(
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, True
+        )[1]
+
+    def _claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        namespace: str,
+        lease: float | None,
+        owner: bytes | str | None,
+        fingerprints: Sequence[bytes | None] | None,
+        reply_limit: int | None,
+        row_bytes: int,
+        check_only: bool,
+    ) -> tuple[list[Claim], int]:
         self._check_usable(write=True)
         key_list = list(keys)
         ns = _keys.check_namespace(namespace)
@@ -473,7 +545,7 @@ class DedupStore(ClaimAPI):
         fps = check_fingerprints(fingerprints, len(key_list))
         ns_name = ns.decode()
         if not key_list:
-            return []
+            return [], 0
         ns_id = self._ns_id(ns)
         table = self._table
         with self._lock:
@@ -512,6 +584,9 @@ class DedupStore(ClaimAPI):
                     f"{row_bytes * len(key_list) + counts[5]} bytes, over {reply_limit} (the "
                     "duplicates' stored results included); nothing was claimed: split the batch"
                 )
+            if check_only:
+                table.discard()
+                return [], counts[5]
             # Only now, with every key of the batch checked, does anything change.
             written = table.staged_digests() if counts[4] else b""
             last = self._log(payloads, counts[4])
@@ -526,8 +601,7 @@ class DedupStore(ClaimAPI):
             self._stats.takeovers += takeovers
             if written:
                 self._front.add_many(_keys.front_hashes_of(written), now_w)
-        self._sync(max(last, depends))
-        return claims
+        return claims, self._pending_lsn(max(last, depends))
 
     def complete_many(
         self,
@@ -546,13 +620,46 @@ class DedupStore(ClaimAPI):
         """Releases many claims of one namespace."""
         self._change_many(items, namespace, State.RELEASED)
 
+    def complete_many_deferred(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> int:
+        """:meth:`complete_many` without waiting: returns the LSN to pass to
+        :meth:`wait_durable` before acknowledging (0: nothing to wait for)."""
+        return self._change_many_deferred(items, namespace, State.PROCESSED)
+
+    def release_many_deferred(
+        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
+    ) -> int:
+        """:meth:`release_many` without waiting (see :meth:`complete_many_deferred`)."""
+        return self._change_many_deferred(items, namespace, State.RELEASED)
+
+    def wait_durable(self, lsn: int) -> None:
+        """Returns once the log is durable through ``lsn`` (a deferred call's LSN).
+
+        Concurrent waiters share one commit (group commit). Raises like the
+        blocking calls do when that commit failed; the store then stops.
+        """
+        self._sync(lsn)
+
+    def _pending_lsn(self, lsn: int) -> int:
+        """``lsn``, or 0 when the log is durable through it already."""
+        if lsn <= 0 or lsn <= self._wal.last_lsn:
+            return 0
+        return lsn
+
     def _change_many(self, items: Iterable[Any], namespace: str, state: State) -> None:
+        self._sync(self._change_many_deferred(items, namespace, state))
+
+    def _change_many_deferred(self, items: Iterable[Any], namespace: str, state: State) -> int:
         self._check_usable(write=True)
         ns = _keys.check_namespace(namespace)
         ns_name = ns.decode()
         parsed = change_items(items, with_results=state is State.PROCESSED)
         if not parsed:
-            return
+            return 0
         max_result = self.config.max_result_bytes
         joined = _digests_of(ns, [p[0] for p in parsed], self.config.max_key_bytes)
         self._ns_id(ns)
@@ -576,7 +683,7 @@ class DedupStore(ClaimAPI):
             if written:
                 # Completion re-adds the key so the front spans the exact window from now.
                 self._front.add_many(_keys.front_hashes_of(written), now_w)
-        self._sync(max(last, depends))
+        return self._pending_lsn(max(last, depends))
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the store holds nothing)."""
@@ -829,6 +936,7 @@ class DedupStore(ClaimAPI):
                 "checkpoint_seconds": self._stats.checkpoint_seconds,
                 "demoted": self._stats.demoted,
                 "wal_last_lsn": self._wal.last_lsn,
+                "wal_commits": self._wal.commits,
             }
 
 

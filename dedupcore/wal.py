@@ -443,6 +443,9 @@ class WriteAheadLog:
         self._fd = -1  # the last segment, open for writing
         self._seg_size = 0  # bytes in the last segment
         self._unsynced = False  # the last segment has writes not yet fdatasynced
+        #: Commits made (one write, and one fdatasync in that mode, each): with
+        #: group commit, fewer than the appends they acknowledged.
+        self.commits = 0
         self._durable_lsn = 0  # last acknowledged record
         self._next_lsn = 1  # LSN the next queued record gets
         self._pending = bytearray()  # framed records queued for the next leader
@@ -794,6 +797,7 @@ class WriteAheadLog:
             self._rotated(first, not_created)
         if failure is None:
             self._durable_lsn = last
+            self.commits += 1
         else:
             self._fail(failure, first, last)
         self._cond.notify_all()

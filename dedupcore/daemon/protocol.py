@@ -16,8 +16,11 @@ client raises the same exception class the store would have raised.
 Ops and their ``args`` (a map) and results:
 
 - ``PING`` (1): ``{}`` -> ``"pong"``
-- ``CLAIM_MANY`` (2): ``ns``, ``keys``, ``lease``?, ``owner``?, ``fps``?
-  -> ``[[outcome, token, result, exact, takeover], ...]`` in key order
+- ``CLAIM_MANY`` (2): ``ns``, ``keys``, ``lease``?, ``owner``?, ``fps``?, ``cols``?
+  -> ``[[outcome, token, result, exact, takeover], ...]`` in key order, or with
+  ``cols: 1`` the same answers in columns, a map (see :class:`ClaimColumns`);
+  a daemon that predates ``cols`` ignores it and sends rows, so a client
+  accepts both (a list is rows, a map is columns)
 - ``COMPLETE_MANY`` (3): ``ns``, ``items``: ``[[key, token, result?], ...]`` -> ``None``
 - ``RELEASE_MANY`` (4): ``ns``, ``items``: ``[[key, token], ...]`` -> ``None``
 - ``GET`` (5): ``ns``, ``key`` -> a record map or ``None``
@@ -30,7 +33,10 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -43,15 +49,20 @@ from dedupcore.store import StoreLockedError
 from dedupcore.wal import WalFailedError
 
 __all__ = [
+    "COLUMNS_ARG",
     "DEFAULT_MAX_FRAME",
     "HEADER",
     "SAFE_TO_REPEAT",
+    "ClaimColumns",
     "FrameError",
     "Op",
     "Request",
     "Status",
     "claim_args",
+    "claim_columns",
     "claim_row",
+    "claims_from_columns",
+    "claims_from_reply",
     "claims_from_rows",
     "decode_request",
     "decode_response",
@@ -255,6 +266,7 @@ def claim_args(
         "lease": None if lease is None else check_lease(lease),
         "owner": owner,
         "fps": None if fingerprints is None else list(fingerprints),
+        COLUMNS_ARG: 1,
     }
 
 
@@ -264,6 +276,104 @@ def items_arg(items: Any, *, with_results: bool) -> list[list[Any]]:
         [key, token, result] if with_results else [key, token]
         for key, token, result in change_items(items, with_results=with_results)
     ]
+
+
+#: CLAIM_MANY argument by which a client asks for the reply in columns (see
+#: :class:`ClaimColumns`); a daemon that does not know it ignores it and sends rows.
+COLUMNS_ARG = "cols"
+#: Outcomes as one byte each in a columns reply.
+_OUTCOME_ORDER = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
+_OUTCOME_CODE = {o: i for i, o in enumerate(_OUTCOME_ORDER)}
+_SWAP = sys.byteorder != "little"
+
+
+class ClaimColumns:
+    """A CLAIM_MANY reply in columns, built slice by slice.
+
+    ``{"o": outcomes, one byte per key (0 NEW, 1 DUPLICATE, 2 IN_PROGRESS),
+    "t": tokens as little-endian unsigned 64-bit integers, "ri"/"rv": the indexes
+    and values of the results that are not None, "x": indexes of the answers
+    that are not exact (cold archive), "k": indexes of the takeovers}``. A
+    client asks for it with ``cols: 1``; a map instead of a list tells it apart
+    from the rows an older daemon sends.
+    """
+
+    def __init__(self) -> None:
+        self.outcomes = bytearray()
+        self.tokens = array("Q")
+        self.result_index: list[int] = []
+        self.results: list[Any] = []
+        self.cold: list[int] = []
+        self.takeovers: list[int] = []
+
+    def add(self, claims: list[Claim]) -> None:
+        base = len(self.outcomes)
+        code = _OUTCOME_CODE
+        self.outcomes += bytes([code[c.outcome] for c in claims])
+        self.tokens.extend([c.token for c in claims])
+        for i, c in enumerate(claims, base):
+            if c.result is not None:
+                self.result_index.append(i)
+                self.results.append(c.result)
+            if not c.exact:
+                self.cold.append(i)
+            if c.takeover:
+                self.takeovers.append(i)
+
+    def payload(self) -> dict[str, Any]:
+        tokens = self.tokens
+        if _SWAP:  # pragma: no cover - big-endian hosts
+            tokens = array("Q", tokens)
+            tokens.byteswap()
+        return {
+            "o": bytes(self.outcomes),
+            "t": tokens.tobytes(),
+            "ri": self.result_index,
+            "rv": self.results,
+            "x": self.cold,
+            "k": self.takeovers,
+        }
+
+
+def claim_columns(claims: list[Claim]) -> dict[str, Any]:
+    """The claims as a columns reply (see :class:`ClaimColumns`)."""
+    cols = ClaimColumns()
+    cols.add(claims)
+    return cols.payload()
+
+
+def claims_from_reply(keys: list[Any], namespace: str, reply: Any) -> list[Claim]:
+    """The claims of a CLAIM_MANY reply, rows or columns, in key order."""
+    if isinstance(reply, dict):
+        return claims_from_columns(keys, namespace, reply)
+    return claims_from_rows(keys, namespace, reply)
+
+
+def claims_from_columns(keys: list[Any], namespace: str, cols: dict[str, Any]) -> list[Claim]:
+    """The claims of a columns reply: one Claim per key, the sparse fields filled in after."""
+    try:
+        outcomes = cols["o"]
+        tokens = array("Q")
+        tokens.frombytes(cols["t"])
+        if _SWAP:  # pragma: no cover - big-endian hosts
+            tokens.byteswap()
+        if not isinstance(outcomes, bytes) or not len(outcomes) == len(tokens) == len(keys):
+            raise FrameError("claim reply does not match the request")
+        by_code = _OUTCOME_ORDER
+        claims = list(
+            map(Claim, keys, repeat(namespace), map(by_code.__getitem__, outcomes), tokens)
+        )
+        for i, result in zip(cols["ri"], cols["rv"], strict=True):
+            claims[i].result = result
+        for i in cols["x"]:
+            claims[i].exact = False
+        for i in cols["k"]:
+            claims[i].takeover = True
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        if isinstance(exc, FrameError):
+            raise
+        raise FrameError(f"malformed claim reply: {exc!r}") from None
+    return claims
 
 
 def claim_row(c: Claim) -> list[Any]:

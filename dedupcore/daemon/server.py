@@ -1,11 +1,15 @@
 """``dedupcore serve``: one process owns a data directory and serves it on a Unix socket.
 
 Many consumer processes on a host share one store through this daemon. Each
-connection is read by the event loop; every request runs the store call in a
-small thread pool, so the batches of all connections reach the write-ahead
-log concurrently and share its group commits (one ``fdatasync`` for all the
-batches that arrive while the previous one is being synced). A reply is sent
-only after the store has returned, that is after the commit is durable.
+connection is read by the event loop. With the embedded store, claims,
+completions and releases are decided on the loop itself (native work) and
+only the wait for the log goes to one commit thread, which makes every
+request waiting at that moment durable with one group commit; large claim
+batches are decided in slices so other connections are served in between
+(docs/daemon.md). Other requests, and every request of other stores, run
+the store call in a small thread pool, so the batches of all connections
+reach the log concurrently and share its group commits. Either way a reply
+is sent only after the commit its answer depends on is durable.
 
 Defences, so that one bad or slow client cannot hurt the others:
 
@@ -70,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dedupcore.api import ClaimAPI
+from dedupcore.api import ClaimAPI, check_fingerprints
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
@@ -111,6 +115,14 @@ _ROW_FIXED = 32
 _STREAM_LIMIT = 16 << 10
 #: A frame this small may pass larger ones waiting for the buffer budget.
 _SMALL_FRAME = 64 << 10
+#: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
+#: SLICE_KEYS keys, with other connections' requests served between two slices.
+SLICE_ABOVE = 8192
+#: Keys of one slice: a few milliseconds of deciding, the longest a request of another
+#: connection waits behind a large batch.
+SLICE_KEYS = 2048
+#: Ops the embedded store decides on the event loop (then only the commit is waited for).
+_DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 #: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
@@ -393,6 +405,76 @@ def peer_admitted(
     return uid in allowed_uids or gid in allowed_gids or bool(groups & allowed_gids)
 
 
+class _Committer:
+    """One thread that waits for the store's log on behalf of every request decided on
+    the event loop: each round takes all the waiting requests, waits once until the
+    highest LSN among them is durable (one group commit, one ``fdatasync``), then
+    resolves all their futures in one callback on the loop."""
+
+    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._store = store
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+        self._closed = False
+        self.rounds = 0  # waits for the log, each covering every request queued meanwhile
+        self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
+        self._thread.start()
+
+    def wait(self, lsn: int) -> asyncio.Future[None]:
+        """A future resolved (on the loop) once the log is durable through ``lsn``."""
+        fut = self._loop.create_future()
+        with self._cond:
+            self._waiting.append((lsn, fut))
+            self._cond.notify()
+        return fut
+
+    def close(self) -> None:
+        """Finishes the waits queued so far, then stops the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                batch, self._waiting = self._waiting, []
+            self.rounds += 1
+            done: list[tuple[asyncio.Future[None], BaseException | None]]
+            try:
+                self._store.wait_durable(max(lsn for lsn, _ in batch))
+                done = [(fut, None) for _, fut in batch]
+            except BaseException:
+                # The commit failed: the requests whose records were durable before
+                # it are still answered; the others get the error their own wait gives.
+                done = []
+                for lsn, fut in sorted(batch, key=lambda item: item[0]):
+                    try:
+                        self._store.wait_durable(lsn)
+                        done.append((fut, None))
+                    except BaseException as exc:
+                        done.append((fut, exc))
+            try:
+                self._loop.call_soon_threadsafe(_resolve, done)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+
+
+def _resolve(done: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, exc in done:
+        if fut.done():  # the request timed out or its connection went away
+            continue
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
 class DaemonServer:
     """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc).
 
@@ -448,6 +530,12 @@ class DaemonServer:
         self._gate = _Gate()
         self._max_result = _max_result_bytes(store, max_frame)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
+        # The embedded store decides claims, completions and releases on the event loop
+        # (native, the GIL released) and only the wait for the log goes to a thread.
+        self._fast = bool(
+            getattr(store, "defers_durability", False) and getattr(store, "bounds_replies", False)
+        )
+        self._committer: _Committer | None = None
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()
@@ -462,6 +550,8 @@ class DaemonServer:
             "refused_batches": 0,
             "paused_reads": 0,
             "write_timeouts": 0,
+            "sliced_batches": 0,
+            "batch_slices": 0,
         }
         self._commit_seconds = 0.0
 
@@ -470,6 +560,8 @@ class DaemonServer:
     async def start(self) -> None:
         """Binds the socket and starts accepting connections."""
         path = check_socket_path(self.socket_path, group=self.group)
+        if self._fast and self._committer is None:
+            self._committer = _Committer(self.store, asyncio.get_running_loop())
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         old_umask = os.umask(0o177 if self.group is None else 0o117)
         try:
@@ -534,6 +626,8 @@ class DaemonServer:
             await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        if self._committer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._committer.close)
         self._pool.shutdown(wait=True)
 
     # -- connections -----------------------------------------------------------
@@ -583,10 +677,15 @@ class DaemonServer:
         """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
         what is queued; a peer too slow for that is disconnected. False if the connection is
         gone."""
-        if writer.transport.is_closing():
+        transport = writer.transport
+        if transport.is_closing():
             return False
         if data is not None:
             writer.write(data)
+            # At or below the low-water mark writing is not paused, so drain() would not
+            # wait: skip it and its timer (most replies leave the buffer empty at once).
+            if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[0]:
+                return True
         try:
             await _within(writer.drain(), self.write_timeout)
         except TimeoutError:
@@ -687,6 +786,8 @@ class DaemonServer:
                 if request.op in _INLINE_OPS:
                     # Nothing to wait for: answer on the event loop, no thread hop.
                     result = self._dispatch(request.op, request.args)
+                elif self._committer is not None and request.op in _DEFERRED_OPS:
+                    result = await self._decide(request.op, request.args)
                 else:
                     loop = asyncio.get_running_loop()
                     result = await _within(
@@ -723,6 +824,101 @@ class DaemonServer:
             # not read its replies stay bounded, and so do their bytes.
             slots.release()
             self._budget.give(reserved)
+
+    # -- the embedded store's fast path (on the event loop) ----------------------------
+
+    async def _decide(self, op: Op, args: dict[str, Any]) -> Any:
+        """Decides a claim, completion or release on the event loop, then waits (without
+        blocking the loop) until the log is durable through every record the answer
+        depends on: nothing is answered before that (docs/daemon.md)."""
+        store: Any = self.store
+        ns = _arg(args, "ns", str)
+        result: Any = None
+        if op is Op.CLAIM_MANY:
+            keys = _arg(args, "keys", list)
+            options = {
+                "namespace": ns,
+                "lease": _optional(args, "lease", (int, float)),
+                "owner": _optional(args, "owner", (bytes, str)),
+                "fingerprints": _optional(args, "fps", list),
+            }
+            columns = bool(args.get(protocol.COLUMNS_ARG))
+            if len(keys) > SLICE_ABOVE:
+                result, lsn = await self._claim_sliced(keys, options, columns)
+            else:
+                claims, lsn = store.claim_many_deferred(
+                    keys,
+                    **options,
+                    reply_limit=self.max_frame - _REPLY_FIXED,
+                    row_bytes=_ROW_FIXED + 8,
+                )
+                if columns:
+                    result = protocol.claim_columns(claims)
+                else:
+                    result = [protocol.claim_row(c) for c in claims]
+        elif op is Op.COMPLETE_MANY:
+            lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
+        else:
+            lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
+        if lsn:
+            assert self._committer is not None
+            await _within(self._committer.wait(lsn), self.request_timeout)
+        return result
+
+    async def _claim_sliced(
+        self, keys: list[Any], options: dict[str, Any], columns: bool
+    ) -> tuple[Any, int]:
+        """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
+        two slices so that other connections are served meanwhile.
+
+        Every slice is first checked (decided, nothing applied): a bad key, a fingerprint
+        conflict or an answer over the frame limit refuses the whole batch before any of
+        it is claimed. Then the slices are claimed in order; a key repeated across slices
+        is IN_PROGRESS in the later one, as within one batch. A conflict that other
+        clients create between the check and the claim of a later slice can still refuse
+        the batch after its earlier slices were claimed (they stay claimed, as after a
+        lost reply)."""
+        store: Any = self.store
+        slices = [keys[i : i + SLICE_KEYS] for i in range(0, len(keys), SLICE_KEYS)]
+        fps = options.pop("fingerprints")
+        if fps is None:
+            fp_slices: list[Any] = [None] * len(slices)
+        else:
+            check_fingerprints(fps, len(keys))
+            fp_slices = [fps[i : i + SLICE_KEYS] for i in range(0, len(fps), SLICE_KEYS)]
+        rows_bytes = _REPLY_FIXED + (_ROW_FIXED + 8) * len(keys)
+        if rows_bytes > self.max_frame:
+            raise BatchTooLargeError(
+                f"the answer to a claim of {len(keys)} keys would pass {self.max_frame} bytes "
+                "(the frame limit); nothing was claimed: split the batch"
+            )
+        self.counters["sliced_batches"] += 1
+        budget = self.max_frame - rows_bytes
+        held: list[int] = []  # bytes of stored results each slice's answer carries
+        for part, part_fps in zip(slices, fp_slices, strict=True):
+            held.append(
+                store.check_claim_many(
+                    part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
+                )
+            )
+            await asyncio.sleep(0)
+        rows: list[list[Any]] = []
+        cols = protocol.ClaimColumns()
+        lsn = 0
+        for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
+            # Later slices keep the room the checked answers of the others need.
+            room = budget - sum(held[:i]) - sum(held[i + 1 :])
+            claims, part_lsn = store.claim_many_deferred(
+                part, **options, fingerprints=part_fps, reply_limit=room
+            )
+            self.counters["batch_slices"] += 1
+            lsn = max(lsn, part_lsn)
+            if columns:
+                cols.add(claims)
+            else:
+                rows.extend(protocol.claim_row(c) for c in claims)
+            await asyncio.sleep(0)
+        return (cols.payload() if columns else rows), lsn
 
     # -- a failed store --------------------------------------------------------------
 
@@ -769,6 +965,7 @@ class DaemonServer:
                 buffered_bytes=self._budget.used,
                 buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
+                commit_rounds=0 if self._committer is None else self._committer.rounds,
             )
             return stats
         ns = _arg(args, "ns", str)
@@ -800,6 +997,8 @@ class DaemonServer:
                 with self._gate.side(_CLAIMS):
                     self._check_reply_bound(keys, ns, fixed)
                     claims = self.store.claim_many(keys, **options)
+            if args.get(protocol.COLUMNS_ARG):
+                return protocol.claim_columns(claims)
             return [protocol.claim_row(c) for c in claims]
         if op is Op.COMPLETE_MANY:
             items = _arg(args, "items", list)

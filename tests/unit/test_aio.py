@@ -333,6 +333,32 @@ def test_pipelined_concurrent_claims_one_connection(daemon: Daemon) -> None:
     run(main())
 
 
+def test_2000_concurrent_single_claims_share_one_connection_and_commits(daemon: Daemon) -> None:
+    ns = fresh_ns()
+    n = 2000
+
+    async def main() -> None:
+        async with aio.Client(daemon.socket) as c:
+            assert await c.ping()
+            conn = c._conn
+            before = await c.stats()
+            tasks = [asyncio.create_task(c.claim(f"many-{i}", namespace=ns)) for i in range(n)]
+            await asyncio.sleep(0)  # every task runs up to its wait for the reply
+            assert c._conn is conn and conn is not None
+            # Nothing serializes them on the client: all are sent and waiting at once.
+            assert len(conn.pending) == n
+            claims = await asyncio.gather(*tasks)
+            after = await c.stats()
+            assert c._conn is conn
+            assert [x.key for x in claims] == [f"many-{i}" for i in range(n)]
+            assert all(x.outcome is Outcome.NEW and x.token > 0 for x in claims)
+            assert after["daemon"]["connections"] == before["daemon"]["connections"]
+            # The daemon made them durable together: far fewer log commits than claims.
+            assert after["wal_commits"] - before["wal_commits"] < n
+
+    run(main())
+
+
 def test_large_replies_interleave_with_small_requests(daemon: Daemon) -> None:
     ns = fresh_ns()
     big = [f"big-{i:06d}-{'x' * 40}" for i in range(20_000)]
