@@ -80,3 +80,6 @@ class ClaimTable:
 def digest_keys(
     namespace: bytes, keys: list[Any], max_key_bytes: int, seed_hi: int
 ) -> tuple[bytes, int]: ...
+def split_items(
+    items: list[Any], with_results: bool
+) -> tuple[list[Any] | None, list[int] | None, list[Any] | None, int]: ...

@@ -657,16 +657,23 @@ class DedupStore(ClaimAPI):
         self._check_usable(write=True)
         ns = _keys.check_namespace(namespace)
         ns_name = ns.decode()
-        parsed = change_items(items, with_results=state is State.PROCESSED)
-        if not parsed:
+        item_list = items if type(items) is list else list(items)
+        completing = state is State.PROCESSED
+        keys, tokens, given, bad = _engine.split_items(item_list, completing)
+        if bad >= 0:  # the Python check names what is wrong (or takes int subclasses)
+            parsed = change_items(item_list, with_results=completing)
+            keys = [p[0] for p in parsed]
+            tokens = [p[1] for p in parsed]
+            given = [p[2] for p in parsed] if completing else None
+        assert keys is not None and tokens is not None
+        if not keys:
             return 0
         max_result = self.config.max_result_bytes
-        joined = _digests_of(ns, [p[0] for p in parsed], self.config.max_key_bytes)
+        joined = _digests_of(ns, keys, self.config.max_key_bytes)
         self._ns_id(ns)
-        tokens = [p[1] for p in parsed]
         results = (
-            [None if p[2] is None else pack_result(p[2], max_result) for p in parsed]
-            if state is State.PROCESSED
+            [None if r is None else pack_result(r, max_result) for r in given]
+            if given is not None
             else None
         )
         with self._lock:
@@ -677,7 +684,7 @@ class DedupStore(ClaimAPI):
                 joined, tokens, results, int(state), now_w
             )
             if bad >= 0:
-                raise _stale(kind, parsed[bad][0], tokens[bad], current, ns_name)
+                raise _stale(kind, keys[bad], tokens[bad], current, ns_name)
             written = self._table.staged_digests() if n and state is State.PROCESSED else b""
             last = self._log(payloads, n)
             if written:
@@ -760,17 +767,19 @@ class DedupStore(ClaimAPI):
                     self._last_checkpoint = time.monotonic()
                     return
                 started = time.monotonic()
-                # Later records go to a new segment, so the old ones can be dropped whole.
-                self._wal.rotate()
                 # Keys that stay in flight must not age out of the front filter:
                 # those claimed more than half a front window ago go in again.
                 now_w = time.time()
                 aged = self._table.inflight_records(float("inf"), now_w - self._front_window() / 2)
-                if aged:
-                    self._front.add_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
-                # The front is saved before LMDB records the checkpoint, so a
-                # saved front holds every key LMDB holds.
-                self._save_front(upto)
+            # The file work runs outside the store lock, so claims go on meanwhile
+            # (the log and the front filter have their own locks). Later records
+            # go to a new segment, so the old ones can be dropped whole.
+            self._wal.rotate()
+            if aged:
+                self._front.add_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
+            # The front is saved before LMDB records the checkpoint, so a saved
+            # front holds every key LMDB holds (and records that it does).
+            self._save_front(upto)
             self._wal.sync(upto, force=True)
             with self._lock:
                 items, inflight, settled, newest = self._table.export(self._ckpt_lsn, upto)

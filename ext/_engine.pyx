@@ -740,3 +740,38 @@ def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t s
         return bytes(out), -1
     finally:
         free(scratch)
+
+
+def split_items(list items, bint with_results):
+    """The keys, tokens and results of complete/release items, checked natively.
+
+    Each item is a tuple or list of (key, token) or, ``with_results``, (key,
+    token, result); a token is an int in 1..2**63-1. Returns ``(keys, tokens,
+    results, bad)``: ``results`` is None when no item carries a result;
+    ``bad`` is -1, or the index of the first item that is not well formed (the
+    caller names what is wrong).
+    """
+    cdef Py_ssize_t n = len(items), i, size
+    cdef list keys = [None] * n, tokens = [None] * n
+    cdef list results = None
+    cdef object item, token, result
+    for i in range(n):
+        item = <object>PyList_GET_ITEM(items, i)
+        if type(item) is tuple or type(item) is list:
+            size = len(item)
+        else:
+            return None, None, None, i
+        if size != 2 and not (size == 3 and with_results):
+            return None, None, None, i
+        token = item[1]
+        if type(token) is not int or not 1 <= token <= 0x7FFFFFFFFFFFFFFF:
+            return None, None, None, i
+        keys[i] = item[0]
+        tokens[i] = token
+        if size == 3:
+            result = item[2]
+            if result is not None:
+                if results is None:
+                    results = [None] * n
+                results[i] = result
+    return keys, tokens, results, -1
