@@ -437,11 +437,12 @@ class DedupStore(ClaimAPI):
         found = {i for i, raw in zip(to_read, raws, strict=True) if raw is not None}
         return [i for i in missing if i not in found]
 
-    def _cold_hits(self, digests: Sequence[bytes], ns_id: int) -> list[bool]:
-        if not digests:
+    def _cold_hits(self, joined: bytes, ns_id: int) -> list[bool]:
+        """Whether the cold archive holds each of concatenated digests."""
+        if not joined:
             return []
         window = self._retention(ns_id).cold_window
-        return self._cold.contains_many(window, _keys.front_hashes(list(digests)))
+        return self._cold.contains_many(window, _keys.front_hashes_of(joined))
 
     # -- claims ----------------------------------------------------------------
 
@@ -555,7 +556,12 @@ class DedupStore(ClaimAPI):
             absent = self._fetch(joined)
             cold: bytearray | None = None
             if absent:
-                hits = self._cold_hits([_at(joined, i) for i in absent], ns_id)
+                hits = self._cold_hits(
+                    joined
+                    if len(absent) == len(key_list)
+                    else b"".join(_at(joined, i) for i in absent),
+                    ns_id,
+                )
                 if any(hits):
                     cold = bytearray(len(key_list))
                     for i, hit in zip(absent, hits, strict=True):
@@ -703,7 +709,7 @@ class DedupStore(ClaimAPI):
             self._fetch(d)
             r = self._table.get(d)
             if r is None:
-                if self._cold_hits([d], ns_id)[0]:
+                if self._cold_hits(d, ns_id)[0]:
                     return KeyRecord(State.PROCESSED, 0, None, None, None, 0.0, 0.0, exact=False)
                 return None
             state, _ns, token, created, updated, _lease, owner, fp, result, depends, _ = r
