@@ -42,6 +42,7 @@ SQLITE_NORMAL = "sqlite-wal-normal"
 OPS = [
     ("store_claim_many_fresh", "claim_many of N fresh keys"),
     ("store_claim_many_duplicate", "claim_many of the same N keys again (all DUPLICATE)"),
+    ("store_complete_many", "complete_many of N claimed keys (redis: pipelined SET XX)"),
     ("store_sustained", "sustained: BIG fresh keys, one round, checkpoints during the run"),
 ]
 LIB_ORDER = [
@@ -58,9 +59,10 @@ LIB_ORDER = [
 
 TARGET_N = 1_000_000
 TARGET_BIG = 10_000_000
-TARGET_FRESH_VS_REDIS = 5.0
+TARGET_FRESH_VS_REDIS = 10.0
 TARGET_FRESH_VS_SQLITE = 3.0
-TARGET_DUP_VS_REDIS = 10.0
+TARGET_DUP_VS_REDIS = 20.0
+TARGET_COMPLETE_VS_REDIS = 10.0
 TARGET_SUSTAINED_VS_REDIS = 3.0
 TARGET_UNSAFE_VS_RTT = 0.1
 TARGET_LMDB_BYTES = 100.0
@@ -316,6 +318,16 @@ def evaluate(rows: dict[tuple[str, str], Row], cfg: dict[str, Any]) -> list[Verd
             TARGET_FRESH_VS_SQLITE,
             "claim_many fresh vs SQLite INSERT OR IGNORE (WAL, synchronous=NORMAL: "
             "not power-loss durable)",
+            n_note,
+        )
+    )
+    verdicts.append(
+        _ratio_verdict(
+            rows,
+            "store_complete_many",
+            REDIS,
+            TARGET_COMPLETE_VS_REDIS,
+            "complete_many vs redis-py pipelined SET XX PX",
             n_note,
         )
     )

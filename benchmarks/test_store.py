@@ -478,6 +478,76 @@ def test_claim_many_fresh(
     )
 
 
+# ------------------------------------------------------ complete_many --
+
+
+@pytest.mark.parametrize("name", ["dedupcore", "redis-pipelined"])
+def test_complete_many(
+    benchmark: Any,
+    request: pytest.FixtureRequest,
+    scfg: StoreBenchConfig,
+    store_keys: list[bytes],
+    name: str,
+) -> None:
+    """complete_many of N claimed keys in batches of B (the claims are set up untimed);
+    Redis: pipelined ``SET k 2 XX PX`` over keys set with ``SET NX PX``."""
+    benchmark.group = "store_complete_many"
+    n, batch = len(store_keys), scfg.batch
+    ws = Workspace("complete-" + name)
+    try:
+        if name == "dedupcore":
+            work: list[Any] = []
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                store = open_store(ws, durability="durable")
+                items = []
+                for i in range(0, n, batch):
+                    claims = store.claim_many(store_keys[i : i + batch], namespace=NS)
+                    items.append([(c.key, c.token) for c in claims])
+                work[:] = [store]
+                return (store, items), {}
+
+            def complete(store: Any, items: list[list[tuple[bytes, int]]]) -> None:
+                for part in items:
+                    store.complete_many(part, namespace=NS)
+
+            benchmark.pedantic(complete, setup=setup, rounds=scfg.rounds, iterations=1)
+            assert work[0].get(store_keys[0], namespace=NS).state.name == "PROCESSED"
+        else:
+            client = request.getfixturevalue("redis_client")
+            rkeys = redis_form(store_keys)
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                client.flushdb()
+                redis_claim_batches(client, rkeys, batch, scfg.px_ms)
+                return (client, rkeys), {}
+
+            def complete(client: Any, keys: list[bytes]) -> int:
+                done = 0
+                for i in range(0, n, batch):
+                    pipe = client.pipeline(transaction=False)
+                    for k in keys[i : i + batch]:
+                        pipe.set(k, 2, xx=True, px=scfg.px_ms)
+                    done += pipe.execute().count(True)
+                return done
+
+            done = benchmark.pedantic(complete, setup=setup, rounds=scfg.rounds, iterations=1)
+            assert done == n
+            client.flushdb()
+    finally:
+        ws.clear()
+    _record(
+        benchmark,
+        library=name,
+        operation="store_complete_many",
+        n_keys=n,
+        call="store.complete_many(items[i:i+B], namespace=ns)"
+        if name == "dedupcore"
+        else "pipe.set(k, 2, xx=True, px=30000)×B; pipe.execute()",
+        batch=batch,
+    )
+
+
 # ----------------------------------------- claim_many, all duplicates --
 
 DUP_PEERS = ["dedupcore", "dedupcore-in-memory", "redis-pipelined", "sqlite-wal-full"]
