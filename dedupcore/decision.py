@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dedupcore.errors import StaleTokenError
 from dedupcore.record import State
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Rec",
     "decide_change",
     "decide_claim",
+    "stale_token_error",
 ]
 
 # Per-key answers of a claim (the native engine's codes).
@@ -173,3 +175,21 @@ def decide_change(
             r, state=state, updated=now_w, deadline=0.0, result=result
         )
     return plan
+
+
+def stale_token_error(
+    kind: int, key: object, token: int, current: int, namespace: str
+) -> StaleTokenError:
+    """The one set of messages for a complete/release refused with ``kind``
+    (ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, ERR_COMPLETED)."""
+    if kind == ERR_NOT_CLAIMED:
+        return StaleTokenError(
+            f"key {key!r} in namespace {namespace!r} is not claimed (never claimed, "
+            "released, or expired from the store)"
+        )
+    if kind == ERR_WRONG_TOKEN:
+        return StaleTokenError(
+            f"token {token} of key {key!r} is not the key's current token "
+            f"{current} (a stale owner whose lease was taken over, or a wrong token)"
+        )
+    return StaleTokenError(f"key {key!r} was already completed; it cannot be released")

@@ -113,9 +113,7 @@ def front_hash(d: bytes) -> int:
 
 def front_hashes(ds: Sequence[bytes]) -> memoryview:
     """The Bloom-filter hashes of many digests, as a uint64 buffer (no per-key Python work)."""
-    if not ds:
-        return memoryview(b"").cast("Q")
-    return memoryview(b"".join(ds)).cast("Q")[::2]
+    return front_hashes_of(b"".join(ds))
 
 
 def front_hashes_of(joined: bytes) -> memoryview:

@@ -54,11 +54,11 @@ from dedupcore.api import (
 )
 from dedupcore.bloom import BloomRing, atomic_write
 from dedupcore.config import Retention, StoreConfig, check_lease, policies
+from dedupcore.decision import stale_token_error
 from dedupcore.errors import (
     BatchTooLargeError,
     CorruptFileError,
     DedupError,
-    StaleTokenError,
 )
 from dedupcore.migrate import migrate_v1
 from dedupcore.record import State, decode_stored
@@ -690,7 +690,7 @@ class DedupStore(ClaimAPI):
                 joined, tokens, results, int(state), now_w
             )
             if bad >= 0:
-                raise _stale(kind, keys[bad], tokens[bad], current, ns_name)
+                raise stale_token_error(kind, keys[bad], tokens[bad], current, ns_name)
             written = self._table.staged_digests() if n and state is State.PROCESSED else b""
             last = self._log(payloads, n)
             if written:
@@ -979,20 +979,6 @@ def _unpack_stored(raw: bytes | None) -> Any:
         return unpack_result(raw)
     except Exception as exc:
         raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
-
-
-def _stale(kind: int, key: object, token: int, current: int, ns_name: str) -> StaleTokenError:
-    if kind == 1:
-        return StaleTokenError(
-            f"key {key!r} in namespace {ns_name!r} is not claimed (never claimed, "
-            "released, or expired from the store)"
-        )
-    if kind == 2:
-        return StaleTokenError(
-            f"token {token} of key {key!r} is not the key's current token "
-            f"{current} (a stale owner whose lease was taken over, or a wrong token)"
-        )
-    return StaleTokenError(f"key {key!r} was already completed; it cannot be released")
 
 
 def _read_covers(path: Path) -> int:

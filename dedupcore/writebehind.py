@@ -196,7 +196,9 @@ class MemoryTable(ClaimAPI):
             )
             if plan.error is not None:
                 i, kind, current = plan.error
-                raise _stale(kind, parsed[i][0], parsed[i][1], current, namespace)
+                raise decision.stale_token_error(
+                    kind, parsed[i][0], parsed[i][1], current, namespace
+                )
             self._recs.update(plan.logged)
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
@@ -218,16 +220,6 @@ class MemoryTable(ClaimAPI):
 
     def durability(self) -> str:
         return "memory: nothing survives the process"
-
-
-def _stale(kind: int, key: object, token: int, current: int, namespace: str) -> StaleTokenError:
-    if kind == decision.ERR_NOT_CLAIMED:
-        return StaleTokenError(f"key {key!r} in namespace {namespace!r} is not claimed")
-    if kind == decision.ERR_WRONG_TOKEN:
-        return StaleTokenError(
-            f"token {token} of key {key!r} is not the key's current token {current}"
-        )
-    return StaleTokenError(f"key {key!r} was already completed; it cannot be released")
 
 
 @dataclass(frozen=True, slots=True)

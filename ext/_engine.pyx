@@ -687,11 +687,6 @@ cdef class ClaimTable:
                 parts.append(PyBytes_FromStringAndSize(<const char*>self.t.slots[i].digest, 16))
         return b"".join(parts)
 
-    def forget_clean(self, list digests):
-        """Drops clean copies (lsn <= 0 changes none) of these digests: their LMDB
-        records were deleted. Implemented as a full eviction of clean copies."""
-        if digests:
-            self.evict(0)
 
 
 cdef extern from "Python.h":

@@ -279,12 +279,16 @@ class LmdbTier:
         Slices are probed newest first, each only for the digests its filter
         may hold and that no newer slice had; one read transaction.
         """
+        return self._probe(list(reversed(self._slices)), digests)
+
+    def _probe(self, slices: list[SliceInfo], digests: list[bytes]) -> list[bytes | None]:
+        """The first record of each digest found in ``slices``, in that order."""
         out: list[bytes | None] = [None] * len(digests)
-        if not digests or not self._slices:
+        if not digests or not slices:
             return out
         todo = list(range(len(digests)))
         with self._txn(buffers=False) as txn:
-            for info in reversed(self._slices):
+            for info in slices:
                 if not todo:
                     break
                 assert info.filter is not None
@@ -327,18 +331,8 @@ class LmdbTier:
 
     def newer_holds(self, slice_id: int, digests: list[bytes]) -> list[bool]:
         """Whether a slice newer than ``slice_id`` holds each digest."""
-        out = [False] * len(digests)
-        newer = [s for s in self._slices if s.id > slice_id]
-        if not newer or not digests:
-            return out
-        with self._txn(buffers=False) as txn:
-            for info in newer:
-                assert info.filter is not None
-                maybe = info.filter.contains_many(_second_halves(b"".join(digests)))
-                for i, m in enumerate(maybe):
-                    if m and not out[i] and txn.get(digests[i], db=info.db) is not None:
-                        out[i] = True
-        return out
+        newer = [s for s in reversed(self._slices) if s.id > slice_id]
+        return [raw is not None for raw in self._probe(newer, digests)]
 
     def record_count(self) -> int:
         """Number of records in every slice (a key in two slices counts twice)."""

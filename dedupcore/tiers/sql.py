@@ -146,7 +146,8 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.errors import SchemaError, StaleTokenError, UnavailableError
+from dedupcore.decision import ERR_COMPLETED, ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, stale_token_error
+from dedupcore.errors import SchemaError, UnavailableError
 from dedupcore.record import State
 from dedupcore.tiers.base import (
     RequestRefusedError,
@@ -1679,21 +1680,13 @@ class SqlStore(ClaimAPI):
             for key, k, token, packed in parsed:
                 s, tok = current.get(k, (_RELEASED, 0))
                 if s == _RELEASED:
-                    raise StaleTokenError(
-                        f"key {key!r} in namespace {ns!r} is not claimed (never claimed, "
-                        "released, or expired from the store)"
-                    )
+                    raise stale_token_error(ERR_NOT_CLAIMED, key, token, tok, ns)
                 if tok != token:
-                    raise StaleTokenError(
-                        f"token {token} of key {key!r} is not the key's current token "
-                        f"{tok} (a stale owner whose lease was taken over, or a wrong token)"
-                    )
+                    raise stale_token_error(ERR_WRONG_TOKEN, key, token, tok, ns)
                 if s == _PROCESSED:
                     if completing:
                         continue  # a retried completion: already done
-                    raise StaleTokenError(
-                        f"key {key!r} was already completed; it cannot be released"
-                    )
+                    raise stale_token_error(ERR_COMPLETED, key, token, tok, ns)
                 current[k] = (state, tok)
                 writes[k] = [k, packed] if completing else [k]
             if not writes:
