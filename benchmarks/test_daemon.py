@@ -15,6 +15,15 @@ Peers, on the same 16-byte keys, in the same run:
   ``--durability power-loss-unsafe`` (no fdatasync; the local Redis persists
   nothing either). The same for a claim+complete pair (two durable round
   trips) against redis-py ``SET NX PX`` then ``SET XX`` of a "done" value.
+  The durable peers are the same commands against a private Redis started
+  for the run with ``appendonly yes``, ``appendfsync always`` (it fsyncs its
+  AOF before it answers), its files in the same directory as the daemon's;
+  the ``power-loss-unsafe`` daemon is compared with the shared Redis, which
+  persists nothing.
+- one claim at a time while four other client processes send 100k-key
+  ``claim_many`` batches (``latency-under-batches``): the single claim's
+  p50/p99, against the same single ``SET NX PX`` while four processes send
+  pipelines of 100k against the ``appendfsync always`` Redis.
 - P client processes at once (``multiprocessing`` "spawn", default 16, 8 under
   ``dedupcore bench``, each
   claiming its own slice of the fresh keys in batches of 1000, all released
@@ -117,6 +126,13 @@ CALLS = {
     "(serve --durability power-loss-unsafe: no fdatasync, like this Redis)",
     "dedupcore-in-process-single": "store.claim(k, namespace=ns)  (no daemon)",
     "redis-single": "r.set(k, 1, nx=True, px=30000)  (one round trip)",
+    "redis-single-always": "r.set(k, 1, nx=True, px=30000)  (appendfsync always: fsync before "
+    "the reply)",
+    "dedupcore-daemon-pair-unsafe": "claim + complete  (serve --durability power-loss-unsafe)",
+    "redis-pair-always": "SET NX PX; SET XX  (appendfsync always)",
+    "under-batches-dedupcore": "Client(sock).claim(k) while 4 processes send claim_many of 100k",
+    "under-batches-redis-always": "r.set(k, 1, nx=True, px=30000) while 4 processes send "
+    "pipelines of 100k SET NX PX (appendfsync always)",
     "dedupcore-daemon-pair": "c = Client(sock).claim(k, namespace=ns); "
     "complete(k, c.token, namespace=ns)  (two durable round trips)",
     "redis-pair": "r.set(k, 1, nx=True, px=30000); r.set(k, b'done', xx=True, px=30000)  "
@@ -392,6 +408,73 @@ def redis_client() -> Any:
     client.close()
 
 
+class PrivateRedis:
+    """A redis-server of our own for the run: ``appendonly yes``, ``appendfsync always``
+    (every write is fsynced before its reply, the durability a durable claim has), files
+    in the benchmark's temporary directory, so both wait for the same disk."""
+
+    def __init__(self) -> None:
+        import socket
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (needed for the appendfsync-always peer)")
+        self.root = Path(tempfile.mkdtemp(prefix="dcr", dir=DCFG.tmp_dir))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.root),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("the private redis-server did not start") from None
+                time.sleep(0.02)
+        assert self.client.config_get("appendfsync")["appendfsync"] == "always"
+
+    def close(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def redis_always() -> Any:
+    """The ``appendfsync always`` Redis of this module's benchmarks."""
+    pytest.importorskip("redis")
+    server = PrivateRedis()
+    yield server
+    server.close()
+
+
 def _redis_info(client: Any) -> dict[str, Any]:
     try:
         from redis.utils import HIREDIS_AVAILABLE
@@ -401,6 +484,7 @@ def _redis_info(client: Any) -> dict[str, Any]:
     return {
         "redis_version": client.info("server").get("redis_version"),
         "redis_aof_enabled": persistence.get("aof_enabled"),
+        "redis_appendfsync": client.config_get("appendfsync").get("appendfsync"),
         "redis_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
     }
 
@@ -530,10 +614,13 @@ def test_claim_many(
 
 SINGLE_PEERS = [
     "dedupcore-daemon-single",
+    "redis-single-always",
+    "dedupcore-daemon-single-unsafe",
     "redis-single",
     "dedupcore-in-process-single",
-    "dedupcore-daemon-single-unsafe",
     "dedupcore-daemon-pair",
+    "redis-pair-always",
+    "dedupcore-daemon-pair-unsafe",
     "redis-pair",
 ]
 
@@ -558,7 +645,7 @@ def test_claim_latency(
         from dedupcore.api import Outcome
 
         unsafe = name.endswith("-unsafe")
-        pair = name == "dedupcore-daemon-pair"
+        pair = name.startswith("dedupcore-daemon-pair")
         rounds = Rounds("power-loss-unsafe" if unsafe else "durable")
         extra["durability"] = rounds.durability
         new_counts: list[int] = []
@@ -627,12 +714,17 @@ def test_claim_latency(
         for o in outcomes:
             assert o == {"new": len(single_keys), "duplicate": 0, "in_progress": 0}, o
     else:
-        client = request.getfixturevalue("redis_client")
+        always = name.endswith("-always")
+        client = (
+            request.getfixturevalue("redis_always").client
+            if always
+            else request.getfixturevalue("redis_client")
+        )
         set_ = client.set
         px = DCFG.px_ms
         sizes: list[int] = []  # keys in the db after each round: every SET NX created one
 
-        if name == "redis-pair":
+        if name.startswith("redis-pair"):
             # Claim, then mark done: SET NX PX, then SET XX of the "done" value.
             def call(k: bytes) -> Any:
                 got = set_(k, 1, nx=True, px=px)
@@ -664,6 +756,169 @@ def test_claim_latency(
         operation="claim_latency",
         n_keys=len(timed),
         call=CALLS[name],
+        **extra,
+    )
+
+
+# ------------------------------------- one claim while others send big batches --
+
+LOADERS = 4  # client processes sending big batches
+LOAD_BATCH = 100_000  # keys per batch of each of them
+UNDER_LOAD_CALLS = 2000  # timed single claims (one every millisecond at most)
+
+
+def _loader(target: str, kind: str, seed: int, started: Any, stop: Any, results: Any) -> None:
+    """Sends batches of LOAD_BATCH fresh keys until ``stop`` is set; reports how many."""
+    report: dict[str, Any] = {"batches": 0, "errors": 0, "first_error": None}
+    try:
+        import random
+
+        rng = random.Random(seed)
+        if kind == "dedupcore":
+            from dedupcore.client import Client
+
+            api = Client(target, timeout=120.0)
+
+            def send(keys: list[bytes]) -> None:
+                api.claim_many(keys, namespace=NS + "/load")
+
+        else:
+            import redis
+
+            r = redis.Redis.from_url(target)
+
+            def send(keys: list[bytes]) -> None:
+                pipe = r.pipeline(transaction=False)
+                for k in keys:
+                    pipe.set(k, 1, nx=True, px=DCFG.px_ms)
+                pipe.execute()
+
+        started.release()
+        while not stop.is_set():
+            keys = [rng.randbytes(16) for _ in range(LOAD_BATCH)]
+            try:
+                send(keys)
+                report["batches"] += 1
+            except Exception as exc:
+                report["errors"] += 1
+                report["first_error"] = report["first_error"] or repr(exc)
+    except BaseException as exc:
+        report["errors"] += 1
+        report["first_error"] = report["first_error"] or repr(exc)
+        started.release()
+    results.put(report)
+
+
+@pytest.mark.parametrize("name", ["under-batches-dedupcore", "under-batches-redis-always"])
+def test_latency_under_batches(
+    benchmark: Any, request: pytest.FixtureRequest, single_keys: list[bytes], name: str
+) -> None:
+    """Single claims, one at a time, while LOADERS processes send LOAD_BATCH-key batches.
+
+    The loaders are started and have sent their first batch before the timing
+    starts; the timed calls are spread over the load (a pause of 1 ms between
+    calls), so they meet batches being decided, written and synced.
+    """
+    benchmark.group = "daemon_latency_under_batches"
+    ctx = multiprocessing.get_context("spawn")
+    timed = single_keys[WARMUP : WARMUP + UNDER_LOAD_CALLS]
+    samples: list[int] = []
+    per_round_p99: list[float] = []
+    loads: list[dict[str, Any]] = []
+    rounds = Rounds()
+    live: list[tuple[Any, list[Any], Any]] = []
+
+    def stop_loaders() -> None:
+        while live:
+            stop, procs, results = live.pop()
+            stop.set()
+            for _ in procs:
+                loads.append(results.get(timeout=CHILD_TIMEOUT))
+            for p in procs:
+                p.join(timeout=60)
+
+    def start_loaders(target: str, kind: str) -> None:
+        stop, started, results = ctx.Event(), ctx.Semaphore(0), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_loader,
+                args=(target, kind, DCFG.seed + 100 + i, started, stop, results),
+                daemon=True,
+            )
+            for i in range(LOADERS)
+        ]
+        for p in procs:
+            p.start()
+        live.append((stop, procs, results))
+        for _ in procs:
+            if not started.acquire(timeout=START_TIMEOUT):
+                raise RuntimeError("a loader process did not start")
+        time.sleep(1.0)  # let the first batches reach the server (load, not a sync point)
+
+    def run(call: Callable[[bytes], Any]) -> None:
+        clock = time.perf_counter_ns
+        lat = []
+        for k in timed:
+            t0 = clock()
+            call(k)
+            lat.append(clock() - t0)
+            time.sleep(0.001)
+        samples.extend(lat)
+        per_round_p99.append(_latency_figures(lat)["p99_us"])
+
+    try:
+        if name == "under-batches-dedupcore":
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                stop_loaders()
+                daemon = rounds.fresh()
+                client = daemon.client()
+                start_loaders(daemon.socket, "dedupcore")
+                claim = client.claim
+
+                def call(k: bytes) -> Any:
+                    return claim(k, namespace=NS)
+
+                return (call,), {}
+
+        else:
+            server = request.getfixturevalue("redis_always")
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                stop_loaders()
+                server.client.flushdb()
+                start_loaders(server.url, "redis")
+                set_ = server.client.set
+
+                def call(k: bytes) -> Any:
+                    return set_(k, 1, nx=True, px=DCFG.px_ms)
+
+                return (call,), {}
+
+        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+        stop_loaders()
+    finally:
+        for stop, procs, _ in live:
+            stop.set()
+            for p in procs:
+                p.kill()
+        live.clear()
+        rounds.close()
+    errors = sum(r["errors"] for r in loads)
+    assert errors == 0, [r["first_error"] for r in loads if r["first_error"]][:3]
+    batches = sum(r["batches"] for r in loads)
+    assert batches > 0, "the loaders sent no batch"
+    extra = _latency_figures(samples)
+    extra["p99_us_per_round"] = per_round_p99
+    _record(
+        benchmark,
+        library=name,
+        operation="latency_under_batches",
+        n_keys=len(timed),
+        call=CALLS[name],
+        loaders=LOADERS,
+        load_batch=LOAD_BATCH,
+        load_batches=batches,
         **extra,
     )
 
