@@ -148,13 +148,12 @@ def test_a_listen_pid_of_another_process_is_ignored(activation: Activation) -> N
     assert "LISTEN_FDS" not in daemon.log_text()
 
 
-def test_a_descriptor_3_that_is_not_a_listening_socket_is_refused(
-    activation: Activation,
-) -> None:
-    a = activation
+def refusal(a: Activation, fd3: int | str) -> str:
+    """Runs the wrapper with ``fd3`` on descriptor 3, which must refuse it: its stderr."""
+    fds = (a.listener.fileno(), *((fd3,) if isinstance(fd3, int) else ()))
     proc = subprocess.run(
-        a.command(a.path, fd3="devnull"),
-        pass_fds=(a.listener.fileno(),),
+        a.command(a.path, fd3=fd3),
+        pass_fds=fds,
         capture_output=True,
         text=True,
         env=child_env(),
@@ -163,24 +162,19 @@ def test_a_descriptor_3_that_is_not_a_listening_socket_is_refused(
         check=False,
     )
     assert proc.returncode == 1, proc.stderr
-    assert "descriptor 3 is not a socket" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_a_descriptor_3_that_is_not_a_listening_socket_is_refused(
+    activation: Activation,
+) -> None:
+    a = activation
+    assert "descriptor 3 is not a socket" in refusal(a, "devnull")
     # A socket that is not listening (bound, never listen()ed) is refused too.
-    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with idle:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
         idle.bind(str(a.home / "run" / "idle.sock"))
-        proc = subprocess.run(
-            a.command(a.path, fd3=idle.fileno()),
-            pass_fds=(a.listener.fileno(), idle.fileno()),
-            capture_output=True,
-            text=True,
-            env=child_env(),
-            cwd=a.home,
-            timeout=PATIENCE,
-            check=False,
-        )
-    assert proc.returncode == 1, proc.stderr
-    assert "not a listening Unix stream socket" in proc.stderr, proc.stderr
+        assert "not a listening Unix stream socket" in refusal(a, idle.fileno())
     assert not (a.home / "data").exists()
 
 
