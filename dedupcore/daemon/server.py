@@ -547,6 +547,8 @@ class DaemonServer:
         drain_timeout: float = 30.0,
         sock: socket.socket | None = None,
     ) -> None:
+        if sock is not None and not isinstance(sock, socket.socket):
+            raise TypeError(f"sock must be a listening socket.socket, not {type(sock).__name__}")
         self.store = store
         self.socket_path = Path(socket_path)
         #: A listening socket passed in (socket activation): served as it is, never unlinked.

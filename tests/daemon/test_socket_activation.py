@@ -20,7 +20,7 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.client import Client
-from dedupcore.daemon.server import inherited_socket
+from dedupcore.daemon.server import DaemonServer, inherited_socket
 
 from .conftest import PATIENCE, Daemon, Lab, child_env, unique_ns
 from .test_faults import NOBODY, ping_from_child, run_as
@@ -195,3 +195,8 @@ def test_variables_not_for_this_process_are_ignored_and_removed(
         monkeypatch.setenv(name, str(os.getpid()) if value == "self" else value)
     assert inherited_socket() is None
     assert not {"LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"} & set(os.environ)
+
+
+def test_a_passed_socket_must_be_a_socket(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"sock must be a listening socket\.socket, not int"):
+        DaemonServer(object(), tmp_path / "d.sock", sock=3)  # type: ignore[arg-type]
