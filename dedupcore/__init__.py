@@ -5,7 +5,8 @@ from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomFilter, BloomRing
 from dedupcore.client import Client
 from dedupcore.config import Retention, StoreConfig
-from dedupcore.stack import ShardedStore, TieredStore, open_store
+from dedupcore.factory import open_store
+from dedupcore.stack import ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 
 __all__ = [

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dedupcore import _core
+import dedupcore._core as _core
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 
 __all__ = [

@@ -29,7 +29,7 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from dedupcore import _engine
+import dedupcore._engine as _engine
 from dedupcore.errors import CorruptFileError
 
 __all__ = ["State", "decode_stored", "encode_stored"]

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from dedupcore import _engine
-from dedupcore import keys as _keys
+import dedupcore._engine as _engine
+import dedupcore.keys as _keys
 from dedupcore.api import (
     Claim,
     ClaimAPI,

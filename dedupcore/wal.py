@@ -132,7 +132,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, TypeVar
 
-from dedupcore import _core
+import dedupcore._core as _core
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
 __all__ = [

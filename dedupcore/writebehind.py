@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dedupcore import decision
-from dedupcore import keys as _keys
+import dedupcore.decision as decision
+import dedupcore.keys as _keys
 from dedupcore.api import (
     Claim,
     ClaimAPI,

@@ -41,7 +41,7 @@ from typing import Any
 
 import msgpack
 
-from dedupcore import errors
+import dedupcore.errors as errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
 from dedupcore.record import State

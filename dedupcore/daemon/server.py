@@ -80,7 +80,13 @@ from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
 from dedupcore.wal import WalFailedError
 
-__all__ = ["EXIT_STORE_FAILED", "DaemonServer", "SocketPathError", "check_socket_path"]
+__all__ = [
+    "EXIT_STORE_FAILED",
+    "DaemonServer",
+    "SocketPathError",
+    "check_socket_path",
+    "inherited_socket",
+]
 
 T = TypeVar("T")
 
@@ -123,6 +129,8 @@ SLICE_ABOVE = 8192
 SLICE_KEYS = 2048
 #: Ops the embedded store decides on the event loop (then only the commit is waited for).
 _DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
+#: The first descriptor passed by systemd socket activation (SD_LISTEN_FDS_START).
+_LISTEN_FDS_START = 3
 #: Linux SO_PEERGROUPS (the peer's supplementary groups), missing from the socket module.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
@@ -249,6 +257,37 @@ def check_socket_path(path: str | os.PathLike[str], *, group: str | None = None)
     finally:
         probe.close()
     raise SocketPathError(f"another daemon is serving on {p}")
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket systemd passed by socket activation, or None.
+
+    The sd_listen_fds protocol: when ``LISTEN_PID`` is this process and
+    ``LISTEN_FDS`` >= 1, descriptor 3 is a listening socket (further ones are
+    not used). The variables are removed once read, whoever they were meant
+    for, so no child process takes the socket for its own. A descriptor 3 that
+    is not a listening Unix stream socket raises :class:`SocketPathError`.
+    """
+    pid = os.environ.pop("LISTEN_PID", None)
+    fds = os.environ.pop("LISTEN_FDS", None)
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if pid is None or fds is None or not pid.isdigit() or not fds.isdigit():
+        return None
+    if int(pid) != os.getpid() or int(fds) < 1:
+        return None
+    try:
+        sock = socket.socket(fileno=_LISTEN_FDS_START)
+    except OSError as exc:
+        raise SocketPathError(f"LISTEN_FDS: descriptor 3 is not a socket ({exc})") from None
+    if (
+        sock.family != socket.AF_UNIX
+        or sock.type != socket.SOCK_STREAM
+        or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    ):
+        sock.detach()
+        raise SocketPathError("LISTEN_FDS: descriptor 3 is not a listening Unix stream socket")
+    os.set_inheritable(sock.fileno(), False)
+    return sock
 
 
 class _Gate:
@@ -506,9 +545,14 @@ class DaemonServer:
         max_buffered: int = 256 << 20,
         fd_reserve: int = 256,
         drain_timeout: float = 30.0,
+        sock: socket.socket | None = None,
     ) -> None:
+        if sock is not None and not isinstance(sock, socket.socket):
+            raise TypeError(f"sock must be a listening socket.socket, not {type(sock).__name__}")
         self.store = store
         self.socket_path = Path(socket_path)
+        #: A listening socket passed in (socket activation): served as it is, never unlinked.
+        self.sock = sock
         self.group = group
         self.allowed_uids = {os.geteuid()} if allowed_uids is None else set(allowed_uids)
         self.allowed_gids = set(allowed_gids or ())
@@ -558,23 +602,31 @@ class DaemonServer:
     # -- life cycle ------------------------------------------------------------
 
     async def start(self) -> None:
-        """Binds the socket and starts accepting connections."""
-        path = check_socket_path(self.socket_path, group=self.group)
+        """Binds the socket (or takes the one passed in) and starts accepting connections."""
+        if self.sock is None:
+            path = check_socket_path(self.socket_path, group=self.group)
+        else:  # its owner (systemd) made the file and its permissions
+            path = Path(os.fsdecode(self.sock.getsockname()))
         if self._fast and self._committer is None:
             self._committer = _Committer(self.store, asyncio.get_running_loop())
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
-        old_umask = os.umask(0o177 if self.group is None else 0o117)
-        try:
+        if self.sock is not None:
             self._server = await asyncio.start_unix_server(
-                self._accept, path=str(path), limit=_STREAM_LIMIT
+                self._accept, sock=self.sock, limit=_STREAM_LIMIT
             )
-        finally:
-            os.umask(old_umask)
-        if self.group is not None:
-            os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
-            os.chmod(path, 0o660)
         else:
-            os.chmod(path, 0o600)
+            old_umask = os.umask(0o177 if self.group is None else 0o117)
+            try:
+                self._server = await asyncio.start_unix_server(
+                    self._accept, path=str(path), limit=_STREAM_LIMIT
+                )
+            finally:
+                os.umask(old_umask)
+            if self.group is not None:
+                os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+                os.chmod(path, 0o660)
+            else:
+                os.chmod(path, 0o600)
         log.info(
             "dedupcore serving %r on %s (at most %d connections)",
             self.store,
@@ -624,8 +676,9 @@ class DaemonServer:
             await asyncio.gather(*self._connections, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        if self.sock is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
         if self._committer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._committer.close)
         self._pool.shutdown(wait=True)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, Union
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
 from dedupcore.errors import StaleTokenError, UnavailableError
 from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table

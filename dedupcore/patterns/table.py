@@ -86,7 +86,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore.api import Outcome, pack_result, unpack_result
 from dedupcore.patterns.unique import (
     Conn,

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore.api import Claim, KeyRecord
 from dedupcore.config import Retention
 from dedupcore.errors import DedupError

@@ -21,7 +21,7 @@ import msgpack
 import redis
 from redis.exceptions import RedisError
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore.tiers.base import Cached, CacheTier
 
 __all__ = ["RedisCache"]

@@ -87,7 +87,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore._core import shard_many
 from dedupcore.api import (
     Claim,

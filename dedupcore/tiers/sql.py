@@ -132,7 +132,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from dedupcore import keys as _keys
+import dedupcore.keys as _keys
 from dedupcore.api import (
     Claim,
     ClaimAPI,

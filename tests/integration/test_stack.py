@@ -31,7 +31,8 @@ from dedupcore.api import ClaimAPI, KeyRecord, Outcome
 from dedupcore.client import Client
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.stack import SHARD_SEED, ShardedStore, TieredStore, open_store
+from dedupcore.factory import open_store
+from dedupcore.stack import SHARD_SEED, ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore

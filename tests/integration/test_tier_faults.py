@@ -27,8 +27,9 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.errors import DedupError, UnavailableError
+from dedupcore.factory import open_store
 from dedupcore.record import State
-from dedupcore.stack import TieredStore, open_store
+from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dedupcore import demo
-from dedupcore.demo import KILL_POINTS, DemoResult, simulate
+from dedupcore.cli import demo
+from dedupcore.cli.demo import KILL_POINTS, DemoResult, simulate
 
 
 @pytest.fixture(scope="module")

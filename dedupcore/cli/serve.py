@@ -1,9 +1,10 @@
 """``dedupcore serve`` and ``dedupcore stats``: settings, logging, metrics and tables.
 
 ``serve`` takes its settings from a TOML file (``--config``), ``DEDUPCORE_<NAME>``
-environment variables and the command line. Besides the command-line ones,
-these limits of :class:`~dedupcore.daemon.server.DaemonServer` can be set in
-the TOML file or the environment:
+environment variables and the command line (:mod:`dedupcore.cli.config`,
+docs/daemon-config.md); ``--print-config`` prints them and exits. Besides the
+command-line ones, these limits of :class:`~dedupcore.daemon.server.DaemonServer`
+can be set in the TOML file or the environment:
 
 - ``write_timeout`` (seconds, 10): a peer that takes no reply for this long
   is disconnected;
@@ -17,7 +18,7 @@ the TOML file or the environment:
   ``max_connections`` to the open-file limit;
 - ``drain_timeout`` (seconds, 30): how long SIGTERM waits for clients to go quiet.
 
-``serve`` exits with 1 when it cannot start and with
+``serve`` exits with 1 when it cannot start (a bad setting included) and with
 :data:`~dedupcore.daemon.server.EXIT_STORE_FAILED` (3) when the store failed
 while serving (a supervisor should restart it: reopening recovers the log).
 """
@@ -28,81 +29,18 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-from dedupcore.client import DEFAULT_SOCKET, Client
+from dedupcore.cli import config
+from dedupcore.client import Client
 from dedupcore.errors import DedupError
 from dedupcore.tiers.base import durability_report
 
 log = logging.getLogger("dedupcore.daemon")
-
-_SERVE_KEYS = (
-    "data",
-    "authority",
-    "cache",
-    "archive",
-    "socket",
-    "group",
-    "allow_uid",
-    "durability",
-    "lease",
-    "max_connections",
-    "request_timeout",
-    "metrics_port",
-    "log_level",
-    "write_timeout",
-    "idle_timeout",
-    "max_unsent",
-    "max_in_flight",
-    "max_buffered",
-    "fd_reserve",
-    "drain_timeout",
-)
-#: Settings passed to DaemonServer as they are, with their types.
-_LIMITS: dict[str, type] = {
-    "write_timeout": float,
-    "idle_timeout": float,
-    "max_unsent": int,
-    "max_in_flight": int,
-    "max_buffered": int,
-    "fd_reserve": int,
-    "drain_timeout": float,
-}
-
-
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Defaults < TOML file < DEDUPCORE_* environment < command line."""
-    merged: dict[str, Any] = {
-        "data": "dedupcore-data",
-        "socket": DEFAULT_SOCKET,
-        "log_level": "INFO",
-    }
-    if args.config:
-        with open(args.config, "rb") as fh:
-            table = tomllib.load(fh)
-        unknown = set(table) - set(_SERVE_KEYS)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown settings {sorted(unknown)}")
-        merged.update(table)
-    for key in _SERVE_KEYS:
-        env = os.environ.get(f"DEDUPCORE_{key.upper()}")
-        if env is not None:
-            merged[key] = [int(v) for v in env.split(",")] if key == "allow_uid" else env
-    for key in _SERVE_KEYS:
-        value = getattr(args, key, None)
-        if value is not None:
-            merged[key] = value
-    return merged
 
 
 class _JsonFormatter(logging.Formatter):
@@ -118,16 +56,20 @@ class _JsonFormatter(logging.Formatter):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Runs the daemon in the foreground; returns the exit code."""
-    from dedupcore.daemon.server import serve
-    from dedupcore.stack import open_store
+    """Runs the daemon in the foreground (or prints its settings); returns the exit code."""
+    from dedupcore.daemon.server import inherited_socket, serve
+    from dedupcore.factory import open_store
     from dedupcore.store import StoreLockedError
 
     try:
-        s = _settings(args)
-    except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
-        print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
-        return 2
+        settings = config.load(args)
+    except config.SettingsError as exc:
+        print(f"dedupcore serve: {exc}", file=sys.stderr)
+        return 1
+    if args.print_config:
+        sys.stdout.write(config.to_toml(settings))
+        return 0
+    s = settings.values
     if s.get("metrics_port"):
         from dedupcore.cli import missing_extra
 
@@ -135,24 +77,23 @@ def run_serve(args: argparse.Namespace) -> int:
             return rc
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter())
-    logging.basicConfig(level=str(s["log_level"]).upper(), handlers=[handler])
-    store_settings: dict[str, Any] = {}
-    if s.get("durability"):
-        store_settings["durability"] = s["durability"]
-    if s.get("lease"):
-        store_settings["lease"] = float(s["lease"])
+    logging.basicConfig(level=s["log_level"], handlers=[handler])
+    try:
+        # systemd socket activation: a listening socket passed as descriptor 3
+        sock = inherited_socket()
+    except DedupError as exc:
+        print(f"dedupcore serve: {exc}", file=sys.stderr)
+        return 1
+    if sock is not None:
+        log.info("serving the socket passed by the service manager (LISTEN_FDS)")
     authority = s.get("authority") or [str(Path(s["data"]))]
-    if isinstance(authority, str):
-        authority = authority.split(",")
     remote = any("://" in a for a in authority)
-    if remote:
-        store_settings.pop("durability", None)  # a remote authority has its own durability
     try:
         store = open_store(
             authority if len(authority) > 1 else authority[0],
-            cache=s.get("cache") or None,
-            archive=s.get("archive") or None,
-            **store_settings,
+            cache=s.get("cache"),
+            archive=s.get("archive"),
+            **settings.store_options(remote=remote),
         )
     except (StoreLockedError, DedupError, ValueError, TypeError) as exc:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
@@ -168,27 +109,10 @@ def run_serve(args: argparse.Namespace) -> int:
     stop_sweeping = threading.Event()
     if hasattr(store, "sweep") and (remote or s.get("cache") or s.get("archive")):
         _start_sweeper(store, stop_sweeping)
-    options: dict[str, Any] = {}
-    if s.get("group"):
-        options["group"] = s["group"]
-    if s.get("allow_uid"):
-        options["allowed_uids"] = {os.geteuid(), *map(int, s["allow_uid"])}
-    if s.get("max_connections"):
-        options["max_connections"] = int(s["max_connections"])
-    if s.get("request_timeout"):
-        options["request_timeout"] = float(s["request_timeout"])
-    try:
-        for key, kind in _LIMITS.items():
-            if s.get(key) is not None:
-                options[key] = kind(s[key])
-    except (TypeError, ValueError) as exc:
-        print(f"dedupcore serve: bad settings: {exc}", file=sys.stderr)
-        store.close()
-        return 2
     if s.get("metrics_port"):
         _start_metrics(store, int(s["metrics_port"]))
     try:
-        rc = serve(store, s["socket"], **options)
+        rc = serve(store, s["socket"], sock=sock, **settings.server_options())
     except DedupError as exc:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,9 @@
 """Command line: ``dedupcore serve|sql|stats|demo|bench`` (also ``python -m dedupcore``).
 
 ``serve`` settings come, in rising precedence, from defaults, a TOML file
-(``--config``; keys as the long options, with ``_`` for ``-``), environment
-variables ``DEDUPCORE_<OPTION>`` and the command line.
+(``--config``; keys as the long options, with ``_`` for ``-``, and retention
+policies), environment variables ``DEDUPCORE_<OPTION>`` and the command line
+(:mod:`dedupcore.cli.config`, docs/daemon-config.md).
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
+from dedupcore.client import DEFAULT_SOCKET
+
 #: The modules of the ``cli`` extra (tables, progress bars, Prometheus metrics), by
 #: distribution name. The library itself imports and works without them.
 CLI_EXTRA = {"rich": "rich", "prometheus_client": "prometheus-client"}
@@ -45,7 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a data directory on a Unix socket")
-    serve.add_argument("--config", help="TOML file with the settings below")
+    serve.add_argument(
+        "--config", help="TOML file: the settings below, [retention] and [namespaces.NAME]"
+    )
+    serve.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective settings as TOML (a --config file) and exit",
+    )
     serve.add_argument("--data", help="data directory (DEDUPCORE_DATA; default ./dedupcore-data)")
     serve.add_argument(
         "--authority",
@@ -70,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=["durable", "power-loss-unsafe"],
         help="default durable: fdatasync before every acknowledgement",
     )
-    serve.add_argument("--lease", type=float, help="default lease in seconds (default 30)")
+    serve.add_argument("--lease", help="default lease: seconds, or 90s, 5m, 1h (default 30)")
     serve.add_argument("--max-connections", type=int, help="default 1024")
-    serve.add_argument("--request-timeout", type=float, help="seconds per request (default 30)")
+    serve.add_argument("--request-timeout", help="seconds per request (default 30)")
     serve.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
@@ -124,25 +131,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dedupcore`` command."""
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        from dedupcore.daemon.cli import run_serve
+        from dedupcore.cli.serve import run_serve
 
         return run_serve(args)
     if args.command == "sql":
         return _sql_init(args.url, args.table)
     if args.command == "stats":
-        from dedupcore.daemon.cli import run_stats
+        from dedupcore.cli.serve import run_stats
 
         if not args.json and (rc := missing_extra("stats", "rich")) is not None:
             return rc
         return run_stats(args.socket, as_json=args.json)
     if args.command == "demo":
-        from dedupcore.demo import run_demo
+        from dedupcore.cli.demo import run_demo
 
         if (rc := missing_extra("demo", "rich")) is not None:
             return rc
         return run_demo(keys=args.keys, duplicate_rate=args.duplicate_rate, seed=args.seed)
     if args.command == "bench":
-        return _bench(quick=args.quick, daemon=args.daemon, extra=args.pytest_args)
+        from dedupcore.cli.bench import run_bench
+
+        return run_bench(quick=args.quick, daemon=args.daemon, extra=args.pytest_args)
     raise AssertionError(args.command)
 
 
@@ -158,52 +167,3 @@ def _sql_init(url: str, table: str) -> int:
         print(f"dedupcore sql init: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _bench(*, quick: bool, daemon: bool, extra: Sequence[str]) -> int:
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks").is_dir():
-        print(
-            "dedupcore bench runs from a source checkout (benchmarks/ not found)", file=sys.stderr
-        )
-        return 2
-    env = dict(os.environ)
-    if quick:
-        env.setdefault("DEDUPCORE_BENCH_N", "200000")
-        env.setdefault("DEDUPCORE_BENCH_BIG", "2000000")
-        env.setdefault("DEDUPCORE_BENCH_DAEMON_N", "50000")
-        env.setdefault("DEDUPCORE_BENCH_DAEMON_SINGLE", "2000")
-    # The daemon's comparison runs 8 client processes against one.
-    env.setdefault("DEDUPCORE_BENCH_DAEMON_PROCS", "8")
-    _note_redis(env.get("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"))
-    results = root / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    out = results / ("daemon.json" if daemon else "bloom.json")
-    suite = "benchmarks/test_daemon.py" if daemon else "benchmarks"
-    cmd = [sys.executable, "-m", "pytest", suite, "-q", f"--benchmark-json={out}", *extra]
-    rc = subprocess.call(cmd, cwd=root, env=env)
-    if rc != 0:
-        return rc
-    if not daemon:
-        rc = subprocess.call(
-            [sys.executable, "-m", "benchmarks.report", "--json", str(out)], cwd=root, env=env
-        )
-        if rc != 0:
-            return rc
-    return subprocess.call(
-        [sys.executable, "-m", "benchmarks.report_daemon", "--json", str(out)], cwd=root, env=env
-    )
-
-
-def _note_redis(url: str) -> None:
-    """Says so when no Redis answers at ``url`` (its comparisons are then skipped)."""
-    try:
-        import redis
-
-        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-    except Exception as exc:
-        print(
-            f"dedupcore bench: no Redis at {url} ({exc}); the comparisons with Redis are "
-            "skipped: start redis-server or set DEDUPCORE_BENCH_REDIS_URL",
-            file=sys.stderr,
-        )

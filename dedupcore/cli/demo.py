@@ -271,7 +271,7 @@ def _kill_plan(sizes: list[int], batch: int, n_kills: int, rng: random.Random) -
 
 def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     socket_path = str(tmp / "sock" / "dedupcore.sock")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - handed to the subprocess
