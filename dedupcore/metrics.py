@@ -413,13 +413,19 @@ class InstrumentedStore(ClaimAPI):
     the store's own. ``close()`` closes the store and stops reading its stats.
     """
 
+    #: The daemon's fast path (deferred commits, bounded replies) would call the
+    #: store's own methods past the counters: served by a daemon, this takes the
+    #: ordinary path.
+    defers_durability = False
+    bounds_replies = False
+
     def __init__(self, store: ClaimAPI, metrics: Metrics, region: str) -> None:
         self.store = store
         self.metrics = metrics
         self.region = region
         # The label children, looked up once per (name, labels): a batch call then
         # costs a dict lookup per counter it moves.
-        self._children: dict[tuple[str, ...], Any] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
         metrics.watch(store, region)
 
     def __repr__(self) -> str:
@@ -437,7 +443,7 @@ class InstrumentedStore(ClaimAPI):
         self.close()
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        index = (str(id(metric)), *labels)
+        index = (id(metric), *labels)
         child = self._children.get(index)
         if child is None:
             child = self._children[index] = metric.labels(*labels)

@@ -34,6 +34,7 @@ from dedupcore.metrics import (
 from dedupcore.stack import ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.writebehind import MemoryTable, WriteBehindStore
+from tests.conformance.conftest import take_over
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "orders/billing"
@@ -143,17 +144,12 @@ def test_the_scripted_sequence_is_counted_exactly(
 def test_a_takeover_is_counted_once(store: DedupStore, registry: CollectorRegistry) -> None:
     api = instrument(store, Metrics(registry))
     first = api.claim("k", namespace=NS, owner="a", lease=0.05)
-    answers = []
-    while True:  # the lease runs out on this process's monotonic clock
-        c = api.claim("k", namespace=NS, owner="b")
-        answers.append(c.outcome)
-        if c.outcome is Outcome.NEW:
-            break
+    c = take_over(api, "k", NS, owner="b")  # the lease runs out on this process's clock
     assert c.takeover and c.token == first.token + 1
     assert value(registry, "dedupcore_lease_takeovers_total", namespace=NS, region="") == 1
     assert value(registry, "dedupcore_claims_total", namespace=NS, outcome="new", region="") == 2
     busy = value(registry, "dedupcore_claims_total", namespace=NS, outcome="in_progress", region="")
-    assert busy == answers.count(Outcome.IN_PROGRESS)
+    assert busy == store.stats()["namespaces"][NS]["in_progress"]
     assert store.stats()["lease_takeovers"] == 1
 
 
@@ -205,6 +201,9 @@ def test_processing_and_the_decorator_go_through_the_counters(
 def test_other_attributes_are_the_stores(store: DedupStore, registry: CollectorRegistry) -> None:
     api = instrument(store, Metrics(registry))
     assert api.config is store.config
+    # Served by a daemon, the wrapper takes the ordinary path through its counters.
+    assert store.bounds_replies and store.defers_durability
+    assert not api.bounds_replies and not api.defers_durability
     assert api.durability() == store.durability()
     c = api.claim("g", namespace=NS)
     record = api.get("g", namespace=NS)
