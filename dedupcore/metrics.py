@@ -399,6 +399,10 @@ def serve_daemon_metrics(store: Any, port: int, *, region: str = "") -> Any:
         raise ValueError(f"port must be in 0..65535, got {port}")
     registry = prom.CollectorRegistry()
     registry.register(DaemonCollector(store, region))
+    # What the global registry served before: the process's CPU, memory, descriptors, GC.
+    prom.ProcessCollector(registry=registry)
+    prom.PlatformCollector(registry=registry)
+    prom.GCCollector(registry=registry)
     prom.start_http_server(port, addr="127.0.0.1", registry=registry)
     return registry
 
