@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print a running daemon's figures")
     stats.add_argument("--socket", default=os.environ.get("DEDUPCORE_SOCKET", DEFAULT_SOCKET))
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    stats.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between the two samples the rates come from (default 1; 0: totals only)",
+    )
 
     demo = sub.add_parser("demo", help="run the demo on the embedded default")
     demo.add_argument(
@@ -141,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not args.json and (rc := missing_extra("stats", "rich")) is not None:
             return rc
-        return run_stats(args.socket, as_json=args.json)
+        return run_stats(args.socket, as_json=args.json, interval=args.interval)
     if args.command == "demo":
         from dedupcore.cli.demo import run_demo
 

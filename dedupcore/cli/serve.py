@@ -31,7 +31,6 @@ import json
 import logging
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -147,76 +146,46 @@ def _start_sweeper(store: Any, stop: threading.Event, interval: float = 60.0) ->
 
 
 def _start_metrics(store: Any, port: int) -> None:
-    """Serves Prometheus metrics on 127.0.0.1:port, refreshed from stats() every few seconds."""
-    from prometheus_client import Gauge, start_http_server
+    """Serves Prometheus metrics on 127.0.0.1:port, read from stats() at each scrape
+    (names in docs/metrics.md)."""
+    from dedupcore.metrics import serve_daemon_metrics
 
-    outcomes = Gauge(
-        "dedupcore_claims", "claims answered, by namespace and outcome", ["namespace", "outcome"]
-    )
-    takeovers = Gauge("dedupcore_lease_takeovers", "expired leases taken over")
-    front_skip = Gauge("dedupcore_front_skip_ratio", "lookups the front filter answered alone")
-    records = Gauge("dedupcore_lmdb_records", "exact records in LMDB")
-    disk = Gauge("dedupcore_lmdb_bytes", "bytes of LMDB pages in use")
-    tiers = Gauge(
-        "dedupcore_tier_events",
-        "stacked store: tier calls and answers (cache_errors = cache skipped)",
-        ["event"],
-    )
-    start_http_server(port, addr="127.0.0.1")
-
-    def refresh() -> None:
-        while True:
-            try:
-                st = store.stats()
-            except DedupError:
-                return
-            if "namespaces" not in st:  # a stacked or sharded store
-                stacks = st.get("shards", [st])
-                events: dict[str, int] = {}
-                for part in stacks:
-                    for event, n in part.get("counts", {}).items():
-                        events[event] = events.get(event, 0) + n
-                for event, n in events.items():
-                    tiers.labels(event).set(n)
-                time.sleep(5)
-                continue
-            for ns, counts in st["namespaces"].items():
-                for outcome in ("new", "duplicate", "in_progress"):
-                    outcomes.labels(ns, outcome).set(counts[outcome])
-            takeovers.set(st["lease_takeovers"])
-            front_skip.set(st["front"]["skip_ratio"])
-            records.set(st["lmdb"]["records"])
-            disk.set(st["lmdb"]["disk_bytes"])
-            time.sleep(5)
-
-    threading.Thread(target=refresh, name="dedupcore-metrics", daemon=True).start()
+    serve_daemon_metrics(store, port)
 
 
-def run_stats(socket_path: str, *, as_json: bool) -> int:
-    """Prints a running daemon's figures (the tables need rich: the ``cli`` extra)."""
+def run_stats(socket_path: str, *, as_json: bool, interval: float = 1.0) -> int:
+    """Prints a running daemon's figures and, from two samples ``interval`` s apart, its
+    claim rates (the tables need rich: the ``cli`` extra)."""
+    from dedupcore.metrics import sample_rates
+
     try:
         with Client(socket_path, timeout=10.0, retries=1) as client:
-            st = client.stats()
-    except DedupError as exc:
+            st, per_ns = sample_rates(client.stats, interval)
+    except (DedupError, ValueError) as exc:
         print(f"dedupcore stats: {exc}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps(st, default=repr, indent=1))
+        print(json.dumps({**st, "rates": per_ns}, default=repr, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    table = Table(title="claims by namespace")
+    table = Table(title=f"claims by namespace (rates over {interval:g} s)")
     for col in ("namespace", "new", "duplicate", "in progress", "duplicate rate"):
         table.add_column(col, justify="left" if col == "namespace" else "right")
+    table.add_column("claims/s", justify="right")
+    table.add_column("duplicate rate now", justify="right")
     for ns, c in sorted(st["namespaces"].items()):
+        now = per_ns.get(ns)
         table.add_row(
             ns,
             f"{c['new']:,}",
             f"{c['duplicate']:,}",
             f"{c['in_progress']:,}",
             f"{c['duplicate_rate']:.1%}",
+            "-" if now is None else f"{now['claims_per_second']:,.1f}",
+            "-" if now is None else f"{now['duplicate_rate']:.1%}",
         )
     console.print(table)
     d = st.get("daemon", {})
