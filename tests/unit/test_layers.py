@@ -40,8 +40,14 @@ LAYERS: dict[int, tuple[str, ...]] = {
     1: ("dedupcore.bloom", "dedupcore.wal"),
     # stores and tiers: the embedded store, LMDB, archive, Redis, SQL, cache
     2: ("dedupcore.tiers.*", "dedupcore.store", "dedupcore.migrate"),
-    # built from stores: stacks and shards, write-behind, opening by URL, patterns
-    3: ("dedupcore.stack", "dedupcore.writebehind", "dedupcore.factory", "dedupcore.patterns.*"),
+    # built from stores: stacks and shards, write-behind, opening by URL, patterns, metrics
+    3: (
+        "dedupcore.stack",
+        "dedupcore.writebehind",
+        "dedupcore.factory",
+        "dedupcore.patterns.*",
+        "dedupcore.metrics",
+    ),
     # serving and using stores: the daemon, its clients, HTTP and broker integrations
     4: (
         "dedupcore.daemon.*",
