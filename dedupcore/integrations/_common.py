@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from dedupcore.api import Claim, ClaimAPI, Outcome
 from dedupcore.errors import StaleTokenError, UnavailableError
 from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
+from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
 
 __all__ = [
     "BeforeAck",
@@ -193,6 +193,23 @@ Store = Union[ClaimAPI, TransactionalTable]  # noqa: UP007 (a runtime alias on 3
 _STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
 
 
+def _log_taken_over(key: bytes | str) -> None:
+    log.error(
+        "key %r: the lease ran out while the handler ran and was taken over; "
+        "raise `lease` above the handler's longest run",
+        key,
+    )
+
+
+def _log_not_completed(key: bytes | str, exc: BaseException) -> None:
+    log.error(
+        "key %r was processed but its completion failed (%s); acking it "
+        "anyway, a redelivery after the lease ends would run it again",
+        key,
+        exc,
+    )
+
+
 class _Gate:
     """The contract over one store, for consumers that call it from one thread at a time."""
 
@@ -205,7 +222,7 @@ class _Gate:
         lease: float | None,
         owner: bytes | str | None,
         before_ack: BeforeAck | None,
-        complete_retries: int = 5,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
@@ -215,7 +232,7 @@ class _Gate:
         self.lease = lease
         self.owner = default_owner() if owner is None else owner
         self.before_ack = before_ack
-        self.complete_retries = complete_retries
+        self.retry = retry
         self.table = isinstance(store, TransactionalTable)
         # Keys claimed by this consumer and not yet completed or released: a second
         # delivery of one of them (a producer duplicate) must not get the owner's own
@@ -293,29 +310,15 @@ class _Gate:
             log.warning("could not release %r (%s); it is retried after its lease", key, exc)
 
     def _complete(self, key: bytes | str, token: int) -> None:
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                self.store.complete(key, token, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                log.error(
-                    "key %r: the lease ran out while the handler ran and was taken over; "
-                    "raise `lease` above the handler's longest run",
-                    key,
-                )
-                return
-            except _STORE_ERRORS as exc:
-                if attempt == self.complete_retries:
-                    log.error(
-                        "key %r was processed but its completion failed (%s); acking it "
-                        "anyway, a redelivery after the lease ends would run it again",
-                        key,
-                        exc,
-                    )
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            self.retry.call(
+                functools.partial(self.store.complete, key, token, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            _log_taken_over(key)
+        except _STORE_ERRORS as exc:
+            _log_not_completed(key, exc)
 
 
 class _AsyncGate(_Gate):
@@ -425,29 +428,15 @@ class _AsyncGate(_Gate):
             log.warning("could not release %r (%s); it is retried after its lease", key, exc)
 
     async def _acomplete(self, key: bytes | str, token: int) -> None:
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                await self._call("complete", key, token, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                log.error(
-                    "key %r: the lease ran out while the handler ran and was taken over; "
-                    "raise `lease` above the handler's longest run",
-                    key,
-                )
-                return
-            except _STORE_ERRORS as exc:
-                if attempt == self.complete_retries:
-                    log.error(
-                        "key %r was processed but its completion failed (%s); acking it "
-                        "anyway, a redelivery after the lease ends would run it again",
-                        key,
-                        exc,
-                    )
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            await self.retry.acall(
+                functools.partial(self._call, "complete", key, token, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            _log_taken_over(key)
+        except _STORE_ERRORS as exc:
+            _log_not_completed(key, exc)
 
 
 G = TypeVar("G", bound=_Gate)
@@ -470,11 +459,18 @@ class _Consumer(Generic[G]):
         lease: float | None,
         owner: bytes | str | None,
         before_ack: BeforeAck | None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if retry_delay < 0:
             raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
         self._gate = gate(
-            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+            store,
+            handler,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            before_ack=before_ack,
+            retry=policy_from_args(retry),
         )
         self.namespace = namespace
         self.key = key

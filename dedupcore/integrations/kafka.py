@@ -57,6 +57,7 @@ each message is one transaction of the dedup row and the handler's writes on
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -75,6 +76,7 @@ from dedupcore.integrations._common import (
     default_owner,
     derive_key,
 )
+from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = [
     "BatchReport",
@@ -159,7 +161,8 @@ class KafkaDedupLoop:
         owner: bytes | str | None = None,
         on_invalid: Callable[[Any, MissingKeyError], None] | None = None,
         before_commit: Callable[[dict[TP, int]], None] | None = None,
-        complete_retries: int = 5,
+        complete_retries: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
@@ -181,7 +184,9 @@ class KafkaDedupLoop:
         self.owner = default_owner() if owner is None else owner
         self.on_invalid = on_invalid
         self.before_commit = before_commit
-        self.complete_retries = complete_retries
+        self.retry = policy_from_args(
+            retry, retries=complete_retries, retries_name="complete_retries"
+        )
         self.table = isinstance(store, TransactionalTable)
         # In flight between claim and commit, per partition:
         self._unhandled: dict[TP, dict[bytes | str, int]] = {}  # claimed NEW, handler not run
@@ -564,27 +569,21 @@ class KafkaDedupLoop:
     def _complete(self, items: list[tuple[bytes | str, int]]) -> None:
         if self.table:
             return
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                self.store.complete_many(items, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                for k, t in items:
-                    try:
-                        self.store.complete(k, t, namespace=self.namespace)
-                    except StaleTokenError:
-                        log.error(
-                            "key %r: the lease ran out while the batch ran and was taken over; "
-                            "raise `lease` above the batch's longest run",
-                            k,
-                        )
-                return
-            except _STORE_ERRORS:
-                if attempt == self.complete_retries:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            self.retry.call(
+                functools.partial(self.store.complete_many, items, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            for k, t in items:  # one stale token fails the batch; complete the others
+                try:
+                    self.store.complete(k, t, namespace=self.namespace)
+                except StaleTokenError:
+                    log.error(
+                        "key %r: the lease ran out while the batch ran and was taken over; "
+                        "raise `lease` above the batch's longest run",
+                        k,
+                    )
 
     def _commit(self, offsets: dict[TP, int]) -> None:
         parts = [_topic_partition(t, p, o) for (t, p), o in sorted(offsets.items())]
