@@ -439,6 +439,54 @@ class _AsyncGate(_Gate):
             _log_not_completed(key, exc)
 
 
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds (a number) or None, not {type(timeout).__name__}")
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+
+
+class _StopControl:
+    """A consumer's graceful stop: asked from anywhere, finished by the consuming thread.
+
+    ``ask()`` only sets an event, so it is safe from a signal handler and from
+    any thread. The consuming side calls ``begin()`` when it starts consuming
+    and ``end()`` once the in-flight message is finished and nothing more
+    will be consumed; ``wait()`` blocks until then, except on the consuming
+    thread itself (a signal handler or the handler calling ``stop()``), where
+    waiting could never end: there it only reports whether the stop is done.
+    A stop is final: a stopped consumer does not consume again.
+    """
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.finished = threading.Event()
+        self.finished.set()  # nothing is being consumed yet
+        self.thread: int | None = None
+
+    def ask(self) -> bool:
+        """Asks for the stop; True the first time."""
+        first = not self.asked.is_set()
+        self.asked.set()
+        return first
+
+    def begin(self) -> None:
+        self.thread = threading.get_ident()
+        if not self.asked.is_set():
+            self.finished.clear()
+
+    def end(self) -> None:
+        self.finished.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        _check_timeout(timeout)
+        if threading.get_ident() == self.thread:
+            return self.finished.is_set()
+        return self.finished.wait(timeout)
+
+
 G = TypeVar("G", bound=_Gate)
 
 
@@ -477,3 +525,76 @@ class _Consumer(Generic[G]):
         self.key_header = key_header
         self.retry_delay = retry_delay
         self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
+        self._stop = _StopControl()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (the consumer may still be finishing a message)."""
+        return self._stop.asked.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the consumer consumes nothing and has no message in flight."""
+        return self._stop.finished.is_set()
+
+
+class _AsyncStop:
+    """The stop of an asyncio consumer: ``stop()`` from any thread, ``astop()`` on its loop.
+
+    ``_graceful_stop()`` (the wrapper's own coroutine) cancels the
+    consumption, lets the messages in flight finish and returns; it runs
+    once, however many times the stop is asked for.
+    """
+
+    _stop: _StopControl
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop_task: asyncio.Task[None] | None = None
+
+    async def _graceful_stop(self) -> None:
+        raise NotImplementedError
+
+    def _start_stop(self) -> asyncio.Task[None]:
+        """The one stop task (made on the first call); call on the consumer's loop."""
+        self._stop.ask()
+        if self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(self._run_stop())
+        return self._stop_task
+
+    async def _run_stop(self) -> None:
+        try:
+            await self._graceful_stop()
+        finally:
+            self._stop.end()
+
+    async def astop(self) -> None:
+        """Stops gracefully (see :meth:`stop`) and returns when the consumer has stopped."""
+        loop = self._loop
+        if loop is None:  # never consumed: nothing in flight
+            self._stop.ask()
+            return
+        if loop is not asyncio.get_running_loop():
+            fut = asyncio.run_coroutine_threadsafe(self.astop(), loop)
+            await asyncio.wrap_future(fut)
+            return
+        await asyncio.shield(self._start_stop())
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops gracefully: the message in flight finishes, nothing after it starts.
+
+        Safe from a signal handler and from any thread. Called from another
+        thread than the consumer's event loop, it waits (up to ``timeout``
+        seconds) until the consumer has stopped and returns True if it has;
+        from the loop's own thread (a signal handler, a handler) it cannot
+        wait, so it starts the stop and returns whether it is already done
+        (``await astop()`` there waits).
+        """
+        _check_timeout(timeout)
+        self._stop.ask()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return self._stop.wait(0)
+        try:
+            loop.call_soon_threadsafe(self._start_stop)
+        except RuntimeError:  # the loop closed meanwhile
+            return self._stop.finished.is_set()
+        return self._stop.wait(timeout)

@@ -73,6 +73,8 @@ from dedupcore.integrations._common import (
     MissingKeyError,
     Store,
     TransactionalTable,
+    _check_timeout,
+    _StopControl,
     default_owner,
     derive_key,
 )
@@ -195,6 +197,8 @@ class KafkaDedupLoop:
         self._paused: dict[TP, float] = {}  # partition -> monotonic time to resume
         self._revoked: set[TP] = set()
         self._lock = threading.RLock()
+        self._stop = _StopControl()
+        self._in_run = False
 
     # -- subscription and rebalances ---------------------------------------------------
 
@@ -254,21 +258,66 @@ class KafkaDedupLoop:
         *,
         max_batches: int | None = None,
     ) -> None:
-        """Runs batches until ``stop`` is set (or returns True) or ``max_batches`` ran."""
-        done = 0
-        while True:
-            if isinstance(stop, threading.Event):
-                if stop.is_set():
+        """Runs batches until ``stop`` is set (or returns True), :meth:`stop` is called
+        or ``max_batches`` ran."""
+        if self._stop.asked.is_set():
+            return  # stopped (a stop is final): nothing is consumed
+        self._stop.begin()
+        self._in_run = True
+        try:
+            done = 0
+            while not self._stop.asked.is_set():
+                if isinstance(stop, threading.Event):
+                    if stop.is_set():
+                        return
+                elif stop is not None and stop():
                     return
-            elif stop is not None and stop():
-                return
-            if max_batches is not None and done >= max_batches:
-                return
-            self.run_once()
-            done += 1
+                if max_batches is not None and done >= max_batches:
+                    return
+                self.run_once()
+                done += 1
+        finally:
+            self._in_run = False
+            self._stop.end()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops gracefully: the message in flight finishes, nothing after it starts.
+
+        The message being handled finishes; the later messages of its batch
+        are not run (their NEW claims are released, their partitions
+        ``seek``-ed back to the first of them); the batch's handled claims
+        are completed and its offsets up to the last finished message are
+        committed; then :meth:`run` returns without consuming another batch.
+        The messages not run are consumed again by the next owner of their
+        partitions (or after a restart). Call :meth:`close` afterwards.
+        Idempotent and final; safe from a signal handler and from any
+        thread. From another thread it waits up to ``timeout`` seconds for
+        :meth:`run` to return and returns True once it has; on the thread
+        running the loop (a signal handler, the handler) it cannot wait and
+        returns False.
+        """
+        _check_timeout(timeout)
+        self._stop.ask()
+        return self._stop.wait(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (the loop may still be finishing a message)."""
+        return self._stop.asked.is_set()
 
     def run_once(self) -> BatchReport:
-        """Consumes, claims, handles, completes and commits one batch."""
+        """Consumes, claims, handles, completes and commits one batch (none once stopped)."""
+        if self._stop.asked.is_set():
+            return BatchReport()
+        if self._in_run:
+            return self._run_once()
+        self._stop.begin()
+        try:
+            return self._run_once()
+        finally:
+            self._stop.end()
+
+    def _run_once(self) -> BatchReport:
         self._resume_due()
         msgs = self.consumer.consume(num_messages=self.batch_size, timeout=self.poll_timeout)
         report = BatchReport()
@@ -370,6 +419,17 @@ class KafkaDedupLoop:
         self.on_invalid(item.msg, item.error)
         return True
 
+    def _skip(self, item: _Item, stopped: dict[TP, int]) -> bool:
+        """Whether the item is left for later: its partition stopped, went away, or the loop
+        is stopping (then its partition stops here)."""
+        with self._lock:
+            if item.tp in stopped or item.tp in self._revoked:
+                return True
+        if self._stop.asked.is_set():
+            stopped[item.tp] = item.offset
+            return True
+        return False
+
     def _finish(self, item: _Item) -> None:
         with self._lock:
             if item.tp not in self._revoked:
@@ -407,9 +467,7 @@ class KafkaDedupLoop:
         state: dict[bytes | str, bool] = {}  # key -> finished (True) or not
         invalid: MissingKeyError | None = None
         for i in items:
-            with self._lock:
-                skip = i.tp in stopped or i.tp in self._revoked
-            if skip:
+            if self._skip(i, stopped):
                 report.retried += 1
                 continue
             if i.key is None:
@@ -500,9 +558,7 @@ class KafkaDedupLoop:
         assert isinstance(self.store, TransactionalTable)
         invalid: MissingKeyError | None = None
         for i in items:
-            with self._lock:
-                skip = i.tp in stopped or i.tp in self._revoked
-            if skip:
+            if self._skip(i, stopped):
                 report.retried += 1
                 continue
             if i.key is None:
