@@ -390,21 +390,24 @@ class AsyncDedupConsumer(_AsyncStop, _Consumer[_AsyncGate]):
             except Exception as exc:  # the channel closed: nothing is delivered any more
                 log.info("stop: could not cancel consumer %s (%s)", tag, exc)
         self._wake.set()  # delayed nacks go out now
+        # Deliveries that arrived before the cancel's answer have their callbacks
+        # scheduled by now; let them start (and count themselves in flight).
+        await asyncio.sleep(0)
         await self._idle.wait()
         if self._later:
             await asyncio.gather(*self._later, return_exceptions=True)
 
     async def on_message(self, message: Any) -> None:
         """The aio-pika callback: decide, then ack, nack later or reject."""
-        if self._stop.asked.is_set():
-            # Delivered before the cancel took effect: not started, back to the queue.
-            await message.nack(requeue=True)
-            return
         self._in_flight += 1
         if self._idle is not None:
             self._idle.clear()
         try:
-            await self._on_message(message)
+            if self._stop.asked.is_set():
+                # Delivered before the cancel took effect: not started, back to the queue.
+                await message.nack(requeue=True)
+            else:
+                await self._on_message(message)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
