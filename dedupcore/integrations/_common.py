@@ -487,10 +487,26 @@ class _StopControl:
         return self.finished.wait(timeout)
 
 
+class _Stoppable:
+    """What a consumer with a graceful stop reports; it keeps a :class:`_StopControl`."""
+
+    _stop: _StopControl
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop()`` was called (the consumer may still be finishing a message)."""
+        return self._stop.asked.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the consumer consumes nothing and has no message in flight."""
+        return self._stop.finished.is_set()
+
+
 G = TypeVar("G", bound=_Gate)
 
 
-class _Consumer(Generic[G]):
+class _Consumer(_Stoppable, Generic[G]):
     """What every per-message broker consumer keeps: the gate that runs the contract,
     how the key is found, the retry delay and a tally of verdicts."""
 
@@ -526,16 +542,6 @@ class _Consumer(Generic[G]):
         self.retry_delay = retry_delay
         self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
         self._stop = _StopControl()
-
-    @property
-    def stopping(self) -> bool:
-        """Whether :meth:`stop` was called (the consumer may still be finishing a message)."""
-        return self._stop.asked.is_set()
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the consumer consumes nothing and has no message in flight."""
-        return self._stop.finished.is_set()
 
 
 class _AsyncStop:

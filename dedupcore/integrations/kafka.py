@@ -75,6 +75,7 @@ from dedupcore.integrations._common import (
     TransactionalTable,
     _check_timeout,
     _StopControl,
+    _Stoppable,
     default_owner,
     derive_key,
 )
@@ -137,7 +138,7 @@ class _Item:
     error: MissingKeyError | None = None
 
 
-class KafkaDedupLoop:
+class KafkaDedupLoop(_Stoppable):
     """Runs the dedup contract over a confluent-kafka ``Consumer`` (see the module doc).
 
     The consumer must be created with ``enable.auto.commit=false``; this loop
@@ -299,11 +300,6 @@ class KafkaDedupLoop:
         _check_timeout(timeout)
         self._stop.ask()
         return self._stop.wait(timeout)
-
-    @property
-    def stopping(self) -> bool:
-        """Whether :meth:`stop` was called (the loop may still be finishing a message)."""
-        return self._stop.asked.is_set()
 
     def run_once(self) -> BatchReport:
         """Consumes, claims, handles, completes and commits one batch (none once stopped)."""

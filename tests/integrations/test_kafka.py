@@ -15,6 +15,7 @@ from dedupcore.integrations.kafka import KafkaDedupLoop, MissingKeyError
 from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable
 from dedupcore.record import State
 
+from .conftest import FirstBlocks
 from .kafka_standin import Cluster, Record, StandInConsumer
 
 NS = "payments/ledger"
@@ -381,30 +382,22 @@ def test_stop_finishes_the_message_in_flight_and_starts_nothing_after(
     for k in "abc":
         cluster.produce(TOPIC, 0, rec(k))
     cluster.produce(TOPIC, 1, rec("d"))
-    started, release = threading.Event(), threading.Event()
-    handler = Handler()
-
-    def blocking(d: Delivery) -> None:
-        handler(d)
-        if d.key == "a":
-            started.set()
-            assert release.wait(PATIENCE)
-
+    blocking = FirstBlocks("a", PATIENCE)
     loop, consumer = make(cluster, store, blocking, batch_size=100)
     runner = threading.Thread(target=loop.run)
     runner.start()
-    assert started.wait(PATIENCE)
+    assert blocking.started.wait(PATIENCE)
     answer: list[bool] = []
     stopper = threading.Thread(target=lambda: answer.append(loop.stop()))
     stopper.start()
     assert loop._stop.asked.wait(PATIENCE)
     assert not loop._stop.finished.is_set()  # stop() waits for the handler
-    release.set()
+    blocking.release.set()
     stopper.join(PATIENCE)
     runner.join(PATIENCE)
     assert answer == [True] and not runner.is_alive()
     assert loop.stop() is True  # idempotent
-    assert handler.keys() == ["a"]  # nothing after it started
+    assert blocking.calls == ["a"]  # nothing after it started
     assert consumer.commits == [{(TOPIC, 0): 1}]  # committed once, up to the finished one
     rec_a = store.get("a", namespace=NS)
     assert rec_a is not None and rec_a.state is State.PROCESSED
@@ -415,9 +408,9 @@ def test_stop_finishes_the_message_in_flight_and_starts_nothing_after(
     loop.close()
 
     cluster.committed.clear()  # a restart that replays the partitions from the start
-    loop2, _ = make(cluster, store, handler, batch_size=100)
+    loop2, _ = make(cluster, store, blocking, batch_size=100)
     drain(loop2)
-    assert sorted(handler.keys()) == ["a", "b", "c", "d"]  # "a" was not applied again
+    assert sorted(blocking.calls) == ["a", "b", "c", "d"]  # "a" was not applied again
     assert cluster.committed == {(TOPIC, 0): 3, (TOPIC, 1): 1}
 
 

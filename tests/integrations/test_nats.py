@@ -22,7 +22,7 @@ from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable, Verdic
 from dedupcore.record import State
 from tests.integration.conftest import require_server
 
-from .conftest import NATS_URL, uid
+from .conftest import NATS_URL, FirstBlocks, uid
 
 NS = "transfers/ledger"
 PATIENCE = 60.0
@@ -313,18 +313,11 @@ def test_stop_finishes_the_message_in_flight_and_naks_the_rest(
     the batch is nak-ed unstarted; a restarted consumer handles those, and a copy of the
     finished message published again is a DUPLICATE."""
     store = store_factory("embedded")
-    calls: list[Any] = []
+    blocking = FirstBlocks("a", PATIENCE)
+    handler, calls = blocking.handle_async, blocking.calls
     acks: list[Any] = []
 
     async def main() -> None:
-        started, release = asyncio.Event(), asyncio.Event()
-
-        async def handler(d: Delivery) -> None:
-            calls.append(d.key)
-            if d.key == "a" and calls.count("a") == 1:
-                started.set()
-                await release.wait()
-
         async with stream() as s:
             for k in ("a", "b", "c"):
                 await s.publish({"id": k})
@@ -338,7 +331,7 @@ def test_stop_finishes_the_message_in_flight_and_naks_the_rest(
                 before_ack=lambda d, o: acks.append(d.key),
             )
             runner = asyncio.create_task(consumer.run(sub, batch=10, fetch_timeout=0.2))
-            await asyncio.wait_for(started.wait(), PATIENCE)
+            await blocking.wait_started()
             if how == "astop":
                 assert consumer.stop() is False  # on the loop's thread: started, not awaited
                 stopping: asyncio.Future[Any] = asyncio.ensure_future(consumer.astop())
@@ -346,7 +339,7 @@ def test_stop_finishes_the_message_in_flight_and_naks_the_rest(
                 stopping = asyncio.ensure_future(asyncio.to_thread(consumer.stop, PATIENCE))
                 assert await asyncio.to_thread(consumer._stop.asked.wait, PATIENCE)
             assert not consumer.stopped  # the handler still runs
-            release.set()
+            blocking.release.set()
             result = await asyncio.wait_for(stopping, PATIENCE)
             assert result is (True if how == "thread" else None)
             await asyncio.wait_for(runner, PATIENCE)

@@ -27,7 +27,7 @@ from dedupcore.integrations.rabbitmq import (
 from dedupcore.record import State
 from tests.integration.conftest import require_server
 
-from .conftest import AMQP_URL, STORE_KINDS, uid
+from .conftest import AMQP_URL, STORE_KINDS, FirstBlocks, uid
 
 NS = "transfers/ledger"
 PATIENCE = 60.0
@@ -393,14 +393,14 @@ def test_interrupted_handler_releases_then_propagates(store_factory: Any) -> Non
 # -- graceful stop -------------------------------------------------------------------------
 
 
-def _restart_and_redeliver(channel: Any, store: Any, q: str, handler: Recorder) -> None:
+def _restart_and_redeliver(channel: Any, store: Any, q: str, handler: FirstBlocks) -> None:
     """A copy of "a" is delivered again to a restarted consumer: not applied again; the
     messages the stopped consumer left are handled now."""
     publish(channel, q, {"id": "a"})
     again = DedupConsumer(store, handler, namespace=NS, key=body_key)
     again.consume(channel, q)
     pump(channel, lambda: again.counts[Verdict.ACKED] == 3)
-    assert sorted(handler.keys) == ["a", "b", "c"]
+    assert sorted(handler.calls) == ["a", "b", "c"]
     assert again.counts[Verdict.ACKED] == 3 and ready(channel, q) == 0
     assert again.stop(timeout=0) is False  # asked on the connection's thread: not done yet
     pump(channel, lambda: again.stopped)
@@ -416,16 +416,8 @@ def test_pika_stop_from_another_thread_finishes_the_message_in_flight(
     q = channel.declare()
     for k in ("a", "b", "c"):
         publish(channel, q, {"id": k})
-    started, release = threading.Event(), threading.Event()
-    handler = Recorder()
+    blocking = FirstBlocks("a", PATIENCE)
     acks: list[Any] = []
-
-    def blocking(d: Delivery) -> None:
-        handler(d)
-        if d.key == "a":
-            started.set()
-            assert release.wait(PATIENCE)
-
     consumer = DedupConsumer(
         store, blocking, namespace=NS, key=body_key, before_ack=lambda d, o: acks.append(d.key)
     )
@@ -445,18 +437,18 @@ def test_pika_stop_from_another_thread_finishes_the_message_in_flight(
 
     runner = threading.Thread(target=consume)
     runner.start()
-    assert started.wait(PATIENCE)
+    assert blocking.started.wait(PATIENCE)
     answer: list[bool] = []
     stopper = threading.Thread(target=lambda: answer.append(consumer.stop(timeout=PATIENCE)))
     stopper.start()
     assert consumer._stop.asked.wait(PATIENCE)
     assert not consumer.stopped  # the handler still runs
-    release.set()
+    blocking.release.set()
     stopper.join(PATIENCE)
     runner.join(PATIENCE)
     assert not runner.is_alive() and errors == []
     assert answer == [True] and consumer.stop() is True  # done, and idempotent
-    assert handler.keys == ["a"] and acks == ["a"]
+    assert blocking.calls == ["a"] and acks == ["a"]
     assert consumer.counts[Verdict.ACKED] == 1 and sum(consumer.counts.values()) == 1
     rec = store.get("a", namespace=NS)
     assert rec is not None and rec.state is State.PROCESSED
@@ -465,7 +457,7 @@ def test_pika_stop_from_another_thread_finishes_the_message_in_flight(
         assert store.get(k, namespace=NS) is None
     with pytest.raises(RuntimeError, match="stopped"):
         consumer.consume(channel, q)
-    _restart_and_redeliver(channel, store, q, handler)
+    _restart_and_redeliver(channel, store, q, blocking)
 
 
 def test_pika_stop_from_a_signal_handler(channel: Any, store_factory: Any) -> None:
@@ -475,7 +467,7 @@ def test_pika_stop_from_a_signal_handler(channel: Any, store_factory: Any) -> No
     q = channel.declare()
     for k in ("a", "b", "c"):
         publish(channel, q, {"id": k})
-    handler = Recorder()
+    handler = FirstBlocks(key="none")  # records, never blocks
     answers: list[bool] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -495,7 +487,7 @@ def test_pika_stop_from_a_signal_handler(channel: Any, store_factory: Any) -> No
         signal.signal(signal.SIGUSR1, previous)
     assert answers == [False]  # could not wait on its own thread
     assert consumer.stopped and channel.consumer_tags == []
-    assert handler.keys == ["a"] and consumer.counts[Verdict.ACKED] == 1
+    assert handler.calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
     pump(channel, lambda: ready(channel, q) == 2)
     _restart_and_redeliver(channel, store, q, handler)
 
@@ -506,17 +498,10 @@ def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> Non
     import aio_pika
 
     store = store_factory("embedded")
-    calls: list[Any] = []
+    blocking = FirstBlocks("a", PATIENCE)
+    handler, calls = blocking.handle_async, blocking.calls
 
     async def main() -> None:
-        started, release = asyncio.Event(), asyncio.Event()
-
-        async def handler(d: Delivery) -> None:
-            calls.append(d.key)
-            if d.key == "a" and calls.count("a") == 1:
-                started.set()
-                await release.wait()
-
         conn = await aio_pika.connect_robust(AMQP_URL)
         try:
             ch = await conn.channel()
@@ -529,11 +514,11 @@ def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> Non
                     )
                 consumer = AsyncDedupConsumer(store, handler, namespace=NS, key=body_key)
                 await consumer.consume(q)
-                await asyncio.wait_for(started.wait(), PATIENCE)
+                await blocking.wait_started()
                 stopping = asyncio.create_task(asyncio.to_thread(consumer.stop, PATIENCE))
                 assert await asyncio.to_thread(consumer._stop.asked.wait, PATIENCE)
                 assert not consumer.stopped  # the handler still runs
-                release.set()
+                blocking.release.set()
                 assert await asyncio.wait_for(stopping, PATIENCE) is True
                 await consumer.astop()  # idempotent
                 assert calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
