@@ -285,6 +285,15 @@ async def aio_ready(queue: str) -> int:
         await conn.close()
 
 
+async def aio_wait_ready(queue: str, n: int) -> None:
+    """Waits until ``queue`` holds ``n`` ready messages (a nack from another
+    connection may still be on its way)."""
+    deadline = time.monotonic() + PATIENCE
+    while (count := await aio_ready(queue)) != n:
+        assert time.monotonic() < deadline, f"{count} ready, not {n}"
+        await asyncio.sleep(0.02)
+
+
 async def _aio_run(
     store: Any,
     bodies: list[dict[str, Any] | bytes],
@@ -522,7 +531,7 @@ def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> Non
                 assert await asyncio.wait_for(stopping, PATIENCE) is True
                 await consumer.astop()  # idempotent
                 assert calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
-                assert await aio_ready(q.name) == 2  # b and c were never delivered
+                await aio_wait_ready(q.name, 2)  # b and c are back (or never left)
 
                 # Restart, with a copy of "a" delivered again: only b and c run.
                 await ch.default_exchange.publish(
@@ -544,3 +553,54 @@ def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> Non
 
     asyncio.run(main())
     assert sorted(calls) == ["a", "b", "c"]
+
+
+def test_pika_stop_nacks_a_held_message_at_once(channel: Any, store_factory: Any) -> None:
+    """A message held for a delayed nack (IN_PROGRESS elsewhere) goes back when the
+    consumer stops, not after its retry_delay."""
+    store = store_factory("embedded")
+    store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
+    q = channel.declare()
+    consumer = DedupConsumer(store, Recorder(), namespace=NS, key=body_key, retry_delay=3600.0)
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "x"})
+    pump(channel, lambda: consumer.counts[Verdict.RETRY] == 1)  # held for an hour
+    assert consumer.stop(timeout=0) is False  # on the connection's thread
+    pump(channel, lambda: consumer.stopped)
+    pump(channel, lambda: ready(channel, q) == 1)
+    assert channel.consumer_tags == []
+
+
+def test_aio_pika_stop_nacks_a_held_message_at_once(store_factory: Any) -> None:
+    require_server("rabbitmq", 5672)
+    import aio_pika
+
+    store = store_factory("embedded")
+    store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
+
+    async def main() -> None:
+        conn = await aio_pika.connect_robust(AMQP_URL)
+        try:
+            ch = await conn.channel()
+            q = await ch.declare_queue(f"dc_aio_{uuid.uuid4().hex[:16]}", auto_delete=False)
+            try:
+                consumer = AsyncDedupConsumer(
+                    store, Recorder(), namespace=NS, key=body_key, retry_delay=3600.0
+                )
+                await consumer.consume(q)
+                await ch.default_exchange.publish(
+                    aio_pika.Message(json.dumps({"id": "x"}).encode()), routing_key=q.name
+                )
+                deadline = time.monotonic() + PATIENCE
+                while consumer.counts[Verdict.RETRY] < 1:  # then held for an hour
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                await asyncio.wait_for(consumer.astop(), PATIENCE)
+                assert consumer.stopped
+                await aio_wait_ready(q.name, 1)  # nacked back by the stop, not in an hour
+            finally:
+                await q.delete(if_unused=False, if_empty=False)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
