@@ -32,6 +32,12 @@ while the first delivery still runs (a handler slower than ``ack_wait``)
 meets an IN_PROGRESS claim and is nak'ed with a delay, so keep ``lease``
 above the handler's longest run and ``ack_wait`` near it.
 
+**Stopping.** ``consumer.stop()`` (from a signal handler or any thread) or
+``await consumer.astop()`` makes :meth:`JetStreamConsumer.run` finish the
+message being handled (handler, complete, ack), ``nak()`` the rest of its
+batch unstarted (JetStream redelivers them at once) and return; a fetch
+under way ends within ``fetch_timeout`` first. Idempotent and final.
+
 **Table mode** (``TransactionalTable(conn)``): the handler (a plain
 function) runs in a worker thread inside the dedup transaction and writes on
 ``delivery.conn``; the dedup row and the business writes commit together, so

@@ -47,6 +47,21 @@ contract to every delivery:
    RabbitMQ counts the redeliveries and dead-letters the message after the
    limit. Nothing is counted here.
 
+**Stopping.** ``consumer.stop()`` (both consumers; ``await
+consumer.astop()`` for aio-pika) lets the message being handled finish --
+handler, complete, ack -- then cancels its ``basic_consume`` subscriptions;
+deliveries not yet started go back to the queue unacked (pika's
+``BlockingChannel`` nacks what it had buffered; a delivery that still
+arrives is nacked with ``requeue=True`` unstarted) and messages held for a
+delayed nack are nacked at once. It is idempotent and final, and safe from
+a signal handler or another thread (pika: the cancel runs on the
+connection's thread through ``add_callback_threadsafe``, and
+``start_consuming()`` returns once its channel has no consumer left)::
+
+    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    consumer.consume(channel, "transfers")
+    channel.start_consuming()        # returns after the message in flight
+
 **Store mode and crashes.** The effect and the completion are two steps:
 a consumer killed after its handler's effect and before ``complete`` leaves
 a PROCESSING record; the redelivery waits for the lease to end (nacked as
