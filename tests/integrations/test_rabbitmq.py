@@ -565,6 +565,11 @@ def test_pika_stop_nacks_a_held_message_at_once(channel: Any, store_factory: Any
     consumer.consume(channel, q)
     publish(channel, q, {"id": "x"})
     pump(channel, lambda: consumer.counts[Verdict.RETRY] == 1)  # held for an hour
+    with pytest.raises(ValueError):
+        consumer.stop(timeout=-1)
+    with pytest.raises(TypeError):
+        consumer.stop(timeout="now")  # type: ignore[arg-type]
+    assert not consumer.stopping  # a refused call asks for nothing
     assert consumer.stop(timeout=0) is False  # on the connection's thread
     pump(channel, lambda: consumer.stopped)
     pump(channel, lambda: ready(channel, q) == 1)
@@ -595,6 +600,9 @@ def test_aio_pika_stop_nacks_a_held_message_at_once(store_factory: Any) -> None:
                 while consumer.counts[Verdict.RETRY] < 1:  # then held for an hour
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.02)
+                with pytest.raises(ValueError):
+                    consumer.stop(timeout=float("nan"))
+                assert not consumer.stopping
                 await asyncio.wait_for(consumer.astop(), PATIENCE)
                 assert consumer.stopped
                 await aio_wait_ready(q.name, 1)  # nacked back by the stop, not in an hour
