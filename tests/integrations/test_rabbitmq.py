@@ -612,3 +612,50 @@ def test_aio_pika_stop_nacks_a_held_message_at_once(store_factory: Any) -> None:
             await conn.close()
 
     asyncio.run(main())
+
+
+def test_pika_select_connection_stop_from_another_thread(channel: Any, store_factory: Any) -> None:
+    """The same stop on a SelectConnection: the cancel is queued on its ioloop."""
+    import pika
+
+    store = store_factory("embedded")
+    q = channel.declare()
+    for k in ("a", "b", "c"):
+        publish(channel, q, {"id": k})
+    blocking = FirstBlocks("a", PATIENCE)
+    consumer = DedupConsumer(store, blocking, namespace=NS, key=body_key)
+    opened: list[Any] = []
+    errors: list[BaseException] = []
+
+    def on_channel(ch: Any) -> None:
+        ch.basic_qos(prefetch_count=10, callback=lambda _frame: consumer.consume(ch, q))
+
+    def run() -> None:
+        try:
+            conn = pika.SelectConnection(
+                pika.URLParameters(AMQP_URL),
+                on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                on_close_callback=lambda c, reason: c.ioloop.stop(),
+            )
+            opened.append(conn)
+            conn.ioloop.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    assert blocking.started.wait(PATIENCE)
+    answer: list[bool] = []
+    stopper = threading.Thread(target=lambda: answer.append(consumer.stop(timeout=PATIENCE)))
+    stopper.start()
+    assert consumer._stop.asked.wait(PATIENCE)
+    blocking.release.set()
+    stopper.join(PATIENCE)
+    assert answer == [True]
+    conn = opened[0]
+    conn.ioloop.add_callback_threadsafe(conn.close)
+    runner.join(PATIENCE)
+    assert not runner.is_alive() and errors == []
+    assert blocking.calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
+    pump(channel, lambda: ready(channel, q) == 2)
+    _restart_and_redeliver(channel, store, q, blocking)
