@@ -271,3 +271,21 @@ def test_gates_retry_a_completion_as_their_policy_says(fail: int, done: bool) ->
         assert store.completes == min(fail, 3) + 1
         rec = store.get("k", namespace="ns")
         assert rec is not None and (rec.state.name == "PROCESSED") is done
+
+
+def test_the_wrappers_take_a_policy_or_the_old_shorthand() -> None:
+    from dedupcore.integrations.kafka import KafkaDedupLoop
+    from dedupcore.integrations.rabbitmq import AsyncDedupConsumer, DedupConsumer
+
+    store = MemoryTable()
+    loop = KafkaDedupLoop(object(), store, lambda d: None, namespace="ns", complete_retries=2)
+    assert loop.retry.attempts == 2 and loop.retry.cap == 1.0
+    assert KafkaDedupLoop(object(), store, print, namespace="ns", retry=TINY).retry is TINY
+    assert KafkaDedupLoop(object(), store, print, namespace="ns").retry is DEFAULT_RETRY
+    with pytest.raises(TypeError, match="complete_retries"):
+        KafkaDedupLoop(object(), store, print, namespace="ns", retry=TINY, complete_retries=1)
+    for wrapper in (DedupConsumer, AsyncDedupConsumer):
+        assert wrapper(store, print, namespace="ns", retry=TINY)._gate.retry is TINY
+        assert wrapper(store, print, namespace="ns")._gate.retry is DEFAULT_RETRY
+        with pytest.raises(TypeError, match="RetryPolicy"):
+            wrapper(store, print, namespace="ns", retry=3)  # type: ignore[arg-type]
