@@ -275,6 +275,7 @@ def test_gates_retry_a_completion_as_their_policy_says(fail: int, done: bool) ->
 
 def test_the_wrappers_take_a_policy_or_the_old_shorthand() -> None:
     from dedupcore.integrations.kafka import KafkaDedupLoop
+    from dedupcore.integrations.nats import JetStreamConsumer
     from dedupcore.integrations.rabbitmq import AsyncDedupConsumer, DedupConsumer
 
     store = MemoryTable()
@@ -284,7 +285,7 @@ def test_the_wrappers_take_a_policy_or_the_old_shorthand() -> None:
     assert KafkaDedupLoop(object(), store, print, namespace="ns").retry is DEFAULT_RETRY
     with pytest.raises(TypeError, match="complete_retries"):
         KafkaDedupLoop(object(), store, print, namespace="ns", retry=TINY, complete_retries=1)
-    for wrapper in (DedupConsumer, AsyncDedupConsumer):
+    for wrapper in (DedupConsumer, AsyncDedupConsumer, JetStreamConsumer):
         assert wrapper(store, print, namespace="ns", retry=TINY)._gate.retry is TINY
         assert wrapper(store, print, namespace="ns")._gate.retry is DEFAULT_RETRY
         with pytest.raises(TypeError, match="RetryPolicy"):
