@@ -514,7 +514,8 @@ def _decorated_key(
 
 
 def _answer(c: Claim, key: bytes | str, namespace: str) -> Any:
-    """What a decorated call returns for a claim that is not (or no longer) NEW."""
+    """What a decorated call returns: the claim's result (the function's own for a NEW
+    claim, the stored one for a DUPLICATE); InProgressError while another owner holds it."""
     if c.outcome is Outcome.IN_PROGRESS:
         raise InProgressError(
             f"key {key!r} in namespace {namespace!r} is being processed by another "
