@@ -4,7 +4,9 @@ Same methods, arguments, results and exceptions as the sync client (and so
 as :class:`~dedupcore.DedupStore`), as coroutines: ``ping``, ``claim``,
 ``claim_many``, ``complete``, ``complete_many``, ``release``,
 ``release_many``, ``get``, ``stats``; ``processing(...)`` is an ``async
-with`` block and ``idempotent`` decorates ``async def`` functions.
+with`` block and ``idempotent`` decorates ``async def`` functions, with the
+sync decorator's key paths, :class:`~dedupcore.api.DuplicateCache` and
+``DEDUPCORE_DISABLED`` switch (all from :class:`~dedupcore.api.AsyncClaimAPI`).
 
 One connection per client, shared by every coroutine that uses it: each
 request carries its own request id, a single reader task hands every reply
@@ -15,7 +17,7 @@ Failures follow the sync client:
 
 - a request that was not sent (the connection was already gone, or the very
   first write of it failed) is sent on a new connection, opened with
-  exponential backoff;
+  the client's :class:`~dedupcore.retry.RetryPolicy`;
 - a request that was sent but got no reply (the daemon died, or ``timeout``
   passed) raises :class:`~dedupcore.errors.UnavailableError` -- it may or
   may not have been applied -- except for the ops that are safe to repeat
@@ -27,25 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
-import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, result_refused
+from dedupcore.api import AsyncClaimAPI, Claim, KeyRecord
 from dedupcore.client import DEFAULT_SOCKET
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.errors import StaleTokenError, UnavailableError
+from dedupcore.errors import UnavailableError
+from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = ["DEFAULT_SOCKET", "Client"]
-
-log = logging.getLogger("dedupcore")
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class _ConnectionLost(Exception):
@@ -125,11 +121,14 @@ async def _reply(conn: _Connection, fut: asyncio.Future[tuple[Status, Any]]) -> 
     return await fut
 
 
-class Client:
+class Client(AsyncClaimAPI):
     """An asyncio connection to ``dedupcore serve`` at ``path`` (see the module docstring).
 
-    ``timeout`` bounds the wait for each reply; ``retries`` and ``backoff``
-    govern reconnecting (``backoff`` doubles up to 2 s per attempt).
+    ``timeout`` bounds the wait for each reply; ``retry`` (a
+    :class:`~dedupcore.retry.RetryPolicy`, the same default as the sync
+    client's: 5 retries from 0.05 s doubling up to 1 s) governs
+    reconnecting; ``retries=`` and ``backoff=`` are shorthands for its
+    ``attempts`` and ``initial``.
     """
 
     def __init__(
@@ -137,14 +136,14 @@ class Client:
         path: str | os.PathLike[str] = DEFAULT_SOCKET,
         *,
         timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.05,
+        retries: int | None = None,
+        backoff: float | None = None,
+        retry: RetryPolicy | None = None,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
     ) -> None:
         self.path = os.fspath(path)
         self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
+        self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
         self.max_frame = max_frame
         self._conn: _Connection | None = None
         self._connect_lock: asyncio.Lock | None = None
@@ -187,8 +186,8 @@ class Client:
                     await conn.close()
                 else:  # made in another event loop: it cannot be awaited from this one
                     conn._fail(_ConnectionLost("the client moved to another event loop"))
-            delay = self.backoff
-            for attempt in range(self.retries + 1):
+            waits = self.retry.delays()
+            while True:
                 if self._closed:
                     raise UnavailableError("the client is closed")
                 try:
@@ -196,18 +195,17 @@ class Client:
                         asyncio.open_unix_connection(self.path), self.timeout
                     )
                 except (asyncio.TimeoutError, OSError) as exc:
-                    if attempt == self.retries:
+                    delay = next(waits, None)
+                    if delay is None:
                         raise UnavailableError(
                             f"dedupcore daemon at {self.path} is not reachable "
                             f"({exc or type(exc).__name__}); is `dedupcore serve` running?"
                         ) from exc
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
                     continue
                 conn = _Connection(reader, writer, self.max_frame)
                 self._conn = conn
                 return conn
-        raise AssertionError("unreachable")
 
     async def _call(self, op: Op, args: dict[str, Any]) -> Any:
         if self._closed:
@@ -283,25 +281,6 @@ class Client:
         rows = await self._call(Op.CLAIM_MANY, args)
         return protocol.claims_from_reply(keys_, namespace, rows)
 
-    async def claim(
-        self,
-        key: bytes | str,
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprint: bytes | None = None,
-    ) -> Claim:
-        """Claims a key before acting on it (see :meth:`DedupStore.claim`)."""
-        claims = await self.claim_many(
-            [key],
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
-            fingerprints=None if fingerprint is None else [fingerprint],
-        )
-        return claims[0]
-
     async def complete_many(
         self,
         items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
@@ -312,22 +291,12 @@ class Client:
         items_ = protocol.items_arg(items, with_results=True)
         await self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": items_})
 
-    async def complete(
-        self, key: bytes | str, token: int, *, namespace: str, result: Any = None
-    ) -> None:
-        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
-        await self.complete_many([(key, token, result)], namespace=namespace)
-
     async def release_many(
         self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
     ) -> None:
         """Releases many claims."""
         items_ = protocol.items_arg(items, with_results=False)
         await self._call(Op.RELEASE_MANY, {"ns": namespace, "items": items_})
-
-    async def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
-        """Gives a claimed key back so that a redelivery can run the work again."""
-        await self.release_many([(key, token)], namespace=namespace)
 
     async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""
@@ -339,75 +308,3 @@ class Client:
         """The daemon's store figures plus its own counters."""
         result: dict[str, Any] = await self._call(Op.STATS, {})
         return result
-
-    # -- conveniences ----------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def processing(
-        self,
-        key: bytes | str,
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprint: bytes | None = None,
-    ) -> AsyncIterator[Claim]:
-        """Claims ``key`` for an ``async with`` block: completes on success, releases on exception.
-
-        Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
-        store a result with the completion. Exceptions are re-raised. A result
-        that cannot be stored (too large, not msgpack-serializable) raises its
-        TypeError/ValueError after the key was completed without it: the work
-        is not done twice.
-        """
-        c = await self.claim(
-            key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
-        )
-        if c.outcome is not Outcome.NEW:
-            yield c
-            return
-        try:
-            yield c
-        except BaseException:
-            try:
-                await self.release(key, c.token, namespace=namespace)
-            except StaleTokenError:
-                log.warning("could not release %r: its lease was taken over", key)
-            raise
-        try:
-            await self.complete(key, c.token, namespace=namespace, result=c.result)
-        except (TypeError, ValueError) as exc:
-            if not result_refused(exc):
-                raise  # the store's own answer (e.g. the lease was taken over)
-            # Record the key as processed without its result, so that a
-            # redelivery does not do the work a second time; tell the caller.
-            await self.complete(key, c.token, namespace=namespace)
-            raise
-
-    def idempotent(
-        self, *, namespace: str, key: Callable[..., bytes | str], lease: float | None = None
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
-        """Decorator for ``async def``: runs it once per key; duplicates get the stored result.
-
-        ``key`` maps the call's arguments to the dedup key. While another
-        owner holds the key, calls raise :class:`InProgressError`.
-        """
-
-        def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-            @functools.wraps(fn)
-            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                k = key(*args, **kwargs)
-                async with self.processing(k, namespace=namespace, lease=lease) as c:
-                    if c.outcome is Outcome.NEW:
-                        c.result = await fn(*args, **kwargs)
-                        return c.result  # type: ignore[no-any-return]
-                    if c.outcome is Outcome.DUPLICATE:
-                        return c.result  # type: ignore[no-any-return]
-                    raise InProgressError(
-                        f"key {k!r} in namespace {namespace!r} is being processed by another "
-                        "owner; retry later"
-                    )
-
-            return wrapper
-
-        return decorate

@@ -3,7 +3,10 @@
 :class:`ClaimAPI` holds what is the same whatever carries the batch calls:
 single-key forms, ``processing()`` and the ``idempotent`` decorator. A front
 end implements ``claim_many``, ``complete_many``, ``release_many``, ``get``
-and ``stats``.
+and ``stats``. :class:`AsyncClaimAPI` is its asyncio twin (for
+:class:`dedupcore.aio.Client`): the same conveniences as coroutines, built on
+the same helpers (argument checks, key paths, the disable switch, the
+duplicate cache), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -20,8 +23,17 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -33,6 +45,7 @@ from dedupcore.record import State
 __all__ = [
     "DISABLE_ENV",
     "MAX_TOKEN",
+    "AsyncClaimAPI",
     "Claim",
     "ClaimAPI",
     "DuplicateCache",
@@ -450,6 +463,67 @@ class DuplicateCache:
             }
 
 
+# -- what the sync and the async claim API share ------------------------------------
+
+
+def _fingerprints(fingerprint: bytes | None) -> list[bytes | None] | None:
+    """The ``fingerprints`` of a one-key batch."""
+    return None if fingerprint is None else [fingerprint]
+
+
+def _release_lost(key: bytes | str) -> None:
+    log.warning("could not release %r: its lease was taken over", key)
+
+
+def _bypassed() -> bool:
+    """Whether the decorator runs the function without claiming (``DEDUPCORE_DISABLED``)."""
+    if idempotency_disabled():
+        _log_disabled_once()
+        return True
+    return False
+
+
+def _decorated_key(
+    fn: Callable[..., Any],
+    key: Callable[..., bytes | str] | str,
+    payload: str | None,
+    *,
+    want_async: bool,
+) -> Callable[..., bytes | str]:
+    """The key function of ``fn`` decorated by ``idempotent``, its arguments checked.
+
+    ``want_async``: the decorator of an async front end takes ``async def``
+    functions only, a sync one plain functions only (a coroutine object is
+    not a result that can be stored).
+    """
+    if not callable(fn):
+        raise TypeError(f"idempotent decorates a function, not {type(fn).__name__}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    if want_async and not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"an async front end's idempotent decorates async def; {name} is not")
+    if not want_async and inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{name} is async def: decorate it with the idempotent of dedupcore.aio.Client "
+            "(or another AsyncClaimAPI)"
+        )
+    if callable(key):
+        if payload is not None:
+            raise TypeError("payload= is for a key path; here key is a function")
+        return key
+    return _payload_key(fn, key_path(key), payload)
+
+
+def _answer(c: Claim, key: bytes | str, namespace: str) -> Any:
+    """What a decorated call returns: the claim's result (the function's own for a NEW
+    claim, the stored one for a DUPLICATE); InProgressError while another owner holds it."""
+    if c.outcome is Outcome.IN_PROGRESS:
+        raise InProgressError(
+            f"key {key!r} in namespace {namespace!r} is being processed by another "
+            "owner; retry later"
+        )
+    return c.result
+
+
 class ClaimAPI(ABC):
     """Single-key calls, ``processing()`` and ``idempotent`` over the batch calls."""
 
@@ -531,7 +605,7 @@ class ClaimAPI(ABC):
             namespace=namespace,
             lease=lease,
             owner=owner,
-            fingerprints=None if fingerprint is None else [fingerprint],
+            fingerprints=_fingerprints(fingerprint),
         )[0]
 
     def complete(self, key: bytes | str, token: int, *, namespace: str, result: Any = None) -> None:
@@ -582,7 +656,7 @@ class ClaimAPI(ABC):
             try:
                 self.release(key, c.token, namespace=namespace)
             except StaleTokenError:
-                log.warning("could not release %r: its lease was taken over", key)
+                _release_lost(key)
             raise
         try:
             self.complete(key, c.token, namespace=namespace, result=c.result)
@@ -613,32 +687,176 @@ class ClaimAPI(ABC):
         :class:`DuplicateCache` answering recent duplicates without a round
         trip. With the environment variable ``DEDUPCORE_DISABLED=1`` the
         function runs on every call and nothing is claimed (logged once).
+        ``async def`` functions are refused (TypeError): decorate them with
+        an :class:`AsyncClaimAPI` such as :class:`dedupcore.aio.Client`.
         """
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            if callable(key):
-                if payload is not None:
-                    raise TypeError("payload= is for a key path; here key is a function")
-                key_of = key
-            else:
-                key_of = _payload_key(fn, key_path(key), payload)
+            key_of = _decorated_key(fn, key, payload, want_async=False)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                if idempotency_disabled():
-                    _log_disabled_once()
+                if _bypassed():
                     return fn(*args, **kwargs)
                 k = key_of(*args, **kwargs)
                 with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
                     if c.outcome is Outcome.NEW:
                         c.result = fn(*args, **kwargs)
-                        return c.result  # type: ignore[no-any-return]
-                    if c.outcome is Outcome.DUPLICATE:
-                        return c.result  # type: ignore[no-any-return]
-                    raise InProgressError(
-                        f"key {k!r} in namespace {namespace!r} is being processed by another "
-                        "owner; retry later"
-                    )
+                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
+
+            return wrapper
+
+        return decorate
+
+
+class AsyncClaimAPI(ABC):
+    """:class:`ClaimAPI` for asyncio front ends: the same methods as coroutines.
+
+    A front end implements ``claim_many``, ``complete_many``,
+    ``release_many``, ``get`` and ``stats`` as coroutines; the single-key
+    forms, ``processing()`` (an ``async with`` block) and the ``idempotent``
+    decorator (of ``async def`` functions, with the same key paths,
+    :class:`DuplicateCache` and ``DEDUPCORE_DISABLED`` switch) come from
+    here, sharing their checks and decisions with :class:`ClaimAPI`.
+    """
+
+    @abstractmethod
+    async def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace."""
+
+    @abstractmethod
+    async def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
+
+    @abstractmethod
+    async def release_many(
+        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
+    ) -> None:
+        """Releases many claims."""
+
+    @abstractmethod
+    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it."""
+
+    @abstractmethod
+    async def stats(self) -> dict[str, Any]:
+        """Counters and figures."""
+
+    async def aclose(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+        """Releases the front end's resources (connections)."""
+
+    async def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Claim:
+        """Claims a key before acting on it (see :meth:`ClaimAPI.claim`)."""
+        claims = await self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=_fingerprints(fingerprint),
+        )
+        return claims[0]
+
+    async def complete(
+        self, key: bytes | str, token: int, *, namespace: str, result: Any = None
+    ) -> None:
+        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
+        await self.complete_many([(key, token, result)], namespace=namespace)
+
+    async def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
+        """Gives a claimed key back so that a redelivery can run the work again."""
+        await self.release_many([(key, token)], namespace=namespace)
+
+    # -- conveniences ----------------------------------------------------------
+
+    @asynccontextmanager
+    async def processing(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> AsyncIterator[Claim]:
+        """Claims ``key`` for an ``async with`` block (see :meth:`ClaimAPI.processing`)."""
+        if cache is not None:
+            hit = cache.get(key, namespace=namespace, fingerprint=fingerprint)
+            if hit is not None:
+                yield hit
+                return
+        c = await self.claim(
+            key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
+        )
+        if c.outcome is not Outcome.NEW:
+            if cache is not None:
+                cache.put(c, fingerprint=fingerprint)
+            yield c
+            return
+        try:
+            yield c
+        except BaseException:
+            try:
+                await self.release(key, c.token, namespace=namespace)
+            except StaleTokenError:
+                _release_lost(key)
+            raise
+        try:
+            await self.complete(key, c.token, namespace=namespace, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if not result_refused(exc):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            await self.complete(key, c.token, namespace=namespace)
+            raise
+
+    def idempotent(
+        self,
+        *,
+        namespace: str,
+        key: Callable[..., bytes | str] | str,
+        lease: float | None = None,
+        payload: str | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
+        """Decorator for ``async def``: runs it once per key (see :meth:`ClaimAPI.idempotent`).
+
+        The same arguments, key paths, cache and ``DEDUPCORE_DISABLED``
+        switch as the sync decorator; a plain function is refused (TypeError).
+        """
+
+        def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+            key_of = _decorated_key(fn, key, payload, want_async=True)
+
+            @functools.wraps(fn)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                if _bypassed():
+                    return await fn(*args, **kwargs)
+                k = key_of(*args, **kwargs)
+                async with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
+                    if c.outcome is Outcome.NEW:
+                        c.result = await fn(*args, **kwargs)
+                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
 
             return wrapper
 

@@ -5,9 +5,11 @@ Same methods, arguments and exceptions as :class:`~dedupcore.DedupStore`
 ``release_many``, ``get``, ``stats``, ``processing``, ``idempotent``).
 
 Each thread gets its own connection (a fork gets new ones). A request that
-could not be *sent* is retried on a new connection with exponential
-backoff. A request that was sent but got no reply (the daemon died or the
-timeout passed) raises :class:`UnavailableError` and is not resent, except
+could not be *sent* is retried on a new connection; connecting is retried
+as ``retry`` says (a :class:`~dedupcore.retry.RetryPolicy`; ``retries=`` and
+``backoff=`` are shorthands for its ``attempts`` and ``initial``). A
+request that was sent but got no reply (the daemon died or the timeout
+passed) raises :class:`UnavailableError` and is not resent, except
 for the ones that are safe to repeat (``ping``, ``get``, ``stats``,
 ``complete``): resending a claim whose NEW answer was lost would report the
 caller's own claim as IN_PROGRESS. Pass an ``owner`` to claims, and a retry
@@ -28,6 +30,7 @@ from dedupcore.api import Claim, ClaimAPI, KeyRecord
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
+from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = ["DEFAULT_SOCKET", "Client"]
 
@@ -72,14 +75,14 @@ class Client(ClaimAPI):
         path: str | os.PathLike[str] = DEFAULT_SOCKET,
         *,
         timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.05,
+        retries: int | None = None,
+        backoff: float | None = None,
+        retry: RetryPolicy | None = None,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
     ) -> None:
         self.path = os.fspath(path)
         self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
+        self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
         self.max_frame = max_frame
         self._local = threading.local()
         self._ids = itertools.count(1)
@@ -108,9 +111,9 @@ class Client(ClaimAPI):
         conn: _Connection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.pid == os.getpid():
             return conn
-        delay = self.backoff
         deadline = time.monotonic() + self.timeout
-        attempt = 0
+        attempt = 0  # refused connections so far
+        waits = 0  # waits so far, of either kind
         while True:
             try:
                 conn = _Connection(self.path, self.timeout, self.max_frame)
@@ -119,6 +122,7 @@ class Client(ClaimAPI):
             except BlockingIOError as exc:
                 # The daemon's accept backlog is full: it is alive, so wait for
                 # it up to the timeout rather than counting retries.
+                delay = self.retry.delay(waits)
                 if time.monotonic() + delay > deadline:
                     raise UnavailableError(
                         f"dedupcore daemon at {self.path} accepted no connection within "
@@ -127,13 +131,14 @@ class Client(ClaimAPI):
             except OSError as exc:
                 # Refused, missing or not permitted: retry a few times, then give up.
                 attempt += 1
-                if attempt > self.retries:
+                if attempt > self.retry.attempts:
                     raise UnavailableError(
                         f"dedupcore daemon at {self.path} is not reachable ({exc}); "
                         "is `dedupcore serve` running, and may this user open its socket?"
                     ) from exc
+                delay = self.retry.delay(waits)
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            waits += 1
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)

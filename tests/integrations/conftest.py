@@ -8,7 +8,9 @@ CI=true), through :func:`tests.integration.conftest.require_server`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,6 +46,40 @@ def pg_connect(url: str = PG_URL, *, patience: float = 120.0, **kwargs: Any) -> 
             if "too many clients" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+class FirstBlocks:
+    """A handler that records the keys it gets and blocks in the first call of ``key``.
+
+    ``started`` is set when that call begins; it returns once ``release`` is
+    set. ``__call__`` is the plain handler, ``handle_async`` the ``async
+    def`` one (it waits in a worker thread, so the event loop goes on).
+    """
+
+    def __init__(self, key: str = "a", patience: float = 60.0) -> None:
+        self.key = key
+        self.patience = patience
+        self.calls: list[Any] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def _first(self, d: Any) -> bool:
+        self.calls.append(d.key)
+        first = d.key == self.key and self.calls.count(self.key) == 1
+        if first:
+            self.started.set()
+        return first
+
+    def __call__(self, d: Any) -> None:
+        if self._first(d):
+            assert self.release.wait(self.patience)
+
+    async def handle_async(self, d: Any) -> None:
+        if self._first(d):
+            assert await asyncio.to_thread(self.release.wait, self.patience)
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, self.patience)
 
 
 def uid(prefix: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from dedupcore.integrations.kafka import KafkaDedupLoop, MissingKeyError
 from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable
 from dedupcore.record import State
 
+from .conftest import FirstBlocks
 from .kafka_standin import Cluster, Record, StandInConsumer
 
 NS = "payments/ledger"
@@ -361,3 +363,74 @@ def test_bad_arguments() -> None:
         KafkaDedupLoop(object(), object(), print, namespace=NS, batch_size=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="namespace"):
         KafkaDedupLoop(object(), object(), print, namespace=b"x")  # type: ignore[arg-type]
+
+
+# -- graceful stop -------------------------------------------------------------------------
+
+PATIENCE = 60.0
+
+
+@pytest.mark.parametrize("kind", ["embedded", "daemon"])
+def test_stop_finishes_the_message_in_flight_and_starts_nothing_after(
+    kind: str, store_factory: Any
+) -> None:
+    """stop() from another thread while the handler is blocked: it finishes, is committed
+    once, the rest of the batch is not run; after a restart that replays everything, the
+    finished message is a DUPLICATE and only the others run."""
+    store = store_factory(kind)
+    cluster = Cluster()
+    for k in "abc":
+        cluster.produce(TOPIC, 0, rec(k))
+    cluster.produce(TOPIC, 1, rec("d"))
+    blocking = FirstBlocks("a", PATIENCE)
+    loop, consumer = make(cluster, store, blocking, batch_size=100)
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    assert blocking.started.wait(PATIENCE)
+    answer: list[bool] = []
+    stopper = threading.Thread(target=lambda: answer.append(loop.stop()))
+    stopper.start()
+    assert loop._stop.asked.wait(PATIENCE)
+    assert not loop._stop.finished.is_set()  # stop() waits for the handler
+    blocking.release.set()
+    stopper.join(PATIENCE)
+    runner.join(PATIENCE)
+    assert answer == [True] and not runner.is_alive()
+    assert loop.stop() is True  # idempotent
+    assert blocking.calls == ["a"]  # nothing after it started
+    assert consumer.commits == [{(TOPIC, 0): 1}]  # committed once, up to the finished one
+    rec_a = store.get("a", namespace=NS)
+    assert rec_a is not None and rec_a.state is State.PROCESSED
+    for k in "bcd":  # not started: their claims were given back
+        r = store.get(k, namespace=NS)
+        assert r is None or r.state is not State.PROCESSING
+    assert loop.run_once().messages == 0  # a stopped loop consumes nothing
+    loop.close()
+
+    cluster.committed.clear()  # a restart that replays the partitions from the start
+    loop2, _ = make(cluster, store, blocking, batch_size=100)
+    drain(loop2)
+    assert sorted(blocking.calls) == ["a", "b", "c", "d"]  # "a" was not applied again
+    assert cluster.committed == {(TOPIC, 0): 3, (TOPIC, 1): 1}
+
+
+def test_stop_from_the_loop_thread_does_not_wait(store_factory: Any) -> None:
+    """The handler (or a signal handler on the loop's thread) asks for the stop: the
+    message finishes and run() returns after it."""
+    store = store_factory("embedded")
+    cluster = Cluster()
+    for k in "abc":
+        cluster.produce(TOPIC, 0, rec(k))
+    seen: list[bool] = []
+
+    def handler(d: Delivery) -> None:
+        seen.append(loop.stop())  # on the loop's own thread: cannot wait, returns False
+
+    loop, consumer = make(cluster, store, handler, batch_size=100)
+    loop.run()
+    assert seen == [False]
+    assert consumer.commits == [{(TOPIC, 0): 1}]
+    with pytest.raises(ValueError):
+        loop.stop(timeout=-1)
+    with pytest.raises(TypeError):
+        loop.stop(timeout="soon")  # type: ignore[arg-type]

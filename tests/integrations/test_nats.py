@@ -22,7 +22,7 @@ from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable, Verdic
 from dedupcore.record import State
 from tests.integration.conftest import require_server
 
-from .conftest import NATS_URL, uid
+from .conftest import NATS_URL, FirstBlocks, uid
 
 NS = "transfers/ledger"
 PATIENCE = 60.0
@@ -300,3 +300,61 @@ def test_table_mode_commits_with_the_business_write(pg: Any, pg_tables: list[str
 
 async def _async_noop(d: Delivery) -> None:
     return None
+
+
+# -- graceful stop -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["astop", "thread"])
+def test_stop_finishes_the_message_in_flight_and_naks_the_rest(
+    how: str, store_factory: Any
+) -> None:
+    """Stop while the handler awaits an event: it finishes and is acked once, the rest of
+    the batch is nak-ed unstarted; a restarted consumer handles those, and a copy of the
+    finished message published again is a DUPLICATE."""
+    store = store_factory("embedded")
+    blocking = FirstBlocks("a", PATIENCE)
+    handler, calls = blocking.handle_async, blocking.calls
+    acks: list[Any] = []
+
+    async def main() -> None:
+        async with stream() as s:
+            for k in ("a", "b", "c"):
+                await s.publish({"id": k})
+            sub = await s.subscribe()
+            consumer = JetStreamConsumer(
+                store,
+                handler,
+                namespace=NS,
+                key=body_key,
+                ack_sync=True,  # the ack is confirmed before the stop returns
+                before_ack=lambda d, o: acks.append(d.key),
+            )
+            runner = asyncio.create_task(consumer.run(sub, batch=10, fetch_timeout=0.2))
+            await blocking.wait_started()
+            if how == "astop":
+                assert consumer.stop() is False  # on the loop's thread: started, not awaited
+                stopping: asyncio.Future[Any] = asyncio.ensure_future(consumer.astop())
+            else:
+                stopping = asyncio.ensure_future(asyncio.to_thread(consumer.stop, PATIENCE))
+                assert await asyncio.to_thread(consumer._stop.asked.wait, PATIENCE)
+            assert not consumer.stopped  # the handler still runs
+            blocking.release.set()
+            result = await asyncio.wait_for(stopping, PATIENCE)
+            assert result is (True if how == "thread" else None)
+            await asyncio.wait_for(runner, PATIENCE)
+            assert consumer.stopped and consumer.stop() is True
+            assert calls == ["a"] and acks == ["a"]
+            assert consumer.counts[Verdict.ACKED] == 1 and sum(consumer.counts.values()) == 1
+            rec = store.get("a", namespace=NS)
+            assert rec is not None and rec.state is State.PROCESSED
+            await consumer.run(sub)  # a stopped consumer fetches nothing
+            assert calls == ["a"]
+
+            await s.publish({"id": "a"})  # a copy of the finished message
+            again = JetStreamConsumer(store, handler, namespace=NS, key=body_key, ack_sync=True)
+            await run_until(again, sub, lambda: again.counts[Verdict.ACKED] == 3)
+            assert await s.pending() == (0, 0)
+
+    asyncio.run(main())
+    assert sorted(calls) == ["a", "b", "c"]  # "a" was not applied again

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -25,7 +27,7 @@ from dedupcore.integrations.rabbitmq import (
 from dedupcore.record import State
 from tests.integration.conftest import require_server
 
-from .conftest import AMQP_URL, STORE_KINDS, uid
+from .conftest import AMQP_URL, STORE_KINDS, FirstBlocks, uid
 
 NS = "transfers/ledger"
 PATIENCE = 60.0
@@ -266,6 +268,32 @@ def test_table_mode_commits_business_writes_with_the_dedup_row(
 # -- aio-pika --------------------------------------------------------------------------
 
 
+async def aio_ready(queue: str) -> int:
+    """Messages ready in ``queue``, asked on a connection of its own.
+
+    (A robust channel answers a passive declare of a queue it declared
+    with the count of that first declaration.)
+    """
+    import aio_pika
+
+    conn = await aio_pika.connect(AMQP_URL)
+    try:
+        ch = await conn.channel()
+        declared = await ch.declare_queue(queue, passive=True)
+        return int(declared.declaration_result.message_count or 0)
+    finally:
+        await conn.close()
+
+
+async def aio_wait_ready(queue: str, n: int) -> None:
+    """Waits until ``queue`` holds ``n`` ready messages (a nack from another
+    connection may still be on its way)."""
+    deadline = time.monotonic() + PATIENCE
+    while (count := await aio_ready(queue)) != n:
+        assert time.monotonic() < deadline, f"{count} ready, not {n}"
+        await asyncio.sleep(0.02)
+
+
 async def _aio_run(
     store: Any,
     bodies: list[dict[str, Any] | bytes],
@@ -292,8 +320,7 @@ async def _aio_run(
                 assert time.monotonic() < deadline, f"not reached: {consumer.counts}"
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
-            declared = await ch.declare_queue(q.name, passive=True)
-            assert declared.declaration_result.message_count == 0
+            assert await aio_ready(q.name) == 0
         finally:
             await q.delete(if_unused=False, if_empty=False)
     finally:
@@ -370,3 +397,265 @@ def test_interrupted_handler_releases_then_propagates(store_factory: Any) -> Non
     rec = store.get("k", namespace=NS)
     assert rec is None or rec.state is not State.PROCESSING
     assert store.claim("k", namespace=NS, owner="next").outcome is Outcome.NEW
+
+
+# -- graceful stop -------------------------------------------------------------------------
+
+
+def _restart_and_redeliver(channel: Any, store: Any, q: str, handler: FirstBlocks) -> None:
+    """A copy of "a" is delivered again to a restarted consumer: not applied again; the
+    messages the stopped consumer left are handled now."""
+    publish(channel, q, {"id": "a"})
+    again = DedupConsumer(store, handler, namespace=NS, key=body_key)
+    again.consume(channel, q)
+    pump(channel, lambda: again.counts[Verdict.ACKED] == 3)
+    assert sorted(handler.calls) == ["a", "b", "c"]
+    assert again.counts[Verdict.ACKED] == 3 and ready(channel, q) == 0
+    assert again.stop(timeout=0) is False  # asked on the connection's thread: not done yet
+    pump(channel, lambda: again.stopped)
+    assert channel.consumer_tags == []
+
+
+def test_pika_stop_from_another_thread_finishes_the_message_in_flight(
+    channel: Any, store_factory: Any
+) -> None:
+    import pika
+
+    store = store_factory("embedded")
+    q = channel.declare()
+    for k in ("a", "b", "c"):
+        publish(channel, q, {"id": k})
+    blocking = FirstBlocks("a", PATIENCE)
+    acks: list[Any] = []
+    consumer = DedupConsumer(
+        store, blocking, namespace=NS, key=body_key, before_ack=lambda d, o: acks.append(d.key)
+    )
+    errors: list[BaseException] = []
+
+    def consume() -> None:  # a connection of its own: pika objects stay on their thread
+        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        try:
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=10)  # b and c wait in pika's buffer meanwhile
+            consumer.consume(ch, q)
+            ch.start_consuming()  # returns once stop() cancelled the consumer
+        except BaseException as exc:  # a second ack of one tag closes the channel
+            errors.append(exc)
+        finally:
+            conn.close()
+
+    runner = threading.Thread(target=consume)
+    runner.start()
+    assert blocking.started.wait(PATIENCE)
+    answer: list[bool] = []
+    stopper = threading.Thread(target=lambda: answer.append(consumer.stop(timeout=PATIENCE)))
+    stopper.start()
+    assert consumer._stop.asked.wait(PATIENCE)
+    assert not consumer.stopped  # the handler still runs
+    blocking.release.set()
+    stopper.join(PATIENCE)
+    runner.join(PATIENCE)
+    assert not runner.is_alive() and errors == []
+    assert answer == [True] and consumer.stop() is True  # done, and idempotent
+    assert blocking.calls == ["a"] and acks == ["a"]
+    assert consumer.counts[Verdict.ACKED] == 1 and sum(consumer.counts.values()) == 1
+    rec = store.get("a", namespace=NS)
+    assert rec is not None and rec.state is State.PROCESSED
+    pump(channel, lambda: ready(channel, q) == 2)  # b and c are back, never started
+    for k in ("b", "c"):
+        assert store.get(k, namespace=NS) is None
+    with pytest.raises(RuntimeError, match="stopped"):
+        consumer.consume(channel, q)
+    _restart_and_redeliver(channel, store, q, blocking)
+
+
+def test_pika_stop_from_a_signal_handler(channel: Any, store_factory: Any) -> None:
+    """SIGUSR1's handler (on the consuming thread, mid-message) stops the consumer: the
+    message finishes, start_consuming() returns, the rest stays in the queue."""
+    store = store_factory("embedded")
+    q = channel.declare()
+    for k in ("a", "b", "c"):
+        publish(channel, q, {"id": k})
+    handler = FirstBlocks(key="none")  # records, never blocks
+    answers: list[bool] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        answers.append(consumer.stop())
+
+    def signalling(d: Delivery) -> None:
+        handler(d)
+        signal.raise_signal(signal.SIGUSR1)  # the handler runs here, on this thread
+
+    consumer = DedupConsumer(store, signalling, namespace=NS, key=body_key)
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        channel.basic_qos(prefetch_count=10)
+        consumer.consume(channel, q)
+        channel.start_consuming()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert answers == [False]  # could not wait on its own thread
+    assert consumer.stopped and channel.consumer_tags == []
+    assert handler.calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
+    pump(channel, lambda: ready(channel, q) == 2)
+    _restart_and_redeliver(channel, store, q, handler)
+
+
+def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> None:
+    """stop() from a worker thread while the handler awaits an event."""
+    require_server("rabbitmq", 5672)
+    import aio_pika
+
+    store = store_factory("embedded")
+    blocking = FirstBlocks("a", PATIENCE)
+    handler, calls = blocking.handle_async, blocking.calls
+
+    async def main() -> None:
+        conn = await aio_pika.connect_robust(AMQP_URL)
+        try:
+            ch = await conn.channel()
+            await ch.set_qos(prefetch_count=1)
+            q = await ch.declare_queue(f"dc_aio_{uuid.uuid4().hex[:16]}", auto_delete=False)
+            try:
+                for k in ("a", "b", "c"):
+                    await ch.default_exchange.publish(
+                        aio_pika.Message(json.dumps({"id": k}).encode()), routing_key=q.name
+                    )
+                consumer = AsyncDedupConsumer(store, handler, namespace=NS, key=body_key)
+                await consumer.consume(q)
+                await blocking.wait_started()
+                stopping = asyncio.create_task(asyncio.to_thread(consumer.stop, PATIENCE))
+                assert await asyncio.to_thread(consumer._stop.asked.wait, PATIENCE)
+                assert not consumer.stopped  # the handler still runs
+                blocking.release.set()
+                assert await asyncio.wait_for(stopping, PATIENCE) is True
+                await consumer.astop()  # idempotent
+                assert calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
+                await aio_wait_ready(q.name, 2)  # b and c are back (or never left)
+
+                # Restart, with a copy of "a" delivered again: only b and c run.
+                await ch.default_exchange.publish(
+                    aio_pika.Message(json.dumps({"id": "a"}).encode()), routing_key=q.name
+                )
+                again = AsyncDedupConsumer(store, handler, namespace=NS, key=body_key)
+                await again.consume(q)
+                deadline = time.monotonic() + PATIENCE
+                while again.counts[Verdict.ACKED] < 3:
+                    assert time.monotonic() < deadline, again.counts
+                    await asyncio.sleep(0.02)
+                assert again.stop() is False  # on the loop's thread: started, not awaited
+                await again.astop()
+                assert again.stopped
+            finally:
+                await q.delete(if_unused=False, if_empty=False)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+    assert sorted(calls) == ["a", "b", "c"]
+
+
+def test_pika_stop_nacks_a_held_message_at_once(channel: Any, store_factory: Any) -> None:
+    """A message held for a delayed nack (IN_PROGRESS elsewhere) goes back when the
+    consumer stops, not after its retry_delay."""
+    store = store_factory("embedded")
+    store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
+    q = channel.declare()
+    consumer = DedupConsumer(store, Recorder(), namespace=NS, key=body_key, retry_delay=3600.0)
+    consumer.consume(channel, q)
+    publish(channel, q, {"id": "x"})
+    pump(channel, lambda: consumer.counts[Verdict.RETRY] == 1)  # held for an hour
+    with pytest.raises(ValueError):
+        consumer.stop(timeout=-1)
+    with pytest.raises(TypeError):
+        consumer.stop(timeout="now")  # type: ignore[arg-type]
+    assert not consumer.stopping  # a refused call asks for nothing
+    assert consumer.stop(timeout=0) is False  # on the connection's thread
+    pump(channel, lambda: consumer.stopped)
+    pump(channel, lambda: ready(channel, q) == 1)
+    assert channel.consumer_tags == []
+
+
+def test_aio_pika_stop_nacks_a_held_message_at_once(store_factory: Any) -> None:
+    require_server("rabbitmq", 5672)
+    import aio_pika
+
+    store = store_factory("embedded")
+    store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
+
+    async def main() -> None:
+        conn = await aio_pika.connect_robust(AMQP_URL)
+        try:
+            ch = await conn.channel()
+            q = await ch.declare_queue(f"dc_aio_{uuid.uuid4().hex[:16]}", auto_delete=False)
+            try:
+                consumer = AsyncDedupConsumer(
+                    store, Recorder(), namespace=NS, key=body_key, retry_delay=3600.0
+                )
+                await consumer.consume(q)
+                await ch.default_exchange.publish(
+                    aio_pika.Message(json.dumps({"id": "x"}).encode()), routing_key=q.name
+                )
+                deadline = time.monotonic() + PATIENCE
+                while consumer.counts[Verdict.RETRY] < 1:  # then held for an hour
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                with pytest.raises(ValueError):
+                    consumer.stop(timeout=float("nan"))
+                assert not consumer.stopping
+                await asyncio.wait_for(consumer.astop(), PATIENCE)
+                assert consumer.stopped
+                await aio_wait_ready(q.name, 1)  # nacked back by the stop, not in an hour
+            finally:
+                await q.delete(if_unused=False, if_empty=False)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+
+
+def test_pika_select_connection_stop_from_another_thread(channel: Any, store_factory: Any) -> None:
+    """The same stop on a SelectConnection: the cancel is queued on its ioloop."""
+    import pika
+
+    store = store_factory("embedded")
+    q = channel.declare()
+    for k in ("a", "b", "c"):
+        publish(channel, q, {"id": k})
+    blocking = FirstBlocks("a", PATIENCE)
+    consumer = DedupConsumer(store, blocking, namespace=NS, key=body_key)
+    opened: list[Any] = []
+    errors: list[BaseException] = []
+
+    def on_channel(ch: Any) -> None:
+        ch.basic_qos(prefetch_count=10, callback=lambda _frame: consumer.consume(ch, q))
+
+    def run() -> None:
+        try:
+            conn = pika.SelectConnection(
+                pika.URLParameters(AMQP_URL),
+                on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                on_close_callback=lambda c, reason: c.ioloop.stop(),
+            )
+            opened.append(conn)
+            conn.ioloop.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    assert blocking.started.wait(PATIENCE)
+    answer: list[bool] = []
+    stopper = threading.Thread(target=lambda: answer.append(consumer.stop(timeout=PATIENCE)))
+    stopper.start()
+    assert consumer._stop.asked.wait(PATIENCE)
+    blocking.release.set()
+    stopper.join(PATIENCE)
+    assert answer == [True]
+    conn = opened[0]
+    conn.ioloop.add_callback_threadsafe(conn.close)
+    runner.join(PATIENCE)
+    assert not runner.is_alive() and errors == []
+    assert blocking.calls == ["a"] and consumer.counts[Verdict.ACKED] == 1
+    pump(channel, lambda: ready(channel, q) == 2)
+    _restart_and_redeliver(channel, store, q, blocking)

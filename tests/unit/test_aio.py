@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from dedupcore import aio
-from dedupcore.api import InProgressError, Outcome
+from dedupcore.api import (
+    DISABLE_ENV,
+    AsyncClaimAPI,
+    DuplicateCache,
+    InProgressError,
+    KeyPathError,
+    Outcome,
+)
 from dedupcore.client import Client as SyncClient
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
@@ -284,6 +291,40 @@ def test_idempotent_decorator(daemon: Daemon) -> None:
                 with pytest.raises(ValueError, match="no"):
                     await fails(3)
             assert calls == [1, -3, -3]
+
+    run(main())
+
+
+def test_idempotent_key_path_cache_and_switch_over_the_daemon(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aio.Client gets the sync decorator's conveniences from AsyncClaimAPI."""
+    ns = fresh_ns()
+    calls: list[str] = []
+    cache = DuplicateCache(maxsize=10, ttl=3600.0)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+
+    async def main() -> None:
+        async with aio.Client(daemon.socket) as c:
+            assert isinstance(c, AsyncClaimAPI)
+
+            @c.idempotent(namespace=ns, key="order.id", cache=cache)
+            async def handle(event: dict[str, Any]) -> str:
+                calls.append(event["order"]["id"])
+                return f"done-{event['order']['id']}"
+
+            assert await handle({"order": {"id": "o-1"}}) == "done-o-1"
+            assert await handle({"order": {"id": "o-1"}}) == "done-o-1"  # from the daemon
+            assert await handle({"order": {"id": "o-1"}}) == "done-o-1"  # from the cache
+            assert calls == ["o-1"] and cache.stats()["hits"] == 1
+            with pytest.raises(KeyPathError):
+                await handle({"order": {}})
+            monkeypatch.setenv(DISABLE_ENV, "1")
+            assert await handle({"order": {"id": "o-1"}}) == "done-o-1"
+            assert calls == ["o-1", "o-1"]  # ran again: nothing claimed
+            monkeypatch.delenv(DISABLE_ENV)
+            rec = await c.get("o-1", namespace=ns)
+            assert rec is not None and rec.result == "done-o-1"
 
     run(main())
 

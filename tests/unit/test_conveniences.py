@@ -1,9 +1,15 @@
-"""The idempotent decorator's conveniences: key paths, the disable switch, the duplicate cache."""
+"""The idempotent decorator's conveniences: key paths, the disable switch, the duplicate cache.
+
+The decorator and ``processing`` cases run through both drivers, the sync
+``ClaimAPI`` and the async ``AsyncClaimAPI``, over the same store.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,10 +20,13 @@ from hypothesis import strategies as st
 
 from dedupcore import api
 from dedupcore.api import (
+    AsyncClaimAPI,
     Claim,
+    ClaimAPI,
     DuplicateCache,
     InProgressError,
     KeyPathError,
+    KeyRecord,
     Outcome,
     key_path,
 )
@@ -173,13 +182,100 @@ def test_key_path_round_trip(steps: list[str | int], leaf: str) -> None:
     assert key_path(path)(doc) == leaf
 
 
-# -- the decorator ------------------------------------------------------------------
+# -- the decorator, sync and async ---------------------------------------------------
 
 
-def test_decorator_takes_the_key_from_the_payload(store: DedupStore) -> None:
+class AsyncOver(AsyncClaimAPI):
+    """An AsyncClaimAPI front end over a sync store (the async driver of the same cases)."""
+
+    def __init__(self, store: ClaimAPI) -> None:
+        self.store = store
+
+    async def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        await asyncio.sleep(0)  # a real suspension point, as a network client has
+        return self.store.claim_many(
+            keys, namespace=namespace, lease=lease, owner=owner, fingerprints=fingerprints
+        )
+
+    async def complete_many(self, items: Any, *, namespace: str) -> None:
+        self.store.complete_many(items, namespace=namespace)
+
+    async def release_many(self, items: Any, *, namespace: str) -> None:
+        self.store.release_many(items, namespace=namespace)
+
+    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        return self.store.get(key, namespace=namespace)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+
+class Driver:
+    """Runs one test case through the sync API or the async one, over the same store.
+
+    ``idempotent(**kw)(fn)`` decorates a plain ``fn`` (made ``async def`` for
+    the async API) and returns a plain function that runs the decorated call;
+    ``processing(key, **kw)`` enters and leaves a block and returns its claim.
+    """
+
+    def __init__(self, store: ClaimAPI, mode: str) -> None:
+        self.store = store
+        self.mode = mode
+        self.api: ClaimAPI | AsyncClaimAPI = store if mode == "sync" else AsyncOver(store)
+
+    def idempotent(self, **kw: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if isinstance(self.api, ClaimAPI):
+                return self.api.idempotent(**kw)(fn)
+
+            @functools.wraps(fn)
+            async def afn(*args: Any, **kwargs: Any) -> Any:
+                await asyncio.sleep(0)
+                return fn(*args, **kwargs)
+
+            decorated = self.api.idempotent(**kw)(afn)
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return asyncio.run(decorated(*args, **kwargs))
+
+            return call
+
+        return decorate
+
+    def processing(self, key: bytes | str, **kw: Any) -> Claim:
+        if isinstance(self.api, ClaimAPI):
+            with self.api.processing(key, **kw) as c:
+                return c
+        api = self.api
+
+        async def main() -> Claim:
+            async with api.processing(key, **kw) as c:
+                return c
+
+        return asyncio.run(main())
+
+
+MODES = ["sync", "async"]
+
+
+@pytest.fixture(params=MODES)
+def front(request: pytest.FixtureRequest, store: DedupStore) -> Driver:
+    return Driver(store, request.param)
+
+
+def test_decorator_takes_the_key_from_the_payload(front: Driver) -> None:
     calls: list[Any] = []
 
-    @store.idempotent(namespace=NS, key="order.id")
+    @front.idempotent(namespace=NS, key="order.id")
     def handle(event: dict[str, Any], context: object = None) -> dict[str, Any]:
         calls.append(event)
         return {"charged": event["order"]["amount"]}
@@ -188,14 +284,14 @@ def test_decorator_takes_the_key_from_the_payload(store: DedupStore) -> None:
     assert handle({"order": {"id": "o-1", "amount": 999}}, "ctx") == {"charged": 5}  # duplicate
     assert handle(event={"order": {"id": "o-2", "amount": 7}}) == {"charged": 7}
     assert len(calls) == 2
-    rec = store.get("o-1", namespace=NS)
+    rec = front.store.get("o-1", namespace=NS)
     assert rec is not None and rec.result == {"charged": 5}
 
 
-def test_decorator_payload_argument_by_name(store: DedupStore) -> None:
+def test_decorator_payload_argument_by_name(front: Driver) -> None:
     calls = 0
 
-    @store.idempotent(namespace=NS, key="Records[0].messageId", payload="event")
+    @front.idempotent(namespace=NS, key="Records[0].messageId", payload="event")
     def handle(context: object, event: dict[str, Any]) -> int:
         nonlocal calls
         calls += 1
@@ -205,15 +301,15 @@ def test_decorator_payload_argument_by_name(store: DedupStore) -> None:
     assert handle(context=None, event=SQS_EVENT) == 1
     assert calls == 1
     with pytest.raises(TypeError, match="no argument named 'evt'"):
-        store.idempotent(namespace=NS, key="id", payload="evt")(handle)
+        front.idempotent(namespace=NS, key="id", payload="evt")(handle)
     with pytest.raises(TypeError, match="key is a function"):
-        store.idempotent(namespace=NS, key=lambda e: e, payload="event")(handle)
+        front.idempotent(namespace=NS, key=lambda e: e, payload="event")(handle)
 
 
-def test_decorator_without_a_key_does_not_run(store: DedupStore) -> None:
+def test_decorator_without_a_key_does_not_run(front: Driver) -> None:
     calls = 0
 
-    @store.idempotent(namespace=NS, key="order.id")
+    @front.idempotent(namespace=NS, key="order.id")
     def handle(event: dict[str, Any]) -> None:
         nonlocal calls
         calls += 1
@@ -223,10 +319,10 @@ def test_decorator_without_a_key_does_not_run(store: DedupStore) -> None:
     assert calls == 0
 
 
-def test_decorator_with_a_key_function_still_works(store: DedupStore) -> None:
+def test_decorator_with_a_key_function_still_works(front: Driver) -> None:
     runs = []
 
-    @store.idempotent(namespace=NS, key=lambda a, b: f"{a}-{b}")
+    @front.idempotent(namespace=NS, key=lambda a, b: f"{a}-{b}")
     def add(a: int, b: int) -> int:
         runs.append((a, b))
         return a + b
@@ -235,12 +331,75 @@ def test_decorator_with_a_key_function_still_works(store: DedupStore) -> None:
     assert runs == [(1, 2), (2, 2)]
 
 
+def test_decorator_in_progress_and_failure(front: Driver) -> None:
+    calls = 0
+
+    @front.idempotent(namespace=NS, key="id")
+    def handle(event: dict[str, Any]) -> int:
+        nonlocal calls
+        calls += 1
+        if event.get("fail"):
+            raise RuntimeError("no")
+        return calls
+
+    held = front.store.claim("busy", namespace=NS, owner="someone-else")
+    with pytest.raises(InProgressError, match="busy"):
+        handle({"id": "busy"})
+    for _ in range(2):  # released after each failure, so it runs again
+        with pytest.raises(RuntimeError, match="no"):
+            handle({"id": "f", "fail": True})
+    assert calls == 2
+    front.store.complete("busy", held.token, namespace=NS, result=7)
+    assert handle({"id": "busy"}) == 7 and calls == 2
+
+
+def test_each_decorator_refuses_the_other_kind_of_function(store: DedupStore) -> None:
+    async def coro(event: Any) -> None:
+        pass
+
+    def plain(event: Any) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="async def"):
+        store.idempotent(namespace=NS, key="id")(coro)
+    with pytest.raises(TypeError, match="async def"):
+        AsyncOver(store).idempotent(namespace=NS, key="id")(plain)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="decorates a function"):
+        store.idempotent(namespace=NS, key="id")("not callable")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key path"):
+        AsyncOver(store).idempotent(namespace=NS, key="a..b")(coro)
+
+
+def test_async_processing_completes_releases_and_keeps_a_refused_result(
+    store: DedupStore,
+) -> None:
+    api = AsyncOver(store)
+
+    async def main() -> None:
+        async with api.processing("p1", namespace=NS) as c:
+            assert c.outcome is Outcome.NEW
+            c.result = "done"
+        async with api.processing("p1", namespace=NS) as c:
+            assert c.outcome is Outcome.DUPLICATE and c.result == "done"
+        with pytest.raises(RuntimeError):
+            async with api.processing("p2", namespace=NS):
+                raise RuntimeError("boom")
+        assert (await api.claim("p2", namespace=NS)).outcome is Outcome.NEW
+        with pytest.raises(TypeError):
+            async with api.processing("p3", namespace=NS) as c:
+                c.result = object()
+        dup = await api.claim("p3", namespace=NS)
+        assert dup.outcome is Outcome.DUPLICATE and dup.result is None
+
+    asyncio.run(main())
+
+
 # -- the disable switch ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
 def test_disabled_runs_every_time_and_logs_once(
-    store: DedupStore,
+    front: Driver,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     value: str,
@@ -248,7 +407,7 @@ def test_disabled_runs_every_time_and_logs_once(
     monkeypatch.setenv("DEDUPCORE_DISABLED", value)
     calls = 0
 
-    @store.idempotent(namespace=NS, key="id")
+    @front.idempotent(namespace=NS, key="id")
     def handle(event: dict[str, Any]) -> int:
         nonlocal calls
         calls += 1
@@ -257,19 +416,19 @@ def test_disabled_runs_every_time_and_logs_once(
     with caplog.at_level(logging.WARNING, logger="dedupcore"):
         assert [handle({"id": "k"}) for _ in range(3)] == [1, 2, 3]
         handle({})  # no key needed either: nothing is claimed
-    assert store.get("k", namespace=NS) is None
+    assert front.store.get("k", namespace=NS) is None
     warnings = [r for r in caplog.records if "idempotency is disabled" in r.getMessage()]
     assert len(warnings) == 1
 
 
 @pytest.mark.parametrize("value", ["0", "false", "", "no"])
 def test_other_values_leave_it_enabled(
-    store: DedupStore, monkeypatch: pytest.MonkeyPatch, value: str
+    front: Driver, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv("DEDUPCORE_DISABLED", value)
     calls = 0
 
-    @store.idempotent(namespace=NS, key="id")
+    @front.idempotent(namespace=NS, key="id")
     def handle(event: dict[str, Any]) -> None:
         nonlocal calls
         calls += 1
@@ -279,12 +438,10 @@ def test_other_values_leave_it_enabled(
     assert calls == 1
 
 
-def test_the_switch_is_read_at_each_call(
-    store: DedupStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_switch_is_read_at_each_call(front: Driver, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = 0
 
-    @store.idempotent(namespace=NS, key="id")
+    @front.idempotent(namespace=NS, key="id")
     def handle(event: dict[str, Any]) -> None:
         nonlocal calls
         calls += 1
@@ -300,12 +457,19 @@ def test_the_switch_is_read_at_each_call(
 # -- the duplicate cache ----------------------------------------------------------------
 
 
-def test_a_hot_duplicate_costs_no_round_trip() -> None:
+@pytest.fixture(params=MODES)
+def counted(request: pytest.FixtureRequest) -> tuple[Driver, Counting]:
+    """A driver over a store that counts its claim round trips."""
     counting = Counting()
+    return Driver(counting, request.param), counting
+
+
+def test_a_hot_duplicate_costs_no_round_trip(counted: tuple[Driver, Counting]) -> None:
+    front, counting = counted
     cache = DuplicateCache(maxsize=100, ttl=30.0, clock=FakeClock())
     calls = 0
 
-    @counting.idempotent(namespace=NS, key="id", cache=cache)
+    @front.idempotent(namespace=NS, key="id", cache=cache)
     def handle(event: dict[str, Any]) -> dict[str, int]:
         nonlocal calls
         calls += 1
@@ -321,15 +485,15 @@ def test_a_hot_duplicate_costs_no_round_trip() -> None:
     assert cache.stats() == {"size": 1, "hits": 5, "misses": 2, "evictions": 0}
 
 
-def test_new_and_in_progress_are_never_cached() -> None:
-    counting = Counting()
+def test_new_and_in_progress_are_never_cached(counted: tuple[Driver, Counting]) -> None:
+    front, counting = counted
     cache = DuplicateCache(clock=FakeClock())
     held = counting.claim("busy", namespace=NS)
     assert not cache.put(held)
     busy = counting.claim("busy", namespace=NS)
     assert busy.outcome is Outcome.IN_PROGRESS and not cache.put(busy)
 
-    @counting.idempotent(namespace=NS, key="id", cache=cache)
+    @front.idempotent(namespace=NS, key="id", cache=cache)
     def handle(event: dict[str, Any]) -> None:
         pass
 
@@ -343,22 +507,20 @@ def test_new_and_in_progress_are_never_cached() -> None:
     assert len(cache) == 1
 
 
-def test_entries_expire_after_the_ttl() -> None:
-    counting = Counting()
+def test_entries_expire_after_the_ttl(counted: tuple[Driver, Counting]) -> None:
+    front, counting = counted
     clock = FakeClock()
     cache = DuplicateCache(ttl=10.0, clock=clock)
     c = counting.claim("k", namespace=NS)
     counting.complete("k", c.token, namespace=NS, result=1)
-    with counting.processing("k", namespace=NS, cache=cache) as d:
-        assert d.outcome is Outcome.DUPLICATE
+    assert front.processing("k", namespace=NS, cache=cache).outcome is Outcome.DUPLICATE
     clock.now += 9.9
-    with counting.processing("k", namespace=NS, cache=cache) as d:
-        assert d.outcome is Outcome.DUPLICATE and d.result == 1
+    d = front.processing("k", namespace=NS, cache=cache)
+    assert d.outcome is Outcome.DUPLICATE and d.result == 1
     assert counting.claims == 2
     clock.now += 0.1  # exactly ttl after the answer: expired
     assert cache.get("k", namespace=NS) is None
-    with counting.processing("k", namespace=NS, cache=cache):
-        pass
+    front.processing("k", namespace=NS, cache=cache)
     assert counting.claims == 3
 
 
@@ -373,21 +535,17 @@ def test_the_cache_is_bounded_least_recently_used_first() -> None:
     assert cache.stats()["evictions"] == 1 and len(cache) == 2
 
 
-def test_another_fingerprint_still_reaches_the_store() -> None:
-    counting = Counting()
+def test_another_fingerprint_still_reaches_the_store(counted: tuple[Driver, Counting]) -> None:
+    front, counting = counted
     cache = DuplicateCache(clock=FakeClock())
     c = counting.claim("k", namespace=NS, fingerprint=b"req-1")
     counting.complete("k", c.token, namespace=NS)
-    with counting.processing("k", namespace=NS, fingerprint=b"req-1", cache=cache) as d:
-        assert d.outcome is Outcome.DUPLICATE
-    with counting.processing("k", namespace=NS, fingerprint=b"req-1", cache=cache):
-        pass
+    d = front.processing("k", namespace=NS, fingerprint=b"req-1", cache=cache)
+    assert d.outcome is Outcome.DUPLICATE
+    front.processing("k", namespace=NS, fingerprint=b"req-1", cache=cache)
     assert counting.claims == 2  # the second one was a hit
-    with (
-        pytest.raises(ConflictError),
-        counting.processing("k", namespace=NS, fingerprint=b"req-2", cache=cache),
-    ):
-        pass
+    with pytest.raises(ConflictError):
+        front.processing("k", namespace=NS, fingerprint=b"req-2", cache=cache)
 
 
 def test_each_hit_is_a_fresh_copy() -> None:
