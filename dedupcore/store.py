@@ -788,10 +788,22 @@ class DedupStore(ClaimAPI):
             self._save_front(upto)
             self._wal.sync(upto, force=True)
             with self._lock:
-                items, inflight, settled, newest = self._table.export(self._ckpt_lsn, upto)
+                # One pass over the table without the GIL: claims wait on this lock
+                # only that long; sorting and the pairs for LMDB come after it.
+                packed, n, inflight, settled, newest = self._table.export_packed(
+                    self._ckpt_lsn, upto
+                )
             # Records changed meanwhile have later LSNs: they stay in memory
             # and go to the next checkpoint.
-            self._lmdb.checkpoint(items, inflight, settled, upto, now=time.time(), newest=newest)
+            self._lmdb.checkpoint(
+                _engine.unpack_items(_engine.sort_packed(packed, n), n),
+                _split16(inflight),
+                _split16(settled),
+                upto,
+                now=time.time(),
+                newest=newest,
+            )
+            del packed
             self._wal.drop_through(upto)
             with self._lock:
                 self._ckpt_lsn = upto
@@ -956,6 +968,11 @@ class DedupStore(ClaimAPI):
 
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
+
+
+def _split16(joined: bytes) -> list[bytes]:
+    """Concatenated 16-byte digests as a list."""
+    return [joined[i : i + 16] for i in range(0, len(joined), 16)]
 
 
 def _at(joined: bytes, i: int) -> bytes:

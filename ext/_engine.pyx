@@ -11,6 +11,8 @@ The work that touches no Python object runs with the GIL released: the
 decision loops, the staging, the log encoding, the checkpoint export's scan.
 """
 
+import threading
+
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
@@ -96,6 +98,18 @@ cdef extern from "dc_engine.h" nogil:
     int64_t dc_evict(dc_table* t, uint64_t upto)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
+    ctypedef struct dc_export:
+        unsigned char* items
+        size_t items_len
+        size_t n
+        unsigned char* inflight
+        size_t n_inflight
+        unsigned char* settled
+        size_t n_settled
+        double newest
+    int dc_export_range(const dc_table* t, uint64_t after, uint64_t upto, dc_export* x)
+    void dc_export_free(dc_export* x)
+    int dc_sort_packed(const unsigned char* inp, size_t length, size_t n, unsigned char* out)
     int dc_decode_value(const unsigned char* digest, const unsigned char* p, size_t length,
                         dc_rec* r)
     int dc_stage_init(dc_stage* s, size_t cap)
@@ -612,39 +626,40 @@ cdef class ClaimTable:
         Returns ``(items, inflight, settled, newest)``: ``items`` are (digest,
         value) pairs; ``inflight`` the digests of PROCESSING records;
         ``settled`` the digests of the others; ``newest`` the latest
-        ``updated`` time among them (0.0 if none).
+        ``updated`` time among them (0.0 if none). The same as
+        :meth:`export_packed` then :func:`unpack_items`.
         """
-        cdef uint64_t i
-        cdef dc_rec* r
-        cdef list picked = []
-        cdef size_t bound = 0, n
-        for i in range(self.t.mask + 1):
-            r = &self.t.slots[i]
-            if r.state and after < r.lsn <= upto:
-                picked.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), i))
-                if dc_value_bound(r) > bound:
-                    bound = dc_value_bound(r)
-        picked.sort()
-        cdef list items = [], inflight = [], settled = []
-        cdef bytes digest
-        cdef double newest = 0.0
-        cdef unsigned char* buf = <unsigned char*>malloc(bound + 1)
-        if buf == NULL:
+        packed, n, inflight, settled, newest = self.export_packed(after, upto)
+        return (
+            unpack_items(sort_packed(packed, n), n),
+            [inflight[i : i + 16] for i in range(0, len(inflight), 16)],
+            [settled[i : i + 16] for i in range(0, len(settled), 16)],
+            newest,
+        )
+
+    def export_packed(self, uint64_t after, uint64_t upto):
+        """:meth:`export` in three buffers, built without the GIL in one pass over the
+        table (the caller's lock is held only that long).
+
+        Returns ``(packed, n, inflight, settled, newest)``: ``packed`` holds ``n``
+        records as digest (16) | value length (u32, little-endian) | value, in
+        table order (:func:`sort_packed` orders them by digest, :func:`unpack_items`
+        turns them into pairs); ``inflight`` and ``settled`` are concatenated
+        16-byte digests.
+        """
+        cdef dc_export x
+        cdef int rc
+        with nogil:
+            rc = dc_export_range(&self.t, after, upto, &x)
+        if rc < 0:
             raise MemoryError()
         try:
-            for digest, j in picked:
-                r = &self.t.slots[<uint64_t>j]
-                n = dc_encode_value(r, buf)
-                items.append((digest, PyBytes_FromStringAndSize(<const char*>buf, n)))
-                if r.updated > newest:
-                    newest = r.updated
-                if r.state == DC_PROCESSING:
-                    inflight.append(digest)
-                else:
-                    settled.append(digest)
+            packed = PyBytes_FromStringAndSize(<const char*>x.items, x.items_len)
+            inflight = PyBytes_FromStringAndSize(<const char*>x.inflight, 16 * x.n_inflight)
+            settled = PyBytes_FromStringAndSize(<const char*>x.settled, 16 * x.n_settled)
         finally:
-            free(buf)
-        return items, inflight, settled, newest
+            dc_export_free(&x)
+        return packed, x.n, inflight, settled, x.newest
 
     def evict(self, uint64_t upto):
         """Drops the records LMDB holds (lsn <= upto) that are not PROCESSING; returns how many."""
@@ -691,6 +706,48 @@ cdef class ClaimTable:
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+
+
+_sort_lock = threading.Lock()
+
+
+def sort_packed(bytes packed, size_t n):
+    """The ``n`` records of an :meth:`ClaimTable.export_packed` buffer in digest order
+    (sorted without the GIL). Raises ValueError if it does not hold exactly ``n``."""
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(packed))
+    cdef const unsigned char* inp = <const unsigned char*>PyBytes_AS_STRING(packed)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef size_t length = PyBytes_GET_SIZE(packed)
+    cdef int rc
+    with _sort_lock:
+        with nogil:
+            rc = dc_sort_packed(inp, length, n, o)
+    if rc < 0:
+        raise ValueError(f"export buffer does not hold {n} records")
+    return out
+
+
+def unpack_items(bytes packed, Py_ssize_t n):
+    """The (digest, value) pairs of :meth:`ClaimTable.export_packed`'s buffer, in order.
+
+    Raises ValueError if the buffer does not hold exactly ``n`` records.
+    """
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), pos = 0, i
+    cdef uint32_t vlen
+    cdef list out = []
+    for i in range(n):
+        if pos + 20 > size:
+            raise ValueError("export buffer truncated")
+        vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
+        if pos + 20 + vlen > size:
+            raise ValueError("export buffer truncated")
+        out.append((PyBytes_FromStringAndSize(<const char*>p + pos, 16),
+                    PyBytes_FromStringAndSize(<const char*>p + pos + 20, vlen)))
+        pos += 20 + vlen
+    if pos != size:
+        raise ValueError("export buffer holds more than its records")
+    return out
 
 
 def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t seed_hi):

@@ -223,36 +223,52 @@ static int dc_put(dc_table *t, const dc_rec *r) {
     }
 }
 
-/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING,
- * then shrinks the table to fit. Returns how many were dropped, -1 on OOM. */
-static int64_t dc_evict(dc_table *t, uint64_t upto) {
-    uint64_t keep = 0;
-    for (uint64_t i = 0; i <= t->mask; i++) {
-        dc_rec *r = &t->slots[i];
-        if (r->state && (r->state == DC_PROCESSING || r->lsn > upto)) keep++;
-    }
-    uint64_t n = 1024;
-    while (n * 7 < keep * 10 * 2) n <<= 1; /* at most 35 % full afterwards */
-    dc_rec *slots = (dc_rec *)calloc(n, sizeof(dc_rec));
-    if (!slots) return -1;
-    dc_rec *old = t->slots;
-    uint64_t old_n = t->mask + 1, dropped = 0;
-    t->slots = slots;
-    t->mask = n - 1;
-    t->count = t->inflight = t->clean = 0;
-    for (uint64_t i = 0; i < old_n; i++) {
-        dc_rec *r = &old[i];
-        if (!r->state) continue;
-        if (r->state == DC_PROCESSING || r->lsn > upto) {
-            dc_place(t, r);
-            t->count++;
-            dc_count(t, r, 1);
-        } else {
-            dc_decref(r->extra);
-            dropped++;
+/* Removes the record at slot i by backward shift (linear probing keeps no
+ * tombstones): later records of the cluster that may live at i move up. */
+static void dc_remove_at(dc_table *t, uint64_t i) {
+    uint64_t hole = i, j = (i + 1) & t->mask;
+    while (t->slots[j].state) {
+        uint64_t home = dc_slot_of(t->slots[j].digest) & t->mask;
+        /* j may move to the hole if the hole lies on its probe path [home, j]. */
+        if (((j - home) & t->mask) >= ((j - hole) & t->mask)) {
+            t->slots[hole] = t->slots[j];
+            hole = j;
         }
+        j = (j + 1) & t->mask;
     }
-    free(old);
+    memset(&t->slots[hole], 0, sizeof(dc_rec));
+}
+
+/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING, in
+ * place (no new table: the records in flight stay where they are, so a table
+ * of millions of open claims is not copied at every checkpoint); the table is
+ * rebuilt smaller only when it is left under 1/16 full. Returns how many were
+ * dropped, -1 on OOM. */
+static int64_t dc_evict(dc_table *t, uint64_t upto) {
+    uint64_t n = t->mask + 1, dropped = 0, start = 0;
+    while (start < n && t->slots[start].state) start++;
+    if (start == n) return -1; /* never: the table is at most 70 % full */
+    /* One turn from an empty slot: a backward shift never moves a record past
+     * it, so every record is seen once (a record shifted into slot i is looked
+     * at again before moving on). */
+    for (uint64_t step = 1; step <= n;) {
+        uint64_t i = (start + step) & t->mask;
+        dc_rec *r = &t->slots[i];
+        if (r->state && r->state != DC_PROCESSING && r->lsn <= upto) {
+            dc_count(t, r, -1);
+            dc_decref(r->extra);
+            t->count--;
+            dropped++;
+            dc_remove_at(t, i);
+            continue; /* slot i now holds the next record of its cluster, or nothing */
+        }
+        step++;
+    }
+    if (n > 1024 && t->count * 16 < n) {
+        uint64_t m = 1024;
+        while (m * 7 < t->count * 10 * 2) m <<= 1; /* at most 35 % full afterwards */
+        if (dc_resize(t, m)) return -1;
+    }
     return (int64_t)dropped;
 }
 
@@ -344,6 +360,121 @@ static size_t dc_encode_value(const dc_rec *r, unsigned char *out) {
     uint32_t sum = (uint32_t)h;
     memcpy(out + n, &sum, 4);
     return n + 4;
+}
+
+/* ---- checkpoint export --------------------------------------------------- */
+
+/* The records changed in (after, upto], packed for a checkpoint in slot
+ * order (dc_sort_packed sorts them): items = n x [digest(16) | value length
+ * (u32 LE) | value], inflight / settled = the digests of PROCESSING / other
+ * records (16 each). One sequential pass over the table. */
+typedef struct {
+    unsigned char *items;
+    size_t items_len, n;
+    unsigned char *inflight;
+    size_t n_inflight;
+    unsigned char *settled;
+    size_t n_settled;
+    double newest;
+} dc_export;
+
+static void dc_export_free(dc_export *x) {
+    free(x->items);
+    free(x->inflight);
+    free(x->settled);
+    x->items = x->inflight = x->settled = NULL;
+}
+
+/* Fills x (touching no Python object: callable without the GIL); 0, or -1 on OOM. */
+static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_export *x) {
+    memset(x, 0, sizeof(*x));
+    size_t n = 0, bound = 0;
+    for (uint64_t i = 0; i <= t->mask; i++) {
+        const dc_rec *r = &t->slots[i];
+        if (r->state && after < r->lsn && r->lsn <= upto) {
+            n++;
+            bound += 20 + dc_value_bound(r);
+        }
+    }
+    x->items = (unsigned char *)malloc(bound ? bound : 1);
+    x->inflight = (unsigned char *)malloc(n ? 16 * n : 1);
+    x->settled = (unsigned char *)malloc(n ? 16 * n : 1);
+    if (!x->items || !x->inflight || !x->settled) {
+        dc_export_free(x);
+        return -1;
+    }
+    size_t pos = 0;
+    for (uint64_t i = 0; i <= t->mask; i++) {
+        const dc_rec *r = &t->slots[i];
+        if (!(r->state && after < r->lsn && r->lsn <= upto)) continue;
+        unsigned char *p = x->items + pos;
+        memcpy(p, r->digest, 16);
+        uint32_t vlen = (uint32_t)dc_encode_value(r, p + 20);
+        p[16] = (unsigned char)vlen;
+        p[17] = (unsigned char)(vlen >> 8);
+        p[18] = (unsigned char)(vlen >> 16);
+        p[19] = (unsigned char)(vlen >> 24);
+        pos += 20 + vlen;
+        if (r->updated > x->newest) x->newest = r->updated;
+        if (r->state == DC_PROCESSING)
+            memcpy(x->inflight + 16 * x->n_inflight++, r->digest, 16);
+        else
+            memcpy(x->settled + 16 * x->n_settled++, r->digest, 16);
+    }
+    x->items_len = pos;
+    x->n = n;
+    return 0;
+}
+
+typedef struct {
+    uint64_t hi; /* the digest's first 8 bytes, big-endian: orders like memcmp */
+    size_t pos;
+} dc_pick;
+
+static const unsigned char *dc_sort_base;
+
+static int dc_pick_cmp(const void *a, const void *b) {
+    const dc_pick *x = (const dc_pick *)a, *y = (const dc_pick *)b;
+    if (x->hi != y->hi) return x->hi < y->hi ? -1 : 1;
+    return memcmp(dc_sort_base + x->pos + 8, dc_sort_base + y->pos + 8, 8);
+}
+
+/* Writes the n packed records of in (len bytes) to out (len bytes) in digest
+ * order. 0, -1 on OOM or a buffer that does not hold n records. Not reentrant
+ * (qsort has no context argument): callers serialise it. */
+static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigned char *out) {
+    dc_pick *picks = (dc_pick *)malloc((n ? n : 1) * sizeof(dc_pick));
+    if (!picks) return -1;
+    size_t pos = 0;
+    for (size_t k = 0; k < n; k++) {
+        if (pos + 20 > len) {
+            free(picks);
+            return -1;
+        }
+        uint64_t hi = 0;
+        for (int b = 0; b < 8; b++) hi = (hi << 8) | in[pos + b];
+        picks[k].hi = hi;
+        picks[k].pos = pos;
+        uint32_t vlen = (uint32_t)in[pos + 16] | ((uint32_t)in[pos + 17] << 8) |
+                        ((uint32_t)in[pos + 18] << 16) | ((uint32_t)in[pos + 19] << 24);
+        pos += 20 + (size_t)vlen;
+    }
+    if (pos != len) {
+        free(picks);
+        return -1;
+    }
+    dc_sort_base = in;
+    qsort(picks, n, sizeof(dc_pick), dc_pick_cmp);
+    size_t o = 0;
+    for (size_t k = 0; k < n; k++) {
+        const unsigned char *p = in + picks[k].pos;
+        uint32_t vlen = (uint32_t)p[16] | ((uint32_t)p[17] << 8) | ((uint32_t)p[18] << 16) |
+                        ((uint32_t)p[19] << 24);
+        memcpy(out + o, p, 20 + (size_t)vlen);
+        o += 20 + (size_t)vlen;
+    }
+    free(picks);
+    return 0;
 }
 
 /* Decodes a value stored under digest into r (lsn 0, deadline 0, a new blob).

@@ -444,6 +444,10 @@ def peer_admitted(
     return uid in allowed_uids or gid in allowed_gids or bool(groups & allowed_gids)
 
 
+#: Seconds a thread may hold the GIL while another waits for it, in a serving process.
+SWITCH_INTERVAL = 0.0005
+
+
 class _Committer:
     """One thread that waits for the store's log on behalf of every request decided on
     the event loop: each round takes all the waiting requests, waits once until the
@@ -1113,6 +1117,11 @@ def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) 
     because the store failed.
     """
     server = DaemonServer(store, socket_path, **options)
+    # The event loop, the commit thread and the store's background checkpoints share
+    # the GIL; a thread that wants it back waits up to the switch interval while
+    # another runs Python code. The default 5 ms would be the floor of a claim's wait
+    # behind a checkpoint (docs/daemon.md, "Latency under load").
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         import uvloop
 

@@ -152,6 +152,8 @@ class EngineVsReference(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         """Exports what changed, stores it as LMDB would, evicts and reloads later."""
         items, inflight, settled, _newest = self.table.export(self.ckpt, self.lsn)
+        digests = [d for d, _ in items]
+        assert digests == sorted(digests), "LMDB takes a checkpoint in digest order"
         for d, v in items:
             self.lmdb[d] = v
         assert sorted(inflight + settled) == [d for d, _ in items]
@@ -283,6 +285,14 @@ def test_every_flipped_byte_and_every_truncation_is_caught() -> None:
             _engine.decode_value(d, raw[:n])
     with pytest.raises(ValueError):  # the right bytes under another digest
         _engine.decode_value(DIGESTS[2], raw)
+
+
+def test_a_packed_export_that_does_not_hold_its_records_is_refused() -> None:
+    record = bytes(range(16)) + (3).to_bytes(4, "little") + b"abc"
+    assert _engine.unpack_items(record * 2, 2) == [(bytes(range(16)), b"abc")] * 2
+    for packed, n in ((record[:-1], 1), (record[:19], 1), (record * 2, 1), (record, 2)):
+        with pytest.raises(ValueError):
+            _engine.unpack_items(packed, n)
 
 
 def test_damaged_log_payloads_are_refused() -> None:

@@ -13,7 +13,13 @@ import pytest
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
-from dedupcore.store import DedupStore, InProgressError, Outcome, StoreLockedError
+from dedupcore.store import (
+    DedupStore,
+    InProgressError,
+    Outcome,
+    StoreLockedError,
+    _digests_of,
+)
 
 NS = "orders/billing"
 
@@ -357,3 +363,28 @@ def test_a_claim_whose_answer_would_pass_reply_limit_claims_nothing(store: Dedup
     assert store.get("fresh", namespace=NS) is None  # nothing applied
     claims = store.claim_many(keys, namespace=NS, reply_limit=81_000, row_bytes=40)
     assert [c.outcome for c in claims] == [Outcome.NEW, Outcome.DUPLICATE, Outcome.DUPLICATE]
+
+
+def test_a_checkpoint_keeps_every_claim_in_flight_findable(tmp_path: Path) -> None:
+    """Eviction after a checkpoint removes settled records in place (backward shift in
+    the probe chains, clusters wrapping the table's end included): afterwards the
+    table holds exactly the claims in flight, each found as IN_PROGRESS, and every
+    completed key answers DUPLICATE from LMDB."""
+    from dedupcore.config import StoreConfig
+
+    config = StoreConfig(checkpoint_records=10**9, checkpoint_interval=10**6)
+    with DedupStore.open(tmp_path / "d", config=config) as s:
+        keys = [b"k%06d" % i for i in range(60_000)]
+        claims = s.claim_many(keys, namespace=NS)
+        done = [(c.key, c.token) for i, c in enumerate(claims) if i % 3]
+        s.complete_many(done, namespace=NS)
+        s.checkpoint()
+        assert len(s._table) == s._table.inflight == 20_000
+        # Found in the table itself (not read back from LMDB's copy).
+        open_keys = [k for i, k in enumerate(keys) if not i % 3]
+        joined = _digests_of(NS.encode(), open_keys, config.max_key_bytes)
+        assert s._table.missing(joined) == []
+        again = s.claim_many(keys, namespace=NS)
+        assert [c.outcome for c in again] == [
+            Outcome.DUPLICATE if i % 3 else Outcome.IN_PROGRESS for i in range(len(keys))
+        ]
