@@ -866,9 +866,14 @@ class _Postgres(_Dialect):
     def part_guard(self, cur: Any, table: str, exclusive: bool) -> int:
         # An advisory lock lives in memory only (a row lock FOR SHARE would write the
         # row); the horizon is read by a statement of its own, after the lock.
+        # One round trip: without parameters the two statements go as one simple query,
+        # and each statement of it takes its own snapshot (READ COMMITTED).
         fn = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
-        cur.execute(f"SELECT {fn}({_lock_id(table)})")
-        cur.execute(f"SELECT horizon FROM {self.q(table + '_parts')} WHERE id = 1")
+        cur.execute(
+            f"SELECT {fn}({_lock_id(table)}); "
+            f"SELECT horizon FROM {self.q(table + '_parts')} WHERE id = 1"
+        )
+        cur.nextset()
         row = cur.fetchone()
         if row is None:
             raise SchemaError(f"the partition table {table}_parts has no row: run init_schema()")
@@ -1092,7 +1097,8 @@ class _MySQL(_Dialect):
             f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_parts")} (
                 id INT PRIMARY KEY, span BIGINT NOT NULL, horizon BIGINT NOT NULL
             ) ENGINE=InnoDB""",
-            f"INSERT IGNORE INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)})",
+            f"INSERT INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)}) "
+            "ON DUPLICATE KEY UPDATE id = id",
             f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_edge")} (
                 namespace VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
                 `key` VARBINARY(512) NOT NULL,
@@ -2184,13 +2190,16 @@ class SqlStore(ClaimAPI):
                     f"event time {first_t[old[0]]!r} of key {old[0]!r} is in a dropped "
                     f"partition (before {horizon}): older than the exact window"
                 )
-            if edges:
-                d.lock_edges(cur, self.table, ns, edges)
             current: dict[bytes, _Row | None] = {}
             parts: dict[bytes, int] = {}
             found: dict[bytes, list[tuple[Any, ...]]] = {}
-            lo, hi = min(lo_of.values()), max(hi_of.values())
-            for row in d.part_rows(cur, self.table, ns, unique, lo, hi):
+            # A key whose interval lies in its own partition is found (or created) there
+            # by the INSERT below; only keys near a boundary are looked up first.
+            near = sorted({k for k, _ in edges})
+            if near:
+                d.lock_edges(cur, self.table, ns, edges)
+                lo, hi = min(lo_of[k] for k in near), max(hi_of[k] for k in near)
+            for row in d.part_rows(cur, self.table, ns, near, lo, hi) if near else ():
                 k, part = bytes(row[0]), int(row[1])
                 if not lo_of[k] <= part <= hi_of[k]:
                     continue  # outside this key's tolerance interval
@@ -2447,7 +2456,11 @@ class SqlStore(ClaimAPI):
                 f"{d.epoch('updated')} FROM {d.q(self.table)} "
                 f"WHERE namespace = {p} AND {k} = {p}"
                 # a partitioned table: the processed row if any, else the newest
-                + ("" if self._span is None else f" ORDER BY state = {_PROCESSED} DESC, part DESC"),
+                + (
+                    ""
+                    if self._span is None
+                    else f" ORDER BY state = {_PROCESSED} DESC, part DESC LIMIT 1"
+                ),
                 [ns, raw],
             )
             row: tuple[Any, ...] | None = cur.fetchone()
