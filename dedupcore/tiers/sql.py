@@ -88,25 +88,26 @@ own data (out of range, too long, a CHECK) is a
 arguments are all checked before they are sent, so it only happens when the
 table does not have the shape :meth:`SqlStore.init_schema` gives it.
 
-**Why the table is not partitioned (yet).** Declarative ``RANGE``
-partitions by day on ``created`` would make retention a ``DROP`` of old
-partitions. Both PostgreSQL and MariaDB require the partition key to
-be part of every unique constraint of a partitioned table, so the primary
-key would have to become ``(namespace, key, created)``: ``ON CONFLICT`` /
-``ON DUPLICATE KEY`` would then only see a claim of the same key made on the
-*same* day, and a redelivery on another day would insert a second row and
-be answered NEW — exactly the false NEW the authority exists to prevent.
-The ways around it each cost what the authority is there to save: a
-``pg_advisory_xact_lock`` per key (one lock-table slot per key of a batch,
-bounded by ``max_locks_per_transaction``) plus an index probe into every
-day's partition per key, or a second, unpartitioned ``(namespace, key)``
-table, which then is the one that needs row deletes. So for now every
-engine gets one unpartitioned table keyed by ``(namespace, key)``, and
-retention is :meth:`SqlStore.purge`: bounded batches of deletes driven by
-the ``updated`` index (abandoned claims become tombstones first, as the
-embedded store's sweep does), with a ``before_delete`` hook that copies each
-batch's processed keys into the cold archive before the delete commits.
-Day partitions with a race-free lookup remain open.
+**Partitions by event time.** Declarative ``RANGE`` partitions make
+retention a ``DROP`` of old partitions. Both PostgreSQL and MariaDB require
+the partition key in every unique constraint, so a partitioned table's
+primary key is ``(namespace, key, part)``. Were ``part`` the arrival day, a
+redelivery on a later day would insert a second row and be answered NEW. So
+``SqlStore(partition="day" | "hour")`` takes ``part`` from a time that every
+delivery of a message shares: the ``event_time`` passed with the claim, or
+the time inside the key (``key_time``, default: a time-ordered id's,
+:func:`id_time`). A claim looks the key up in every partition its
+``partition_tolerance`` interval touches (keys near a boundary lock an edge
+row first, so two deliveries on both sides of a boundary cannot both insert),
+and :meth:`SqlStore.drop_partitions` moves a horizon that claims hold shared,
+passes the old partitions' PROCESSED keys to ``before_delete`` and drops
+them whole. docs/sql-partitions.md has the layout, the exact lookup rule and
+what it guarantees. An unpartitioned table (the default, and SQLite's only
+kind) is keyed by ``(namespace, key)``, and retention is
+:meth:`SqlStore.purge`: bounded batches of deletes driven by the ``updated``
+index (abandoned claims become tombstones first, as the embedded store's
+sweep does), with a ``before_delete`` hook that copies each batch's
+processed keys into the cold archive before the delete commits.
 
 Use :meth:`SqlStore.from_url` (``postgresql://``, ``mysql://`` or
 ``mariadb://``, ``sqlite:///relative.db`` / ``sqlite:////absolute.db``) or
