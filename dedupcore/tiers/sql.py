@@ -133,7 +133,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from dedupcore import keys as _keys
 from dedupcore.api import (
@@ -159,6 +158,9 @@ from dedupcore.tiers.base import (
     check_retention,
     check_timeout,
 )
+from dedupcore.tiers.dialect import DEFAULT_TIMEOUT, detect_dialect, is_unique_violation, quote
+from dedupcore.tiers.dialect import connect_url as _factory
+from dedupcore.tiers.dialect import on_conflict_do_nothing as _do_nothing
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -171,8 +173,6 @@ __all__ = [
     "id_time",
 ]
 
-#: Seconds :meth:`SqlStore.from_url` gives a connect and a statement (see there).
-DEFAULT_TIMEOUT = 5.0
 #: Seconds an event time may differ between deliveries of one message and still find
 #: its first claim across a partition boundary (docs/sql-partitions.md).
 DEFAULT_TOLERANCE = 300.0
@@ -303,11 +303,11 @@ class _Dialect:
     """What differs between the engines: SQL text, session setup, error classes."""
 
     name = ""
-    ph = "%s"  # the driver's placeholder
+    ph = "%s"  # the driver's placeholder (dialect.placeholder)
     max_key_bytes = 512
 
     def q(self, ident: str) -> str:
-        return f'"{ident}"'
+        return quote(self.name, ident)
 
     @property
     def now(self) -> str:
@@ -412,7 +412,7 @@ class _Dialect:
         raise NotImplementedError
 
     def is_unique_violation(self, exc: BaseException) -> bool:
-        return False
+        return is_unique_violation(exc)
 
     def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> list[tuple[Any, ...]]:
         """``(key, state, token, owner, fingerprint, result)`` of existing keys, not locked."""
@@ -701,7 +701,7 @@ class _Postgres(_Dialect):
         nonce: bytes,
         parts: list[int] | None = None,
     ) -> set[bytes] | None:
-        target = '(namespace, "key", part)' if parts is not None else '(namespace, "key")'
+        target = ["namespace", "key", *(["part"] if parts is not None else [])]
         self._insert(
             cur,
             table,
@@ -710,7 +710,7 @@ class _Postgres(_Dialect):
             fps,
             owner,
             lease,
-            f'ON CONFLICT {target} DO NOTHING RETURNING "key"',
+            f'{_do_nothing(self.name, target)} RETURNING "key"',
             parts,
         )
         return {bytes(r[0]) for r in cur.fetchall()}
@@ -727,11 +727,6 @@ class _Postgres(_Dialect):
     ) -> None:
         # No speculative insertion: about 40 % less server time than ON CONFLICT.
         self._insert(cur, table, ns, keys, fps, owner, lease, "")
-
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        import psycopg.errors
-
-        return isinstance(exc, psycopg.errors.UniqueViolation)
 
     def _insert(
         self,
@@ -833,7 +828,7 @@ class _Postgres(_Dialect):
             f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_parts")} (
                 id int PRIMARY KEY, span bigint NOT NULL, horizon bigint NOT NULL)""",
             f"INSERT INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)}) "
-            "ON CONFLICT (id) DO NOTHING",
+            f"{_do_nothing(self.name, ['id'])}",
             f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_edge")} (
                 namespace text COLLATE "C" NOT NULL,
                 "key" bytea NOT NULL,
@@ -914,9 +909,6 @@ class _Postgres(_Dialect):
 class _MySQL(_Dialect):
     name = "mysql"
     max_key_bytes = 512  # the VARBINARY(512) column
-
-    def q(self, ident: str) -> str:
-        return f"`{ident}`"
 
     @property
     def now(self) -> str:
@@ -1279,7 +1271,7 @@ class _SQLite(_Dialect):
                 f'INSERT INTO {self.q(table)} (namespace, "key", state, token, owner, '
                 "fingerprint, lease_until, created, updated) VALUES "
                 + ", ".join([row] * (len(params) // 4))
-                + ' ON CONFLICT (namespace, "key") DO NOTHING RETURNING "key"',
+                + f' {_do_nothing(self.name, ["namespace", "key"])} RETURNING "key"',
                 params,
             )
             created.update(bytes(r[0]) for r in cur.fetchall())
@@ -1329,112 +1321,6 @@ _DIALECTS: dict[str, type[_Dialect]] = {
     "mysql": _MySQL,
     "sqlite": _SQLite,
 }
-
-
-def detect_dialect(conn: Any) -> str:
-    """``"postgresql"``, ``"mysql"`` or ``"sqlite"`` from a DB-API connection's driver."""
-    module = type(conn).__module__.split(".")[0]
-    found = {"psycopg": "postgresql", "pymysql": "mysql", "sqlite3": "sqlite"}.get(module)
-    if found is None:
-        raise ValueError(
-            f"cannot tell the SQL dialect of a {type(conn).__module__}.{type(conn).__name__} "
-            "connection; pass dialect='postgresql', 'mysql' or 'sqlite'"
-        )
-    return found
-
-
-# -- URLs ----------------------------------------------------------------------------
-
-
-def _factory(
-    url: str, connect_args: dict[str, Any], timeout: float = DEFAULT_TIMEOUT
-) -> tuple[str, Callable[[], Any]]:
-    if not isinstance(url, str):
-        raise TypeError(f"url must be str, not {type(url).__name__}")
-    scheme = url.split(":", 1)[0].lower()
-    if scheme in ("postgresql", "postgres"):
-        args = {**_pg_defaults(url, timeout), **connect_args}
-
-        def connect_pg() -> Any:
-            import psycopg
-
-            return psycopg.connect(url, **args)
-
-        return "postgresql", connect_pg
-    if scheme in ("mysql", "mariadb"):
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        waits: dict[str, Any] = {
-            "connect_timeout": timeout,
-            "read_timeout": 2 * timeout,
-            "write_timeout": 2 * timeout,
-        }
-        for name in waits:
-            if name in query:
-                try:
-                    waits[name] = check_timeout(float(query[name]), name)
-                except ValueError as exc:
-                    raise ValueError(f"{name} in the URL: {exc}") from None
-        args = {
-            "host": parts.hostname or "localhost",
-            "port": parts.port or 3306,
-            "user": unquote(parts.username) if parts.username else "root",
-            "password": unquote(parts.password) if parts.password else "",
-            "database": unquote(parts.path.lstrip("/")) or None,
-            "charset": "utf8mb4",
-            **waits,
-            **({"unix_socket": query["unix_socket"]} if "unix_socket" in query else {}),
-            **connect_args,
-        }
-
-        def connect_mysql() -> Any:
-            import pymysql
-
-            return pymysql.connect(**args)
-
-        return "mysql", connect_mysql
-    if scheme == "sqlite":
-        if not url.startswith("sqlite:///"):
-            raise ValueError(
-                f"sqlite URLs are sqlite:///relative/path.db or sqlite:////absolute/path.db, "
-                f"got {url!r}"
-            )
-        path = url[len("sqlite:///") :]
-        if not path:
-            raise ValueError("sqlite URL has no path")
-        args = {"timeout": 30.0, "check_same_thread": False, **connect_args}
-
-        def connect_sqlite() -> Any:
-            import sqlite3
-
-            return sqlite3.connect(path, **args)
-
-        return "sqlite", connect_sqlite
-    raise ValueError(
-        f"unknown SQL URL scheme {scheme!r}: use postgresql://, mysql://, mariadb:// or sqlite:///"
-    )
-
-
-def _pg_defaults(url: str, timeout: float) -> dict[str, Any]:
-    """Connect timeout, TCP keepalive and statement_timeout, where the URL sets none."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        given = conninfo_to_dict(url)
-    except Exception as exc:  # psycopg.ProgrammingError: not a connection string
-        raise ValueError(f"bad PostgreSQL URL: {exc}") from None
-    out: dict[str, Any] = {
-        "connect_timeout": max(2, round(timeout)),  # libpq waits whole seconds, 2 at least
-        "keepalives": 1,
-        "keepalives_idle": 30,
-        "keepalives_interval": 10,
-        "keepalives_count": 3,
-    }
-    out = {k: v for k, v in out.items() if k not in given}
-    options = str(given.get("options") or "")
-    if "statement_timeout" not in options:
-        out["options"] = f"{options} -c statement_timeout={round(timeout * 1000)}".strip()
-    return out
 
 
 class _Watchdog:
