@@ -373,17 +373,28 @@ class _Dialect:
         raise NotImplementedError
 
     def select_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        keys: list[bytes],
+        parts: tuple[int, int | None] | None = None,
     ) -> list[tuple[Any, ...]]:
-        """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked."""
+        """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked.
+
+        ``parts=(lo, hi)`` (a partitioned table): the keys' rows in partitions
+        ``lo`` .. ``hi`` (None: every one from ``lo``), with ``part`` after ``key``.
+        """
         t, k, p = self.q(table), self.q("key"), self.ph
+        part, where, order = _part_range(parts, k)
         out: list[tuple[Any, ...]] = []
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i : i + _CHUNK]
             cur.execute(
-                f"SELECT {k}, state, token, owner, fingerprint, result, "
+                f"SELECT {k}, {part}state, token, owner, fingerprint, result, "
                 f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}) ORDER BY {k}{self.for_update}",
+                f"AND {k} IN ({', '.join([p] * len(chunk))}){where} "
+                f"ORDER BY {order}{self.for_update}",
                 [ns, *chunk],
             )
             out += cur.fetchall()
@@ -572,26 +583,6 @@ class _Dialect:
         """Creates or locks one edge row per ``(key, boundary)`` (sorted), until the commit."""
         raise NotImplementedError
 
-    def part_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes], lo: int, hi: int | None
-    ) -> list[tuple[Any, ...]]:
-        """``(key, part, state, token, owner, fingerprint, result, live)``, locked, of the
-        keys' rows in partitions ``lo`` .. ``hi`` (None: every partition from ``lo``)."""
-        t, k, p = self.q(table), self.q("key"), self.ph
-        upper = "" if hi is None else f" AND part <= {int(hi)}"
-        out: list[tuple[Any, ...]] = []
-        for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i : i + _CHUNK]
-            cur.execute(
-                f"SELECT {k}, part, state, token, owner, fingerprint, result, "
-                f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}) AND part >= {int(lo)}{upper} "
-                f"ORDER BY {k}, part{self.for_update}",
-                [ns, *chunk],
-            )
-            out += cur.fetchall()
-        return out
-
 
 class _Postgres(_Dialect):
     name = "postgresql"
@@ -774,12 +765,18 @@ class _Postgres(_Dialect):
         return rows
 
     def select_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        keys: list[bytes],
+        parts: tuple[int, int | None] | None = None,
     ) -> list[tuple[Any, ...]]:
+        part, where, order = _part_range(parts, '"key"')
         cur.execute(
-            f'SELECT "key", state, token, owner, fingerprint, result, lease_until > now() '
-            f'FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]) '
-            'ORDER BY "key" FOR UPDATE',
+            f'SELECT "key", {part}state, token, owner, fingerprint, result, lease_until > now() '
+            f'FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]){where} '
+            f"ORDER BY {order} FOR UPDATE",
             [ns, keys],
         )
         rows: list[tuple[Any, ...]] = cur.fetchall()
@@ -883,19 +880,6 @@ class _Postgres(_Dialect):
             "DO UPDATE SET boundary = EXCLUDED.boundary",
             [ns, [k for k, _ in edges], [b for _, b in edges]],
         )
-
-    def part_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes], lo: int, hi: int | None
-    ) -> list[tuple[Any, ...]]:
-        upper = "" if hi is None else f" AND part <= {int(hi)}"
-        cur.execute(
-            f'SELECT "key", part, state, token, owner, fingerprint, result, lease_until > now() '
-            f'FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]) '
-            f'AND part >= {int(lo)}{upper} ORDER BY "key", part FOR UPDATE',
-            [ns, keys],
-        )
-        rows: list[tuple[Any, ...]] = cur.fetchall()
-        return rows
 
     def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
         cur.execute(
@@ -1295,6 +1279,15 @@ class _SQLite(_Dialect):
             'WHERE namespace = ? AND "key" = ?',
             [[*r[1:], ns, r[0]] for r in rows],
         )
+
+
+def _part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, str, str]:
+    """The ``part`` column, the condition and the order of a lookup in partitions."""
+    if parts is None:
+        return "", "", key
+    lo, hi = parts
+    upper = "" if hi is None else f" AND part <= {int(hi)}"
+    return "part, ", f" AND part >= {int(lo)}{upper}", f"{key}, part"
 
 
 def _part_name(table: str, start: int) -> str:
@@ -2086,7 +2079,7 @@ class SqlStore(ClaimAPI):
             if near:
                 d.lock_edges(cur, self.table, ns, edges)
                 lo, hi = min(lo_of[k] for k in near), max(hi_of[k] for k in near)
-            for row in d.part_rows(cur, self.table, ns, near, lo, hi) if near else ():
+            for row in d.select_rows(cur, self.table, ns, near, (lo, hi)) if near else ():
                 k, part = bytes(row[0]), int(row[1])
                 if not lo_of[k] <= part <= hi_of[k]:
                     continue  # outside this key's tolerance interval
@@ -2122,7 +2115,7 @@ class SqlStore(ClaimAPI):
                 again = [k for k in absent if k not in current]
                 if again:  # created concurrently in the same partition, or MariaDB's nonce
                     homes = [home[k] for k in again]
-                    for row in d.part_rows(cur, self.table, ns, again, min(homes), max(homes)):
+                    for row in d.select_rows(cur, self.table, ns, again, (min(homes), max(homes))):
                         k, part = bytes(row[0]), int(row[1])
                         if k not in home or part != home[k]:
                             continue
@@ -2277,7 +2270,9 @@ class SqlStore(ClaimAPI):
                 # Every live partition: the row whose token is the one given, else the
                 # claim in progress, else the newest (docs/sql-partitions.md).
                 horizon = d.part_guard(cur, self.table, False)
-                for k, part, s, tok, *_ in d.part_rows(cur, self.table, ns, unique, horizon, None):
+                for k, part, s, tok, *_ in d.select_rows(
+                    cur, self.table, ns, unique, (horizon, None)
+                ):
                     k, rank = bytes(k), (int(tok) == wanted[bytes(k)], int(s) == _PROCESSING)
                     have = current.get(k)
                     if have is None or rank >= (have[1] == wanted[k], have[0] == _PROCESSING):
