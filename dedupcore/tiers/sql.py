@@ -31,10 +31,11 @@ KEY UPDATE `key` = `key``` (MariaDB/MySQL: multi-row ``VALUES``, 1000 rows
 per statement; never ``INSERT IGNORE``, which would turn every error into a
 warning), then reads the batch's other rows with ``SELECT .. ORDER BY key
 FOR UPDATE`` (SQLite: the whole transaction is ``BEGIN IMMEDIATE``), decides
-every key in Python exactly as :class:`~dedupcore.DedupStore` does, and
-applies takeovers, tombstone re-claims and lease renewals with batched
-``UPDATE`` statements (PostgreSQL: ``UPDATE .. FROM unnest(..)``; MariaDB:
-a join with a derived table; SQLite: ``executemany``) before ``COMMIT``.
+every key with :func:`dedupcore.decision.decide_claim` (the reference the
+embedded store's engine is checked against), and applies takeovers,
+tombstone re-claims and lease renewals with batched ``UPDATE`` statements
+(PostgreSQL: ``UPDATE .. FROM unnest(..)``; MariaDB: a join with a derived
+table; SQLite: ``executemany``) before ``COMMIT``.
 Completions and releases are one ``SELECT .. FOR UPDATE`` and one batched
 ``UPDATE``. A fingerprint conflict or a stale token raises inside the
 transaction, which is rolled back: nothing of the batch is written.
@@ -148,7 +149,18 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.decision import ERR_COMPLETED, ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, stale_token_error
+from dedupcore.decision import (
+    DUPLICATE,
+    ERR_COMPLETED,
+    ERR_NOT_CLAIMED,
+    ERR_WRONG_TOKEN,
+    IN_PROGRESS,
+    NEW,
+    NEW_TAKEOVER,
+    Rec,
+    decide_claim,
+    stale_token_error,
+)
 from dedupcore.errors import DedupError, SchemaError, UnavailableError
 from dedupcore.ids import time_of
 from dedupcore.record import State
@@ -201,6 +213,14 @@ _SHARE_WEIGHT = 0.5
 #: first tried as a plain multi-row INSERT (PostgreSQL: cheaper than ON CONFLICT).
 _PLAIN_BELOW = 0.001
 _MAX_SHARES = 10_000
+
+#: The decision's answer codes (dedupcore/decision.py) as outcomes.
+_OUTCOMES = {
+    NEW: Outcome.NEW,
+    NEW_TAKEOVER: Outcome.NEW,
+    DUPLICATE: Outcome.DUPLICATE,
+    IN_PROGRESS: Outcome.IN_PROGRESS,
+}
 
 #: ``before_delete(namespace, keys)`` of :meth:`SqlStore.purge`.
 BeforeDelete = Callable[[str, list[bytes]], None]
@@ -2156,7 +2176,7 @@ class SqlStore(ClaimAPI):
         current: dict[bytes, _Row | None],
         parts: dict[bytes, int] | None = None,
     ) -> list[Claim]:
-        """The outcomes (as DedupStore decides them), then the batch's UPDATEs.
+        """The outcomes (:func:`dedupcore.decision.decide_claim`), then the batch's UPDATEs.
 
         ``parts``: each key's partition (a partitioned table), written as the
         second value of each UPDATE row.
@@ -2167,46 +2187,61 @@ class SqlStore(ClaimAPI):
 
         d = self._dialect
         assert d is not None
-        pending: dict[bytes, _Row] = {}
+        # The rows as decision records; lease deadlines are the server's, so only
+        # "still running" (deadline 1 > now 0) or "ran out" (0) is passed on.
+        recs: dict[bytes, Rec | None] = {
+            k: None
+            if r is None
+            else Rec(
+                State(r.state),
+                0,
+                r.token,
+                0.0,
+                0.0,
+                lease_s,
+                1.0 if r.live else 0.0,
+                r.owner,
+                r.fingerprint,
+                r.result,
+            )
+            for k, r in current.items()
+        }
+        plan = decide_claim(
+            recs.__getitem__,
+            raw,
+            ns_id=0,
+            lease=lease_s,
+            owner=owner_b,
+            fingerprints=fps,
+            cold=None,
+            now_w=0.0,
+            now_m=0.0,
+        )
+        if plan.conflict is not None:
+            # The transaction is rolled back: nothing changes.
+            raise fingerprint_conflict(key_list[plan.conflict], ns)
+        claims = [
+            Claim(
+                key,
+                ns,
+                _OUTCOMES[code],
+                token,
+                unpack_result(result) if code == DUPLICATE else None,
+                takeover=code == NEW_TAKEOVER,
+            )
+            for key, (code, token, result) in zip(key_list, plan.answers, strict=True)
+        ]
         # key -> [key, token, fingerprint, owner]: expired leases taken over (the first
-        # claim's created stays) and released tombstones claimed again (a fresh record)
+        # claim's created stays) and released tombstones claimed again (a fresh record);
+        # the rows this transaction created are written already.
         reclaim: dict[bytes, list[Any]] = {}
         restart: dict[bytes, list[Any]] = {}
-        renew: dict[bytes, list[Any]] = {}
-        claims: list[Claim] = []
-        for key, k, fp in zip(key_list, raw, fps, strict=True):
-            r = pending[k] if k in pending else current[k]
-            if r is None:  # created by this transaction
-                pending[k] = _Row(_PROCESSING, 1, owner_b, fp, True)
-                claims.append(Claim(key, ns, Outcome.NEW, 1))
-                continue
-            if r.state != _RELEASED:
-                if fp is not None and r.fingerprint is not None and fp != r.fingerprint:
-                    raise fingerprint_conflict(
-                        key, ns
-                    )  # the transaction is rolled back: nothing changes
-                if r.state == _PROCESSED:
-                    result = unpack_result(r.result)
-                    claims.append(Claim(key, ns, Outcome.DUPLICATE, r.token, result))
-                    continue
-                if owner_b is not None and r.owner == owner_b:
-                    if k not in pending:
-                        renew[k] = at(k)
-                        pending[k] = _Row(_PROCESSING, r.token, r.owner, r.fingerprint, True)
-                    claims.append(Claim(key, ns, Outcome.NEW, r.token))
-                    continue
-                if r.live:
-                    claims.append(Claim(key, ns, Outcome.IN_PROGRESS, r.token))
-                    continue
-                takeover = True
-                new_fp = fp if fp is not None else r.fingerprint
-            else:
-                takeover = False
-                new_fp = fp
-            token = r.token + 1
-            (reclaim if takeover else restart)[k] = [*at(k), token, new_fp, owner_b]
-            pending[k] = _Row(_PROCESSING, token, owner_b, new_fp, True)
-            claims.append(Claim(key, ns, Outcome.NEW, token, takeover=takeover))
+        for k, rec in plan.logged.items():
+            was = current[k]
+            if was is not None:
+                rows = restart if was.state == _RELEASED else reclaim
+                rows[k] = [*at(k), rec.token, rec.fingerprint, rec.owner]
+        renew = {k: at(k) for k in plan.renewed if current[k] is not None}
         lease_sql = d.lease_until(lease_s)
         claimed: _SetList = [
             ("state", str(_PROCESSING)),
