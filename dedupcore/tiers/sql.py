@@ -584,6 +584,9 @@ class _Dialect:
         """The starts of the table's partitions, sorted."""
         raise NotImplementedError
 
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        raise NotImplementedError
+
     def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
         """Creates the partitions starting at ``starts`` (after the last one on MariaDB)."""
         raise NotImplementedError
@@ -863,6 +866,13 @@ class _Postgres(_Dialect):
         )
         return sorted(_part_start(table, str(r[0])) for r in cur.fetchall())
 
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        cur.execute(
+            "SELECT count(*) FROM pg_partitioned_table WHERE partrelid = to_regclass(%s)",
+            [self.q(table)],
+        )
+        return bool(cur.fetchone()[0])
+
     def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
         for start in starts:
             cur.execute(
@@ -1112,6 +1122,14 @@ class _MySQL(_Dialect):
             [table],
         )
         return sorted(_part_start("p", str(r[0])) for r in cur.fetchall())
+
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        cur.execute(
+            "SELECT count(*) FROM information_schema.PARTITIONS WHERE TABLE_SCHEMA = DATABASE() "
+            "AND TABLE_NAME = %s AND PARTITION_NAME IS NOT NULL",
+            [table],
+        )
+        return bool(cur.fetchone()[0])
 
     def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
         # RANGE partitions are added after the last one only; a concurrent store that
@@ -1729,30 +1747,39 @@ class SqlStore(ClaimAPI):
                 time.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + random.random()))
 
     def init_schema(self) -> None:
-        """Creates the dedup table and its index if they do not exist (idempotent)."""
+        """Creates the dedup table and its index if they do not exist (idempotent).
+
+        A partitioned store (``partition=``) also creates its partitions (see
+        :meth:`ensure_partitions`). A table that exists with the other kind
+        (partitioned or not) is a :class:`SchemaError`.
+        """
         d = self._dialect
         assert d is not None
-
         span = self._span
-        if span is not None:
-            self._tx(
-                lambda cur: [
-                    cur.execute(sql)
-                    for sql in d.part_schema(self.table, self._first_part(self._clock()), span)
-                ]
-            )
-            self._check_span()
-            self.ensure_partitions()
-            return
 
         def create(cur: Any) -> None:
-            for statement in d.schema(self.table):
+            if span is None:
+                statements = d.schema(self.table)
+            else:
+                first = self._first_part(self._clock())
+                statements = d.part_schema(self.table, first, span)
+            for statement in statements:
                 cur.execute(statement)
 
         if d.name == "sqlite":
             # WAL: readers do not block the writer (a no-op for :memory: databases).
             self._tx(lambda cur: cur.execute("PRAGMA journal_mode = WAL"), write=False)
         self._tx(create)
+        if d.partitions:
+            parted = self._tx(functools.partial(d.is_partitioned, table=self.table), write=False)
+            if parted != (span is not None):
+                raise SchemaError(
+                    f"table {self.table!r} exists {'with' if parted else 'without'} partitions; "
+                    f"this store has partition={self.partition!r} (use another table)"
+                )
+        if span is not None:
+            self._check_span()
+            self.ensure_partitions()
 
     def close(self) -> None:
         """Closes the connection (a later call opens a new one)."""

@@ -315,11 +315,23 @@ def test_bad_arguments_raise(engine: Engine, clock: Clock, store: SqlStore) -> N
     assert store.get("x", namespace=NS) is None  # nothing was claimed
 
 
-def test_a_store_with_another_span_is_refused(engine: Engine, clock: Clock) -> None:
+def test_a_store_with_another_span_or_kind_is_refused(engine: Engine, clock: Clock) -> None:
     with engine.store(clock) as s:
         s.init_schema()
     with engine.store(clock, partition="hour") as s, pytest.raises(SchemaError, match="86400"):
         s.init_schema()
+    with engine.store(clock, partition=None) as s, pytest.raises(SchemaError, match="exists with"):
+        s.init_schema()
+    flat = f"{engine.table}_flat"
+    with SqlStore.from_url(engine.url, table=flat) as s:
+        s.init_schema()
+    try:
+        with engine.store(clock, table=flat) as s, pytest.raises(SchemaError, match="without"):
+            s.init_schema()
+    finally:
+        engine.execute(f"DROP TABLE IF EXISTS {flat}")
+        engine.execute(f"DROP TABLE IF EXISTS {flat}_parts")
+        engine.execute(f"DROP TABLE IF EXISTS {flat}_edge")
 
 
 def test_an_unpartitioned_table_ignores_event_times(engine: Engine, clock: Clock) -> None:
