@@ -413,8 +413,7 @@ class _Dialect:
             cur.execute(
                 f"SELECT {k}, {part}state, token, owner, fingerprint, result, "
                 f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}){where} "
-                f"ORDER BY {order}{self.for_update}",
+                f"AND {k} IN ({', '.join([p] * len(chunk))}){where}{order}{self.for_update}",
                 [ns, *chunk],
             )
             out += cur.fetchall()
@@ -438,6 +437,7 @@ class _Dialect:
         fps: list[bytes | None],
         owner: bytes | None,
         lease: float,
+        parts: list[int] | None = None,
     ) -> None:
         """Creates every row; raises (see :meth:`is_unique_violation`) if any exists."""
         raise NotImplementedError
@@ -738,9 +738,10 @@ class _Postgres(_Dialect):
         fps: list[bytes | None],
         owner: bytes | None,
         lease: float,
+        parts: list[int] | None = None,
     ) -> None:
         # No speculative insertion: about 40 % less server time than ON CONFLICT.
-        self._insert(cur, table, ns, keys, fps, owner, lease, "")
+        self._insert(cur, table, ns, keys, fps, owner, lease, "", parts)
 
     def _insert(
         self,
@@ -795,13 +796,25 @@ class _Postgres(_Dialect):
         keys: list[bytes],
         parts: tuple[int, int | None] | None = None,
     ) -> list[tuple[Any, ...]]:
-        part, where, order = _part_range(parts, '"key"')
-        cur.execute(
-            f'SELECT "key", {part}state, token, owner, fingerprint, result, lease_until > now() '
-            f'FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]){where} '
-            f"ORDER BY {order} FOR UPDATE",
-            [ns, keys],
-        )
+        cols = "state, token, owner, fingerprint, result, lease_until > now()"
+        if parts is None:
+            cur.execute(
+                f'SELECT "key", {cols} FROM {self.q(table)} WHERE namespace = %s '
+                'AND "key" = ANY(%b::bytea[]) ORDER BY "key" FOR UPDATE',
+                [ns, keys],
+            )
+        else:
+            # One index probe per key and partition (a lateral join on key = u.k): with
+            # "key" = ANY(..) on the second index column, PostgreSQL (before 17) plans a
+            # scan of the namespace's rows in each partition whose statistics are not
+            # gathered yet (a new one). Keys in order, then partitions: one lock order.
+            _, where, _ = _part_range(parts, '"key"')
+            cur.execute(
+                f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
+                f"part, {cols} FROM {self.q(table)} WHERE namespace = %s "
+                f'AND "key" = u.k{where} FOR UPDATE) AS x',
+                [sorted(keys), ns],
+            )
         rows: list[tuple[Any, ...]] = cur.fetchall()
         return rows
 
@@ -1320,12 +1333,17 @@ class _SQLite(_Dialect):
 
 
 def _part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, str, str]:
-    """The ``part`` column, the condition and the order of a lookup in partitions."""
+    """The ``part`` column, the condition and the ORDER BY of a lookup in partitions.
+
+    A partitioned lookup has no ORDER BY (which would merge the partitions'
+    scans instead of probing each): each partition is probed in key order,
+    partition after partition, so the rows are still locked in one order.
+    """
     if parts is None:
-        return "", "", key
+        return "", "", f" ORDER BY {key}"
     lo, hi = parts
     upper = "" if hi is None else f" AND part <= {int(hi)}"
-    return "part, ", f" AND part >= {int(lo)}{upper}", f"{key}, part"
+    return "part, ", f" AND part >= {int(lo)}{upper}", ""
 
 
 def _part_name(table: str, start: int) -> str:
@@ -1929,10 +1947,14 @@ class SqlStore(ClaimAPI):
 
         claims = self._tx(body)
         self._count(ns, claims)
+        self._follow_seen(ns, seen, len(unique))
+        return claims
+
+    def _follow_seen(self, ns: str, seen: list[int], unique: int) -> None:
+        """Follows the namespace's share of keys that had a row (the last attempt's)."""
         if seen:
             old = self._seen_share.get(ns, 0.0)
-            self._seen_share[ns] = old + _SHARE_WEIGHT * (seen[-1] / len(unique) - old)
-        return claims
+            self._seen_share[ns] = old + _SHARE_WEIGHT * (seen[-1] / unique - old)
 
     def claim(
         self,
@@ -2109,6 +2131,9 @@ class SqlStore(ClaimAPI):
             # Partitions before the horizon stay missing: the transaction refuses them.
             self._ensure_upto(max(top, self._parts[-1] if self._parts else top))
 
+        plain = [d.plain_insert and self._seen_share.get(ns, 0.0) < _PLAIN_BELOW]
+        seen: list[int] = []
+
         def body(cur: Any) -> list[Claim]:
             horizon = d.part_guard(cur, self.table, False)
             old = [k for k in unique if home[k] < horizon]
@@ -2144,17 +2169,28 @@ class SqlStore(ClaimAPI):
             absent = [k for k in unique if k not in current]
             if absent:
                 nonce = os.urandom(16)
-                created = d.insert_fresh(
-                    cur,
-                    self.table,
-                    ns,
-                    absent,
-                    [first_fp[k] for k in absent],
-                    owner_b,
-                    lease_s,
-                    nonce,
-                    parts=[home[k] for k in absent],
-                )
+                fresh_fps, homes = [first_fp[k] for k in absent], [home[k] for k in absent]
+                created: set[bytes] | None
+                if plain[0]:  # as claim_many does: see there
+                    plain[0] = False
+                    try:
+                        d.insert_all(
+                            cur, self.table, ns, absent, fresh_fps, owner_b, lease_s, homes
+                        )
+                    except d.error_classes() as exc:
+                        if not d.is_unique_violation(exc):
+                            raise
+                        seen.append(1)
+                        raise _Fallback from exc
+                    created = set(absent)
+                else:
+                    created = d.insert_fresh(
+                        cur, self.table, ns, absent, fresh_fps, owner_b, lease_s, nonce, homes
+                    )
+                if created is not None:
+                    seen.append(len(unique) - len(created))
+                if created is not None and len(created) == len(unique) == len(raw):
+                    return [Claim(key, ns, Outcome.NEW, 1) for key in key_list]  # all fresh
                 for k in absent:
                     parts[k] = home[k]
                     if created is not None and k in created:
@@ -2175,7 +2211,9 @@ class SqlStore(ClaimAPI):
                     raise _Retry  # cannot happen under the edge and row locks; be safe
             return self._decide(cur, key_list, raw, fps, ns, owner_b, lease_s, current, parts)
 
-        return self._tx(body)
+        claims = self._tx(body)
+        self._follow_seen(ns, seen, len(unique))
+        return claims
 
     def _count(self, ns: str, claims: list[Claim]) -> None:
         """Counts the outcomes and follows the namespace's share of DUPLICATE answers."""
