@@ -2559,8 +2559,8 @@ class SqlStore(ClaimAPI):
         PROCESSED keys (``limit`` per call, in key order; tombstones and
         abandoned claims are not passed) and the partition is dropped whole.
         A failure in between leaves the partition to the next call, which
-        copies it again (the copy must be idempotent) and drops it. Then the
-        partitions ahead are created (:meth:`ensure_partitions`).
+        copies it again (the copy must be idempotent) and drops it. The
+        partitions ahead are created first (:meth:`ensure_partitions`).
         """
         span = self._require_span()
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1_000_000:
@@ -2581,6 +2581,8 @@ class SqlStore(ClaimAPI):
             return horizon
 
         horizon = self._tx(move)
+        # The partitions ahead first: MariaDB cannot drop a table's last partition.
+        self.ensure_partitions(t)
         dropped = 0
         for start in [s for s in self.partitions() if s < horizon]:
             dropped += self._copy_partition(start, limit, before_delete)
@@ -2588,7 +2590,6 @@ class SqlStore(ClaimAPI):
             with self._lock:
                 self._counts["partitions_dropped"] += 1
         self._drop_edges(horizon, limit)
-        self.ensure_partitions(t)
         with self._lock:
             self._counts["purged"] += dropped
         return dropped

@@ -171,6 +171,30 @@ def test_producer_retry_across_a_boundary_within_tolerance(store: SqlStore) -> N
     assert (dup.outcome, dup.result) == (Outcome.DUPLICATE, 3)
 
 
+def test_hour_partitions_and_a_sweep(engine: Engine, clock: Clock) -> None:
+    hour = 3600
+    with engine.store(clock, partition="hour", partition_tolerance=60) as s:
+        s.init_schema()
+        # The window (2 days) plus the tolerance back, 3 hours ahead.
+        assert s.partitions()[0] == T0 - 2 * DAY + 11 * hour
+        assert s.partitions()[-1] == T0 + 15 * hour
+        boundary = T0 + 11 * hour
+        c = s.claim("h1", namespace=NS, event_time=boundary - 20)
+        assert s.claim("h1", namespace=NS, event_time=boundary + 20).outcome is (
+            Outcome.IN_PROGRESS
+        )
+        s.complete("h1", c.token, namespace=NS)
+        assert s.claim("h1", namespace=NS, event_time=boundary + 20).outcome is (Outcome.DUPLICATE)
+        # 100 s apart across the boundary: past the 60 s tolerance, another message.
+        assert s.claim("h1", namespace=NS, event_time=boundary + 80).outcome is Outcome.NEW
+        clock.t = T0 + 3 * DAY
+        assert s.sweep(clock.t) == 2  # the two rows of h1 went with their hours
+        assert s.horizon() == T0 + DAY - hour  # floor(3 d - 2 d - 60 s) in hours
+        with pytest.raises(PartitionDroppedError):
+            s.claim("h2", namespace=NS, event_time=T0 + DAY - hour - 1)
+        assert s.claim("h2", namespace=NS, event_time=T0 + DAY).outcome is Outcome.NEW
+
+
 def test_beyond_tolerance_across_a_boundary_is_another_message(store: SqlStore) -> None:
     boundary = T0 + DAY
     c = store.claim("b1", namespace=NS, event_time=boundary - 10)
@@ -229,8 +253,8 @@ def test_drop_copies_processed_keys_first_and_refuses_old_event_times(
 
     clock.t = T0 + 3 * DAY + 3600  # T0 - 1 day is now past 2 days + 300 s
     assert store.drop_partitions(before_delete=copy) == 3  # the rows of the dropped partitions
-    # T0 - 2 d (empty) went first; T0 - 1 d was still there while its keys were copied.
-    assert seen == [(NS, [b"o1", b"o2"], [T0 + i * DAY for i in range(-1, 4)])]
+    # The days ahead were made, T0 - 2 d (empty) went; T0 - 1 d was there during its copy.
+    assert seen == [(NS, [b"o1", b"o2"], [T0 + i * DAY for i in range(-1, 7)])]
     assert store.horizon() == T0 + DAY
     assert store.partitions() == [T0 + i * DAY for i in range(1, 7)]
     assert store.stats()["partitions_dropped"] == 3
