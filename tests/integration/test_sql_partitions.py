@@ -336,6 +336,16 @@ def test_bad_arguments_raise(engine: Engine, clock: Clock, store: SqlStore) -> N
         store.claim("x", namespace=NS, event_time=T0 + 30 * DAY)
     with pytest.raises(ValueError, match="not partitioned"):
         SqlStore.from_url(engine.url, table=engine.table).drop_partitions()
+    for call, exc in (
+        (lambda: store.ensure_partitions("tomorrow"), TypeError),  # type: ignore[arg-type]
+        (lambda: store.ensure_partitions(-5.0), ValueError),
+        (lambda: store.drop_partitions(limit=0), ValueError),
+        (lambda: store.drop_partitions(before_delete=5), TypeError),  # type: ignore[arg-type]
+        (lambda: store.drop_partitions(now=float("inf")), ValueError),
+    ):
+        with pytest.raises(exc):
+            call()
+    assert store.horizon() == T0 - 2 * DAY  # nothing moved
     assert store.get("x", namespace=NS) is None  # nothing was claimed
 
 
