@@ -1461,6 +1461,15 @@ class SqlStore(ClaimAPI):
     (out of range, too long, a CHECK) is a
     :class:`~dedupcore.tiers.base.RequestRefusedError` (a ``ValueError``),
     never an :class:`UnavailableError`.
+
+    ``partition`` (``"day"`` or ``"hour"``; PostgreSQL and MariaDB) keeps the
+    table in partitions by each key's event time (docs/sql-partitions.md):
+    ``event_time(s)=`` of the claim, else ``key_time(key)`` (unix seconds;
+    default :func:`id_time`). ``partition_tolerance``: seconds two event
+    times of one message may differ and still meet across a boundary
+    (``0 <= tolerance < span``); ``partitions_ahead``: partitions created
+    after the clock's; ``clock``: the time (unix seconds) partitions are
+    created and dropped by.
     """
 
     def __init__(
