@@ -6,8 +6,9 @@ Day after day (the store's clock moves a day, :meth:`ensure_partitions` runs
 as a sweep would, nothing is dropped: the exact window is longer than the
 run), ``KEYS`` fresh keys are claimed in batches of ``BATCH`` with event
 times spread over the day (so a few near each boundary take edge locks),
-then completed. Each day's claims are timed; the run prints ns/key (and the
-time per 10k keys) for the first, middle and last days of both tables.
+then completed, then claimed again (all DUPLICATE). Each day's claims are
+timed; the run prints ns/key of both for the first, middle and last days of
+both tables.
 
 Opt-in, like every benchmark here (``testpaths = ["tests"]``)::
 
@@ -82,19 +83,22 @@ def tables() -> Iterator[tuple[SqlStore, SqlStore, _Clock]]:
             conn.execute(f'DROP TABLE IF EXISTS "{name}{suffix}" CASCADE')
 
 
-def _day(store: SqlStore, keys: list[bytes], times: list[float] | None) -> float:
-    """Seconds to claim and complete ``keys`` (claims timed only); every claim is NEW."""
-    spent = 0.0
-    for i in range(0, len(keys), BATCH):
-        batch = keys[i : i + BATCH]
-        start = time.perf_counter()
-        claims = store.claim_many(
-            batch, namespace=NS, event_times=None if times is None else times[i : i + BATCH]
-        )
-        spent += time.perf_counter() - start
-        assert all(c.outcome is Outcome.NEW for c in claims)
-        store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
-    return spent
+def _day(store: SqlStore, keys: list[bytes], times: list[float] | None) -> tuple[float, float]:
+    """Seconds to claim ``keys`` fresh (then completed, untimed) and again (all DUPLICATE)."""
+    spent = [0.0, 0.0]
+    for again in (False, True):
+        for i in range(0, len(keys), BATCH):
+            batch = keys[i : i + BATCH]
+            start = time.perf_counter()
+            claims = store.claim_many(
+                batch, namespace=NS, event_times=None if times is None else times[i : i + BATCH]
+            )
+            spent[again] += time.perf_counter() - start
+            want = Outcome.DUPLICATE if again else Outcome.NEW
+            assert all(c.outcome is want for c in claims)
+            if not again:
+                store.complete_many([(c.key, c.token) for c in claims], namespace=NS)
+    return spent[0], spent[1]
 
 
 def test_insert_cost_as_day_partitions_accumulate(
@@ -102,7 +106,7 @@ def test_insert_cost_as_day_partitions_accumulate(
 ) -> None:
     flat, parted, clock = tables
     rng = random.Random(20251201)
-    rows: list[tuple[int, int, float, float]] = []
+    rows: list[tuple[int, int, float, float, float, float]] = []
     for day in range(DAYS):
         clock.t = T0 + day * DAY + 3600
         parted.ensure_partitions()  # what a sweep does each day
@@ -115,17 +119,20 @@ def test_insert_cost_as_day_partitions_accumulate(
         else:
             t_flat = _day(flat, keys, None)
             t_parted = _day(parted, keys, times)
-        rows.append((day + 1, len(parted.partitions()), t_flat, t_parted))
-    print(f"\nPostgreSQL, {KEYS} fresh keys per day, batches of {BATCH}, claim_many only timed")
-    print("day  partitions  flat ns/key  day-partitioned ns/key  (ms per 10k keys: flat, day)")
+        rows.append((day + 1, len(parted.partitions()), *t_flat, *t_parted))
+    print(f"\nPostgreSQL, {KEYS} keys per day, batches of {BATCH}, claim_many only timed")
+    print("ns/key: fresh keys (flat, day-partitioned), the same keys again (flat, day)")
+    print("day  partitions  fresh flat  fresh day  dup flat  dup day")
     shown = sorted({1, 2, max(1, DAYS // 2), DAYS})
-    for day, parts, t_flat, t_parted in rows:
+
+    def ns(t: float, n: int = KEYS) -> str:
+        return f"{t / n * 1e9:.0f}"
+
+    for day, parts, f_new, f_dup, p_new, p_dup in rows:
         if day in shown:
             print(
-                f"{day:>3}  {parts:>10}  {t_flat / KEYS * 1e9:>11.0f}  "
-                f"{t_parted / KEYS * 1e9:>22.0f}  "
-                f"({t_flat / KEYS * 1e7:.0f}, {t_parted / KEYS * 1e7:.0f})"
+                f"{day:>3}  {parts:>10}  {ns(f_new):>10}  {ns(p_new):>9}  "
+                f"{ns(f_dup):>8}  {ns(p_dup):>7}"
             )
-    total_flat = sum(r[2] for r in rows) / (KEYS * DAYS) * 1e9
-    total_parted = sum(r[3] for r in rows) / (KEYS * DAYS) * 1e9
-    print(f"all  {rows[-1][1]:>10}  {total_flat:>11.0f}  {total_parted:>22.0f}")
+    total = [ns(sum(r[j] for r in rows), KEYS * DAYS) for j in (2, 4, 3, 5)]
+    print(f"all  {rows[-1][1]:>10}  {total[0]:>10}  {total[1]:>9}  {total[2]:>8}  {total[3]:>7}")

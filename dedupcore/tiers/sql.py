@@ -399,11 +399,13 @@ class _Dialect:
         ns: str,
         keys: list[bytes],
         parts: tuple[int, int | None] | None = None,
+        lock: bool = True,
     ) -> list[tuple[Any, ...]]:
         """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked.
 
         ``parts=(lo, hi)`` (a partitioned table): the keys' rows in partitions
-        ``lo`` .. ``hi`` (None: every one from ``lo``), with ``part`` after ``key``.
+        ``lo`` .. ``hi`` (None: every one from ``lo``), with ``part`` after ``key``;
+        ``lock=False`` reads them without locking them.
         """
         t, k, p = self.q(table), self.q("key"), self.ph
         part, where, order = _part_range(parts, k)
@@ -413,7 +415,8 @@ class _Dialect:
             cur.execute(
                 f"SELECT {k}, {part}state, token, owner, fingerprint, result, "
                 f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}){where}{order}{self.for_update}",
+                f"AND {k} IN ({', '.join([p] * len(chunk))}){where}{order}"
+                + (self.for_update if lock else ""),
                 [ns, *chunk],
             )
             out += cur.fetchall()
@@ -795,6 +798,7 @@ class _Postgres(_Dialect):
         ns: str,
         keys: list[bytes],
         parts: tuple[int, int | None] | None = None,
+        lock: bool = True,
     ) -> list[tuple[Any, ...]]:
         cols = "state, token, owner, fingerprint, result, lease_until > now()"
         if parts is None:
@@ -812,7 +816,7 @@ class _Postgres(_Dialect):
             cur.execute(
                 f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
                 f"part, {cols} FROM {self.q(table)} WHERE namespace = %s "
-                f'AND "key" = u.k{where} FOR UPDATE) AS x',
+                f'AND "key" = u.k{where}{" FOR UPDATE" if lock else ""}) AS x',
                 [sorted(keys), ns],
             )
         rows: list[tuple[Any, ...]] = cur.fetchall()
@@ -2140,6 +2144,27 @@ class SqlStore(ClaimAPI):
             # Partitions before the horizon stay missing: the transaction refuses them.
             self._ensure_upto(max(top, self._parts[-1] if self._parts else top))
 
+        if d.read_first and self._dup_share.get(ns, 0.0) > _READ_FIRST_ABOVE:
+            # As claim_many: a batch that is all PROCESSED is answered by one unlocked
+            # read (a PROCESSED row is final), without a write transaction.
+            lo, hi = min(lo_of.values()), max(hi_of.values())
+            done: dict[bytes, tuple[Any, ...]] = {}
+            for row in self._tx(
+                lambda cur: d.select_rows(cur, self.table, ns, unique, (lo, hi), lock=False),
+                write=False,
+            ):
+                k, part = bytes(row[0]), int(row[1])
+                if int(row[2]) == _PROCESSED and lo_of[k] <= part <= hi_of[k]:
+                    done.setdefault(k, row)
+            if len(done) == len(unique):
+                claims: list[Claim] = []
+                for key, k, fp in zip(key_list, raw, fps, strict=True):
+                    hit = done[k]
+                    if fp is not None and hit[5] is not None and fp != bytes(hit[5]):
+                        raise fingerprint_conflict(key, ns)  # before anything is written
+                    result = unpack_result(None if hit[6] is None else bytes(hit[6]))
+                    claims.append(Claim(key, ns, Outcome.DUPLICATE, int(hit[3]), result))
+                return claims
         plain = [d.plain_insert and self._seen_share.get(ns, 0.0) < _PLAIN_BELOW]
         seen: list[int] = []
 

@@ -18,7 +18,7 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.config import Retention
-from dedupcore.errors import SchemaError, StaleTokenError
+from dedupcore.errors import ConflictError, SchemaError, StaleTokenError
 from dedupcore.ids import pack
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.archive import ColdArchive
@@ -217,6 +217,23 @@ def test_beyond_tolerance_across_a_boundary_is_another_message(store: SqlStore) 
     assert store.claim("b2", namespace=NS, event_time=T0 + DAY - 1000).outcome is (
         Outcome.DUPLICATE
     )
+
+
+def test_mostly_duplicate_batches_across_a_boundary(store: SqlStore) -> None:
+    boundary = T0 + DAY
+    keys = [f"d{i}" for i in range(20)]
+    first = [boundary - 30.0 + i for i in range(20)]  # both sides of the boundary
+    claims = store.claim_many(keys, namespace=NS, event_times=first, fingerprints=[b"f"] * 20)
+    store.complete_many([(c.key, c.token, c.key) for c in claims], namespace=NS)
+    retry = [t + 25 for t in first]  # retried with later event times, some across it
+    for _ in range(3):  # DUPLICATE batches: the store switches to reading them first
+        got = store.claim_many(keys, namespace=NS, event_times=retry)
+        assert [(c.outcome, c.result) for c in got] == [(Outcome.DUPLICATE, k) for k in keys]
+    assert store.stats()["duplicate"] == 60
+    with pytest.raises(ConflictError):
+        store.claim_many(keys, namespace=NS, event_times=retry, fingerprints=[b"g"] * 20)
+    mixed = store.claim_many([*keys, "d-new"], namespace=NS, event_times=[*retry, boundary])
+    assert [c.outcome for c in mixed] == [Outcome.DUPLICATE] * 20 + [Outcome.NEW]
 
 
 def test_takeover_release_and_stale_tokens_in_a_partition(engine: Engine, store: SqlStore) -> None:
