@@ -816,7 +816,8 @@ class _Postgres(_Dialect):
             cur.execute(
                 f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
                 f"part, {cols} FROM {self.q(table)} WHERE namespace = %s "
-                f'AND "key" = u.k{where}{" FOR UPDATE" if lock else ""}) AS x',
+                # (OFFSET 0 keeps an unlocked subquery from being flattened into a join.)
+                f'AND "key" = u.k{where}{" FOR UPDATE" if lock else " OFFSET 0"}) AS x',
                 [sorted(keys), ns],
             )
         rows: list[tuple[Any, ...]] = cur.fetchall()
