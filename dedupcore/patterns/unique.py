@@ -56,7 +56,6 @@ every other error (psycopg ``23505``, PyMySQL ``1062``, sqlite3
 from __future__ import annotations
 
 import re
-import sqlite3
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,18 +63,20 @@ from typing import Any
 
 from dedupcore.api import Outcome
 from dedupcore.errors import SchemaError
-from dedupcore.tiers.sql import detect_dialect
+from dedupcore.tiers.dialect import (
+    detect_dialect,
+    driver_error,
+    is_unique_violation,
+    on_conflict_do_nothing,
+    placeholder,
+    quote,
+)
 
 __all__ = ["SchemaError", "forget_schema", "insert_once", "is_unique_violation"]
 
 #: SQL identifiers accepted for tables and columns (no quoting games, no schema prefix).
 IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 
-# sqlite3 extended result codes (Python 3.11+ exposes them as exc.sqlite_errorcode).
-_SQLITE_CONSTRAINT_PRIMARYKEY = 1555
-_SQLITE_CONSTRAINT_UNIQUE = 2067
-# MariaDB/MySQL: ER_DUP_ENTRY and ER_DUP_ENTRY_WITH_KEY_NAME.
-_MYSQL_DUP_ENTRY = (1062, 1586)
 _MYSQL_DUP_KEY_RE = re.compile(r"for key '(.*)'\Z", re.S)
 
 
@@ -89,44 +90,6 @@ def check_identifier(name: object, what: str) -> str:
             f"characters, got {name!r}"
         )
     return name
-
-
-# -- errors ------------------------------------------------------------------------------
-
-
-def _driver_error(exc: BaseException) -> BaseException:
-    """The driver's exception (SQLAlchemy wraps it as ``.orig``)."""
-    if type(exc).__module__.startswith("sqlalchemy"):
-        orig = getattr(exc, "orig", None)
-        if isinstance(orig, BaseException):
-            return orig
-    return exc
-
-
-def is_unique_violation(exc: BaseException) -> bool:
-    """True only for a duplicate-key error of psycopg, PyMySQL or sqlite3 (or SQLAlchemy's wrap).
-
-    NOT NULL, foreign key and check violations, and every other error, are False.
-    """
-    exc = _driver_error(exc)
-    module = type(exc).__module__.split(".")[0]
-    if module == "psycopg":
-        return getattr(exc, "sqlstate", None) == "23505"
-    if module == "pymysql":
-        import pymysql
-
-        args: tuple[Any, ...] = exc.args
-        return (
-            isinstance(exc, pymysql.err.IntegrityError)
-            and bool(args)
-            and args[0] in _MYSQL_DUP_ENTRY
-        )
-    if isinstance(exc, sqlite3.IntegrityError):
-        code = getattr(exc, "sqlite_errorcode", None)
-        if code is not None:
-            return code in (_SQLITE_CONSTRAINT_UNIQUE, _SQLITE_CONSTRAINT_PRIMARYKEY)
-        return str(exc).startswith("UNIQUE constraint failed")  # Python < 3.11
-    return False
 
 
 # -- connections ---------------------------------------------------------------------------
@@ -150,7 +113,7 @@ class Conn:
         else:
             self.raw = conn
         self.dialect = detect_dialect(self.raw)
-        self.ph = "?" if self.dialect == "sqlite" else "%s"
+        self.ph = placeholder(self.dialect)
 
     @property
     def kind(self) -> str:
@@ -158,7 +121,7 @@ class Conn:
         return f"{'sqlalchemy+' if self.sa is not None else ''}{self.dialect}"
 
     def q(self, ident: str) -> str:
-        return f"`{ident}`" if self.dialect == "mysql" else f'"{ident}"'
+        return quote(self.dialect, ident)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> tuple[int, list[tuple[Any, ...]]]:
         """Runs one statement: ``(rowcount, rows)`` (rows empty for statements without any)."""
@@ -418,9 +381,7 @@ def insert_once(conn: Any, table: str, row: Mapping[str, Any], unique: Sequence[
     )
     if c.dialect != "mysql":
         c.sqlite_begin()
-        count, _ = c.execute(
-            f"{sql} ON CONFLICT ({', '.join(q(col) for col in ucols)}) DO NOTHING", values
-        )
+        count, _ = c.execute(f"{sql} {on_conflict_do_nothing(c.dialect, ucols)}", values)
         return Outcome.NEW if count == 1 else Outcome.DUPLICATE
     try:
         c.execute(sql, values)
@@ -435,7 +396,7 @@ def insert_once(conn: Any, table: str, row: Mapping[str, Any], unique: Sequence[
 
 def _mysql_dup_key(exc: BaseException, table: str) -> str | None:
     """The index a MariaDB/MySQL duplicate-key error names (MySQL 8 writes ``table.index``)."""
-    exc = _driver_error(exc)
+    exc = driver_error(exc)
     args: tuple[Any, ...] = exc.args
     match = _MYSQL_DUP_KEY_RE.search(str(args[1])) if len(args) > 1 else None
     if match is None:

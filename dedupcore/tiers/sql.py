@@ -31,10 +31,11 @@ KEY UPDATE `key` = `key``` (MariaDB/MySQL: multi-row ``VALUES``, 1000 rows
 per statement; never ``INSERT IGNORE``, which would turn every error into a
 warning), then reads the batch's other rows with ``SELECT .. ORDER BY key
 FOR UPDATE`` (SQLite: the whole transaction is ``BEGIN IMMEDIATE``), decides
-every key in Python exactly as :class:`~dedupcore.DedupStore` does, and
-applies takeovers, tombstone re-claims and lease renewals with batched
-``UPDATE`` statements (PostgreSQL: ``UPDATE .. FROM unnest(..)``; MariaDB:
-a join with a derived table; SQLite: ``executemany``) before ``COMMIT``.
+every key with :func:`dedupcore.decision.decide_claim` (the reference the
+embedded store's engine is checked against), and applies takeovers,
+tombstone re-claims and lease renewals with batched ``UPDATE`` statements
+(PostgreSQL: ``UPDATE .. FROM unnest(..)``; MariaDB: a join with a derived
+table; SQLite: ``executemany``) before ``COMMIT``.
 Completions and releases are one ``SELECT .. FOR UPDATE`` and one batched
 ``UPDATE``. A fingerprint conflict or a stale token raises inside the
 transaction, which is rolled back: nothing of the batch is written.
@@ -88,25 +89,26 @@ own data (out of range, too long, a CHECK) is a
 arguments are all checked before they are sent, so it only happens when the
 table does not have the shape :meth:`SqlStore.init_schema` gives it.
 
-**Why the table is not partitioned (yet).** Declarative ``RANGE``
-partitions by day on ``created`` would make retention a ``DROP`` of old
-partitions. Both PostgreSQL and MariaDB require the partition key to
-be part of every unique constraint of a partitioned table, so the primary
-key would have to become ``(namespace, key, created)``: ``ON CONFLICT`` /
-``ON DUPLICATE KEY`` would then only see a claim of the same key made on the
-*same* day, and a redelivery on another day would insert a second row and
-be answered NEW — exactly the false NEW the authority exists to prevent.
-The ways around it each cost what the authority is there to save: a
-``pg_advisory_xact_lock`` per key (one lock-table slot per key of a batch,
-bounded by ``max_locks_per_transaction``) plus an index probe into every
-day's partition per key, or a second, unpartitioned ``(namespace, key)``
-table, which then is the one that needs row deletes. So for now every
-engine gets one unpartitioned table keyed by ``(namespace, key)``, and
-retention is :meth:`SqlStore.purge`: bounded batches of deletes driven by
-the ``updated`` index (abandoned claims become tombstones first, as the
-embedded store's sweep does), with a ``before_delete`` hook that copies each
-batch's processed keys into the cold archive before the delete commits.
-Day partitions with a race-free lookup remain open.
+**Partitions by event time.** Declarative ``RANGE`` partitions make
+retention a ``DROP`` of old partitions. Both PostgreSQL and MariaDB require
+the partition key in every unique constraint, so a partitioned table's
+primary key is ``(namespace, key, part)``. Were ``part`` the arrival day, a
+redelivery on a later day would insert a second row and be answered NEW. So
+``SqlStore(partition="day" | "hour")`` takes ``part`` from a time that every
+delivery of a message shares: the ``event_time`` passed with the claim, or
+the time inside the key (``key_time``, default: a time-ordered id's,
+:func:`id_time`). A claim looks the key up in every partition its
+``partition_tolerance`` interval touches (keys near a boundary lock an edge
+row first, so two deliveries on both sides of a boundary cannot both insert),
+and :meth:`SqlStore.drop_partitions` moves a horizon that claims hold shared,
+passes the old partitions' PROCESSED keys to ``before_delete`` and drops
+them whole. docs/sql-partitions.md has the layout, the exact lookup rule and
+what it guarantees. An unpartitioned table (the default, and SQLite's only
+kind) is keyed by ``(namespace, key)``, and retention is
+:meth:`SqlStore.purge`: bounded batches of deletes driven by the ``updated``
+index (abandoned claims become tombstones first, as the embedded store's
+sweep does), with a ``before_delete`` hook that copies each batch's
+processed keys into the cold archive before the delete commits.
 
 Use :meth:`SqlStore.from_url` (``postgresql://``, ``mysql://`` or
 ``mariadb://``, ``sqlite:///relative.db`` / ``sqlite:////absolute.db``) or
@@ -118,7 +120,9 @@ then starts from an empty database.)
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import hashlib
 import logging
 import os
 import random
@@ -130,7 +134,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import dedupcore.keys as _keys
 from dedupcore.api import (
@@ -146,8 +149,20 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.decision import ERR_COMPLETED, ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, stale_token_error
-from dedupcore.errors import SchemaError, UnavailableError
+from dedupcore.decision import (
+    DUPLICATE,
+    ERR_COMPLETED,
+    ERR_NOT_CLAIMED,
+    ERR_WRONG_TOKEN,
+    IN_PROGRESS,
+    NEW,
+    NEW_TAKEOVER,
+    Rec,
+    decide_claim,
+    stale_token_error,
+)
+from dedupcore.errors import DedupError, SchemaError, UnavailableError
+from dedupcore.ids import time_of
 from dedupcore.record import State
 from dedupcore.tiers.base import (
     RequestRefusedError,
@@ -155,11 +170,26 @@ from dedupcore.tiers.base import (
     check_retention,
     check_timeout,
 )
+from dedupcore.tiers.dialect import DEFAULT_TIMEOUT, detect_dialect, is_unique_violation, quote
+from dedupcore.tiers.dialect import connect_url as _factory
+from dedupcore.tiers.dialect import on_conflict_do_nothing as _do_nothing
 
-__all__ = ["DEFAULT_TIMEOUT", "SqlStore", "detect_dialect"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_TOLERANCE",
+    "PARTITION_SPANS",
+    "PartitionDroppedError",
+    "SqlStore",
+    "check_event_time",
+    "detect_dialect",
+    "id_time",
+]
 
-#: Seconds :meth:`SqlStore.from_url` gives a connect and a statement (see there).
-DEFAULT_TIMEOUT = 5.0
+#: Seconds an event time may differ between deliveries of one message and still find
+#: its first claim across a partition boundary (docs/sql-partitions.md).
+DEFAULT_TOLERANCE = 300.0
+#: Seconds per partition of ``SqlStore(partition=...)``.
+PARTITION_SPANS = {"day": 86400, "hour": 3600}
 
 log = logging.getLogger("dedupcore")
 
@@ -184,11 +214,76 @@ _SHARE_WEIGHT = 0.5
 _PLAIN_BELOW = 0.001
 _MAX_SHARES = 10_000
 
+#: The decision's answer codes (dedupcore/decision.py) as outcomes.
+_OUTCOMES = {
+    NEW: Outcome.NEW,
+    NEW_TAKEOVER: Outcome.NEW,
+    DUPLICATE: Outcome.DUPLICATE,
+    IN_PROGRESS: Outcome.IN_PROGRESS,
+}
+
 #: ``before_delete(namespace, keys)`` of :meth:`SqlStore.purge`.
 BeforeDelete = Callable[[str, list[bytes]], None]
 
 # SET list of a batched UPDATE: (column, i) takes the i-th per-row value, (column, str) is SQL.
 _SetList = list[tuple[str, "int | str"]]
+
+
+class PartitionDroppedError(DedupError, ValueError):
+    """The event time's partition was dropped (it is older than the exact window).
+
+    The store has no row to decide with and nowhere to write one; a stack
+    with a cold archive answers the keys the archive holds before they get
+    here (docs/sql-partitions.md).
+    """
+
+
+def id_time(key: bytes | str) -> float:
+    """The time inside a time-ordered id (:mod:`dedupcore.ids`), in unix seconds."""
+    return time_of(key) / 1000.0
+
+
+def check_event_time(value: object, what: str = "event_time") -> float:
+    """An event time as unix seconds: an int or float, or an aware ``datetime``."""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"{what} must be an aware datetime (with tzinfo), got {value!r}")
+        value = value.timestamp()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{what} must be unix seconds (int or float) or an aware datetime, "
+            f"not {type(value).__name__}"
+        )
+    t = float(value)
+    if not 0.0 <= t < _MAX_EVENT_TIME:
+        raise ValueError(f"{what} must be unix seconds in 0..{_MAX_EVENT_TIME:.0f}, got {value!r}")
+    return t
+
+
+_MAX_EVENT_TIME = 253402300800.0  # 10000-01-01
+
+
+def _check_tolerance(value: object, span: int | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"partition_tolerance must be seconds (int or float), not {type(value).__name__}"
+        )
+    t = float(value)
+    if not 0.0 <= t < (span if span is not None else 86400):
+        raise ValueError(
+            f"partition_tolerance must be seconds in [0, the partition's span), got {value!r}"
+        )
+    return t
+
+
+def _rowcount(cur: Any, sql: str) -> int:
+    cur.execute(sql)
+    return int(cur.rowcount)
+
+
+def _floor(t: float, span: int) -> int:
+    """The start of the partition holding ``t``."""
+    return int(t // span) * span
 
 
 class _Retry(Exception):
@@ -208,6 +303,18 @@ class _Row:
     live: bool
     result: bytes | None = None
 
+    @classmethod
+    def of(cls, s: Any, tok: Any, o: Any, f: Any, res: Any, live: Any) -> _Row:
+        """A row from ``(state, token, owner, fingerprint, result, live)`` as selected."""
+        return cls(
+            int(s),
+            int(tok),
+            None if o is None else bytes(o),
+            None if f is None else bytes(f),
+            bool(live),
+            None if res is None else bytes(res),
+        )
+
 
 # -- dialects --------------------------------------------------------------------
 
@@ -216,11 +323,11 @@ class _Dialect:
     """What differs between the engines: SQL text, session setup, error classes."""
 
     name = ""
-    ph = "%s"  # the driver's placeholder
+    ph = "%s"  # the driver's placeholder (dialect.placeholder)
     max_key_bytes = 512
 
     def q(self, ident: str) -> str:
-        return f'"{ident}"'
+        return quote(self.name, ident)
 
     @property
     def now(self) -> str:
@@ -280,22 +387,36 @@ class _Dialect:
         owner: bytes | None,
         lease: float,
         nonce: bytes,
+        parts: list[int] | None = None,
     ) -> set[bytes] | None:
         """Creates the rows that do not exist; the keys created, or None if unknown."""
         raise NotImplementedError
 
     def select_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        keys: list[bytes],
+        parts: tuple[int, int | None] | None = None,
+        lock: bool = True,
     ) -> list[tuple[Any, ...]]:
-        """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked."""
+        """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked.
+
+        ``parts=(lo, hi)`` (a partitioned table): the keys' rows in partitions
+        ``lo`` .. ``hi`` (None: every one from ``lo``), with ``part`` after ``key``;
+        ``lock=False`` reads them without locking them.
+        """
         t, k, p = self.q(table), self.q("key"), self.ph
+        part, where, order = _part_range(parts, k)
         out: list[tuple[Any, ...]] = []
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i : i + _CHUNK]
             cur.execute(
-                f"SELECT {k}, state, token, owner, fingerprint, result, "
+                f"SELECT {k}, {part}state, token, owner, fingerprint, result, "
                 f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}) ORDER BY {k}{self.for_update}",
+                f"AND {k} IN ({', '.join([p] * len(chunk))}){where}{order}"
+                + (self.for_update if lock else ""),
                 [ns, *chunk],
             )
             out += cur.fetchall()
@@ -319,12 +440,13 @@ class _Dialect:
         fps: list[bytes | None],
         owner: bytes | None,
         lease: float,
+        parts: list[int] | None = None,
     ) -> None:
         """Creates every row; raises (see :meth:`is_unique_violation`) if any exists."""
         raise NotImplementedError
 
     def is_unique_violation(self, exc: BaseException) -> bool:
-        return False
+        return is_unique_violation(exc)
 
     def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> list[tuple[Any, ...]]:
         """``(key, state, token, owner, fingerprint, result)`` of existing keys, not locked."""
@@ -341,7 +463,14 @@ class _Dialect:
         return out
 
     def update_rows(
-        self, cur: Any, table: str, ns: str, sets: _SetList, types: list[str], rows: list[list[Any]]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        sets: _SetList,
+        types: list[str],
+        rows: list[list[Any]],
+        parted: bool = False,
     ) -> None:
         """``UPDATE .. SET sets`` for each row ``[key, v0, v1, ..]`` (keys already locked)."""
         raise NotImplementedError
@@ -443,6 +572,41 @@ class _Dialect:
         )
 
     def ago(self, seconds: float) -> str:
+        raise NotImplementedError
+
+    # -- partitions by event time (docs/sql-partitions.md) --------------------------
+
+    #: Whether the engine can keep the table in RANGE partitions of ``part``.
+    partitions = False
+
+    def part_schema(self, table: str, first: int, span: int) -> list[str]:
+        """The partitioned table (no partition yet where the engine allows), meta and edges."""
+        raise NotImplementedError
+
+    def part_list(self, cur: Any, table: str) -> list[int]:
+        """The starts of the table's partitions, sorted."""
+        raise NotImplementedError
+
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        raise NotImplementedError
+
+    def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
+        """Creates the partitions starting at ``starts`` (after the last one on MariaDB)."""
+        raise NotImplementedError
+
+    def part_drop(self, cur: Any, table: str, start: int) -> None:
+        raise NotImplementedError
+
+    def part_from(self, table: str, start: int) -> str:
+        """The FROM item that reads one partition."""
+        raise NotImplementedError
+
+    def part_guard(self, cur: Any, table: str, exclusive: bool) -> int:
+        """Locks the horizon (shared by claims, exclusive to move it) and returns it."""
+        raise NotImplementedError
+
+    def lock_edges(self, cur: Any, table: str, ns: str, edges: list[tuple[bytes, int]]) -> None:
+        """Creates or locks one edge row per ``(key, boundary)`` (sorted), until the commit."""
         raise NotImplementedError
 
 
@@ -552,7 +716,9 @@ class _Postgres(_Dialect):
         owner: bytes | None,
         lease: float,
         nonce: bytes,
+        parts: list[int] | None = None,
     ) -> set[bytes] | None:
+        target = ["namespace", "key", *(["part"] if parts is not None else [])]
         self._insert(
             cur,
             table,
@@ -561,7 +727,8 @@ class _Postgres(_Dialect):
             fps,
             owner,
             lease,
-            'ON CONFLICT (namespace, "key") DO NOTHING RETURNING "key"',
+            f'{_do_nothing(self.name, target)} RETURNING "key"',
+            parts,
         )
         return {bytes(r[0]) for r in cur.fetchall()}
 
@@ -574,14 +741,10 @@ class _Postgres(_Dialect):
         fps: list[bytes | None],
         owner: bytes | None,
         lease: float,
+        parts: list[int] | None = None,
     ) -> None:
         # No speculative insertion: about 40 % less server time than ON CONFLICT.
-        self._insert(cur, table, ns, keys, fps, owner, lease, "")
-
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        import psycopg.errors
-
-        return isinstance(exc, psycopg.errors.UniqueViolation)
+        self._insert(cur, table, ns, keys, fps, owner, lease, "", parts)
 
     def _insert(
         self,
@@ -593,18 +756,30 @@ class _Postgres(_Dialect):
         owner: bytes | None,
         lease: float,
         tail: str,
+        parts: list[int] | None = None,
     ) -> None:
         # The arrays go in binary (bytea in text needs escaping per element); a batch
         # without fingerprints sends no array of NULLs.
         with_fps = any(f is not None for f in fps)
+        cols, arrays = ["k"], ["%b::bytea[]"]
+        params: list[Any] = [ns, owner, keys]
+        if parts is not None:
+            cols.append("p")
+            arrays.append("%s::bigint[]")
+            params.append(parts)
+        if with_fps:
+            cols.append("f")
+            arrays.append("%b::bytea[]")
+            params.append(fps)
         cur.execute(
-            f'INSERT INTO {self.q(table)} (namespace, "key", state, token, owner, fingerprint, '
+            f'INSERT INTO {self.q(table)} (namespace, "key", '
+            f"{'part, ' if parts is not None else ''}state, token, owner, fingerprint, "
             "lease_until, created, updated) "
-            f"SELECT %s::text, u.k, {_PROCESSING}, 1, %s::bytea, "
-            f"{'u.f' if with_fps else 'NULL::bytea'}, {self.lease_until(lease)}, now(), now() "
-            f"FROM unnest(%b::bytea[]{', %b::bytea[]' if with_fps else ''}) AS "
-            f"{'u(k, f)' if with_fps else 'u(k)'} ORDER BY u.k {tail}",
-            [ns, owner, keys, fps] if with_fps else [ns, owner, keys],
+            f"SELECT %s::text, u.k, {'u.p, ' if parts is not None else ''}{_PROCESSING}, 1, "
+            f"%s::bytea, {'u.f' if with_fps else 'NULL::bytea'}, {self.lease_until(lease)}, "
+            f"now(), now() FROM unnest({', '.join(arrays)}) AS u({', '.join(cols)}) "
+            f"ORDER BY u.k {tail}",
+            params,
         )
 
     def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> list[tuple[Any, ...]]:
@@ -617,27 +792,141 @@ class _Postgres(_Dialect):
         return rows
 
     def select_rows(
-        self, cur: Any, table: str, ns: str, keys: list[bytes]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        keys: list[bytes],
+        parts: tuple[int, int | None] | None = None,
+        lock: bool = True,
     ) -> list[tuple[Any, ...]]:
-        cur.execute(
-            f'SELECT "key", state, token, owner, fingerprint, result, lease_until > now() '
-            f'FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]) '
-            'ORDER BY "key" FOR UPDATE',
-            [ns, keys],
-        )
+        cols = "state, token, owner, fingerprint, result, lease_until > now()"
+        if parts is None:
+            cur.execute(
+                f'SELECT "key", {cols} FROM {self.q(table)} WHERE namespace = %s '
+                'AND "key" = ANY(%b::bytea[]) ORDER BY "key" FOR UPDATE',
+                [ns, keys],
+            )
+        else:
+            # One index probe per key and partition (a lateral join on key = u.k): with
+            # "key" = ANY(..) on the second index column, PostgreSQL (before 17) plans a
+            # scan of the namespace's rows in each partition whose statistics are not
+            # gathered yet (a new one). Keys in order, then partitions: one lock order.
+            _, where, _ = _part_range(parts, '"key"')
+            cur.execute(
+                f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
+                f"part, {cols} FROM {self.q(table)} WHERE namespace = %s "
+                # (OFFSET 0 keeps an unlocked subquery from being flattened into a join.)
+                f'AND "key" = u.k{where}{" FOR UPDATE" if lock else " OFFSET 0"}) AS x',
+                [sorted(keys), ns],
+            )
         rows: list[tuple[Any, ...]] = cur.fetchall()
         return rows
 
     def update_rows(
-        self, cur: Any, table: str, ns: str, sets: _SetList, types: list[str], rows: list[list[Any]]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        sets: _SetList,
+        types: list[str],
+        rows: list[list[Any]],
+        parted: bool = False,
     ) -> None:
-        cols = ["k", *(f"v{i}" for i in range(len(types)))]
-        arrays = ", ".join(f"%{'b' if ty == 'bytea' else 's'}::{ty}[]" for ty in ["bytea", *types])
+        lead = ["bytea", "bigint"] if parted else ["bytea"]
+        cols = ["k", *(["p"] if parted else []), *(f"v{i}" for i in range(len(types)))]
+        arrays = ", ".join(f"%{'b' if ty == 'bytea' else 's'}::{ty}[]" for ty in [*lead, *types])
         set_sql = self.set_clause(sets, lambda i: f"u.v{i}")
         cur.execute(
             f"UPDATE {self.q(table)} AS d SET {set_sql} FROM unnest({arrays}) "
-            f'AS u({", ".join(cols)}) WHERE d.namespace = %s AND d."key" = u.k',
+            f'AS u({", ".join(cols)}) WHERE d.namespace = %s AND d."key" = u.k'
+            + (" AND d.part = u.p" if parted else ""),
             [*([r[j] for r in rows] for j in range(len(cols))), ns],
+        )
+
+    partitions = True
+
+    def part_schema(self, table: str, first: int, span: int) -> list[str]:
+        t = self.q(table)
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+                namespace text COLLATE "C" NOT NULL,
+                "key" bytea NOT NULL,
+                part bigint NOT NULL,
+                state smallint NOT NULL CHECK (state IN (1, 2, 3)),
+                token bigint NOT NULL CHECK (token > 0),
+                owner bytea,
+                fingerprint bytea,
+                result bytea,
+                lease_until timestamptz,
+                created timestamptz NOT NULL,
+                updated timestamptz NOT NULL,
+                PRIMARY KEY (namespace, "key", part)
+            ) PARTITION BY RANGE (part)""",
+            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_parts")} (
+                id int PRIMARY KEY, span bigint NOT NULL, horizon bigint NOT NULL)""",
+            f"INSERT INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)}) "
+            f"{_do_nothing(self.name, ['id'])}",
+            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_edge")} (
+                namespace text COLLATE "C" NOT NULL,
+                "key" bytea NOT NULL,
+                boundary bigint NOT NULL,
+                PRIMARY KEY (namespace, "key", boundary))""",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_edge_b')} "
+            f"ON {self.q(table + '_edge')} (boundary)",
+        ]
+
+    def part_list(self, cur: Any, table: str) -> list[int]:
+        cur.execute(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(%s)",
+            [self.q(table)],
+        )
+        return sorted(_part_start(table, str(r[0])) for r in cur.fetchall())
+
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        cur.execute(
+            "SELECT count(*) FROM pg_partitioned_table WHERE partrelid = to_regclass(%s)",
+            [self.q(table)],
+        )
+        return bool(cur.fetchone()[0])
+
+    def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
+        for start in starts:
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.q(_part_name(table, start))} PARTITION OF "
+                f"{self.q(table)} FOR VALUES FROM ({int(start)}) TO ({int(start + span)})"
+            )
+
+    def part_drop(self, cur: Any, table: str, start: int) -> None:
+        cur.execute(f"DROP TABLE IF EXISTS {self.q(_part_name(table, start))}")
+
+    def part_from(self, table: str, start: int) -> str:
+        return self.q(_part_name(table, start))
+
+    def part_guard(self, cur: Any, table: str, exclusive: bool) -> int:
+        # An advisory lock lives in memory only (a row lock FOR SHARE would write the
+        # row); the horizon is read by a statement of its own, after the lock.
+        # One round trip: without parameters the two statements go as one simple query,
+        # and each statement of it takes its own snapshot (READ COMMITTED).
+        fn = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+        cur.execute(
+            f"SELECT {fn}({_lock_id(table)}); "
+            f"SELECT horizon FROM {self.q(table + '_parts')} WHERE id = 1"
+        )
+        cur.nextset()
+        row = cur.fetchone()
+        if row is None:
+            raise SchemaError(f"the partition table {table}_parts has no row: run init_schema()")
+        return int(row[0])
+
+    def lock_edges(self, cur: Any, table: str, ns: str, edges: list[tuple[bytes, int]]) -> None:
+        cur.execute(
+            f'INSERT INTO {self.q(table + "_edge")} (namespace, "key", boundary) '
+            "SELECT %s::text, u.k, u.b FROM unnest(%b::bytea[], %s::bigint[]) AS u(k, b) "
+            'ORDER BY u.k, u.b ON CONFLICT (namespace, "key", boundary) '
+            "DO UPDATE SET boundary = EXCLUDED.boundary",
+            [ns, [k for k, _ in edges], [b for _, b in edges]],
         )
 
     def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
@@ -652,9 +941,6 @@ class _Postgres(_Dialect):
 class _MySQL(_Dialect):
     name = "mysql"
     max_key_bytes = 512  # the VARBINARY(512) column
-
-    def q(self, ident: str) -> str:
-        return f"`{ident}`"
 
     @property
     def now(self) -> str:
@@ -758,38 +1044,51 @@ class _MySQL(_Dialect):
         owner: bytes | None,
         lease: float,
         nonce: bytes,
+        parts: list[int] | None = None,
     ) -> set[bytes] | None:
+        part_ph, part_col = ("%s, ", "part, ") if parts is not None else ("", "")
         row = (
-            f"(%s, %s, {_PROCESSING}, 1, %s, %s, %s, {self.lease_until(lease)}, "
+            f"(%s, %s, {part_ph}{_PROCESSING}, 1, %s, %s, %s, {self.lease_until(lease)}, "
             "CURRENT_TIMESTAMP(6), CURRENT_TIMESTAMP(6))"
         )
         for i in range(0, len(keys), _CHUNK):
             params: list[Any] = []
-            for k, fp in zip(keys[i : i + _CHUNK], fps[i : i + _CHUNK], strict=True):
-                params += (ns, k, owner, fp, nonce)
+            for j in range(i, min(i + _CHUNK, len(keys))):
+                if parts is None:
+                    params += (ns, keys[j], owner, fps[j], nonce)
+                else:
+                    params += (ns, keys[j], parts[j], owner, fps[j], nonce)
             cur.execute(
-                f"INSERT INTO {self.q(table)} (namespace, `key`, state, token, owner, "
+                f"INSERT INTO {self.q(table)} (namespace, `key`, {part_col}state, token, owner, "
                 "fingerprint, result, lease_until, created, updated) VALUES "
-                + ", ".join([row] * (len(params) // 5))
+                + ", ".join([row] * (min(i + _CHUNK, len(keys)) - i))
                 + " ON DUPLICATE KEY UPDATE `key` = `key`",
                 params,
             )
         return None  # the SELECT .. FOR UPDATE tells them by the nonce
 
     def update_rows(
-        self, cur: Any, table: str, ns: str, sets: _SetList, types: list[str], rows: list[list[Any]]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        sets: _SetList,
+        types: list[str],
+        rows: list[list[Any]],
+        parted: bool = False,
     ) -> None:
-        names = ["k", *(f"v{i}" for i in range(len(types)))]
+        names = ["k", *(["p"] if parted else []), *(f"v{i}" for i in range(len(types)))]
         first = "SELECT " + ", ".join(f"%s AS {n}" for n in names)
         other = "SELECT " + ", ".join(["%s"] * len(names))
         set_sql = self.set_clause(sets, lambda i: f"u.v{i}")
         t = self.q(table)
+        on_part = f" AND {t}.part = u.p" if parted else ""
         for i in range(0, len(rows), _CHUNK):
             chunk = rows[i : i + _CHUNK]
             derived = " UNION ALL ".join([first] + [other] * (len(chunk) - 1))
             cur.execute(
-                f"UPDATE {t} JOIN ({derived}) AS u ON {t}.namespace = %s AND {t}.`key` = u.k "
-                f"SET {set_sql}",
+                f"UPDATE {t} JOIN ({derived}) AS u ON {t}.namespace = %s AND {t}.`key` = u.k"
+                f"{on_part} SET {set_sql}",
                 [*(v for r in chunk for v in r), ns],
             )
 
@@ -797,6 +1096,102 @@ class _MySQL(_Dialect):
 
     def limited(self, verb: str, table: str, where: str, limit: int) -> str:
         return f"{verb} WHERE {where} LIMIT {int(limit)}"
+
+    partitions = True
+
+    def part_schema(self, table: str, first: int, span: int) -> list[str]:
+        t = self.q(table)
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+                namespace VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                `key` VARBINARY(512) NOT NULL,
+                part BIGINT NOT NULL,
+                state TINYINT NOT NULL,
+                token BIGINT NOT NULL,
+                owner VARBINARY(255) NULL,
+                fingerprint VARBINARY(255) NULL,
+                result LONGBLOB NULL,
+                lease_until DATETIME(6) NULL,
+                created DATETIME(6) NOT NULL,
+                updated DATETIME(6) NOT NULL,
+                PRIMARY KEY (namespace, `key`, part),
+                CONSTRAINT {self.q(table + "_state")} CHECK (state IN (1, 2, 3)),
+                CONSTRAINT {self.q(table + "_token")} CHECK (token > 0)
+            ) ENGINE=InnoDB ROW_FORMAT=DYNAMIC PARTITION BY RANGE (part) (PARTITION
+            {self.q(_part_name("p", first))} VALUES LESS THAN ({int(first + span)}))""",
+            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_parts")} (
+                id INT PRIMARY KEY, span BIGINT NOT NULL, horizon BIGINT NOT NULL
+            ) ENGINE=InnoDB""",
+            f"INSERT INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)}) "
+            "ON DUPLICATE KEY UPDATE id = id",
+            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_edge")} (
+                namespace VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                `key` VARBINARY(512) NOT NULL,
+                boundary BIGINT NOT NULL,
+                PRIMARY KEY (namespace, `key`, boundary),
+                KEY {self.q(table + "_edge_b")} (boundary)
+            ) ENGINE=InnoDB""",
+        ]
+
+    def part_list(self, cur: Any, table: str) -> list[int]:
+        cur.execute(
+            "SELECT PARTITION_NAME FROM information_schema.PARTITIONS WHERE "
+            "TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s AND PARTITION_NAME IS NOT NULL",
+            [table],
+        )
+        return sorted(_part_start("p", str(r[0])) for r in cur.fetchall())
+
+    def is_partitioned(self, cur: Any, table: str) -> bool:
+        cur.execute(
+            "SELECT count(*) FROM information_schema.PARTITIONS WHERE TABLE_SCHEMA = DATABASE() "
+            "AND TABLE_NAME = %s AND PARTITION_NAME IS NOT NULL",
+            [table],
+        )
+        return bool(cur.fetchone()[0])
+
+    def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
+        # RANGE partitions are added after the last one only; a concurrent store that
+        # added them first makes this fail with 1517/1493, which the caller re-reads.
+        if starts:
+            cur.execute(
+                f"ALTER TABLE {self.q(table)} ADD PARTITION ("
+                + ", ".join(
+                    f"PARTITION {self.q(_part_name('p', s))} VALUES LESS THAN ({int(s + span)})"
+                    for s in starts
+                )
+                + ")"
+            )
+
+    def part_drop(self, cur: Any, table: str, start: int) -> None:
+        try:
+            cur.execute(
+                f"ALTER TABLE {self.q(table)} DROP PARTITION {self.q(_part_name('p', start))}"
+            )
+        except Exception as exc:
+            args: tuple[Any, ...] = exc.args
+            if not (args and args[0] == 1507):  # ER_DROP_PARTITION_NON_EXISTENT: gone already
+                raise
+
+    def part_from(self, table: str, start: int) -> str:
+        return f"{self.q(table)} PARTITION ({self.q(_part_name('p', start))})"
+
+    def part_guard(self, cur: Any, table: str, exclusive: bool) -> int:
+        mode = "FOR UPDATE" if exclusive else "LOCK IN SHARE MODE"
+        cur.execute(f"SELECT horizon FROM {self.q(table + '_parts')} WHERE id = 1 {mode}")
+        row = cur.fetchone()
+        if row is None:
+            raise SchemaError(f"the partition table {table}_parts has no row: run init_schema()")
+        return int(row[0])
+
+    def lock_edges(self, cur: Any, table: str, ns: str, edges: list[tuple[bytes, int]]) -> None:
+        for i in range(0, len(edges), _CHUNK):
+            chunk = edges[i : i + _CHUNK]
+            cur.execute(
+                f"INSERT INTO {self.q(table + '_edge')} (namespace, `key`, boundary) VALUES "
+                + ", ".join(["(%s, %s, %s)"] * len(chunk))
+                + " ON DUPLICATE KEY UPDATE boundary = boundary",
+                [v for k, b in chunk for v in (ns, k, b)],
+            )
 
 
 class _SQLite(_Dialect):
@@ -903,7 +1298,9 @@ class _SQLite(_Dialect):
         owner: bytes | None,
         lease: float,
         nonce: bytes,
+        parts: list[int] | None = None,
     ) -> set[bytes] | None:
+        assert parts is None, "SQLite tables are not partitioned"
         row = f"(?, ?, {_PROCESSING}, 1, ?, ?, {self.lease_until(lease)}, {self.now}, {self.now})"
         created: set[bytes] = set()
         for i in range(0, len(keys), _CHUNK):
@@ -914,15 +1311,23 @@ class _SQLite(_Dialect):
                 f'INSERT INTO {self.q(table)} (namespace, "key", state, token, owner, '
                 "fingerprint, lease_until, created, updated) VALUES "
                 + ", ".join([row] * (len(params) // 4))
-                + ' ON CONFLICT (namespace, "key") DO NOTHING RETURNING "key"',
+                + f' {_do_nothing(self.name, ["namespace", "key"])} RETURNING "key"',
                 params,
             )
             created.update(bytes(r[0]) for r in cur.fetchall())
         return created
 
     def update_rows(
-        self, cur: Any, table: str, ns: str, sets: _SetList, types: list[str], rows: list[list[Any]]
+        self,
+        cur: Any,
+        table: str,
+        ns: str,
+        sets: _SetList,
+        types: list[str],
+        rows: list[list[Any]],
+        parted: bool = False,
     ) -> None:
+        assert not parted, "SQLite tables are not partitioned"
         order = [e for _, e in sets if isinstance(e, int)]
         assert order == sorted(order), "per-row values must appear in order"
         cur.executemany(
@@ -932,117 +1337,44 @@ class _SQLite(_Dialect):
         )
 
 
+def _part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, str, str]:
+    """The ``part`` column, the condition and the ORDER BY of a lookup in partitions.
+
+    A partitioned lookup has no ORDER BY (which would merge the partitions'
+    scans instead of probing each): each partition is probed in key order,
+    partition after partition, so the rows are still locked in one order.
+    """
+    if parts is None:
+        return "", "", f" ORDER BY {key}"
+    lo, hi = parts
+    upper = "" if hi is None else f" AND part <= {int(hi)}"
+    return "part, ", f" AND part >= {int(lo)}{upper}", ""
+
+
+def _part_name(table: str, start: int) -> str:
+    """The name of the partition that starts at ``start`` (unix seconds)."""
+    return f"{table}_p{int(start)}"
+
+
+def _part_start(table: str, name: str) -> int:
+    prefix = f"{table}_p"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        raise SchemaError(f"partition {name!r} of table {table!r} is not one dedupcore made")
+    return int(name[len(prefix) :])
+
+
+def _lock_id(table: str) -> int:
+    """The advisory lock key of a table's partition horizon (PostgreSQL)."""
+    return int.from_bytes(
+        hashlib.blake2b(table.encode(), digest_size=8).digest(), "big", signed=True
+    )
+
+
 _DIALECTS: dict[str, type[_Dialect]] = {
     "postgresql": _Postgres,
     "mysql": _MySQL,
     "sqlite": _SQLite,
 }
-
-
-def detect_dialect(conn: Any) -> str:
-    """``"postgresql"``, ``"mysql"`` or ``"sqlite"`` from a DB-API connection's driver."""
-    module = type(conn).__module__.split(".")[0]
-    found = {"psycopg": "postgresql", "pymysql": "mysql", "sqlite3": "sqlite"}.get(module)
-    if found is None:
-        raise ValueError(
-            f"cannot tell the SQL dialect of a {type(conn).__module__}.{type(conn).__name__} "
-            "connection; pass dialect='postgresql', 'mysql' or 'sqlite'"
-        )
-    return found
-
-
-# -- URLs ----------------------------------------------------------------------------
-
-
-def _factory(
-    url: str, connect_args: dict[str, Any], timeout: float = DEFAULT_TIMEOUT
-) -> tuple[str, Callable[[], Any]]:
-    if not isinstance(url, str):
-        raise TypeError(f"url must be str, not {type(url).__name__}")
-    scheme = url.split(":", 1)[0].lower()
-    if scheme in ("postgresql", "postgres"):
-        args = {**_pg_defaults(url, timeout), **connect_args}
-
-        def connect_pg() -> Any:
-            import psycopg
-
-            return psycopg.connect(url, **args)
-
-        return "postgresql", connect_pg
-    if scheme in ("mysql", "mariadb"):
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        waits: dict[str, Any] = {
-            "connect_timeout": timeout,
-            "read_timeout": 2 * timeout,
-            "write_timeout": 2 * timeout,
-        }
-        for name in waits:
-            if name in query:
-                try:
-                    waits[name] = check_timeout(float(query[name]), name)
-                except ValueError as exc:
-                    raise ValueError(f"{name} in the URL: {exc}") from None
-        args = {
-            "host": parts.hostname or "localhost",
-            "port": parts.port or 3306,
-            "user": unquote(parts.username) if parts.username else "root",
-            "password": unquote(parts.password) if parts.password else "",
-            "database": unquote(parts.path.lstrip("/")) or None,
-            "charset": "utf8mb4",
-            **waits,
-            **({"unix_socket": query["unix_socket"]} if "unix_socket" in query else {}),
-            **connect_args,
-        }
-
-        def connect_mysql() -> Any:
-            import pymysql
-
-            return pymysql.connect(**args)
-
-        return "mysql", connect_mysql
-    if scheme == "sqlite":
-        if not url.startswith("sqlite:///"):
-            raise ValueError(
-                f"sqlite URLs are sqlite:///relative/path.db or sqlite:////absolute/path.db, "
-                f"got {url!r}"
-            )
-        path = url[len("sqlite:///") :]
-        if not path:
-            raise ValueError("sqlite URL has no path")
-        args = {"timeout": 30.0, "check_same_thread": False, **connect_args}
-
-        def connect_sqlite() -> Any:
-            import sqlite3
-
-            return sqlite3.connect(path, **args)
-
-        return "sqlite", connect_sqlite
-    raise ValueError(
-        f"unknown SQL URL scheme {scheme!r}: use postgresql://, mysql://, mariadb:// or sqlite:///"
-    )
-
-
-def _pg_defaults(url: str, timeout: float) -> dict[str, Any]:
-    """Connect timeout, TCP keepalive and statement_timeout, where the URL sets none."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        given = conninfo_to_dict(url)
-    except Exception as exc:  # psycopg.ProgrammingError: not a connection string
-        raise ValueError(f"bad PostgreSQL URL: {exc}") from None
-    out: dict[str, Any] = {
-        "connect_timeout": max(2, round(timeout)),  # libpq waits whole seconds, 2 at least
-        "keepalives": 1,
-        "keepalives_idle": 30,
-        "keepalives_interval": 10,
-        "keepalives_count": 3,
-    }
-    out = {k: v for k, v in out.items() if k not in given}
-    options = str(given.get("options") or "")
-    if "statement_timeout" not in options:
-        out["options"] = f"{options} -c statement_timeout={round(timeout * 1000)}".strip()
-    return out
 
 
 class _Watchdog:
@@ -1134,6 +1466,15 @@ class SqlStore(ClaimAPI):
     (out of range, too long, a CHECK) is a
     :class:`~dedupcore.tiers.base.RequestRefusedError` (a ``ValueError``),
     never an :class:`UnavailableError`.
+
+    ``partition`` (``"day"`` or ``"hour"``; PostgreSQL and MariaDB) keeps the
+    table in partitions by each key's event time (docs/sql-partitions.md):
+    ``event_time(s)=`` of the claim, else ``key_time(key)`` (unix seconds;
+    default :func:`id_time`). ``partition_tolerance``: seconds two event
+    times of one message may differ and still meet across a boundary
+    (``0 <= tolerance < span``); ``partitions_ahead``: partitions created
+    after the clock's; ``clock``: the time (unix seconds) partitions are
+    created and dropped by.
     """
 
     def __init__(
@@ -1149,6 +1490,11 @@ class SqlStore(ClaimAPI):
         max_result_bytes: int = 65536,
         retries: int = 8,
         hang_timeout: float | None = None,
+        partition: str | None = None,
+        partition_tolerance: float = DEFAULT_TOLERANCE,
+        partitions_ahead: int = 3,
+        key_time: Callable[[bytes | str], float] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not callable(connect):
             raise TypeError("connect must be a callable returning a DB-API connection")
@@ -1182,6 +1528,33 @@ class SqlStore(ClaimAPI):
         self._counts: Counter[str] = Counter()
         self._dup_share: dict[str, float] = {}  # namespace -> average DUPLICATE share
         self._seen_share: dict[str, float] = {}  # namespace -> average share of existing rows
+        self._span: int | None = None
+        if partition is not None:
+            if partition not in PARTITION_SPANS:
+                raise ValueError(
+                    f"partition must be one of {sorted(PARTITION_SPANS)} or None, got {partition!r}"
+                )
+            self._span = PARTITION_SPANS[partition]
+        self.partition = partition
+        self.tolerance = _check_tolerance(partition_tolerance, self._span)
+        if (
+            isinstance(partitions_ahead, bool)
+            or not isinstance(partitions_ahead, int)
+            or not 1 <= partitions_ahead <= 1000
+        ):
+            raise ValueError(
+                f"partitions_ahead must be an int in 1..1000, got {partitions_ahead!r}"
+            )
+        self.partitions_ahead = partitions_ahead
+        if key_time is not None and not callable(key_time):
+            raise TypeError("key_time must be callable(key) -> unix seconds, or None")
+        if partition is not None and key_time is None:
+            key_time = id_time
+        self.key_time = key_time
+        if not callable(clock):
+            raise TypeError("clock must be callable() -> unix seconds")
+        self._clock = clock
+        self._parts: list[int] = []  # partition starts last read (or created)
         self._dialect: _Dialect | None = _DIALECTS[dialect]() if dialect else None
         if self._dialect is not None:
             self._check_limits(self._dialect)
@@ -1233,6 +1606,8 @@ class SqlStore(ClaimAPI):
         return self._dialect.name
 
     def _check_limits(self, d: _Dialect) -> None:
+        if self._span is not None and not d.partitions:
+            raise ValueError(f"partition={self.partition!r}: {d.name} tables are not partitioned")
         if self.max_key_bytes > d.max_key_bytes:
             raise ValueError(
                 f"max_key_bytes={self.max_key_bytes} does not fit the {d.name} key column "
@@ -1404,18 +1779,39 @@ class SqlStore(ClaimAPI):
                 time.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + random.random()))
 
     def init_schema(self) -> None:
-        """Creates the dedup table and its index if they do not exist (idempotent)."""
+        """Creates the dedup table and its index if they do not exist (idempotent).
+
+        A partitioned store (``partition=``) also creates its partitions (see
+        :meth:`ensure_partitions`). A table that exists with the other kind
+        (partitioned or not) is a :class:`SchemaError`.
+        """
         d = self._dialect
         assert d is not None
+        span = self._span
 
         def create(cur: Any) -> None:
-            for statement in d.schema(self.table):
+            if span is None:
+                statements = d.schema(self.table)
+            else:
+                first = self._first_part(self._clock())
+                statements = d.part_schema(self.table, first, span)
+            for statement in statements:
                 cur.execute(statement)
 
         if d.name == "sqlite":
             # WAL: readers do not block the writer (a no-op for :memory: databases).
             self._tx(lambda cur: cur.execute("PRAGMA journal_mode = WAL"), write=False)
         self._tx(create)
+        if d.partitions:
+            parted = self._tx(functools.partial(d.is_partitioned, table=self.table), write=False)
+            if parted != (span is not None):
+                raise SchemaError(
+                    f"table {self.table!r} exists {'with' if parted else 'without'} partitions; "
+                    f"this store has partition={self.partition!r} (use another table)"
+                )
+        if span is not None:
+            self._check_span()
+            self.ensure_partitions()
 
     def close(self) -> None:
         """Closes the connection (a later call opens a new one)."""
@@ -1438,12 +1834,18 @@ class SqlStore(ClaimAPI):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
+        event_times: Sequence[float | datetime.datetime] | None = None,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace in one transaction.
 
         A key repeated in the batch is NEW once; its later copies are
         IN_PROGRESS (or NEW with the same token for an ``owner``). A bad key
         or a fingerprint conflict raises before anything is claimed.
+
+        ``event_times`` (one per key: unix seconds or aware datetimes) place
+        the keys of a partitioned table (``partition=``); without them each
+        key's time is ``key_time(key)``. An unpartitioned table checks and
+        ignores them. See docs/sql-partitions.md.
         """
         key_list = list(keys)
         ns = _keys.check_namespace(namespace).decode()
@@ -1451,6 +1853,7 @@ class SqlStore(ClaimAPI):
         lease_s = self.lease if lease is None else check_lease(lease)
         owner_b = check_owner(owner)
         fps = check_fingerprints(fingerprints, len(raw))
+        times = self._event_times(key_list, event_times)
         if not raw:
             return []
         first_fp: dict[bytes, bytes | None] = {}
@@ -1459,6 +1862,10 @@ class SqlStore(ClaimAPI):
         unique = sorted(first_fp)
         d = self._dialect
         assert d is not None
+        if times is not None:
+            parted = self._claim_parted(key_list, raw, fps, first_fp, ns, owner_b, lease_s, times)
+            self._count(ns, parted)
+            return parted
 
         read_first = d.read_first and self._dup_share.get(ns, 0.0) > _READ_FIRST_ABOVE
         final: dict[bytes, _Row | None] = {}
@@ -1554,9 +1961,293 @@ class SqlStore(ClaimAPI):
 
         claims = self._tx(body)
         self._count(ns, claims)
+        self._follow_seen(ns, seen, len(unique))
+        return claims
+
+    def _follow_seen(self, ns: str, seen: list[int], unique: int) -> None:
+        """Follows the namespace's share of keys that had a row (the last attempt's)."""
         if seen:
             old = self._seen_share.get(ns, 0.0)
-            self._seen_share[ns] = old + _SHARE_WEIGHT * (seen[-1] / len(unique) - old)
+            self._seen_share[ns] = old + _SHARE_WEIGHT * (seen[-1] / unique - old)
+
+    def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+        event_time: float | datetime.datetime | None = None,
+    ) -> Claim:
+        """:meth:`ClaimAPI.claim <dedupcore.api.ClaimAPI.claim>` with the key's ``event_time``."""
+        return self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=None if fingerprint is None else [fingerprint],
+            event_times=None if event_time is None else [event_time],
+        )[0]
+
+    # -- partitions by event time (docs/sql-partitions.md) ---------------------------
+
+    def _event_times(
+        self, key_list: list[Any], event_times: Sequence[float | datetime.datetime] | None
+    ) -> list[float] | None:
+        """The batch's event times (a partitioned table), checked; None when unpartitioned."""
+        if event_times is not None:
+            if isinstance(event_times, (str, bytes)) or not isinstance(event_times, Sequence):
+                raise TypeError(
+                    f"event_times must be a sequence, one per key, not {type(event_times).__name__}"
+                )
+            if len(event_times) != len(key_list):
+                raise ValueError(
+                    f"event_times has {len(event_times)} values for {len(key_list)} keys"
+                )
+            times = [check_event_time(t) for t in event_times]
+            return times if self._span is not None else None
+        if self._span is None:
+            return None
+        key_time = self.key_time
+        if key_time is None:
+            raise ValueError(
+                f"table {self.table!r} is partitioned by event time: pass event_time(s)= "
+                "or give the store a key_time"
+            )
+        out: list[float] = []
+        for key in key_list:
+            try:
+                t = key_time(key)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"no event time for key {key!r}: the table is partitioned by event time "
+                    f"and key_time could not read the key ({exc}); pass event_time(s)="
+                ) from None
+            out.append(check_event_time(t, "key_time(key)"))
+        return out
+
+    def _require_span(self) -> int:
+        if self._span is None:
+            raise ValueError(f"table {self.table!r} is not partitioned (partition=None)")
+        return self._span
+
+    def _longest_window(self) -> float:
+        return max(
+            [self.retention.exact_window, *(p.exact_window for p in self.namespaces.values())]
+        )
+
+    def _first_part(self, now: float) -> int:
+        """The oldest partition :meth:`init_schema` creates: the exact window back from now."""
+        return _floor(now - self._longest_window() - self.tolerance, self._require_span())
+
+    def _check_span(self) -> None:
+        d = self._dialect
+        assert d is not None
+        rows = self._tx(
+            lambda cur: (
+                cur.execute(f"SELECT span FROM {d.q(self.table + '_parts')} WHERE id = 1"),
+                cur.fetchall(),
+            )[1],
+            write=False,
+        )
+        if not rows or int(rows[0][0]) != self._span:
+            raise SchemaError(
+                f"table {self.table!r} is partitioned by {rows[0][0] if rows else '?'} s, "
+                f"not by {self.partition} ({self._span} s)"
+            )
+
+    def partitions(self) -> list[int]:
+        """The starts (unix seconds) of the table's partitions, read from the database."""
+        self._require_span()
+        d = self._dialect
+        assert d is not None
+        self._parts = self._tx(lambda cur: d.part_list(cur, self.table), write=False)
+        return list(self._parts)
+
+    def horizon(self) -> int:
+        """Partitions before this start (unix seconds) are dropped or being dropped."""
+        self._require_span()
+        d = self._dialect
+        assert d is not None
+        return self._tx(lambda cur: d.part_guard(cur, self.table, False), write=False)
+
+    def ensure_partitions(self, now: float | None = None) -> list[int]:
+        """Creates the partitions up to ``partitions_ahead`` after ``now``'s; returns all starts.
+
+        ``now`` (unix seconds) defaults to the store's ``clock``. Called by
+        :meth:`init_schema` and :meth:`purge`; a claim whose partition is
+        missing creates it (up to the same limit) first.
+        """
+        span = self._require_span()
+        t = self._clock() if now is None else check_event_time(now, "now")
+        return self._ensure_upto(_floor(t, span) + self.partitions_ahead * span)
+
+    def _ensure_upto(self, top: int) -> list[int]:
+        span = self._require_span()
+        d = self._dialect
+        assert d is not None
+
+        def body(cur: Any) -> list[int]:
+            have = d.part_list(cur, self.table)
+            horizon = d.part_guard(cur, self.table, False)
+            if d.name == "mysql":  # RANGE partitions are added after the last one only
+                start = have[-1] + span if have else horizon
+                want = list(range(start, top + 1, span))
+            else:
+                present = set(have)
+                want = [s for s in range(horizon, top + 1, span) if s not in present]
+            if want:
+                try:
+                    d.part_create(cur, self.table, want, span)
+                except d.error_classes() as exc:
+                    # Another store created (some of) them first: read the list again.
+                    log.info("SQL authority (%s): creating partitions: %s", d.name, exc)
+                    raise _Retry from exc
+            return sorted({*have, *want})
+
+        self._parts = self._tx(body)
+        return list(self._parts)
+
+    def _claim_parted(
+        self,
+        key_list: list[Any],
+        raw: list[bytes],
+        fps: list[bytes | None],
+        first_fp: dict[bytes, bytes | None],
+        ns: str,
+        owner_b: bytes | None,
+        lease_s: float,
+        times: list[float],
+    ) -> list[Claim]:
+        """A claim on a partitioned table (docs/sql-partitions.md, "The lookup")."""
+        span, tol = self._require_span(), self.tolerance
+        d = self._dialect
+        assert d is not None
+        first_t: dict[bytes, float] = {}
+        for k, t in zip(raw, times, strict=True):
+            first_t.setdefault(k, t)  # a key repeated in the batch: its first event time
+        unique = sorted(first_t)
+        home = {k: _floor(t, span) for k, t in first_t.items()}
+        lo_of = {k: _floor(t - tol, span) for k, t in first_t.items()}
+        hi_of = {k: _floor(t + tol, span) for k, t in first_t.items()}
+        edges = sorted({(k, b) for k in unique for b in range(lo_of[k] + span, hi_of[k] + 1, span)})
+        missing = set(home.values()).difference(self._parts)
+        if missing:
+            missing.difference_update(self.partitions())  # made by another store?
+        if missing:
+            top = max(missing)
+            if top > _floor(self._clock(), span) + self.partitions_ahead * span:
+                raise ValueError(
+                    f"event time {max(first_t.values())!r} is more than {self.partitions_ahead} "
+                    f"partitions ahead of the store's clock: it cannot be placed"
+                )
+            # Partitions before the horizon stay missing: the transaction refuses them.
+            self._ensure_upto(max(top, self._parts[-1] if self._parts else top))
+
+        if d.read_first and self._dup_share.get(ns, 0.0) > _READ_FIRST_ABOVE:
+            # As claim_many: a batch that is all PROCESSED is answered by one unlocked
+            # read (a PROCESSED row is final), without a write transaction.
+            lo, hi = min(lo_of.values()), max(hi_of.values())
+            done: dict[bytes, tuple[Any, ...]] = {}
+            for row in self._tx(
+                lambda cur: d.select_rows(cur, self.table, ns, unique, (lo, hi), lock=False),
+                write=False,
+            ):
+                k, part = bytes(row[0]), int(row[1])
+                if int(row[2]) == _PROCESSED and lo_of[k] <= part <= hi_of[k]:
+                    done.setdefault(k, row)
+            if len(done) == len(unique):
+                claims: list[Claim] = []
+                for key, k, fp in zip(key_list, raw, fps, strict=True):
+                    hit = done[k]
+                    if fp is not None and hit[5] is not None and fp != bytes(hit[5]):
+                        raise fingerprint_conflict(key, ns)  # before anything is written
+                    result = unpack_result(None if hit[6] is None else bytes(hit[6]))
+                    claims.append(Claim(key, ns, Outcome.DUPLICATE, int(hit[3]), result))
+                return claims
+        plain = [d.plain_insert and self._seen_share.get(ns, 0.0) < _PLAIN_BELOW]
+        seen: list[int] = []
+
+        def body(cur: Any) -> list[Claim]:
+            horizon = d.part_guard(cur, self.table, False)
+            old = [k for k in unique if home[k] < horizon]
+            if old:
+                raise PartitionDroppedError(
+                    f"event time {first_t[old[0]]!r} of key {old[0]!r} is in a dropped "
+                    f"partition (before {horizon}): older than the exact window"
+                )
+            current: dict[bytes, _Row | None] = {}
+            parts: dict[bytes, int] = {}
+            found: dict[bytes, list[tuple[Any, ...]]] = {}
+            # A key whose interval lies in its own partition is found (or created) there
+            # by the INSERT below; only keys near a boundary are looked up first.
+            near = sorted({k for k, _ in edges})
+            if near:
+                d.lock_edges(cur, self.table, ns, edges)
+                lo, hi = min(lo_of[k] for k in near), max(hi_of[k] for k in near)
+            for row in d.select_rows(cur, self.table, ns, near, (lo, hi)) if near else ():
+                k, part = bytes(row[0]), int(row[1])
+                if not lo_of[k] <= part <= hi_of[k]:
+                    continue  # outside this key's tolerance interval
+                if part < horizon and int(row[2]) != _PROCESSED:
+                    continue  # a partition being dropped: only its processed keys count
+                found.setdefault(k, []).append(row)
+            for k, rows in found.items():
+                h = home[k]
+                best = min(
+                    rows,
+                    key=lambda r: (int(r[2]) != _PROCESSED, int(r[1]) != h, abs(int(r[1]) - h)),
+                )
+                current[k] = _Row.of(*best[2:8])
+                parts[k] = int(best[1])
+            absent = [k for k in unique if k not in current]
+            if absent:
+                nonce = os.urandom(16)
+                fresh_fps, homes = [first_fp[k] for k in absent], [home[k] for k in absent]
+                created: set[bytes] | None
+                if plain[0]:  # as claim_many does: see there
+                    plain[0] = False
+                    try:
+                        d.insert_all(
+                            cur, self.table, ns, absent, fresh_fps, owner_b, lease_s, homes
+                        )
+                    except d.error_classes() as exc:
+                        if not d.is_unique_violation(exc):
+                            raise
+                        seen.append(1)
+                        raise _Fallback from exc
+                    created = set(absent)
+                else:
+                    created = d.insert_fresh(
+                        cur, self.table, ns, absent, fresh_fps, owner_b, lease_s, nonce, homes
+                    )
+                if created is not None:
+                    seen.append(len(unique) - len(created))
+                if created is not None and len(created) == len(unique) == len(raw):
+                    return [Claim(key, ns, Outcome.NEW, 1) for key in key_list]  # all fresh
+                for k in absent:
+                    parts[k] = home[k]
+                    if created is not None and k in created:
+                        current[k] = None
+                again = [k for k in absent if k not in current]
+                if again:  # created concurrently in the same partition, or MariaDB's nonce
+                    homes = [home[k] for k in again]
+                    for row in d.select_rows(cur, self.table, ns, again, (min(homes), max(homes))):
+                        k, part = bytes(row[0]), int(row[1])
+                        if k not in home or part != home[k]:
+                            continue
+                        res = None if row[6] is None else bytes(row[6])
+                        if created is None and int(row[2]) == _PROCESSING and res == nonce:
+                            current[k] = None  # this transaction created it
+                        else:
+                            current[k] = _Row.of(*row[2:8])
+                if len(current) != len(unique):
+                    raise _Retry  # cannot happen under the edge and row locks; be safe
+            return self._decide(cur, key_list, raw, fps, ns, owner_b, lease_s, current, parts)
+
+        claims = self._tx(body)
+        self._follow_seen(ns, seen, len(unique))
         return claims
 
     def _count(self, ns: str, claims: list[Claim]) -> None:
@@ -1583,50 +2274,74 @@ class SqlStore(ClaimAPI):
         owner_b: bytes | None,
         lease_s: float,
         current: dict[bytes, _Row | None],
+        parts: dict[bytes, int] | None = None,
     ) -> list[Claim]:
-        """The outcomes (as DedupStore decides them), then the batch's UPDATEs."""
+        """The outcomes (:func:`dedupcore.decision.decide_claim`), then the batch's UPDATEs.
+
+        ``parts``: each key's partition (a partitioned table), written as the
+        second value of each UPDATE row.
+        """
+
+        def at(k: bytes) -> list[Any]:
+            return [k] if parts is None else [k, parts[k]]
+
         d = self._dialect
         assert d is not None
-        pending: dict[bytes, _Row] = {}
+        # The rows as decision records; lease deadlines are the server's, so only
+        # "still running" (deadline 1 > now 0) or "ran out" (0) is passed on.
+        recs: dict[bytes, Rec | None] = {
+            k: None
+            if r is None
+            else Rec(
+                State(r.state),
+                0,
+                r.token,
+                0.0,
+                0.0,
+                lease_s,
+                1.0 if r.live else 0.0,
+                r.owner,
+                r.fingerprint,
+                r.result,
+            )
+            for k, r in current.items()
+        }
+        plan = decide_claim(
+            recs.__getitem__,
+            raw,
+            ns_id=0,
+            lease=lease_s,
+            owner=owner_b,
+            fingerprints=fps,
+            cold=None,
+            now_w=0.0,
+            now_m=0.0,
+        )
+        if plan.conflict is not None:
+            # The transaction is rolled back: nothing changes.
+            raise fingerprint_conflict(key_list[plan.conflict], ns)
+        claims = [
+            Claim(
+                key,
+                ns,
+                _OUTCOMES[code],
+                token,
+                unpack_result(result) if code == DUPLICATE else None,
+                takeover=code == NEW_TAKEOVER,
+            )
+            for key, (code, token, result) in zip(key_list, plan.answers, strict=True)
+        ]
         # key -> [key, token, fingerprint, owner]: expired leases taken over (the first
-        # claim's created stays) and released tombstones claimed again (a fresh record)
+        # claim's created stays) and released tombstones claimed again (a fresh record);
+        # the rows this transaction created are written already.
         reclaim: dict[bytes, list[Any]] = {}
         restart: dict[bytes, list[Any]] = {}
-        renew: dict[bytes, list[Any]] = {}
-        claims: list[Claim] = []
-        for key, k, fp in zip(key_list, raw, fps, strict=True):
-            r = pending[k] if k in pending else current[k]
-            if r is None:  # created by this transaction
-                pending[k] = _Row(_PROCESSING, 1, owner_b, fp, True)
-                claims.append(Claim(key, ns, Outcome.NEW, 1))
-                continue
-            if r.state != _RELEASED:
-                if fp is not None and r.fingerprint is not None and fp != r.fingerprint:
-                    raise fingerprint_conflict(
-                        key, ns
-                    )  # the transaction is rolled back: nothing changes
-                if r.state == _PROCESSED:
-                    result = unpack_result(r.result)
-                    claims.append(Claim(key, ns, Outcome.DUPLICATE, r.token, result))
-                    continue
-                if owner_b is not None and r.owner == owner_b:
-                    if k not in pending:
-                        renew[k] = [k]
-                        pending[k] = _Row(_PROCESSING, r.token, r.owner, r.fingerprint, True)
-                    claims.append(Claim(key, ns, Outcome.NEW, r.token))
-                    continue
-                if r.live:
-                    claims.append(Claim(key, ns, Outcome.IN_PROGRESS, r.token))
-                    continue
-                takeover = True
-                new_fp = fp if fp is not None else r.fingerprint
-            else:
-                takeover = False
-                new_fp = fp
-            token = r.token + 1
-            (reclaim if takeover else restart)[k] = [k, token, new_fp, owner_b]
-            pending[k] = _Row(_PROCESSING, token, owner_b, new_fp, True)
-            claims.append(Claim(key, ns, Outcome.NEW, token, takeover=takeover))
+        for k, rec in plan.logged.items():
+            was = current[k]
+            if was is not None:
+                rows = restart if was.state == _RELEASED else reclaim
+                rows[k] = [*at(k), rec.token, rec.fingerprint, rec.owner]
+        renew = {k: at(k) for k in plan.renewed if current[k] is not None}
         lease_sql = d.lease_until(lease_s)
         claimed: _SetList = [
             ("state", str(_PROCESSING)),
@@ -1640,7 +2355,13 @@ class SqlStore(ClaimAPI):
         for rows, sets in ((reclaim, claimed), (restart, [*claimed, ("created", d.now)])):
             if rows:
                 d.update_rows(
-                    cur, self.table, ns, sets, ["bigint", "bytea", "bytea"], list(rows.values())
+                    cur,
+                    self.table,
+                    ns,
+                    sets,
+                    ["bigint", "bytea", "bytea"],
+                    list(rows.values()),
+                    parts is not None,
                 )
         if renew:
             d.update_rows(
@@ -1650,6 +2371,7 @@ class SqlStore(ClaimAPI):
                 [("lease_until", lease_sql), ("updated", d.now)],
                 [],
                 list(renew.values()),
+                parts is not None,
             )
         return claims
 
@@ -1671,11 +2393,30 @@ class SqlStore(ClaimAPI):
         d = self._dialect
         assert d is not None
 
+        parted = self._span is not None
+        wanted: dict[bytes, int] = {}
+        for _, k, token, _ in parsed:
+            wanted.setdefault(k, token)
+
         def body(cur: Any) -> None:
-            current: dict[bytes, tuple[int, int]] = {
-                bytes(k): (int(s), int(tok))
-                for k, s, tok, *_ in d.select_rows(cur, self.table, ns, unique)
-            }
+            current: dict[bytes, tuple[int, int]] = {}
+            part_of: dict[bytes, int] = {}
+            if parted:
+                # Every live partition: the row whose token is the one given, else the
+                # claim in progress, else the newest (docs/sql-partitions.md).
+                horizon = d.part_guard(cur, self.table, False)
+                for k, part, s, tok, *_ in d.select_rows(
+                    cur, self.table, ns, unique, (horizon, None)
+                ):
+                    k, rank = bytes(k), (int(tok) == wanted[bytes(k)], int(s) == _PROCESSING)
+                    have = current.get(k)
+                    if have is None or rank >= (have[1] == wanted[k], have[0] == _PROCESSING):
+                        current[k], part_of[k] = (int(s), int(tok)), int(part)
+            else:
+                current = {
+                    bytes(k): (int(s), int(tok))
+                    for k, s, tok, *_ in d.select_rows(cur, self.table, ns, unique)
+                }
             writes: dict[bytes, list[Any]] = {}
             for key, k, token, packed in parsed:
                 s, tok = current.get(k, (_RELEASED, 0))
@@ -1688,7 +2429,8 @@ class SqlStore(ClaimAPI):
                         continue  # a retried completion: already done
                     raise stale_token_error(ERR_COMPLETED, key, token, tok, ns)
                 current[k] = (state, tok)
-                writes[k] = [k, packed] if completing else [k]
+                at = [k, part_of[k]] if parted else [k]
+                writes[k] = [*at, packed] if completing else at
             if not writes:
                 return
             if completing:
@@ -1697,7 +2439,7 @@ class SqlStore(ClaimAPI):
             else:
                 sets = [("state", str(_RELEASED)), ("result", "NULL"), ("updated", d.now)]
                 types = []
-            d.update_rows(cur, self.table, ns, sets, types, list(writes.values()))
+            d.update_rows(cur, self.table, ns, sets, types, list(writes.values()), parted)
 
         self._tx(body)
 
@@ -1729,7 +2471,13 @@ class SqlStore(ClaimAPI):
             cur.execute(
                 f"SELECT state, token, owner, fingerprint, result, {d.epoch('created')}, "
                 f"{d.epoch('updated')} FROM {d.q(self.table)} "
-                f"WHERE namespace = {p} AND {k} = {p}",
+                f"WHERE namespace = {p} AND {k} = {p}"
+                # a partitioned table: the processed row if any, else the newest
+                + (
+                    ""
+                    if self._span is None
+                    else f" ORDER BY state = {_PROCESSED} DESC, part DESC LIMIT 1"
+                ),
                 [ns, raw],
             )
             row: tuple[Any, ...] | None = cur.fetchone()
@@ -1778,6 +2526,8 @@ class SqlStore(ClaimAPI):
             raise ValueError(f"limit must be an int in 1..1000000, got {limit!r}")
         if before_delete is not None and not callable(before_delete):
             raise TypeError("before_delete must be callable(namespace, keys)")
+        if self._span is not None:
+            return self.drop_partitions(limit=limit, before_delete=before_delete)
         d = self._dialect
         assert d is not None
         deleted = 0
@@ -1810,8 +2560,12 @@ class SqlStore(ClaimAPI):
         :meth:`purge` is called until a call deletes fewer than ``limit``
         rows (at most 100 calls: a larger backlog is left to the next
         sweep). ``now`` is accepted for the sweep signature and not used:
-        windows are measured on the database server's clock.
+        windows are measured on the database server's clock. A partitioned
+        table drops its old partitions instead (:meth:`drop_partitions` at
+        ``now``, default the store's clock).
         """
+        if self._span is not None:
+            return self.drop_partitions(now, limit=limit)
         deleted = 0
         for _ in range(100):
             gone = self.purge(limit=limit)
@@ -1819,6 +2573,116 @@ class SqlStore(ClaimAPI):
             if gone < limit:
                 break
         return deleted
+
+    def drop_partitions(
+        self,
+        now: float | None = None,
+        *,
+        limit: int = 10_000,
+        before_delete: BeforeDelete | None = None,
+    ) -> int:
+        """Drops the partitions past the exact window; returns the rows they held.
+
+        A partition ``[start, start + span)`` goes once ``start + span`` is at
+        least the longest ``exact_window`` plus ``partition_tolerance`` before
+        ``now`` (unix seconds; default the store's clock). First the horizon
+        moves past it, in a transaction that waits for the claims and
+        completions in flight (they hold the horizon shared); from then on no
+        claim writes into it, a claim for an event time in it raises
+        :class:`PartitionDroppedError`, and only its PROCESSED rows still
+        answer lookups. Then ``before_delete(namespace, keys)`` gets its
+        PROCESSED keys (``limit`` per call, in key order; tombstones and
+        abandoned claims are not passed) and the partition is dropped whole.
+        A failure in between leaves the partition to the next call, which
+        copies it again (the copy must be idempotent) and drops it. The
+        partitions ahead are created first (:meth:`ensure_partitions`).
+        """
+        span = self._require_span()
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1_000_000:
+            raise ValueError(f"limit must be an int in 1..1000000, got {limit!r}")
+        if before_delete is not None and not callable(before_delete):
+            raise TypeError("before_delete must be callable(namespace, keys)")
+        t = self._clock() if now is None else check_event_time(now, "now")
+        d = self._dialect
+        assert d is not None
+        meta = d.q(self.table + "_parts")
+        target = _floor(t - self._longest_window() - self.tolerance, span)
+
+        def move(cur: Any) -> int:
+            horizon = d.part_guard(cur, self.table, True)
+            if target > horizon:
+                cur.execute(f"UPDATE {meta} SET horizon = {int(target)} WHERE id = 1")
+                return target
+            return horizon
+
+        horizon = self._tx(move)
+        # The partitions ahead first: MariaDB cannot drop a table's last partition.
+        self.ensure_partitions(t)
+        dropped = 0
+        for start in [s for s in self.partitions() if s < horizon]:
+            dropped += self._copy_partition(start, limit, before_delete)
+            self._tx(functools.partial(d.part_drop, table=self.table, start=start))
+            with self._lock:
+                self._counts["partitions_dropped"] += 1
+        self._drop_edges(horizon, limit)
+        with self._lock:
+            self._counts["purged"] += dropped
+        return dropped
+
+    def _copy_partition(self, start: int, limit: int, before_delete: BeforeDelete | None) -> int:
+        """Passes the partition's PROCESSED keys to ``before_delete``; returns its rows."""
+        d = self._dialect
+        assert d is not None
+        src, k, p = d.part_from(self.table, start), d.q("key"), d.ph
+        rows = self._tx(
+            lambda cur: (cur.execute(f"SELECT COUNT(*) FROM {src}"), cur.fetchone())[1],
+            write=False,
+        )
+        if before_delete is None:
+            return int(rows[0])
+        after: tuple[str, bytes] | None = None
+        while True:
+            where = f"state = {_PROCESSED}"
+            params: list[Any] = []
+            if after is not None:
+                where += f" AND (namespace, {k}) > ({p}, {p})"
+                params = list(after)
+
+            def page(cur: Any, where: str = where, params: list[Any] = params) -> list[Any]:
+                cur.execute(
+                    f"SELECT namespace, {k} FROM {src} WHERE {where} "
+                    f"ORDER BY namespace, {k} LIMIT {int(limit)}",
+                    params,
+                )
+                got: list[Any] = cur.fetchall()
+                return got
+
+            got = self._tx(page, write=False)
+            by_ns: dict[str, list[bytes]] = {}
+            for name, key in got:
+                by_ns.setdefault(str(name), []).append(bytes(key))
+            for name, keys in by_ns.items():
+                before_delete(name, keys)  # raises: the partition stays for the next call
+            if len(got) < limit:
+                return int(rows[0])
+            after = (str(got[-1][0]), bytes(got[-1][1]))
+
+    def _drop_edges(self, horizon: int, limit: int) -> None:
+        """Deletes the edge rows of boundaries before the horizon (they hold no data)."""
+        d = self._dialect
+        assert d is not None
+        edge, k = d.q(self.table + "_edge"), d.q("key")
+        where = f"boundary < {int(horizon)}"
+        for _ in range(100):
+            sql = (
+                f"DELETE FROM {edge} WHERE {where} LIMIT {int(limit)}"
+                if d.name == "mysql"
+                else f"DELETE FROM {edge} WHERE (namespace, {k}, boundary) IN (SELECT "
+                f"namespace, {k}, boundary FROM {edge} WHERE {where} LIMIT {int(limit)})"
+            )
+            gone = self._tx(functools.partial(_rowcount, sql=sql))
+            if gone < limit:
+                return
 
     def server_version(self) -> str:
         """The database server's name and version."""
