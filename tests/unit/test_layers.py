@@ -35,6 +35,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.decision",
         "dedupcore.api",
         "dedupcore.ids",
+        "dedupcore.retry",
     ),
     # files of their own: Bloom filters and rings, the write-ahead log
     1: ("dedupcore.bloom", "dedupcore.wal"),
