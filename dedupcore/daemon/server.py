@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -124,9 +124,10 @@ _SMALL_FRAME = 64 << 10
 #: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
 #: SLICE_KEYS keys, with other connections' requests served between two slices.
 SLICE_ABOVE = 8192
-#: Keys of one slice: a few milliseconds of deciding, the longest a request of another
-#: connection waits behind a large batch.
-SLICE_KEYS = 2048
+#: Keys of one slice: about a millisecond of deciding. One slice of all the large
+#: batches in flight is decided per pass of the event loop (they take turns), so a
+#: request of another connection waits behind at most one slice per pass.
+SLICE_KEYS = 1024
 #: Ops the embedded store decides on the event loop (then only the commit is waited for).
 _DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 #: The first descriptor passed by systemd socket activation (SD_LISTEN_FDS_START).
@@ -584,6 +585,7 @@ class DaemonServer:
             getattr(store, "defers_durability", False) and getattr(store, "bounds_replies", False)
         )
         self._committer: _Committer | None = None
+        self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()
@@ -953,29 +955,38 @@ class DaemonServer:
         budget = self.max_frame - rows_bytes
         held: list[int] = []  # bytes of stored results each slice's answer carries
         for part, part_fps in zip(slices, fp_slices, strict=True):
-            held.append(
-                store.check_claim_many(
-                    part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
+            async with self._turn():
+                held.append(
+                    store.check_claim_many(
+                        part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
+                    )
                 )
-            )
-            await asyncio.sleep(0)
         rows: list[list[Any]] = []
         cols = protocol.ClaimColumns()
         lsn = 0
         for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
             # Later slices keep the room the checked answers of the others need.
             room = budget - sum(held[:i]) - sum(held[i + 1 :])
-            claims, part_lsn = store.claim_many_deferred(
-                part, **options, fingerprints=part_fps, reply_limit=room
-            )
-            self.counters["batch_slices"] += 1
-            lsn = max(lsn, part_lsn)
-            if columns:
-                cols.add(claims)
-            else:
-                rows.extend(protocol.claim_row(c) for c in claims)
-            await asyncio.sleep(0)
+            async with self._turn():
+                claims, part_lsn = store.claim_many_deferred(
+                    part, **options, fingerprints=part_fps, reply_limit=room
+                )
+                self.counters["batch_slices"] += 1
+                lsn = max(lsn, part_lsn)
+                if columns:
+                    cols.add(claims)
+                else:
+                    rows.extend(protocol.claim_row(c) for c in claims)
         return (cols.payload() if columns else rows), lsn
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """One slice of one large batch: the batches in flight take turns (the lock
+        wakes its waiters in order, one per pass of the loop), and every other request
+        that became ready meanwhile is served before the next slice."""
+        async with self._slice_turn:
+            yield
+            await asyncio.sleep(0)
 
     # -- a failed store --------------------------------------------------------------
 
