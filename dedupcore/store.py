@@ -797,8 +797,8 @@ class DedupStore(ClaimAPI):
             # and go to the next checkpoint.
             self._lmdb.checkpoint(
                 _engine.unpack_items(_engine.sort_packed(packed, n), n),
-                _split16(inflight),
-                _split16(settled),
+                sorted(_split16(inflight)),  # LMDB takes keys best in order
+                sorted(_split16(settled)),
                 upto,
                 now=time.time(),
                 newest=newest,

@@ -529,6 +529,26 @@ class LmdbTier:
             try:
                 with self._txn(write=True) as txn:
                     apply(txn)
+                self._cover_last_page()
                 return
             except lmdb.MapFullError:
                 self._grow()
+
+    def _cover_last_page(self) -> None:
+        """Extends data.mdb over the pages LMDB counts but never wrote.
+
+        LMDB's last page number also counts pages a transaction allocated and
+        freed again (never written), which can leave the file shorter than
+        that number says; the open refuses such a file as truncated. The file
+        is extended over them (zero pages nothing refers to) and synced.
+        """
+        data = self.path / "data.mdb"
+        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        if data.stat().st_size >= used:
+            return
+        fd = os.open(data, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, used)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
