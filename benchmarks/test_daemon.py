@@ -138,6 +138,8 @@ CALLS = {
     "redis-pair": "r.set(k, 1, nx=True, px=30000); r.set(k, b'done', xx=True, px=30000)  "
     "(two round trips)",
     "clients": "P spawn processes, each Client(sock).claim_many(slice[i:i+B]) after one barrier",
+    "clients-single": "P spawn processes, each Client(sock).claim_many([k]) per key of its slice "
+    "(one durable claim per round trip) after one barrier",
     "codec-client": "key_list + claim_args + encode_request; decode_response + "
     "claims_from_reply of a columns reply  (per batch of B, no socket)",
     "codec-daemon": "decode_request; claim_columns(claims) + encode_response  "
@@ -1012,11 +1014,19 @@ class Clients:
         return [p.exitcode for p in self.procs]
 
 
+@pytest.mark.parametrize("batch", [DCFG.batch, 1], ids=["batches", "single"])
 @pytest.mark.parametrize("procs", sorted({1, DCFG.procs}), ids=lambda p: f"clients-{p}")
-def test_concurrent_clients(benchmark: Any, daemon_keys: list[bytes], procs: int) -> None:
-    """N fresh keys claimed by P client processes at once (batches of B), same harness for P=1."""
-    benchmark.group = "daemon_concurrent_clients"
-    n, batch = len(daemon_keys), DCFG.batch
+def test_concurrent_clients(
+    benchmark: Any, daemon_keys: list[bytes], procs: int, batch: int
+) -> None:
+    """N fresh keys claimed by P client processes at once (batches of B), same harness for
+    P=1; with ``single``, SINGLE x 4 keys one claim per request (each client waits for
+    its durable answer before the next: what group commit across clients amortises)."""
+    single = batch == 1
+    benchmark.group = "daemon_concurrent_single" if single else "daemon_concurrent_clients"
+    if single:
+        daemon_keys = daemon_keys[: DCFG.single * 4]
+    n = len(daemon_keys)
     rounds = Rounds()
     reports: list[list[dict[str, Any]]] = []
     exitcodes: list[list[int | None]] = []
@@ -1060,10 +1070,10 @@ def test_concurrent_clients(benchmark: Any, daemon_keys: list[bytes], procs: int
     spans = [max(r["end"] for r in rs) - min(r["start"] for r in rs) for rs in reports]
     _record(
         benchmark,
-        library=f"clients-{procs}",
-        operation="concurrent_clients",
+        library=f"clients-{procs}" + ("-single" if single else ""),
+        operation="concurrent_single" if single else "concurrent_clients",
         n_keys=n,
-        call=CALLS["clients"],
+        call=CALLS["clients-single" if single else "clients"],
         procs=procs,
         batch=batch,
         errors=errors,

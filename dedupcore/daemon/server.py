@@ -450,28 +450,53 @@ SWITCH_INTERVAL = 0.0005
 
 
 class _Committer:
-    """One thread that waits for the store's log on behalf of every request decided on
-    the event loop: each round takes all the waiting requests, waits once until the
-    highest LSN among them is durable (one group commit, one ``fdatasync``), then
-    resolves all their futures in one callback on the loop."""
+    """Makes the requests decided on the event loop durable, a group at a time.
+
+    The requests decided in one pass of the loop are gathered; at the start of
+    the next pass they are handed over together: when no commit is running
+    and none is queued, the loop itself waits for the log (one ``fdatasync``
+    for the group, no thread hop: a lone client's claim costs one wake-up
+    less); otherwise the commit thread takes them, and each of its rounds
+    takes every group queued meanwhile, waits once until the highest LSN
+    among them is durable, then resolves all their futures in one callback on
+    the loop (the loop keeps deciding while the disk works)."""
 
     def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._store = store
         self._loop = loop
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+        self._running = False  # a round of the commit thread is under way
+        self._gathered: list[tuple[int, asyncio.Future[None]]] = []
         self._closed = False
         self.rounds = 0  # waits for the log, each covering every request queued meanwhile
+        self.inline_rounds = 0  # of them, waits on the loop itself
         self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
         self._thread.start()
 
     def wait(self, lsn: int) -> asyncio.Future[None]:
-        """A future resolved (on the loop) once the log is durable through ``lsn``."""
+        """A future resolved (on the loop) once the log is durable through ``lsn``.
+        Called on the loop."""
         fut = self._loop.create_future()
-        with self._cond:
-            self._waiting.append((lsn, fut))
-            self._cond.notify()
+        if not self._gathered:
+            self._loop.call_soon(self._hand_over)
+        self._gathered.append((lsn, fut))
         return fut
+
+    def _hand_over(self) -> None:
+        """The requests of the last pass of the loop: committed here when the thread is
+        idle, else queued for it."""
+        batch, self._gathered = self._gathered, []
+        with self._cond:
+            # After close() the thread may be gone: the loop commits itself.
+            idle = self._closed or (not self._running and not self._waiting)
+            if not idle:
+                self._waiting.extend(batch)
+                self._cond.notify()
+                return
+        self.rounds += 1
+        self.inline_rounds += 1
+        _resolve(self._commit(batch))
 
     def close(self) -> None:
         """Finishes the waits queued so far, then stops the thread."""
@@ -480,29 +505,38 @@ class _Committer:
             self._cond.notify()
         self._thread.join()
 
+    def _commit(
+        self, batch: list[tuple[int, asyncio.Future[None]]]
+    ) -> list[tuple[asyncio.Future[None], BaseException | None]]:
+        """Waits until the log is durable through the batch's highest LSN; what to
+        resolve each future with."""
+        try:
+            self._store.wait_durable(max(lsn for lsn, _ in batch))
+            return [(fut, None) for _, fut in batch]
+        except BaseException:
+            # The commit failed: the requests whose records were durable before
+            # it are still answered; the others get the error their own wait gives.
+            done: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            for lsn, fut in sorted(batch, key=lambda item: item[0]):
+                try:
+                    self._store.wait_durable(lsn)
+                    done.append((fut, None))
+                except BaseException as exc:
+                    done.append((fut, exc))
+            return done
+
     def _run(self) -> None:
         while True:
             with self._cond:
+                self._running = False
                 while not self._waiting and not self._closed:
                     self._cond.wait()
                 if not self._waiting:
                     return
                 batch, self._waiting = self._waiting, []
+                self._running = True
             self.rounds += 1
-            done: list[tuple[asyncio.Future[None], BaseException | None]]
-            try:
-                self._store.wait_durable(max(lsn for lsn, _ in batch))
-                done = [(fut, None) for _, fut in batch]
-            except BaseException:
-                # The commit failed: the requests whose records were durable before
-                # it are still answered; the others get the error their own wait gives.
-                done = []
-                for lsn, fut in sorted(batch, key=lambda item: item[0]):
-                    try:
-                        self._store.wait_durable(lsn)
-                        done.append((fut, None))
-                    except BaseException as exc:
-                        done.append((fut, exc))
+            done = self._commit(batch)
             try:
                 self._loop.call_soon_threadsafe(_resolve, done)
             except RuntimeError:  # the loop is closed: nobody waits any more
@@ -1034,6 +1068,9 @@ class DaemonServer:
                 buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
                 commit_rounds=0 if self._committer is None else self._committer.rounds,
+                inline_commit_rounds=(
+                    0 if self._committer is None else self._committer.inline_rounds
+                ),
             )
             return stats
         ns = _arg(args, "ns", str)
