@@ -492,6 +492,7 @@ class BloomRing:
         self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
         self.path = Path(path) if path is not None else None
         self._slices: list[_Slice] = []
+        self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
         if self.path is not None:
             _mkdir_private(self.path)
@@ -686,7 +687,13 @@ class BloomRing:
             for s in self._slices:
                 if not s.sealed:
                     for i, f in enumerate(s.filters):
+                        # A sub-filter that took no key since it was saved is on disk
+                        # as it is (a full one never changes again).
+                        count = f.count
+                        if self._saved.get((s.bucket, i)) == count:
+                            continue
                         f.save(self._file(s.bucket, i))
+                        self._saved[(s.bucket, i)] = count
             self._write_manifest()
 
     def _write_manifest(self) -> None:

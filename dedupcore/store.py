@@ -176,6 +176,7 @@ class DedupStore(ClaimAPI):
                 readonly=readonly,
                 must_exist=self._lmdb.checkpoint_lsn() > 0,
             )
+            self._front_slice = -1  # the slice the saved front names (-1: save it anew)
             front_ok = self._open_front()
             self._replay()
             if not front_ok:
@@ -251,7 +252,7 @@ class DedupStore(ClaimAPI):
             self._worker.join()
         try:
             if not self.readonly and self._failed is None:
-                self._checkpoint()
+                self._checkpoint(final=True)
         finally:
             self._wal.close()
             self._lmdb.close()
@@ -296,15 +297,21 @@ class DedupStore(ClaimAPI):
             ring = BloomRing.open(path)
             if ring.window != window or ring.error_rate != self.config.front_error_rate:
                 raise CorruptFileError("front filter settings changed")
-            covers = _read_covers(path / FRONT_COVERS)
+            covers, covers_slice = _read_covers(path / FRONT_COVERS)
             checkpoint = self._lmdb.checkpoint_lsn()
-            if covers < checkpoint:
+            if covers < checkpoint and covers_slice < 0:
                 # Valid files from an earlier moment (a restored or copied
                 # directory) would answer "definitely new" for keys LMDB holds.
                 raise CorruptFileError(
                     f"front filter covers the log through {covers}, behind the checkpoint "
                     f"{checkpoint}"
                 )
+            if covers < checkpoint:
+                # Saved at an earlier checkpoint (docs/warm-tier.md, "The front filter
+                # on disk"): what LMDB took since lies in that slice and newer ones.
+                now_w = time.time()
+                for joined in self._lmdb.digests_since(covers_slice):
+                    ring.add_many(_keys.front_hashes_of(joined), now_w)
         except CorruptFileError as exc:
             if (path / "ring.json").exists() or self._lmdb.record_count():
                 log.warning(
@@ -352,9 +359,12 @@ class DedupStore(ClaimAPI):
             self._save_front(self._last_lsn)
 
     def _save_front(self, lsn: int) -> None:
-        """Saves the front filter and records that it covers the log through ``lsn``."""
+        """Saves the front filter and records that it covers the log through ``lsn`` and
+        every record LMDB holds outside the newest slice and the ones after it."""
+        slice_id = self._lmdb.newest_slice_id
         self._front.save()
-        atomic_write(self.path / "front" / FRONT_COVERS, [f"{lsn}\n".encode()])
+        atomic_write(self.path / "front" / FRONT_COVERS, [f"{lsn} {slice_id}\n".encode()])
+        self._front_slice = slice_id
 
     # -- replay ----------------------------------------------------------------
 
@@ -763,20 +773,27 @@ class DedupStore(ClaimAPI):
         self._check_usable(write=True)
         self._checkpoint()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, final: bool = False) -> None:
         with self._checkpoint_lock:
             with self._lock:
                 upto = self._last_lsn
-                if upto <= self._ckpt_lsn:
+                idle = upto <= self._ckpt_lsn
+                if idle:
                     if self._table.clean:
                         self._table.evict(self._ckpt_lsn)
                     self._last_checkpoint = time.monotonic()
-                    return
-                started = time.monotonic()
-                # Keys that stay in flight must not age out of the front filter:
-                # those claimed more than half a front window ago go in again.
-                now_w = time.time()
-                aged = self._table.inflight_records(float("inf"), now_w - self._front_window() / 2)
+                else:
+                    started = time.monotonic()
+                    # Keys that stay in flight must not age out of the front filter:
+                    # those claimed more than half a front window ago go in again.
+                    now_w = time.time()
+                    aged = self._table.inflight_records(
+                        float("inf"), now_w - self._front_window() / 2
+                    )
+            if idle:  # nothing to write; a closing store still saves its front
+                if final:
+                    self._save_front(upto)
+                return
             # The file work runs outside the store lock, so claims go on meanwhile
             # (the log and the front filter have their own locks). Later records
             # go to a new segment, so the old ones can be dropped whole.
@@ -784,8 +801,11 @@ class DedupStore(ClaimAPI):
             if aged:
                 self._front.add_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
             # The front is saved before LMDB records the checkpoint, so a saved
-            # front holds every key LMDB holds (and records that it does).
-            self._save_front(upto)
+            # front, with the slices from the one it names on, holds every key LMDB
+            # holds. It is saved once per slice (and at close): between two saves, an
+            # open after a crash adds the keys of those slices (docs/warm-tier.md).
+            if final or self._lmdb.newest_slice_id != self._front_slice:
+                self._save_front(upto)
             self._wal.sync(upto, force=True)
             with self._lock:
                 # One pass over the table without the GIL: claims wait on this lock
@@ -998,12 +1018,16 @@ def _unpack_stored(raw: bytes | None) -> Any:
         raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
 
 
-def _read_covers(path: Path) -> int:
-    """The log position a saved front filter covers; -1 if unknown (it is rebuilt)."""
+def _read_covers(path: Path) -> tuple[int, int]:
+    """What a saved front filter covers: (log position, warm-tier slice); -1 for what is
+    unknown (a file without the slice makes a front behind the checkpoint rebuilt)."""
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return -1
+        fields = path.read_text().split()
+        lsn = int(fields[0])
+        slice_id = int(fields[1]) if len(fields) > 1 else -1
+    except (OSError, ValueError, IndexError):
+        return -1, -1
+    return lsn, slice_id
 
 
 def _slice_dict(s: Any) -> dict[str, Any]:

@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -1170,6 +1170,7 @@ def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) 
     # another runs Python code. The default 5 ms would be the floor of a claim's wait
     # behind a checkpoint (docs/daemon.md, "Latency under load").
     sys.setswitchinterval(SWITCH_INTERVAL)
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

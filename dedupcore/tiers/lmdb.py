@@ -322,6 +322,27 @@ class LmdbTier:
         for info in list(reversed(self._slices)):
             yield from self.scan_slice(info.id)
 
+    @property
+    def newest_slice_id(self) -> int:
+        """The id of the newest slice (0 before the first): checkpoints write into it or
+        into a newer one, never into an older one."""
+        return self._slices[-1].id if self._slices else 0
+
+    def digests_since(self, slice_id: int) -> Iterator[bytes]:
+        """The digests of every record in the slices ``slice_id`` and newer, in batches of
+        concatenated 16-byte digests."""
+        for info in [i for i in self._slices if i.id >= slice_id]:
+            with self._txn(db=info.db) as txn:
+                cursor = txn.cursor()
+                batch: list[bytes] = []
+                for key in cursor.iternext(keys=True, values=False):
+                    batch.append(bytes(key))
+                    if len(batch) >= 100_000:
+                        yield b"".join(batch)
+                        batch.clear()
+                if batch:
+                    yield b"".join(batch)
+
     def scan_slice(self, slice_id: int) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of one slice, in digest order."""
         info = self._slice(slice_id)

@@ -144,3 +144,38 @@ def test_a_sealed_slice_filter_that_is_missing_or_damaged_is_rebuilt(
     with _open(tmp_path) as store:
         assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.DUPLICATE}
     assert sorted((tmp_path / "slices").glob("*.bloom")) == files  # saved again
+
+
+_CRASHING_CHILD = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from tests.unit.test_warm_tier import _fill, _open
+store = _open(__import__("pathlib").Path({path!r}))
+_fill(store, [f"k{{i}}" for i in range({n})])
+sys.stdout.write(open(os.path.join({path!r}, "front", "covers_lsn")).read())
+sys.stdout.flush()
+os._exit(0)  # no close: the front stays as the last slice change left it
+"""
+
+
+def test_a_front_saved_once_per_slice_catches_up_from_the_newer_slices_after_a_crash(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints save the front only when a new slice is open; a process that dies
+    after checkpoints without a front save leaves the front behind LMDB, and the next
+    open adds the keys of the slices from the one the front names: every key is
+    DUPLICATE (none "definitely new" from a stale front)."""
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[2])
+    n = 1650  # 7 checkpoints of 250 into slices of 500: the last ones save no front
+    code = _CRASHING_CHILD.format(repo=repo, path=str(tmp_path), n=n)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    covers_lsn, covers_slice = (int(x) for x in out.stdout.split())
+    keys = [f"k{i}" for i in range(n)]
+    with _open(tmp_path) as store:
+        assert covers_lsn < store._lmdb.checkpoint_lsn(), "the front was saved at every checkpoint"
+        assert 1 <= covers_slice <= store._lmdb.newest_slice_id
+        for c in store.claim_many(keys, namespace=NS):
+            assert (c.outcome, c.exact) == (Outcome.DUPLICATE, True)
