@@ -1,0 +1,113 @@
+"""The tiered design configured in one file and served end to end (docs/tiered.toml).
+
+Hot Redis (24 h), exact PostgreSQL (7 days), cold Bloom archive (30 days): the
+daemon reads every tier and window from the file; the test only moves the
+socket, the archive and the Redis database into its own places (the command
+line wins over the file) and checks that a completed key sits in each tier
+with the file's windows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from dedupcore.api import Outcome
+from dedupcore.client import Client
+from dedupcore.record import State
+from dedupcore.tiers.sql import SqlStore
+
+from .conftest import require_server
+
+ROOT = Path(__file__).resolve().parents[2]
+TIERED = ROOT / "docs" / "tiered.toml"
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+REDIS_DB = 10
+HOUR = 3600
+
+
+@pytest.fixture
+def rdb() -> Iterator[redis.Redis]:
+    require_server("redis", 6379)
+    require_server("postgresql", 5432)
+    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dedupcore", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_file_names_every_tier_and_window() -> None:
+    out = _cli("serve", "--config", str(TIERED), "--print-config")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert 'authority = ["postgresql://postgres@127.0.0.1:5432/test"]' in text
+    assert 'cache = "redis://127.0.0.1:6379/0"' in text
+    for line in ("hot_window = 86400", "exact_window = 604800", "cold_window = 2592000"):
+        assert line in text, text
+
+
+def test_a_completed_key_lives_in_every_tier_with_the_files_windows(
+    tmp_path: Path, rdb: redis.Redis
+) -> None:
+    assert _cli("sql", "init", "--url", PG_URL).returncode == 0
+    ns = f"tiered/{uuid.uuid4().hex[:8]}"
+    sock = tmp_path / "run" / "d.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dedupcore",
+            "serve",
+            "--config",
+            str(TIERED),
+            "--socket",
+            str(sock),
+            "--archive",
+            str(tmp_path / "cold"),
+            "--cache",
+            f"redis://127.0.0.1:6379/{REDIS_DB}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+        with Client(str(sock), timeout=30) as client:
+            c = client.claim("order-1", namespace=ns)
+            assert c.outcome is Outcome.NEW
+            client.complete("order-1", c.token, namespace=ns, result="shipped")
+            again = client.claim("order-1", namespace=ns)
+            assert (again.outcome, again.result) == (Outcome.DUPLICATE, "shipped")
+            stats = client.stats()
+        # hot: Redis holds the completed key with the file's 24 h TTL
+        hot = [k for k in rdb.keys("*") if ns.encode() in k]
+        assert len(hot) == 1, hot
+        ttl = rdb.ttl(hot[0])
+        assert 23 * HOUR < ttl <= 24 * HOUR, ttl
+        assert stats["counts"]["cache_hits"] == 1
+        # exact: PostgreSQL, the authority the file names, holds the record
+        with SqlStore.from_url(PG_URL) as authority:
+            rec = authority.get("order-1", namespace=ns)
+            assert rec is not None and rec.state is State.PROCESSED
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
