@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +19,10 @@ import pytest
 import redis
 
 from dedupcore.api import Outcome
-from dedupcore.client import Client
 from dedupcore.record import State
 from dedupcore.tiers.sql import SqlStore
+from tests.daemon.conftest import Lab
+from tests.daemon.conftest import lab as lab  # a fixture
 
 from .conftest import require_server
 
@@ -61,53 +61,34 @@ def test_the_file_names_every_tier_and_window() -> None:
 
 
 def test_a_completed_key_lives_in_every_tier_with_the_files_windows(
-    tmp_path: Path, rdb: redis.Redis
+    tmp_path: Path, rdb: redis.Redis, lab: Lab
 ) -> None:
     assert _cli("sql", "init", "--url", PG_URL).returncode == 0
     ns = f"tiered/{uuid.uuid4().hex[:8]}"
-    sock = tmp_path / "run" / "d.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dedupcore",
-            "serve",
-            "--config",
-            str(TIERED),
-            "--socket",
-            str(sock),
-            "--archive",
-            str(tmp_path / "cold"),
-            "--cache",
-            f"redis://127.0.0.1:6379/{REDIS_DB}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    # The file names the authority; the harness's --data is unused beside it.
+    daemon = lab.daemon(
+        "--config",
+        str(TIERED),
+        "--archive",
+        str(tmp_path / "cold"),
+        "--cache",
+        f"redis://127.0.0.1:6379/{REDIS_DB}",
     )
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the daemon did not start"
-            time.sleep(0.05)
-        with Client(str(sock), timeout=30) as client:
-            c = client.claim("order-1", namespace=ns)
-            assert c.outcome is Outcome.NEW
-            client.complete("order-1", c.token, namespace=ns, result="shipped")
-            again = client.claim("order-1", namespace=ns)
-            assert (again.outcome, again.result) == (Outcome.DUPLICATE, "shipped")
-            stats = client.stats()
-        # hot: Redis holds the completed key with the file's 24 h TTL
-        hot = [k for k in rdb.keys("*") if ns.encode() in k]
-        assert len(hot) == 1, hot
-        ttl = rdb.ttl(hot[0])
-        assert 23 * HOUR < ttl <= 24 * HOUR, ttl
-        assert stats["counts"]["cache_hits"] == 1
-        # exact: PostgreSQL, the authority the file names, holds the record
-        with SqlStore.from_url(PG_URL) as authority:
-            rec = authority.get("order-1", namespace=ns)
-            assert rec is not None and rec.state is State.PROCESSED
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
+    with daemon.client(timeout=30) as client:
+        c = client.claim("order-1", namespace=ns)
+        assert c.outcome is Outcome.NEW
+        client.complete("order-1", c.token, namespace=ns, result="shipped")
+        again = client.claim("order-1", namespace=ns)
+        assert (again.outcome, again.result) == (Outcome.DUPLICATE, "shipped")
+        stats = client.stats()
+    # hot: Redis holds the completed key with the file's 24 h TTL
+    hot = [k for k in rdb.keys("*") if ns.encode() in k]
+    assert len(hot) == 1, hot
+    ttl = rdb.ttl(hot[0])
+    assert 23 * HOUR < ttl <= 24 * HOUR, ttl
+    assert stats["counts"]["cache_hits"] == 1
+    # exact: PostgreSQL, the authority the file names, holds the record
+    with SqlStore.from_url(PG_URL) as authority:
+        rec = authority.get("order-1", namespace=ns)
+        assert rec is not None and rec.state is State.PROCESSED
+    assert daemon.stop() == 0, daemon.log_text()
