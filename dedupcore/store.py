@@ -810,20 +810,12 @@ class DedupStore(ClaimAPI):
             with self._lock:
                 # One pass over the table without the GIL: claims wait on this lock
                 # only that long; sorting and the pairs for LMDB come after it.
-                packed, n, inflight, settled, newest = self._table.export_packed(
-                    self._ckpt_lsn, upto
-                )
+                packed, n, newest = self._table.export_packed(self._ckpt_lsn, upto)
             # Records changed meanwhile have later LSNs: they stay in memory
-            # and go to the next checkpoint.
-            self._lmdb.checkpoint(
-                _engine.unpack_items(_engine.sort_packed(packed, n), n),
-                sorted(_split16(inflight)),  # LMDB takes keys best in order
-                sorted(_split16(settled)),
-                upto,
-                now=time.time(),
-                newest=newest,
-            )
+            # and go to the next checkpoint. Everything goes to LMDB in key order.
+            items, inflight, settled = _engine.unpack_items(_engine.sort_packed(packed, n), n)
             del packed
+            self._lmdb.checkpoint(items, inflight, settled, upto, now=time.time(), newest=newest)
             self._wal.drop_through(upto)
             with self._lock:
                 self._ckpt_lsn = upto
@@ -988,11 +980,6 @@ class DedupStore(ClaimAPI):
 
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
-
-
-def _split16(joined: bytes) -> list[bytes]:
-    """Concatenated 16-byte digests as a list."""
-    return [joined[i : i + 16] for i in range(0, len(joined), 16)]
 
 
 def _at(joined: bytes, i: int) -> bytes:

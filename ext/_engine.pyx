@@ -102,13 +102,8 @@ cdef extern from "dc_engine.h" nogil:
         unsigned char* items
         size_t items_len
         size_t n
-        unsigned char* inflight
-        size_t n_inflight
-        unsigned char* settled
-        size_t n_settled
         double newest
     int dc_export_range(const dc_table* t, uint64_t after, uint64_t upto, dc_export* x)
-    void dc_export_free(dc_export* x)
     int dc_sort_packed(const unsigned char* inp, size_t length, size_t n, unsigned char* out)
     int dc_decode_value(const unsigned char* digest, const unsigned char* p, size_t length,
                         dc_rec* r)
@@ -629,23 +624,18 @@ cdef class ClaimTable:
         ``updated`` time among them (0.0 if none). The same as
         :meth:`export_packed` then :func:`unpack_items`.
         """
-        packed, n, inflight, settled, newest = self.export_packed(after, upto)
-        return (
-            unpack_items(sort_packed(packed, n), n),
-            [inflight[i : i + 16] for i in range(0, len(inflight), 16)],
-            [settled[i : i + 16] for i in range(0, len(settled), 16)],
-            newest,
-        )
+        packed, n, newest = self.export_packed(after, upto)
+        items, inflight, settled = unpack_items(sort_packed(packed, n), n)
+        return items, inflight, settled, newest
 
     def export_packed(self, uint64_t after, uint64_t upto):
-        """:meth:`export` in three buffers, built without the GIL in one pass over the
+        """:meth:`export` as one buffer, built without the GIL in one pass over the
         table (the caller's lock is held only that long).
 
-        Returns ``(packed, n, inflight, settled, newest)``: ``packed`` holds ``n``
-        records as digest (16) | value length (u32, little-endian) | value, in
-        table order (:func:`sort_packed` orders them by digest, :func:`unpack_items`
-        turns them into pairs); ``inflight`` and ``settled`` are concatenated
-        16-byte digests.
+        Returns ``(packed, n, newest)``: ``packed`` holds ``n`` records as digest
+        (16) | value length (u32, little-endian) | value, in table order
+        (:func:`sort_packed` orders them by digest, :func:`unpack_items` turns
+        them into pairs and the in-flight/settled digests).
         """
         cdef dc_export x
         cdef int rc
@@ -655,11 +645,9 @@ cdef class ClaimTable:
             raise MemoryError()
         try:
             packed = PyBytes_FromStringAndSize(<const char*>x.items, x.items_len)
-            inflight = PyBytes_FromStringAndSize(<const char*>x.inflight, 16 * x.n_inflight)
-            settled = PyBytes_FromStringAndSize(<const char*>x.settled, 16 * x.n_settled)
         finally:
-            dc_export_free(&x)
-        return packed, x.n, inflight, settled, x.newest
+            free(x.items)
+        return packed, x.n, x.newest
 
     def evict(self, uint64_t upto):
         """Drops the records LMDB holds (lsn <= upto) that are not PROCESSING; returns how many."""
@@ -728,26 +716,33 @@ def sort_packed(bytes packed, size_t n):
 
 
 def unpack_items(bytes packed, Py_ssize_t n):
-    """The (digest, value) pairs of :meth:`ClaimTable.export_packed`'s buffer, in order.
+    """The records of an :meth:`ClaimTable.export_packed` buffer, in its order.
 
-    Raises ValueError if the buffer does not hold exactly ``n`` records.
+    Returns ``(items, inflight, settled)``: the (digest, value) pairs, and the
+    digests of the PROCESSING records and of the others (read from each value's
+    state). Raises ValueError if the buffer does not hold exactly ``n`` records.
     """
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
     cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), pos = 0, i
     cdef uint32_t vlen
-    cdef list out = []
+    cdef list items = [], inflight = [], settled = []
+    cdef bytes digest
     for i in range(n):
         if pos + 20 > size:
             raise ValueError("export buffer truncated")
         vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
-        if pos + 20 + vlen > size:
+        if vlen == 0 or pos + 20 + vlen > size:
             raise ValueError("export buffer truncated")
-        out.append((PyBytes_FromStringAndSize(<const char*>p + pos, 16),
-                    PyBytes_FromStringAndSize(<const char*>p + pos + 20, vlen)))
+        digest = PyBytes_FromStringAndSize(<const char*>p + pos, 16)
+        items.append((digest, PyBytes_FromStringAndSize(<const char*>p + pos + 20, vlen)))
+        if (p[pos + 20] & 0x03) == DC_PROCESSING:
+            inflight.append(digest)
+        else:
+            settled.append(digest)
         pos += 20 + vlen
     if pos != size:
         raise ValueError("export buffer holds more than its records")
-    return out
+    return items, inflight, settled
 
 
 def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t seed_hi):

@@ -366,24 +366,13 @@ static size_t dc_encode_value(const dc_rec *r, unsigned char *out) {
 
 /* The records changed in (after, upto], packed for a checkpoint in slot
  * order (dc_sort_packed sorts them): items = n x [digest(16) | value length
- * (u32 LE) | value], inflight / settled = the digests of PROCESSING / other
- * records (16 each). One sequential pass over the table. */
+ * (u32 LE) | value]; a value's first byte carries the record's state. One
+ * sequential pass over the table. */
 typedef struct {
     unsigned char *items;
     size_t items_len, n;
-    unsigned char *inflight;
-    size_t n_inflight;
-    unsigned char *settled;
-    size_t n_settled;
     double newest;
 } dc_export;
-
-static void dc_export_free(dc_export *x) {
-    free(x->items);
-    free(x->inflight);
-    free(x->settled);
-    x->items = x->inflight = x->settled = NULL;
-}
 
 /* Fills x (touching no Python object: callable without the GIL); 0, or -1 on OOM. */
 static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_export *x) {
@@ -397,12 +386,7 @@ static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_
         }
     }
     x->items = (unsigned char *)malloc(bound ? bound : 1);
-    x->inflight = (unsigned char *)malloc(n ? 16 * n : 1);
-    x->settled = (unsigned char *)malloc(n ? 16 * n : 1);
-    if (!x->items || !x->inflight || !x->settled) {
-        dc_export_free(x);
-        return -1;
-    }
+    if (!x->items) return -1;
     size_t pos = 0;
     for (uint64_t i = 0; i <= t->mask; i++) {
         const dc_rec *r = &t->slots[i];
@@ -416,10 +400,6 @@ static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_
         p[19] = (unsigned char)(vlen >> 24);
         pos += 20 + vlen;
         if (r->updated > x->newest) x->newest = r->updated;
-        if (r->state == DC_PROCESSING)
-            memcpy(x->inflight + 16 * x->n_inflight++, r->digest, 16);
-        else
-            memcpy(x->settled + 16 * x->n_settled++, r->digest, 16);
     }
     x->items_len = pos;
     x->n = n;

@@ -157,6 +157,7 @@ class EngineVsReference(RuleBasedStateMachine):
         for d, v in items:
             self.lmdb[d] = v
         assert sorted(inflight + settled) == [d for d, _ in items]
+        assert inflight == [d for d in digests if self.model[d].state is State.PROCESSING]
         self.ckpt = self.lsn
         self.table.evict(self.ckpt)
         # What survives in memory is exactly the in-flight records.
@@ -288,8 +289,9 @@ def test_every_flipped_byte_and_every_truncation_is_caught() -> None:
 
 
 def test_a_packed_export_that_does_not_hold_its_records_is_refused() -> None:
-    record = bytes(range(16)) + (3).to_bytes(4, "little") + b"abc"
-    assert _engine.unpack_items(record * 2, 2) == [(bytes(range(16)), b"abc")] * 2
+    record = bytes(range(16)) + (3).to_bytes(4, "little") + b"\x02bc"  # a settled state
+    digest = bytes(range(16))
+    assert _engine.unpack_items(record * 2, 2) == ([(digest, b"\x02bc")] * 2, [], [digest] * 2)
     for packed, n in ((record[:-1], 1), (record[:19], 1), (record * 2, 1), (record, 2)):
         with pytest.raises(ValueError):
             _engine.unpack_items(packed, n)
