@@ -569,6 +569,17 @@ class BloomRing:
 
     def add_many(self, keys: Keys, now: float) -> memoryview[bool]:
         """Adds a batch at time ``now``; per-key flags, True where the key was new."""
+        return self._add_many(keys, now, report=True)
+
+    def insert_many(self, keys: Keys, now: float) -> None:
+        """Adds a batch at time ``now`` without asking which keys were new.
+
+        Probes only the head's filter, not every live slice: with a slice
+        grown into several sub-filters that is most of the cost of an add.
+        """
+        self._add_many(keys, now, report=False)
+
+    def _add_many(self, keys: Keys, now: float, *, report: bool) -> memoryview[bool]:
         # Hash (and so validate) every key before the ring changes at all; a
         # uint64 buffer is taken as already hashed and comes back as a copy.
         batch = _core.hash64_many(_as_batch(keys), self.seed)
@@ -580,7 +591,7 @@ class BloomRing:
                 target = self._target(head)
                 room = max(1, target.capacity - target.count)
                 chunk = batch[start : start + room]
-                others = tuple(f for f in self._filters() if f is not target)
+                others = tuple(f for f in self._filters() if f is not target) if report else ()
                 parts.append(_core.probe_many(others, chunk, target, self.seed))
                 start += room
             if len(parts) == 1:

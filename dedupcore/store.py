@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import threading
 import time
@@ -137,6 +138,7 @@ class DedupStore(ClaimAPI):
         self._failed: BaseException | None = None
         self._lock_fd: int | None = None
         self._last_checkpoint = time.monotonic()
+        self._aged_scan = -math.inf  # when a checkpoint last looked for long-held claims
         self._last_sweep = time.monotonic()
         self._checkpoint_lock = threading.Lock()
         self._worker: threading.Thread | None = None
@@ -311,7 +313,7 @@ class DedupStore(ClaimAPI):
                 # on disk"): what LMDB took since lies in that slice and newer ones.
                 now_w = time.time()
                 for joined in self._lmdb.digests_since(covers_slice):
-                    ring.add_many(_keys.front_hashes_of(joined), now_w)
+                    ring.insert_many(_keys.front_hashes_of(joined), now_w)
         except CorruptFileError as exc:
             if (path / "ring.json").exists() or self._lmdb.record_count():
                 log.warning(
@@ -344,17 +346,17 @@ class DedupStore(ClaimAPI):
         for digest, _raw in self._lmdb.iter_records():
             batch.append(_keys.front_hash(digest))
             if len(batch) >= 100_000:
-                self._front.add_many(_keys.u64(batch), now)
+                self._front.insert_many(_keys.u64(batch), now)
                 done += len(batch)
                 progress(done)
                 batch.clear()
         if batch:
-            self._front.add_many(_keys.u64(batch), now)
+            self._front.insert_many(_keys.u64(batch), now)
             done += len(batch)
         progress(done)
         held = self._table.digests()
         if held:
-            self._front.add_many(_keys.front_hashes_of(held), now)
+            self._front.insert_many(_keys.front_hashes_of(held), now)
         if not self.readonly:
             self._save_front(self._last_lsn)
 
@@ -384,7 +386,7 @@ class DedupStore(ClaimAPI):
                     f"{self.path / 'wal'}: log record {lsn} is damaged: {exc}"
                 ) from None
             if replayed:
-                self._front.add_many(_keys.front_hashes_of(replayed), now_w)
+                self._front.insert_many(_keys.front_hashes_of(replayed), now_w)
         self._last_lsn = max(self._ckpt_lsn, self._wal.last_lsn)
         self._unflushed = self._table.dirty(self._ckpt_lsn)
 
@@ -616,7 +618,7 @@ class DedupStore(ClaimAPI):
                     self._stats.outcomes[(ns_name, outcome.value)] += n
             self._stats.takeovers += takeovers
             if written:
-                self._front.add_many(_keys.front_hashes_of(written), now_w)
+                self._front.insert_many(_keys.front_hashes_of(written), now_w)
         return claims, self._pending_lsn(max(last, depends))
 
     def complete_many(
@@ -705,7 +707,7 @@ class DedupStore(ClaimAPI):
             last = self._log(payloads, n)
             if written:
                 # Completion re-adds the key so the front spans the exact window from now.
-                self._front.add_many(_keys.front_hashes_of(written), now_w)
+                self._front.insert_many(_keys.front_hashes_of(written), now_w)
         return self._pending_lsn(max(last, depends))
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
@@ -786,10 +788,15 @@ class DedupStore(ClaimAPI):
                     started = time.monotonic()
                     # Keys that stay in flight must not age out of the front filter:
                     # those claimed more than half a front window ago go in again.
+                    # That scans the whole table, so it runs every quarter window,
+                    # not at every checkpoint: a key is back in by 3/4 of its window.
                     now_w = time.time()
-                    aged = self._table.inflight_records(
-                        float("inf"), now_w - self._front_window() / 2
-                    )
+                    aged = []
+                    if started - self._aged_scan >= self._front_window() / 4:
+                        self._aged_scan = started
+                        aged = self._table.inflight_records(
+                            float("inf"), now_w - self._front_window() / 2
+                        )
             if idle:  # nothing to write; a closing store still saves its front
                 if final:
                     self._save_front(upto)
@@ -799,7 +806,7 @@ class DedupStore(ClaimAPI):
             # go to a new segment, so the old ones can be dropped whole.
             self._wal.rotate()
             if aged:
-                self._front.add_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
+                self._front.insert_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
             # The front is saved before LMDB records the checkpoint, so a saved
             # front, with the slices from the one it names on, holds every key LMDB
             # holds. It is saved once per slice (and at close): between two saves, an

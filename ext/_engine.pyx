@@ -45,6 +45,10 @@ cdef extern from "dc_engine.h" nogil:
         uint64_t count
         uint64_t inflight
         uint64_t clean
+        size_t jcap, lcap
+    ctypedef struct dc_jent:
+        unsigned char digest[16]
+        uint64_t lsn
     ctypedef struct dc_stage:
         dc_rec* recs
         size_t n
@@ -94,8 +98,9 @@ cdef extern from "dc_engine.h" nogil:
     int dc_table_init(dc_table* t, uint64_t capacity)
     void dc_table_free(dc_table* t)
     dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
-    int dc_put(dc_table* t, const dc_rec* r)
+    int dc_put(dc_table* t, const dc_rec* r, int note)
     int64_t dc_evict(dc_table* t, uint64_t upto)
+    int64_t dc_dirty(const dc_table* t, uint64_t after)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
     ctypedef struct dc_export:
@@ -299,8 +304,8 @@ cdef class ClaimTable:
 
     @property
     def nbytes(self):
-        """Bytes of the slot array (blobs not counted)."""
-        return (self.t.mask + 1) * sizeof(dc_rec)
+        """Bytes of the slot array and the change journal (blobs not counted)."""
+        return (self.t.mask + 1) * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
 
     def missing(self, bytes digests):
         """Indexes of the digests the table holds no record of."""
@@ -347,7 +352,7 @@ cdef class ClaimTable:
                 return i
             if r.state == DC_PROCESSING:
                 r.deadline = now_m + r.lease
-            rc = dc_put(&self.t, &r)
+            rc = dc_put(&self.t, &r, 1)
             dc_decref(r.extra)
             if rc:
                 raise MemoryError()
@@ -385,7 +390,7 @@ cdef class ClaimTable:
             if r.state == DC_PROCESSING:
                 r.deadline = now_m + r.lease
             memcpy(&out[16 * k], &view[pos], 16)
-            rc = dc_put(&self.t, &r)
+            rc = dc_put(&self.t, &r, 1)
             dc_decref(r.extra)
             if rc:
                 raise MemoryError()
@@ -659,12 +664,12 @@ cdef class ClaimTable:
         return n
 
     def dirty(self, uint64_t after):
-        """Number of records changed after log position ``after``."""
-        cdef uint64_t i, n = 0
+        """Number of records changed after log position ``after`` (read from the journal)."""
+        cdef int64_t n
         with nogil:
-            for i in range(self.t.mask + 1):
-                if self.t.slots[i].state and self.t.slots[i].lsn > after:
-                    n += 1
+            n = dc_dirty(&self.t, after)
+        if n < 0:
+            raise MemoryError()
         return n
 
     def inflight_records(self, double deadline_before, double updated_before):

@@ -14,6 +14,14 @@
  * variable parts (owner, fingerprint, result) live in one reference-counted
  * heap blob per record, or none.
  *
+ * Beside the slots the table keeps a journal of what changed: (digest, lsn)
+ * for every record stored with a log position, and the digests of the clean
+ * copies loaded. A checkpoint's export, the count of records not yet in LMDB
+ * and the eviction after a checkpoint walk the journal, not the slots, so
+ * their cost follows the records changed since the last checkpoint and not
+ * the records held (a table of millions of open claims is not scanned while
+ * claims wait on the store's lock; docs/engine.md, "The change journal").
+ *
  * A batch is decided in two steps: dc_decide_* reads the table and stages the
  * new records (nothing changes, so an error such as a fingerprint conflict
  * leaves no trace), the caller logs the staged records, then dc_apply puts
@@ -76,12 +84,24 @@ typedef struct {
     uint8_t renewal; /* staged only: a lease renewal, kept in memory, not logged */
 } dc_rec;
 
+/* One journal entry: a record stored with log position lsn. The entry is
+ * current while the record's lsn is still lsn; a later change appends a new
+ * entry and the old one no longer matches. */
+typedef struct {
+    unsigned char digest[16];
+    uint64_t lsn;
+} dc_jent;
+
 typedef struct {
     dc_rec *slots;
     uint64_t mask;
     uint64_t count;
     uint64_t inflight;
     uint64_t clean;
+    dc_jent *journal; /* changes with a log position, in the order stored */
+    size_t jlen, jcap;
+    unsigned char *loaded; /* digests of clean copies loaded (16 bytes each) */
+    size_t llen, lcap;
 } dc_table;
 
 /* ---- variable parts --------------------------------------------------- */
@@ -143,6 +163,10 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
     if (!t->slots) return -1;
     t->mask = n - 1;
     t->count = t->inflight = t->clean = 0;
+    t->journal = NULL;
+    t->jlen = t->jcap = 0;
+    t->loaded = NULL;
+    t->llen = t->lcap = 0;
     return 0;
 }
 
@@ -152,6 +176,40 @@ static void dc_table_free(dc_table *t) {
         if (t->slots[i].state) dc_decref(t->slots[i].extra);
     free(t->slots);
     t->slots = NULL;
+    free(t->journal);
+    t->journal = NULL;
+    t->jlen = t->jcap = 0;
+    free(t->loaded);
+    t->loaded = NULL;
+    t->llen = t->lcap = 0;
+}
+
+/* Notes that digest is about to be stored with lsn (0 = a clean copy). -1 on
+ * allocation failure, before anything changed. */
+static int dc_journal_note(dc_table *t, const unsigned char *digest, uint64_t lsn) {
+    if (lsn) {
+        if (t->jlen == t->jcap) {
+            size_t cap = t->jcap ? t->jcap * 2 : 1024;
+            dc_jent *j = (dc_jent *)realloc(t->journal, cap * sizeof(dc_jent));
+            if (!j) return -1;
+            t->journal = j;
+            t->jcap = cap;
+        }
+        memcpy(t->journal[t->jlen].digest, digest, 16);
+        t->journal[t->jlen].lsn = lsn;
+        t->jlen++;
+    } else {
+        if (t->llen == t->lcap) {
+            size_t cap = t->lcap ? t->lcap * 2 : 1024;
+            unsigned char *l = (unsigned char *)realloc(t->loaded, cap * 16);
+            if (!l) return -1;
+            t->loaded = l;
+            t->lcap = cap;
+        }
+        memcpy(t->loaded + 16 * t->llen, digest, 16);
+        t->llen++;
+    }
+    return 0;
 }
 
 static inline dc_rec *dc_find(const dc_table *t, const unsigned char *digest) {
@@ -194,11 +252,14 @@ static int dc_resize(dc_table *t, uint64_t n) {
 }
 
 /* Stores a copy of r (taking a new reference to its blob), replacing the
- * digest's record if any. -1 on allocation failure (the table is unchanged). */
-static int dc_put(dc_table *t, const dc_rec *r) {
+ * digest's record if any; with note, the journal records the change (a lease
+ * renewal keeps its log position and is not noted again). -1 on allocation
+ * failure (the table is unchanged). */
+static int dc_put(dc_table *t, const dc_rec *r, int note) {
     if ((t->count + 1) * 10 > (t->mask + 1) * 7) {
         if (dc_resize(t, (t->mask + 1) * 2)) return -1;
     }
+    if (note && dc_journal_note(t, r->digest, r->lsn)) return -1;
     uint64_t i = dc_slot_of(r->digest) & t->mask;
     for (;;) {
         dc_rec *s = &t->slots[i];
@@ -239,37 +300,102 @@ static void dc_remove_at(dc_table *t, uint64_t i) {
     memset(&t->slots[hole], 0, sizeof(dc_rec));
 }
 
-/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING, in
- * place (no new table: the records in flight stay where they are, so a table
- * of millions of open claims is not copied at every checkpoint); the table is
- * rebuilt smaller only when it is left under 1/16 full. Returns how many were
- * dropped, -1 on OOM. */
-static int64_t dc_evict(dc_table *t, uint64_t upto) {
-    uint64_t n = t->mask + 1, dropped = 0, start = 0;
-    while (start < n && t->slots[start].state) start++;
-    if (start == n) return -1; /* never: the table is at most 70 % full */
-    /* One turn from an empty slot: a backward shift never moves a record past
-     * it, so every record is seen once (a record shifted into slot i is looked
-     * at again before moving on). */
-    for (uint64_t step = 1; step <= n;) {
-        uint64_t i = (start + step) & t->mask;
-        dc_rec *r = &t->slots[i];
-        if (r->state && r->state != DC_PROCESSING && r->lsn <= upto) {
-            dc_count(t, r, -1);
-            dc_decref(r->extra);
-            t->count--;
-            dropped++;
-            dc_remove_at(t, i);
-            continue; /* slot i now holds the next record of its cluster, or nothing */
+static inline int dc_find_at(const dc_table *t, const unsigned char *digest, uint64_t *at) {
+    uint64_t i = dc_slot_of(digest) & t->mask;
+    for (;;) {
+        const dc_rec *r = &t->slots[i];
+        if (!r->state) return 0;
+        if (memcmp(r->digest, digest, 16) == 0) {
+            *at = i;
+            return 1;
         }
-        step++;
+        i = (i + 1) & t->mask;
     }
+}
+
+/* Drops digest's record if its log position is still lsn and it is not
+ * PROCESSING; 1 if dropped. */
+static inline int dc_drop_if(dc_table *t, const unsigned char *digest, uint64_t lsn) {
+    uint64_t i;
+    if (!dc_find_at(t, digest, &i)) return 0;
+    dc_rec *r = &t->slots[i];
+    if (r->lsn != lsn || r->state == DC_PROCESSING) return 0;
+    dc_count(t, r, -1);
+    dc_decref(r->extra);
+    t->count--;
+    dc_remove_at(t, i);
+    return 1;
+}
+
+/* Gives back most of a journal array left far bigger than what it holds. */
+static void *dc_trim(void *p, size_t len, size_t *cap, size_t size) {
+    if (*cap <= 4096 || len * 4 > *cap) return p;
+    size_t n = 4096;
+    while (n < len * 2) n <<= 1;
+    void *q = realloc(p, n * size);
+    if (!q) return p; /* keeping the bigger array is fine */
+    *cap = n;
+    return q;
+}
+
+/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING: the
+ * records the journal names with a position <= upto that still have it, and
+ * the clean copies loaded. Those journal entries are consumed (a record kept
+ * because it is in flight gets a new entry when it changes). In place: the
+ * records in flight stay where they are; the table is rebuilt smaller only
+ * when it is left under 1/16 full. Returns how many were dropped, -1 on OOM. */
+static int64_t dc_evict(dc_table *t, uint64_t upto) {
+    uint64_t dropped = 0;
+    size_t keep = 0;
+    for (size_t k = 0; k < t->jlen; k++) {
+        if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
+        const dc_jent e = t->journal[k];
+        if (e.lsn > upto)
+            t->journal[keep++] = e;
+        else
+            dropped += dc_drop_if(t, e.digest, e.lsn);
+    }
+    t->jlen = keep;
+    for (size_t k = 0; k < t->llen; k++) {
+        if (k + 8 < t->llen) dc_prefetch_slot(t, t->loaded + 16 * (k + 8));
+        dropped += dc_drop_if(t, t->loaded + 16 * k, 0);
+    }
+    t->llen = 0;
+    t->journal = (dc_jent *)dc_trim(t->journal, t->jlen, &t->jcap, sizeof(dc_jent));
+    t->loaded = (unsigned char *)dc_trim(t->loaded, 0, &t->lcap, 16);
+    uint64_t n = t->mask + 1;
     if (n > 1024 && t->count * 16 < n) {
         uint64_t m = 1024;
         while (m * 7 < t->count * 10 * 2) m <<= 1; /* at most 35 % full afterwards */
         if (dc_resize(t, m)) return -1;
     }
     return (int64_t)dropped;
+}
+
+/* The records the journal names as changed in (after, upto] that still carry
+ * the position it names (each record once: its latest entry). Fills *out with
+ * pointers into the table (valid until it changes) and returns how many, or
+ * -1 on OOM (*out NULL). */
+static int64_t dc_changed(const dc_table *t, uint64_t after, uint64_t upto, const dc_rec ***out) {
+    *out = (const dc_rec **)malloc((t->jlen ? t->jlen : 1) * sizeof(dc_rec *));
+    if (!*out) return -1;
+    size_t n = 0;
+    for (size_t k = 0; k < t->jlen; k++) {
+        if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
+        const dc_jent *e = &t->journal[k];
+        if (e->lsn <= after || e->lsn > upto) continue;
+        const dc_rec *r = dc_find(t, e->digest);
+        if (r && r->lsn == e->lsn) (*out)[n++] = r;
+    }
+    return (int64_t)n;
+}
+
+/* How many records changed after log position after (not yet in LMDB). */
+static int64_t dc_dirty(const dc_table *t, uint64_t after) {
+    const dc_rec **recs;
+    int64_t n = dc_changed(t, after, UINT64_MAX, &recs);
+    free(recs);
+    return n;
 }
 
 /* ---- the record format (docs/engine.md) -------------------------------- */
@@ -364,10 +490,10 @@ static size_t dc_encode_value(const dc_rec *r, unsigned char *out) {
 
 /* ---- checkpoint export --------------------------------------------------- */
 
-/* The records changed in (after, upto], packed for a checkpoint in slot
+/* The records changed in (after, upto], packed for a checkpoint in journal
  * order (dc_sort_packed sorts them): items = n x [digest(16) | value length
  * (u32 LE) | value]; a value's first byte carries the record's state. One
- * sequential pass over the table. */
+ * pass over the journal, not over the table. */
 typedef struct {
     unsigned char *items;
     size_t items_len, n;
@@ -377,20 +503,19 @@ typedef struct {
 /* Fills x (touching no Python object: callable without the GIL); 0, or -1 on OOM. */
 static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_export *x) {
     memset(x, 0, sizeof(*x));
-    size_t n = 0, bound = 0;
-    for (uint64_t i = 0; i <= t->mask; i++) {
-        const dc_rec *r = &t->slots[i];
-        if (r->state && after < r->lsn && r->lsn <= upto) {
-            n++;
-            bound += 20 + dc_value_bound(r);
-        }
-    }
+    const dc_rec **recs;
+    int64_t n = dc_changed(t, after, upto, &recs);
+    if (n < 0) return -1;
+    size_t bound = 0;
+    for (int64_t k = 0; k < n; k++) bound += 20 + dc_value_bound(recs[k]);
     x->items = (unsigned char *)malloc(bound ? bound : 1);
-    if (!x->items) return -1;
+    if (!x->items) {
+        free(recs);
+        return -1;
+    }
     size_t pos = 0;
-    for (uint64_t i = 0; i <= t->mask; i++) {
-        const dc_rec *r = &t->slots[i];
-        if (!(r->state && after < r->lsn && r->lsn <= upto)) continue;
+    for (int64_t k = 0; k < n; k++) {
+        const dc_rec *r = recs[k];
         unsigned char *p = x->items + pos;
         memcpy(p, r->digest, 16);
         uint32_t vlen = (uint32_t)dc_encode_value(r, p + 20);
@@ -401,8 +526,9 @@ static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_
         pos += 20 + vlen;
         if (r->updated > x->newest) x->newest = r->updated;
     }
+    free(recs);
     x->items_len = pos;
-    x->n = n;
+    x->n = (size_t)n;
     return 0;
 }
 
@@ -790,7 +916,7 @@ static int dc_apply(dc_table *t, const dc_stage *s, uint64_t lsn) {
     for (size_t i = 0; i < s->n; i++) {
         dc_rec r = s->recs[i];
         if (!r.renewal) r.lsn = lsn;
-        if (dc_put(t, &r)) return -1;
+        if (dc_put(t, &r, !r.renewal)) return -1;
     }
     return 0;
 }

@@ -143,6 +143,24 @@ def test_overfilled_slice_grows_subfilters_in_one_batch(make_keys: Keys) -> None
     assert list(ring.add_many(keys, now=2.0)) == [False] * 4000
 
 
+def test_insert_many_sets_the_same_bits_as_add_many(make_keys: Keys) -> None:
+    """insert_many skips only the probe of the other slices: the ring it leaves
+    (slices, sub-filters, counts, bits) is the one add_many leaves."""
+    rings = [
+        BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=1000, error_rate=0.001)
+        for _ in range(2)
+    ]
+    batches = [(make_keys(1500), 0.5), (make_keys(3000), 1.5), (make_keys(10), 1.7)]
+    for keys, now in batches:
+        rings[0].add_many(keys, now)
+        assert rings[1].insert_many(keys, now) is None
+    assert rings[0].slices() == rings[1].slices()
+    assert [s.subfilters for s in rings[1].slices()] == [2, 2]  # both slices grew
+    for a, b in zip(rings[0]._filters(), rings[1]._filters(), strict=True):
+        assert a.to_bytes() == b.to_bytes()
+    assert all(rings[1].contains_many([k for keys, _ in batches for k in keys]))
+
+
 def test_ring_fpr_with_every_slice_overfilled_4x() -> None:
     error_rate = 0.01
     slice_capacity = 25_000
