@@ -86,6 +86,8 @@ LOCK_FILE = "LOCK"
 # is in the filter. Written after the filter, before LMDB's checkpoint moves.
 FRONT_COVERS = "covers_lsn"
 _MAX_NAMESPACES = 65535
+# Journal entries a checkpoint evicts per hold of the store lock (a few ms).
+_EVICT_STEP = 65536
 
 
 class StoreLockedError(DedupError, BlockingIOError):
@@ -786,6 +788,10 @@ class DedupStore(ClaimAPI):
                     self._last_checkpoint = time.monotonic()
                 else:
                     started = time.monotonic()
+                    # What changed through upto, taken out of the table in O(1):
+                    # claims go on meanwhile and their changes are the next
+                    # checkpoint's (docs/engine.md, "The change journal").
+                    changes = self._table.take_changes()
                     # Keys that stay in flight must not age out of the front filter:
                     # those claimed more than half a front window ago go in again.
                     # That scans the whole table, so it runs every quarter window,
@@ -801,33 +807,53 @@ class DedupStore(ClaimAPI):
                 if final:
                     self._save_front(upto)
                 return
-            # The file work runs outside the store lock, so claims go on meanwhile
-            # (the log and the front filter have their own locks). Later records
-            # go to a new segment, so the old ones can be dropped whole.
-            self._wal.rotate()
-            if aged:
-                self._front.insert_many(_keys.front_hashes_of(b"".join(a[0] for a in aged)), now_w)
-            # The front is saved before LMDB records the checkpoint, so a saved
-            # front, with the slices from the one it names on, holds every key LMDB
-            # holds. It is saved once per slice (and at close): between two saves, an
-            # open after a crash adds the keys of those slices (docs/warm-tier.md).
-            if final or self._lmdb.newest_slice_id != self._front_slice:
-                self._save_front(upto)
-            self._wal.sync(upto, force=True)
-            with self._lock:
-                # One pass over the table without the GIL: claims wait on this lock
-                # only that long; sorting and the pairs for LMDB come after it.
-                packed, n, newest = self._table.export_packed(self._ckpt_lsn, upto)
-            # Records changed meanwhile have later LSNs: they stay in memory
-            # and go to the next checkpoint. Everything goes to LMDB in key order.
-            items, inflight, settled = _engine.unpack_items(_engine.sort_packed(packed, n), n)
-            del packed
-            self._lmdb.checkpoint(items, inflight, settled, upto, now=time.time(), newest=newest)
-            self._wal.drop_through(upto)
+            try:
+                # The file work runs outside the store lock, so claims go on
+                # meanwhile (the log and the front filter have their own locks).
+                # Later records go to a new segment, so the old ones can be
+                # dropped whole.
+                self._wal.rotate()
+                if aged:
+                    hashes = _keys.front_hashes_of(b"".join(a[0] for a in aged))
+                    self._front.insert_many(hashes, now_w)
+                # The front is saved before LMDB records the checkpoint, so a saved
+                # front, with the slices from the one it names on, holds every key
+                # LMDB holds. It is saved once per slice (and at close): between
+                # two saves, an open after a crash adds the keys of those slices
+                # (docs/warm-tier.md).
+                if final or self._lmdb.newest_slice_id != self._front_slice:
+                    self._save_front(upto)
+                self._wal.sync(upto, force=True)
+                # Everything goes to LMDB in key order, each record's latest change.
+                # LMDB reads the records in place, one at a time (no lists of
+                # millions of tuples to build and free while holding the GIL).
+                packed, n = _engine.sort_changes(changes)
+                records = _engine.PackedRecords(packed, n)
+                self._lmdb.checkpoint(
+                    records,
+                    records.inflight,
+                    records.settled,
+                    upto,
+                    now=time.time(),
+                    newest=changes.newest,
+                    digests=records.digests(),
+                )
+            except BaseException:
+                with self._lock:  # LMDB did not take them: the next checkpoint writes them
+                    self._table.give_back(changes)
+                raise
+            del changes, records, packed
             with self._lock:
                 self._ckpt_lsn = upto
-                self._table.evict(upto)
-                self._unflushed = self._table.dirty(upto)
+            self._wal.drop_through(upto)
+            # What LMDB now holds leaves memory in bounded steps: a claim waits
+            # on the lock for one step at most, not for the whole checkpoint.
+            more = True
+            while more:
+                with self._lock:
+                    _dropped, more = self._table.evict_some(upto, _EVICT_STEP)
+            with self._lock:
+                self._unflushed = self._table.pending
                 self._last_checkpoint = time.monotonic()
                 self._stats.checkpoints += 1
                 self._stats.checkpoint_seconds += time.monotonic() - started

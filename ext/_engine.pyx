@@ -21,6 +21,11 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
 
 cdef extern from "dc_engine.h" nogil:
+    ctypedef struct dc_export:
+        unsigned char* items
+        size_t items_len
+        size_t n
+        double newest
     ctypedef struct dc_extra:
         uint32_t refs
         uint32_t result_len
@@ -45,6 +50,7 @@ cdef extern from "dc_engine.h" nogil:
         uint64_t count
         uint64_t inflight
         uint64_t clean
+        dc_export changes
         size_t jcap, lcap
     ctypedef struct dc_jent:
         unsigned char digest[16]
@@ -99,17 +105,15 @@ cdef extern from "dc_engine.h" nogil:
     void dc_table_free(dc_table* t)
     dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
     int dc_put(dc_table* t, const dc_rec* r, int note)
-    int64_t dc_evict(dc_table* t, uint64_t upto)
+    int64_t dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more)
     int64_t dc_dirty(const dc_table* t, uint64_t after)
+    size_t dc_missing(const dc_table* t, const unsigned char* digests, size_t n, size_t* out)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
-    ctypedef struct dc_export:
-        unsigned char* items
-        size_t items_len
-        size_t n
-        double newest
-    int dc_export_range(const dc_table* t, uint64_t after, uint64_t upto, dc_export* x)
-    int dc_sort_packed(const unsigned char* inp, size_t length, size_t n, unsigned char* out)
+    void dc_take_changes(dc_table* t, dc_export* x)
+    int dc_give_back(dc_table* t, dc_export* x)
+    int dc_sort_packed(const unsigned char* inp, size_t length, size_t n, unsigned char* out,
+                       size_t* out_len, size_t* kept)
     int dc_decode_value(const unsigned char* digest, const unsigned char* p, size_t length,
                         dc_rec* r)
     int dc_stage_init(dc_stage* s, size_t cap)
@@ -309,13 +313,17 @@ cdef class ClaimTable:
 
     def missing(self, bytes digests):
         """Indexes of the digests the table holds no record of."""
-        cdef size_t n, i
+        cdef size_t n, i, m
         cdef const unsigned char* d = _digests_of(digests, &n)
-        cdef list out = []
-        for i in range(n):
-            if dc_find(&self.t, d + 16 * i) == NULL:
-                out.append(i)
-        return out
+        cdef size_t* idx = <size_t*>malloc((n + 1) * sizeof(size_t))
+        if idx == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                m = dc_missing(&self.t, d, n, idx)
+            return [idx[i] for i in range(m)]
+        finally:
+            free(idx)
 
     def get(self, bytes digest):
         """(state, ns_id, token, created, updated, lease, owner, fingerprint, result, lsn,
@@ -598,7 +606,8 @@ cdef class ClaimTable:
         cdef int rc = 0
         if not self.staged:
             return
-        rc = dc_apply(&self.t, &self.stage, lsn)
+        with nogil:  # a table growing past 70 % is rebuilt here: seconds at millions
+            rc = dc_apply(&self.t, &self.stage, lsn)
         self.discard()
         if rc:
             raise MemoryError()
@@ -620,48 +629,51 @@ cdef class ClaimTable:
                 parts.append(PyBytes_FromStringAndSize(<const char*>self.stage.recs[i].digest, 16))
         return b"".join(parts)
 
-    def export(self, uint64_t after, uint64_t upto):
-        """The records changed in (after, upto], for a checkpoint, sorted by digest.
+    @property
+    def pending(self):
+        """Records changed since the last :meth:`take_changes` (a record changed twice
+        counts twice): what the next checkpoint writes, about."""
+        return self.t.changes.n
 
-        Returns ``(items, inflight, settled, newest)``: ``items`` are (digest,
-        value) pairs; ``inflight`` the digests of PROCESSING records;
-        ``settled`` the digests of the others; ``newest`` the latest
-        ``updated`` time among them (0.0 if none). The same as
-        :meth:`export_packed` then :func:`unpack_items`.
+    def take_changes(self):
+        """Moves the records changed since the last call out of the table, encoded as
+        a checkpoint writes them (O(1): all a checkpoint does under the store lock).
+
+        :func:`sort_changes` orders them for LMDB; :meth:`give_back` returns
+        them if the checkpoint fails.
         """
-        packed, n, newest = self.export_packed(after, upto)
-        items, inflight, settled = unpack_items(sort_packed(packed, n), n)
-        return items, inflight, settled, newest
+        cdef Changes c = Changes.__new__(Changes)
+        dc_take_changes(&self.t, &c.x)
+        return c
 
-    def export_packed(self, uint64_t after, uint64_t upto):
-        """:meth:`export` as one buffer, built without the GIL in one pass over the
-        table (the caller's lock is held only that long).
-
-        Returns ``(packed, n, newest)``: ``packed`` holds ``n`` records as digest
-        (16) | value length (u32, little-endian) | value, in table order
-        (:func:`sort_packed` orders them by digest, :func:`unpack_items` turns
-        them into pairs and the in-flight/settled digests).
-        """
-        cdef dc_export x
-        cdef int rc
-        with nogil:
-            rc = dc_export_range(&self.t, after, upto, &x)
-        if rc < 0:
+    def give_back(self, Changes changes not None):
+        """Puts changes taken by :meth:`take_changes` back in front of those since."""
+        if dc_give_back(&self.t, &changes.x):
             raise MemoryError()
-        try:
-            packed = PyBytes_FromStringAndSize(<const char*>x.items, x.items_len)
-        finally:
-            free(x.items)
-        return packed, x.n, x.newest
+
+    def export(self):
+        """:meth:`take_changes`, sorted and unpacked: ``(items, inflight, settled,
+        newest)`` as :func:`unpack_items` returns them, and the latest ``updated``."""
+        changes = self.take_changes()
+        packed, n = sort_changes(changes)
+        items, inflight, settled = unpack_items(packed, n)
+        return items, inflight, settled, changes.newest
 
     def evict(self, uint64_t upto):
         """Drops the records LMDB holds (lsn <= upto) that are not PROCESSING; returns how many."""
+        dropped, _more = self.evict_some(upto, 0)
+        return dropped
+
+    def evict_some(self, uint64_t upto, size_t limit):
+        """:meth:`evict` over at most ``limit`` journal entries (0 = all); returns
+        ``(dropped, more)``, ``more`` True while entries <= upto are left."""
         cdef int64_t n
+        cdef int more = 0
         with nogil:
-            n = dc_evict(&self.t, upto)
+            n = dc_evict(&self.t, upto, limit, &more)
         if n < 0:
             raise MemoryError()
-        return n
+        return n, bool(more)
 
     def dirty(self, uint64_t after):
         """Number of records changed after log position ``after`` (read from the journal)."""
@@ -704,24 +716,162 @@ cdef extern from "Python.h":
 _sort_lock = threading.Lock()
 
 
-def sort_packed(bytes packed, size_t n):
-    """The ``n`` records of an :meth:`ClaimTable.export_packed` buffer in digest order
-    (sorted without the GIL). Raises ValueError if it does not hold exactly ``n``."""
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(packed))
-    cdef const unsigned char* inp = <const unsigned char*>PyBytes_AS_STRING(packed)
+cdef class Changes:
+    """Records taken out of a :class:`ClaimTable` for a checkpoint (an owned buffer)."""
+
+    cdef dc_export x
+
+    def __dealloc__(self):
+        free(self.x.items)
+        self.x.items = NULL
+
+    @property
+    def n(self):
+        """Records held (a record changed twice is held twice)."""
+        return self.x.n
+
+    @property
+    def newest(self):
+        """The latest ``updated`` time among them (0.0 if none)."""
+        return self.x.newest
+
+    @property
+    def nbytes(self):
+        return self.x.items_len
+
+
+def sort_changes(Changes changes not None):
+    """The records of ``changes`` in digest order, each digest once (its latest
+    change), sorted without the GIL: ``(packed, n)`` for :func:`unpack_items`."""
+    cdef size_t length = changes.x.items_len, out_len = 0, kept = 0
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, length)
     cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
-    cdef size_t length = PyBytes_GET_SIZE(packed)
     cdef int rc
     with _sort_lock:
         with nogil:
-            rc = dc_sort_packed(inp, length, n, o)
+            rc = dc_sort_packed(changes.x.items, length, changes.x.n, o, &out_len, &kept)
     if rc < 0:
-        raise ValueError(f"export buffer does not hold {n} records")
-    return out
+        raise MemoryError()
+    return (out if out_len == length else out[:out_len]), kept
+
+
+cdef class PackedRecords:
+    """The records of a :func:`sort_changes` buffer, read in place: a checkpoint
+    hands them to LMDB one at a time instead of as lists of millions of tuples
+    (building and freeing those holds the GIL for tens of ms, a stall for every
+    other thread of the process).
+
+    Iterating yields ``(digest, value)`` pairs; :attr:`inflight` and
+    :attr:`settled` are the digests of PROCESSING records and of the others;
+    every one of them can be iterated again (a retried LMDB transaction does).
+    """
+
+    cdef bytes packed
+    cdef readonly Py_ssize_t n
+    cdef Py_ssize_t n_inflight
+
+    def __cinit__(self, bytes packed not None, Py_ssize_t n):
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), pos = 0, i, k = 0
+        cdef uint32_t vlen
+        for i in range(n):
+            if pos + 20 > size:
+                raise ValueError("export buffer truncated")
+            vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
+            if vlen == 0 or pos + 20 + vlen > size:
+                raise ValueError("export buffer truncated")
+            k += (p[pos + 20] & 0x03) == DC_PROCESSING
+            pos += 20 + vlen
+        if pos != size:
+            raise ValueError("export buffer holds more than its records")
+        self.packed = packed
+        self.n = n
+        self.n_inflight = k
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return _PackedIter(self, 0)
+
+    @property
+    def inflight(self):
+        """The digests of the PROCESSING records (sized, iterable again)."""
+        return _PackedView(self, 1)
+
+    @property
+    def settled(self):
+        """The digests of the other records (sized, iterable again)."""
+        return _PackedView(self, 2)
+
+    def digests(self):
+        """Every digest, concatenated (16 bytes each)."""
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self.packed)
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, 16 * self.n)
+        cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+        cdef Py_ssize_t pos = 0, i
+        cdef uint32_t vlen
+        for i in range(self.n):
+            memcpy(o + 16 * i, p + pos, 16)
+            vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
+            pos += 20 + vlen
+        return out
+
+
+cdef class _PackedView:
+    cdef PackedRecords records
+    cdef int mode
+
+    def __cinit__(self, PackedRecords records, int mode):
+        self.records = records
+        self.mode = mode
+
+    def __len__(self):
+        if self.mode == 1:
+            return self.records.n_inflight
+        return self.records.n - self.records.n_inflight
+
+    def __iter__(self):
+        return _PackedIter(self.records, self.mode)
+
+
+cdef class _PackedIter:
+    """mode 0: (digest, value) pairs; 1: digests of PROCESSING records; 2: the others."""
+
+    cdef PackedRecords records
+    cdef int mode
+    cdef Py_ssize_t pos, i
+
+    def __cinit__(self, PackedRecords records, int mode):
+        self.records = records
+        self.mode = mode
+        self.pos = 0
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self.records.packed)
+        cdef uint32_t vlen
+        cdef Py_ssize_t at
+        cdef bint processing
+        while self.i < self.records.n:
+            at = self.pos
+            vlen = p[at + 16] | (p[at + 17] << 8) | (p[at + 18] << 16) | (<uint32_t>p[at + 19] << 24)
+            self.pos += 20 + vlen
+            self.i += 1
+            if self.mode == 0:
+                return (PyBytes_FromStringAndSize(<const char*>p + at, 16),
+                        PyBytes_FromStringAndSize(<const char*>p + at + 20, vlen))
+            processing = (p[at + 20] & 0x03) == DC_PROCESSING
+            if processing == (self.mode == 1):
+                return PyBytes_FromStringAndSize(<const char*>p + at, 16)
+        raise StopIteration
 
 
 def unpack_items(bytes packed, Py_ssize_t n):
-    """The records of an :meth:`ClaimTable.export_packed` buffer, in its order.
+    """The records of a :func:`sort_changes` buffer, in its order.
 
     Returns ``(items, inflight, settled)``: the (digest, value) pairs, and the
     digests of the PROCESSING records and of the others (read from each value's

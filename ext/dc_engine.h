@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "dc_hash.h"
 
@@ -92,12 +93,22 @@ typedef struct {
     uint64_t lsn;
 } dc_jent;
 
+/* Records changed since the last checkpoint took them, encoded as a
+ * checkpoint writes them: n x [digest(16) | value length (u32 LE) | value],
+ * in the order stored (a record changed twice is in it twice). */
+typedef struct {
+    unsigned char *items;
+    size_t items_len, cap, n;
+    double newest; /* the latest `updated` among them */
+} dc_export;
+
 typedef struct {
     dc_rec *slots;
     uint64_t mask;
     uint64_t count;
     uint64_t inflight;
     uint64_t clean;
+    dc_export changes; /* what the next checkpoint writes */
     dc_jent *journal; /* changes with a log position, in the order stored */
     size_t jlen, jcap;
     unsigned char *loaded; /* digests of clean copies loaded (16 bytes each) */
@@ -156,13 +167,40 @@ static inline uint64_t dc_slot_of(const unsigned char *digest) {
     return h;
 }
 
+/* Slot arrays of 4 MiB and more are mapped on their own and asked for huge
+ * pages (transparent huge pages in madvise mode): a claim's lookup is a
+ * random access into hundreds of MB, and with 4 KiB pages most of its cost
+ * is the TLB miss. Zeroed either way. */
+#define DC_MAP_MIN ((size_t)4 << 20)
+
+static dc_rec *dc_slots_alloc(uint64_t n) {
+    size_t bytes = (size_t)n * sizeof(dc_rec);
+    if (bytes < DC_MAP_MIN) return (dc_rec *)calloc(n, sizeof(dc_rec));
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE); /* a hint: without it the pages are small */
+#endif
+    return (dc_rec *)p;
+}
+
+static void dc_slots_free(dc_rec *slots, uint64_t n) {
+    size_t bytes = (size_t)n * sizeof(dc_rec);
+    if (!slots) return;
+    if (bytes < DC_MAP_MIN)
+        free(slots);
+    else
+        munmap(slots, bytes);
+}
+
 static int dc_table_init(dc_table *t, uint64_t capacity) {
     uint64_t n = 1024;
     while (n < capacity * 2) n <<= 1;
-    t->slots = (dc_rec *)calloc(n, sizeof(dc_rec));
+    t->slots = dc_slots_alloc(n);
     if (!t->slots) return -1;
     t->mask = n - 1;
     t->count = t->inflight = t->clean = 0;
+    memset(&t->changes, 0, sizeof(t->changes));
     t->journal = NULL;
     t->jlen = t->jcap = 0;
     t->loaded = NULL;
@@ -174,7 +212,7 @@ static void dc_table_free(dc_table *t) {
     if (!t->slots) return;
     for (uint64_t i = 0; i <= t->mask; i++)
         if (t->slots[i].state) dc_decref(t->slots[i].extra);
-    free(t->slots);
+    dc_slots_free(t->slots, t->mask + 1);
     t->slots = NULL;
     free(t->journal);
     t->journal = NULL;
@@ -182,11 +220,69 @@ static void dc_table_free(dc_table *t) {
     free(t->loaded);
     t->loaded = NULL;
     t->llen = t->lcap = 0;
+    free(t->changes.items);
+    memset(&t->changes, 0, sizeof(t->changes));
 }
 
-/* Notes that digest is about to be stored with lsn (0 = a clean copy). -1 on
- * allocation failure, before anything changed. */
-static int dc_journal_note(dc_table *t, const unsigned char *digest, uint64_t lsn) {
+static inline size_t dc_value_bound(const dc_rec *r);
+static size_t dc_encode_value(const dc_rec *r, unsigned char *out);
+
+/* Appends r, encoded, to x. -1 on allocation failure (x unchanged). */
+static int dc_export_add(dc_export *x, const dc_rec *r) {
+    size_t need = 20 + dc_value_bound(r);
+    if (x->items_len + need > x->cap) {
+        size_t cap = x->cap ? x->cap : 65536;
+        while (cap < x->items_len + need) cap *= 2;
+        unsigned char *items = (unsigned char *)realloc(x->items, cap);
+        if (!items) return -1;
+        x->items = items;
+        x->cap = cap;
+    }
+    unsigned char *p = x->items + x->items_len;
+    memcpy(p, r->digest, 16);
+    uint32_t vlen = (uint32_t)dc_encode_value(r, p + 20);
+    p[16] = (unsigned char)vlen;
+    p[17] = (unsigned char)(vlen >> 8);
+    p[18] = (unsigned char)(vlen >> 16);
+    p[19] = (unsigned char)(vlen >> 24);
+    x->items_len += 20 + vlen;
+    x->n++;
+    if (r->updated > x->newest) x->newest = r->updated;
+    return 0;
+}
+
+/* Moves the changes out of the table (the next checkpoint's records start
+ * empty): O(1), so it is all a checkpoint does under the store's lock. */
+static void dc_take_changes(dc_table *t, dc_export *x) {
+    *x = t->changes;
+    memset(&t->changes, 0, sizeof(t->changes));
+}
+
+/* Puts changes taken out back in front of those stored since (a checkpoint
+ * that failed). Frees x's buffer. -1 on allocation failure (nothing changed). */
+static int dc_give_back(dc_table *t, dc_export *x) {
+    dc_export *c = &t->changes;
+    size_t len = x->items_len + c->items_len;
+    unsigned char *items = (unsigned char *)malloc(len ? len : 1);
+    if (!items) return -1;
+    if (x->items_len) memcpy(items, x->items, x->items_len);
+    if (c->items_len) memcpy(items + x->items_len, c->items, c->items_len);
+    free(x->items);
+    free(c->items);
+    c->items = items;
+    c->items_len = c->cap = len;
+    c->n += x->n;
+    if (x->newest > c->newest) c->newest = x->newest;
+    memset(x, 0, sizeof(*x));
+    return 0;
+}
+
+/* Notes that r is about to be stored (lsn 0 = a clean copy): with a log
+ * position it goes to the journal and, encoded, to the changes the next
+ * checkpoint writes. -1 on allocation failure, before anything changed. */
+static int dc_journal_note(dc_table *t, const dc_rec *r) {
+    const unsigned char *digest = r->digest;
+    uint64_t lsn = r->lsn;
     if (lsn) {
         if (t->jlen == t->jcap) {
             size_t cap = t->jcap ? t->jcap * 2 : 1024;
@@ -195,6 +291,7 @@ static int dc_journal_note(dc_table *t, const unsigned char *digest, uint64_t ls
             t->journal = j;
             t->jcap = cap;
         }
+        if (dc_export_add(&t->changes, r)) return -1;
         memcpy(t->journal[t->jlen].digest, digest, 16);
         t->journal[t->jlen].lsn = lsn;
         t->jlen++;
@@ -226,6 +323,17 @@ static inline void dc_prefetch_slot(const dc_table *t, const unsigned char *dige
     dc_prefetch(&t->slots[dc_slot_of(digest) & t->mask]);
 }
 
+/* Writes the indexes of the digests the table has no record of to out;
+ * returns how many. */
+static size_t dc_missing(const dc_table *t, const unsigned char *digests, size_t n, size_t *out) {
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i + 8 < n) dc_prefetch_slot(t, digests + 16 * (i + 8));
+        if (!dc_find(t, digests + 16 * i)) out[m++] = i;
+    }
+    return m;
+}
+
 static inline void dc_count(dc_table *t, const dc_rec *r, int sign) {
     if (r->state == DC_PROCESSING) t->inflight += sign;
     if (r->lsn == 0) t->clean += sign;
@@ -241,13 +349,13 @@ static inline void dc_place(dc_table *t, const dc_rec *r) {
 static int dc_resize(dc_table *t, uint64_t n) {
     dc_rec *old = t->slots;
     uint64_t old_n = t->mask + 1;
-    dc_rec *slots = (dc_rec *)calloc(n, sizeof(dc_rec));
+    dc_rec *slots = dc_slots_alloc(n);
     if (!slots) return -1;
     t->slots = slots;
     t->mask = n - 1;
     for (uint64_t i = 0; i < old_n; i++)
         if (old[i].state) dc_place(t, &old[i]);
-    free(old);
+    dc_slots_free(old, old_n);
     return 0;
 }
 
@@ -259,7 +367,7 @@ static int dc_put(dc_table *t, const dc_rec *r, int note) {
     if ((t->count + 1) * 10 > (t->mask + 1) * 7) {
         if (dc_resize(t, (t->mask + 1) * 2)) return -1;
     }
-    if (note && dc_journal_note(t, r->digest, r->lsn)) return -1;
+    if (note && dc_journal_note(t, r)) return -1;
     uint64_t i = dc_slot_of(r->digest) & t->mask;
     for (;;) {
         dc_rec *s = &t->slots[i];
@@ -338,63 +446,62 @@ static void *dc_trim(void *p, size_t len, size_t *cap, size_t size) {
     return q;
 }
 
-/* Drops every record that LMDB holds (lsn <= upto) and is not PROCESSING: the
+/* Drops records that LMDB holds (lsn <= upto) and are not PROCESSING: the
  * records the journal names with a position <= upto that still have it, and
- * the clean copies loaded. Those journal entries are consumed (a record kept
- * because it is in flight gets a new entry when it changes). In place: the
- * records in flight stay where they are; the table is rebuilt smaller only
- * when it is left under 1/16 full. Returns how many were dropped, -1 on OOM. */
-static int64_t dc_evict(dc_table *t, uint64_t upto) {
+ * the clean copies loaded. The entries visited are consumed (a record kept
+ * because it is in flight gets a new entry when it changes). At most `limit`
+ * entries per call (0 = no limit), so a caller can let go of its lock between
+ * calls; *more is set if entries <= upto are left. In place: the records in
+ * flight stay where they are; the table is rebuilt smaller only when it is
+ * left under 1/16 full. Returns how many were dropped, -1 on OOM. */
+static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
     uint64_t dropped = 0;
-    size_t keep = 0;
-    for (size_t k = 0; k < t->jlen; k++) {
+    size_t k = 0, budget = limit ? limit : SIZE_MAX;
+    /* The journal is in log order: what is <= upto is a prefix. */
+    for (; k < t->jlen && budget; k++, budget--) {
         if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
         const dc_jent e = t->journal[k];
-        if (e.lsn > upto)
-            t->journal[keep++] = e;
-        else
-            dropped += dc_drop_if(t, e.digest, e.lsn);
+        if (e.lsn > upto) break;
+        dropped += dc_drop_if(t, e.digest, e.lsn);
     }
-    t->jlen = keep;
-    for (size_t k = 0; k < t->llen; k++) {
-        if (k + 8 < t->llen) dc_prefetch_slot(t, t->loaded + 16 * (k + 8));
-        dropped += dc_drop_if(t, t->loaded + 16 * k, 0);
+    if (k) {
+        memmove(t->journal, t->journal + k, (t->jlen - k) * sizeof(dc_jent));
+        t->jlen -= k;
     }
-    t->llen = 0;
-    t->journal = (dc_jent *)dc_trim(t->journal, t->jlen, &t->jcap, sizeof(dc_jent));
-    t->loaded = (unsigned char *)dc_trim(t->loaded, 0, &t->lcap, 16);
-    uint64_t n = t->mask + 1;
-    if (n > 1024 && t->count * 16 < n) {
-        uint64_t m = 1024;
-        while (m * 7 < t->count * 10 * 2) m <<= 1; /* at most 35 % full afterwards */
-        if (dc_resize(t, m)) return -1;
+    size_t c = 0;
+    for (; c < t->llen && budget; c++, budget--) {
+        if (c + 8 < t->llen) dc_prefetch_slot(t, t->loaded + 16 * (c + 8));
+        dropped += dc_drop_if(t, t->loaded + 16 * c, 0);
+    }
+    if (c) {
+        memmove(t->loaded, t->loaded + 16 * c, 16 * (t->llen - c));
+        t->llen -= c;
+    }
+    *more = t->llen > 0 || (t->jlen > 0 && t->journal[0].lsn <= upto);
+    if (!*more) {
+        t->journal = (dc_jent *)dc_trim(t->journal, t->jlen, &t->jcap, sizeof(dc_jent));
+        t->loaded = (unsigned char *)dc_trim(t->loaded, 0, &t->lcap, 16);
+        uint64_t n = t->mask + 1;
+        if (n > 1024 && t->count * 16 < n) {
+            uint64_t m = 1024;
+            while (m * 7 < t->count * 10 * 2) m <<= 1; /* at most 35 % full afterwards */
+            if (dc_resize(t, m)) return -1;
+        }
     }
     return (int64_t)dropped;
 }
 
-/* The records the journal names as changed in (after, upto] that still carry
- * the position it names (each record once: its latest entry). Fills *out with
- * pointers into the table (valid until it changes) and returns how many, or
- * -1 on OOM (*out NULL). */
-static int64_t dc_changed(const dc_table *t, uint64_t after, uint64_t upto, const dc_rec ***out) {
-    *out = (const dc_rec **)malloc((t->jlen ? t->jlen : 1) * sizeof(dc_rec *));
-    if (!*out) return -1;
-    size_t n = 0;
+/* How many records changed after log position after (not yet in LMDB): the
+ * journal entries past it that are still their record's latest change. */
+static int64_t dc_dirty(const dc_table *t, uint64_t after) {
+    int64_t n = 0;
     for (size_t k = 0; k < t->jlen; k++) {
         if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
         const dc_jent *e = &t->journal[k];
-        if (e->lsn <= after || e->lsn > upto) continue;
+        if (e->lsn <= after) continue;
         const dc_rec *r = dc_find(t, e->digest);
-        if (r && r->lsn == e->lsn) (*out)[n++] = r;
+        n += r && r->lsn == e->lsn;
     }
-    return (int64_t)n;
-}
-
-/* How many records changed after log position after (not yet in LMDB). */
-static int64_t dc_dirty(const dc_table *t, uint64_t after) {
-    const dc_rec **recs;
-    int64_t n = dc_changed(t, after, UINT64_MAX, &recs);
-    free(recs);
     return n;
 }
 
@@ -488,49 +595,7 @@ static size_t dc_encode_value(const dc_rec *r, unsigned char *out) {
     return n + 4;
 }
 
-/* ---- checkpoint export --------------------------------------------------- */
-
-/* The records changed in (after, upto], packed for a checkpoint in journal
- * order (dc_sort_packed sorts them): items = n x [digest(16) | value length
- * (u32 LE) | value]; a value's first byte carries the record's state. One
- * pass over the journal, not over the table. */
-typedef struct {
-    unsigned char *items;
-    size_t items_len, n;
-    double newest;
-} dc_export;
-
-/* Fills x (touching no Python object: callable without the GIL); 0, or -1 on OOM. */
-static int dc_export_range(const dc_table *t, uint64_t after, uint64_t upto, dc_export *x) {
-    memset(x, 0, sizeof(*x));
-    const dc_rec **recs;
-    int64_t n = dc_changed(t, after, upto, &recs);
-    if (n < 0) return -1;
-    size_t bound = 0;
-    for (int64_t k = 0; k < n; k++) bound += 20 + dc_value_bound(recs[k]);
-    x->items = (unsigned char *)malloc(bound ? bound : 1);
-    if (!x->items) {
-        free(recs);
-        return -1;
-    }
-    size_t pos = 0;
-    for (int64_t k = 0; k < n; k++) {
-        const dc_rec *r = recs[k];
-        unsigned char *p = x->items + pos;
-        memcpy(p, r->digest, 16);
-        uint32_t vlen = (uint32_t)dc_encode_value(r, p + 20);
-        p[16] = (unsigned char)vlen;
-        p[17] = (unsigned char)(vlen >> 8);
-        p[18] = (unsigned char)(vlen >> 16);
-        p[19] = (unsigned char)(vlen >> 24);
-        pos += 20 + vlen;
-        if (r->updated > x->newest) x->newest = r->updated;
-    }
-    free(recs);
-    x->items_len = pos;
-    x->n = (size_t)n;
-    return 0;
-}
+/* ---- checkpoint export ------------------------------------------------- */
 
 typedef struct {
     uint64_t hi; /* the digest's first 8 bytes, big-endian: orders like memcmp */
@@ -542,13 +607,18 @@ static const unsigned char *dc_sort_base;
 static int dc_pick_cmp(const void *a, const void *b) {
     const dc_pick *x = (const dc_pick *)a, *y = (const dc_pick *)b;
     if (x->hi != y->hi) return x->hi < y->hi ? -1 : 1;
-    return memcmp(dc_sort_base + x->pos + 8, dc_sort_base + y->pos + 8, 8);
+    int c = memcmp(dc_sort_base + x->pos + 8, dc_sort_base + y->pos + 8, 8);
+    if (c) return c;
+    return x->pos < y->pos ? -1 : x->pos > y->pos; /* the later change last */
 }
 
-/* Writes the n packed records of in (len bytes) to out (len bytes) in digest
- * order. 0, -1 on OOM or a buffer that does not hold n records. Not reentrant
- * (qsort has no context argument): callers serialise it. */
-static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigned char *out) {
+/* Writes the n packed records of in (len bytes) to out (room for len bytes)
+ * in digest order, each digest once: of a digest packed several times only
+ * the last (its latest change) is kept. Sets *out_len and *kept. 0, -1 on OOM
+ * or a buffer that does not hold n records. Not reentrant (qsort has no
+ * context argument): callers serialise it. */
+static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigned char *out,
+                          size_t *out_len, size_t *kept) {
     dc_pick *picks = (dc_pick *)malloc((n ? n : 1) * sizeof(dc_pick));
     if (!picks) return -1;
     size_t pos = 0;
@@ -571,15 +641,20 @@ static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigne
     }
     dc_sort_base = in;
     qsort(picks, n, sizeof(dc_pick), dc_pick_cmp);
-    size_t o = 0;
+    size_t o = 0, m = 0;
     for (size_t k = 0; k < n; k++) {
         const unsigned char *p = in + picks[k].pos;
+        /* equal digests sort by position: the next one is a later change */
+        if (k + 1 < n && memcmp(p, in + picks[k + 1].pos, 16) == 0) continue;
         uint32_t vlen = (uint32_t)p[16] | ((uint32_t)p[17] << 8) | ((uint32_t)p[18] << 16) |
                         ((uint32_t)p[19] << 24);
         memcpy(out + o, p, 20 + (size_t)vlen);
         o += 20 + (size_t)vlen;
+        m++;
     }
     free(picks);
+    *out_len = o;
+    *kept = m;
     return 0;
 }
 

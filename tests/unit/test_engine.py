@@ -61,9 +61,10 @@ class EngineVsReference(RuleBasedStateMachine):
         self.lmdb: dict[bytes, bytes] = {}
         self.log: list[tuple[int, bytes]] = []
         self.logged_at: dict[bytes, int] = {}  # digest -> log position of its last change
+        self.history: list[tuple[int, bytes]] = []  # (log position, digest) of every change
         # A checkpoint split in two, as the store runs it: exported under the
         # lock, written and evicted later while other batches go on.
-        self.pending: tuple[int, list[tuple[bytes, bytes]]] | None = None
+        self.pending: tuple[int, _engine.Changes] | None = None
 
     @rule(
         idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=6),
@@ -156,7 +157,7 @@ class EngineVsReference(RuleBasedStateMachine):
     @rule()
     def checkpoint(self) -> None:
         """Exports what changed, stores it as LMDB would, evicts and reloads later."""
-        items, inflight, settled, _newest = self.table.export(self.ckpt, self.lsn)
+        items, inflight, settled, _newest = self.table.export()
         digests = [d for d, _ in items]
         assert digests == sorted(digests), "LMDB takes a checkpoint in digest order"
         for d, v in items:
@@ -174,25 +175,53 @@ class EngineVsReference(RuleBasedStateMachine):
     @precondition(lambda self: self.pending is None)
     @rule()
     def begin_checkpoint(self) -> None:
-        items, _inflight, _settled, _newest = self.table.export(self.ckpt, self.lsn)
-        assert len(items) == sum(1 for lsn in self.logged_at.values() if lsn > self.ckpt)
-        self.pending = (self.lsn, items)
+        """Takes the changes (under the store's lock, in the store); the checkpoint
+        then writes them while later batches go on."""
+        self.pending = (self.lsn, self.table.take_changes())
+        assert self.table.pending == 0
 
     @precondition(lambda self: self.pending is not None)
-    @rule()
-    def finish_checkpoint(self) -> None:
-        """LMDB takes what was exported; records changed since stay in memory."""
+    @rule(step=st.sampled_from([0, 1, 3]))
+    def finish_checkpoint(self, step: int) -> None:
+        """LMDB takes what was taken, each record's latest change once; records
+        changed since stay in memory; eviction may go in steps."""
         assert self.pending is not None
-        upto, items = self.pending
+        upto, changes = self.pending
         self.pending = None
+        packed, n = _engine.sort_changes(changes)
+        items, inflight, settled = _engine.unpack_items(packed, n)
+        # The store hands LMDB the same records read in place, as often as asked.
+        records = _engine.PackedRecords(packed, n)
+        for _ in range(2):
+            assert list(records) == items
+            assert list(records.inflight) == inflight and len(records.inflight) == len(inflight)
+            assert list(records.settled) == settled and len(records.settled) == len(settled)
+        assert len(records) == n and records.digests() == b"".join(d for d, _ in items)
+        # A record changed again since is written as it was at upto: its later
+        # change stays in memory (and the log) for the next checkpoint.
+        changed = sorted({d for lsn, d in self.history if self.ckpt < lsn <= upto})
+        assert [d for d, _ in items] == changed
         for d, v in items:
             self.lmdb[d] = v
         self.ckpt = upto
-        self.table.evict(upto)
+        more = True
+        while more:
+            _dropped, more = self.table.evict_some(upto, step)
         later = [d for d, lsn in self.logged_at.items() if lsn > upto]
         assert len(self.table) == self.table.inflight + sum(
             1 for d in later if self.model[d].state is not State.PROCESSING
         )
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def fail_checkpoint(self) -> None:
+        """LMDB refused the checkpoint: the changes go back, the next one writes them."""
+        assert self.pending is not None
+        _upto, changes = self.pending
+        self.pending = None
+        expect = self.table.pending + changes.n
+        self.table.give_back(changes)
+        assert self.table.pending == expect and changes.n == 0
 
     @rule()
     def crash_and_replay(self) -> None:
@@ -230,6 +259,7 @@ class EngineVsReference(RuleBasedStateMachine):
         self.table.apply(self.lsn if payloads else 0)
         if payloads:
             self.logged_at.update(dict.fromkeys(logged, self.lsn))
+            self.history.extend((self.lsn, d) for d in logged)
         self.model.update(logged)
         self.model.update(renewed)
 
@@ -330,9 +360,12 @@ def test_a_packed_export_that_does_not_hold_its_records_is_refused() -> None:
     record = bytes(range(16)) + (3).to_bytes(4, "little") + b"\x02bc"  # a settled state
     digest = bytes(range(16))
     assert _engine.unpack_items(record * 2, 2) == ([(digest, b"\x02bc")] * 2, [], [digest] * 2)
+    assert list(_engine.PackedRecords(record * 2, 2)) == [(digest, b"\x02bc")] * 2
     for packed, n in ((record[:-1], 1), (record[:19], 1), (record * 2, 1), (record, 2)):
         with pytest.raises(ValueError):
             _engine.unpack_items(packed, n)
+        with pytest.raises(ValueError):
+            _engine.PackedRecords(packed, n)
 
 
 def test_damaged_log_payloads_are_refused() -> None:
