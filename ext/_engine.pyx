@@ -24,6 +24,7 @@ cdef extern from "dc_engine.h" nogil:
     ctypedef struct dc_export:
         unsigned char* items
         size_t items_len
+        size_t cap
         size_t n
         double newest
     ctypedef struct dc_extra:
@@ -47,6 +48,8 @@ cdef extern from "dc_engine.h" nogil:
     ctypedef struct dc_table:
         dc_rec* slots
         uint64_t mask
+        dc_rec* old
+        uint64_t old_mask
         uint64_t count
         uint64_t inflight
         uint64_t clean
@@ -104,6 +107,7 @@ cdef extern from "dc_engine.h" nogil:
     int dc_table_init(dc_table* t, uint64_t capacity)
     void dc_table_free(dc_table* t)
     dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
+    int dc_live(const dc_rec* r)
     int dc_put(dc_table* t, const dc_rec* r, int note)
     int64_t dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more)
     int64_t dc_dirty(const dc_table* t, uint64_t after)
@@ -309,7 +313,9 @@ cdef class ClaimTable:
     @property
     def nbytes(self):
         """Bytes of the slot array and the change journal (blobs not counted)."""
-        return (self.t.mask + 1) * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
+        cdef size_t slots = self.t.mask + 1 + (self.t.old_mask + 1 if self.t.old != NULL else 0)
+        return (slots * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
+                + self.t.changes.cap)
 
     def missing(self, bytes digests):
         """Indexes of the digests the table holds no record of."""
@@ -688,23 +694,40 @@ cdef class ClaimTable:
         """(digest, ns_id, token, updated) of PROCESSING records whose lease deadline is
         <= deadline_before and last change < updated_before."""
         cdef uint64_t i
+        cdef int a
         cdef dc_rec* r
+        cdef dc_rec* arrays[2]
+        cdef uint64_t sizes[2]
         cdef list out = []
-        for i in range(self.t.mask + 1):
-            r = &self.t.slots[i]
-            if r.state == DC_PROCESSING and r.deadline <= deadline_before \
-                    and r.updated < updated_before:
-                out.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), r.ns_id,
-                            r.token, r.updated))
+        self._arrays(arrays, sizes)
+        for a in range(2):
+            for i in range(sizes[a]):
+                r = &arrays[a][i]
+                if r.state == DC_PROCESSING and r.deadline <= deadline_before \
+                        and r.updated < updated_before:
+                    out.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), r.ns_id,
+                                r.token, r.updated))
         return out
+
+    cdef void _arrays(self, dc_rec** arrays, uint64_t* sizes):
+        """The slot array and, while the table grows, the old one (else 0 slots)."""
+        arrays[0] = self.t.slots
+        sizes[0] = self.t.mask + 1
+        arrays[1] = self.t.old
+        sizes[1] = self.t.old_mask + 1 if self.t.old != NULL else 0
 
     def digests(self):
         """Every digest held, concatenated."""
         cdef uint64_t i
+        cdef int a
+        cdef dc_rec* arrays[2]
+        cdef uint64_t sizes[2]
         cdef list parts = []
-        for i in range(self.t.mask + 1):
-            if self.t.slots[i].state:
-                parts.append(PyBytes_FromStringAndSize(<const char*>self.t.slots[i].digest, 16))
+        self._arrays(arrays, sizes)
+        for a in range(2):
+            for i in range(sizes[a]):
+                if dc_live(&arrays[a][i]):
+                    parts.append(PyBytes_FromStringAndSize(<const char*>arrays[a][i].digest, 16))
         return b"".join(parts)
 
 

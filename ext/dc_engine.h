@@ -41,6 +41,9 @@
 #define DC_PROCESSING 1
 #define DC_PROCESSED 2
 #define DC_RELEASED 3
+/* A slot of the old array while the table grows (see dc_grow): its record
+ * moved on. Lookups in the old array probe past it, as past any record. */
+#define DC_GONE 0xFF
 
 /* Outcomes of a claim, per key. */
 #define DC_NEW 0
@@ -105,6 +108,11 @@ typedef struct {
 typedef struct {
     dc_rec *slots;
     uint64_t mask;
+    /* While the table grows, the array it grows out of: its records move to
+     * slots a few per put (dc_migrate), so no put waits for all of them. */
+    dc_rec *old;
+    uint64_t old_mask;
+    uint64_t mig_pos, mig_left; /* next old slot to move; old slots left to visit */
     uint64_t count;
     uint64_t inflight;
     uint64_t clean;
@@ -167,10 +175,15 @@ static inline uint64_t dc_slot_of(const unsigned char *digest) {
     return h;
 }
 
-/* Slot arrays of 4 MiB and more are mapped on their own and asked for huge
- * pages (transparent huge pages in madvise mode): a claim's lookup is a
- * random access into hundreds of MB, and with 4 KiB pages most of its cost
- * is the TLB miss. Zeroed either way. */
+/* A slot that holds a record (not empty, not a moved-on slot of the old array). */
+static inline int dc_live(const dc_rec *r) { return r->state && r->state != DC_GONE; }
+
+/* Slot arrays of 4 MiB and more are mapped on their own, so that a table
+ * that grows or shrinks gives the old array back to the system at once.
+ * Zeroed either way. Small pages on purpose: a huge page is zeroed (and, in
+ * madvise mode, compacted for) at its first touch, so the first batch after
+ * a grow paid for the whole new array at once (0.8 s at 8M slots, measured);
+ * small pages spread that cost over the puts that land on them. */
 #define DC_MAP_MIN ((size_t)4 << 20)
 
 static dc_rec *dc_slots_alloc(uint64_t n) {
@@ -178,9 +191,6 @@ static dc_rec *dc_slots_alloc(uint64_t n) {
     if (bytes < DC_MAP_MIN) return (dc_rec *)calloc(n, sizeof(dc_rec));
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE); /* a hint: without it the pages are small */
-#endif
     return (dc_rec *)p;
 }
 
@@ -199,6 +209,8 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
     t->slots = dc_slots_alloc(n);
     if (!t->slots) return -1;
     t->mask = n - 1;
+    t->old = NULL;
+    t->old_mask = t->mig_pos = t->mig_left = 0;
     t->count = t->inflight = t->clean = 0;
     memset(&t->changes, 0, sizeof(t->changes));
     t->journal = NULL;
@@ -214,6 +226,12 @@ static void dc_table_free(dc_table *t) {
         if (t->slots[i].state) dc_decref(t->slots[i].extra);
     dc_slots_free(t->slots, t->mask + 1);
     t->slots = NULL;
+    if (t->old) {
+        for (uint64_t i = 0; i <= t->old_mask; i++)
+            if (dc_live(&t->old[i])) dc_decref(t->old[i].extra);
+        dc_slots_free(t->old, t->old_mask + 1);
+        t->old = NULL;
+    }
     free(t->journal);
     t->journal = NULL;
     t->jlen = t->jcap = 0;
@@ -309,11 +327,24 @@ static int dc_journal_note(dc_table *t, const dc_rec *r) {
     return 0;
 }
 
+/* The slot of digest in the old array (growing only), or NULL. */
+static inline dc_rec *dc_find_old(const dc_table *t, const unsigned char *digest) {
+    if (!t->old) return NULL;
+    uint64_t i = dc_slot_of(digest) & t->old_mask;
+    for (;;) {
+        dc_rec *r = &t->old[i];
+        if (!r->state) return NULL;
+        if (r->state != DC_GONE && memcmp(r->digest, digest, 16) == 0) return r;
+        i = (i + 1) & t->old_mask;
+    }
+}
+
+/* The digest's record (read only: a put may move it), or NULL. */
 static inline dc_rec *dc_find(const dc_table *t, const unsigned char *digest) {
     uint64_t i = dc_slot_of(digest) & t->mask;
     for (;;) {
         dc_rec *r = &t->slots[i];
-        if (!r->state) return NULL;
+        if (!r->state) return dc_find_old(t, digest);
         if (memcmp(r->digest, digest, 16) == 0) return r;
         i = (i + 1) & t->mask;
     }
@@ -346,7 +377,53 @@ static inline void dc_place(dc_table *t, const dc_rec *r) {
     t->slots[i] = *r;
 }
 
+/* Moves up to k slots of the old array into slots (counts and references go
+ * with the records: nothing else changes). A record that moved leaves
+ * DC_GONE behind, never an empty slot: an empty slot would end the probe of
+ * a record further along that has not moved yet. The old array goes when
+ * every slot was visited. */
+static void dc_migrate(dc_table *t, uint64_t k) {
+    while (t->old && k--) {
+        dc_rec *s = &t->old[t->mig_pos];
+        if (dc_live(s)) dc_place(t, s);
+        if (s->state) s->state = DC_GONE;
+        t->mig_pos = (t->mig_pos + 1) & t->old_mask;
+        if (--t->mig_left == 0) {
+            dc_slots_free(t->old, t->old_mask + 1);
+            t->old = NULL;
+            t->old_mask = t->mig_pos = 0;
+        }
+    }
+}
+
+/* Old slots visited per put while the table grows. A grow starts at 70 % of
+ * n slots with 2n new ones; the table is 70 % full again only after 0.7n
+ * more records, by when 4 per put have visited all n old slots (n/4 puts). */
+#define DC_MIGRATE_STEP 4
+
+/* Doubles the table without moving its records now: the new array starts
+ * empty and the records move over a few per put (dc_migrate), so the put
+ * that crosses 70 % costs an allocation, not a rebuild of millions of slots.
+ * An old array still there is emptied first (not with DC_MIGRATE_STEP as it
+ * is; a shrink does it too). */
+static int dc_grow(dc_table *t) {
+    if (t->old) dc_migrate(t, UINT64_MAX);
+    uint64_t n = (t->mask + 1) * 2;
+    dc_rec *slots = dc_slots_alloc(n);
+    if (!slots) return -1;
+    t->old = t->slots;
+    t->old_mask = t->mask;
+    t->slots = slots;
+    t->mask = n - 1;
+    /* Any order of visit is right: moved records leave DC_GONE, so the probe
+     * of a record not yet moved still reaches it. */
+    t->mig_pos = 0;
+    t->mig_left = t->old_mask + 1;
+    return 0;
+}
+
 static int dc_resize(dc_table *t, uint64_t n) {
+    if (t->old) dc_migrate(t, UINT64_MAX);
     dc_rec *old = t->slots;
     uint64_t old_n = t->mask + 1;
     dc_rec *slots = dc_slots_alloc(n);
@@ -365,9 +442,18 @@ static int dc_resize(dc_table *t, uint64_t n) {
  * failure (the table is unchanged). */
 static int dc_put(dc_table *t, const dc_rec *r, int note) {
     if ((t->count + 1) * 10 > (t->mask + 1) * 7) {
-        if (dc_resize(t, (t->mask + 1) * 2)) return -1;
+        if (dc_grow(t)) return -1;
     }
     if (note && dc_journal_note(t, r)) return -1;
+    if (t->old) {
+        /* The digest's record moves to the new array with this change. */
+        dc_rec *o = dc_find_old(t, r->digest);
+        if (o) {
+            dc_place(t, o);
+            o->state = DC_GONE;
+        }
+        dc_migrate(t, DC_MIGRATE_STEP);
+    }
     uint64_t i = dc_slot_of(r->digest) & t->mask;
     for (;;) {
         dc_rec *s = &t->slots[i];
@@ -425,13 +511,22 @@ static inline int dc_find_at(const dc_table *t, const unsigned char *digest, uin
  * PROCESSING; 1 if dropped. */
 static inline int dc_drop_if(dc_table *t, const unsigned char *digest, uint64_t lsn) {
     uint64_t i;
-    if (!dc_find_at(t, digest, &i)) return 0;
-    dc_rec *r = &t->slots[i];
+    dc_rec *r;
+    int in_old = !dc_find_at(t, digest, &i);
+    if (in_old) {
+        r = dc_find_old(t, digest);
+        if (!r) return 0;
+    } else {
+        r = &t->slots[i];
+    }
     if (r->lsn != lsn || r->state == DC_PROCESSING) return 0;
     dc_count(t, r, -1);
     dc_decref(r->extra);
     t->count--;
-    dc_remove_at(t, i);
+    if (in_old)
+        r->state = DC_GONE; /* the old array only ever empties: no shift there */
+    else
+        dc_remove_at(t, i);
     return 1;
 }
 

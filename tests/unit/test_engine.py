@@ -65,6 +65,7 @@ class EngineVsReference(RuleBasedStateMachine):
         # A checkpoint split in two, as the store runs it: exported under the
         # lock, written and evicted later while other batches go on.
         self.pending: tuple[int, _engine.Changes] | None = None
+        self.crowded = 0  # fresh keys claimed by crowd()
 
     @rule(
         idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=6),
@@ -77,6 +78,10 @@ class EngineVsReference(RuleBasedStateMachine):
         ds = [DIGESTS[i] for i in idx]
         fp_list = None if fps is None else fps[: len(ds)]
         cold_list = None if cold is None else cold[: len(ds)]
+        self._claim(ds, owner, fp_list, lease, cold_list)
+
+    def _claim(self, ds, owner, fp_list, lease, cold_list) -> tuple[int, ...]:
+        """Claims ds in both, compares every answer, commits; returns the engine's counts."""
         self._load(ds)
         plan = ref.decide_claim(
             self.model.get,
@@ -106,7 +111,7 @@ class EngineVsReference(RuleBasedStateMachine):
         )
         if plan.conflict is not None:
             assert claims is None and conflict == plan.conflict
-            return
+            return counts
         assert claims is not None and conflict == -1
         codes = {0: "NEW", 1: "DUP", 2: "BUSY", 3: "NEW", 4: "DUP"}
         for c, (code, token, result) in zip(claims, plan.answers, strict=True):
@@ -119,6 +124,7 @@ class EngineVsReference(RuleBasedStateMachine):
                 assert c[5] is False
         assert counts[4] == len(plan.logged)
         self._commit(payloads, plan.logged, plan.renewed)
+        return counts
 
     @rule(
         idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=4),
@@ -147,6 +153,17 @@ class EngineVsReference(RuleBasedStateMachine):
             return
         assert bad == -1 and n == len(plan.logged)
         self._commit(payloads, plan.logged, {})
+
+    @precondition(lambda self: self.crowded < 1800)
+    @rule()
+    def crowd(self) -> None:
+        """300 fresh keys claimed at once: the third grows the table past its first
+        1024 slots, and the rules after it run while its records move to the new
+        array a few per put (the sixth grows it again)."""
+        base = 0x9000_0000 + self.crowded
+        ds = [struct.pack("<QQ", base + i, i * 2654435761) for i in range(300)]
+        self.crowded += 300
+        assert self._claim(ds, None, None, 30.0, None)[0] == len(ds)  # all NEW
 
     @rule(dt=st.sampled_from([0.1, 1.0, 3.0, 40.0]))
     def advance(self, dt: float) -> None:
@@ -299,6 +316,65 @@ class EngineVsReference(RuleBasedStateMachine):
             if want.state is State.PROCESSING:
                 assert g.deadline == pytest.approx(want.deadline, abs=0.002)
                 assert g.lease == pytest.approx(want.lease, rel=1e-6)
+
+
+def test_the_table_grows_without_losing_a_record() -> None:
+    """From 1024 slots to 8192 while claims, completions, checkpoints and evictions
+    go on: after every step each record is found with its state and token, the
+    counts hold, and the slot scans (digests, in-flight records) see each record
+    once, also while the records move to a new array a few per put."""
+    table = _engine.ClaimTable()
+    want: dict[bytes, tuple[int, int]] = {}  # digest -> (state, token) held in memory
+    lsn = 0
+    now_w, now_m = 1_700_000_000.0, 1000.0
+    batches: list[list[bytes]] = []
+
+    def check() -> None:
+        assert len(table) == len(want)
+        assert table.inflight == sum(1 for st_, _ in want.values() if st_ == State.PROCESSING)
+        held = table.digests()
+        assert sorted(held[i : i + 16] for i in range(0, len(held), 16)) == sorted(want)
+        inflight = {r[0] for r in table.inflight_records(float("inf"), float("inf"))}
+        assert inflight == {d for d, (st_, _) in want.items() if st_ == State.PROCESSING}
+        for d, (state, token) in want.items():
+            got = table.get(d)
+            assert got is not None and (got[0], got[2]) == (state, token), d.hex()
+        assert table.missing(b"".join(want)) == []
+
+    for r in range(48):
+        ds = [struct.pack("<QQ", r, i * 0x9E3779B97F4A7C15 % 2**64) for i in range(100)]
+        claims, _c, _d, _payloads, counts = table.claim(
+            b"".join(ds), list(range(100)), "ns", 1, 30.0, None, None, None,
+            now_w, now_m, lambda *a: a, ("NEW", "DUP", "BUSY"), lambda x: x,
+        )  # fmt: skip
+        assert claims is not None and counts[0] == 100
+        lsn += 1
+        table.apply(lsn)
+        want.update((d, (State.PROCESSING, c[3])) for d, c in zip(ds, claims, strict=True))
+        batches.append(ds)
+        check()
+        if r % 2:  # complete the batch before last, but a quarter of it
+            done = batches[-2][:75]
+            bad, *_rest = table.change(
+                b"".join(done), [want[d][1] for d in done], None, int(State.PROCESSED), now_w
+            )
+            assert bad == -1
+            lsn += 1
+            table.apply(lsn)
+            want.update((d, (State.PROCESSED, want[d][1])) for d in done)
+            check()
+        if r % 5 == 4:  # a checkpoint: what is settled leaves memory, in steps
+            table.take_changes()
+            more = True
+            while more:
+                _dropped, more = table.evict_some(lsn, 37)
+                for d, (state, token) in want.items():  # in flight: never dropped
+                    got = table.get(d)
+                    assert got is not None or state != State.PROCESSING
+                    assert got is None or (got[0], got[2]) == (state, token)
+            want = {d: v for d, v in want.items() if v[0] == State.PROCESSING}
+            check()
+    assert table.nbytes >= 8192 * 72, "the table grew to 8192 slots"
 
 
 EngineVsReference.TestCase.settings = settings(
