@@ -766,12 +766,20 @@ def test_claim_latency(
 
 LOADERS = 4  # client processes sending big batches
 LOAD_BATCH = 100_000  # keys per batch of each of them
+LOADER_MAX_SECONDS = 900.0  # a loader stops by itself after this, whatever the run does
 UNDER_LOAD_CALLS = 2000  # timed single claims (one every millisecond at most)
 
 
 def _loader(target: str, kind: str, seed: int, started: Any, stop: Any, results: Any) -> None:
-    """Sends batches of LOAD_BATCH fresh keys until ``stop`` is set; reports how many."""
+    """Sends batches of LOAD_BATCH fresh keys until ``stop`` is set; reports how many.
+
+    Bounded whatever happens to the run: it stops at its first error (a daemon
+    or Redis that went away), when the process that started it is gone (a
+    benchmark killed before it set ``stop``), and after LOADER_MAX_SECONDS.
+    """
     report: dict[str, Any] = {"batches": 0, "errors": 0, "first_error": None}
+    parent = os.getppid()
+    deadline = time.monotonic() + LOADER_MAX_SECONDS
     try:
         import random
 
@@ -796,7 +804,7 @@ def _loader(target: str, kind: str, seed: int, started: Any, stop: Any, results:
                 pipe.execute()
 
         started.release()
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent and time.monotonic() < deadline:
             keys = [rng.randbytes(16) for _ in range(LOAD_BATCH)]
             try:
                 send(keys)
@@ -804,6 +812,7 @@ def _loader(target: str, kind: str, seed: int, started: Any, stop: Any, results:
             except Exception as exc:
                 report["errors"] += 1
                 report["first_error"] = report["first_error"] or repr(exc)
+                break
     except BaseException as exc:
         report["errors"] += 1
         report["first_error"] = report["first_error"] or repr(exc)

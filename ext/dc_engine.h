@@ -21,6 +21,9 @@
  * their cost follows the records changed since the last checkpoint and not
  * the records held (a table of millions of open claims is not scanned while
  * claims wait on the store's lock; docs/engine.md, "The change journal").
+ * For the same reason the table grows without a rebuild: a doubling keeps
+ * the old array beside the new one and later puts move its records over a
+ * few at a time (dc_grow, dc_migrate; docs/engine.md, "Growing").
  *
  * A batch is decided in two steps: dc_decide_* reads the table and stages the
  * new records (nothing changes, so an error such as a fingerprint conflict
