@@ -312,7 +312,8 @@ cdef class ClaimTable:
 
     @property
     def nbytes(self):
-        """Bytes of the slot array and the change journal (blobs not counted)."""
+        """Bytes of the slot arrays (the old one too while the table grows), the
+        journal and the change buffer (blobs not counted)."""
         cdef size_t slots = self.t.mask + 1 + (self.t.old_mask + 1 if self.t.old != NULL else 0)
         return (slots * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
                 + self.t.changes.cap)
@@ -760,6 +761,7 @@ cdef class Changes:
 
     @property
     def nbytes(self):
+        """Bytes of the encoded records."""
         return self.x.items_len
 
 
