@@ -79,6 +79,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
+    MovedError,
     NoScriptError,
     RedisClusterException,
     RedisError,
@@ -624,7 +625,7 @@ class RedisStore(ClaimAPI):
                     self._check_restarts()
                     script.sha = self.client.script_load(script.script)
                 if moved and self.cluster:
-                    self.client.nodes_manager.initialize()  # re-read the slot map
+                    self._follow(out[i] for i in moved)
             for res in out:
                 if isinstance(res, ResponseError) and str(res).startswith("DC"):
                     continue
@@ -633,6 +634,22 @@ class RedisStore(ClaimAPI):
         except _DOWN as exc:
             raise _failure(exc) from exc
         return out
+
+    def _follow(self, redirects: Iterable[Any]) -> None:
+        """Routes the slots of MOVED replies to the masters they name, as redis-py's own
+        commands do; the slot map is read again only for an ASK or TRYAGAIN, or where
+        redis-py cannot patch one slot. (A map read right after a slot moved can still
+        come from a node that has not heard of the move yet.)"""
+        nodes = self.client.nodes_manager
+        move_slot = getattr(nodes, "move_slot", None)
+        again = False
+        for err in redirects:
+            if isinstance(err, MovedError) and move_slot is not None:
+                move_slot(err)
+            else:
+                again = True
+        if again:
+            nodes.initialize()
 
     def _send(
         self, sha: str, calls: list[tuple[list[bytes], list[Any]]], todo: list[int], out: list[Any]
