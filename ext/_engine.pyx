@@ -902,27 +902,8 @@ def unpack_items(bytes packed, Py_ssize_t n):
     digests of the PROCESSING records and of the others (read from each value's
     state). Raises ValueError if the buffer does not hold exactly ``n`` records.
     """
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
-    cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), pos = 0, i
-    cdef uint32_t vlen
-    cdef list items = [], inflight = [], settled = []
-    cdef bytes digest
-    for i in range(n):
-        if pos + 20 > size:
-            raise ValueError("export buffer truncated")
-        vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
-        if vlen == 0 or pos + 20 + vlen > size:
-            raise ValueError("export buffer truncated")
-        digest = PyBytes_FromStringAndSize(<const char*>p + pos, 16)
-        items.append((digest, PyBytes_FromStringAndSize(<const char*>p + pos + 20, vlen)))
-        if (p[pos + 20] & 0x03) == DC_PROCESSING:
-            inflight.append(digest)
-        else:
-            settled.append(digest)
-        pos += 20 + vlen
-    if pos != size:
-        raise ValueError("export buffer holds more than its records")
-    return items, inflight, settled
+    cdef PackedRecords records = PackedRecords(packed, n)  # checks the buffer
+    return list(records), list(records.inflight), list(records.settled)
 
 
 def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t seed_hi):
