@@ -10,6 +10,9 @@ PROCESSED: int
 RELEASED: int
 LOG_VERSION: int
 LOG_CHUNK_BYTES: int
+FORM_CLAIMS: int
+FORM_COLUMNS: int
+FORM_CHECK: int
 
 def encode_value(
     digest: bytes,
@@ -54,7 +57,8 @@ class ClaimTable:
         claim_type: Callable[..., Any],
         outcomes: tuple[Any, Any, Any],
         unpack: Callable[[bytes], Any],
-    ) -> tuple[list[Any] | None, int, int, list[bytes], tuple[int, int, int, int, int, int]]: ...
+        form: int = ...,
+    ) -> tuple[Any, int, int, list[bytes], tuple[int, int, int, int, int, int]]: ...
     def change(
         self,
         digests: bytes,

@@ -81,6 +81,10 @@ log = logging.getLogger("dedupcore.store")
 P = ParamSpec("P")
 R = TypeVar("R")
 
+#: A claim batch's answers in columns (:meth:`DedupStore.claim_columns_deferred`):
+#: outcomes, tokens, result indexes, results, cold indexes, takeover indexes.
+ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
+
 LOCK_FILE = "LOCK"
 # The log position the saved front filter covers: every key logged through it
 # is in the filter. Written after the filter, before LMDB's checkpoint moves.
@@ -513,9 +517,48 @@ class DedupStore(ClaimAPI):
         already. The daemon uses this split to decide on its event loop and
         wait for many requests' commit in one place (docs/daemon.md).
         """
-        return self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, False
+        claims, _, lsn = self._claim_many(
+            keys,
+            namespace,
+            lease,
+            owner,
+            fingerprints,
+            reply_limit,
+            row_bytes,
+            _engine.FORM_CLAIMS,
         )
+        return claims, lsn
+
+    def claim_columns_deferred(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+        reply_limit: int | None = None,
+        row_bytes: int = 0,
+    ) -> tuple[ReplyColumns, int]:
+        """:meth:`claim_many_deferred` answered in columns, with no object per key.
+
+        The columns are ``(outcomes, tokens, result_index, results, cold_index,
+        takeover_index)``: one byte per key (0 NEW, 1 DUPLICATE, 2 IN_PROGRESS),
+        one native-endian unsigned 64-bit token per key, then the indexes (and
+        values) of the stored results, of the answers that are not exact and of
+        the takeovers. The daemon sends them as its reply (docs/daemon.md).
+        """
+        columns, _, lsn = self._claim_many(
+            keys,
+            namespace,
+            lease,
+            owner,
+            fingerprints,
+            reply_limit,
+            row_bytes,
+            _engine.FORM_COLUMNS,
+        )
+        return columns, lsn
 
     def check_claim_many(
         self,
@@ -536,7 +579,14 @@ class DedupStore(ClaimAPI):
         large batch so before claiming any of them (docs/daemon.md).
         """
         return self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, True
+            keys,
+            namespace,
+            lease,
+            owner,
+            fingerprints,
+            reply_limit,
+            row_bytes,
+            _engine.FORM_CHECK,
         )[1]
 
     def _claim_many(
@@ -548,8 +598,10 @@ class DedupStore(ClaimAPI):
         fingerprints: Sequence[bytes | None] | None,
         reply_limit: int | None,
         row_bytes: int,
-        check_only: bool,
-    ) -> tuple[list[Claim], int]:
+        form: int,
+    ) -> tuple[Any, int, int]:
+        """Decides a claim batch: (answers in ``form``, bytes of the duplicates'
+        stored results, the LSN to wait for; 0 for FORM_CHECK, which applies nothing)."""
         self._check_usable(write=True)
         key_list = list(keys)
         ns = _keys.check_namespace(namespace)
@@ -560,7 +612,7 @@ class DedupStore(ClaimAPI):
         fps = check_fingerprints(fingerprints, len(key_list))
         ns_name = ns.decode()
         if not key_list:
-            return [], 0
+            return ((b"", b"", [], [], [], []) if form == _engine.FORM_COLUMNS else []), 0, 0
         ns_id = self._ns_id(ns)
         table = self._table
         with self._lock:
@@ -594,6 +646,7 @@ class DedupStore(ClaimAPI):
                 Claim,
                 _OUTCOMES,
                 _unpack_stored,
+                form,
             )
             if claims is None:
                 raise fingerprint_conflict(key_list[conflict], ns_name)
@@ -604,9 +657,8 @@ class DedupStore(ClaimAPI):
                     f"{row_bytes * len(key_list) + counts[5]} bytes, over {reply_limit} (the "
                     "duplicates' stored results included); nothing was claimed: split the batch"
                 )
-            if check_only:
-                table.discard()
-                return [], counts[5]
+            if form == _engine.FORM_CHECK:
+                return [], counts[5], 0
             # Only now, with every key of the batch checked, does anything change.
             written = table.staged_digests() if counts[4] else b""
             last = self._log(payloads, counts[4])
@@ -621,7 +673,7 @@ class DedupStore(ClaimAPI):
             self._stats.takeovers += takeovers
             if written:
                 self._front.insert_many(_keys.front_hashes_of(written), now_w)
-        return claims, self._pending_lsn(max(last, depends))
+        return claims, counts[5], self._pending_lsn(max(last, depends))
 
     def complete_many(
         self,

@@ -134,6 +134,15 @@ RELEASED = 3
 #: Log payload format: u8 version, u32 count, then per record its 16-byte
 #: digest, u32 value length and the value (the stored record format).
 cdef enum:
+    _FORM_CLAIMS = 0
+    _FORM_COLUMNS = 1
+    _FORM_CHECK = 2
+#: Forms of ClaimTable.claim's answers.
+FORM_CLAIMS = _FORM_CLAIMS
+FORM_COLUMNS = _FORM_COLUMNS
+FORM_CHECK = _FORM_CHECK
+
+cdef enum:
     _LOG_VERSION = 2
     _LOG_CHUNK_BYTES = 8 << 20
 LOG_VERSION = _LOG_VERSION
@@ -157,6 +166,34 @@ cdef object _blob_part(const dc_extra* e, int which):
     if which == DC_HAS_FP:
         return PyBytes_FromStringAndSize(<const char*>dc_fp(e), e.fp_len)
     return PyBytes_FromStringAndSize(<const char*>dc_result(e), e.result_len)
+
+
+cdef tuple _columns(const unsigned char* outc, const uint64_t* toks, const dc_extra** dups,
+                    size_t n, unpack):
+    """A decided batch as reply columns (see ClaimTable.claim, FORM_COLUMNS)."""
+    cdef bytes o = PyBytes_FromStringAndSize(NULL, n)
+    cdef bytes t = PyBytes_FromStringAndSize(NULL, n * sizeof(uint64_t))
+    cdef unsigned char* op = <unsigned char*>PyBytes_AS_STRING(o)
+    cdef uint64_t* tp = <uint64_t*>PyBytes_AS_STRING(t)
+    cdef list result_index = [], results = [], cold_index = [], takeovers = []
+    cdef size_t i
+    cdef unsigned char c
+    for i in range(n):
+        c = outc[i]
+        tp[i] = toks[i]
+        if c == 3:  # a takeover: NEW, with its flag
+            op[i] = 0
+            takeovers.append(i)
+        elif c == 4:  # in a cold slice only: DUPLICATE, not exact, no token
+            op[i] = 1
+            tp[i] = 0
+            cold_index.append(i)
+        else:
+            op[i] = c
+            if c == 1 and dups[i] != NULL and (dups[i].has & DC_HAS_RESULT):
+                result_index.append(i)
+                results.append(unpack(_blob_part(dups[i], DC_HAS_RESULT)))
+    return o, t, result_index, results, cold_index, takeovers
 
 
 cdef tuple _record_tuple(const dc_rec* r):
@@ -425,18 +462,26 @@ cdef class ClaimTable:
 
     def claim(self, bytes digests, list keys, str namespace, int ns_id, float lease, owner,
               list fingerprints, cold, double now_w, double now_m, claim_type, tuple outcomes,
-              unpack):
+              unpack, int form=_FORM_CLAIMS):
         """Decides a claim batch and stages its new records.
 
-        Returns ``(claims, conflict, depends, payloads, counts)``: on a
-        fingerprint conflict ``claims`` is None and ``conflict`` the key's
-        index (nothing is staged); otherwise ``claims`` are built with
-        ``claim_type(key, namespace, outcome, token, result, exact, takeover)``
-        (``outcomes`` = (NEW, DUPLICATE, IN_PROGRESS)), ``payloads`` are the
-        log payloads of the staged records and ``counts`` is (new, duplicate,
-        in progress, takeovers, writes, bytes of the DUPLICATE answers' stored
-        results). ``cold`` is None or one byte per key,
-        1 where a key without a record is in a cold slice.
+        Returns ``(answers, conflict, depends, payloads, counts)``: on a
+        fingerprint conflict ``answers`` is None and ``conflict`` the key's
+        index (nothing is staged); otherwise ``payloads`` are the log payloads
+        of the staged records and ``counts`` is (new, duplicate, in progress,
+        takeovers, writes, bytes of the DUPLICATE answers' stored results).
+        ``cold`` is None or one byte per key, 1 where a key without a record
+        is in a cold slice. ``answers`` depends on ``form``:
+
+        - FORM_CLAIMS: one object per key, built with ``claim_type(key,
+          namespace, outcome, token, result, exact, takeover)`` (``outcomes``
+          = (NEW, DUPLICATE, IN_PROGRESS));
+        - FORM_COLUMNS: no object per key, the columns of the daemon's reply
+          (docs/daemon.md): ``(outcomes, tokens, result_index, results,
+          cold_index, takeover_index)``, outcomes one byte per key (0 NEW,
+          1 DUPLICATE, 2 IN_PROGRESS), tokens native-endian unsigned 64-bit;
+        - FORM_CHECK: an empty list, nothing staged and no payloads: the
+          decision only, for its conflict and counts.
         """
         cdef size_t n, i
         cdef const unsigned char* d = _digests_of(digests, &n)
@@ -509,11 +554,19 @@ cdef class ClaimTable:
             if rc == -1:
                 self.discard()
                 return None, io.conflict, 0, [], (0, 0, 0, 0, 0, 0)
-            new, dup, busy = outcomes
             result_bytes = 0
             for i in range(n):
                 if outc[i] == 1 and dups[i] != NULL and (dups[i].has & DC_HAS_RESULT):
                     result_bytes += dups[i].result_len
+            counts = (io.n_new, io.n_dup, io.n_busy, io.takeovers, 0, result_bytes)
+            if form == _FORM_CHECK:
+                self.discard()
+                return [], -1, io.depends, [], counts
+            if form == _FORM_COLUMNS:
+                answers = _columns(outc, toks, dups, n, unpack)
+                payloads = _encode_stage(&self.stage, &written)
+                return answers, -1, io.depends, payloads, counts[:4] + (written, result_bytes)
+            new, dup, busy = outcomes
             claims = [None] * n
             for i in range(n):
                 c = outc[i]
@@ -533,8 +586,7 @@ cdef class ClaimTable:
                 else:
                     claims[i] = claim_type(key, namespace, dup, 0, None, False)
             payloads = _encode_stage(&self.stage, &written)
-            return claims, -1, io.depends, payloads, (
-                io.n_new, io.n_dup, io.n_busy, io.takeovers, written, result_bytes)
+            return claims, -1, io.depends, payloads, counts[:4] + (written, result_bytes)
         except BaseException:
             self.discard()
             raise

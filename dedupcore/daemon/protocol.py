@@ -45,7 +45,7 @@ import dedupcore.errors as errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
 from dedupcore.record import State
-from dedupcore.store import StoreLockedError
+from dedupcore.store import ReplyColumns, StoreLockedError
 from dedupcore.wal import WalFailedError
 
 __all__ = [
@@ -320,6 +320,23 @@ class ClaimColumns:
             if c.takeover:
                 self.takeovers.append(i)
 
+    def add_columns(self, part: ReplyColumns) -> None:
+        """Appends the columns of one slice as the store decided them
+        (:meth:`DedupStore.claim_columns_deferred`): no object per key."""
+        outcomes, tokens, result_index, results, cold, takeovers = part
+        base = len(self.outcomes)
+        self.outcomes += outcomes
+        self.tokens.frombytes(tokens)
+        if base:
+            self.result_index.extend([i + base for i in result_index])
+            self.cold.extend([i + base for i in cold])
+            self.takeovers.extend([i + base for i in takeovers])
+        else:
+            self.result_index.extend(result_index)
+            self.cold.extend(cold)
+            self.takeovers.extend(takeovers)
+        self.results.extend(results)
+
     def payload(self) -> dict[str, Any]:
         tokens = self.tokens
         if _SWAP:  # pragma: no cover - big-endian hosts
@@ -340,6 +357,23 @@ def claim_columns(claims: list[Claim]) -> dict[str, Any]:
     cols = ClaimColumns()
     cols.add(claims)
     return cols.payload()
+
+
+def columns_payload(part: ReplyColumns) -> dict[str, Any]:
+    """A columns reply of one batch as the store decided it (see :class:`ClaimColumns`)."""
+    outcomes, tokens, result_index, results, cold, takeovers = part
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        cols = ClaimColumns()
+        cols.add_columns(part)
+        return cols.payload()
+    return {
+        "o": outcomes,
+        "t": tokens,
+        "ri": result_index,
+        "rv": results,
+        "x": cold,
+        "k": takeovers,
+    }
 
 
 def claims_from_reply(keys: list[Any], namespace: str, reply: Any) -> list[Claim]:

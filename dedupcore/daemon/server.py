@@ -938,6 +938,14 @@ class DaemonServer:
             columns = bool(args.get(protocol.COLUMNS_ARG))
             if len(keys) > SLICE_ABOVE:
                 result, lsn = await self._claim_sliced(keys, options, columns)
+            elif columns:
+                part, lsn = store.claim_columns_deferred(
+                    keys,
+                    **options,
+                    reply_limit=self.max_frame - _REPLY_FIXED,
+                    row_bytes=_ROW_FIXED + 8,
+                )
+                result = protocol.columns_payload(part)
             else:
                 claims, lsn = store.claim_many_deferred(
                     keys,
@@ -945,10 +953,7 @@ class DaemonServer:
                     reply_limit=self.max_frame - _REPLY_FIXED,
                     row_bytes=_ROW_FIXED + 8,
                 )
-                if columns:
-                    result = protocol.claim_columns(claims)
-                else:
-                    result = [protocol.claim_row(c) for c in claims]
+                result = [protocol.claim_row(c) for c in claims]
         elif op is Op.COMPLETE_MANY:
             lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
         else:
@@ -1002,15 +1007,18 @@ class DaemonServer:
             # Later slices keep the room the checked answers of the others need.
             room = budget - sum(held[:i]) - sum(held[i + 1 :])
             async with self._turn():
-                claims, part_lsn = store.claim_many_deferred(
-                    part, **options, fingerprints=part_fps, reply_limit=room
-                )
+                if columns:
+                    answers, part_lsn = store.claim_columns_deferred(
+                        part, **options, fingerprints=part_fps, reply_limit=room
+                    )
+                    cols.add_columns(answers)
+                else:
+                    claims, part_lsn = store.claim_many_deferred(
+                        part, **options, fingerprints=part_fps, reply_limit=room
+                    )
+                    rows.extend(protocol.claim_row(c) for c in claims)
                 self.counters["batch_slices"] += 1
                 lsn = max(lsn, part_lsn)
-                if columns:
-                    cols.add(claims)
-                else:
-                    rows.extend(protocol.claim_row(c) for c in claims)
         return (cols.payload() if columns else rows), lsn
 
     @contextlib.asynccontextmanager

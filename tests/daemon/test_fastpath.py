@@ -157,7 +157,12 @@ def _call(s: socket.socket, request_id: int, op: Op, args: dict[str, Any]) -> An
     return payload
 
 
-def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(lab: Lab) -> None:
+@pytest.mark.parametrize("sliced", [False, True], ids=["one-batch", "sliced"])
+def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(
+    lab: Lab, sliced: bool
+) -> None:
+    """Sliced: the six keys sit in different slices of a large batch among fresh
+    keys, so every sparse column's indexes continue across slices."""
     home = lab.tmpdir()
     ns = unique_ns("cols")
     # A key demoted to the cold archive (its exact window passed), prepared in process.
@@ -172,12 +177,24 @@ def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(lab: L
         # "late" is claimed with a short lease that runs out: the next claim takes it over.
         _call(s, 3, Op.CLAIM_MANY, {"ns": ns, "keys": ["late"], "lease": 0.05})
         time.sleep(0.2)
-        keys = ["done", "held", "fresh", "cold", "late", "fresh"]
+        six = ["done", "held", "fresh", "cold", "late", "fresh"]
+        keys = list(six)
+        at = list(range(6))
+        if sliced:  # one of the six in each of slices 0, 1, 3, 4, 6, 9, among fresh keys
+            n = SLICE_ABOVE + 3 * SLICE_KEYS
+            at = [3, SLICE_KEYS + 1, 3 * SLICE_KEYS, 4 * SLICE_KEYS + 17, 6 * SLICE_KEYS - 1, n - 1]
+            keys = [f"filler{i}" for i in range(n)]
+            for pos, key in zip(at, six, strict=True):
+                keys[pos] = key
         args = {"ns": ns, "keys": keys}
         cols = _call(s, 4, Op.CLAIM_MANY, {**args, "cols": 1})
         rows = _call(s, 5, Op.CLAIM_MANY, args)  # an older client still gets rows
     assert isinstance(cols, dict) and isinstance(rows, list)
-    claims = protocol.claims_from_reply(keys, ns, cols)
+    every = protocol.claims_from_reply(keys, ns, cols)
+    claims = [every[i] for i in at]
+    fillers = [c for i, c in enumerate(every) if i not in at]
+    assert all(c.outcome is Outcome.NEW and c.exact and not c.takeover for c in fillers)
+    assert all(c.result is None and c.token > 0 for c in fillers)
     assert [c.outcome for c in claims] == [
         Outcome.DUPLICATE,
         Outcome.IN_PROGRESS,
@@ -193,9 +210,9 @@ def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(lab: L
     assert all(c.exact for i, c in enumerate(claims) if i != 3)
     assert claims[4].takeover is True and claims[4].token > 1
     assert [c.takeover for c in claims] == [False, False, False, False, True, False]
-    assert all(c.key == k and c.namespace == ns for c, k in zip(claims, keys, strict=True))
+    assert all(c.key == k and c.namespace == ns for c, k in zip(every, keys, strict=True))
     # The rows of the same keys, asked right after, agree where nothing changed since.
-    again = protocol.claims_from_reply(keys, ns, rows)
+    again = [protocol.claims_from_reply(keys, ns, rows)[i] for i in at]
     assert [c.outcome for c in again[:2]] == [Outcome.DUPLICATE, Outcome.IN_PROGRESS]
     assert again[0].result == {"n": 1} and again[3].exact is False
 

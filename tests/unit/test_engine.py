@@ -49,6 +49,23 @@ def _ms(x: float) -> float:
     return round(x * 1000) / 1000
 
 
+def _rows_of(columns: tuple[Any, ...], n: int) -> list[tuple[Any, ...]]:
+    """FORM_COLUMNS answers as the FORM_CLAIMS tuples the test's claim_type builds:
+    (key, namespace, outcome, token, result, exact, takeover)."""
+    outcomes, tokens, result_index, results, cold, takeovers = columns
+    assert len(outcomes) == n and len(tokens) == 8 * n
+    toks = struct.unpack(f"={n}Q", tokens)
+    by_index = dict(zip(result_index, results, strict=True))
+    names = ("NEW", "DUP", "BUSY")
+    assert all(o < 3 for o in outcomes)
+    assert sorted(set(result_index)) == result_index and sorted(set(cold)) == cold
+    assert not set(cold) & set(by_index) and not set(takeovers) & set(cold)
+    return [
+        (i, "ns", names[outcomes[i]], toks[i], by_index.get(i), i not in cold, i in takeovers)
+        for i in range(n)
+    ]
+
+
 class EngineVsReference(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -73,15 +90,23 @@ class EngineVsReference(RuleBasedStateMachine):
         fps=st.none() | st.lists(st.sampled_from(FPS), min_size=6, max_size=6),
         lease=st.sampled_from([0.5, 2.0, 30.0]),
         cold=st.none() | st.lists(st.booleans(), min_size=6, max_size=6),
+        form=st.sampled_from([_engine.FORM_CLAIMS, _engine.FORM_COLUMNS]),
+        check_first=st.booleans(),
     )
-    def claim(self, idx, owner, fps, lease, cold) -> None:
+    def claim(self, idx, owner, fps, lease, cold, form, check_first) -> None:
         ds = [DIGESTS[i] for i in idx]
         fp_list = None if fps is None else fps[: len(ds)]
         cold_list = None if cold is None else cold[: len(ds)]
-        self._claim(ds, owner, fp_list, lease, cold_list)
+        self._claim(ds, owner, fp_list, lease, cold_list, form, check_first)
 
-    def _claim(self, ds, owner, fp_list, lease, cold_list) -> tuple[int, ...]:
-        """Claims ds in both, compares every answer, commits; returns the engine's counts."""
+    def _claim(
+        self, ds, owner, fp_list, lease, cold_list, form=_engine.FORM_CLAIMS, check_first=False
+    ) -> tuple[int, ...]:
+        """Claims ds in both, compares every answer, commits; returns the engine's counts.
+
+        ``check_first``: the engine first decides the batch in FORM_CHECK, which must
+        answer the same conflict and counts and change nothing (the claim after it is
+        compared with the reference's plan made before either)."""
         self._load(ds)
         plan = ref.decide_claim(
             self.model.get,
@@ -94,34 +119,47 @@ class EngineVsReference(RuleBasedStateMachine):
             now_w=self.now_w,
             now_m=self.now_m,
         )
-        claims, conflict, _dep, payloads, counts = self.table.claim(
-            b"".join(ds),
-            list(range(len(ds))),
-            "ns",
-            3,
-            lease,
-            owner,
-            fp_list,
-            None if cold_list is None else bytes(cold_list),
-            self.now_w,
-            self.now_m,
-            lambda *a: a,
-            ("NEW", "DUP", "BUSY"),
-            lambda r: r,
-        )
+
+        def decide(form: int) -> tuple[Any, ...]:
+            return self.table.claim(
+                b"".join(ds),
+                list(range(len(ds))),
+                "ns",
+                3,
+                lease,
+                owner,
+                fp_list,
+                None if cold_list is None else bytes(cold_list),
+                self.now_w,
+                self.now_m,
+                lambda *a: a,
+                ("NEW", "DUP", "BUSY"),
+                lambda r: r,
+                form,
+            )
+
+        checked = None
+        if check_first:
+            checked = decide(_engine.FORM_CHECK)
+            assert checked[3] == [] and checked[4][4] == 0  # nothing staged, nothing to log
+        answers, conflict, _dep, payloads, counts = decide(form)
+        if checked is not None:
+            assert checked[1] == conflict
+            assert checked[4][:4] == counts[:4] and checked[4][5] == counts[5]
+            assert (checked[0] is None) == (answers is None)
         if plan.conflict is not None:
-            assert claims is None and conflict == plan.conflict
+            assert answers is None and conflict == plan.conflict
             return counts
-        assert claims is not None and conflict == -1
+        assert answers is not None and conflict == -1
+        claims = answers if form == _engine.FORM_CLAIMS else _rows_of(answers, len(ds))
         codes = {0: "NEW", 1: "DUP", 2: "BUSY", 3: "NEW", 4: "DUP"}
         for c, (code, token, result) in zip(claims, plan.answers, strict=True):
+            # claim_type's defaults: result None, exact True, takeover False.
+            got_result, exact, takeover = c[4:] + (None, True, False)[len(c) - 4 :]
             assert c[2] == codes[code] and c[3] == token
-            if code == ref.DUPLICATE:
-                assert (c[4] if len(c) > 4 else None) == result
-            if code == ref.NEW_TAKEOVER:
-                assert c[6] is True
-            if code == ref.DUPLICATE_COLD:
-                assert c[5] is False
+            assert got_result == (result if code == ref.DUPLICATE else None)
+            assert exact is (code != ref.DUPLICATE_COLD)
+            assert takeover is (code == ref.NEW_TAKEOVER)
         assert counts[4] == len(plan.logged)
         self._commit(payloads, plan.logged, plan.renewed)
         return counts
