@@ -90,8 +90,12 @@ LOCK_FILE = "LOCK"
 # is in the filter. Written after the filter, before LMDB's checkpoint moves.
 FRONT_COVERS = "covers_lsn"
 _MAX_NAMESPACES = 65535
-# Journal entries a checkpoint evicts per hold of the store lock (a few ms).
-_EVICT_STEP = 65536
+# Journal entries a checkpoint evicts per hold of the store lock (about a
+# millisecond), and the pause between two holds: a lock released and taken
+# again at once goes back to the thread that released it while a claim that
+# waits for it is still waking up.
+_EVICT_STEP = 4096
+_EVICT_PAUSE = 0.0002
 
 
 class StoreLockedError(DedupError, BlockingIOError):
@@ -716,6 +720,11 @@ class DedupStore(ClaimAPI):
         """
         self._sync(lsn)
 
+    def commit_bytes(self) -> int:
+        """Bytes of log a :meth:`wait_durable` would write and sync now (a commit under
+        way counts as unbounded): the daemon waits on its event loop only when few."""
+        return self._wal.commit_bytes
+
     def _pending_lsn(self, lsn: int) -> int:
         """``lsn``, or 0 when the log is durable through it already."""
         if lsn <= 0 or lsn <= self._wal.last_lsn:
@@ -904,6 +913,8 @@ class DedupStore(ClaimAPI):
             while more:
                 with self._lock:
                     _dropped, more = self._table.evict_some(upto, _EVICT_STEP)
+                if more:
+                    time.sleep(_EVICT_PAUSE)
             with self._lock:
                 self._unflushed = self._table.pending
                 self._last_checkpoint = time.monotonic()

@@ -661,6 +661,13 @@ class WriteAheadLog:
         with self._cond:
             return self._durable_lsn
 
+    @property
+    def commit_bytes(self) -> int:
+        """Bytes the next commit writes before it can return: those queued, plus
+        (a commit or other I/O is under way) that I/O, counted as unbounded."""
+        with self._cond:
+            return (1 << 62) if self._busy else len(self._pending)
+
     def append(self, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
         """Appends records and returns the LSN of the last, once all of them are durable.
 

@@ -121,9 +121,14 @@ typedef struct {
     uint64_t clean;
     dc_export changes; /* what the next checkpoint writes */
     dc_jent *journal; /* changes with a log position, in the order stored */
-    size_t jlen, jcap;
+    size_t jhead, jlen, jcap; /* [jhead, jlen) not yet visited by an eviction */
     unsigned char *loaded; /* digests of clean copies loaded (16 bytes each) */
-    size_t llen, lcap;
+    size_t lhead, llen, lcap; /* [lhead, llen) not yet visited */
+    /* While an eviction goes in steps: the clean copies it visits end at lstop
+     * (those loaded since wait for the next one, or a claim that keeps loading
+     * would keep the eviction going forever). */
+    size_t lstop;
+    int evicting;
 } dc_table;
 
 /* ---- variable parts --------------------------------------------------- */
@@ -217,9 +222,11 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
     t->count = t->inflight = t->clean = 0;
     memset(&t->changes, 0, sizeof(t->changes));
     t->journal = NULL;
-    t->jlen = t->jcap = 0;
+    t->jhead = t->jlen = t->jcap = 0;
     t->loaded = NULL;
-    t->llen = t->lcap = 0;
+    t->lhead = t->llen = t->lcap = 0;
+    t->lstop = 0;
+    t->evicting = 0;
     return 0;
 }
 
@@ -237,10 +244,10 @@ static void dc_table_free(dc_table *t) {
     }
     free(t->journal);
     t->journal = NULL;
-    t->jlen = t->jcap = 0;
+    t->jhead = t->jlen = t->jcap = 0;
     free(t->loaded);
     t->loaded = NULL;
-    t->llen = t->lcap = 0;
+    t->lhead = t->llen = t->lcap = 0;
     free(t->changes.items);
     memset(&t->changes, 0, sizeof(t->changes));
 }
@@ -544,9 +551,25 @@ static void *dc_trim(void *p, size_t len, size_t *cap, size_t size) {
     return q;
 }
 
+/* Moves the entries [*head, *len) of an array to its start once the visited
+ * prefix is at least half of it, or when a pass is over (done): each call of a
+ * stepwise eviction moves nothing or at most as much as it visited, so a pass
+ * over n entries costs O(n), not a move of the whole rest per step. */
+static void dc_consume(void *p, size_t *head, size_t *len, size_t size, int done) {
+    if (!*head) return;
+    if (*head == *len) {
+        *head = *len = 0;
+    } else if (done || *head * 2 >= *len) {
+        memmove(p, (char *)p + *head * size, (*len - *head) * size);
+        *len -= *head;
+        *head = 0;
+    }
+}
+
 /* Drops records that LMDB holds (lsn <= upto) and are not PROCESSING: the
  * records the journal names with a position <= upto that still have it, and
- * the clean copies loaded. The entries visited are consumed (a record kept
+ * the clean copies loaded before the eviction began (a pass: the calls until
+ * *more is 0). The entries visited are consumed (a record kept
  * because it is in flight gets a new entry when it changes). At most `limit`
  * entries per call (0 = no limit), so a caller can let go of its lock between
  * calls; *more is set if entries <= upto are left. In place: the records in
@@ -554,7 +577,7 @@ static void *dc_trim(void *p, size_t len, size_t *cap, size_t size) {
  * left under 1/16 full. Returns how many were dropped, -1 on OOM. */
 static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
     uint64_t dropped = 0;
-    size_t k = 0, budget = limit ? limit : SIZE_MAX;
+    size_t k = t->jhead, budget = limit ? limit : SIZE_MAX;
     /* The journal is in log order: what is <= upto is a prefix. */
     for (; k < t->jlen && budget; k++, budget--) {
         if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
@@ -562,23 +585,25 @@ static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
         if (e.lsn > upto) break;
         dropped += dc_drop_if(t, e.digest, e.lsn);
     }
-    if (k) {
-        memmove(t->journal, t->journal + k, (t->jlen - k) * sizeof(dc_jent));
-        t->jlen -= k;
+    t->jhead = k;
+    if (!t->evicting) {
+        t->evicting = 1;
+        t->lstop = t->llen;
     }
-    size_t c = 0;
-    for (; c < t->llen && budget; c++, budget--) {
-        if (c + 8 < t->llen) dc_prefetch_slot(t, t->loaded + 16 * (c + 8));
+    size_t c = t->lhead;
+    for (; c < t->lstop && budget; c++, budget--) {
+        if (c + 8 < t->lstop) dc_prefetch_slot(t, t->loaded + 16 * (c + 8));
         dropped += dc_drop_if(t, t->loaded + 16 * c, 0);
     }
-    if (c) {
-        memmove(t->loaded, t->loaded + 16 * c, 16 * (t->llen - c));
-        t->llen -= c;
-    }
-    *more = t->llen > 0 || (t->jlen > 0 && t->journal[0].lsn <= upto);
+    t->lhead = c;
+    *more = t->lhead < t->lstop || (t->jhead < t->jlen && t->journal[t->jhead].lsn <= upto);
+    dc_consume(t->journal, &t->jhead, &t->jlen, sizeof(dc_jent), !*more);
+    dc_consume(t->loaded, &t->lhead, &t->llen, 16, !*more);
+    t->lstop -= c - t->lhead; /* the entries moved down by what was consumed */
     if (!*more) {
+        t->evicting = 0;
         t->journal = (dc_jent *)dc_trim(t->journal, t->jlen, &t->jcap, sizeof(dc_jent));
-        t->loaded = (unsigned char *)dc_trim(t->loaded, 0, &t->lcap, 16);
+        t->loaded = (unsigned char *)dc_trim(t->loaded, t->llen, &t->lcap, 16);
         uint64_t n = t->mask + 1;
         if (n > 1024 && t->count * 16 < n) {
             uint64_t m = 1024;
@@ -593,7 +618,7 @@ static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
  * journal entries past it that are still their record's latest change. */
 static int64_t dc_dirty(const dc_table *t, uint64_t after) {
     int64_t n = 0;
-    for (size_t k = 0; k < t->jlen; k++) {
+    for (size_t k = t->jhead; k < t->jlen; k++) {
         if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
         const dc_jent *e = &t->journal[k];
         if (e->lsn <= after) continue;

@@ -124,6 +124,12 @@ _SMALL_FRAME = 64 << 10
 #: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
 #: SLICE_KEYS keys, with other connections' requests served between two slices.
 SLICE_ABOVE = 8192
+#: A request frame of at most this many bytes is small (a claim of a few hundred
+#: keys): while one is being answered, large batches wait between two slices.
+SMALL_FRAME = 16 << 10
+#: How long a large batch's next slice waits for the small requests in flight
+#: to be answered, at most: under a steady stream of them batches still progress.
+SMALL_FIRST_SECONDS = 0.005
 #: Keys of one slice: about a millisecond of deciding. One slice of all the large
 #: batches in flight is decided per pass of the event loop (they take turns), so a
 #: request of another connection waits behind at most one slice per pass.
@@ -449,21 +455,37 @@ def peer_admitted(
 SWITCH_INTERVAL = 0.0005
 
 
+#: The event loop waits for a commit itself (no thread hop) only when the log it
+#: writes is at most this big: a commit that carries a large batch's records
+#: would stop every other connection for its write and sync.
+INLINE_COMMIT_BYTES = 64 << 10
+
+
 class _Committer:
     """Makes the requests decided on the event loop durable, a group at a time.
 
     The requests decided in one pass of the loop are gathered; at the start of
-    the next pass they are handed over together: when no commit is running
-    and none is queued, the loop itself waits for the log (one ``fdatasync``
-    for the group, no thread hop: a lone client's claim costs one wake-up
-    less); otherwise the commit thread takes them, and each of its rounds
+    the next pass they are handed over together: when no commit is running,
+    none is queued, no other request is in flight (``others_in_flight(n)``:
+    requests beside the group's n) and the log to write is small
+    (INLINE_COMMIT_BYTES), the loop itself waits for the log (one
+    ``fdatasync`` for the group, no thread hop: a lone client's claim costs
+    one wake-up less); otherwise the commit thread takes them (a sync under
+    load can take far longer than its bytes say: other files' writes share
+    the disk), and each of its rounds
     takes every group queued meanwhile, waits once until the highest LSN
     among them is durable, then resolves all their futures in one callback on
     the loop (the loop keeps deciding while the disk works)."""
 
-    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        store: Any,
+        loop: asyncio.AbstractEventLoop,
+        others_in_flight: Callable[[int], bool] = lambda n: False,
+    ) -> None:
         self._store = store
         self._loop = loop
+        self._others_in_flight = others_in_flight
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, asyncio.Future[None]]] = []
         self._running = False  # a round of the commit thread is under way
@@ -485,12 +507,17 @@ class _Committer:
 
     def _hand_over(self) -> None:
         """The requests of the last pass of the loop: committed here when the thread is
-        idle, else queued for it."""
+        idle and the commit small, else queued for the thread."""
         batch, self._gathered = self._gathered, []
         with self._cond:
             # After close() the thread may be gone: the loop commits itself.
-            idle = self._closed or (not self._running and not self._waiting)
-            if not idle:
+            inline = self._closed or (
+                not self._running
+                and not self._waiting
+                and not self._others_in_flight(len(batch))
+                and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
+            )
+            if not inline:
                 self._waiting.extend(batch)
                 self._cond.notify()
                 return
@@ -620,6 +647,11 @@ class DaemonServer:
         )
         self._committer: _Committer | None = None
         self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
+        # Small requests read and not yet answered: a large batch's next slice waits
+        # (up to SMALL_FIRST_SECONDS) until there are none.
+        self._small = 0
+        self._no_small = asyncio.Event()
+        self._no_small.set()
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()
@@ -636,6 +668,7 @@ class DaemonServer:
             "write_timeouts": 0,
             "sliced_batches": 0,
             "batch_slices": 0,
+            "slices_held_for_small": 0,
         }
         self._commit_seconds = 0.0
 
@@ -648,7 +681,11 @@ class DaemonServer:
         else:  # its owner (systemd) made the file and its permissions
             path = Path(os.fsdecode(self.sock.getsockname()))
         if self._fast and self._committer is None:
-            self._committer = _Committer(self.store, asyncio.get_running_loop())
+            self._committer = _Committer(
+                self.store,
+                asyncio.get_running_loop(),
+                lambda n: len(self._requests) > n,
+            )
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         if self.sock is not None:
             self._server = await asyncio.start_unix_server(
@@ -843,7 +880,13 @@ class DaemonServer:
                 except BaseException:
                     self._budget.give(length)
                     raise
-                task = asyncio.create_task(self._handle(body, length, writer, write_lock, slots))
+                small = length <= SMALL_FRAME
+                if small:
+                    self._small += 1
+                    self._no_small.clear()
+                task = asyncio.create_task(
+                    self._handle(body, length, writer, write_lock, slots, small)
+                )
                 pending.add(task)
                 self._requests.add(task)
                 task.add_done_callback(pending.discard)
@@ -868,6 +911,7 @@ class DaemonServer:
         writer: asyncio.StreamWriter,
         write_lock: asyncio.Lock,
         slots: asyncio.Semaphore,
+        small: bool = False,
     ) -> None:
         request_id = 0
         try:
@@ -917,6 +961,10 @@ class DaemonServer:
             # not read its replies stay bounded, and so do their bytes.
             slots.release()
             self._budget.give(reserved)
+            if small:
+                self._small -= 1
+                if not self._small:
+                    self._no_small.set()
 
     # -- the embedded store's fast path (on the event loop) ----------------------------
 
@@ -1024,9 +1072,15 @@ class DaemonServer:
     @contextlib.asynccontextmanager
     async def _turn(self) -> AsyncIterator[None]:
         """One slice of one large batch: the batches in flight take turns (the lock
-        wakes its waiters in order, one per pass of the loop), and every other request
-        that became ready meanwhile is served before the next slice."""
+        wakes its waiters in order, one per pass of the loop), every other request
+        that became ready meanwhile is served before the next slice, and a small
+        request read meanwhile is answered first (up to SMALL_FIRST_SECONDS): its
+        decision, its commit and its reply then wait for no slice."""
         async with self._slice_turn:
+            if not self._no_small.is_set():
+                self.counters["slices_held_for_small"] += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._no_small.wait(), SMALL_FIRST_SECONDS)
             yield
             await asyncio.sleep(0)
 

@@ -56,6 +56,30 @@ def test_single_claims_of_many_connections_share_log_commits(lab: Lab) -> None:
     assert 1 <= after - before < n, (before, after)
 
 
+def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_thread(
+    lab: Lab,
+) -> None:
+    """The loop syncs the log itself only for a small commit with nothing else in
+    flight: the log records of a batch of thousands of keys go to the commit thread."""
+    daemon = lab.daemon()
+    ns = unique_ns("inline")
+
+    def rounds() -> tuple[int, int]:
+        figures = daemon_stats(daemon)
+        return figures["commit_rounds"], figures["inline_commit_rounds"]
+
+    with daemon.client(timeout=PATIENCE) as c:
+        c.claim("warm", namespace=ns)
+        total, inline = rounds()
+        c.claim("one", namespace=ns)
+        total_1, inline_1 = rounds()
+        assert (total_1 - total, inline_1 - inline) == (1, 1)
+        keys = [f"k{i}" for i in range(SLICE_ABOVE)]  # about 300 KiB of log records
+        assert all(x.outcome is Outcome.NEW for x in c.claim_many(keys, namespace=ns))
+        total_2, inline_2 = rounds()
+        assert (total_2 - total_1, inline_2 - inline_1) == (1, 0)
+
+
 def test_replies_come_after_the_commit_so_a_killed_daemon_keeps_every_acknowledged_key(
     lab: Lab,
 ) -> None:
@@ -103,6 +127,7 @@ def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab
         big = connect(daemon.socket)
         try:
             slices_before = daemon_stats(daemon)["batch_slices"]
+            held_before = daemon_stats(daemon)["slices_held_for_small"]
             big.sendall(_claim(1, ns, [f"b{i}" for i in range(n)]))
             # Once the batch's first slice is claimed, another connection claims one key.
             wait_until(
@@ -123,6 +148,8 @@ def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab
         assert first is not None and last is not None and one is not None
         # The single claim was decided after the batch's first slice and before its last.
         if first.created <= one.created <= last.created and first.created < last.created:
+            # It was read before a later slice began, so that slice waited for it.
+            assert daemon_stats(daemon)["slices_held_for_small"] > held_before
             return
         time.sleep(0.1)
     raise AssertionError("the single claim was never decided inside the large batch")

@@ -82,6 +82,9 @@ class EngineVsReference(RuleBasedStateMachine):
         # A checkpoint split in two, as the store runs it: exported under the
         # lock, written and evicted later while other batches go on.
         self.pending: tuple[int, _engine.Changes] | None = None
+        # An eviction going in steps (the checkpoint's lock released between them,
+        # as the store does): (upto, step) while entries <= upto are left.
+        self.evicting: tuple[int, int] | None = None
         self.crowded = 0  # fresh keys claimed by crowd()
 
     @rule(
@@ -208,7 +211,7 @@ class EngineVsReference(RuleBasedStateMachine):
         self.now_m += dt
         self.now_w += dt
 
-    @precondition(lambda self: self.pending is None)
+    @precondition(lambda self: self.pending is None and self.evicting is None)
     @rule()
     def checkpoint(self) -> None:
         """Exports what changed, stores it as LMDB would, evicts and reloads later."""
@@ -227,7 +230,7 @@ class EngineVsReference(RuleBasedStateMachine):
         )
         assert len(self.table) == self.table.inflight
 
-    @precondition(lambda self: self.pending is None)
+    @precondition(lambda self: self.pending is None and self.evicting is None)
     @rule()
     def begin_checkpoint(self) -> None:
         """Takes the changes (under the store's lock, in the store); the checkpoint
@@ -259,9 +262,20 @@ class EngineVsReference(RuleBasedStateMachine):
         for d, v in items:
             self.lmdb[d] = v
         self.ckpt = upto
-        more = True
-        while more:
-            _dropped, more = self.table.evict_some(upto, step)
+        self.evicting = (upto, step)
+        self.evict_step()
+
+    @precondition(lambda self: self.evicting is not None)
+    @rule()
+    def evict_step(self) -> None:
+        """One step of an eviction (all of it for step 0); claims, completions and
+        loads may come between two steps."""
+        assert self.evicting is not None
+        upto, step = self.evicting
+        _dropped, more = self.table.evict_some(upto, step)
+        if more:
+            return
+        self.evicting = None
         later = [d for d, lsn in self.logged_at.items() if lsn > upto]
         assert len(self.table) == self.table.inflight + sum(
             1 for d in later if self.model[d].state is not State.PROCESSING
@@ -282,6 +296,7 @@ class EngineVsReference(RuleBasedStateMachine):
     def crash_and_replay(self) -> None:
         """A new table from LMDB's in-flight records and the log past the checkpoint."""
         self.pending = None  # a checkpoint cut short: LMDB never took it
+        self.evicting = None
         table = _engine.ClaimTable()
         for d, v in self.lmdb.items():
             if _engine.decode_value(d, v)[0] == State.PROCESSING:
@@ -354,6 +369,36 @@ class EngineVsReference(RuleBasedStateMachine):
             if want.state is State.PROCESSING:
                 assert g.deadline == pytest.approx(want.deadline, abs=0.002)
                 assert g.lease == pytest.approx(want.lease, rel=1e-6)
+
+
+def test_a_stepwise_eviction_ends_while_clean_copies_keep_coming() -> None:
+    """A pass visits the clean copies loaded before it began: a reader loading a
+    copy between every two steps (as claims of settled keys do while the store's
+    lock is let go) neither keeps it going forever nor loses what it loaded."""
+    stored = [struct.pack("<QQ", 7, i) for i in range(200)]
+
+    def value(d: bytes) -> bytes:  # a PROCESSED record as LMDB holds it
+        return _engine.encode_value(
+            d, int(State.PROCESSED), 1, 1, 1_700_000_000.0, 1_700_000_000.0, 30.0,
+            None, None, None,
+        )  # fmt: skip
+
+    table = _engine.ClaimTable()
+    assert table.load(stored[:100], [value(d) for d in stored[:100]], 1000.0) == -1
+    assert len(table) == table.clean == 100
+    later = iter(stored[100:])
+    steps, more = 0, True
+    while more:
+        _dropped, more = table.evict_some(0, 1)
+        steps += 1
+        assert steps <= 101, "the eviction chases the copies loaded after it began"
+        if more:
+            d = next(later)
+            assert table.load([d], [value(d)], 1000.0) == -1
+    assert steps == 100
+    assert len(table) == table.clean == 99  # the copies loaded during the pass stay
+    assert table.evict_some(0, 0) == (99, False)  # the next pass takes them
+    assert len(table) == 0
 
 
 def test_the_table_grows_without_losing_a_record() -> None:
