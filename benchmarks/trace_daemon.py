@@ -1,0 +1,250 @@
+"""Where a single claim waits while big batches load the daemon: a trace.
+
+``python -m benchmarks.trace_daemon`` runs the scene of the benchmark
+``test_latency_under_batches`` (four processes sending 100k-key claim batches,
+one client timing single claims one at a time) against a daemon that records
+
+- every event-loop callback that ran longer than ``--slow-ms`` (default 4 ms),
+  with the coroutine chain of a task's step;
+- every wait for, and every hold of, the store lock and the front filter's
+  lock longer than 2 ms, with the thread and the function that took it;
+- every garbage collection over 2 ms on the event-loop thread.
+
+It prints the single claims' p50/p90/p99 and a summary of the trace (counts,
+median and maximum per kind); the trace file stays for reading. A hold that
+spans a ``Condition.wait`` on the same lock (the store's background thread
+idling between checkpoints) is counted whole: read ``_background`` holds so. The
+daemon runs on asyncio, not uvloop (uvloop's callbacks cannot be timed from
+Python), and the timing costs a little: compare runs of this tool with each
+other, not with the benchmark. docs/daemon.md, "Latency under load".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import asyncio.events
+import gc
+import multiprocessing
+import os
+import random
+import re
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+SLOW_LOCK = 0.002  # seconds: lock waits and holds at least this long are traced
+
+
+class _TimedLock:
+    """Wraps a lock: writes waits and holds over SLOW_LOCK to the trace."""
+
+    def __init__(self, inner: Any, name: str, out: TextIO) -> None:
+        self._inner = inner
+        self._name = name
+        self._out = out
+        self._taken: dict[int, list[tuple[float, str]]] = {}
+
+    def _where(self) -> str:
+        f = sys._getframe(2)
+        while f.f_code.co_name in ("__enter__", "acquire") and f.f_back is not None:
+            f = f.f_back
+        return f"{f.f_code.co_name}:{f.f_lineno}"
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        t0 = time.perf_counter()
+        ok = self._inner.acquire(blocking, timeout)
+        t1 = time.perf_counter()
+        where = self._where()
+        if t1 - t0 > SLOW_LOCK:
+            self._write("WAIT", t1 - t0, where)
+        if ok:
+            self._taken.setdefault(threading.get_ident(), []).append((t1, where))
+        return ok
+
+    def release(self) -> None:
+        held = self._taken[threading.get_ident()]
+        t1, where = held.pop()
+        if not held and time.perf_counter() - t1 > SLOW_LOCK:
+            self._write("HOLD", time.perf_counter() - t1, where)
+        self._inner.release()
+
+    def _write(self, kind: str, seconds: float, where: str) -> None:
+        thread = threading.current_thread().name
+        self._out.write(
+            f"{time.time():.4f} {kind} {self._name} {seconds * 1000:.1f}ms {thread} {where}\n"
+        )
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return bool(self._inner._is_owned())
+
+
+def _serve_traced(trace: str, slow: float, argv: list[str]) -> None:
+    """In the daemon's process: installs the probes, then runs ``dedupcore serve``."""
+    out = open(trace, "w", buffering=1)  # noqa: SIM115 - open for the process's life
+    sys.modules["uvloop"] = None  # type: ignore[assignment]  # serve falls back to asyncio
+    handle_run = asyncio.events.Handle._run
+
+    def timed_run(self: asyncio.events.Handle) -> None:
+        t0 = time.perf_counter()
+        handle_run(self)
+        took = time.perf_counter() - t0
+        if took <= slow:
+            return
+        callback = self._callback
+        task = getattr(callback, "__self__", None)
+        if isinstance(task, asyncio.Task):
+            chain = []
+            coro: Any = task.get_coro()
+            while coro is not None and getattr(coro, "cr_frame", None) is not None:
+                frame = coro.cr_frame
+                chain.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                coro = coro.cr_await
+            what = "task " + ">".join(chain)
+        else:
+            what = getattr(callback, "__qualname__", repr(callback))[:120]
+        out.write(f"{time.time():.4f} STEP loop {took * 1000:.1f}ms {what}\n")
+
+    asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif threading.current_thread() is threading.main_thread():
+            took = time.perf_counter() - started[0]
+            if took > SLOW_LOCK:
+                out.write(f"{time.time():.4f} GC gen{info['generation']} {took * 1000:.1f}ms\n")
+
+    gc.callbacks.append(on_gc)
+    import dedupcore.store as store_module
+
+    init = store_module.DedupStore.__init__
+
+    def traced_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._lock = _TimedLock(self._lock, "store", out)
+        self._front._lock = _TimedLock(self._front._lock, "front", out)
+
+    store_module.DedupStore.__init__ = traced_init  # type: ignore[method-assign]
+    sys.argv = ["dedupcore", *argv]
+    runpy.run_module("dedupcore", run_name="__main__")
+
+
+def _summary(trace: Path) -> None:
+    kinds: Counter[str] = Counter()
+    slowest: dict[str, list[tuple[float, str]]] = {}
+    for line in trace.read_text().splitlines():
+        parts = line.split(" ", 4)
+        if len(parts) < 4:
+            continue
+        ms = float(parts[3].rstrip("ms"))
+        rest = parts[4] if len(parts) > 4 else ""
+        kind = f"{parts[1]} {parts[2]} {re.sub(r':[0-9]+', '', rest)}"
+        if parts[1] == "GC":
+            kind = f"GC {parts[2]}"
+        kinds[kind] += 1
+        slowest.setdefault(kind, []).append((ms, line))
+    for kind, n in kinds.most_common(12):
+        times = sorted(ms for ms, _ in slowest[kind])
+        print(
+            f"{n:6d} x {kind[:110]}  (median {times[len(times) // 2]:.1f} ms, max {times[-1]:.1f})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--loaders", type=int, default=4)
+    parser.add_argument("--slow-ms", type=float, default=4.0)
+    parser.add_argument("--durability", default="durable")
+    parser.add_argument("--serve", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--trace", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        _serve_traced(args.trace, args.slow_ms / 1000, args.serve)
+        return
+
+    from benchmarks.test_daemon import NS, _loader
+    from dedupcore.client import Client
+
+    root = Path(tempfile.mkdtemp(prefix="dctrace"))
+    sock, trace = root / "d.sock", root / "trace.txt"
+    serve = ["serve", "--data", str(root / "data"), "--socket", str(sock)]
+    serve += ["--durability", args.durability]
+    cmd = [sys.executable, "-m", "benchmarks.trace_daemon", "--slow-ms", str(args.slow_ms)]
+    cmd += ["--trace", str(trace), "--serve", *serve]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    with open(root / "daemon.log", "wb") as log:
+        daemon = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo)
+    ctx = multiprocessing.get_context("spawn")
+    stop, started, results = ctx.Event(), ctx.Semaphore(0), ctx.Queue()
+    procs: list[Any] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with Client(sock, timeout=2, retries=0) as c:
+                    c.ping()
+                break
+            except Exception as exc:
+                if time.monotonic() > deadline or daemon.poll() is not None:
+                    log_path = root / "daemon.log"
+                    raise RuntimeError(f"the daemon did not start (log: {log_path})") from exc
+                time.sleep(0.05)
+        procs = [
+            ctx.Process(
+                target=_loader,
+                args=(str(sock), "dedupcore", 100 + i, started, stop, results),
+                daemon=True,
+            )
+            for i in range(args.loaders)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            started.acquire(timeout=60)
+        time.sleep(1.0)
+        rng = random.Random(5)
+        latencies = []
+        with Client(sock, timeout=60) as c:
+            for _ in range(args.calls):
+                key = rng.randbytes(16)
+                t0 = time.perf_counter()
+                c.claim(key, namespace=NS)
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.001)
+    finally:
+        stop.set()
+        loads = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(60)
+        daemon.terminate()
+        daemon.wait(60)
+    lat = sorted(latencies)
+    n = len(lat)
+    batches = sum(load["batches"] for load in loads)
+    print(
+        f"single claims: p50 {lat[n // 2] * 1e3:.2f} ms, p90 {lat[int(n * 0.9)] * 1e3:.2f} ms, "
+        f"p99 {lat[int(n * 0.99)] * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms; "
+        f"{batches} loader batches meanwhile"
+    )
+    _summary(trace)
+    print(f"trace: {trace}")
+
+
+if __name__ == "__main__":
+    main()
