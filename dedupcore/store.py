@@ -29,6 +29,7 @@ import fcntl
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -90,12 +91,24 @@ LOCK_FILE = "LOCK"
 # is in the filter. Written after the filter, before LMDB's checkpoint moves.
 FRONT_COVERS = "covers_lsn"
 _MAX_NAMESPACES = 65535
-# Journal entries a checkpoint evicts per hold of the store lock (about a
-# millisecond), and the pause between two holds: a lock released and taken
-# again at once goes back to the thread that released it while a claim that
-# waits for it is still waking up.
+# How a checkpoint evicts, in steps that each hold the store lock. A step runs
+# without the GIL, and taking the GIL back costs up to a switch interval while
+# another thread runs Python. At the daemon's 0.5 ms interval (at most 1 ms):
+# steps of 4096 journal entries (about a millisecond), and after a step during
+# which a batch asked for the lock (_lock_for_batch) a short pause, since a lock
+# let go and taken again at once goes back to the thread that let it go. At the
+# default 5 ms: steps of 65536 entries and no pause, so that the GIL's hand-backs
+# do not slow the checkpoint down behind a thread that claims without pause.
 _EVICT_STEP = 4096
+_EVICT_STEP_COARSE = 65536
 _EVICT_PAUSE = 0.0002
+
+
+def _evict_pacing() -> tuple[int, bool]:
+    """(entries per step, whether to pause for a waiting batch) at this switch interval."""
+    if sys.getswitchinterval() <= 0.001:
+        return _EVICT_STEP, True
+    return _EVICT_STEP_COARSE, False
 
 
 class StoreLockedError(DedupError, BlockingIOError):
@@ -135,6 +148,7 @@ class DedupStore(ClaimAPI):
         self.readonly = readonly
         self._pid = os.getpid()
         self._lock = threading.RLock()
+        self._lock_wanted = False  # a batch waits for the lock (see _lock_for_batch)
         # Records in memory (the native engine's table): every PROCESSING
         # record whatever its age (lease deadlines live on this process's
         # monotonic clock, not on disk), every record logged since the last
@@ -619,7 +633,8 @@ class DedupStore(ClaimAPI):
             return ((b"", b"", [], [], [], []) if form == _engine.FORM_COLUMNS else []), 0, 0
         ns_id = self._ns_id(ns)
         table = self._table
-        with self._lock:
+        self._lock_for_batch()
+        try:
             self._check_usable(write=True)
             now_m = time.monotonic()
             now_w = time.time()
@@ -677,6 +692,8 @@ class DedupStore(ClaimAPI):
             self._stats.takeovers += takeovers
             if written:
                 self._front.insert_many(_keys.front_hashes_of(written), now_w)
+        finally:
+            self._lock.release()
         return claims, counts[5], self._pending_lsn(max(last, depends))
 
     def complete_many(
@@ -757,7 +774,8 @@ class DedupStore(ClaimAPI):
             if given is not None
             else None
         )
-        with self._lock:
+        self._lock_for_batch()
+        try:
             self._check_usable(write=True)
             now_w = time.time()
             self._fetch(joined)
@@ -771,7 +789,17 @@ class DedupStore(ClaimAPI):
             if written:
                 # Completion re-adds the key so the front spans the exact window from now.
                 self._front.insert_many(_keys.front_hashes_of(written), now_w)
+        finally:
+            self._lock.release()
         return self._pending_lsn(max(last, depends))
+
+    def _lock_for_batch(self) -> None:
+        """Takes the store lock for a batch; when a checkpoint's eviction holds it,
+        says so first: the eviction then pauses after its step (a lock let go and
+        taken back at once would go to it again while this thread wakes up)."""
+        if not self._lock.acquire(blocking=False):
+            self._lock_wanted = True
+            self._lock.acquire()
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the store holds nothing)."""
@@ -910,10 +938,12 @@ class DedupStore(ClaimAPI):
             # What LMDB now holds leaves memory in bounded steps: a claim waits
             # on the lock for one step at most, not for the whole checkpoint.
             more = True
+            step, pause = _evict_pacing()
             while more:
                 with self._lock:
-                    _dropped, more = self._table.evict_some(upto, _EVICT_STEP)
-                if more:
+                    _dropped, more = self._table.evict_some(upto, step)
+                if more and pause and self._lock_wanted:
+                    self._lock_wanted = False
                     time.sleep(_EVICT_PAUSE)
             with self._lock:
                 self._unflushed = self._table.pending

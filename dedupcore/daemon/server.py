@@ -119,14 +119,13 @@ _REPLY_FIXED = 32
 _ROW_FIXED = 32
 #: Read-ahead a connection's stream may hold before the daemon reads a frame from it.
 _STREAM_LIMIT = 16 << 10
-#: A frame this small may pass larger ones waiting for the buffer budget.
-_SMALL_FRAME = 64 << 10
+#: A request frame of at most this many bytes is small (a claim of up to a few
+#: thousand keys): it may pass larger ones waiting for the buffer budget, and
+#: while one is being answered, large batches wait between two slices.
+SMALL_FRAME = 64 << 10
 #: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
 #: SLICE_KEYS keys, with other connections' requests served between two slices.
 SLICE_ABOVE = 8192
-#: A request frame of at most this many bytes is small (a claim of a few hundred
-#: keys): while one is being answered, large batches wait between two slices.
-SMALL_FRAME = 16 << 10
 #: How long a large batch's next slice waits for the small requests in flight
 #: to be answered, at most: under a steady stream of them batches still progress.
 SMALL_FIRST_SECONDS = 0.005
@@ -395,7 +394,7 @@ class _Budget:
 
     async def take(self, n: int) -> None:
         """Reserves ``n`` bytes, waiting in order while they do not fit."""
-        if self.used + n <= self.limit and (not self._waiters or n <= _SMALL_FRAME):
+        if self.used + n <= self.limit and (not self._waiters or n <= SMALL_FRAME):
             self.used += n
             return
         self.waits += 1
@@ -424,7 +423,7 @@ class _Budget:
             head = entry is self._waiters[0]
             if fut.done():
                 self._waiters.remove(entry)
-            elif self.used + n <= self.limit and (head or n <= _SMALL_FRAME):
+            elif self.used + n <= self.limit and (head or n <= SMALL_FRAME):
                 self._waiters.remove(entry)
                 self.used += n
                 fut.set_result(None)
@@ -498,12 +497,30 @@ class _Committer:
 
     def wait(self, lsn: int) -> asyncio.Future[None]:
         """A future resolved (on the loop) once the log is durable through ``lsn``.
-        Called on the loop."""
+        Called on the loop. A lone request with a small commit is committed at once
+        (the future comes back done: no pass of the loop for the hand-over)."""
         fut = self._loop.create_future()
         if not self._gathered:
+            with self._cond:
+                lone = self._inline(1)
+            if lone:
+                self.rounds += 1
+                self.inline_rounds += 1
+                _resolve(self._commit([(lsn, fut)]))
+                return fut
             self._loop.call_soon(self._hand_over)
         self._gathered.append((lsn, fut))
         return fut
+
+    def _inline(self, n: int) -> bool:
+        """Whether the loop commits a group of ``n`` requests itself (lock held): no
+        commit running or queued, no other request in flight, a small commit."""
+        return (
+            not self._running
+            and not self._waiting
+            and not self._others_in_flight(n)
+            and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
+        )
 
     def _hand_over(self) -> None:
         """The requests of the last pass of the loop: committed here when the thread is
@@ -511,13 +528,7 @@ class _Committer:
         batch, self._gathered = self._gathered, []
         with self._cond:
             # After close() the thread may be gone: the loop commits itself.
-            inline = self._closed or (
-                not self._running
-                and not self._waiting
-                and not self._others_in_flight(len(batch))
-                and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
-            )
-            if not inline:
+            if not (self._closed or self._inline(len(batch))):
                 self._waiting.extend(batch)
                 self._cond.notify()
                 return
@@ -1008,7 +1019,10 @@ class DaemonServer:
             lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
         if lsn:
             assert self._committer is not None
-            await _within(self._committer.wait(lsn), self.request_timeout)
+            durable = self._committer.wait(lsn)
+            if not durable.done():
+                await _within(durable, self.request_timeout)
+            durable.result()  # raises what the commit raised
         return result
 
     async def _claim_sliced(
