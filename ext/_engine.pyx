@@ -131,17 +131,17 @@ PROCESSING = 1
 PROCESSED = 2
 RELEASED = 3
 
-#: Log payload format: u8 version, u32 count, then per record its 16-byte
-#: digest, u32 value length and the value (the stored record format).
+#: Forms of ClaimTable.claim's answers.
 cdef enum:
     _FORM_CLAIMS = 0
     _FORM_COLUMNS = 1
     _FORM_CHECK = 2
-#: Forms of ClaimTable.claim's answers.
 FORM_CLAIMS = _FORM_CLAIMS
 FORM_COLUMNS = _FORM_COLUMNS
 FORM_CHECK = _FORM_CHECK
 
+#: Log payload format: u8 version, u32 count, then per record its 16-byte
+#: digest, u32 value length and the value (the stored record format).
 cdef enum:
     _LOG_VERSION = 2
     _LOG_CHUNK_BYTES = 8 << 20

@@ -324,17 +324,12 @@ class ClaimColumns:
         """Appends the columns of one slice as the store decided them
         (:meth:`DedupStore.claim_columns_deferred`): no object per key."""
         outcomes, tokens, result_index, results, cold, takeovers = part
-        base = len(self.outcomes)
+        base = len(self.outcomes)  # the slice's indexes continue the earlier slices'
         self.outcomes += outcomes
         self.tokens.frombytes(tokens)
-        if base:
-            self.result_index.extend([i + base for i in result_index])
-            self.cold.extend([i + base for i in cold])
-            self.takeovers.extend([i + base for i in takeovers])
-        else:
-            self.result_index.extend(result_index)
-            self.cold.extend(cold)
-            self.takeovers.extend(takeovers)
+        self.result_index.extend([i + base for i in result_index])
+        self.cold.extend([i + base for i in cold])
+        self.takeovers.extend([i + base for i in takeovers])
         self.results.extend(results)
 
     def payload(self) -> dict[str, Any]:

@@ -504,9 +504,7 @@ class _Committer:
             with self._cond:
                 lone = self._inline(1)
             if lone:
-                self.rounds += 1
-                self.inline_rounds += 1
-                _resolve(self._commit([(lsn, fut)]))
+                self._commit_here([(lsn, fut)])
                 return fut
             self._loop.call_soon(self._hand_over)
         self._gathered.append((lsn, fut))
@@ -532,6 +530,10 @@ class _Committer:
                 self._waiting.extend(batch)
                 self._cond.notify()
                 return
+        self._commit_here(batch)
+
+    def _commit_here(self, batch: list[tuple[int, asyncio.Future[None]]]) -> None:
+        """Commits a group on the loop itself and resolves its futures."""
         self.rounds += 1
         self.inline_rounds += 1
         _resolve(self._commit(batch))
