@@ -102,6 +102,9 @@ _MAX_NAMESPACES = 65535
 _EVICT_STEP = 4096
 _EVICT_STEP_COARSE = 65536
 _EVICT_PAUSE = 0.0002
+#: Records per compaction transaction (docs/warm-tier.md, "Compaction"): a few
+#: tenths of a second, after which a due checkpoint goes first.
+_COMPACT_STEP = 262_144
 
 
 def _evict_pacing() -> tuple[int, bool]:
@@ -866,6 +869,25 @@ class DedupStore(ClaimAPI):
         self._check_usable(write=True)
         self._checkpoint()
 
+    def compact(self, max_records: int | None = None) -> int:
+        """Rewrites sealed warm-tier slices in key order now (the background thread
+        does it on its own, a step at a time); returns the records copied.
+
+        A slice filled by random inserts has B-tree pages about 70 % full; the
+        copy, appended in key order, fills them (docs/warm-tier.md,
+        "Compaction"). ``max_records`` bounds the work of this call.
+        """
+        self._check_usable(write=True)
+        return self._compact(max_records)
+
+    def _compact(self, limit: int | None) -> int:
+        done = 0
+        while self._lmdb.compaction_pending() and (limit is None or done < limit):
+            step = _COMPACT_STEP if limit is None else min(_COMPACT_STEP, limit - done)
+            with self._checkpoint_lock:  # no checkpoint or drop meanwhile
+                done += self._lmdb.compact_step(step, self._lock)
+        return done
+
     def _checkpoint(self, final: bool = False) -> None:
         with self._checkpoint_lock:
             with self._lock:
@@ -1046,12 +1068,15 @@ class DedupStore(ClaimAPI):
         self._sync(last)
 
     def _background(self) -> None:
-        """Checkpoints and sweeps on the configured cadence."""
+        """Checkpoints and sweeps on the configured cadence; compacts sealed slices
+        while neither is due."""
+        compacting = False
         while True:
             with self._lock:
                 if self._closed:
                     return
-                self._wake.wait(timeout=1.0)
+                if not compacting:
+                    self._wake.wait(timeout=1.0)
                 if self._closed or self._failed is not None:
                     return
                 now = time.monotonic()
@@ -1060,13 +1085,17 @@ class DedupStore(ClaimAPI):
                     or now - self._last_checkpoint >= self.config.checkpoint_interval
                 )
                 due_sweep = now - self._last_sweep >= self.config.sweep_interval
+            compacting = False
             try:
                 if due_sweep:
                     self.sweep()
                 elif due_checkpoint:
                     self._checkpoint()
+                elif self.config.compact_slices and self._lmdb.compaction_pending():
+                    self._compact(_COMPACT_STEP)
+                    compacting = self._lmdb.compaction_pending()
             except Exception:
-                log.exception("background checkpoint/sweep failed; will retry")
+                log.exception("background checkpoint/sweep/compaction failed; will retry")
 
     # -- figures ---------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Small slices (a few hundred records) make every path run in a unit test:
 roll-over by count and by age, newest version first across slices, a slice
 dropped whole past the exact window with its PROCESSED keys in the cold
 archive and its in-flight records moved, pages reused, slice filters damaged
-or missing and rebuilt.
+or missing and rebuilt, sealed slices compacted (and killed mid-compaction).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def _open(path: Path, **kw: object) -> DedupStore:
         "checkpoint_interval": 3600.0,
         "sweep_interval": 3600.0,
         "retention": Retention(exact_window=100.0, cold_window=10_000.0),
+        "compact_slices": False,  # the compaction tests below run it themselves
     }
     settings.update(kw)
     return DedupStore.open(path, **settings)  # type: ignore[arg-type]
@@ -179,3 +180,185 @@ def test_a_front_saved_once_per_slice_catches_up_from_the_newer_slices_after_a_c
         assert 1 <= covers_slice <= store._lmdb.newest_slice_id
         for c in store.claim_many(keys, namespace=NS):
             assert (c.outcome, c.exact) == (Outcome.DUPLICATE, True)
+
+
+# -- compaction (docs/warm-tier.md, "Compaction") ------------------------------
+
+
+def _db_names(path: Path) -> set[bytes]:
+    """The named databases of a closed store's LMDB environment."""
+    import lmdb
+
+    env = lmdb.open(str(path / "lmdb"), readonly=True, lock=False, max_dbs=8)
+    try:
+        with env.begin() as txn:
+            return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+    finally:
+        env.close()
+
+
+def _leaf_pages(store: DedupStore) -> dict[int, int]:
+    tier = store._lmdb
+    with tier.env.begin() as txn:
+        return {s.id: int(txn.stat(s.db)["leaf_pages"]) for s in tier._slices if s.sealed}
+
+
+def _answers(store: DedupStore, keys: list[str]) -> list[tuple[object, ...]]:
+    return [(c.key, c.outcome, c.exact, c.result) for c in store.claim_many(keys, namespace=NS)]
+
+
+def test_compaction_rewrites_sealed_slices_in_key_order_and_every_key_answers_alike(
+    tmp_path: Path,
+) -> None:
+    keys = [f"k{i}" for i in range(4000)]
+    with _open(tmp_path, slice_records=2000) as store:
+        held = store.claim("held", namespace=NS)
+        store.checkpoint()  # PROCESSING, in slice 1
+        _fill(store, keys, batch=100)  # slices of 2000 records, each written in 20 pieces
+        store.complete("held", held.token, namespace=NS, result="late")
+        store.checkpoint()  # PROCESSED, in a newer slice: the newest version wins
+        before = _leaf_pages(store)
+        assert len(before) >= 2
+        assert store._lmdb.format == b"3"  # a new environment starts at the current format
+        copied = store.compact()
+        assert copied == sum(s["records"] for s in store.stats()["lmdb"]["slices"][:-1])
+        slices = store.stats()["lmdb"]["slices"]
+        assert [s["compacted"] for s in slices] == [True] * (len(slices) - 1) + [False]
+        after = _leaf_pages(store)
+        # Appended in key order: every leaf page but the last full (a 4 KiB page
+        # holds 4080 bytes of nodes: 8-byte header, key and value, 2-byte pointer).
+        for sid in before:
+            nodes = sum(10 + len(d) + len(v) + len(v) % 2 for d, v in store._lmdb.scan_slice(sid))
+            assert after[sid] <= nodes // 4080 + 1 < before[sid], (sid, before, after)
+        assert store.compact() == 0 and not store._lmdb.compaction_pending()
+        want = [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
+        assert _answers(store, keys) == want
+        rec = store.get("held", namespace=NS)
+        assert rec is not None and (rec.state, rec.result) == (State.PROCESSED, "late")
+    names = _db_names(tmp_path)
+    assert not {n for n in names if n.startswith(b"s:")} - {b"s:%08d" % slices[-1]["id"]}
+    with _open(tmp_path, slice_records=2000) as store:  # reopened: the copies are the slices
+        assert _answers(store, keys) == want
+        assert store.stats()["lmdb"]["records"] == 4002  # "held" is in two slices
+
+
+def test_a_format_2_directory_opens_as_it_is_and_goes_to_format_3_when_compacted(
+    tmp_path: Path,
+) -> None:
+    import lmdb
+
+    keys = [f"k{i}" for i in range(1200)]
+    with _open(tmp_path) as store:
+        _fill(store, keys)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"2", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with _open(tmp_path) as store:
+        assert store._lmdb.format == b"2"
+        assert _answers(store, keys[:50]) == [
+            (k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys[:50]
+        ]
+        store.compact()
+        assert store._lmdb.format == b"3"
+    with _open(tmp_path) as store:
+        assert store._lmdb.format == b"3"
+        assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.DUPLICATE}
+
+
+_COMPACTING_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.unit.test_warm_tier import _fill, _open
+store = _open(Path({path!r}), slice_records=2000)
+_fill(store, [f"k{{i}}" for i in range(5000)], batch=500)
+if {between_switch_and_drop!r}:
+    tier = store._lmdb
+    write = tier._write
+    def dying_write(apply):
+        if apply.__name__ == "drop":  # the copy has taken the slice's place: die now
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(apply)
+    tier._write = dying_write
+    store.compact()
+else:
+    store.compact(max_records={partial})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("between_switch_and_drop", [False, True])
+def test_a_compaction_killed_midway_resumes_and_loses_nothing(
+    tmp_path: Path, between_switch_and_drop: bool
+) -> None:
+    """SIGKILL after 2500 of the sealed slices' 4000 records were copied (slice 1
+    compacted, slice 2 half copied), or after the first copy took its slice's place
+    but before the old tree was dropped: the next open answers every key from the
+    slices as they were, drops a leftover old tree, and compaction resumes after
+    the last key copied."""
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[2])
+    code = _COMPACTING_CHILD.format(
+        repo=repo, path=str(tmp_path), partial=2500, between_switch_and_drop=between_switch_and_drop
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    names = _db_names(tmp_path)
+    if between_switch_and_drop:
+        assert {b"k:00000001", b"s:00000001"} <= names  # the copy and the tree it replaced
+    else:
+        assert {b"k:00000002", b"s:00000002"} <= names and b"s:00000001" not in names
+    keys = [f"k{i}" for i in range(5000)]
+    want = [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
+    with _open(tmp_path, slice_records=2000) as store:
+        assert b"s:00000001" not in _db_names_open(store)
+        assert _answers(store, keys) == want
+        slices = store.stats()["lmdb"]["slices"]
+        assert slices[0]["compacted"] is True
+        # What is left: all of slice 2, or the 1500 records of it not yet copied.
+        assert store.compact() == (2000 if between_switch_and_drop else 1500)
+        assert [s["compacted"] for s in store.stats()["lmdb"]["slices"]][:2] == [True, True]
+        assert _answers(store, keys) == want
+    names = _db_names(tmp_path)
+    assert not {b"s:00000001", b"s:00000002"} & names
+
+
+def _db_names_open(store: DedupStore) -> set[bytes]:
+    with store._lmdb.env.begin() as txn:
+        return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+
+
+def test_a_slice_dropped_while_its_copy_is_under_way_takes_the_copy_with_it(
+    tmp_path: Path,
+) -> None:
+    old = [f"old{i}" for i in range(1200)]
+    with _open(tmp_path) as store:
+        _fill(store, old)
+        store.compact(max_records=100)  # slice 1 a fifth copied
+        assert b"k:00000001" in _db_names_open(store)
+        store.sweep(now=time.time() + 200)
+        assert not {n for n in _db_names_open(store) if n[:2] in (b"s:", b"k:")}
+        for c in store.claim_many(old, namespace=NS):
+            assert (c.outcome, c.exact) == (Outcome.DUPLICATE, False)
+
+
+def test_the_background_thread_compacts_sealed_slices_while_claims_go_on(
+    tmp_path: Path,
+) -> None:
+    keys = [f"k{i}" for i in range(3000)]
+    with _open(tmp_path, compact_slices=True) as store:
+        _fill(store, keys)
+        deadline = time.monotonic() + 60.0
+        while store._lmdb.compaction_pending():
+            # Claims (all DUPLICATE) read the slices while the copies are made.
+            assert {c.outcome for c in store.claim_many(keys[:500], namespace=NS)} == {
+                Outcome.DUPLICATE
+            }
+            assert time.monotonic() < deadline, "the background thread compacted nothing"
+            time.sleep(0.05)
+        slices = store.stats()["lmdb"]["slices"]
+        assert all(s["compacted"] for s in slices if s["sealed"]) and len(slices) >= 5
+        assert _answers(store, keys) == [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
