@@ -242,11 +242,20 @@ class LmdbTier:
                 raise CorruptFileError(
                     f"{self.path}: slice {info.id} is listed but its database is missing"
                 ) from None
-            if info.compacted and not self.readonly:
-                # A crash between a compaction taking the slice's place and the
-                # drop of the tree it replaced leaves that tree: it goes now.
-                self._drop_db(b"s:%08d" % info.id)
             info.filter = self._open_filter(info)
+        if not self.readonly:
+            # A crash between a compaction taking a slice's place and the drop of
+            # the tree it replaced leaves that tree: it goes now (one transaction,
+            # and none at all in the usual case: a durable commit per slice would
+            # cost an open one fsync per slice).
+            with self._txn() as txn:  # named databases are keys of the main one
+                left = [
+                    b"s:%08d" % info.id
+                    for info in entries
+                    if info.compacted and txn.get(b"s:%08d" % info.id) is not None
+                ]
+            if left:
+                self._drop_dbs(left)
         self._slices = entries
 
     def _filter_path(self, info: SliceInfo) -> Path:
@@ -265,20 +274,15 @@ class LmdbTier:
             built.save(self._filter_path(info))
         return built
 
-    def _drop_db(self, name: bytes) -> bool:
-        """Deletes the named database if it exists (False if there was none)."""
-        gone = [False]
+    def _drop_dbs(self, names: list[bytes]) -> None:
+        """Deletes the named databases that exist, in one transaction."""
 
         def apply(txn: lmdb.Transaction) -> None:
-            try:
-                db = self.env.open_db(name, txn=txn, create=False)
-            except lmdb.NotFoundError:
-                return
-            txn.drop(db, delete=True)
-            gone[0] = True
+            for name in names:
+                with contextlib.suppress(lmdb.NotFoundError):
+                    txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
 
         self._write(apply)
-        return gone[0]
 
     def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
         bf = BloomFilter(capacity or self.slice_records, self.slice_error_rate)
