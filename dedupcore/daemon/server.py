@@ -460,6 +460,11 @@ SWITCH_INTERVAL = 0.0005
 INLINE_COMMIT_BYTES = 64 << 10
 
 
+#: A request decided on the loop whose commit is still to come: (request id, answer,
+#: the commit, when its handling started).
+_Decided = tuple[int, Any, asyncio.Future[None], float]
+
+
 class _Committer:
     """Makes the requests decided on the event loop durable, a group at a time.
 
@@ -659,10 +664,17 @@ class DaemonServer:
             getattr(store, "defers_durability", False) and getattr(store, "bounds_replies", False)
         )
         self._committer: _Committer | None = None
+        # Commits without fdatasync (a write to the OS) may run on the loop for each
+        # request as it is read: the request path without a task (_decide_now).
+        config = getattr(store, "config", None)
+        self._cheap_commits = self._fast and (
+            getattr(config, "durability", "durable") == "power-loss-unsafe"
+        )
         self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
         # Small requests read and not yet answered: a large batch's next slice waits
         # (up to SMALL_FIRST_SECONDS) until there are none.
         self._small = 0
+        self._deciding = 0  # requests being decided by _decide_now (not tasks)
         self._no_small = asyncio.Event()
         self._no_small.set()
         self._server: asyncio.base_events.Server | None = None
@@ -682,6 +694,7 @@ class DaemonServer:
             "sliced_batches": 0,
             "batch_slices": 0,
             "slices_held_for_small": 0,
+            "answered_at_once": 0,  # by the connection's reader, without a task
         }
         self._commit_seconds = 0.0
 
@@ -697,7 +710,7 @@ class DaemonServer:
             self._committer = _Committer(
                 self.store,
                 asyncio.get_running_loop(),
-                lambda n: len(self._requests) > n,
+                lambda n: len(self._requests) + self._deciding > n,
             )
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         if self.sock is not None:
@@ -816,6 +829,13 @@ class DaemonServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    @staticmethod
+    def _send_now(writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Writes a reply without waiting (the connection's loop checks the unsent bytes
+        before it reads the next request)."""
+        if not writer.transport.is_closing():
+            writer.write(data)
+
     async def _send(self, writer: asyncio.StreamWriter, data: bytes | None) -> bool:
         """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
         what is queued; a peer too slow for that is disconnected. False if the connection is
@@ -886,6 +906,21 @@ class DaemonServer:
                     body = await _within(self._read_body(reader, length), self.request_timeout)
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
+                small = length <= SMALL_FRAME
+                decided: _Decided | None = None
+                if small and self._fast:
+                    now = self._decide_now(body)
+                    if isinstance(now, bytes):  # answered: nothing to wait for
+                        self._budget.give(length)
+                        if write_lock.locked():  # a reply is being drained: queue behind it
+                            async with write_lock:
+                                await self._send(writer, now)
+                        else:
+                            # Past max_unsent, the next pass of this loop waits for
+                            # the peer to take its replies (or disconnects it).
+                            self._send_now(writer, now)
+                        continue
+                    decided = now
                 if slots.locked():
                     self.counters["paused_reads"] += 1  # max_in_flight replies not yet written
                 try:
@@ -893,12 +928,11 @@ class DaemonServer:
                 except BaseException:
                     self._budget.give(length)
                     raise
-                small = length <= SMALL_FRAME
                 if small:
                     self._small += 1
                     self._no_small.clear()
                 task = asyncio.create_task(
-                    self._handle(body, length, writer, write_lock, slots, small)
+                    self._handle(body, length, writer, write_lock, slots, small, decided)
                 )
                 pending.add(task)
                 self._requests.add(task)
@@ -925,48 +959,36 @@ class DaemonServer:
         write_lock: asyncio.Lock,
         slots: asyncio.Semaphore,
         small: bool = False,
+        decided: _Decided | None = None,
     ) -> None:
         request_id = 0
         try:
             try:
-                request = protocol.decode_request(body)
-                request_id = request.request_id
-                self.counters["requests"] += 1
-                started = time.perf_counter()
-                if request.op in _INLINE_OPS:
-                    # Nothing to wait for: answer on the event loop, no thread hop.
-                    result = self._dispatch(request.op, request.args)
-                elif self._committer is not None and request.op in _DEFERRED_OPS:
-                    result = await self._decide(request.op, request.args)
+                if decided is not None:  # decided by _decide_now: only its commit to wait for
+                    request_id, result, durable, started = decided
+                    await self._durable(durable)
                 else:
-                    loop = asyncio.get_running_loop()
-                    result = await _within(
-                        loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
-                        self.request_timeout,
-                    )
-                self._commit_seconds += time.perf_counter() - started
-                reply = protocol.encode_response(request_id, result)
-            except FrameError as exc:
-                self.counters["protocol_errors"] += 1
-                reply = protocol.encode_error(request_id, exc)
-            except TimeoutError:
-                self.counters["errors"] += 1
-                reply = protocol.encode_error(
-                    request_id,
-                    UnavailableError(f"request not finished within {self.request_timeout} s"),
-                )
+                    request = protocol.decode_request(body)
+                    request_id = request.request_id
+                    self.counters["requests"] += 1
+                    started = time.perf_counter()
+                    if request.op in _INLINE_OPS:
+                        # Nothing to wait for: answer on the event loop, no thread hop.
+                        result = self._dispatch(request.op, request.args)
+                    elif self._committer is not None and request.op in _DEFERRED_OPS:
+                        result = await self._decide(request.op, request.args)
+                    else:
+                        loop = asyncio.get_running_loop()
+                        result = await _within(
+                            loop.run_in_executor(
+                                self._pool, self._dispatch, request.op, request.args
+                            ),
+                            self.request_timeout,
+                        )
+                reply = self._reply(request_id, result, started)
             except Exception as exc:
-                self.counters["errors"] += 1
-                if isinstance(exc, BatchTooLargeError):
-                    self.counters["refused_batches"] += 1
-                reply = protocol.encode_error(request_id, exc)
-                if self._store_failed(exc):
-                    self._fail_stop(exc)
+                reply = self._error_reply(request_id, exc)
             del body
-            if len(reply) - 4 > self.max_frame:
-                reply = protocol.encode_error(
-                    request_id, FrameError("reply exceeds the frame limit; use smaller batches")
-                )
             async with write_lock:
                 await self._send(writer, reply)
         finally:
@@ -979,27 +1001,123 @@ class DaemonServer:
                 if not self._small:
                     self._no_small.set()
 
+    def _reply(self, request_id: int, result: Any, started: float) -> bytes:
+        """The reply frame of a request answered with ``result``."""
+        self._commit_seconds += time.perf_counter() - started
+        reply = protocol.encode_response(request_id, result)
+        if len(reply) - 4 > self.max_frame:
+            return protocol.encode_error(
+                request_id, FrameError("reply exceeds the frame limit; use smaller batches")
+            )
+        return reply
+
+    def _error_reply(self, request_id: int, exc: Exception) -> bytes:
+        """The error reply of a request that raised ``exc`` (counted; a failed store
+        makes the daemon stop for a restart)."""
+        if isinstance(exc, FrameError):
+            self.counters["protocol_errors"] += 1
+            return protocol.encode_error(request_id, exc)
+        self.counters["errors"] += 1
+        if isinstance(exc, TimeoutError):
+            return protocol.encode_error(
+                request_id,
+                UnavailableError(f"request not finished within {self.request_timeout} s"),
+            )
+        if isinstance(exc, BatchTooLargeError):
+            self.counters["refused_batches"] += 1
+        if self._store_failed(exc):
+            self._fail_stop(exc)
+        return protocol.encode_error(request_id, exc)
+
     # -- the embedded store's fast path (on the event loop) ----------------------------
+
+    def _decide_now(self, body: bytes) -> bytes | _Decided | None:
+        """A small request served without a task (docs/daemon.md, "The request path"):
+        a ping, or, when commits need no fdatasync, a claim (of at most SLICE_ABOVE
+        keys), completion or release that the embedded store decides here and now.
+        Returns the reply when nothing is left to wait for (no log record, or the
+        commit already done, as for a lone request whose commit the loop makes at
+        once); the decided request when its commit is still to come; None for a
+        request the task path serves from the start (it decodes it again: other ops,
+        and undecodable frames, which it answers).
+
+        Durable commits keep the task path: a request decided as soon as its own
+        frame is read cannot see the requests of other connections read later in
+        the same pass of the loop, so it would sync alone where the task path
+        gathers them into one ``fdatasync``."""
+        try:
+            request = protocol.decode_request(body)
+        except FrameError:
+            return None
+        op, args = request.op, request.args
+        if op is not Op.PING:
+            if not self._cheap_commits or op not in _DEFERRED_OPS:
+                return None
+            keys = args.get("keys")
+            if op is Op.CLAIM_MANY and (not isinstance(keys, list) or len(keys) > SLICE_ABOVE):
+                return None
+        request_id = request.request_id
+        self.counters["requests"] += 1
+        started = time.perf_counter()
+        self._deciding += 1  # in flight for the committer's "others in flight" count
+        try:
+            if op is Op.PING:
+                result: Any = "pong"
+                durable = None
+            else:
+                result, durable = self._decide_sync(op, args)
+            if durable is not None and not durable.done():
+                return request_id, result, durable, started
+            if durable is not None:
+                durable.result()  # raises what the commit raised
+            self.counters["answered_at_once"] += 1
+            return self._reply(request_id, result, started)
+        except Exception as exc:
+            return self._error_reply(request_id, exc)
+        finally:
+            self._deciding -= 1
+
+    async def _durable(self, durable: asyncio.Future[None] | None) -> None:
+        """Waits for a commit (request_timeout); raises what it raised."""
+        if durable is None:
+            return
+        if not durable.done():
+            await _within(durable, self.request_timeout)
+        durable.result()
 
     async def _decide(self, op: Op, args: dict[str, Any]) -> Any:
         """Decides a claim, completion or release on the event loop, then waits (without
         blocking the loop) until the log is durable through every record the answer
         depends on: nothing is answered before that (docs/daemon.md)."""
+        keys = args.get("keys")
+        if op is Op.CLAIM_MANY and isinstance(keys, list) and len(keys) > SLICE_ABOVE:
+            options = _claim_options(args)
+            columns = bool(args.get(protocol.COLUMNS_ARG))
+            result, lsn = await self._claim_sliced(keys, options, columns)
+            await self._durable(self._commit(lsn))
+            return result
+        result, durable = self._decide_sync(op, args)
+        await self._durable(durable)
+        return result
+
+    def _commit(self, lsn: int) -> asyncio.Future[None] | None:
+        """The commit through ``lsn`` (None when there is nothing to commit)."""
+        if not lsn:
+            return None
+        assert self._committer is not None
+        return self._committer.wait(lsn)
+
+    def _decide_sync(self, op: Op, args: dict[str, Any]) -> tuple[Any, asyncio.Future[None] | None]:
+        """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
+        (the answer, the commit it waits for, or None)."""
         store: Any = self.store
         ns = _arg(args, "ns", str)
         result: Any = None
         if op is Op.CLAIM_MANY:
             keys = _arg(args, "keys", list)
-            options = {
-                "namespace": ns,
-                "lease": _optional(args, "lease", (int, float)),
-                "owner": _optional(args, "owner", (bytes, str)),
-                "fingerprints": _optional(args, "fps", list),
-            }
+            options = _claim_options(args)
             columns = bool(args.get(protocol.COLUMNS_ARG))
-            if len(keys) > SLICE_ABOVE:
-                result, lsn = await self._claim_sliced(keys, options, columns)
-            elif columns:
+            if columns:
                 part, lsn = store.claim_columns_deferred(
                     keys,
                     **options,
@@ -1019,13 +1137,7 @@ class DaemonServer:
             lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
         else:
             lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
-        if lsn:
-            assert self._committer is not None
-            durable = self._committer.wait(lsn)
-            if not durable.done():
-                await _within(durable, self.request_timeout)
-            durable.result()  # raises what the commit raised
-        return result
+        return result, self._commit(lsn)
 
     async def _claim_sliced(
         self, keys: list[Any], options: dict[str, Any], columns: bool
@@ -1154,12 +1266,7 @@ class DaemonServer:
         ns = _arg(args, "ns", str)
         if op is Op.CLAIM_MANY:
             keys = _arg(args, "keys", list)
-            options = {
-                "namespace": ns,
-                "lease": _optional(args, "lease", (int, float)),
-                "owner": _optional(args, "owner", (bytes, str)),
-                "fingerprints": _optional(args, "fps", list),
-            }
+            options = _claim_options(args)
             fixed = _REPLY_FIXED + _ROW_FIXED * len(keys)
             if getattr(self.store, "bounds_replies", False):
                 # The embedded store sizes the answer after deciding and before
@@ -1234,6 +1341,16 @@ def _optional(args: dict[str, Any], name: str, kind: Any) -> Any:
     if args.get(name) is None:
         return None
     return _arg(args, name, kind)
+
+
+def _claim_options(args: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a CLAIM_MANY request for the store's claim methods."""
+    return {
+        "namespace": _arg(args, "ns", str),
+        "lease": _optional(args, "lease", (int, float)),
+        "owner": _optional(args, "owner", (bytes, str)),
+        "fingerprints": _optional(args, "fps", list),
+    }
 
 
 def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> int:

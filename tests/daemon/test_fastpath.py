@@ -56,6 +56,37 @@ def test_single_claims_of_many_connections_share_log_commits(lab: Lab) -> None:
     assert 1 <= after - before < n, (before, after)
 
 
+@pytest.mark.parametrize("durability", ["power-loss-unsafe", "durable"])
+def test_a_lone_request_is_answered_by_its_connection_reader_when_commits_need_no_sync(
+    lab: Lab, durability: str
+) -> None:
+    """Without fdatasync, a lone claim, completion or release is decided and answered
+    as its frame is read (no task); durable ones keep the task path, which gathers the
+    requests of one pass of the loop into one sync. Pings never need a task."""
+    daemon = lab.daemon("--durability", durability)
+    ns = unique_ns("at-once")
+    with daemon.client(timeout=PATIENCE) as c:
+        c.ping()
+        before = daemon_stats(daemon)["answered_at_once"]
+        for i in range(20):
+            claim = c.claim(f"k{i}", namespace=ns)
+            assert claim.outcome is Outcome.NEW
+            c.complete(claim.key, claim.token, namespace=ns, result=i)
+            assert c.claim(f"k{i}", namespace=ns).result == i
+        held = c.claim("held", namespace=ns)
+        c.release(held.key, held.token, namespace=ns)
+        for _ in range(5):
+            assert c.ping()
+        after = daemon_stats(daemon)["answered_at_once"]
+    # 20 x (claim, complete, duplicate claim) + claim + release + 5 pings, or the pings.
+    assert after - before == (67 if durability == "power-loss-unsafe" else 5)
+    with daemon.client(timeout=PATIENCE) as c:  # and the answers held: all DUPLICATE
+        claims = c.claim_many([f"k{i}" for i in range(20)], namespace=ns)
+        assert [(x.outcome, x.result) for x in claims] == [
+            (Outcome.DUPLICATE, i) for i in range(20)
+        ]
+
+
 def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_thread(
     lab: Lab,
 ) -> None:
