@@ -282,6 +282,7 @@ class DedupStore(ClaimAPI):
         try:
             if not self.readonly and self._failed is None:
                 self._checkpoint(final=True)
+                self._lmdb.save_open_filter()
         finally:
             self._wal.close()
             self._lmdb.close()

@@ -17,7 +17,9 @@ and bigger as history grows, so the records live in time slices
   whose filter says "maybe", newest first, and the first version found wins.
   Sealed slices' filters are files under ``slices/`` (written, fsynced and
   renamed before the slice is marked sealed); the open slice's filter is
-  rebuilt from its keys at open.
+  saved at a clean close under a name that says what it covers (the
+  checkpoint position and the slice's record count) and rebuilt from the
+  slice's keys at an open that finds no such file (docs/warm-tier.md).
 - A sealed slice is rewritten in key order into ``k:<id>`` (compaction):
   random inserts leave B-tree pages about 70 % full, appends in key order
   fill them (40 bytes per record instead of about 58). The copy runs in
@@ -262,12 +264,17 @@ class LmdbTier:
         return self.filters_dir / f"{info.id:08d}.bloom"
 
     def _open_filter(self, info: SliceInfo) -> BloomFilter:
-        """A sealed slice's saved filter, or the slice's filter rebuilt from its keys."""
+        """A sealed slice's saved filter, the open slice's filter saved at the last clean
+        close if it covers what the slice holds now, or the filter rebuilt from its keys."""
         if info.sealed:
             try:
                 return BloomFilter.open(self._filter_path(info), mmap=True)
             except (OSError, CorruptFileError):
                 pass  # rebuilt below, and saved again when writable
+        else:
+            saved = self._saved_open_filter(info)
+            if saved is not None:
+                return saved
         built = self._build_filter(info, max(info.records, 1000) if info.sealed else None)
         if info.sealed and not self.readonly:
             self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -283,6 +290,43 @@ class LmdbTier:
                     txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
 
         self._write(apply)
+
+    def _open_filter_name(self, info: SliceInfo) -> str:
+        """The file name of the open slice's filter as it stands now: it covers the
+        slice at this checkpoint position and record count. Checkpoints, the only
+        writers of the open slice besides a slice drop's moved records, change the
+        position; a drop's moves change the count (an open slice only gains keys)."""
+        with self._txn() as txn:
+            entries = int(txn.stat(info.db)["entries"])
+            raw = txn.get(b"checkpoint_lsn", db=self.meta)
+        lsn = _U64.unpack(raw)[0] if raw else 0
+        return f"{info.id:08d}.open-{lsn}-{entries}.bloom"
+
+    def _saved_open_filter(self, info: SliceInfo) -> BloomFilter | None:
+        """The open slice's filter saved at the last clean close, if it covers the slice
+        as it is (else None: rebuilt from the keys). Every saved file goes: a filter
+        taken into memory is saved again at the next clean close."""
+        want = self._open_filter_name(info)
+        found = None
+        for path in sorted(self.filters_dir.glob("*.open-*.bloom")):
+            if path.name == want:
+                try:
+                    found = BloomFilter.open(path, mmap=False)
+                except (OSError, CorruptFileError):
+                    found = None
+            if not self.readonly:
+                path.unlink(missing_ok=True)
+        return found
+
+    def save_open_filter(self) -> None:
+        """Saves the open slice's filter, named after what it covers (at a clean close:
+        the next open need not read the slice's keys)."""
+        if self.readonly or not self._slices or self._slices[-1].sealed:
+            return
+        info = self._slices[-1]
+        assert info.filter is not None
+        self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info.filter.save(self.filters_dir / self._open_filter_name(info))
 
     def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
         bf = BloomFilter(capacity or self.slice_records, self.slice_error_rate)

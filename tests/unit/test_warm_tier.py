@@ -362,3 +362,64 @@ def test_the_background_thread_compacts_sealed_slices_while_claims_go_on(
         slices = store.stats()["lmdb"]["slices"]
         assert all(s["compacted"] for s in slices if s["sealed"]) and len(slices) >= 5
         assert _answers(store, keys) == [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
+
+
+# -- the open slice's filter across a clean close ------------------------------
+
+
+def _saved_open_filters(path: Path) -> list[Path]:
+    return sorted((path / "slices").glob("*.open-*.bloom"))
+
+
+def test_a_clean_close_saves_the_open_slice_filter_and_the_next_open_uses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dedupcore.tiers.lmdb import LmdbTier
+
+    keys = [f"k{i}" for i in range(700)]  # slice 1 sealed (500), slice 2 open (200)
+    with _open(tmp_path) as store:
+        _fill(store, keys, batch=100)
+    (saved,) = _saved_open_filters(tmp_path)
+    assert saved.name.startswith("00000002.open-") and saved.name.endswith("-200.bloom")
+    built: list[int] = []
+    real = LmdbTier._build_filter
+    monkeypatch.setattr(
+        LmdbTier,
+        "_build_filter",
+        lambda self, info, cap: built.append(info.id) or real(self, info, cap),
+    )
+    with _open(tmp_path) as store:
+        assert built == []  # no slice read key by key
+        assert _saved_open_filters(tmp_path) == []  # taken into memory: saved again at close
+        assert _answers(store, keys) == [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
+        _fill(store, ["late"])  # the open slice keeps taking keys into that filter
+    with _open(tmp_path) as store:
+        assert built == []
+        assert store.claim("late", namespace=NS).outcome is Outcome.DUPLICATE
+
+
+@pytest.mark.parametrize("damage", ["stale", "garbage"])
+def test_a_saved_open_slice_filter_that_does_not_cover_the_slice_is_not_used(
+    tmp_path: Path, damage: str
+) -> None:
+    """A filter saved at an earlier close (put back after later checkpoints), or a
+    damaged one under the right name: the slice's filter is rebuilt from its keys,
+    and every key written since is still found."""
+    first = [f"a{i}" for i in range(600)]
+    later = [f"b{i}" for i in range(150)]
+    with _open(tmp_path) as store:
+        _fill(store, first, batch=100)
+    (old,) = _saved_open_filters(tmp_path)
+    kept = old.read_bytes()
+    with _open(tmp_path) as store:
+        _fill(store, later, batch=50)  # into the same open slice (100 + 150 records)
+    (new,) = _saved_open_filters(tmp_path)
+    assert new.name != old.name
+    if damage == "stale":
+        new.unlink()
+        old.write_bytes(kept)
+    else:
+        new.write_bytes(b"\x00" * len(new.read_bytes()))
+    with _open(tmp_path) as store:
+        want = [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in first + later]
+        assert _answers(store, first + later) == want
