@@ -282,7 +282,14 @@ class DedupStore(ClaimAPI):
         try:
             if not self.readonly and self._failed is None:
                 self._checkpoint(final=True)
-                self._lmdb.save_open_filter()
+                try:
+                    self._lmdb.save_open_filter()
+                except OSError as exc:  # only a faster next open is lost
+                    log.warning(
+                        "could not save the open slice's filter (%s); the next open "
+                        "rebuilds it from the slice's keys",
+                        exc,
+                    )
         finally:
             self._wal.close()
             self._lmdb.close()

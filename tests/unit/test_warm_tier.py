@@ -423,3 +423,27 @@ def test_a_saved_open_slice_filter_that_does_not_cover_the_slice_is_not_used(
     with _open(tmp_path) as store:
         want = [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in first + later]
         assert _answers(store, first + later) == want
+
+
+def test_a_close_that_cannot_save_the_open_slice_filter_still_closes_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dedupcore.bloom import BloomFilter
+
+    keys = [f"k{i}" for i in range(700)]
+    store = _open(tmp_path)
+    _fill(store, keys, batch=100)
+    save = BloomFilter.save
+
+    def full_disk(self: BloomFilter, path: Path) -> None:
+        if ".open-" in Path(path).name:  # the disk fills up just then
+            raise OSError(28, "No space left on device")
+        save(self, path)
+
+    monkeypatch.setattr(BloomFilter, "save", full_disk)
+    store.close()  # no exception: the filter is only a faster next open
+    assert "could not save the open slice's filter" in caplog.text
+    monkeypatch.undo()
+    assert _saved_open_filters(tmp_path) == []
+    with _open(tmp_path) as store:
+        assert _answers(store, keys) == [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
