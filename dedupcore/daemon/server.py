@@ -907,9 +907,13 @@ class DaemonServer:
                 except (asyncio.IncompleteReadError, TimeoutError):
                     return
                 small = length <= SMALL_FRAME
+                request: protocol.Request | None = None
                 decided: _Decided | None = None
                 if small and self._fast:
-                    now = self._decide_now(body)
+                    with contextlib.suppress(FrameError):  # undecodable: _handle answers it
+                        request = protocol.decode_request(body)
+                now = None if request is None else self._decide_now(request)
+                if now is not None:
                     if isinstance(now, bytes):  # answered: nothing to wait for
                         self._budget.give(length)
                         if write_lock.locked():  # a reply is being drained: queue behind it
@@ -932,7 +936,7 @@ class DaemonServer:
                     self._small += 1
                     self._no_small.clear()
                 task = asyncio.create_task(
-                    self._handle(body, length, writer, write_lock, slots, small, decided)
+                    self._handle(body, length, writer, write_lock, slots, small, decided, request)
                 )
                 pending.add(task)
                 self._requests.add(task)
@@ -960,6 +964,7 @@ class DaemonServer:
         slots: asyncio.Semaphore,
         small: bool = False,
         decided: _Decided | None = None,
+        request: protocol.Request | None = None,
     ) -> None:
         request_id = 0
         try:
@@ -968,7 +973,8 @@ class DaemonServer:
                     request_id, result, durable, started = decided
                     await self._durable(durable)
                 else:
-                    request = protocol.decode_request(body)
+                    if request is None:  # not decoded by the connection's reader
+                        request = protocol.decode_request(body)
                     request_id = request.request_id
                     self.counters["requests"] += 1
                     started = time.perf_counter()
@@ -1031,24 +1037,19 @@ class DaemonServer:
 
     # -- the embedded store's fast path (on the event loop) ----------------------------
 
-    def _decide_now(self, body: bytes) -> bytes | _Decided | None:
+    def _decide_now(self, request: protocol.Request) -> bytes | _Decided | None:
         """A small request served without a task (docs/daemon.md, "The request path"):
         a ping, or, when commits need no fdatasync, a claim (of at most SLICE_ABOVE
         keys), completion or release that the embedded store decides here and now.
         Returns the reply when nothing is left to wait for (no log record, or the
         commit already done, as for a lone request whose commit the loop makes at
         once); the decided request when its commit is still to come; None for a
-        request the task path serves from the start (it decodes it again: other ops,
-        and undecodable frames, which it answers).
+        request the task path serves from the start (other ops, durable commits).
 
         Durable commits keep the task path: a request decided as soon as its own
         frame is read cannot see the requests of other connections read later in
         the same pass of the loop, so it would sync alone where the task path
         gathers them into one ``fdatasync``."""
-        try:
-            request = protocol.decode_request(body)
-        except FrameError:
-            return None
         op, args = request.op, request.args
         if op is not Op.PING:
             if not self._cheap_commits or op not in _DEFERRED_OPS:
