@@ -98,7 +98,12 @@ class SliceInfo:
 
     @property
     def name(self) -> bytes:
-        return self.compacted_name if self.compacted else b"s:%08d" % self.id
+        return self.compacted_name if self.compacted else self.inserted_name
+
+    @property
+    def inserted_name(self) -> bytes:
+        """The database checkpoints wrote (until a compaction takes its place)."""
+        return b"s:%08d" % self.id
 
     @property
     def compacted_name(self) -> bytes:
@@ -112,6 +117,12 @@ class SliceInfo:
             compacted = self.compacted
         state = _COMPACTED if compacted else _SEALED if self.sealed else _OPEN
         return _SLICE_META.pack(self.records, self.first_ms, self.last_ms, state)
+
+
+def _drop_if_present(txn: lmdb.Transaction, env: lmdb.Environment, name: bytes) -> None:
+    """Deletes the named database in ``txn`` if it exists."""
+    with contextlib.suppress(lmdb.NotFoundError):
+        txn.drop(env.open_db(name, txn=txn, create=False), delete=True)
 
 
 def _second_halves(joined: bytes) -> memoryview:
@@ -252,9 +263,9 @@ class LmdbTier:
             # cost an open one fsync per slice).
             with self._txn() as txn:  # named databases are keys of the main one
                 left = [
-                    b"s:%08d" % info.id
+                    info.inserted_name
                     for info in entries
-                    if info.compacted and txn.get(b"s:%08d" % info.id) is not None
+                    if info.compacted and txn.get(info.inserted_name) is not None
                 ]
             if left:
                 self._drop_dbs(left)
@@ -281,16 +292,6 @@ class LmdbTier:
             built.save(self._filter_path(info))
         return built
 
-    def _drop_dbs(self, names: list[bytes]) -> None:
-        """Deletes the named databases that exist, in one transaction."""
-
-        def apply(txn: lmdb.Transaction) -> None:
-            for name in names:
-                with contextlib.suppress(lmdb.NotFoundError):
-                    txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
-
-        self._write(apply)
-
     def _open_filter_name(self, info: SliceInfo) -> str:
         """The file name of the open slice's filter as it stands now: it covers the
         slice at this checkpoint position and record count. Checkpoints, the only
@@ -298,9 +299,7 @@ class LmdbTier:
         position; a drop's moves change the count (an open slice only gains keys)."""
         with self._txn() as txn:
             entries = int(txn.stat(info.db)["entries"])
-            raw = txn.get(b"checkpoint_lsn", db=self.meta)
-        lsn = _U64.unpack(raw)[0] if raw else 0
-        return f"{info.id:08d}.open-{lsn}-{entries}.bloom"
+        return f"{info.id:08d}.open-{self.checkpoint_lsn()}-{entries}.bloom"
 
     def _saved_open_filter(self, info: SliceInfo) -> BloomFilter | None:
         """The open slice's filter saved at the last clean close, if it covers the slice
@@ -633,8 +632,7 @@ class LmdbTier:
                 txn.put(cur.meta_key(), cur.meta_value(), db=self.meta)
             txn.drop(info.db, delete=True)
             if not info.compacted:  # a compaction's copy in progress goes with it
-                with contextlib.suppress(lmdb.NotFoundError):
-                    txn.drop(self.env.open_db(info.compacted_name, txn=txn, create=False))
+                _drop_if_present(txn, self.env, info.compacted_name)
             txn.delete(info.meta_key(), db=self.meta)
 
         self._write(apply)
@@ -713,10 +711,14 @@ class LmdbTier:
     def drop_v1_trees(self) -> None:
         """Deletes the format-1 record tree and its expiry index (after a conversion)."""
 
+        self._drop_dbs([b"records", b"expiry"])
+
+    def _drop_dbs(self, names: list[bytes]) -> None:
+        """Deletes the named databases that exist, in one transaction."""
+
         def apply(txn: lmdb.Transaction) -> None:
-            for name in (b"records", b"expiry"):
-                with contextlib.suppress(lmdb.NotFoundError):
-                    txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
+            for name in names:
+                _drop_if_present(txn, self.env, name)
 
         self._write(apply)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,16 +186,25 @@ def test_a_front_saved_once_per_slice_catches_up_from_the_newer_slices_after_a_c
 # -- compaction (docs/warm-tier.md, "Compaction") ------------------------------
 
 
+def _names_in(env: Any) -> set[bytes]:
+    """The named databases of an LMDB environment (the keys of its main database)."""
+    with env.begin() as txn:
+        return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+
+
 def _db_names(path: Path) -> set[bytes]:
     """The named databases of a closed store's LMDB environment."""
     import lmdb
 
     env = lmdb.open(str(path / "lmdb"), readonly=True, lock=False, max_dbs=8)
     try:
-        with env.begin() as txn:
-            return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+        return _names_in(env)
     finally:
         env.close()
+
+
+def _db_names_open(store: DedupStore) -> set[bytes]:
+    return _names_in(store._lmdb.env)
 
 
 def _leaf_pages(store: DedupStore) -> dict[int, int]:
@@ -324,11 +334,6 @@ def test_a_compaction_killed_midway_resumes_and_loses_nothing(
         assert _answers(store, keys) == want
     names = _db_names(tmp_path)
     assert not {b"s:00000001", b"s:00000002"} & names
-
-
-def _db_names_open(store: DedupStore) -> set[bytes]:
-    with store._lmdb.env.begin() as txn:
-        return {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
 
 
 def test_a_slice_dropped_while_its_copy_is_under_way_takes_the_copy_with_it(
