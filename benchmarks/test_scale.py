@@ -24,12 +24,14 @@ and the chart ``docs/scale.png``:
   batches).
 - A billion-key history: ``DEDUPCORE_BENCH_SCALE_COLD`` (default 900M) keys
   put into the cold archive through ``ColdArchive.add_many`` (the path a
-  dropped slice's keys take), then fresh claims measured again.
+  dropped slice's keys take), spread over the time slices of one cold
+  window, then fresh claims measured again.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -219,18 +221,30 @@ def killed_open_seconds(path: Path) -> float:
 
 
 def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Fills the cold archive with n_cold keys, then measures fresh claims again."""
+    """Fills the cold archive with n_cold keys, then measures fresh claims again.
+
+    The keys are the history of a whole cold window: spread evenly over the
+    ring's time slices of the last ``cold_window`` seconds, oldest first, each
+    slice started the way a warm-tier drop starts one (``expected`` = what
+    that slice receives in all).
+    """
     from dedupcore import DedupStore
 
     with DedupStore.open(path) as store:
         cold = store._cold  # the archive a dropped slice's keys go into
         window = store.config.retention.cold_window
+        ring = cold.rings[window]
         now = time.time()
+        buckets = math.ceil(window / ring.slice_seconds)
         t0 = time.perf_counter()
-        for i in range(0, n_cold, COLD_CHUNK):
-            hashes = rng.integers(0, 2**64, size=min(COLD_CHUNK, n_cold - i), dtype=np.uint64)
-            cold.add_many(window, memoryview(hashes), now)
-            del hashes
+        for b in range(buckets):
+            at = now - window + (b + 0.5) * ring.slice_seconds
+            share = n_cold // buckets + (1 if b < n_cold % buckets else 0)
+            for i in range(0, share, COLD_CHUNK):
+                size = min(COLD_CHUNK, share - i)
+                hashes = rng.integers(0, 2**64, size=size, dtype=np.uint64)
+                cold.add_many(window, memoryview(hashes), at, expected=share)
+                del hashes
         fill = time.perf_counter() - t0
         print("cold fill seconds", fill, flush=True)
         spent = 0.0
@@ -247,12 +261,15 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
             spent += time.perf_counter() - t1
             inexact += sum(1 for c in claims if not c.exact)
         stats = store.stats()["cold"]
+    held = stats[f"{window:g}"]
     return {
         "cold_keys": n_cold,
         "fill_seconds": fill,
         "claims_per_s": 1000 * BATCH / spent,
         "fresh_keys_answered_cold": inexact,
         "measured_cold_fpr": inexact / (1000 * BATCH),
+        "cold_bytes": held["nbytes"],
+        "cold_bytes_per_key": held["nbytes"] / max(1, sum(s["count"] for s in held["slices"])),
         "cold_stats": stats,
     }
 

@@ -423,8 +423,12 @@ def _read_exact(fh: BinaryIO, target: memoryview, source: str) -> None:
 # ------------------------------------------------------------------ ring ---
 
 GROWTH_TIGHTENING = 0.5  # each grown sub-filter gets half the previous error budget
+KNOWN_RESERVE = 0.1  # the budget share a slice sized from a known count keeps for growth
+KNOWN_HEADROOM = 1.05  # and the capacity it adds to that count
 GROWTH_FACTOR = 2  # and twice the previous capacity
 RATE_HEADROOM = 1.25  # a new slice expects the previous slice's keys plus a quarter
+MIN_KNOWN_CAPACITY = 1024  # the smallest slice sized from a known count
+MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 1
 
@@ -520,13 +524,13 @@ class BloomRing:
                         _unlink_quiet(self._file(s.bucket, i))
             return len(dropped)
 
-    def _head_for(self, now: float) -> _Slice:
+    def _head_for(self, now: float, expected: int = 0) -> _Slice:
         _check_time(now)
         bucket = self.bucket_of(now)
         if self._slices and bucket <= self._slices[-1].bucket:
             # Late keys go to the head, the slice that lives longest.
             return self._slices[-1]
-        base = self.slice_capacity
+        base, reserve = self.slice_capacity, GROWTH_TIGHTENING
         if self._slices:
             previous = self._slices[-1]
             self._seal(previous)
@@ -534,21 +538,35 @@ class BloomRing:
             # stream fills one filter instead of a chain of grown ones.
             seen = sum(f.count for f in previous.filters)
             base = max(base, math.ceil(seen * RATE_HEADROOM))
+        if expected > 0:
+            # The caller knows what the slice will hold (a warm-tier drop knows
+            # the records still to come in this bucket): one filter of that
+            # size gets nine tenths of the budget instead of half.
+            base = max(MIN_KNOWN_CAPACITY, math.ceil(expected * KNOWN_HEADROOM))
+            reserve = KNOWN_RESERVE
         head = _Slice(bucket)
-        head.filters.append(self._subfilter(0, base))
+        head.filters.append(
+            BloomFilter(base, self.slice_error_rate * (1 - reserve), seed=self.seed)
+        )
         self._slices.append(head)
         self.expire(now)
         return head
 
-    def _subfilter(self, index: int, base: int) -> BloomFilter:
-        capacity = base * GROWTH_FACTOR**index
-        budget = self.slice_error_rate * (1 - GROWTH_TIGHTENING) * GROWTH_TIGHTENING**index
-        return BloomFilter(capacity, budget, seed=self.seed)
-
     def _target(self, head: _Slice) -> BloomFilter:
         target = head.filters[-1]
         if target.count >= target.capacity:
-            target = self._subfilter(len(head.filters), head.filters[0].capacity)
+            # A grown sub-filter has twice the capacity of the one before and
+            # half the budget: the first filter's share is taken from its own
+            # header, so a reopened ring grows the way it was sized.
+            first = head.filters[0]
+            index = len(head.filters)
+            reserve = max(0.0, self.slice_error_rate - first.error_rate)
+            budget = reserve * (1 - GROWTH_TIGHTENING) * GROWTH_TIGHTENING ** (index - 1)
+            target = BloomFilter(
+                first.capacity * GROWTH_FACTOR**index,
+                max(budget, MIN_GROWN_BUDGET),
+                seed=self.seed,
+            )
             head.filters.append(target)
         return target
 
@@ -567,24 +585,38 @@ class BloomRing:
             new = target.add_hash(h)
             return new and not seen
 
-    def add_many(self, keys: Keys, now: float) -> memoryview[bool]:
-        """Adds a batch at time ``now``; per-key flags, True where the key was new."""
-        return self._add_many(keys, now, report=True)
+    def add_many(self, keys: Keys, now: float, *, expected: int = 0) -> memoryview[bool]:
+        """Adds a batch at time ``now``; per-key flags, True where the key was new.
 
-    def insert_many(self, keys: Keys, now: float) -> None:
+        ``expected``: when this batch starts the slice of ``now``, the number
+        of keys that slice will receive in all (this batch included). The
+        slice is then one filter of that size with nine tenths of its error
+        budget, instead of the rate-based guess with half (docs/warm-tier.md,
+        "The cold archive"). Ignored once the slice exists.
+        """
+        return self._add_many(keys, now, report=True, expected=expected)
+
+    def insert_many(self, keys: Keys, now: float, *, expected: int = 0) -> None:
         """Adds a batch at time ``now`` without asking which keys were new.
 
         Probes only the head's filter, not every live slice: with a slice
         grown into several sub-filters that is most of the cost of an add.
+        ``expected`` as for :meth:`add_many`.
         """
-        self._add_many(keys, now, report=False)
+        self._add_many(keys, now, report=False, expected=expected)
 
-    def _add_many(self, keys: Keys, now: float, *, report: bool) -> memoryview[bool]:
+    def _add_many(
+        self, keys: Keys, now: float, *, report: bool, expected: int = 0
+    ) -> memoryview[bool]:
         # Hash (and so validate) every key before the ring changes at all; a
         # uint64 buffer is taken as already hashed and comes back as a copy.
         batch = _core.hash64_many(_as_batch(keys), self.seed)
+        if isinstance(expected, bool) or not isinstance(expected, int):
+            raise TypeError(f"expected must be an int, not {type(expected).__name__}")
+        if expected < 0:
+            raise ValueError(f"expected must be >= 0, got {expected}")
         with self._lock:
-            head = self._head_for(now)
+            head = self._head_for(now, expected)
             parts: list[memoryview[bool]] = []
             start, n = 0, len(batch)
             while start < n or not parts:

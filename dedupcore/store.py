@@ -1003,7 +1003,10 @@ class DedupStore(ClaimAPI):
             for sid in self._lmdb.droppable(now_w, window):
                 keep, to_cold, dropped = self._drop_plan(sid)
                 for cold_window, hashes in to_cold.items():
-                    demoted += self._cold.add_many(cold_window, hashes, now_w)
+                    expected = self._cold_expected(
+                        cold_window, now_w, len(hashes), dropped + len(keep)
+                    )
+                    demoted += self._cold.add_many(cold_window, hashes, now_w, expected=expected)
                 with self._lock:
                     self._lmdb.drop_slice(sid, keep, now=time.time())
                     self._table.evict(self._ckpt_lsn)  # no clean copy of a dropped record
@@ -1013,6 +1016,18 @@ class DedupStore(ClaimAPI):
             self._stats.demoted += demoted
             self._last_sweep = time.monotonic()
         return demoted
+
+    def _cold_expected(self, cold_window: float, now: float, demoting: int, scanned: int) -> int:
+        """Keys the cold slice this drop goes into will receive in all: the records of
+        the warm slices that drop before that slice ends (this one included), at
+        the share of this slice's records that went to ``cold_window``. The
+        archive uses it only when this drop starts the slice."""
+        end = self._cold.slice_end(cold_window, now)
+        if end is None or not scanned:
+            return 0
+        window = self.config.longest_exact_window()
+        upcoming = self._lmdb.records_dropping_by(end, window)
+        return max(demoting, math.ceil(upcoming * demoting / scanned))
 
     def _drop_plan(self, sid: int) -> tuple[list[tuple[bytes, bytes]], dict[float, list[int]], int]:
         """What dropping slice ``sid`` must keep: (in-flight records to move, PROCESSED

@@ -68,14 +68,37 @@ class ColdArchive:
             return [False] * len(hashes)
         return list(ring.contains_many(hashes))
 
-    def add_many(self, window: float, hashes: Sequence[int] | memoryview, now: float) -> int:
-        """Adds front hashes to the ring of ``window`` and saves it; returns how many."""
+    def slice_end(self, window: float, now: float) -> float | None:
+        """When the ring slice that keys added at ``now`` go into ends (None: no such ring).
+
+        A caller sizing that slice counts the keys it will add before then.
+        """
+        ring = self.rings.get(window)
+        if ring is None:
+            return None
+        return (ring.bucket_of(now) + 1) * ring.slice_seconds
+
+    def add_many(
+        self,
+        window: float,
+        hashes: Sequence[int] | memoryview,
+        now: float,
+        *,
+        expected: int = 0,
+    ) -> int:
+        """Adds front hashes to the ring of ``window`` and saves it; returns how many.
+
+        ``expected`` sizes the ring's slice for ``now`` when this call starts
+        it: the keys it will receive in all (:meth:`BloomRing.add_many`).
+        Nothing asks which keys were new, so only that slice's filter is
+        touched.
+        """
         ring = self.rings.get(window)
         if ring is None or not len(hashes):
             return 0
         if not isinstance(hashes, memoryview):
             hashes = u64(hashes)
-        ring.add_many(hashes, now)
+        ring.insert_many(hashes, now, expected=expected)
         if ring.path is not None:
             ring.save()
         return len(hashes)

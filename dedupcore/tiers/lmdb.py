@@ -488,6 +488,11 @@ class LmdbTier:
         """Ids of sealed slices whose newest record is more than ``window`` seconds old."""
         return [s.id for s in self._slices if s.sealed and s.last_ms / 1000 + window <= now]
 
+    def records_dropping_by(self, end: float, window: float) -> int:
+        """Records held by the slices whose newest record passes ``window`` before ``end``
+        (unix s): what the drops still to come by then can demote at most."""
+        return sum(s.records for s in self._slices if s.last_ms / 1000 + window < end)
+
     def _slice(self, slice_id: int) -> SliceInfo:
         for s in self._slices:
             if s.id == slice_id:

@@ -188,6 +188,74 @@ def test_ring_fpr_with_every_slice_overfilled_4x() -> None:
     assert abs(ring.estimated_fpr - measured) <= 0.1 * measured + 4 * se
 
 
+def test_a_slice_started_with_its_expected_count_is_one_filter_with_most_of_the_budget(
+    make_keys: Keys,
+) -> None:
+    """A caller that knows what a slice will hold (a warm-tier drop) gets one
+    filter of that size: no sub-filters, nine tenths of the slice's budget,
+    and so fewer bytes per key than the rate-based guess that doubles."""
+    keys = make_keys(40_000)
+    sized = BloomRing(window=10.0, slice_seconds=10.0, slice_capacity=1000, error_rate=0.001)
+    guessed = BloomRing(window=10.0, slice_seconds=10.0, slice_capacity=1000, error_rate=0.001)
+    for i in range(0, len(keys), 5000):
+        sized.insert_many(keys[i : i + 5000], now=1.0, expected=len(keys))
+        guessed.insert_many(keys[i : i + 5000], now=1.0)
+    (info,) = sized.slices()
+    assert info.subfilters == 1
+    assert len(keys) <= info.capacity <= len(keys) * 1.05 + 1
+    (only,) = sized._filters()
+    assert only.error_rate == pytest.approx(sized.slice_error_rate * 0.9)
+    assert all(sized.contains_many(keys))
+    assert sized.estimated_fpr <= sized.error_rate
+    assert guessed.slices()[0].subfilters == 6
+    assert sized.nbytes * 1.5 < guessed.nbytes
+    # Only the call that starts a slice sizes it; later ones leave it as it is.
+    sized.insert_many(make_keys(10), now=2.0, expected=10**9)
+    assert sized.slices()[0].capacity == info.capacity
+
+
+def test_a_slice_past_its_expected_count_grows_from_the_reserve_before_and_after_reopening(
+    make_keys: Keys, tmp_path: Path
+) -> None:
+    """More keys than expected still keep the slice's rate: the grown
+    sub-filters share the tenth kept back, read from the first filter's own
+    header, so a reopened ring grows the same way."""
+    args: dict[str, float] = {"window": 10.0, "slice_seconds": 10.0, "error_rate": 0.001}
+    keys = make_keys(4000)
+    rings = [
+        BloomRing(slice_capacity=100, path=tmp_path / "a", **args),  # type: ignore[arg-type]
+        BloomRing(slice_capacity=100, path=tmp_path / "b", **args),  # type: ignore[arg-type]
+    ]
+    for ring in rings:
+        ring.insert_many(keys[:1000], now=1.0, expected=1000)
+        ring.save()
+    rings[1] = BloomRing.open(tmp_path / "b")
+    for ring in rings:
+        ring.insert_many(keys[1000:], now=1.0)
+    budgets = [[f.error_rate for f in ring._filters()] for ring in rings]
+    assert budgets[0] == budgets[1]
+    e = rings[0].slice_error_rate
+    assert budgets[0] == pytest.approx([0.9 * e, 0.05 * e, 0.025 * e])
+    assert sum(budgets[0]) <= e
+    assert [f.capacity for f in rings[0]._filters()][1:] == [
+        2 * rings[0]._filters()[0].capacity,
+        4 * rings[0]._filters()[0].capacity,
+    ]
+    assert all(all(ring.contains_many(keys)) for ring in rings)
+
+
+@pytest.mark.parametrize(
+    ("expected", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_expected_must_be_a_count(
+    make_keys: Keys, expected: object, error: type[Exception]
+) -> None:
+    ring = BloomRing(window=10.0, slice_seconds=1.0, slice_capacity=100)
+    with pytest.raises(error, match="expected"):
+        ring.insert_many(make_keys(3), now=1.0, expected=expected)  # type: ignore[arg-type]
+    assert ring.count == 0 and ring.slices() == []
+
+
 # --------------------------------------------------------- keys and batches --
 
 

@@ -101,6 +101,26 @@ def test_a_slice_past_the_window_is_dropped_whole_into_the_cold_archive(tmp_path
         assert store.claim("new5", namespace=NS).exact is True
 
 
+def test_slices_dropped_into_one_cold_slice_size_it_for_all_of_them(tmp_path: Path) -> None:
+    """The first drop into a cold slice counts the records of every warm slice
+    that drops before that cold slice ends, so the cold slice is one filter of
+    that size (not the configured guess, grown by doubling)."""
+    old = [f"old{i}" for i in range(2000)]
+    with _open(tmp_path, cold_slice_capacity=300) as store:
+        _fill(store, old)
+        store.claim("open", namespace=NS, lease=3600.0)  # in flight: moves, never cold
+        store.checkpoint()
+        assert len(store.stats()["lmdb"]["slices"]) == 5
+        assert store.sweep(now=time.time() + 200) == 2000
+        (ring,) = store.stats()["cold"].values()
+        (cold,) = ring["slices"]
+        assert cold["subfilters"] == 1
+        assert 2000 <= cold["capacity"] <= 2000 * 1.05 + 2
+        assert cold["count"] == 2000
+        assert ring["estimated_fpr"] <= store.config.cold_error_rate
+        assert all(not c.exact for c in store.claim_many(old, namespace=NS))
+
+
 def test_a_recent_slice_is_kept_and_an_old_one_goes(tmp_path: Path) -> None:
     with _open(tmp_path) as store:
         _fill(store, [f"a{i}" for i in range(600)])
@@ -236,10 +256,14 @@ def test_compaction_rewrites_sealed_slices_in_key_order_and_every_key_answers_al
         assert [s["compacted"] for s in slices] == [True] * (len(slices) - 1) + [False]
         after = _leaf_pages(store)
         # Appended in key order: every leaf page but the last full (a 4 KiB page
-        # holds 4080 bytes of nodes: 8-byte header, key and value, 2-byte pointer).
+        # holds 4080 bytes of nodes: 8-byte header, key and value, 2-byte
+        # pointer), where full means the next node did not fit: more than
+        # 4080 - (largest node) bytes. Values vary in length (varints), so the
+        # bound takes the largest node of the slice.
         for sid in before:
-            nodes = sum(10 + len(d) + len(v) + len(v) % 2 for d, v in store._lmdb.scan_slice(sid))
-            assert after[sid] <= nodes // 4080 + 1 < before[sid], (sid, before, after)
+            sizes = [10 + len(d) + len(v) + len(v) % 2 for d, v in store._lmdb.scan_slice(sid)]
+            full = 4080 - max(sizes) + 1
+            assert after[sid] <= sum(sizes) // full + 1 < before[sid], (sid, before, after)
         assert store.compact() == 0 and not store._lmdb.compaction_pending()
         want = [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
         assert _answers(store, keys) == want
