@@ -14,6 +14,15 @@ FORM_CLAIMS: int
 FORM_COLUMNS: int
 FORM_CHECK: int
 
+def bind_record_class(cls: type, fields: tuple[str, ...]) -> bool: ...
+def build_records(
+    cls: type,
+    keys: list[Any],
+    namespace: str,
+    outcomes: bytes,
+    tokens: bytes,
+    by_code: tuple[Any, ...],
+) -> list[Any]: ...
 def encode_value(
     digest: bytes,
     state: int,

@@ -496,6 +496,7 @@ class BloomRing:
         self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
         self.path = Path(path) if path is not None else None
         self._slices: list[_Slice] = []
+        self._every: tuple[BloomFilter, ...] | None = ()  # every live filter; None: stale
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
         if self.path is not None:
@@ -517,6 +518,7 @@ class BloomRing:
             keep = [s for s in self._slices if self._live(s.bucket, now)]
             dropped = [s for s in self._slices if not self._live(s.bucket, now)]
             self._slices = keep
+            self._every = None
             if dropped and self.path is not None:
                 self._write_manifest()
                 for s in dropped:
@@ -549,6 +551,7 @@ class BloomRing:
             BloomFilter(base, self.slice_error_rate * (1 - reserve), seed=self.seed)
         )
         self._slices.append(head)
+        self._every = None
         self.expire(now)
         return head
 
@@ -568,12 +571,17 @@ class BloomRing:
                 seed=self.seed,
             )
             head.filters.append(target)
+            self._every = None
         return target
 
     # -- keys ----------------------------------------------------------------
 
     def _filters(self) -> tuple[BloomFilter, ...]:
-        return tuple(f for s in self._slices for f in s.filters)
+        """Every live filter, oldest first (kept until the set of filters changes)."""
+        every = self._every
+        if every is None:
+            every = self._every = tuple(f for s in self._slices for f in s.filters)
+        return every
 
     def add(self, key: bytes | bytearray | memoryview | str, now: float) -> bool:
         """Adds a key at time ``now``; True if no live slice held it before."""
@@ -651,6 +659,11 @@ class BloomRing:
         return sum(f.count for f in self._filters())
 
     @property
+    def slices_live(self) -> int:
+        """How many slices are live (0: the ring holds nothing, nothing to probe)."""
+        return len(self._slices)
+
+    @property
     def count(self) -> int:
         """Keys held by live slices (new keys added)."""
         return len(self)
@@ -718,6 +731,7 @@ class BloomRing:
                 f.save(self._file(s.bucket, i))
                 reopened.append(BloomFilter.open(self._file(s.bucket, i), mmap=True, verify=False))
             s.filters = reopened
+            self._every = None
         s.sealed = True
         if self.path is not None:
             self._write_manifest()
@@ -820,6 +834,7 @@ class BloomRing:
                     raise CorruptFileError(f"{ring._file(bucket, i)}: seed differs from the ring")
                 s.filters.append(f)
             ring._slices.append(s)
+        ring._every = None
         return ring
 
 

@@ -651,7 +651,7 @@ class DedupStore(ClaimAPI):
             now_w = time.time()
             absent = self._fetch(joined)
             cold: bytearray | None = None
-            if absent:
+            if absent and not self._cold.empty:
                 hits = self._cold_hits(
                     joined
                     if len(absent) == len(key_list)

@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+import dedupcore._engine as _engine
 import dedupcore.errors as errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
@@ -244,8 +245,13 @@ def decode_response(body: bytes) -> tuple[int, Status, Any]:
 SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY})
 
 
+_PLAIN_KEYS = frozenset({bytes, str})
+
+
 def key_list(keys: Any) -> list[Any]:
     """Keys as msgpack carries them: bytes-likes become bytes; other types raise TypeError."""
+    if type(keys) is list and set(map(type, keys)) <= _PLAIN_KEYS:
+        return list(keys)  # the usual case, in C: every key exactly bytes or str
     out = []
     for k in keys:
         if isinstance(k, (bytearray, memoryview)):
@@ -381,17 +387,23 @@ def claims_from_reply(keys: list[Any], namespace: str, reply: Any) -> list[Claim
 def claims_from_columns(keys: list[Any], namespace: str, cols: dict[str, Any]) -> list[Claim]:
     """The claims of a columns reply: one Claim per key, the sparse fields filled in after."""
     try:
-        outcomes = cols["o"]
-        tokens = array("Q")
-        tokens.frombytes(cols["t"])
-        if _SWAP:  # pragma: no cover - big-endian hosts
-            tokens.byteswap()
-        if not isinstance(outcomes, bytes) or not len(outcomes) == len(tokens) == len(keys):
+        outcomes, raw_tokens = cols["o"], cols["t"]
+        if not isinstance(outcomes, bytes) or not isinstance(raw_tokens, bytes):
             raise FrameError("claim reply does not match the request")
-        by_code = _OUTCOME_ORDER
-        claims = list(
-            map(Claim, keys, repeat(namespace), map(by_code.__getitem__, outcomes), tokens)
-        )
+        if len(outcomes) != len(keys) or len(raw_tokens) != 8 * len(keys):
+            raise FrameError("claim reply does not match the request")
+        if not _SWAP:  # built natively (docs/engine.md, "Answers")
+            claims = _engine.build_records(
+                Claim, keys, namespace, outcomes, raw_tokens, _OUTCOME_ORDER
+            )
+        else:  # pragma: no cover - big-endian hosts
+            tokens = array("Q")
+            tokens.frombytes(raw_tokens)
+            tokens.byteswap()
+            by_code = _OUTCOME_ORDER
+            claims = list(
+                map(Claim, keys, repeat(namespace), map(by_code.__getitem__, outcomes), tokens)
+            )
         for i, result in zip(cols["ri"], cols["rv"], strict=True):
             claims[i].result = result
         for i in cols["x"]:

@@ -61,10 +61,15 @@ class ColdArchive:
                     path=None if readonly else ring_path,
                 )
 
+    @property
+    def empty(self) -> bool:
+        """True while no ring has a slice: nothing to probe (a young store's archive)."""
+        return not any(ring.slices_live for ring in self.rings.values())
+
     def contains_many(self, window: float, hashes: memoryview) -> list[bool]:
         """Whether the ring of ``window`` holds each front hash (a uint64 buffer)."""
         ring = self.rings.get(window)
-        if ring is None or not len(hashes):
+        if ring is None or not len(hashes) or not ring.slices_live:
             return [False] * len(hashes)
         return list(ring.contains_many(hashes))
 
