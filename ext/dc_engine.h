@@ -1112,6 +1112,8 @@ static int dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
  * theirs). -1 on allocation failure. */
 static int dc_apply(dc_table *t, const dc_stage *s, uint64_t lsn) {
     for (size_t i = 0; i < s->n; i++) {
+        /* The slots of a large table are cache misses: fetch eight records ahead. */
+        if (i + 8 < s->n) dc_prefetch_slot(t, s->recs[i + 8].digest);
         dc_rec r = s->recs[i];
         if (!r.renewal) r.lsn = lsn;
         if (dc_put(t, &r, !r.renewal)) return -1;
