@@ -500,17 +500,20 @@ class _Committer:
         self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
         self._thread.start()
 
-    def wait(self, lsn: int) -> asyncio.Future[None]:
+    def wait(self, lsn: int, *, gather: bool = False) -> asyncio.Future[None]:
         """A future resolved (on the loop) once the log is durable through ``lsn``.
         Called on the loop. A lone request with a small commit is committed at once
-        (the future comes back done: no pass of the loop for the hand-over)."""
+        (the future comes back done: no pass of the loop for the hand-over), unless
+        ``gather``: then the commit waits for the end of this pass of the loop, so
+        that requests other connections sent meanwhile share it."""
         fut = self._loop.create_future()
         if not self._gathered:
-            with self._cond:
-                lone = self._inline(1)
-            if lone:
-                self._commit_here([(lsn, fut)])
-                return fut
+            if not gather:
+                with self._cond:
+                    lone = self._inline(1)
+                if lone:
+                    self._commit_here([(lsn, fut)])
+                    return fut
             self._loop.call_soon(self._hand_over)
         self._gathered.append((lsn, fut))
         return fut
@@ -679,7 +682,10 @@ class DaemonServer:
         self._no_small.set()
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._requests: set[asyncio.Task[None]] = set()
+        # Requests in flight: their tasks, or the futures of those answered by their
+        # commit's callback (done once the reply is written).
+        self._requests: set[asyncio.Future[None]] = set()
+        self._sends: set[asyncio.Task[None]] = set()  # replies queued behind a drain
         self._idle: set[asyncio.Task[None]] = set()  # connections waiting for a request
         self._stopping = asyncio.Event()
         self.counters = {
@@ -695,6 +701,7 @@ class DaemonServer:
             "batch_slices": 0,
             "slices_held_for_small": 0,
             "answered_at_once": 0,  # by the connection's reader, without a task
+            "completed_by_commit": 0,  # decided by the reader, answered by its commit
         }
         self._commit_seconds = 0.0
 
@@ -869,7 +876,7 @@ class DaemonServer:
     ) -> None:
         write_lock = asyncio.Lock()
         slots = asyncio.Semaphore(self.max_in_flight)
-        pending: set[asyncio.Task[None]] = set()
+        pending: set[asyncio.Future[None]] = set()
         transport = writer.transport
         # drain() returns once the unsent bytes are down to a quarter of this.
         transport.set_write_buffer_limits(high=self.max_unsent)
@@ -908,23 +915,20 @@ class DaemonServer:
                     return
                 small = length <= SMALL_FRAME
                 request: protocol.Request | None = None
-                decided: _Decided | None = None
                 if small and self._fast:
                     with contextlib.suppress(FrameError):  # undecodable: _handle answers it
                         request = protocol.decode_request(body)
                 now = None if request is None else self._decide_now(request)
-                if now is not None:
-                    if isinstance(now, bytes):  # answered: nothing to wait for
-                        self._budget.give(length)
-                        if write_lock.locked():  # a reply is being drained: queue behind it
-                            async with write_lock:
-                                await self._send(writer, now)
-                        else:
-                            # Past max_unsent, the next pass of this loop waits for
-                            # the peer to take its replies (or disconnects it).
-                            self._send_now(writer, now)
-                        continue
-                    decided = now
+                if isinstance(now, bytes):  # answered: nothing to wait for
+                    self._budget.give(length)
+                    if write_lock.locked():  # a reply is being drained: queue behind it
+                        async with write_lock:
+                            await self._send(writer, now)
+                    else:
+                        # Past max_unsent, the next pass of this loop waits for
+                        # the peer to take its replies (or disconnects it).
+                        self._send_now(writer, now)
+                    continue
                 if slots.locked():
                     self.counters["paused_reads"] += 1  # max_in_flight replies not yet written
                 try:
@@ -935,13 +939,17 @@ class DaemonServer:
                 if small:
                     self._small += 1
                     self._no_small.clear()
-                task = asyncio.create_task(
-                    self._handle(body, length, writer, write_lock, slots, small, decided, request)
-                )
-                pending.add(task)
-                self._requests.add(task)
-                task.add_done_callback(pending.discard)
-                task.add_done_callback(self._requests.discard)
+                waiter: asyncio.Future[None]
+                if now is not None:  # decided: its commit is to come, no task waits for it
+                    waiter = self._complete_later(now, length, writer, write_lock, slots, small)
+                else:
+                    waiter = asyncio.create_task(
+                        self._handle(body, length, writer, write_lock, slots, small, request)
+                    )
+                pending.add(waiter)
+                self._requests.add(waiter)
+                waiter.add_done_callback(pending.discard)
+                waiter.add_done_callback(self._requests.discard)
         finally:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
@@ -963,34 +971,27 @@ class DaemonServer:
         write_lock: asyncio.Lock,
         slots: asyncio.Semaphore,
         small: bool = False,
-        decided: _Decided | None = None,
         request: protocol.Request | None = None,
     ) -> None:
         request_id = 0
         try:
             try:
-                if decided is not None:  # decided by _decide_now: only its commit to wait for
-                    request_id, result, durable, started = decided
-                    await self._durable(durable)
+                if request is None:  # not decoded by the connection's reader
+                    request = protocol.decode_request(body)
+                request_id = request.request_id
+                self.counters["requests"] += 1
+                started = time.perf_counter()
+                if request.op in _INLINE_OPS:
+                    # Nothing to wait for: answer on the event loop, no thread hop.
+                    result = self._dispatch(request.op, request.args)
+                elif self._committer is not None and request.op in _DEFERRED_OPS:
+                    result = await self._decide(request.op, request.args)
                 else:
-                    if request is None:  # not decoded by the connection's reader
-                        request = protocol.decode_request(body)
-                    request_id = request.request_id
-                    self.counters["requests"] += 1
-                    started = time.perf_counter()
-                    if request.op in _INLINE_OPS:
-                        # Nothing to wait for: answer on the event loop, no thread hop.
-                        result = self._dispatch(request.op, request.args)
-                    elif self._committer is not None and request.op in _DEFERRED_OPS:
-                        result = await self._decide(request.op, request.args)
-                    else:
-                        loop = asyncio.get_running_loop()
-                        result = await _within(
-                            loop.run_in_executor(
-                                self._pool, self._dispatch, request.op, request.args
-                            ),
-                            self.request_timeout,
-                        )
+                    loop = asyncio.get_running_loop()
+                    result = await _within(
+                        loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                        self.request_timeout,
+                    )
                 reply = self._reply(request_id, result, started)
             except Exception as exc:
                 reply = self._error_reply(request_id, exc)
@@ -1006,6 +1007,78 @@ class DaemonServer:
                 self._small -= 1
                 if not self._small:
                     self._no_small.set()
+
+    def _complete_later(
+        self,
+        decided: _Decided,
+        reserved: int,
+        writer: asyncio.StreamWriter,
+        write_lock: asyncio.Lock,
+        slots: asyncio.Semaphore,
+        small: bool,
+    ) -> asyncio.Future[None]:
+        """Answers a request decided by the connection's reader once its commit is done,
+        from the commit's own callback (no task; docs/daemon.md, "The request path of
+        the embedded store"); after ``request_timeout`` without the commit, with the
+        timeout error a task would have given. Returns a future done once the reply is
+        written and the request's slot and bytes are given back (what drains wait for)."""
+        request_id, result, durable, started = decided
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[None] = loop.create_future()
+        finished = False
+
+        def release() -> None:
+            slots.release()
+            self._budget.give(reserved)
+            if small:
+                self._small -= 1
+                if not self._small:
+                    self._no_small.set()
+            if not answered.done():
+                answered.set_result(None)
+
+        def finish(_: object = None) -> None:
+            nonlocal finished
+            if finished:  # the commit after its timeout, or the timer after the commit
+                return
+            finished = True
+            timer.cancel()
+            if durable.cancelled():  # the loop is closing: nobody is answered any more
+                release()
+                return
+            if not durable.done():
+                reply = self._error_reply(request_id, TimeoutError())
+            else:
+                try:
+                    durable.result()  # raises what the commit raised
+                    reply = self._reply(request_id, result, started)
+                    self.counters["completed_by_commit"] += 1
+                except Exception as exc:
+                    reply = self._error_reply(request_id, exc)
+            if write_lock.locked():  # a reply is being drained: queue behind it
+                sender = loop.create_task(self._send_then(writer, write_lock, reply, release))
+                self._sends.add(sender)
+                sender.add_done_callback(self._sends.discard)
+            else:
+                self._send_now(writer, reply)
+                release()
+
+        timer = loop.call_later(self.request_timeout, finish)
+        durable.add_done_callback(finish)
+        return answered
+
+    async def _send_then(
+        self,
+        writer: asyncio.StreamWriter,
+        write_lock: asyncio.Lock,
+        reply: bytes,
+        release: Callable[[], None],
+    ) -> None:
+        try:
+            async with write_lock:
+                await self._send(writer, reply)
+        finally:
+            release()
 
     def _reply(self, request_id: int, result: Any, started: float) -> bytes:
         """The reply frame of a request answered with ``result``."""
@@ -1039,20 +1112,21 @@ class DaemonServer:
 
     def _decide_now(self, request: protocol.Request) -> bytes | _Decided | None:
         """A small request served without a task (docs/daemon.md, "The request path"):
-        a ping, or, when commits need no fdatasync, a claim (of at most SLICE_ABOVE
-        keys), completion or release that the embedded store decides here and now.
-        Returns the reply when nothing is left to wait for (no log record, or the
-        commit already done, as for a lone request whose commit the loop makes at
-        once); the decided request when its commit is still to come; None for a
-        request the task path serves from the start (other ops, durable commits).
+        a ping, or a claim (of at most SLICE_ABOVE keys), completion or release that
+        the embedded store decides here and now. Returns the reply when nothing is
+        left to wait for (no log record, or the commit already done, as for a lone
+        request whose commit without fdatasync the loop makes at once); the decided
+        request when its commit is still to come (the caller answers it from the
+        commit's callback); None for a request the task path serves from the start
+        (other ops, other stores).
 
-        Durable commits keep the task path: a request decided as soon as its own
-        frame is read cannot see the requests of other connections read later in
-        the same pass of the loop, so it would sync alone where the task path
-        gathers them into one ``fdatasync``."""
+        A durable commit is never made as the request is decided: it waits for
+        the end of this pass of the loop, when the requests other connections sent
+        in the same pass have been read and decided too, and they share one
+        ``fdatasync``."""
         op, args = request.op, request.args
         if op is not Op.PING:
-            if not self._cheap_commits or op not in _DEFERRED_OPS:
+            if self._committer is None or op not in _DEFERRED_OPS:
                 return None
             keys = args.get("keys")
             if op is Op.CLAIM_MANY and (not isinstance(keys, list) or len(keys) > SLICE_ABOVE):
@@ -1066,7 +1140,9 @@ class DaemonServer:
                 result: Any = "pong"
                 durable = None
             else:
-                result, durable = self._decide_sync(op, args)
+                # A durable commit waits for the end of this pass of the loop, so
+                # that it gathers the requests other connections sent meanwhile.
+                result, durable = self._decide_sync(op, args, gather=not self._cheap_commits)
             if durable is not None and not durable.done():
                 return request_id, result, durable, started
             if durable is not None:
@@ -1101,14 +1177,16 @@ class DaemonServer:
         await self._durable(durable)
         return result
 
-    def _commit(self, lsn: int) -> asyncio.Future[None] | None:
+    def _commit(self, lsn: int, gather: bool = False) -> asyncio.Future[None] | None:
         """The commit through ``lsn`` (None when there is nothing to commit)."""
         if not lsn:
             return None
         assert self._committer is not None
-        return self._committer.wait(lsn)
+        return self._committer.wait(lsn, gather=gather)
 
-    def _decide_sync(self, op: Op, args: dict[str, Any]) -> tuple[Any, asyncio.Future[None] | None]:
+    def _decide_sync(
+        self, op: Op, args: dict[str, Any], gather: bool = False
+    ) -> tuple[Any, asyncio.Future[None] | None]:
         """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
         (the answer, the commit it waits for, or None)."""
         store: Any = self.store
@@ -1138,7 +1216,7 @@ class DaemonServer:
             lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
         else:
             lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
-        return result, self._commit(lsn)
+        return result, self._commit(lsn, gather)
 
     async def _claim_sliced(
         self, keys: list[Any], options: dict[str, Any], columns: bool

@@ -5,8 +5,12 @@ in slices that let other connections through (docs/daemon.md)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +20,7 @@ from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS
+from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, DaemonServer
 from dedupcore.store import DedupStore
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
@@ -57,17 +61,20 @@ def test_single_claims_of_many_connections_share_log_commits(lab: Lab) -> None:
 
 
 @pytest.mark.parametrize("durability", ["power-loss-unsafe", "durable"])
-def test_a_lone_request_is_answered_by_its_connection_reader_when_commits_need_no_sync(
+def test_a_lone_request_is_decided_by_its_connection_reader_in_either_mode(
     lab: Lab, durability: str
 ) -> None:
-    """Without fdatasync, a lone claim, completion or release is decided and answered
-    as its frame is read (no task); durable ones keep the task path, which gathers the
-    requests of one pass of the loop into one sync. Pings never need a task."""
+    """A lone claim, completion or release is decided as its frame is read (no task).
+    Without fdatasync its commit is made at once and it is answered there and then;
+    a durable one is answered from its commit's callback, the commit made at the end
+    of the loop's pass (so that other connections' requests can share it). An answer
+    that needs no commit (a DUPLICATE of a durable record) and a ping are answered
+    at once in either mode."""
     daemon = lab.daemon("--durability", durability)
     ns = unique_ns("at-once")
     with daemon.client(timeout=PATIENCE) as c:
         c.ping()
-        before = daemon_stats(daemon)["answered_at_once"]
+        before = daemon_stats(daemon)
         for i in range(20):
             claim = c.claim(f"k{i}", namespace=ns)
             assert claim.outcome is Outcome.NEW
@@ -77,9 +84,14 @@ def test_a_lone_request_is_answered_by_its_connection_reader_when_commits_need_n
         c.release(held.key, held.token, namespace=ns)
         for _ in range(5):
             assert c.ping()
-        after = daemon_stats(daemon)["answered_at_once"]
-    # 20 x (claim, complete, duplicate claim) + claim + release + 5 pings, or the pings.
-    assert after - before == (67 if durability == "power-loss-unsafe" else 5)
+        after = daemon_stats(daemon)
+    at_once = after["answered_at_once"] - before["answered_at_once"]
+    by_commit = after["completed_by_commit"] - before["completed_by_commit"]
+    # 20 x (claim, complete, duplicate claim) + claim + release + 5 pings.
+    if durability == "power-loss-unsafe":
+        assert (at_once, by_commit) == (67, 0)
+    else:  # the 20 duplicate claims and the pings need no commit
+        assert (at_once, by_commit) == (25, 42)
     with daemon.client(timeout=PATIENCE) as c:  # and the answers held: all DUPLICATE
         claims = c.claim_many([f"k{i}" for i in range(20)], namespace=ns)
         assert [(x.outcome, x.result) for x in claims] == [
@@ -331,3 +343,51 @@ def test_a_sliced_batch_whose_answer_passes_the_frame_in_a_late_slice_claims_not
         got = c.claim_many(fresh + done[:10], namespace=ns)
         assert [x.outcome for x in got] == [Outcome.NEW] * len(fresh) + [Outcome.DUPLICATE] * 10
         assert all(x.result == RESULT for x in got[len(fresh) :])
+
+
+def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
+    tmp_path: Path,
+) -> None:
+    """A request decided by its connection's reader is answered from its commit's
+    callback; a commit that takes longer than ``request_timeout`` (a disk that hangs)
+    answers it with the timeout error instead, and the daemon keeps serving. The
+    record was decided and logged: once the commit is done, the key is held."""
+    store = DedupStore.open(tmp_path / "data")
+    gate = threading.Event()
+    real_wait = store.wait_durable
+
+    def stuck_wait(lsn: int) -> None:
+        assert gate.wait(PATIENCE)
+        real_wait(lsn)
+
+    # The commit thread takes every commit (none is small enough for the loop).
+    store.wait_durable = stuck_wait  # type: ignore[method-assign]
+    store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]
+    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
+    server = DaemonServer(store, home / "d.sock", request_timeout=0.5)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
+    thread.start()
+    ns = unique_ns("stuck")
+    try:
+        wait_until(lambda: (home / "d.sock").exists(), "the socket")
+        with connect(home / "d.sock") as s:
+            s.sendall(_claim(1, ns, ["k"]))
+            rid, status, payload = protocol.decode_response(read_frame(s))
+            assert (rid, status, payload["type"]) == (1, Status.ERROR, "UnavailableError")
+            assert "not finished within 0.5 s" in payload["message"]
+            s.sendall(protocol.encode_request(2, Op.PING, {}))
+            assert protocol.decode_response(read_frame(s)) == (2, Status.OK, "pong")
+            gate.set()
+            s.sendall(_claim(3, ns, ["k"]))
+            rid, status, rows = protocol.decode_response(read_frame(s))
+            assert (rid, status) == (3, Status.OK)
+            assert rows[0][0] == Outcome.IN_PROGRESS.value  # the first claim holds it
+        assert server.counters["errors"] == 1
+    finally:
+        gate.set()
+        loop.call_soon_threadsafe(server.stop)
+        thread.join(PATIENCE)
+        loop.close()
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
