@@ -733,3 +733,36 @@ def test_new_slices_are_sized_for_the_observed_rate() -> None:
     assert second.nbytes < first.nbytes  # one right-sized filter beats a grown chain
     absent = [b"z%d" % i for i in range(200_000)]
     assert sum(ring.contains_many(absent)) / len(absent) <= 0.01 * 1.3
+
+
+def test_the_kept_tuple_of_live_filters_follows_every_change(
+    make_keys: Keys, tmp_path: Path
+) -> None:
+    """The ring keeps the tuple of its live filters between probes; a new slice, a
+    grown sub-filter, a sealed (reopened, mapped) slice, an expiry and a reopen each
+    change it, and a probe after any of them sees exactly the live filters."""
+
+    def check(ring: BloomRing) -> None:
+        live = tuple(f for s in ring._slices for f in s.filters)
+        kept = ring._filters()
+        assert len(kept) == len(live) and all(a is b for a, b in zip(kept, live, strict=True))
+
+    ring = BloomRing(window=2.0, slice_seconds=1.0, slice_capacity=100, path=tmp_path / "r")
+    keys = make_keys(1000)
+    ring.add_many(keys[:50], now=0.5)  # the first slice
+    check(ring)
+    ring.add_many(keys[50:400], now=0.6)  # grows sub-filters
+    check(ring)
+    ring.add_many(keys[400:450], now=1.5)  # a new head; the old one sealed and mapped
+    check(ring)
+    assert all(ring.contains_many(keys[:450]))
+    ring.add_many(keys[450:500], now=4.5)  # the first slices expire
+    check(ring)
+    assert ring.contains_many(keys[450:500]).tolist() == [True] * 50
+    ring.save()
+    reopened = BloomRing.open(tmp_path / "r")
+    check(reopened)
+    assert all(reopened.contains_many(keys[450:500]))
+    assert reopened.expire(100.0) >= 1
+    check(reopened)
+    assert not any(reopened.contains_many(keys[:500]))
