@@ -423,10 +423,10 @@ def _read_exact(fh: BinaryIO, target: memoryview, source: str) -> None:
 # ------------------------------------------------------------------ ring ---
 
 GROWTH_TIGHTENING = 0.5  # each grown sub-filter gets half the previous error budget
-KNOWN_RESERVE = 0.1  # the budget share a slice sized from a known count keeps for growth
-KNOWN_HEADROOM = 1.05  # and the capacity it adds to that count
 GROWTH_FACTOR = 2  # and twice the previous capacity
 RATE_HEADROOM = 1.25  # a new slice expects the previous slice's keys plus a quarter
+KNOWN_RESERVE = 0.1  # the budget share a slice sized from a known count keeps for growth
+KNOWN_HEADROOM = 1.05  # and the capacity it adds to that count
 MIN_KNOWN_CAPACITY = 1024  # the smallest slice sized from a known count
 MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"

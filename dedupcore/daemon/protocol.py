@@ -388,9 +388,12 @@ def claims_from_columns(keys: list[Any], namespace: str, cols: dict[str, Any]) -
     """The claims of a columns reply: one Claim per key, the sparse fields filled in after."""
     try:
         outcomes, raw_tokens = cols["o"], cols["t"]
-        if not isinstance(outcomes, bytes) or not isinstance(raw_tokens, bytes):
-            raise FrameError("claim reply does not match the request")
-        if len(outcomes) != len(keys) or len(raw_tokens) != 8 * len(keys):
+        if not (
+            isinstance(outcomes, bytes)
+            and isinstance(raw_tokens, bytes)
+            and len(outcomes) == len(keys)
+            and len(raw_tokens) == 8 * len(keys)
+        ):
             raise FrameError("claim reply does not match the request")
         if not _SWAP:  # built natively (docs/engine.md, "Answers")
             claims = _engine.build_records(

@@ -999,14 +999,18 @@ class DaemonServer:
             async with write_lock:
                 await self._send(writer, reply)
         finally:
-            # Held until the reply is written: the requests of a connection that does
-            # not read its replies stay bounded, and so do their bytes.
-            slots.release()
-            self._budget.give(reserved)
-            if small:
-                self._small -= 1
-                if not self._small:
-                    self._no_small.set()
+            self._answered(slots, reserved, small)
+
+    def _answered(self, slots: asyncio.Semaphore, reserved: int, small: bool) -> None:
+        """Gives back what a request held until its reply was written: its slot (the
+        requests of a connection that does not read its replies stay bounded, and so
+        do their bytes), its frame's bytes, its place among the small requests."""
+        slots.release()
+        self._budget.give(reserved)
+        if small:
+            self._small -= 1
+            if not self._small:
+                self._no_small.set()
 
     def _complete_later(
         self,
@@ -1028,12 +1032,7 @@ class DaemonServer:
         finished = False
 
         def release() -> None:
-            slots.release()
-            self._budget.give(reserved)
-            if small:
-                self._small -= 1
-                if not self._small:
-                    self._no_small.set()
+            self._answered(slots, reserved, small)
             if not answered.done():
                 answered.set_result(None)
 

@@ -15,7 +15,7 @@ import os
 import pickle
 import sys
 from array import array
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,40 +132,11 @@ def test_a_client_reply_with_columns_that_do_not_match_is_a_frame_error() -> Non
     assert claims == [Claim(b"a", NS, Outcome.NEW, 1), Claim(b"b", NS, Outcome.DUPLICATE, 2, "r")]
 
 
-@dataclass(slots=True)
-class _Seven:
-    a: Any
-    b: Any
-    c: Any
-    d: Any
-    e: Any
-    f: Any
-    g: Any
+SEVEN = ("a", "b", "c", "d", "e", "f", "g")
 
 
-@dataclass
-class _WithDict:
-    a: Any
-    b: Any
-    c: Any
-    d: Any
-    e: Any
-    f: Any
-    g: Any
-
-
-@dataclass(slots=True)
-class _PostInit(_Seven.__base__):  # type: ignore[misc]
-    a: Any
-    b: Any
-    c: Any
-    d: Any
-    e: Any
-    f: Any
-    g: Any
-
-    def __post_init__(self) -> None:
-        self.a = "changed"
+def _changed(self: Any) -> None:
+    self.a = "changed"
 
 
 @dataclass(slots=True)
@@ -173,18 +144,12 @@ class _Base:
     z: Any = None
 
 
-@dataclass(slots=True)
-class _OnSlottedBase(_Base):
-    a: Any = None
-    b: Any = None
-    c: Any = None
-    d: Any = None
-    e: Any = None
-    f: Any = None
-    g: Any = None
-
-
-SEVEN = ("a", "b", "c", "d", "e", "f", "g")
+_Seven = make_dataclass("_Seven", SEVEN, slots=True)
+_WithDict = make_dataclass("_WithDict", SEVEN)
+_PostInit = make_dataclass("_PostInit", SEVEN, slots=True, namespace={"__post_init__": _changed})
+_OnSlottedBase = make_dataclass(
+    "_OnSlottedBase", [(n, Any, None) for n in SEVEN], bases=(_Base,), slots=True
+)
 
 
 @pytest.mark.parametrize(
