@@ -412,7 +412,7 @@ class DedupStore(ClaimAPI):
         self._ckpt_lsn = self._lmdb.checkpoint_lsn()
         held = self._lmdb.inflight_digests()
         # A holder may still be alive: a PROCESSING record gets a fresh lease of its duration.
-        self._load(held, self._lmdb.get_many(held), now_m)
+        self._load(self._lmdb.read_many(b"".join(held)), now_m)
         for lsn, payload in self._wal.replay(self._ckpt_lsn):
             try:
                 replayed = self._table.replay(payload, lsn, now_m)
@@ -425,12 +425,13 @@ class DedupStore(ClaimAPI):
         self._last_lsn = max(self._ckpt_lsn, self._wal.last_lsn)
         self._unflushed = self._table.dirty(self._ckpt_lsn)
 
-    def _load(self, digests: list[bytes], raws: list[bytes | None], now_m: float) -> None:
-        """Puts records read from LMDB into the table; CorruptFileError if one is damaged."""
-        bad = self._table.load(digests, raws, now_m)
+    def _load(self, pairs: list[tuple[bytes, bytes]], now_m: float) -> None:
+        """Puts records read from LMDB, (digest, stored bytes) pairs, into the table;
+        CorruptFileError if one is damaged."""
+        bad = self._table.load(pairs, now_m)
         if bad >= 0:
             raise CorruptFileError(
-                f"{self.path / 'lmdb'}: the record of digest {digests[bad].hex()} fails its "
+                f"{self.path / 'lmdb'}: the record of digest {pairs[bad][0].hex()} fails its "
                 "checksum; the store refuses to answer from damaged data (restore the "
                 "directory from a backup)"
             )
@@ -461,33 +462,33 @@ class DedupStore(ClaimAPI):
     def _fetch(self, joined: bytes) -> list[int]:
         """Brings the records of concatenated digests into the table (under the lock);
         returns the indexes of those the exact tiers do not hold: memory, then front,
-        then LMDB."""
-        if self._table.clean > self.config.checkpoint_records:
+        then LMDB. No Python work per digest (docs/warm-tier.md, "Lookups")."""
+        table = self._table
+        if table.clean > self.config.checkpoint_records:
             # Clean copies are a read cache: drop them before they crowd the table.
-            self._table.evict(self._ckpt_lsn)
-        missing = self._table.missing(joined)
+            table.evict(self._ckpt_lsn)
+        missing = table.missing(joined)
         if not missing:
             return missing
         every = len(missing) * 16 == len(joined)
-        maybe = self._front.contains_many(
-            _keys.front_hashes_of(joined if every else b"".join(_at(joined, i) for i in missing))
+        held = joined if every else _engine.gather_digests(joined, missing)
+        to_read = _engine.select_digests(
+            held, self._front.contains_many(_keys.front_hashes_of(held))
         )
-        to_read = [i for i, m in zip(missing, maybe, strict=True) if m]
-        self._stats.front_negative += len(missing) - len(to_read)
-        self._stats.front_positive += len(to_read)
-        if not to_read:
+        n_read = len(to_read) // 16
+        self._stats.front_negative += len(missing) - n_read
+        self._stats.front_positive += n_read
+        if not n_read:
             return missing
-        self._stats.lmdb_reads += len(to_read)
-        wanted = [_at(joined, i) for i in to_read]
-        raws = self._lmdb.get_many(wanted)
-        self._load(wanted, raws, time.monotonic())
-        found = {i for i, raw in zip(to_read, raws, strict=True) if raw is not None}
-        return [i for i in missing if i not in found]
+        self._stats.lmdb_reads += n_read
+        pairs = self._lmdb.read_many(to_read)
+        if not pairs:
+            return missing
+        self._load(pairs, time.monotonic())
+        return table.missing(joined)
 
-    def _cold_hits(self, joined: bytes, ns_id: int) -> list[bool]:
+    def _cold_hits(self, joined: bytes, ns_id: int) -> memoryview[bool]:
         """Whether the cold archive holds each of concatenated digests."""
-        if not joined:
-            return []
         window = self._retention(ns_id).cold_window
         return self._cold.contains_many(window, _keys.front_hashes_of(joined))
 
@@ -655,13 +656,10 @@ class DedupStore(ClaimAPI):
                 hits = self._cold_hits(
                     joined
                     if len(absent) == len(key_list)
-                    else b"".join(_at(joined, i) for i in absent),
+                    else _engine.gather_digests(joined, absent),
                     ns_id,
                 )
-                if any(hits):
-                    cold = bytearray(len(key_list))
-                    for i, hit in zip(absent, hits, strict=True):
-                        cold[i] = hit
+                cold = _engine.scatter_flags(len(key_list), absent, hits)
             claims, conflict, depends, payloads, counts = table.claim(
                 joined,
                 key_list,
@@ -1161,11 +1159,6 @@ class DedupStore(ClaimAPI):
 
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
-
-
-def _at(joined: bytes, i: int) -> bytes:
-    """The i-th 16-byte digest of concatenated digests."""
-    return joined[16 * i : 16 * i + 16]
 
 
 def _digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:

@@ -17,8 +17,8 @@ import types
 _MemberDescriptor = types.MemberDescriptorType
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy
+from libc.stdlib cimport malloc, free, qsort
+from libc.string cimport memcpy, memcmp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
@@ -110,6 +110,7 @@ cdef extern from "dc_engine.h" nogil:
     int dc_table_init(dc_table* t, uint64_t capacity)
     void dc_table_free(dc_table* t)
     dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
+    void dc_prefetch_slot(const dc_table* t, const unsigned char* digest)
     int dc_live(const dc_rec* r)
     int dc_put(dc_table* t, const dc_rec* r, int note)
     int64_t dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more)
@@ -157,6 +158,9 @@ cdef extern from "Python.h":
         PyMemberDef* d_member
     object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t nitems)
     void Py_INCREF(object o)
+    void PyObject_GC_Track(object o)
+    void PyObject_GC_UnTrack(object o)
+    int PyObject_GC_IsTracked(object o)
 
 cdef enum:
     _T_OBJECT_EX = 16  # structmember.h: an object slot, AttributeError while unset
@@ -210,11 +214,13 @@ cdef inline void _put(char* base, Py_ssize_t offset, object v):
 
 cdef object _record(object cls, object a, object b, object c, object d,
                     object e, object f, object g):
-    """``cls(a, b, c, d, e, f, g)``; for the bound class, by filling its slots."""
+    """``cls(a, b, c, d, e, f, g)``; for the bound class, by filling its slots, and
+    left untracked by the GC until :func:`_track_all` (docs/engine.md, "Answers")."""
     if cls is not _fast_type:
         return cls(a, b, c, d, e, f, g)
-    # Zeroed, and tracked by the GC: every slot is set before anything else runs.
+    # Zeroed; every slot is set before anything else runs.
     obj = PyType_GenericAlloc(<PyTypeObject*><PyObject*>cls, 0)
+    PyObject_GC_UnTrack(obj)
     cdef char* base = <char*><PyObject*>obj
     _put(base, _offsets[0], a)
     _put(base, _offsets[1], b)
@@ -224,6 +230,23 @@ cdef object _record(object cls, object a, object b, object c, object d,
     _put(base, _offsets[5], f)
     _put(base, _offsets[6], g)
     return obj
+
+
+cdef list _track_all(list records):
+    """Hands a batch's records made by :func:`_record` to the GC, all at once.
+
+    While a batch is built its records stay out of the GC's youngest
+    generation, so the collections its allocations set off do not walk the
+    thousand records of the batch again and again; a batch dropped right
+    after use is never walked at all. Until this call nothing outside the
+    builder holds them, so nothing can make a cycle through them."""
+    cdef Py_ssize_t i
+    cdef object r
+    for i in range(PyList_GET_SIZE(records)):
+        r = <object>PyList_GET_ITEM(records, i)
+        if not PyObject_GC_IsTracked(r):
+            PyObject_GC_Track(r)
+    return records
 
 
 def build_records(cls, list keys, str namespace, bytes outcomes, bytes tokens,
@@ -245,7 +268,7 @@ def build_records(cls, list keys, str namespace, bytes outcomes, bytes tokens,
         memcpy(&token, toks + 8 * i, 8)
         out[i] = _record(cls, <object>PyList_GET_ITEM(keys, i), namespace,
                          by_code[codes[i]], token, None, True, False)
-    return out
+    return _track_all(out)
 
 #: Forms of ClaimTable.claim's answers.
 cdef enum:
@@ -493,22 +516,37 @@ cdef class ClaimTable:
         cdef const dc_rec* r = dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(digest))
         return None if r == NULL else _record_tuple(r)
 
-    def load(self, list digests, list values, double now_m):
-        """Adds records read from LMDB as clean copies (lsn 0), where the table has none.
+    def load(self, list pairs, double now_m):
+        """Adds records read from LMDB, ``(digest, stored bytes)`` pairs, as clean
+        copies (lsn 0), where the table has none.
 
         A PROCESSING record gets a fresh lease from now_m (a holder may still
-        be alive). Returns -1, or the index of the first value that fails its
-        checksum (nothing after it is loaded).
+        be alive). Returns -1, or the index of the first pair whose value fails
+        its checksum (nothing after it is loaded). TypeError or ValueError for
+        a pair that is not (16 bytes, bytes).
         """
         cdef Py_ssize_t i
         cdef dc_rec r
         cdef int rc
-        cdef bytes d, v
-        for i in range(len(digests)):
-            v = values[i]
-            if v is None:
-                continue
-            d = digests[i]
+        cdef object pair, d, v
+        cdef Py_ssize_t n = PyList_GET_SIZE(pairs)
+        for i in range(n):
+            if i + 8 < n:
+                # The slots of a large table are cache misses: fetch eight records ahead.
+                pair = <object>PyList_GET_ITEM(pairs, i + 8)
+                if type(pair) is tuple and len(pair) == 2:
+                    d = (<tuple>pair)[0]
+                    if type(d) is bytes and PyBytes_GET_SIZE(d) == 16:
+                        dc_prefetch_slot(&self.t, <const unsigned char*>PyBytes_AS_STRING(d))
+            pair = <object>PyList_GET_ITEM(pairs, i)
+            if type(pair) is not tuple or len(pair) != 2:
+                raise TypeError("a loaded record is a (digest, value) tuple")
+            d = (<tuple>pair)[0]
+            v = (<tuple>pair)[1]
+            if type(d) is not bytes or type(v) is not bytes:
+                raise TypeError("a loaded record's digest and value are bytes")
+            if PyBytes_GET_SIZE(d) != 16:
+                raise ValueError("a digest is 16 bytes")
             if dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(d)) != NULL:
                 continue
             rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(d),
@@ -706,6 +744,7 @@ cdef class ClaimTable:
                                         None, True, True)
                 else:
                     claims[i] = _record(claim_type, key, namespace, dup, 0, None, False, False)
+            _track_all(claims)
             payloads = _encode_stage(&self.stage, &written)
             return claims, -1, io.depends, payloads, counts[:4] + (written, result_bytes)
         except BaseException:
@@ -1156,3 +1195,122 @@ def split_items(list items, bint with_results):
                     results = [None] * n
                 results[i] = result
     return keys, tokens, results, -1
+
+
+# -- batches of digests ------------------------------------------------------
+# The store's lookups pass batches as concatenated 16-byte digests; these pick,
+# order and split them without a Python object per digest.
+
+def gather_digests(bytes digests, list indexes):
+    """The digests at ``indexes`` (ints in range), concatenated in that order."""
+    cdef size_t n
+    cdef const unsigned char* d = _digests_of(digests, &n)
+    cdef Py_ssize_t m = PyList_GET_SIZE(indexes), k
+    cdef Py_ssize_t i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 16 * m)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    for k in range(m):
+        i = <object>PyList_GET_ITEM(indexes, k)
+        if i < 0 or <size_t>i >= n:
+            raise IndexError(f"digest index {i} out of range for {n} digests")
+        memcpy(o + 16 * k, d + 16 * i, 16)
+    return out
+
+
+cdef const unsigned char[::1] _flag_bytes(object flags):
+    """A buffer of one-byte flags (bytes, bytearray, a memoryview of bool) as bytes."""
+    return memoryview(flags).cast("B")
+
+
+def select_digests(bytes digests, flags):
+    """The digests whose flag (one byte per digest) is set, concatenated in order."""
+    cdef size_t n, i, m = 0
+    cdef const unsigned char* d = _digests_of(digests, &n)
+    cdef const unsigned char[::1] f = _flag_bytes(flags)
+    if <size_t>f.shape[0] != n:
+        raise ValueError(f"{f.shape[0]} flags for {n} digests")
+    for i in range(n):
+        m += f[i] != 0
+    if m == n:
+        return digests
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 16 * m)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    m = 0
+    for i in range(n):
+        if f[i]:
+            memcpy(o + 16 * m, d + 16 * i, 16)
+            m += 1
+    return out
+
+
+cdef int _digest_cmp(const void* a, const void* b) noexcept nogil:
+    return memcmp(a, b, 16)
+
+
+def sort_digests(bytes digests):
+    """The digests in byte order (LMDB's key order), concatenated; repeats kept."""
+    cdef size_t n
+    cdef const unsigned char* d = _digests_of(digests, &n)
+    cdef bytes out = PyBytes_FromStringAndSize(<const char*>d, 16 * n)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    with nogil:
+        qsort(o, n, 16, _digest_cmp)
+    return out
+
+
+def split_digests(bytes digests):
+    """The digests as a list of 16-byte bytes objects, in order."""
+    cdef size_t n, i
+    cdef const unsigned char* d = _digests_of(digests, &n)
+    return [PyBytes_FromStringAndSize(<const char*>d + 16 * i, 16) for i in range(n)]
+
+
+def drop_found(bytes digests, list pairs):
+    """The sorted ``digests`` less the keys of ``pairs``, (digest, value) tuples whose
+    digests are among them and in the same order (what a lookup of them found)."""
+    cdef size_t n, i, m = 0
+    cdef const unsigned char* d = _digests_of(digests, &n)
+    cdef Py_ssize_t j = 0, found = PyList_GET_SIZE(pairs)
+    cdef const unsigned char* next_found = NULL
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 16 * n)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef object pair, key
+    for i in range(n):
+        if next_found == NULL and j < found:
+            pair = <object>PyList_GET_ITEM(pairs, j)
+            if type(pair) is not tuple or len(pair) != 2:
+                raise TypeError("a found record is a (digest, value) tuple")
+            key = (<tuple>pair)[0]
+            if type(key) is not bytes or PyBytes_GET_SIZE(key) != 16:
+                raise ValueError("a found key is a 16-byte digest")
+            next_found = <const unsigned char*>PyBytes_AS_STRING(key)
+        if next_found != NULL and memcmp(d + 16 * i, next_found, 16) == 0:
+            next_found = NULL
+            j += 1
+            continue
+        memcpy(o + 16 * m, d + 16 * i, 16)
+        m += 1
+    if j != found:
+        raise ValueError("found keys that are not among the digests, or out of their order")
+    return out[:16 * m]
+
+
+def scatter_flags(Py_ssize_t n, list indexes, flags):
+    """n flag bytes: ``flags[k]`` at ``indexes[k]``, 0 elsewhere; None if no flag is set."""
+    cdef Py_ssize_t m = PyList_GET_SIZE(indexes), k, i
+    cdef const unsigned char[::1] f = _flag_bytes(flags)
+    if f.shape[0] != m:
+        raise ValueError(f"{f.shape[0]} flags for {m} indexes")
+    for k in range(m):
+        if f[k]:
+            break
+    else:
+        return None
+    cdef bytearray out = bytearray(n)
+    cdef unsigned char* o = out
+    for k in range(m):
+        i = <object>PyList_GET_ITEM(indexes, k)
+        if i < 0 or i >= n:
+            raise IndexError(f"index {i} out of range for {n} flags")
+        o[i] = f[k] != 0
+    return out

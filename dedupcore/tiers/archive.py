@@ -66,12 +66,12 @@ class ColdArchive:
         """True while no ring has a slice: nothing to probe (a young store's archive)."""
         return not any(ring.slices_live for ring in self.rings.values())
 
-    def contains_many(self, window: float, hashes: memoryview) -> list[bool]:
+    def contains_many(self, window: float, hashes: memoryview) -> memoryview[bool]:
         """Whether the ring of ``window`` holds each front hash (a uint64 buffer)."""
         ring = self.rings.get(window)
         if ring is None or not len(hashes) or not ring.slices_live:
-            return [False] * len(hashes)
-        return list(ring.contains_many(hashes))
+            return memoryview(bytearray(len(hashes))).cast("?")
+        return ring.contains_many(hashes)
 
     def slice_end(self, window: float, now: float) -> float | None:
         """When the ring slice that keys added at ``now`` go into ends (None: no such ring).

@@ -50,10 +50,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import lmdb
 
+import dedupcore._engine as _engine
 from dedupcore.bloom import BloomFilter
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
@@ -374,39 +375,49 @@ class LmdbTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def get_many(self, digests: list[bytes]) -> list[bytes | None]:
-        """Stored bytes of each digest's newest record (None where absent).
+    def read_many(self, joined: bytes) -> list[tuple[bytes, bytes]]:
+        """(digest, stored bytes) of the newest record of each of concatenated digests
+        that a slice holds; absent digests have no pair.
 
         Slices are probed newest first, each only for the digests its filter
-        may hold and that no newer slice had; one read transaction.
+        may hold and that no newer slice had; one read transaction, no Python
+        work per digest (docs/warm-tier.md, "Lookups").
         """
-        return self._probe(list(reversed(self._slices)), digests)
+        return self._read(list(reversed(self._slices)), joined)
 
-    def _probe(self, slices: list[SliceInfo], digests: list[bytes]) -> list[bytes | None]:
+    def get_many(self, digests: list[bytes]) -> list[bytes | None]:
+        """Stored bytes of each digest's newest record (None where absent)."""
+        found = dict(self.read_many(b"".join(digests)))
+        return [found.get(d) for d in digests]
+
+    def _read(self, slices: list[SliceInfo], joined: bytes) -> list[tuple[bytes, bytes]]:
         """The first record of each digest found in ``slices``, in that order."""
-        out: list[bytes | None] = [None] * len(digests)
-        if not digests or not slices:
-            return out
+        found: list[tuple[bytes, bytes]] = []
+        if not joined or not slices:
+            return found
         # In key order: neighbouring reads share B-tree pages (about 40 % less
         # per read than batch order on a slice of millions of records).
-        todo = sorted(range(len(digests)), key=digests.__getitem__)
+        todo = _engine.sort_digests(joined)
         with self._txn(buffers=False) as txn:
-            for info in slices:
+            for n, info in enumerate(slices, 1):
+                assert info.filter is not None
+                ask = _engine.select_digests(todo, info.filter.contains_many(_second_halves(todo)))
+                if not ask:
+                    continue
+                # bytes, not buffers: the transaction is opened with buffers=False.
+                got = cast(
+                    "list[tuple[bytes, bytes]]",
+                    txn.cursor(db=info.db).getmulti(_engine.split_digests(ask)),
+                )
+                if not got:
+                    continue
+                found += got
+                if n == len(slices):
+                    break
+                todo = _engine.drop_found(todo, got)
                 if not todo:
                     break
-                assert info.filter is not None
-                maybe = info.filter.contains_many(
-                    _second_halves(b"".join(digests[i] for i in todo))
-                )
-                left: list[int] = []
-                for i, m in zip(todo, maybe, strict=True):
-                    raw = txn.get(digests[i], db=info.db) if m else None
-                    if raw is None:
-                        left.append(i)
-                    else:
-                        out[i] = bytes(raw)
-                todo = left
-        return out
+        return found
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""
@@ -456,7 +467,8 @@ class LmdbTier:
     def newer_holds(self, slice_id: int, digests: list[bytes]) -> list[bool]:
         """Whether a slice newer than ``slice_id`` holds each digest."""
         newer = [s for s in reversed(self._slices) if s.id > slice_id]
-        return [raw is not None for raw in self._probe(newer, digests)]
+        held = {d for d, _ in self._read(newer, b"".join(digests))}
+        return [d in held for d in digests]
 
     def record_count(self) -> int:
         """Number of records in every slice (a key in two slices counts twice)."""

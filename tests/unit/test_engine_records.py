@@ -201,3 +201,74 @@ def test_the_store_answers_with_native_claims(tmp_path: Path) -> None:
         Claim(k, NS, Outcome.IN_PROGRESS, c.token)
         for k, c in zip(keys[50:], first[50:], strict=True)
     ]
+
+
+def test_a_batch_is_handed_to_the_gc_whole_while_collections_run_during_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims stay out of the GC while their batch is built and are all tracked when it
+    is returned: collections set off in the middle (here by unpacking each stored
+    result) neither free nor walk the claims built so far."""
+    import dedupcore.store as store_mod
+
+    unpack = store_mod._unpack_stored
+    calls = 0
+
+    def collecting(raw: bytes | None) -> Any:
+        nonlocal calls
+        calls += 1
+        gc.collect()
+        return unpack(raw)
+
+    with DedupStore.open(tmp_path) as store:
+        keys = [f"k{i}" for i in range(300)]
+        first = store.claim_many(keys, namespace=NS)
+        store.complete_many([(c.key, c.token, [c.key]) for c in first], namespace=NS)
+        monkeypatch.setattr(store_mod, "_unpack_stored", collecting)
+        again = store.claim_many(keys, namespace=NS)
+    assert calls == 300
+    assert all(type(c) is Claim and gc.is_tracked(c) for c in again)
+    assert again == [
+        Claim(k, NS, Outcome.DUPLICATE, c.token, [k]) for k, c in zip(keys, first, strict=True)
+    ]
+    # A cycle made through an answer afterwards is the GC's to free, as for any claim.
+    gc.collect()
+    gc.disable()
+    try:
+        again[0].result.append(again[0])
+        del again
+        assert gc.collect() >= 2  # the claim and its result list
+    finally:
+        gc.enable()
+
+
+def test_a_batch_given_up_while_built_frees_its_untracked_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in the middle of building a batch's answer drops the claims built so
+    far (untracked) without a crash or a leak, and claims nothing."""
+    import dedupcore.store as store_mod
+
+    unpack = store_mod._unpack_stored
+    calls = 0
+
+    def failing(raw: bytes | None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 10:
+            raise RuntimeError("unpack failed")
+        return unpack(raw)
+
+    with DedupStore.open(tmp_path) as store:
+        keys = [os.urandom(16) for _ in range(100)]
+        fresh = [os.urandom(16) for _ in range(100)]
+        first = store.claim_many(keys, namespace=NS)
+        store.complete_many([(c.key, c.token, b"r") for c in first], namespace=NS)
+        before = [sys.getrefcount(k) for k in keys + fresh]
+        monkeypatch.setattr(store_mod, "_unpack_stored", failing)
+        with pytest.raises(RuntimeError, match="unpack failed"):
+            store.claim_many(keys + fresh, namespace=NS)
+        gc.collect()
+        assert [sys.getrefcount(k) for k in keys + fresh] == before
+        monkeypatch.setattr(store_mod, "_unpack_stored", unpack)
+        assert [c.outcome for c in store.claim_many(fresh, namespace=NS)] == [Outcome.NEW] * 100

@@ -80,6 +80,35 @@ def test_the_newest_version_of_a_key_wins_across_slices(tmp_path: Path) -> None:
         assert store.claim("held", namespace=NS).outcome is Outcome.DUPLICATE
 
 
+def test_one_batch_reads_each_key_from_the_newest_slice_that_holds_it(tmp_path: Path) -> None:
+    """A batch whose keys live in different slices, some in two (an old PROCESSING
+    version and a newer PROCESSED one): each answer comes from the key's newest
+    record, and a key no slice holds is NEW."""
+    held = [f"h{i}" for i in range(300)]
+    filler = [f"f{i}" for i in range(1000)]
+    with _open(tmp_path) as store:
+        claims = store.claim_many(held, namespace=NS)
+        store.checkpoint()  # PROCESSING, in the first slice
+        _fill(store, filler)  # later slices
+        store.complete_many([(c.key, c.token, f"done-{c.key}") for c in claims[::2]], namespace=NS)
+        store.checkpoint()  # PROCESSED, in the newest slice
+        assert len(store.stats()["lmdb"]["slices"]) >= 3
+    with _open(tmp_path) as store:
+        answers = store.claim_many(held + filler[::7] + ["fresh"], namespace=NS)
+        reads = store.stats()["lmdb"]["reads"]
+    done = answers[: len(held)][::2]
+    open_ = answers[: len(held)][1::2]
+    assert [(a.outcome, a.result) for a in done] == [
+        (Outcome.DUPLICATE, f"done-{k}") for k in held[::2]
+    ]
+    assert {a.outcome for a in open_} == {Outcome.IN_PROGRESS}  # loaded in flight at open
+    assert [(a.outcome, a.result) for a in answers[len(held) : -1]] == [
+        (Outcome.DUPLICATE, f"r-{k}") for k in filler[::7]
+    ]
+    assert answers[-1].outcome is Outcome.NEW
+    assert reads >= 150 + len(filler[::7])
+
+
 def test_a_slice_past_the_window_is_dropped_whole_into_the_cold_archive(tmp_path: Path) -> None:
     old = [f"old{i}" for i in range(1200)]
     with _open(tmp_path) as store:

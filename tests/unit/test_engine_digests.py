@@ -1,0 +1,97 @@
+"""The engine's helpers over batches of concatenated 16-byte digests, against plain
+Python, and the warm tier's lookups built on them (docs/warm-tier.md, "Lookups")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dedupcore._engine as _engine
+
+digest = st.binary(min_size=16, max_size=16)
+batches = st.lists(st.one_of(digest, st.sampled_from([b"\x00" * 16, b"\xff" * 16])), max_size=60)
+
+
+def _split(joined: bytes) -> list[bytes]:
+    return [joined[i : i + 16] for i in range(0, len(joined), 16)]
+
+
+@given(batches, st.data())
+def test_gather_select_sort_split_match_plain_python(ds: list[bytes], data: st.DataObject) -> None:
+    joined = b"".join(ds)
+    idx = data.draw(st.lists(st.integers(0, len(ds) - 1), max_size=40)) if ds else []
+    flags = bytes(data.draw(st.lists(st.integers(0, 3), min_size=len(ds), max_size=len(ds))))
+    assert _engine.gather_digests(joined, idx) == b"".join(ds[i] for i in idx)
+    assert _engine.select_digests(joined, flags) == b"".join(
+        d for d, f in zip(ds, flags, strict=True) if f
+    )
+    assert _engine.select_digests(joined, memoryview(flags).cast("?")) == b"".join(
+        d for d, f in zip(ds, flags, strict=True) if f
+    )
+    assert _engine.sort_digests(joined) == b"".join(sorted(ds))
+    assert _engine.split_digests(joined) == ds
+    hits = bytes(data.draw(st.lists(st.integers(0, 2), min_size=len(idx), max_size=len(idx))))
+    want = bytearray(len(ds) + 3)
+    for i, hit in zip(idx, hits, strict=True):
+        want[i] = hit != 0
+    assert _engine.scatter_flags(len(ds) + 3, idx, hits) == (want if any(hits) else None)
+
+
+@given(batches, st.data())
+def test_drop_found_leaves_what_a_lookup_did_not_find(ds: list[bytes], data: st.DataObject) -> None:
+    todo = _engine.sort_digests(b"".join(ds))
+    order = _split(todo)
+    keep = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)))
+    found = [(d, b"v") for d, k in zip(order, keep, strict=True) if not k]
+    assert _engine.drop_found(todo, found) == b"".join(
+        d for d, k in zip(order, keep, strict=True) if k
+    )
+
+
+def test_the_helpers_refuse_what_is_not_a_batch_of_digests() -> None:
+    two = os.urandom(32)
+    a, b = sorted([os.urandom(16), os.urandom(16)])
+    for bad in (
+        lambda: _engine.gather_digests(b"x" * 17, []),
+        lambda: _engine.select_digests(b"x" * 15, b""),
+        lambda: _engine.sort_digests(b"x" * 31),
+        lambda: _engine.split_digests(b"x"),
+        lambda: _engine.select_digests(two, b"\x01"),  # one flag for two digests
+        lambda: _engine.scatter_flags(4, [0, 1], b"\x01"),
+        lambda: _engine.drop_found(two, [(b"short", b"")]),
+        lambda: _engine.drop_found(two, [(os.urandom(16), b"")]),  # not among them
+        lambda: _engine.drop_found(a + b, [(b, b""), (a, b"")]),  # not in their order
+    ):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(IndexError):
+        _engine.gather_digests(two, [2])
+    with pytest.raises(IndexError):
+        _engine.gather_digests(two, [-1])
+    with pytest.raises(IndexError):
+        _engine.scatter_flags(2, [2], b"\x01")
+    with pytest.raises(TypeError):
+        _engine.gather_digests(two, ["0"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        _engine.select_digests(two, [True, False])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _engine.drop_found(two, [[two[:16], b""]])  # type: ignore[list-item]
+
+
+def test_load_refuses_pairs_that_are_not_digest_and_bytes() -> None:
+    table = _engine.ClaimTable()
+    value = _engine.encode_value(b"d" * 16, 2, 1, 1, 1.0, 1.0, 30.0, None, None, None)
+    for bad, exc in (
+        ([b"d" * 16], TypeError),
+        ([(b"d" * 16,)], TypeError),
+        ([(b"d" * 16, bytearray(value))], TypeError),
+        ([(b"d" * 15, value)], ValueError),
+    ):
+        with pytest.raises(exc):
+            table.load(bad, 0.0)  # type: ignore[arg-type]
+    assert len(table) == 0
+    assert table.load([(b"d" * 16, value), (b"e" * 16, value[:-1] + b"\x00")], 0.0) == 1
+    assert len(table) == 1  # the first is loaded, the damaged one is not
