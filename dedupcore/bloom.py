@@ -29,6 +29,7 @@ The body starts at offset 128, so a memory-mapped body is cache-line aligned.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import mmap as _mmap
@@ -82,8 +83,13 @@ def split_block_fpr(keys_per_block: float) -> float:
     return total
 
 
+@functools.lru_cache(maxsize=256)
 def _load_for(error_rate: float) -> float:
-    """Largest mean keys per block whose false-positive rate is at most error_rate."""
+    """Largest mean keys per block whose false-positive rate is at most error_rate.
+
+    Kept per rate: the bisection costs milliseconds of Python arithmetic, and a
+    store makes a filter at every slice and every sub-filter a slice grows
+    (5 % of a fresh store's first 200k claims, in py-spy, before it was kept)."""
     lo, hi = 1e-9, 4096.0
     for _ in range(80):
         mid = (lo + hi) / 2.0

@@ -34,6 +34,7 @@
 #define DC_ENGINE_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,6 +112,12 @@ typedef struct {
 typedef struct {
     dc_rec *slots;
     uint64_t mask;
+    /* One bit per 4 KiB page of slots: set once a record was written on the
+     * page that holds a slot's state byte. A slot whose page is unmarked is
+     * empty without reading it (dc_empty): a probe of a page never written
+     * would fault in the kernel's zero page, and the put that follows would
+     * fault again to replace it (docs/engine.md, "Growing"). */
+    uint64_t *touched;
     /* While the table grows, the array it grows out of: its records move to
      * slots a few per put (dc_migrate), so no put waits for all of them. */
     dc_rec *old;
@@ -202,6 +209,29 @@ static dc_rec *dc_slots_alloc(uint64_t n) {
     return (dc_rec *)p;
 }
 
+/* The page map of an array of n slots (see dc_table.touched), zeroed. */
+static uint64_t *dc_touched_alloc(uint64_t n) {
+    size_t pages = ((size_t)n * sizeof(dc_rec) + 4095) >> 12;
+    return (uint64_t *)calloc((pages + 63) / 64, sizeof(uint64_t));
+}
+
+static inline size_t dc_state_page(uint64_t i) {
+    return ((size_t)i * sizeof(dc_rec) + offsetof(dc_rec, state)) >> 12;
+}
+
+/* Slot i of the current array holds nothing: its page was never written,
+ * or its state says so. */
+static inline int dc_empty(const dc_table *t, uint64_t i) {
+    size_t p = dc_state_page(i);
+    return !((t->touched[p >> 6] >> (p & 63)) & 1) || !t->slots[i].state;
+}
+
+/* Marks slot i's page as written: called before a record is written there. */
+static inline void dc_touch(dc_table *t, uint64_t i) {
+    size_t p = dc_state_page(i);
+    t->touched[p >> 6] |= (uint64_t)1 << (p & 63);
+}
+
 static void dc_slots_free(dc_rec *slots, uint64_t n) {
     size_t bytes = (size_t)n * sizeof(dc_rec);
     if (!slots) return;
@@ -215,7 +245,14 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
     uint64_t n = 1024;
     while (n < capacity * 2) n <<= 1;
     t->slots = dc_slots_alloc(n);
-    if (!t->slots) return -1;
+    t->touched = dc_touched_alloc(n);
+    if (!t->slots || !t->touched) {
+        dc_slots_free(t->slots, n);
+        free(t->touched);
+        t->slots = NULL;
+        t->touched = NULL;
+        return -1;
+    }
     t->mask = n - 1;
     t->old = NULL;
     t->old_mask = t->mig_pos = t->mig_left = 0;
@@ -236,6 +273,8 @@ static void dc_table_free(dc_table *t) {
         if (t->slots[i].state) dc_decref(t->slots[i].extra);
     dc_slots_free(t->slots, t->mask + 1);
     t->slots = NULL;
+    free(t->touched);
+    t->touched = NULL;
     if (t->old) {
         for (uint64_t i = 0; i <= t->old_mask; i++)
             if (dc_live(&t->old[i])) dc_decref(t->old[i].extra);
@@ -353,8 +392,8 @@ static inline dc_rec *dc_find_old(const dc_table *t, const unsigned char *digest
 static inline dc_rec *dc_find(const dc_table *t, const unsigned char *digest) {
     uint64_t i = dc_slot_of(digest) & t->mask;
     for (;;) {
+        if (dc_empty(t, i)) return dc_find_old(t, digest);
         dc_rec *r = &t->slots[i];
-        if (!r->state) return dc_find_old(t, digest);
         if (memcmp(r->digest, digest, 16) == 0) return r;
         i = (i + 1) & t->mask;
     }
@@ -383,7 +422,8 @@ static inline void dc_count(dc_table *t, const dc_rec *r, int sign) {
 /* Moves a record into a table with room (no count changes, no refcounting). */
 static inline void dc_place(dc_table *t, const dc_rec *r) {
     uint64_t i = dc_slot_of(r->digest) & t->mask;
-    while (t->slots[i].state) i = (i + 1) & t->mask;
+    while (!dc_empty(t, i)) i = (i + 1) & t->mask;
+    dc_touch(t, i);
     t->slots[i] = *r;
 }
 
@@ -420,7 +460,16 @@ static int dc_grow(dc_table *t) {
     if (t->old) dc_migrate(t, UINT64_MAX);
     uint64_t n = (t->mask + 1) * 2;
     dc_rec *slots = dc_slots_alloc(n);
-    if (!slots) return -1;
+    uint64_t *touched = dc_touched_alloc(n);
+    if (!slots || !touched) {
+        dc_slots_free(slots, n);
+        free(touched);
+        return -1;
+    }
+    /* The old array is 70 % full: every page of it holds records, so its
+     * probes (dc_find_old) need no page map. */
+    free(t->touched);
+    t->touched = touched;
     t->old = t->slots;
     t->old_mask = t->mask;
     t->slots = slots;
@@ -435,9 +484,17 @@ static int dc_grow(dc_table *t) {
 static int dc_resize(dc_table *t, uint64_t n) {
     if (t->old) dc_migrate(t, UINT64_MAX);
     dc_rec *old = t->slots;
+    uint64_t *old_touched = t->touched;
     uint64_t old_n = t->mask + 1;
     dc_rec *slots = dc_slots_alloc(n);
-    if (!slots) return -1;
+    uint64_t *touched = dc_touched_alloc(n);
+    if (!slots || !touched) {
+        dc_slots_free(slots, n);
+        free(touched);
+        return -1;
+    }
+    free(old_touched);
+    t->touched = touched;
     t->slots = slots;
     t->mask = n - 1;
     for (uint64_t i = 0; i < old_n; i++)
@@ -467,7 +524,8 @@ static int dc_put(dc_table *t, const dc_rec *r, int note) {
     uint64_t i = dc_slot_of(r->digest) & t->mask;
     for (;;) {
         dc_rec *s = &t->slots[i];
-        if (!s->state) {
+        if (dc_empty(t, i)) {
+            dc_touch(t, i);
             *s = *r;
             s->renewal = 0;
             dc_incref(s->extra);
@@ -492,7 +550,7 @@ static int dc_put(dc_table *t, const dc_rec *r, int note) {
  * tombstones): later records of the cluster that may live at i move up. */
 static void dc_remove_at(dc_table *t, uint64_t i) {
     uint64_t hole = i, j = (i + 1) & t->mask;
-    while (t->slots[j].state) {
+    while (!dc_empty(t, j)) {
         uint64_t home = dc_slot_of(t->slots[j].digest) & t->mask;
         /* j may move to the hole if the hole lies on its probe path [home, j]. */
         if (((j - home) & t->mask) >= ((j - hole) & t->mask)) {
@@ -507,8 +565,8 @@ static void dc_remove_at(dc_table *t, uint64_t i) {
 static inline int dc_find_at(const dc_table *t, const unsigned char *digest, uint64_t *at) {
     uint64_t i = dc_slot_of(digest) & t->mask;
     for (;;) {
+        if (dc_empty(t, i)) return 0;
         const dc_rec *r = &t->slots[i];
-        if (!r->state) return 0;
         if (memcmp(r->digest, digest, 16) == 0) {
             *at = i;
             return 1;
