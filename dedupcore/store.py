@@ -406,8 +406,10 @@ class DedupStore(ClaimAPI):
     # -- replay ----------------------------------------------------------------
 
     def _replay(self) -> None:
-        """Loads in-flight records and the log past the last checkpoint into memory."""
-        now_w = time.time()
+        """Loads in-flight records and the log past the last checkpoint into memory.
+
+        Replayed records stay in the table until the next checkpoint, which adds
+        their keys to the front filter as it writes them to LMDB."""
         now_m = time.monotonic()
         self._ckpt_lsn = self._lmdb.checkpoint_lsn()
         held = self._lmdb.inflight_digests()
@@ -415,13 +417,11 @@ class DedupStore(ClaimAPI):
         self._load(self._lmdb.read_many(b"".join(held)), now_m)
         for lsn, payload in self._wal.replay(self._ckpt_lsn):
             try:
-                replayed = self._table.replay(payload, lsn, now_m)
+                self._table.replay(payload, lsn, now_m)
             except ValueError as exc:
                 raise CorruptFileError(
                     f"{self.path / 'wal'}: log record {lsn} is damaged: {exc}"
                 ) from None
-            if replayed:
-                self._front.insert_many(_keys.front_hashes_of(replayed), now_w)
         self._last_lsn = max(self._ckpt_lsn, self._wal.last_lsn)
         self._unflushed = self._table.dirty(self._ckpt_lsn)
 
@@ -688,7 +688,6 @@ class DedupStore(ClaimAPI):
             if form == _engine.FORM_CHECK:
                 return [], counts[5], 0
             # Only now, with every key of the batch checked, does anything change.
-            written = table.staged_digests() if counts[4] else b""
             last = self._log(payloads, counts[4])
             n_new, n_dup, n_busy, takeovers, _, _ = counts
             for outcome, n in (
@@ -699,8 +698,6 @@ class DedupStore(ClaimAPI):
                 if n:
                     self._stats.outcomes[(ns_name, outcome.value)] += n
             self._stats.takeovers += takeovers
-            if written:
-                self._front.insert_many(_keys.front_hashes_of(written), now_w)
         finally:
             self._lock.release()
         return claims, counts[5], self._pending_lsn(max(last, depends))
@@ -793,11 +790,7 @@ class DedupStore(ClaimAPI):
             )
             if bad >= 0:
                 raise stale_token_error(kind, keys[bad], tokens[bad], current, ns_name)
-            written = self._table.staged_digests() if n and state is State.PROCESSED else b""
             last = self._log(payloads, n)
-            if written:
-                # Completion re-adds the key so the front spans the exact window from now.
-                self._front.insert_many(_keys.front_hashes_of(written), now_w)
         finally:
             self._lock.release()
         return self._pending_lsn(max(last, depends))
@@ -930,6 +923,20 @@ class DedupStore(ClaimAPI):
                 # Later records go to a new segment, so the old ones can be
                 # dropped whole.
                 self._wal.rotate()
+                # Everything goes to LMDB in key order, each record's latest change.
+                # LMDB reads the records in place, one at a time (no lists of
+                # millions of tuples to build and free while holding the GIL).
+                packed, n = _engine.sort_changes(changes)
+                records = _engine.PackedRecords(packed, n)
+                digests = records.digests()
+                # The front filter takes every key LMDB is about to take, before
+                # LMDB has it and before the front is saved: a record leaves the
+                # table only after this, so a lookup that misses both the table and
+                # the front is right to skip LMDB. A claim or a completion adds
+                # nothing itself: its record is in the table until it gets here, and
+                # its key's front entry spans the exact window from here on
+                # (docs/warm-tier.md, "The front filter").
+                self._front.insert_many(_keys.front_hashes_of(digests), now_w)
                 if aged:
                     hashes = _keys.front_hashes_of(b"".join(a[0] for a in aged))
                     self._front.insert_many(hashes, now_w)
@@ -941,11 +948,6 @@ class DedupStore(ClaimAPI):
                 if final or self._lmdb.newest_slice_id != self._front_slice:
                     self._save_front(upto)
                 self._wal.sync(upto, force=True)
-                # Everything goes to LMDB in key order, each record's latest change.
-                # LMDB reads the records in place, one at a time (no lists of
-                # millions of tuples to build and free while holding the GIL).
-                packed, n = _engine.sort_changes(changes)
-                records = _engine.PackedRecords(packed, n)
                 self._lmdb.checkpoint(
                     records,
                     records.inflight,
@@ -953,7 +955,7 @@ class DedupStore(ClaimAPI):
                     upto,
                     now=time.time(),
                     newest=changes.newest,
-                    digests=records.digests(),
+                    digests=digests,
                 )
             except BaseException:
                 with self._lock:  # LMDB did not take them: the next checkpoint writes them

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import dedupcore.keys as _keys
 from dedupcore.config import Retention
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
@@ -107,6 +108,30 @@ def test_one_batch_reads_each_key_from_the_newest_slice_that_holds_it(tmp_path: 
     ]
     assert answers[-1].outcome is Outcome.NEW
     assert reads >= 150 + len(filler[::7])
+
+
+def test_the_front_filter_takes_a_key_when_a_checkpoint_writes_its_record(
+    tmp_path: Path,
+) -> None:
+    """Claims and completions add nothing to the front filter (their records are in
+    the table); the checkpoint that writes them to LMDB adds their keys before the
+    table lets them go, so every one is still answered from LMDB afterwards."""
+    keys = [f"k{i}" for i in range(600)]
+    hashes = _keys.front_hashes(_keys.digests(NS.encode(), [k.encode() for k in keys]))
+    with _open(tmp_path) as store:
+        claims = store.claim_many(keys, namespace=NS)
+        assert not any(store._front.contains_many(hashes))
+        store.complete_many([(c.key, c.token, f"r-{c.key}") for c in claims], namespace=NS)
+        assert not any(store._front.contains_many(hashes))
+        assert all(c.outcome is Outcome.DUPLICATE for c in store.claim_many(keys, namespace=NS))
+        store.checkpoint()
+        assert all(store._front.contains_many(hashes))
+        assert store.stats()["recent_records"] == 0  # all of them left the table
+        again = store.claim_many(keys, namespace=NS)
+        assert [(c.outcome, c.result) for c in again] == [
+            (Outcome.DUPLICATE, f"r-{k}") for k in keys
+        ]
+        assert store.stats()["lmdb"]["reads"] >= 600
 
 
 def test_a_slice_past_the_window_is_dropped_whole_into_the_cold_archive(tmp_path: Path) -> None:
