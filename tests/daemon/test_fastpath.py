@@ -391,3 +391,70 @@ def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
         loop.close()
         store.close()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_reader_says_what_it_holds() -> None:
+    """``_Reader.buffered`` follows the bytes fed and read (a Python whose StreamReader
+    keeps them elsewhere would make it 0, and every read would wait with a deadline)."""
+    from dedupcore.daemon.server import _Reader
+
+    async def run() -> list[int]:
+        reader = _Reader(limit=1 << 16)
+        seen = [reader.buffered()]
+        reader.feed_data(b"x" * 10)
+        seen.append(reader.buffered())
+        await reader.readexactly(4)
+        seen.append(reader.buffered())
+        await reader.readexactly(6)
+        seen.append(reader.buffered())
+        return seen
+
+    assert asyncio.run(run()) == [0, 10, 6, 0]
+
+
+def test_frames_already_read_are_served_without_a_deadline_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that arrived together (pipelined) are read from the connection's
+    buffer without a timer per read; a request still coming is read with its
+    deadline, as before (the trickle and stalled-sender tests, test_faults.py)."""
+    from dedupcore.daemon import server as server_mod
+
+    deadlines = 0
+    real_within = server_mod._within
+
+    async def counting(aw: Any, seconds: float) -> Any:
+        nonlocal deadlines
+        deadlines += 1
+        return await real_within(aw, seconds)
+
+    monkeypatch.setattr(server_mod, "_within", counting)
+    store = DedupStore.open(tmp_path / "data")
+    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
+    server = DaemonServer(store, home / "d.sock")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
+    thread.start()
+    ns = unique_ns("burst")
+    try:
+        wait_until(lambda: (home / "d.sock").exists(), "the socket")
+        with connect(home / "d.sock") as s:
+            assert protocol.decode_response(
+                (s.sendall(protocol.encode_request(1, Op.PING, {})), read_frame(s))[1]
+            ) == (1, Status.OK, "pong")
+            before = deadlines
+            burst = b"".join(_claim(10 + i, ns, [f"k{i}"]) for i in range(40))
+            s.sendall(burst)  # one write: the daemon reads all 40 frames at once
+            for i in range(40):
+                rid, status, rows = protocol.decode_response(read_frame(s))
+                assert (rid, status) == (10 + i, Status.OK)
+                assert rows[0][0] == Outcome.NEW.value
+        # Two deadlines per request before; now the wait for the burst, and the one
+        # for what comes after it.
+        assert deadlines - before <= 4, deadlines - before
+    finally:
+        loop.call_soon_threadsafe(server.stop)
+        thread.join(PATIENCE)
+        loop.close()
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
