@@ -5,11 +5,13 @@ in slices that let other connections through (docs/daemon.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,26 @@ from dedupcore.store import DedupStore
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import read_frame, wait_until
 from .test_limits import RESULT, connect, daemon_stats
+
+
+@contextlib.contextmanager
+def _serving(store: DedupStore, **options: Any) -> Iterator[tuple[DaemonServer, Path]]:
+    """A DaemonServer over ``store`` on its own loop thread: (server, socket path).
+    Stops it, closes the store and removes the socket's directory afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
+    server = DaemonServer(store, home / "d.sock", **options)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
+    thread.start()
+    try:
+        wait_until(lambda: (home / "d.sock").exists(), "the socket")
+        yield server, home / "d.sock"
+    finally:
+        loop.call_soon_threadsafe(server.stop)
+        thread.join(PATIENCE)
+        loop.close()
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _store_stats(daemon: Daemon) -> dict[str, Any]:
@@ -363,34 +385,23 @@ def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
     # The commit thread takes every commit (none is small enough for the loop).
     store.wait_durable = stuck_wait  # type: ignore[method-assign]
     store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]
-    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
-    server = DaemonServer(store, home / "d.sock", request_timeout=0.5)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
-    thread.start()
     ns = unique_ns("stuck")
-    try:
-        wait_until(lambda: (home / "d.sock").exists(), "the socket")
-        with connect(home / "d.sock") as s:
-            s.sendall(_claim(1, ns, ["k"]))
-            rid, status, payload = protocol.decode_response(read_frame(s))
-            assert (rid, status, payload["type"]) == (1, Status.ERROR, "UnavailableError")
-            assert "not finished within 0.5 s" in payload["message"]
-            s.sendall(protocol.encode_request(2, Op.PING, {}))
-            assert protocol.decode_response(read_frame(s)) == (2, Status.OK, "pong")
-            gate.set()
-            s.sendall(_claim(3, ns, ["k"]))
-            rid, status, rows = protocol.decode_response(read_frame(s))
-            assert (rid, status) == (3, Status.OK)
-            assert rows[0][0] == Outcome.IN_PROGRESS.value  # the first claim holds it
-        assert server.counters["errors"] == 1
-    finally:
+    with contextlib.ExitStack() as stack:
+        server, sock = stack.enter_context(_serving(store, request_timeout=0.5))
+        stack.callback(gate.set)  # before the server stops: the commit thread may wait on it
+        s = stack.enter_context(connect(sock))
+        s.sendall(_claim(1, ns, ["k"]))
+        rid, status, payload = protocol.decode_response(read_frame(s))
+        assert (rid, status, payload["type"]) == (1, Status.ERROR, "UnavailableError")
+        assert "not finished within 0.5 s" in payload["message"]
+        s.sendall(protocol.encode_request(2, Op.PING, {}))
+        assert protocol.decode_response(read_frame(s)) == (2, Status.OK, "pong")
         gate.set()
-        loop.call_soon_threadsafe(server.stop)
-        thread.join(PATIENCE)
-        loop.close()
-        store.close()
-        shutil.rmtree(home, ignore_errors=True)
+        s.sendall(_claim(3, ns, ["k"]))
+        rid, status, rows = protocol.decode_response(read_frame(s))
+        assert (rid, status) == (3, Status.OK)
+        assert rows[0][0] == Outcome.IN_PROGRESS.value  # the first claim holds it
+        assert server.counters["errors"] == 1
 
 
 def test_the_reader_says_what_it_holds() -> None:
@@ -429,32 +440,17 @@ def test_frames_already_read_are_served_without_a_deadline_each(
         return await real_within(aw, seconds)
 
     monkeypatch.setattr(server_mod, "_within", counting)
-    store = DedupStore.open(tmp_path / "data")
-    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
-    server = DaemonServer(store, home / "d.sock")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
-    thread.start()
     ns = unique_ns("burst")
-    try:
-        wait_until(lambda: (home / "d.sock").exists(), "the socket")
-        with connect(home / "d.sock") as s:
-            assert protocol.decode_response(
-                (s.sendall(protocol.encode_request(1, Op.PING, {})), read_frame(s))[1]
-            ) == (1, Status.OK, "pong")
-            before = deadlines
-            burst = b"".join(_claim(10 + i, ns, [f"k{i}"]) for i in range(40))
-            s.sendall(burst)  # one write: the daemon reads all 40 frames at once
-            for i in range(40):
-                rid, status, rows = protocol.decode_response(read_frame(s))
-                assert (rid, status) == (10 + i, Status.OK)
-                assert rows[0][0] == Outcome.NEW.value
-        # Two deadlines per request before; now the wait for the burst, and the one
-        # for what comes after it.
-        assert deadlines - before <= 4, deadlines - before
-    finally:
-        loop.call_soon_threadsafe(server.stop)
-        thread.join(PATIENCE)
-        loop.close()
-        store.close()
-        shutil.rmtree(home, ignore_errors=True)
+    with _serving(DedupStore.open(tmp_path / "data")) as (_server, sock), connect(sock) as s:
+        s.sendall(protocol.encode_request(1, Op.PING, {}))
+        assert protocol.decode_response(read_frame(s)) == (1, Status.OK, "pong")
+        before = deadlines
+        burst = b"".join(_claim(10 + i, ns, [f"k{i}"]) for i in range(40))
+        s.sendall(burst)  # one write: the daemon reads all 40 frames at once
+        for i in range(40):
+            rid, status, rows = protocol.decode_response(read_frame(s))
+            assert (rid, status) == (10 + i, Status.OK)
+            assert rows[0][0] == Outcome.NEW.value
+    # Two deadlines per request before; now the wait for the burst, and the one
+    # for what comes after it.
+    assert deadlines - before <= 4, deadlines - before
