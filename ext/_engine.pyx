@@ -837,17 +837,6 @@ cdef class ClaimTable:
             dc_stage_free(&self.stage)
             self.staged = False
 
-    def staged_digests(self):
-        """Digests of the staged records that go to the log, concatenated."""
-        cdef size_t i
-        cdef list parts = []
-        if not self.staged:
-            return b""
-        for i in range(self.stage.n):
-            if not self.stage.recs[i].renewal:
-                parts.append(PyBytes_FromStringAndSize(<const char*>self.stage.recs[i].digest, 16))
-        return b"".join(parts)
-
     @property
     def pending(self):
         """Records changed since the last :meth:`take_changes` (a record changed twice
