@@ -1,5 +1,6 @@
-"""Builds dedupcore's native core: ext/_core.pyx (hashing, Bloom filters, sharding) as
-dedupcore._core and ext/_engine.pyx (the embedded store's claim engine) as dedupcore._engine."""
+"""Builds dedupcore's native core: ext/_core.pyx (hashing, Bloom and binary fuse filters,
+sharding) as dedupcore._core and ext/_engine.pyx (the embedded store's claim engine) as
+dedupcore._engine."""
 
 import sys
 
@@ -13,7 +14,7 @@ extensions = [
         "dedupcore._core",
         sources=["ext/_core.pyx"],
         include_dirs=["ext"],
-        depends=["ext/dc_hash.h"],
+        depends=["ext/dc_hash.h", "ext/dc_fuse.h"],
         extra_compile_args=compile_args,
     ),
     Extension(

@@ -1,5 +1,6 @@
 # cython: language_level=3, embedsignature=True, cdivision=True
-"""Native core of dedupcore: stable hashing, split-block Bloom filters, sharding.
+"""Native core of dedupcore: stable hashing, split-block Bloom filters, binary fuse
+filters, sharding.
 
 This module is private. Public names live in :mod:`dedupcore` (``hash64``,
 ``BloomFilter``, ``BloomRing``, ``shard_of``, ``shard_many``), which add sizing,
@@ -10,6 +11,10 @@ Batch operations work in chunks: with the GIL held they collect each key's
 bytes pointer, then with the GIL released they hash the chunk into a scratch
 array and probe the blocks, prefetching a few keys ahead so that the memory
 latency of one probe overlaps with the work on the next.
+
+:class:`FuseFilter` is the static filter of sealed cold-archive slices
+(docs/warm-tier.md, "The cold archive"): built once from a set of key hashes,
+then only queried, alone or next to Bloom filters in :func:`probe_many`.
 """
 
 from libc.stdint cimport uint64_t, uint32_t, int32_t
@@ -59,6 +64,30 @@ cdef extern from "dc_hash.h" nogil:
     uint64_t dc_add_batch(uint64_t* blocks, uint64_t nblocks, const uint64_t* h, size_t n,
                           unsigned char* flags)
     const uint32_t DC_SALT[8]
+
+# After dc_hash.h, which it builds on (and which cannot be included twice).
+cdef extern from "dc_fuse.h" nogil:
+    ctypedef struct dc_fuse_t:
+        uint64_t seed
+        uint64_t segment_length
+        uint64_t segment_length_mask
+        uint64_t segment_count_length
+        uint64_t array_length
+        const unsigned char* fp
+    enum:
+        DC_FUSE_OK
+        DC_FUSE_NOMEM
+        DC_FUSE_TOO_MANY
+        DC_FUSE_FAILED
+        DC_FUSE_MAX_ATTEMPTS
+    const unsigned int DC_FUSE_MAX_SEGMENT_LENGTH
+    const unsigned long long DC_FUSE_MAX_ARRAY_LENGTH
+    int dc_fuse_contains(const dc_fuse_t* f, uint64_t h)
+    void dc_fuse_contains_batch(const dc_fuse_t* f, const uint64_t* h, size_t n,
+                                unsigned char* flags)
+    int dc_fuse_build(const void* hashes, size_t n, uint64_t seed, dc_fuse_t* f,
+                      unsigned char** body, uint64_t* count)
+    void dc_fuse_free(void* p, size_t size)
 
 #: Format constants shared with the Python layer and the file header.
 HASH_ALGORITHM_XXH64 = 1
@@ -591,58 +620,370 @@ cdef class BlockFilter:
         return h
 
 
+# ------------------------------------------------------------ fuse filter --
+
+#: Largest segment and array lengths a fuse filter may have (its slots are
+#: indexed by uint32).
+FUSE_MAX_SEGMENT_LENGTH = DC_FUSE_MAX_SEGMENT_LENGTH
+FUSE_MAX_ARRAY_LENGTH = DC_FUSE_MAX_ARRAY_LENGTH
+
+_BYTE_FORMATS = frozenset(("B", "b", "c", "@B", "@b", "=B", "=b", "<B", "<b"))
+
+
+cdef object _hash_buffer(object obj, str what):
+    """``obj`` as a C-contiguous memoryview of uint64 hashes, or a precise error.
+
+    Accepts a 1-d buffer of format 'Q' (or 'L' of 8 bytes) or a bytes-like
+    object whose length is a multiple of 8 (native byte order).
+    """
+    if isinstance(obj, str):
+        raise TypeError(f"{what} must be a buffer of uint64 hashes, not str")
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"{what} must be a buffer of uint64 hashes (format 'Q') or bytes, "
+                        f"not {type(obj).__name__}") from None
+    if mv.ndim != 1:
+        raise TypeError(f"{what} must be a 1-d buffer of uint64 hashes, got ndim={mv.ndim}")
+    if mv.format in _BYTE_FORMATS and mv.itemsize == 1:
+        if mv.nbytes % 8:
+            raise ValueError(f"{what} is {mv.nbytes} bytes, not a multiple of 8 "
+                             f"(a whole number of uint64 hashes)")
+    elif mv.format not in _UINT64_FORMATS or mv.itemsize != 8:
+        raise TypeError(f"{what} must be a buffer of uint64 hashes (format 'Q') or bytes, "
+                        f"got format={mv.format!r} itemsize={mv.itemsize}")
+    if not mv.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (copy a strided view first)")
+    return mv
+
+
+cdef uint64_t _param_arg(object v, str what) except? 0:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"fuse filter parameter {what} must be an int, not {type(v).__name__}")
+    if not 0 <= v <= 0xFFFFFFFFFFFFFFFF:
+        raise ValueError(f"fuse filter parameter {what} must be in 0..2**64-1, got {v}")
+    return <uint64_t>v
+
+
+cdef class FuseFilter:
+    """A binary fuse filter with 16-bit fingerprints: a static set of key hashes.
+
+    About 2.25 bytes per key (1.125 slots of 16 bits) with a false-positive
+    rate of 2**-16, three memory accesses per query. It cannot take keys: it
+    is built once from every key hash of a sealed slice with :meth:`build`,
+    or attached to a saved body (a memory-mapped file) with :meth:`_attach`,
+    and is immutable afterwards, so queries from any number of threads need
+    no lock (docs/warm-tier.md, "The cold archive").
+
+    A key hash ``h`` (``hash64(key, seed)`` with the seed of the ring) is
+    mixed with the filter's internal seed, ``x = murmur64(h + seed)``; ``x``
+    picks three slots in three consecutive segments, and the key is held
+    when the XOR of their fingerprints is the 16-bit fingerprint of ``x``.
+    The body is ``array_length`` little-endian uint16 fingerprints.
+
+    ``params`` is ``(seed, segment_length, segment_count_length,
+    array_length)``: everything besides the body a query needs. A filter
+    built from no keys holds nothing (``count == 0``).
+    """
+    cdef dc_fuse_t f
+    cdef uint64_t _count
+    cdef unsigned char* _owned      # the body when built here (else NULL)
+    cdef Py_buffer _view            # the body when attached
+    cdef bint _has_view
+
+    def __cinit__(self):
+        memset(&self.f, 0, sizeof(dc_fuse_t))
+        self._count = 0
+        self._owned = NULL
+        self._has_view = False
+
+    def __dealloc__(self):
+        if self._owned != NULL:
+            dc_fuse_free(self._owned, self.f.array_length * 2)
+            self._owned = NULL
+        if self._has_view:
+            PyBuffer_Release(&self._view)
+            self._has_view = False
+        self.f.fp = NULL
+
+    cdef inline int _check(self) except -1:
+        if self.f.fp == NULL:
+            raise ValueError("fuse filter is not initialised: make one with "
+                             "FuseFilter.build() or attach a body with _attach()")
+        return 0
+
+    @staticmethod
+    def build(hashes, seed=0):
+        """A filter holding every hash of ``hashes`` (a C-contiguous uint64 buffer).
+
+        ``hashes`` is a 1-d buffer of format 'Q' or a bytes-like object of a
+        multiple of 8 bytes; duplicates are allowed (``count`` is the number
+        of distinct hashes) and so is an empty buffer. The GIL is released
+        for the whole construction. Should a construction fail it is retried
+        with the next internal seed of a sequence derived from ``seed``, so
+        the same set of hashes and the same ``seed`` always give the same
+        bytes, whatever the order and repetition of the hashes.
+        """
+        cdef uint64_t s = _seed_arg(seed)
+        mv = _hash_buffer(hashes, "hashes")
+        cdef Py_buffer view
+        cdef dc_fuse_t geo
+        cdef unsigned char* body = NULL
+        cdef uint64_t count = 0
+        cdef int rc
+        cdef size_t n
+        PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
+        try:
+            n = <size_t>view.len // 8
+            with nogil:
+                rc = dc_fuse_build(view.buf, n, s, &geo, &body, &count)
+        finally:
+            PyBuffer_Release(&view)
+        if rc == DC_FUSE_NOMEM:
+            raise MemoryError(f"cannot allocate the working memory of a fuse filter "
+                              f"of {n} keys (about {int(n) * 32} bytes)")
+        if rc == DC_FUSE_TOO_MANY:
+            raise ValueError(f"too many distinct keys for one fuse filter ({n} given): "
+                             f"its array is limited to {DC_FUSE_MAX_ARRAY_LENGTH} slots")
+        if rc != DC_FUSE_OK:
+            raise RuntimeError(f"fuse filter construction failed with "
+                               f"{DC_FUSE_MAX_ATTEMPTS} seeds")
+        cdef FuseFilter ff = FuseFilter.__new__(FuseFilter)
+        ff.f = geo
+        ff.f.fp = body
+        ff._owned = body
+        ff._count = count
+        return ff
+
+    def _attach(self, buffer, params, count):
+        """Uses ``buffer`` as the body, without copying (a memory-mapped file, bytes).
+
+        ``params`` as :attr:`params` returns them, ``(seed, segment_length,
+        segment_count_length, array_length)``, and ``count`` the number of
+        keys the filter was built from. They must be self-consistent and the
+        buffer exactly ``array_length * 2`` bytes (C-contiguous), else
+        ValueError. The buffer stays exported until the filter is dropped.
+        A filter takes a body once: it is immutable afterwards.
+        """
+        if self.f.fp != NULL:
+            raise ValueError("fuse filter already has a body (a FuseFilter is immutable)")
+        if not isinstance(params, tuple):
+            raise TypeError(f"params must be a tuple of ints, not {type(params).__name__}")
+        if len(params) != 4:
+            raise ValueError(f"expected 4 fuse filter parameters (seed, segment_length, "
+                             f"segment_count_length, array_length), got {len(params)}")
+        cdef uint64_t seed = _param_arg(params[0], "seed")
+        cdef uint64_t sl = _param_arg(params[1], "segment_length")
+        cdef uint64_t scl = _param_arg(params[2], "segment_count_length")
+        cdef uint64_t al = _param_arg(params[3], "array_length")
+        cdef uint64_t n = _param_arg(count, "count")
+        if sl == 0 or sl > DC_FUSE_MAX_SEGMENT_LENGTH or (sl & (sl - 1)) != 0:
+            raise ValueError(f"segment_length must be a power of two in "
+                             f"1..{DC_FUSE_MAX_SEGMENT_LENGTH}, got {sl}")
+        if scl == 0 or scl % sl != 0:
+            raise ValueError(f"segment_count_length must be a positive multiple of "
+                             f"segment_length {sl}, got {scl}")
+        if al > DC_FUSE_MAX_ARRAY_LENGTH:
+            raise ValueError(f"array_length must be at most {DC_FUSE_MAX_ARRAY_LENGTH}, "
+                             f"got {al}")
+        if scl >= al:
+            raise ValueError(f"segment_count_length {scl} must be less than "
+                             f"array_length {al}")
+        if al != scl + 2 * sl:
+            raise ValueError(f"array_length must be segment_count_length + 2 * "
+                             f"segment_length = {scl + 2 * sl}, got {al}")
+        if n > al:
+            raise ValueError(f"count {n} exceeds the {al} slots of the filter")
+        if isinstance(buffer, str):
+            raise TypeError("body must be a bytes-like buffer, not str")
+        try:
+            mv = memoryview(buffer)
+        except TypeError:
+            raise TypeError(f"body must be a bytes-like buffer, "
+                            f"not {type(buffer).__name__}") from None
+        if not mv.c_contiguous:
+            raise ValueError("body must be a C-contiguous buffer")
+        if <uint64_t>mv.nbytes != al * 2:
+            raise ValueError(f"body is {mv.nbytes} bytes, the parameters need "
+                             f"{al * 2} (array_length {al} * 2)")
+        PyObject_GetBuffer(mv, &self._view, PyBUF_SIMPLE)
+        self._has_view = True
+        self.f.seed = seed
+        self.f.segment_length = sl
+        self.f.segment_length_mask = sl - 1
+        self.f.segment_count_length = scl
+        self.f.array_length = al
+        self._count = n
+        self.f.fp = <const unsigned char*>self._view.buf
+
+    # -- geometry and state ------------------------------------------------
+
+    @property
+    def params(self):
+        """``(seed, segment_length, segment_count_length, array_length)``.
+
+        With the body and ``count``, everything :meth:`_attach` needs.
+        """
+        self._check()
+        return (self.f.seed, self.f.segment_length, self.f.segment_count_length,
+                self.f.array_length)
+
+    @property
+    def count(self):
+        """Number of distinct key hashes the filter was built from."""
+        return self._count
+
+    @property
+    def nbytes(self):
+        """Size of the body in bytes (``array_length * 2``)."""
+        return self.f.array_length * 2
+
+    def __len__(self):
+        return self._count
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        self._check()
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("fuse filter body is read-only")
+        buffer.buf = <void*>self.f.fp
+        buffer.obj = self
+        buffer.len = self.f.array_length * 2
+        buffer.readonly = 1
+        buffer.itemsize = 1
+        buffer.format = NULL
+        buffer.ndim = 1
+        buffer.shape = NULL
+        buffer.strides = NULL
+        buffer.suboffsets = NULL
+        buffer.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        pass
+
+    # -- queries -----------------------------------------------------------
+
+    def contains_hash(self, uint64_t h):
+        """True if a pre-hashed key may be in the filter."""
+        self._check()
+        return self._count != 0 and bool(dc_fuse_contains(&self.f, h))
+
+    def contains_many(self, hashes):
+        """Membership of each hash of a uint64 buffer, as a ``memoryview`` of bools."""
+        self._check()
+        mv = _hash_buffer(hashes, "hashes")
+        cdef Py_buffer view
+        cdef size_t n
+        cdef unsigned char* flags
+        PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
+        try:
+            n = <size_t>view.len // 8
+            out = bytearray(n)
+            flags = <unsigned char*>PyByteArray_AS_STRING(out)
+            if n and self._count:
+                with nogil:
+                    dc_fuse_contains_batch(&self.f, <const uint64_t*>view.buf, n, flags)
+        finally:
+            PyBuffer_Release(&view)
+        return memoryview(out).cast("?")
+
+    def _checksum(self):
+        """XXH64 (seed 0) of the body bytes, as stored in the file header."""
+        self._check()
+        cdef uint64_t h
+        cdef const void* p = self.f.fp
+        cdef size_t n = self.f.array_length * 2
+        with nogil:
+            h = dc_xxh64(p, n, 0)
+        return h
+
+
 cdef struct FilterRef:
     uint64_t* blocks
     uint64_t nblocks
 
 
-def probe_many(tuple filters, keys, BlockFilter target, uint64_t seed):
+def probe_many(tuple filters, keys, target, uint64_t seed):
     """Probes a batch of keys against several filters, optionally adding them to one.
 
     Each key is hashed once (with the seed every filter shares). Without
-    ``target`` the result says, per key, whether any filter may hold it. With
-    ``target`` each key is then added to it, and the result says whether the
-    key was new: absent from every filter (``target`` included) before.
+    ``target`` the result says, per key, whether any filter may hold it;
+    ``filters`` may then mix :class:`BlockFilter` and :class:`FuseFilter`
+    objects, a fuse filter being probed with the same 64-bit hash (it mixes
+    in its own seed). With ``target`` (a BlockFilter) each key is then added
+    to it, and the result says whether the key was new: absent from every
+    filter (``target`` included) before; a fuse filter takes no part then.
     This serves ``BloomFilter.add_many``/``contains_many`` and the ring.
     """
-    cdef Py_ssize_t nf = len(filters), f
+    cdef Py_ssize_t nf = len(filters), f, nbloom = 0, nfuse = 0
     cdef BlockFilter bf
+    cdef FuseFilter ff
+    cdef BlockFilter tgt = None
     if target is not None:
-        target._check_writable()
-        if target._seed != seed:
+        if isinstance(target, FuseFilter):
+            raise TypeError("a FuseFilter cannot be the target of probe_many: "
+                            "it is static and takes no keys")
+        if not isinstance(target, BlockFilter):
+            raise TypeError(f"target must be a BlockFilter or None, "
+                            f"not {type(target).__name__}")
+        tgt = <BlockFilter>target
+        tgt._check_writable()
+        if tgt._seed != seed:
             raise ValueError("filters of one probe must share their hash seed")
     cdef FilterRef* refs = <FilterRef*>malloc((nf + 1) * sizeof(FilterRef))
     if refs == NULL:
         raise MemoryError()
+    cdef dc_fuse_t* fuses = NULL
     try:
         for f in range(nf):
-            bf = filters[f]
-            bf._check()
-            if bf._seed != seed:
-                raise ValueError("filters of one probe must share their hash seed")
-            refs[f].blocks = bf.blocks
-            refs[f].nblocks = bf._nblocks
-        if target is None and isinstance(keys, (list, tuple)):
+            obj = filters[f]
+            if isinstance(obj, BlockFilter):  # the common case first
+                bf = <BlockFilter>obj
+                bf._check()
+                if bf._seed != seed:
+                    raise ValueError("filters of one probe must share their hash seed")
+                refs[nbloom].blocks = bf.blocks
+                refs[nbloom].nblocks = bf._nblocks
+                nbloom += 1
+                continue
+            if not isinstance(obj, FuseFilter):
+                raise TypeError(f"filters must be BlockFilter or FuseFilter objects, "
+                                f"not {type(obj).__name__}")
+            if tgt is not None:
+                raise TypeError("a FuseFilter cannot take part in a probe with a "
+                                "target: probe it with target=None")
+            ff = <FuseFilter>obj
+            ff._check()
+            if ff._count == 0:
+                continue  # holds nothing
+            if fuses == NULL:
+                fuses = <dc_fuse_t*>malloc(nf * sizeof(dc_fuse_t))
+                if fuses == NULL:
+                    raise MemoryError()
+            fuses[nfuse] = ff.f
+            nfuse += 1
+        if tgt is None and isinstance(keys, (list, tuple)):
             # Nothing changes, so nothing needs validating up front: hash and
             # probe chunk by chunk, prefetching each block as soon as its key
             # is hashed, so fetching blocks overlaps walking the key objects.
             out = bytearray(len(keys))
-            _contains_chunked(refs, nf, keys, seed,
+            _contains_chunked(refs, nbloom, fuses, nfuse, keys, seed,
                               <unsigned char*>PyByteArray_AS_STRING(out))
             return memoryview(out).cast("?")
         batch = KeyBatch(keys, seed)
         out = bytearray(batch.n)
-        _probe_batch(refs, nf, <KeyBatch>batch, target,
+        _probe_batch(refs, nbloom, fuses, nfuse, <KeyBatch>batch, tgt,
                      <unsigned char*>PyByteArray_AS_STRING(out))
         return memoryview(out).cast("?")
     finally:
         free(refs)
+        free(fuses)
 
 
 DEF CONTAINS_CHUNK = 2048
 
 
-cdef int _contains_chunked(FilterRef* refs, Py_ssize_t nf, object keys, uint64_t seed,
+cdef int _contains_chunked(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuses,
+                           Py_ssize_t nfuse, object keys, uint64_t seed,
                            unsigned char* flags) except -1:
     cdef uint64_t h[CONTAINS_CHUNK]
     cdef Py_ssize_t n = len(keys), start = 0, i, m, f
@@ -670,12 +1011,17 @@ cdef int _contains_chunked(FilterRef* refs, Py_ssize_t nf, object keys, uint64_t
         with nogil:
             for f in range(nf):
                 dc_contains_batch(refs[f].blocks, refs[f].nblocks, h, <size_t>m, flags + start)
+            # Fuse filters in a second pass over the same hashes (each batch
+            # prefetches its own slots ahead).
+            for f in range(nfuse):
+                dc_fuse_contains_batch(&fuses[f], h, <size_t>m, flags + start)
         start += m
     return 0
 
 
-cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, KeyBatch batch,
-                      BlockFilter target, unsigned char* flags) except -1:
+cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuses,
+                      Py_ssize_t nfuse, KeyBatch batch, BlockFilter target,
+                      unsigned char* flags) except -1:
     cdef size_t m = <size_t>batch.n
     cdef Py_ssize_t f
     cdef const uint64_t* h = batch.hashes
@@ -689,6 +1035,8 @@ cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, KeyBatch batch,
     with nogil:
         for f in range(nf):
             dc_contains_batch(refs[f].blocks, refs[f].nblocks, h, m, flags)
+        for f in range(nfuse):  # never with a target (probe_many refuses it)
+            dc_fuse_contains_batch(&fuses[f], h, m, flags)
         if has_target:
             pthread_mutex_lock(tlock)
             tcount[0] += dc_add_batch(tblocks, tnblocks, h, m, flags)
