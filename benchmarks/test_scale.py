@@ -264,6 +264,7 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
                 hashes = rng.integers(0, 2**64, size=size, dtype=np.uint64)
                 cold.add_many(window, memoryview(hashes), at, expected=share)
                 del hashes
+            cold.compact()  # what a sweep does next: the slice sealed by this one is rebuilt
         fill = time.perf_counter() - t0
         print("cold fill seconds", fill, flush=True)
         after, inexact = fresh_claims(store, rng)

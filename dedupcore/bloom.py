@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import mmap as _mmap
 import os
@@ -44,6 +45,9 @@ from typing import Any, BinaryIO
 
 import dedupcore._core as _core
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
+from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BloomFilter",
@@ -436,7 +440,8 @@ KNOWN_HEADROOM = 1.05  # and the capacity it adds to that count
 MIN_KNOWN_CAPACITY = 1024  # the smallest slice sized from a known count
 MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"
-RING_FORMAT = 1
+RING_FORMAT = 2  # 2: slices rebuilt as fuse filters, key logs; 1 is read as it is
+FUSE_FPR = 2.0**-16  # a 16-bit fingerprint: the false-positive rate of a fuse slice
 
 
 @dataclass
@@ -444,6 +449,25 @@ class _Slice:
     bucket: int
     filters: list[BloomFilter] = field(default_factory=list)
     sealed: bool = False
+    # A sealed slice rebuilt as a static filter (no Bloom filters left then).
+    fuse: _core.FuseFilter | None = None
+    # The hashes the slice took (persisted rings): the input of that rebuild.
+    log: KeyLog | None = None
+    pending: list[memoryview] = field(default_factory=list)  # not yet in the log
+
+    def count(self) -> int:
+        return self.fuse.count if self.fuse is not None else sum(f.count for f in self.filters)
+
+    def nbytes(self) -> int:
+        return self.fuse.nbytes if self.fuse is not None else sum(f.nbytes for f in self.filters)
+
+    def estimated_fpr(self) -> float:
+        if self.fuse is not None:
+            return FUSE_FPR if self.fuse.count else 0.0
+        miss = 1.0
+        for f in self.filters:
+            miss *= 1.0 - f.estimated_fpr
+        return 1.0 - miss
 
 
 @dataclass(frozen=True)
@@ -459,6 +483,7 @@ class SliceInfo:
     fill_ratio: float
     estimated_fpr: float
     sealed: bool
+    kind: str = "bloom"  # "fuse": rebuilt as a static filter (subfilters 0, fill_ratio 0)
 
 
 class BloomRing:
@@ -480,7 +505,11 @@ class BloomRing:
 
     With ``path``, slices persist as filter files in that directory: a slice
     is saved and reopened memory-mapped when a newer slice replaces it as the
-    head; ``save()`` writes the head and the manifest.
+    head; ``save()`` writes the head and the manifest. Each unsealed slice also
+    keeps a key log (the hashes it took), and :meth:`compact` rebuilds sealed
+    slices from their logs as binary fuse filters: about 2.25 bytes per key
+    at 2**-16 instead of the Bloom filter's share of the budget
+    (dedupcore.fuse; docs/warm-tier.md, "The cold archive").
     """
 
     def __init__(
@@ -502,9 +531,11 @@ class BloomRing:
         self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
         self.path = Path(path) if path is not None else None
         self._slices: list[_Slice] = []
-        self._every: tuple[BloomFilter, ...] | None = ()  # every live filter; None: stale
+        # Every live filter; None: stale.
+        self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
+        self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
         if self.path is not None:
             _mkdir_private(self.path)
 
@@ -528,16 +559,27 @@ class BloomRing:
             if dropped and self.path is not None:
                 self._write_manifest()
                 for s in dropped:
-                    for i in range(len(s.filters)):
-                        _unlink_quiet(self._file(s.bucket, i))
+                    self._unlink_slice(s)
             return len(dropped)
+
+    def _unlink_slice(self, s: _Slice) -> None:
+        """Removes every file a slice may have (Bloom filters, fuse file, key log)."""
+        for i in range(max(1, len(s.filters))):
+            _unlink_quiet(self._file(s.bucket, i))
+        _unlink_quiet(self._fuse_file(s.bucket))
+        _unlink_quiet(self._log_file(s.bucket))
 
     def _head_for(self, now: float, expected: int = 0) -> _Slice:
         _check_time(now)
         bucket = self.bucket_of(now)
         if self._slices and bucket <= self._slices[-1].bucket:
-            # Late keys go to the head, the slice that lives longest.
-            return self._slices[-1]
+            if self._slices[-1].fuse is None:
+                # Late keys go to the head, the slice that lives longest.
+                return self._slices[-1]
+            # The newest slice was rebuilt read-only (a manifest written by
+            # hand, or a clock set back): late keys start the next slice, which
+            # keeps them a slice longer, never shorter.
+            bucket = self._slices[-1].bucket + 1
         base, reserve = self.slice_capacity, GROWTH_TIGHTENING
         if self._slices:
             previous = self._slices[-1]
@@ -556,6 +598,11 @@ class BloomRing:
         head.filters.append(
             BloomFilter(base, self.slice_error_rate * (1 - reserve), seed=self.seed)
         )
+        if self.path is not None:
+            # A log left by a slice of this bucket that never reached the
+            # manifest (a crash) vouches for nothing: start it afresh.
+            _unlink_quiet(self._log_file(bucket))
+            head.log = KeyLog(self._log_file(bucket))
         self._slices.append(head)
         self._every = None
         self.expire(now)
@@ -582,11 +629,13 @@ class BloomRing:
 
     # -- keys ----------------------------------------------------------------
 
-    def _filters(self) -> tuple[BloomFilter, ...]:
-        """Every live filter, oldest first (kept until the set of filters changes)."""
+    def _filters(self) -> tuple[BloomFilter | _core.FuseFilter, ...]:
+        """Every live filter, Bloom or fuse, oldest first (kept until the set changes)."""
         every = self._every
         if every is None:
-            every = self._every = tuple(f for s in self._slices for f in s.filters)
+            every = self._every = tuple(
+                f for s in self._slices for f in ([s.fuse] if s.fuse is not None else s.filters)
+            )
         return every
 
     def add(self, key: bytes | bytearray | memoryview | str, now: float) -> bool:
@@ -597,6 +646,8 @@ class BloomRing:
             target = self._target(head)
             seen = any(f.contains_hash(h) for f in self._filters() if f is not target)
             new = target.add_hash(h)
+            if head.log is not None:
+                head.pending.append(memoryview(struct.pack("<Q", h)).cast("Q"))
             return new and not seen
 
     def add_many(self, keys: Keys, now: float, *, expected: int = 0) -> memoryview[bool]:
@@ -631,6 +682,8 @@ class BloomRing:
             raise ValueError(f"expected must be >= 0, got {expected}")
         with self._lock:
             head = self._head_for(now, expected)
+            if head.log is not None and len(batch):
+                head.pending.append(batch)  # logged before the filter is saved (save())
             parts: list[memoryview[bool]] = []
             start, n = 0, len(batch)
             while start < n or not parts:
@@ -638,7 +691,17 @@ class BloomRing:
                 room = max(1, target.capacity - target.count)
                 chunk = batch[start : start + room]
                 others = tuple(f for f in self._filters() if f is not target) if report else ()
-                parts.append(_core.probe_many(others, chunk, target, self.seed))
+                blooms = tuple(f for f in others if isinstance(f, _core.BlockFilter))
+                flags = _core.probe_many(blooms, chunk, target, self.seed)
+                if len(blooms) < len(others):
+                    # A fuse filter only answers (it takes no keys): a key it may
+                    # hold was not new.
+                    fuses = tuple(f for f in others if not isinstance(f, _core.BlockFilter))
+                    seen = _core.probe_many(fuses, chunk, None, self.seed)
+                    flags = memoryview(
+                        bytes(a and not b for a, b in zip(flags, seen, strict=True))
+                    ).cast("?")
+                parts.append(flags)
                 start += room
             if len(parts) == 1:
                 return parts[0]
@@ -681,10 +744,11 @@ class BloomRing:
 
     @property
     def estimated_fpr(self) -> float:
-        """Probability that an absent key tests positive in some live slice, from the bits set."""
+        """Probability that an absent key tests positive in some live slice, from the bits
+        set (a fuse slice: its fingerprint's 2**-16)."""
         miss = 1.0
-        for f in self._filters():
-            miss *= 1.0 - f.estimated_fpr
+        for s in self._slices:
+            miss *= 1.0 - s.estimated_fpr()
         return 1.0 - miss
 
     def slices(self) -> list[SliceInfo]:
@@ -692,22 +756,20 @@ class BloomRing:
         with self._lock:
             out = []
             for s in self._slices:
-                nbytes = sum(f.nbytes for f in s.filters)
+                nbytes = s.nbytes()
                 bits = sum(f.fill_ratio * f.nbytes for f in s.filters)
-                miss = 1.0
-                for f in s.filters:
-                    miss *= 1.0 - f.estimated_fpr
                 out.append(
                     SliceInfo(
                         bucket=s.bucket,
                         start=s.bucket * self.slice_seconds,
-                        count=sum(f.count for f in s.filters),
-                        capacity=sum(f.capacity for f in s.filters),
+                        count=s.count(),
+                        capacity=sum(f.capacity for f in s.filters) or s.count(),
                         subfilters=len(s.filters),
                         nbytes=nbytes,
-                        fill_ratio=bits / nbytes if nbytes else 0.0,
-                        estimated_fpr=1.0 - miss,
+                        fill_ratio=bits / nbytes if nbytes and s.filters else 0.0,
+                        estimated_fpr=s.estimated_fpr(),
                         sealed=s.sealed,
+                        kind="bloom" if s.fuse is None else "fuse",
                     )
                 )
             return out
@@ -727,11 +789,29 @@ class BloomRing:
         assert self.path is not None
         return self.path / f"slice-{bucket}-{index}.bloom"
 
+    def _fuse_file(self, bucket: int) -> Path:
+        assert self.path is not None
+        return self.path / f"slice-{bucket}.fuse"
+
+    def _log_file(self, bucket: int) -> Path:
+        assert self.path is not None
+        return self.path / f"slice-{bucket}.keys"
+
+    @staticmethod
+    def _flush_keys(s: _Slice) -> None:
+        """Appends the hashes a slice took since the last flush to its key log (fsynced).
+        Called before the slice's filter is saved, so the log never lags the filter."""
+        if s.log is not None:
+            for batch in s.pending:
+                s.log.append(batch)
+        s.pending.clear()
+
     def _seal(self, s: _Slice) -> None:
         """Makes a slice read-only; persisted rings save it and map it back."""
         if s.sealed:
             return
         if self.path is not None:
+            self._flush_keys(s)
             reopened = []
             for i, f in enumerate(s.filters):
                 f.save(self._file(s.bucket, i))
@@ -742,6 +822,64 @@ class BloomRing:
         if self.path is not None:
             self._write_manifest()
 
+    def compact(self) -> int:
+        """Rebuilds sealed slices as binary fuse filters from their key logs; returns how
+        many it rebuilt.
+
+        Runs outside the ring's lock: probes and adds go on meanwhile, against
+        the slice's Bloom filters, which stay its authority until the fuse file
+        and the manifest naming it are durable. A log that cannot prove every
+        hash the manifest vouches for leaves its slice as it is, with a warning
+        (the slice keeps its larger Bloom filters; nothing is lost). The head
+        slice and the slices of rings without a path are never rebuilt.
+        """
+        if self.path is None:
+            return 0
+        rebuilt = 0
+        with self._compacting:
+            while True:
+                with self._lock:
+                    s = next(
+                        (
+                            s
+                            for s in self._slices[:-1]
+                            if s.sealed and s.fuse is None and s.log is not None
+                        ),
+                        None,
+                    )
+                if s is None or s.log is None:
+                    return rebuilt
+                keylog = s.log
+                try:
+                    hashes = keylog.read()
+                    fuse = _core.FuseFilter.build(hashes, self.seed)
+                    # A guard against a builder that lost a key: every logged hash
+                    # must be held before the slice's Bloom filters may go.
+                    held = fuse.contains_many(hashes)
+                    if len(held) and held.cast("B").tobytes().find(b"\0") >= 0:
+                        raise CorruptFileError(f"{keylog.path}: the rebuilt filter misses keys")
+                    del hashes, held
+                    atomic_write(self._fuse_file(s.bucket), fuse_file_chunks(fuse, self.seed))
+                    del fuse
+                    mapped, _ = open_fuse(self._fuse_file(s.bucket))
+                except (CorruptFileError, OSError) as exc:
+                    log.warning("cold slice %d stays a Bloom filter: %s", s.bucket, exc)
+                    with self._lock:
+                        s.log = None
+                    continue
+                with self._lock:
+                    if s not in self._slices:  # expired meanwhile
+                        _unlink_quiet(self._fuse_file(s.bucket))
+                        continue
+                    old = len(s.filters)
+                    s.fuse, s.filters, s.log = mapped, [], None
+                    self._every = None
+                    self._write_manifest()
+                    for i in range(old):
+                        _unlink_quiet(self._file(s.bucket, i))
+                    _unlink_quiet(self._log_file(s.bucket))
+                rebuilt += 1
+
     def save(self) -> None:
         """Writes the unsealed head slice and the manifest to ``path``."""
         if self.path is None:
@@ -749,6 +887,7 @@ class BloomRing:
         with self._lock:
             for s in self._slices:
                 if not s.sealed:
+                    self._flush_keys(s)
                     for i, f in enumerate(s.filters):
                         # A sub-filter that took no key since it was saved is on disk
                         # as it is (a full one never changes again).
@@ -763,6 +902,7 @@ class BloomRing:
         """Writes the manifest, after every file it names (unsealed heads are saved first)."""
         for s in self._slices:
             if not s.sealed:
+                self._flush_keys(s)
                 for i, f in enumerate(s.filters):
                     if not self._file(s.bucket, i).exists():
                         f.save(self._file(s.bucket, i))
@@ -773,21 +913,35 @@ class BloomRing:
             "slice_capacity": self.slice_capacity,
             "error_rate": self.error_rate,
             "seed": self.seed,
-            "slices": [
-                {"bucket": s.bucket, "subfilters": len(s.filters), "sealed": s.sealed}
-                for s in self._slices
-            ],
+            "slices": [self._manifest_entry(s) for s in self._slices],
         }
         data = json.dumps(manifest, indent=1).encode()
         assert self.path is not None
         atomic_write(self.path / RING_MANIFEST, [data])
 
+    @staticmethod
+    def _manifest_entry(s: _Slice) -> dict[str, Any]:
+        if s.fuse is not None:
+            return {"bucket": s.bucket, "kind": "fuse", "sealed": True}
+        entry: dict[str, Any] = {
+            "bucket": s.bucket,
+            "subfilters": len(s.filters),
+            "sealed": s.sealed,
+        }
+        if s.log is not None:
+            entry["keys"] = s.log.hashes  # what the log must prove to be rebuilt from
+        return entry
+
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, verify: bool = True) -> BloomRing:
+    def open(
+        cls, path: str | os.PathLike[str], *, verify: bool = True, readonly: bool = False
+    ) -> BloomRing:
         """Reopens a saved ring: sealed slices memory-mapped, the head writable.
 
         A missing or damaged manifest or slice file raises
         :class:`CorruptFileError`; the caller decides whether to rebuild.
+        ``readonly``: a view of a ring another process may be writing; nothing
+        on disk is touched (no torn key-log tail cut, no leftover removed).
         """
         root = Path(path)
         manifest_path = root / RING_MANIFEST
@@ -812,23 +966,44 @@ class BloomRing:
                 seed=manifest["seed"],
                 path=root,
             )
-            if fmt != RING_FORMAT or isinstance(fmt, bool):
-                raise ValueError(f"format {fmt!r} is not {RING_FORMAT}")
+            if fmt not in (1, RING_FORMAT) or isinstance(fmt, bool):
+                raise ValueError(f"format {fmt!r} is not 1 or {RING_FORMAT}")
             if not isinstance(manifest["slices"], list):
                 raise TypeError("slices is not a list")
             entries = [_manifest_slice(e) for e in manifest["slices"]]
-            buckets = [b for b, _, _ in entries]
+            buckets = [e.bucket for e in entries]
             if buckets != sorted(set(buckets)):
                 raise ValueError("slices are not in increasing bucket order")
         except UnsupportedFormatError:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptFileError(f"{manifest_path}: damaged ring manifest: {exc}") from exc
-        for n, (bucket, count, sealed) in enumerate(entries):
+        if not readonly:
+            for stale in root.glob(".*.tmp"):  # a write a crash cut short (atomic_write)
+                _unlink_quiet(stale)
+        for n, entry in enumerate(entries):
+            bucket, count, sealed = entry.bucket, entry.subfilters, entry.sealed
+            if entry.fuse:
+                ring._slices.append(ring._open_fuse_slice(bucket, verify, readonly))
+                continue
             if n == len(entries) - 1:
                 # The newest slice is the head again: writable, so late keys have a home.
                 sealed = False
             s = _Slice(bucket, sealed=sealed)
+            if entry.keys is not None:
+                if sealed:
+                    # Read (and proved) when the slice is rebuilt (compact()).
+                    if ring._log_file(bucket).exists():
+                        s.log = KeyLog(ring._log_file(bucket), entry.keys)
+                elif not readonly:
+                    s.log = KeyLog.resume(ring._log_file(bucket), entry.keys)
+                if s.log is None and not readonly:
+                    log.warning(
+                        "%s: the key log cannot prove the %d hashes the manifest vouches "
+                        "for; the slice stays a Bloom filter",
+                        ring._log_file(bucket),
+                        entry.keys,
+                    )
             for i in range(count):
                 try:
                     f = BloomFilter.open(ring._file(bucket, i), mmap=sealed, verify=verify)
@@ -843,19 +1018,61 @@ class BloomRing:
         ring._every = None
         return ring
 
+    def _open_fuse_slice(self, bucket: int, verify: bool, readonly: bool) -> _Slice:
+        """A rebuilt slice of a reopened ring; files a crash left beside it are removed."""
+        path = self._fuse_file(bucket)
+        try:
+            fuse, seed = open_fuse(path, verify=verify)
+        except FileNotFoundError:
+            raise CorruptFileError(f"{path}: slice file named by the manifest is missing") from None
+        if seed != self.seed:
+            raise CorruptFileError(f"{path}: seed differs from the ring")
+        s = _Slice(bucket, sealed=True, fuse=fuse)
+        if not readonly:
+            self._unlink_slice_rest(s)
+        return s
 
-def _manifest_slice(entry: object) -> tuple[int, int, bool]:
-    """(bucket, subfilters, sealed) of a manifest slice entry, strictly typed."""
+    def _unlink_slice_rest(self, s: _Slice) -> None:
+        """The Bloom filters and key log of a rebuilt slice: a crash may leave them after
+        the manifest named the fuse file."""
+        assert self.path is not None
+        for stale in self.path.glob(f"slice-{s.bucket}-*.bloom"):
+            _unlink_quiet(stale)
+        _unlink_quiet(self._log_file(s.bucket))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    bucket: int
+    subfilters: int
+    sealed: bool
+    fuse: bool
+    keys: int | None  # hashes the slice's key log must prove (None: no log)
+
+
+def _manifest_slice(entry: object) -> _Entry:
+    """A manifest slice entry, strictly typed."""
     if not isinstance(entry, dict):
         raise TypeError("slice entry is not an object")
-    bucket, count, sealed = entry["bucket"], entry["subfilters"], entry["sealed"]
+    bucket, sealed = entry["bucket"], entry["sealed"]
     if isinstance(bucket, bool) or not isinstance(bucket, int):
         raise TypeError(f"slice bucket must be an int, got {bucket!r}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"slice subfilters must be an int >= 1, got {count!r}")
     if not isinstance(sealed, bool):
         raise TypeError(f"slice sealed must be a bool, got {sealed!r}")
-    return bucket, count, sealed
+    kind = entry.get("kind", "bloom")
+    if kind == "fuse":
+        if not sealed:
+            raise ValueError(f"fuse slice {bucket} is not sealed")
+        return _Entry(bucket, 0, True, True, None)
+    if kind != "bloom":
+        raise ValueError(f"slice kind must be bloom or fuse, got {kind!r}")
+    count = entry["subfilters"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"slice subfilters must be an int >= 1, got {count!r}")
+    keys = entry.get("keys")
+    if keys is not None and (isinstance(keys, bool) or not isinstance(keys, int) or keys < 0):
+        raise ValueError(f"slice keys must be an int >= 0, got {keys!r}")
+    return _Entry(bucket, count, sealed, False, keys)
 
 
 def _check_positive(name: str, value: object) -> float:

@@ -395,6 +395,7 @@ class TieredStore(ClaimAPI):
                 add(namespace, expiring(namespace, 2 * self.sweep_interval, count=limit))
         if archive is not None:
             archive.expire(now_w)
+            archive.compact()  # sealed slices rebuilt as fuse filters
         self._counts["demoted"] += moved
         return moved
 

@@ -1015,6 +1015,9 @@ class DedupStore(ClaimAPI):
             self._cold.expire(now_w)
             self._stats.demoted += demoted
             self._last_sweep = time.monotonic()
+        # Outside both locks: a large slice takes seconds, and claims probe
+        # its Bloom filters meanwhile (docs/warm-tier.md, "The cold archive").
+        self._cold.compact()
         return demoted
 
     def _cold_expected(self, cold_window: float, now: float, demoting: int, scanned: int) -> int:

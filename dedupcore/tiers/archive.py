@@ -1,4 +1,4 @@
-"""The cold archive: sealed, checksummed Bloom slices per cold window.
+"""The cold archive: sealed, checksummed filter slices per cold window.
 
 Keys demoted from an exact tier go into the ring of their namespace's
 ``cold_window``; a key found only here is answered DUPLICATE with
@@ -26,7 +26,8 @@ class ColdArchive:
 
     ``add`` writes, fsyncs and renames the touched ring's files into place
     before it returns, so a caller can delete the exact records afterwards
-    (copy, then delete).
+    (copy, then delete). A slice is a Bloom filter while it takes keys and is
+    rebuilt as a binary fuse filter once sealed (:meth:`compact`).
     """
 
     def __init__(
@@ -44,7 +45,8 @@ class ColdArchive:
         for window in sorted({float(w) for w in windows if w > 0}):
             ring_path = None if self.path is None else self.path / f"{window:g}"
             if ring_path is not None and (ring_path / "ring.json").exists():
-                self.rings[window] = BloomRing.open(ring_path)  # damage is an error
+                # Damage is an error.
+                self.rings[window] = BloomRing.open(ring_path, readonly=readonly)
             elif ring_path is not None and any(ring_path.glob("slice-*.bloom")):
                 # Slices without their manifest cannot be read, and an empty
                 # archive would answer NEW for keys it holds.
@@ -107,6 +109,14 @@ class ColdArchive:
         if ring.path is not None:
             ring.save()
         return len(hashes)
+
+    def compact(self) -> int:
+        """Rebuilds the rings' sealed slices as fuse filters (:meth:`BloomRing.compact`);
+        returns how many. It can take seconds for a large slice: call it outside
+        any lock that claims wait for."""
+        if self.readonly:
+            return 0
+        return sum(ring.compact() for ring in self.rings.values())
 
     def expire(self, now: float) -> None:
         """Drops slices older than their window."""

@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.retry",
     ),
     # files of their own: Bloom filters and rings, the write-ahead log
-    1: ("dedupcore.bloom", "dedupcore.wal"),
+    1: ("dedupcore.fuse", "dedupcore.bloom", "dedupcore.wal"),
     # stores and tiers: the embedded store, LMDB, archive, Redis, SQL, cache
     2: ("dedupcore.tiers.*", "dedupcore.store", "dedupcore.migrate"),
     # built from stores: stacks and shards, write-behind, opening by URL, patterns, metrics

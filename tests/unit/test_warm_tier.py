@@ -175,6 +175,34 @@ def test_slices_dropped_into_one_cold_slice_size_it_for_all_of_them(tmp_path: Pa
         assert all(not c.exact for c in store.claim_many(old, namespace=NS))
 
 
+def test_a_sealed_cold_slice_is_rebuilt_as_a_fuse_filter_by_the_sweep(tmp_path: Path) -> None:
+    """The sweep that starts a new cold slice rebuilds the one it sealed from its
+    key log (docs/warm-tier.md, "Sealed slices become fuse filters"); the keys it
+    demoted are still answered, before and after reopening."""
+    first = [f"first{i}" for i in range(1200)]
+    second = [f"second{i}" for i in range(1200)]
+    now = time.time()
+    with _open(tmp_path) as store:
+        _fill(store, first)
+        assert store.sweep(now=now + 200) == 1200
+        _fill(store, second)
+        # 1300 s later: the next cold slice (cold_window / 8 = 1250 s).
+        assert store.sweep(now=now + 1500) == 1200
+        (ring,) = store.stats()["cold"].values()
+        assert [s["kind"] for s in ring["slices"]] == ["fuse", "bloom"]
+        assert [s["count"] for s in ring["slices"]] == [1200, 1200]
+        for c in store.claim_many(first + second, namespace=NS):
+            assert (c.outcome, c.exact) == (Outcome.DUPLICATE, False)
+    (cold_dir,) = [d for d in (tmp_path / "cold").iterdir() if d.is_dir()]
+    names = sorted(p.name for p in cold_dir.iterdir())
+    assert [n for n in names if n.endswith(".fuse")] and len(
+        [n for n in names if n.endswith(".keys")]
+    ) == 1  # only the open slice keeps its log
+    with _open(tmp_path) as store:
+        for c in store.claim_many(first + second, namespace=NS):
+            assert (c.outcome, c.exact) == (Outcome.DUPLICATE, False)
+
+
 def test_a_recent_slice_is_kept_and_an_old_one_goes(tmp_path: Path) -> None:
     with _open(tmp_path) as store:
         _fill(store, [f"a{i}" for i in range(600)])
