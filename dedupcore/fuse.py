@@ -92,12 +92,19 @@ def fuse_file_chunks(fuse: _core.FuseFilter, seed: int) -> list[bytes | memoryvi
     return [_pack_fuse_header(fuse, seed), memoryview(fuse).cast("B")]
 
 
-def open_fuse(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[_core.FuseFilter, int]:
-    """(the filter, memory-mapped read-only, its key hash seed) of a saved fuse file.
+def open_fuse(
+    path: str | os.PathLike[str], *, verify: bool = True, mmap: bool = False
+) -> tuple[_core.FuseFilter, int]:
+    """(the filter, its key hash seed) of a saved fuse file.
 
-    A truncated, damaged or foreign file raises :class:`CorruptFileError`; one
-    from a newer format, :class:`UnsupportedFormatError`. ``verify`` checks the
-    body checksum, reading it once.
+    The body is read into memory of the filter's own, in huge pages where the
+    kernel gives them: a probe makes three random reads, and over a file
+    mapping of 4 KiB pages each is a TLB miss (docs/warm-tier.md, "Sealed
+    slices become fuse filters"). ``mmap=True`` maps the file read-only
+    instead (nothing copied, shared page cache). A truncated, damaged or
+    foreign file raises :class:`CorruptFileError`; one from a newer format,
+    :class:`UnsupportedFormatError`. ``verify`` checks the body checksum,
+    reading it once.
     """
     source = os.fspath(path)
     with open(source, "rb") as fh:
@@ -128,17 +135,24 @@ def open_fuse(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[_co
         if size <= FUSE_HEADER_SIZE:
             raise CorruptFileError(f"{source}: truncated: no body after the header")
         mapped = _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ)
-    if hasattr(mapped, "madvise") and hasattr(_mmap, "MADV_RANDOM"):
+    if mmap and hasattr(mapped, "madvise") and hasattr(_mmap, "MADV_RANDOM"):
         # Probes read three random fingerprints: readahead around each fault
         # only evicts other pages (measured on a cold 8 GiB body: 24 s for
         # 2,000 probes with readahead, 0.03 s without).
         mapped.madvise(_mmap.MADV_RANDOM)
     fuse = _core.FuseFilter()
+    whole = memoryview(mapped)
+    body = whole[FUSE_HEADER_SIZE:]
     try:
         # _attach checks that the body's length is exactly what the parameters say.
-        fuse._attach(memoryview(mapped)[FUSE_HEADER_SIZE:], params[:nparams], count)
+        fuse._attach(body, params[:nparams], count, copy=not mmap)
     except ValueError as exc:
         raise CorruptFileError(f"{source}: {exc}") from None
+    finally:
+        if not mmap:  # the filter holds its own copy
+            body.release()
+            whole.release()
+            mapped.close()
     if verify and fuse._checksum() != body_sum:
         raise CorruptFileError(f"{source}: body checksum mismatch")
     return fuse, seed

@@ -755,7 +755,7 @@ cdef class FuseFilter:
         ff._count = count
         return ff
 
-    def _attach(self, buffer, params, count):
+    def _attach(self, buffer, params, count, copy=False):
         """Uses ``buffer`` as the body, without copying (a memory-mapped file, bytes).
 
         ``params`` as :attr:`params` returns them, ``(seed, segment_length,
@@ -764,6 +764,12 @@ cdef class FuseFilter:
         buffer exactly ``array_length * 2`` bytes (C-contiguous), else
         ValueError. The buffer stays exported until the filter is dropped.
         A filter takes a body once: it is immutable afterwards.
+
+        ``copy=True`` copies the body (GIL released) into memory of the
+        filter's own, in transparent huge pages where the kernel gives them,
+        and keeps no reference to ``buffer``: a query's three random reads
+        then miss no TLB entry for a 4 KiB page of a file mapping
+        (docs/warm-tier.md, "Sealed slices become fuse filters").
         """
         if self.f.fp != NULL:
             raise ValueError("fuse filter already has a body (a FuseFilter is immutable)")
@@ -806,15 +812,30 @@ cdef class FuseFilter:
         if <uint64_t>mv.nbytes != al * 2:
             raise ValueError(f"body is {mv.nbytes} bytes, the parameters need "
                              f"{al * 2} (array_length {al} * 2)")
-        PyObject_GetBuffer(mv, &self._view, PyBUF_SIMPLE)
-        self._has_view = True
+        cdef unsigned char* body = NULL
+        cdef Py_buffer src
+        cdef size_t nbytes = <size_t>(al * 2)
+        if copy:
+            body = <unsigned char*>dc_alloc_body(nbytes)
+            if body == NULL:
+                raise MemoryError(f"cannot allocate a fuse filter body of {nbytes} bytes")
+            PyObject_GetBuffer(mv, &src, PyBUF_SIMPLE)
+            try:
+                with nogil:
+                    memcpy(body, src.buf, nbytes)
+            finally:
+                PyBuffer_Release(&src)
+            self._owned = body
+        else:
+            PyObject_GetBuffer(mv, &self._view, PyBUF_SIMPLE)
+            self._has_view = True
         self.f.seed = seed
         self.f.segment_length = sl
         self.f.segment_length_mask = sl - 1
         self.f.segment_count_length = scl
         self.f.array_length = al
         self._count = n
-        self.f.fp = <const unsigned char*>self._view.buf
+        self.f.fp = body if copy else <const unsigned char*>self._view.buf
 
     # -- geometry and state ------------------------------------------------
 

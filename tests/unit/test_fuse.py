@@ -288,6 +288,30 @@ def test_attach_round_trip_via_mmap(tmp_path: Path) -> None:
     mapped.close()
 
 
+def test_attach_with_copy_keeps_no_reference_to_the_source(tmp_path: Path) -> None:
+    keys = random_hashes(30_000, 19)
+    ff = FuseFilter.build(keys, 7)
+    path = tmp_path / "slice.fuse"
+    path.write_bytes(bytes(memoryview(ff)))
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(mapped)
+    copy = FuseFilter()
+    copy._attach(view, ff.params, ff.count, copy=True)
+    view.release()
+    mapped.close()  # nothing exported: the filter owns its body
+    path.write_bytes(b"\0" * ff.nbytes)
+    assert held(copy, keys).all()
+    assert copy._checksum() == ff._checksum()
+    source = bytearray(memoryview(ff))
+    other = FuseFilter()
+    other._attach(source, ff.params, ff.count, copy=True)
+    source[:] = bytes(len(source))  # changing the source changes nothing
+    assert bytes(memoryview(other)) == bytes(memoryview(ff))
+    with pytest.raises(ValueError, match="bytes"):
+        FuseFilter()._attach(source[:-2], ff.params, ff.count, copy=True)
+
+
 def test_attach_an_empty_filter() -> None:
     ff = FuseFilter.build(b"")
     copy = attached(bytes(memoryview(ff)), ff.params, 0)

@@ -261,8 +261,10 @@ def test_missing_fuse_file_is_an_error(tmp_path: Path, make_keys: Keys) -> None:
 def test_fuse_file_round_trip(tmp_path: Path, make_keys: Keys) -> None:
     ring, _ = _filled(tmp_path, make_keys)
     ring.compact()
-    fuse, seed = open_fuse(tmp_path / "slice-0.fuse")
+    fuse, seed = open_fuse(tmp_path / "slice-0.fuse")  # read into memory of its own
     assert seed == 7 and fuse.count == 800
+    mapped, _ = open_fuse(tmp_path / "slice-0.fuse", mmap=True)
+    assert bytes(memoryview(mapped)) == bytes(memoryview(fuse))
     ring2 = BloomRing.open(tmp_path)
     assert ring2.slices()[0].nbytes == fuse.nbytes
 
