@@ -1,7 +1,8 @@
 """``dedupcore serve``: one process owns a data directory and serves it on a Unix socket.
 
 Many consumer processes on a host share one store through this daemon. Each
-connection is read by the event loop. With the embedded store, claims,
+connection is a protocol on the event loop whose data callback parses its frames
+and answers small requests of the embedded store there and then. With the embedded store, claims,
 completions and releases are decided on the loop itself (native work) and
 only the wait for the log goes to one commit thread, which makes every
 request waiting at that moment durable with one group commit; large claim
@@ -72,11 +73,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+
+import msgpack
 
 from dedupcore.api import ClaimAPI, check_fingerprints
 from dedupcore.daemon import protocol
-from dedupcore.daemon.protocol import FrameError, Op
+from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
 from dedupcore.wal import WalFailedError
 
@@ -117,8 +120,6 @@ EXIT_STORE_FAILED = 3
 _REPLY_FIXED = 32
 #: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
 _ROW_FIXED = 32
-#: Read-ahead a connection's stream may hold before the daemon reads a frame from it.
-_STREAM_LIMIT = 16 << 10
 #: A request frame of at most this many bytes is small (a claim of up to a few
 #: thousand keys): it may pass larger ones waiting for the buffer budget, and
 #: while one is being answered, large batches wait between two slices.
@@ -383,27 +384,6 @@ def connection_cap(wanted: int, reserve: int) -> int:
     return wanted
 
 
-class _Reader(asyncio.StreamReader):
-    """A connection's stream reader that says how many bytes it already holds.
-
-    A read those bytes satisfy returns without waiting, so it needs no deadline:
-    the connection's loop skips the ``asyncio.timeout`` (a timer set and
-    cancelled, about 4 µs) for such reads. A small request's frame arrives whole,
-    so its body never waits; with requests pipelined on one connection their
-    headers do not either (docs/daemon.md, "The request path")."""
-
-    def buffered(self) -> int:
-        # StreamReader's own buffer (a bytearray since Python 3.4). A reader
-        # without it reports nothing buffered: every read then has its deadline.
-        buffer = getattr(self, "_buffer", None)
-        return len(buffer) if isinstance(buffer, bytearray) else 0
-
-
-def _buffered(reader: asyncio.StreamReader) -> int:
-    """Bytes ``reader`` holds already (0 for a reader that cannot say)."""
-    return reader.buffered() if isinstance(reader, _Reader) else 0
-
-
 class _Budget:
     """Bytes of request frames held (being read or not yet answered), across connections."""
 
@@ -414,32 +394,32 @@ class _Budget:
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def fits(self, n: int) -> bool:
-        """Whether ``take(n)`` would reserve at once, without waiting."""
+        """Whether ``n`` bytes can be reserved at once, without waiting."""
         return self.used + n <= self.limit and (not self._waiters or n <= SMALL_FRAME)
 
-    async def take(self, n: int) -> None:
-        """Reserves ``n`` bytes, waiting in order while they do not fit."""
-        if self.fits(n):
-            self.used += n
-            return
+    def wait(self, n: int, fut: asyncio.Future[None]) -> tuple[int, asyncio.Future[None]]:
+        """Queues a reservation of ``n`` bytes that does not fit yet: ``fut`` is resolved,
+        in order, once they are reserved. Returns the entry to :meth:`cancel` it by."""
         self.waits += 1
-        fut = asyncio.get_running_loop().create_future()
         entry = (n, fut)
         self._waiters.append(entry)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.give(n)  # granted just as the wait was given up
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
-                self._wake()
-            raise
+        return entry
+
+    def cancel(self, entry: tuple[int, asyncio.Future[None]]) -> None:
+        """Gives up a reservation queued by :meth:`wait` (granted or not)."""
+        n, fut = entry
+        if fut.done() and not fut.cancelled():
+            self.give(n)  # granted just as the wait was given up
+            return
+        fut.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(entry)
+        self._wake()
 
     def give(self, n: int) -> None:
         self.used -= n
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def _wake(self) -> None:
         # In order; a small frame may pass a large one that does not fit yet.
@@ -515,7 +495,9 @@ class _Committer:
         self._store = store
         self._loop = loop
         self._others_in_flight = others_in_flight
-        self._cond = threading.Condition()
+        # A plain lock (not the default RLock): the loop takes it without a Python call.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._waiting: list[tuple[int, asyncio.Future[None]]] = []
         self._running = False  # a round of the commit thread is under way
         self._gathered: list[tuple[int, asyncio.Future[None]]] = []
@@ -525,21 +507,29 @@ class _Committer:
         self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
         self._thread.start()
 
-    def wait(self, lsn: int, *, gather: bool = False) -> asyncio.Future[None]:
+    def wait(self, lsn: int, *, gather: bool = False) -> asyncio.Future[None] | None:
         """A future resolved (on the loop) once the log is durable through ``lsn``.
-        Called on the loop. A lone request with a small commit is committed at once
-        (the future comes back done: no pass of the loop for the hand-over), unless
-        ``gather``: then the commit waits for the end of this pass of the loop, so
-        that requests other connections sent meanwhile share it."""
-        fut = self._loop.create_future()
+        Called on the loop. A lone request with a small commit, unless ``gather``, is
+        committed here and now: None comes back (durable: no future, no pass of the
+        loop for the hand-over), or the commit's error is raised. With ``gather``
+        the commit waits for the end of this pass of the loop, so that requests
+        other connections sent meanwhile share it."""
         if not self._gathered:
             if not gather:
-                with self._cond:
+                with self._lock:
                     lone = self._inline(1)
                 if lone:
-                    self._commit_here([(lsn, fut)])
-                    return fut
+                    self.rounds += 1
+                    self.inline_rounds += 1
+                    try:
+                        self._store.wait_durable(lsn)
+                    except BaseException:
+                        # As _commit: a second wait says whether the records were
+                        # durable before the commit failed, else raises its error.
+                        self._store.wait_durable(lsn)
+                    return None
             self._loop.call_soon(self._hand_over)
+        fut = self._loop.create_future()
         self._gathered.append((lsn, fut))
         return fut
 
@@ -626,6 +616,542 @@ def _resolve(done: list[tuple[asyncio.Future[None], BaseException | None]]) -> N
             fut.set_exception(exc)
 
 
+#: What keeps a connection from reading (``_Connection._blocked``, bits): a request
+#: waits for a slot (max_in_flight), a frame for the buffer budget, the peer to take
+#: its replies (max_unsent); or the connection reads no more requests (shut).
+_SLOT, _BUDGET, _WRITE, _SHUT = 1, 2, 4, 8
+_NEVER = float("inf")
+_header_at = protocol.HEADER.unpack_from
+_header_of = protocol.HEADER.pack
+_unpackb = msgpack.unpackb  # as protocol._unpack calls it
+_OPS = {int(op): op for op in Op}
+_STATUS_OK = int(Status.OK)
+#: A request read while the connection's slots are taken: (body, bytes reserved,
+#: small, the request as decoded, its decision), started once a slot is free.
+_Held = tuple[bytes, int, bool, "protocol.Request | None", "_Decided | None"]
+
+
+def _request_parts(body: bytes) -> tuple[int, Op, dict[str, Any]] | None:
+    """(request id, op, args) of a request frame's body, as ``protocol.decode_request``
+    gives them, without building its Request; None when the body does not decode
+    (``_handle`` then answers why)."""
+    try:
+        msg = _unpackb(body, raw=False, strict_map_key=False)
+    except Exception:
+        msg = None
+    if type(msg) is list and len(msg) == 3:
+        request_id, code, args = msg
+        if (
+            type(request_id) is int
+            and 0 <= request_id <= protocol.MAX_REQUEST_ID
+            and type(code) is int
+            and type(args) is dict
+        ):
+            op = _OPS.get(code)
+            if op is not None:
+                return request_id, op, args
+    # Anything unusual: the protocol's own decoder decides (and names what is wrong).
+    try:
+        request = protocol.decode_request(body)
+    except FrameError:
+        return None
+    return request.request_id, request.op, request.args
+
+
+class _Pending:
+    """A request decided by its connection's reader whose commit is still to come. It is
+    answered from the commit's callback (:meth:`finish`), or with the timeout error
+    once its connection's timer finds ``deadline`` passed."""
+
+    __slots__ = (
+        "conn",
+        "deadline",
+        "done",
+        "durable",
+        "request_id",
+        "reserved",
+        "result",
+        "small",
+        "started",
+    )
+
+    def __init__(
+        self, conn: _Connection, decided: _Decided, reserved: int, small: bool, deadline: float
+    ) -> None:
+        self.conn = conn
+        self.request_id, self.result, self.durable, self.started = decided
+        self.reserved = reserved
+        self.small = small
+        self.deadline = deadline
+        self.done = False
+
+    def finish(self, _: object = None) -> None:
+        if self.done:  # the commit after its timeout, or the timeout after the commit
+            return
+        self.done = True
+        conn = self.conn
+        server = conn.server
+        durable = self.durable
+        if not durable.cancelled():  # cancelled: the loop is closing, nobody is answered
+            if not durable.done():
+                reply = server._error_reply(self.request_id, TimeoutError())
+            else:
+                try:
+                    durable.result()  # raises what the commit raised
+                    reply = server._reply(self.request_id, self.result, self.started)
+                    server.counters["completed_by_commit"] += 1
+                except Exception as exc:
+                    reply = server._error_reply(self.request_id, exc)
+            conn.write(reply)
+        self.result = None
+        pending = conn.pending
+        while pending and pending[0].done:
+            pending.popleft()
+        server._answered(conn, self.reserved, self.small)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection, served from its transport's callbacks (docs/daemon.md,
+    "The request path of the embedded store").
+
+    ``data_received`` parses frames straight out of the connection's own buffer. A
+    small request the embedded store decides at once is answered there and then with
+    ``transport.write``: no task, no future, no timer. A decided request whose commit
+    is still to come is answered from the commit's callback (:class:`_Pending`); every
+    other request is started as a task (``DaemonServer._handle``).
+
+    The connection stops reading (``pause_reading``) while a request waits for one of
+    its ``max_in_flight`` slots, while a frame waits for the shared buffer budget, and
+    while its unsent replies are over ``max_unsent`` (the transport's high-water mark:
+    ``pause_writing``/``resume_writing``). One timer per connection checks its
+    deadlines lazily: the wait for a request (``idle_timeout``, ``_DRAIN_QUIET`` after
+    SIGTERM), a frame not complete within ``request_timeout`` of its header (the wait
+    for the budget included), unsent replies not taken within ``write_timeout``, and
+    commits that outlast ``request_timeout``. A deadline that moves later re-arms
+    nothing: the timer, when it fires, re-arms itself for the earliest one left.
+    """
+
+    __slots__ = (
+        "_blocked",
+        "_budget_wait",
+        "_buf",
+        "_done",
+        "_eof",
+        "_held",
+        "_length",
+        "_lost",
+        "_read_deadline",
+        "_reading",
+        "_timer",
+        "_timer_at",
+        "_write_deadline",
+        "_write_paused",
+        "admitted",
+        "finished",
+        "in_flight",
+        "loop",
+        "pending",
+        "server",
+        "tasks",
+        "transport",
+    )
+
+    def __init__(self, server: DaemonServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.admitted = False
+        #: Resolved once the connection is closed and nothing of it is in flight.
+        self.finished: asyncio.Future[None] | None = None
+        self.in_flight = 0  # requests started (task or commit to come), reply not written
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.pending: deque[_Pending] = deque()  # answered by their commit, oldest first
+        self._buf = bytearray()  # bytes read and not parsed yet
+        self._length = -1  # body length of the frame whose header was read, else -1
+        self._blocked = 0
+        self._held: _Held | None = None
+        self._budget_wait: tuple[int, asyncio.Future[None]] | None = None
+        self._read_deadline: float | None = None
+        self._write_deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = _NEVER
+        self._reading = True
+        self._write_paused = False
+        self._eof = False
+        self._lost = False
+        self._done = False
+
+    # -- the transport's callbacks ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports are not asyncio.Transport subclasses, only alike.)
+        self.transport = cast(asyncio.Transport, transport)
+        server = self.server
+        allowed, who = server._peer_allowed(self.transport)
+        if (
+            not allowed
+            or len(server._connections) >= server.max_connections
+            or server._stopping.is_set()
+        ):
+            server.counters["refused_connections"] += 1
+            log.warning(
+                "refused connection from %s (%s)",
+                who,
+                "credentials" if not allowed else "connection limit or shutdown",
+            )
+            self._blocked = _SHUT
+            transport.close()
+            return
+        self.admitted = True
+        self.finished = self.loop.create_future()
+        server._connections.add(self)
+        server.counters["connections"] += 1
+        # The transport pauses writing past this; resumes at a quarter of it.
+        self.transport.set_write_buffer_limits(high=server.max_unsent)
+        self._wait_for_request()
+
+    def data_received(self, data: bytes) -> None:
+        if self._blocked:
+            if not self._blocked & _SHUT:  # read before the pause took effect: kept
+                self._buf += data
+            return
+        buf = self._buf
+        if buf:
+            buf += data
+            self._feed(buf)
+        else:
+            self._feed(data)
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        if not self._blocked:
+            # Every whole frame was served; a partial one is cut off. The replies of
+            # the requests in flight are still written (the peer only stopped sending).
+            self._shut()
+        return True  # keep the transport open for the replies
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        if not self.admitted:
+            return
+        self._write_paused = False
+        self._write_deadline = None
+        self._shut()
+        if self._done:
+            self._finish()
+
+    def pause_writing(self) -> None:
+        # More than max_unsent of replies wait to be sent: no request is read until the
+        # peer takes them down to a quarter of it, which it must do within write_timeout.
+        self._write_paused = True
+        if self._write_deadline is None:
+            self._at(self.loop.time() + self.server.write_timeout, write=True)
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._write_deadline = None
+        if self._done and self.transport is not None and self.transport.get_write_buffer_size():
+            # Closing with replies still queued: the peer takes them within write_timeout.
+            self._at(self.loop.time() + self.server.write_timeout, write=True)
+        if self._blocked & _WRITE:
+            self._unblock(_WRITE)
+
+    # -- reading requests -------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request: nothing of one read yet, reading not held up."""
+        return self._length < 0 and not self._blocked
+
+    def _feed(self, buf: bytes | bytearray) -> None:
+        """Serves every frame ``buf`` holds, until one is incomplete or reading must
+        wait; keeps the rest in the connection's buffer."""
+        server = self.server
+        pos = 0
+        end = len(buf)
+        served = False
+        while not self._blocked:
+            length = self._length
+            if length < 0:
+                if end - pos < 4:
+                    break
+                if self._write_paused:
+                    # The peer is not reading its replies: read nothing more from it
+                    # until it does (or write_timeout disconnects it).
+                    server.counters["paused_reads"] += 1
+                    self._block(_WRITE)
+                    break
+                (length,) = _header_at(buf, pos)
+                if not 0 < length <= server.max_frame:
+                    # The stream cannot be resynchronised: say why and hang up.
+                    self._frame_error(bytes(buf[pos : pos + 4]))
+                    return
+                pos += 4
+                self._length = length
+                budget = server._budget
+                if not budget.fits(length):
+                    self._wait_for_budget(length)
+                    break
+                budget.used += length
+                if end - pos < length:
+                    # The rest of the frame must come within request_timeout.
+                    self._at(self.loop.time() + server.request_timeout)
+                    break
+            elif end - pos < length:
+                break
+            if isinstance(buf, bytes):
+                body = buf[pos : pos + length]
+            else:
+                with memoryview(buf) as view:
+                    body = view[pos : pos + length].tobytes()
+            pos += length
+            self._length = -1
+            served = True
+            self._request(body, length)
+        if self._blocked & _SHUT:
+            return
+        if buf is self._buf:
+            if pos:
+                del buf[:pos]
+        elif pos < end:
+            self._buf = bytearray(memoryview(buf)[pos:])
+        if served and self._length < 0 and not self._blocked:
+            self._wait_for_request()
+
+    def _request(self, body: bytes, length: int) -> None:
+        """Serves one frame's request: answered here and then when the embedded store
+        decides it with nothing left to wait for, else started (or held for a slot)."""
+        server = self.server
+        small = length <= SMALL_FRAME
+        request: protocol.Request | None = None
+        decided: _Decided | None = None
+        if small and server._fast:
+            parts = _request_parts(body)
+            if parts is not None:
+                now = server._decide_now(*parts)
+                if isinstance(now, bytes):  # answered: nothing to wait for
+                    server._budget.give(length)
+                    # Past max_unsent, the transport pauses writing and the next
+                    # request is not read until the peer takes its replies.
+                    self.write(now)
+                    return
+                decided = now
+                if now is None:  # the task path serves it
+                    request = protocol.Request(*parts)
+        if self.in_flight >= server.max_in_flight:
+            server.counters["paused_reads"] += 1  # max_in_flight replies not yet written
+            self._held = (body, length, small, request, decided)
+            self._block(_SLOT)
+            return
+        self._start(body, length, small, request, decided)
+
+    def _start(
+        self,
+        body: bytes,
+        length: int,
+        small: bool,
+        request: protocol.Request | None,
+        now: _Decided | None,
+    ) -> None:
+        server = self.server
+        self.in_flight += 1
+        server._in_flight += 1
+        if small:
+            server._small += 1
+            server._no_small.clear()
+        if now is not None:  # decided: its commit is to come, no task waits for it
+            server._complete_later(now, length, self, small)
+        else:
+            task = self.loop.create_task(server._handle(body, length, self, small, request))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def answered(self) -> None:
+        """One of this connection's requests was answered (its slot is free)."""
+        self.in_flight -= 1
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._start(*held)
+            self._unblock(_SLOT)
+        elif self._blocked & _SHUT:
+            self._maybe_done()
+
+    def write(self, data: bytes) -> None:
+        """Queues a reply (dropped once the connection is closing)."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def _wait_for_request(self) -> None:
+        """The wait for the next request's header starts now (idle_timeout; after
+        SIGTERM, a short quiet period: requests already sent are still answered)."""
+        server = self.server
+        quiet = _DRAIN_QUIET if server._stopping.is_set() else server.idle_timeout
+        self._at(self.loop.time() + quiet)
+
+    def _wait_for_budget(self, length: int) -> None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._budget_wait = self.server._budget.wait(length, fut)
+        fut.add_done_callback(self._budget_granted)
+        self._block(_BUDGET)
+        # The frame's bytes (and their wait for the budget) within request_timeout.
+        self._at(self.loop.time() + self.server.request_timeout)
+
+    def _budget_granted(self, fut: asyncio.Future[None]) -> None:
+        wait = self._budget_wait
+        if wait is None or wait[1] is not fut or fut.cancelled():
+            return  # given up meanwhile (shut): the reservation went back
+        self._budget_wait = None
+        self._unblock(_BUDGET)
+
+    def _frame_error(self, header: bytes) -> None:
+        server = self.server
+        server.counters["protocol_errors"] += 1
+        try:
+            protocol.frame_length(header, server.max_frame)
+        except FrameError as exc:
+            self.write(protocol.encode_error(0, exc))
+        self._shut()
+
+    def _block(self, why: int) -> None:
+        self._blocked |= why
+        if why != _BUDGET:  # a frame waiting for the budget keeps its deadline
+            self._read_deadline = None
+        if self._reading:
+            self._reading = False
+            if not (self._lost or self._eof) and self.transport is not None:
+                self.transport.pause_reading()
+
+    def _unblock(self, why: int) -> None:
+        self._blocked &= ~why
+        if self._blocked:
+            return
+        if self._length < 0:
+            self._wait_for_request()
+        if self._buf:
+            self._feed(self._buf)
+        if self._blocked:
+            return
+        if self._eof:
+            self._shut()
+        elif not self._reading:
+            self._reading = True
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    def shut(self) -> None:
+        """Reads no more requests; the connection closes once those in flight are answered."""
+        self._shut()
+
+    def _shut(self) -> None:
+        if self._blocked & _SHUT:
+            return
+        self._block(_SHUT)
+        budget = self.server._budget
+        if self._length >= 0:  # a partial frame (or one waiting for the budget) is dropped
+            wait = self._budget_wait
+            if wait is not None:
+                self._budget_wait = None
+                budget.cancel(wait)
+            else:
+                budget.give(self._length)
+            self._length = -1
+        if self._held is not None:  # read, but never started: not answered
+            budget.give(self._held[1])
+            self._held = None
+        self._buf = bytearray()
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self._done or self.in_flight or not self._blocked & _SHUT:
+            return
+        self._done = True
+        self.server._connections.discard(self)
+        transport = self.transport
+        if self._lost or transport is None:
+            self._finish()
+            return
+        transport.close()  # once the replies queued are sent
+        if transport.get_write_buffer_size() and self._write_deadline is None:
+            self._at(self.loop.time() + self.server.write_timeout, write=True)
+
+    def _finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_at = _NEVER
+        if self.finished is not None and not self.finished.done():
+            self.finished.set_result(None)
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def _at(self, when: float, write: bool = False) -> None:
+        """Sets the read (or write) deadline; the timer is re-armed only for an earlier one."""
+        if write:
+            self._write_deadline = when
+        else:
+            self._read_deadline = when
+        if when < self._timer_at:
+            self._arm(when)
+
+    def arm_for(self, when: float) -> None:
+        """Makes sure the timer fires by ``when`` (a commit's deadline)."""
+        if when < self._timer_at:
+            self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_at(when, self._on_timer)
+        self._timer_at = when
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = _NEVER
+        now = self.loop.time()
+        when = self._read_deadline
+        if when is not None and now >= when:
+            # No request within idle_timeout, or a frame not complete within
+            # request_timeout: the connection closes once its replies are written.
+            self._read_deadline = None
+            self._shut()
+        when = self._write_deadline
+        if when is not None and now >= when:
+            self._write_deadline = None
+            self._write_timed_out()
+        pending = self.pending
+        while pending:
+            first = pending[0]
+            if first.done:
+                pending.popleft()
+            elif now >= first.deadline:
+                pending.popleft()
+                first.finish()  # with the timeout error: the commit outlasted request_timeout
+            else:
+                break
+        nearest = _NEVER
+        for when in (self._read_deadline, self._write_deadline):
+            if when is not None and when < nearest:
+                nearest = when
+        if pending and pending[0].deadline < nearest:
+            nearest = pending[0].deadline
+        if nearest < self._timer_at and not (self._done and self._lost):
+            self._arm(nearest)
+
+    def _write_timed_out(self) -> None:
+        transport = self.transport
+        if self._lost or transport is None:
+            return
+        self.server.counters["write_timeouts"] += 1
+        log.warning(
+            "disconnecting a peer that took no reply for %s s (%d bytes unsent)",
+            self.server.write_timeout,
+            transport.get_write_buffer_size(),
+        )
+        transport.abort()
+
+
 class DaemonServer:
     """Serves one store (embedded, stacked or sharded) on a Unix socket (see the module doc).
 
@@ -706,12 +1232,10 @@ class DaemonServer:
         self._no_small = asyncio.Event()
         self._no_small.set()
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
-        # Requests in flight: their tasks, or the futures of those answered by their
-        # commit's callback (done once the reply is written).
-        self._requests: set[asyncio.Future[None]] = set()
-        self._sends: set[asyncio.Task[None]] = set()  # replies queued behind a drain
-        self._idle: set[asyncio.Task[None]] = set()  # connections waiting for a request
+        self._connections: set[_Connection] = set()
+        # Requests in flight (started and not answered, of every connection): their
+        # tasks, and those answered by their commit's callback.
+        self._in_flight = 0
         self._stopping = asyncio.Event()
         self.counters = {
             "connections": 0,
@@ -729,6 +1253,7 @@ class DaemonServer:
             "completed_by_commit": 0,  # decided by the reader, answered by its commit
         }
         self._commit_seconds = 0.0
+        self._packer = msgpack.Packer(use_bin_type=True)  # replies, on the event loop only
 
     # -- life cycle ------------------------------------------------------------
 
@@ -742,17 +1267,13 @@ class DaemonServer:
             self._committer = _Committer(
                 self.store,
                 asyncio.get_running_loop(),
-                lambda n: len(self._requests) + self._deciding > n,
+                lambda n: self._in_flight + self._deciding > n,
             )
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         loop = asyncio.get_running_loop()
 
-        def connection() -> asyncio.StreamReaderProtocol:
-            # What asyncio.start_unix_server builds, with a reader that says what
-            # it holds (_Reader).
-            return asyncio.StreamReaderProtocol(
-                _Reader(limit=_STREAM_LIMIT, loop=loop), self._accept, loop=loop
-            )
+        def connection() -> _Connection:
+            return _Connection(self, loop)
 
         if self.sock is not None:
             self._server = await loop.create_unix_server(connection, sock=self.sock)
@@ -804,16 +1325,20 @@ class DaemonServer:
         deadline = loop.time() + drain_timeout
         quiet_since = loop.time()
         while self._connections and loop.time() < deadline:
-            busy = self._requests or len(self._idle) < len(self._connections)
+            busy = self._in_flight or not all(c.idle for c in self._connections)
             if busy:
                 quiet_since = loop.time()
             elif loop.time() - quiet_since >= _DRAIN_QUIET:
                 break
             await asyncio.sleep(0.02)
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+        # Each connection reads no more; it closes once its requests in flight are
+        # answered (a peer that does not take them is cut off after write_timeout).
+        closing = list(self._connections)
+        for conn in closing:
+            conn.shut()
+        waits = [c.finished for c in closing if c.finished is not None]
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         if self.sock is None:
@@ -825,8 +1350,8 @@ class DaemonServer:
 
     # -- connections -----------------------------------------------------------
 
-    def _peer_allowed(self, writer: asyncio.StreamWriter) -> tuple[bool, str]:
-        sock = writer.get_extra_info("socket")
+    def _peer_allowed(self, transport: asyncio.BaseTransport) -> tuple[bool, str]:
+        sock = transport.get_extra_info("socket")
         if sock is None:
             return False, "no socket"
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
@@ -841,171 +1366,11 @@ class DaemonServer:
             f"{who} groups {sorted(groups)}"
         )
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        allowed, who = self._peer_allowed(writer)
-        if not allowed or len(self._connections) >= self.max_connections or self._stopping.is_set():
-            self.counters["refused_connections"] += 1
-            log.warning(
-                "refused connection from %s (%s)",
-                who,
-                "credentials" if not allowed else "connection limit or shutdown",
-            )
-            writer.close()
-            return
-        self._connections.add(task)
-        self.counters["connections"] += 1
-        try:
-            await self._serve_connection(reader, writer)
-        except (asyncio.CancelledError, ConnectionError):
-            pass
-        finally:
-            self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    @staticmethod
-    def _send_now(writer: asyncio.StreamWriter, data: bytes) -> None:
-        """Writes a reply without waiting (the connection's loop checks the unsent bytes
-        before it reads the next request)."""
-        if not writer.transport.is_closing():
-            writer.write(data)
-
-    async def _send(self, writer: asyncio.StreamWriter, data: bytes | None) -> bool:
-        """Writes ``data`` and waits (``write_timeout``) until the peer has taken enough of
-        what is queued; a peer too slow for that is disconnected. False if the connection is
-        gone."""
-        transport = writer.transport
-        if transport.is_closing():
-            return False
-        if data is not None:
-            writer.write(data)
-            # At or below the low-water mark writing is not paused, so drain() would not
-            # wait: skip it and its timer (most replies leave the buffer empty at once).
-            if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[0]:
-                return True
-        try:
-            await _within(writer.drain(), self.write_timeout)
-        except TimeoutError:
-            self.counters["write_timeouts"] += 1
-            log.warning(
-                "disconnecting a peer that took no reply for %s s (%d bytes unsent)",
-                self.write_timeout,
-                writer.transport.get_write_buffer_size(),
-            )
-            writer.transport.abort()
-            return False
-        except ConnectionError:
-            return False
-        return True
-
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        write_lock = asyncio.Lock()
-        slots = asyncio.Semaphore(self.max_in_flight)
-        pending: set[asyncio.Future[None]] = set()
-        transport = writer.transport
-        # drain() returns once the unsent bytes are down to a quarter of this.
-        transport.set_write_buffer_limits(high=self.max_unsent)
-        try:
-            while True:
-                if transport.get_write_buffer_size() > self.max_unsent:
-                    # The peer is not reading its replies: read nothing more from it
-                    # until it does (or write_timeout disconnects it).
-                    self.counters["paused_reads"] += 1
-                    async with write_lock:
-                        if not await self._send(writer, None):
-                            return
-                if _buffered(reader) >= 4:  # the next request is here: nothing to wait for
-                    header = await reader.readexactly(4)
-                else:
-                    # After SIGTERM, requests a client already sent are still read
-                    # and answered; the connection closes once it goes quiet.
-                    wait = _DRAIN_QUIET if self._stopping.is_set() else self.idle_timeout
-                    me = asyncio.current_task()
-                    assert me is not None
-                    self._idle.add(me)
-                    try:
-                        header = await _within(reader.readexactly(4), wait)
-                    except (asyncio.IncompleteReadError, TimeoutError):
-                        return
-                    finally:
-                        self._idle.discard(me)
-                try:
-                    length = protocol.frame_length(header, self.max_frame)
-                except FrameError as exc:
-                    # The stream cannot be resynchronised: say why and hang up.
-                    self.counters["protocol_errors"] += 1
-                    async with write_lock:
-                        await self._send(writer, protocol.encode_error(0, exc))
-                    return
-                try:
-                    if self._budget.fits(length) and _buffered(reader) >= length:
-                        body = await self._read_body(reader, length)  # returns at once
-                    else:
-                        body = await _within(self._read_body(reader, length), self.request_timeout)
-                except (asyncio.IncompleteReadError, TimeoutError):
-                    return
-                small = length <= SMALL_FRAME
-                request: protocol.Request | None = None
-                if small and self._fast:
-                    with contextlib.suppress(FrameError):  # undecodable: _handle answers it
-                        request = protocol.decode_request(body)
-                now = None if request is None else self._decide_now(request)
-                if isinstance(now, bytes):  # answered: nothing to wait for
-                    self._budget.give(length)
-                    if write_lock.locked():  # a reply is being drained: queue behind it
-                        async with write_lock:
-                            await self._send(writer, now)
-                    else:
-                        # Past max_unsent, the next pass of this loop waits for
-                        # the peer to take its replies (or disconnects it).
-                        self._send_now(writer, now)
-                    continue
-                if slots.locked():
-                    self.counters["paused_reads"] += 1  # max_in_flight replies not yet written
-                try:
-                    await slots.acquire()
-                except BaseException:
-                    self._budget.give(length)
-                    raise
-                if small:
-                    self._small += 1
-                    self._no_small.clear()
-                waiter: asyncio.Future[None]
-                if now is not None:  # decided: its commit is to come, no task waits for it
-                    waiter = self._complete_later(now, length, writer, write_lock, slots, small)
-                else:
-                    waiter = asyncio.create_task(
-                        self._handle(body, length, writer, write_lock, slots, small, request)
-                    )
-                pending.add(waiter)
-                self._requests.add(waiter)
-                waiter.add_done_callback(pending.discard)
-                waiter.add_done_callback(self._requests.discard)
-        finally:
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-
-    async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
-        """A frame body, read once its bytes fit the shared budget (kept until answered)."""
-        await self._budget.take(length)
-        try:
-            return await reader.readexactly(length)
-        except BaseException:
-            self._budget.give(length)
-            raise
-
     async def _handle(
         self,
         body: bytes,
         reserved: int,
-        writer: asyncio.StreamWriter,
-        write_lock: asyncio.Lock,
-        slots: asyncio.Semaphore,
+        conn: _Connection,
         small: bool = False,
         request: protocol.Request | None = None,
     ) -> None:
@@ -1032,98 +1397,49 @@ class DaemonServer:
             except Exception as exc:
                 reply = self._error_reply(request_id, exc)
             del body
-            async with write_lock:
-                await self._send(writer, reply)
+            # Past max_unsent the transport pauses writing: the connection reads no
+            # request until the peer takes its replies, or disconnects it after
+            # write_timeout.
+            conn.write(reply)
         finally:
-            self._answered(slots, reserved, small)
+            self._answered(conn, reserved, small)
 
-    def _answered(self, slots: asyncio.Semaphore, reserved: int, small: bool) -> None:
-        """Gives back what a request held until its reply was written: its slot (the
-        requests of a connection that does not read its replies stay bounded, and so
-        do their bytes), its frame's bytes, its place among the small requests."""
-        slots.release()
+    def _answered(self, conn: _Connection, reserved: int, small: bool) -> None:
+        """Gives back what a request held until its reply was written: its frame's bytes,
+        its place among the small requests, its connection's slot (the requests of a
+        connection that does not read its replies stay bounded, and so do their bytes)."""
+        self._in_flight -= 1
         self._budget.give(reserved)
         if small:
             self._small -= 1
             if not self._small:
                 self._no_small.set()
+        conn.answered()
 
     def _complete_later(
-        self,
-        decided: _Decided,
-        reserved: int,
-        writer: asyncio.StreamWriter,
-        write_lock: asyncio.Lock,
-        slots: asyncio.Semaphore,
-        small: bool,
-    ) -> asyncio.Future[None]:
+        self, decided: _Decided, reserved: int, conn: _Connection, small: bool
+    ) -> None:
         """Answers a request decided by the connection's reader once its commit is done,
         from the commit's own callback (no task; docs/daemon.md, "The request path of
         the embedded store"); after ``request_timeout`` without the commit, with the
-        timeout error a task would have given. Returns a future done once the reply is
-        written and the request's slot and bytes are given back (what drains wait for)."""
-        request_id, result, durable, started = decided
-        loop = asyncio.get_running_loop()
-        answered: asyncio.Future[None] = loop.create_future()
-        finished = False
-
-        def release() -> None:
-            self._answered(slots, reserved, small)
-            if not answered.done():
-                answered.set_result(None)
-
-        def finish(_: object = None) -> None:
-            nonlocal finished
-            if finished:  # the commit after its timeout, or the timer after the commit
-                return
-            finished = True
-            timer.cancel()
-            if durable.cancelled():  # the loop is closing: nobody is answered any more
-                release()
-                return
-            if not durable.done():
-                reply = self._error_reply(request_id, TimeoutError())
-            else:
-                try:
-                    durable.result()  # raises what the commit raised
-                    reply = self._reply(request_id, result, started)
-                    self.counters["completed_by_commit"] += 1
-                except Exception as exc:
-                    reply = self._error_reply(request_id, exc)
-            if write_lock.locked():  # a reply is being drained: queue behind it
-                sender = loop.create_task(self._send_then(writer, write_lock, reply, release))
-                self._sends.add(sender)
-                sender.add_done_callback(self._sends.discard)
-            else:
-                self._send_now(writer, reply)
-                release()
-
-        timer = loop.call_later(self.request_timeout, finish)
-        durable.add_done_callback(finish)
-        return answered
-
-    async def _send_then(
-        self,
-        writer: asyncio.StreamWriter,
-        write_lock: asyncio.Lock,
-        reply: bytes,
-        release: Callable[[], None],
-    ) -> None:
-        try:
-            async with write_lock:
-                await self._send(writer, reply)
-        finally:
-            release()
+        timeout error a task would have given (the connection's timer checks that: no
+        timer per request)."""
+        deadline = conn.loop.time() + self.request_timeout
+        entry = _Pending(conn, decided, reserved, small, deadline)
+        conn.pending.append(entry)
+        conn.arm_for(deadline)
+        entry.durable.add_done_callback(entry.finish)
 
     def _reply(self, request_id: int, result: Any, started: float) -> bytes:
         """The reply frame of a request answered with ``result``."""
         self._commit_seconds += time.perf_counter() - started
-        reply = protocol.encode_response(request_id, result)
-        if len(reply) - 4 > self.max_frame:
+        # protocol.encode_response, byte for byte, with a packer kept (not one per reply).
+        body: bytes = self._packer.pack([request_id, _STATUS_OK, result])
+        if len(body) > self.max_frame:
             return protocol.encode_error(
                 request_id, FrameError("reply exceeds the frame limit; use smaller batches")
             )
-        return reply
+        return _header_of(len(body)) + body
 
     def _error_reply(self, request_id: int, exc: Exception) -> bytes:
         """The error reply of a request that raised ``exc`` (counted; a failed store
@@ -1145,7 +1461,7 @@ class DaemonServer:
 
     # -- the embedded store's fast path (on the event loop) ----------------------------
 
-    def _decide_now(self, request: protocol.Request) -> bytes | _Decided | None:
+    def _decide_now(self, request_id: int, op: Op, args: dict[str, Any]) -> bytes | _Decided | None:
         """A small request served without a task (docs/daemon.md, "The request path"):
         a ping, or a claim (of at most SLICE_ABOVE keys), completion or release that
         the embedded store decides here and now. Returns the reply when nothing is
@@ -1159,14 +1475,12 @@ class DaemonServer:
         the end of this pass of the loop, when the requests other connections sent
         in the same pass have been read and decided too, and they share one
         ``fdatasync``."""
-        op, args = request.op, request.args
         if op is not Op.PING:
             if self._committer is None or op not in _DEFERRED_OPS:
                 return None
             keys = args.get("keys")
             if op is Op.CLAIM_MANY and (not isinstance(keys, list) or len(keys) > SLICE_ABOVE):
                 return None
-        request_id = request.request_id
         self.counters["requests"] += 1
         started = time.perf_counter()
         self._deciding += 1  # in flight for the committer's "others in flight" count
@@ -1225,33 +1539,44 @@ class DaemonServer:
         """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
         (the answer, the commit it waits for, or None)."""
         store: Any = self.store
-        ns = _arg(args, "ns", str)
-        result: Any = None
         if op is Op.CLAIM_MANY:
-            keys = _arg(args, "keys", list)
-            options = _claim_options(args)
-            columns = bool(args.get(protocol.COLUMNS_ARG))
-            if columns:
+            ns, keys = args.get("ns"), args.get("keys")
+            options: dict[str, Any]
+            if (
+                type(ns) is str
+                and type(keys) is list
+                and args.get("lease") is None
+                and args.get("owner") is None
+                and args.get("fps") is None
+            ):
+                # The plain claim (what the clients send for claim()): its arguments
+                # need no checking.
+                options = {"namespace": ns, "lease": None, "owner": None, "fingerprints": None}
+            else:
+                _arg(args, "ns", str)  # checked first, as for every op
+                keys = _arg(args, "keys", list)
+                options = _claim_options(args)
+            if args.get(protocol.COLUMNS_ARG):
                 part, lsn = store.claim_columns_deferred(
                     keys,
                     **options,
                     reply_limit=self.max_frame - _REPLY_FIXED,
                     row_bytes=_ROW_FIXED + 8,
                 )
-                result = protocol.columns_payload(part)
-            else:
-                claims, lsn = store.claim_many_deferred(
-                    keys,
-                    **options,
-                    reply_limit=self.max_frame - _REPLY_FIXED,
-                    row_bytes=_ROW_FIXED + 8,
-                )
-                result = [protocol.claim_row(c) for c in claims]
-        elif op is Op.COMPLETE_MANY:
+                return protocol.columns_payload(part), self._commit(lsn, gather)
+            claims, lsn = store.claim_many_deferred(
+                keys,
+                **options,
+                reply_limit=self.max_frame - _REPLY_FIXED,
+                row_bytes=_ROW_FIXED + 8,
+            )
+            return [protocol.claim_row(c) for c in claims], self._commit(lsn, gather)
+        ns = _arg(args, "ns", str)
+        if op is Op.COMPLETE_MANY:
             lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
         else:
             lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
-        return result, self._commit(lsn, gather)
+        return None, self._commit(lsn, gather)
 
     async def _claim_sliced(
         self, keys: list[Any], options: dict[str, Any], columns: bool

@@ -15,18 +15,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from dedupcore import aio, errors
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
-from dedupcore.daemon.protocol import Op, Status
+from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, DaemonServer
 from dedupcore.store import DedupStore
 
 from .conftest import PATIENCE, Daemon, Lab, unique_ns
-from .test_faults import read_frame, wait_until
+from .test_faults import read_frame, read_until_eof, wait_until
 from .test_limits import RESULT, connect, daemon_stats
 
 
@@ -404,25 +407,6 @@ def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
         assert server.counters["errors"] == 1
 
 
-def test_the_reader_says_what_it_holds() -> None:
-    """``_Reader.buffered`` follows the bytes fed and read (a Python whose StreamReader
-    keeps them elsewhere would make it 0, and every read would wait with a deadline)."""
-    from dedupcore.daemon.server import _Reader
-
-    async def run() -> list[int]:
-        reader = _Reader(limit=1 << 16)
-        seen = [reader.buffered()]
-        reader.feed_data(b"x" * 10)
-        seen.append(reader.buffered())
-        await reader.readexactly(4)
-        seen.append(reader.buffered())
-        await reader.readexactly(6)
-        seen.append(reader.buffered())
-        return seen
-
-    assert asyncio.run(run()) == [0, 10, 6, 0]
-
-
 def test_frames_already_read_are_served_without_a_deadline_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -454,3 +438,395 @@ def test_frames_already_read_are_served_without_a_deadline_each(
     # Two deadlines per request before; now the wait for the burst, and the one
     # for what comes after it.
     assert deadlines - before <= 4, deadlines - before
+
+
+# -- the connection's own reader: frames parsed from its buffer, served in its callback -----
+
+
+def _ping(request_id: int) -> bytes:
+    return protocol.encode_request(request_id, Op.PING, {})
+
+
+def _only_connection(server: DaemonServer) -> Any:
+    """The server's one open connection (the daemon's object for it)."""
+    wait_until(lambda: len(server._connections) == 1, "the connection to be accepted")
+    (conn,) = list(server._connections)
+    return conn
+
+
+def _held(conn: Any) -> int:
+    """Bytes of the frame being read that the connection holds (its header included)."""
+    return len(conn._buf) + (4 if conn._length >= 0 else 0)
+
+
+@pytest.mark.parametrize("durability", ["power-loss-unsafe", "durable"])
+def test_pipelined_small_requests_in_one_write_are_all_answered_without_a_task_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
+) -> None:
+    """300 claims and pings in one write: every one is answered, none through a task
+    (``_handle``). Without fdatasync each is answered in the callback that read it, so
+    the replies come in order; durable claims are answered by their commit's callback
+    (the pings at once), and more than max_in_flight of them wait for a slot."""
+    tasks = 0
+    real_handle = DaemonServer._handle
+
+    def counting(self: DaemonServer, *args: Any, **kwargs: Any) -> Any:
+        nonlocal tasks
+        tasks += 1
+        return real_handle(self, *args, **kwargs)
+
+    monkeypatch.setattr(DaemonServer, "_handle", counting)
+    ns = unique_ns("pipelined")
+    n = 300
+    pings = set(range(0, n, 10))
+    frames = [_ping(i) if i in pings else _claim(i, ns, [f"k{i}"]) for i in range(n)]
+    store = DedupStore.open(tmp_path / "data", durability=durability)
+    with _serving(store) as (server, sock), connect(sock) as s:
+        s.sendall(b"".join(frames))
+        replies = [protocol.decode_response(read_frame(s)) for _ in range(n)]
+        at_once = server.counters["answered_at_once"]
+        by_commit = server.counters["completed_by_commit"]
+    assert tasks == 0
+    assert all(status is Status.OK for _, status, _ in replies), replies
+    by_id = {rid: payload for rid, _, payload in replies}
+    assert sorted(by_id) == list(range(n))
+    assert all(by_id[i] == "pong" for i in pings)
+    assert all(by_id[i][0][0] == Outcome.NEW.value for i in range(n) if i not in pings)
+    if durability == "power-loss-unsafe":
+        assert [rid for rid, _, _ in replies] == list(range(n))
+        assert (at_once, by_commit) == (n, 0)
+    else:
+        assert (at_once, by_commit) == (len(pings), n - len(pings))
+
+
+def test_a_frame_sent_a_byte_at_a_time_is_reassembled(tmp_path: Path) -> None:
+    """The connection keeps what it has of a frame across reads: a header split over
+    several reads, a body that comes a byte at a time."""
+    ns = unique_ns("bytes")
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    with _serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
+        conn = _only_connection(server)
+        frame = _claim(7, ns, ["k"])
+        # The first bytes one read each: the daemon holds each before the next comes.
+        for i in range(8):
+            s.sendall(frame[i : i + 1])
+            wait_until(lambda: _held(conn) == i + 1, f"byte {i} to be held")  # noqa: B023
+        for i in range(8, len(frame)):
+            s.sendall(frame[i : i + 1])
+        rid, status, rows = protocol.decode_response(read_frame(s))
+        assert (rid, status) == (7, Status.OK) and rows[0][0] == Outcome.NEW.value
+        # Two frames sent a byte at a time, back to back, with nothing waited for.
+        for byte in _ping(8) + _claim(9, ns, ["k"]):
+            s.sendall(bytes([byte]))
+        assert protocol.decode_response(read_frame(s)) == (8, Status.OK, "pong")
+        rid, status, rows = protocol.decode_response(read_frame(s))
+        assert (rid, status) == (9, Status.OK) and rows[0][0] == Outcome.IN_PROGRESS.value
+        assert server._budget.used == 0
+
+
+def test_a_header_read_first_reserves_the_body_which_is_served_when_it_comes(
+    tmp_path: Path,
+) -> None:
+    ns = unique_ns("header")
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    with _serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
+        frame = _claim(3, ns, ["k"])
+        s.sendall(frame[:4])
+        # The body's bytes are taken from the shared budget once the header is read.
+        wait_until(lambda: server._budget.used == len(frame) - 4, "the header to be read")
+        s.sendall(frame[4:])
+        rid, status, rows = protocol.decode_response(read_frame(s))
+        assert (rid, status) == (3, Status.OK) and rows[0][0] == Outcome.NEW.value
+        assert server._budget.used == 0
+        assert server.counters["answered_at_once"] == 1
+
+
+def test_a_partial_frame_is_cut_off_after_the_request_timeout(tmp_path: Path) -> None:
+    """A frame not complete within request_timeout of its header closes its connection
+    without a reply and gives its bytes back; another connection is not disturbed."""
+    store = DedupStore.open(tmp_path / "data")
+    with (
+        _serving(store, request_timeout=0.3) as (server, sock),
+        connect(sock) as stalled,
+        connect(sock) as other,
+    ):
+        frame = _claim(1, unique_ns("cut"), ["k"])
+        stalled.sendall(frame[:10])
+        assert read_until_eof(stalled) == b""  # closed by the daemon, without a reply
+        wait_until(lambda: len(server._connections) == 1, "its connection to be dropped")
+        assert server._budget.used == 0
+        other.sendall(_ping(2))
+        assert protocol.decode_response(read_frame(other)) == (2, Status.OK, "pong")
+
+
+def test_a_connection_is_closed_after_the_idle_timeout_with_nothing_in_flight(
+    tmp_path: Path,
+) -> None:
+    """A connection that sends no request within idle_timeout is closed: one that never
+    sent anything, and one once its last request was answered. (The timeout is
+    lowered once both are served: a wait for a request starting from then on gets
+    it, so nothing here depends on how fast the test runs.)"""
+    store = DedupStore.open(tmp_path / "data")
+    with _serving(store, idle_timeout=PATIENCE) as (server, sock), connect(sock) as served:
+        served.sendall(_ping(1))
+        assert protocol.decode_response(read_frame(served)) == (1, Status.OK, "pong")
+        server.idle_timeout = 0.3
+        served.sendall(_ping(2))
+        assert protocol.decode_response(read_frame(served)) == (2, Status.OK, "pong")
+        assert read_until_eof(served) == b""
+        with connect(sock) as silent:
+            assert read_until_eof(silent) == b""
+        wait_until(lambda: not server._connections, "both connections to be dropped")
+
+
+@pytest.mark.parametrize("durability", ["power-loss-unsafe", "durable"])
+def test_no_timer_is_set_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
+) -> None:
+    """A connection's deadlines (the wait for a request, a partial frame, a commit)
+    share one timer that is re-armed when it fires (or for an earlier deadline), not
+    set and cancelled for every request: 100 round trips arm no timer at all."""
+    armed = 0
+    counting_on = False
+    real_call_at = asyncio.BaseEventLoop.call_at
+
+    def counting(
+        self: asyncio.BaseEventLoop, when: float, callback: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        nonlocal armed
+        if counting_on:
+            armed += 1
+        return real_call_at(self, when, callback, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_at", counting)
+    ns = unique_ns("timers")
+    store = DedupStore.open(tmp_path / "data", durability=durability)
+    with _serving(store) as (_server, sock), connect(sock) as s:
+        # The first request arms the timer for its deadline (the idle one, or a
+        # commit's, earlier); those after it only move deadlines later.
+        s.sendall(_claim(0, ns, ["first"]))
+        assert protocol.decode_response(read_frame(s))[:2] == (0, Status.OK)
+        counting_on = True
+        for i in range(1, 101):
+            s.sendall(_claim(i, ns, [f"k{i}"]))
+            rid, status, _rows = protocol.decode_response(read_frame(s))
+            assert (rid, status) == (i, Status.OK)
+        counting_on = False
+    assert armed == 0, armed
+
+
+def test_max_in_flight_stops_reading_until_a_reply_is_written(tmp_path: Path) -> None:
+    """With max_in_flight requests waiting for their commit, the next one read waits for
+    a slot and nothing more is read; once the commits are done, all are answered."""
+    store = DedupStore.open(tmp_path / "data")
+    gate = threading.Event()
+    real_wait = store.wait_durable
+
+    def stuck_wait(lsn: int) -> None:
+        assert gate.wait(PATIENCE)
+        real_wait(lsn)
+
+    store.wait_durable = stuck_wait  # type: ignore[method-assign]
+    store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]  # the thread commits
+    ns = unique_ns("slots")
+    with contextlib.ExitStack() as stack:
+        server, sock = stack.enter_context(_serving(store, max_in_flight=2))
+        stack.callback(gate.set)
+        s = stack.enter_context(connect(sock))
+        s.sendall(b"".join(_claim(i, ns, [f"k{i}"]) for i in range(6)))
+        wait_until(lambda: server.counters["paused_reads"] >= 1, "the reads to pause")
+        # Two wait for their commit, the third was read and waits for a slot, the
+        # others are not read.
+        assert server.counters["requests"] == 3
+        assert server._in_flight == 2
+        gate.set()
+        replies = sorted(protocol.decode_response(read_frame(s)) for _ in range(6))
+    assert [(rid, status) for rid, status, _ in replies] == [(i, Status.OK) for i in range(6)]
+    assert all(rows[0][0] == Outcome.NEW.value for _, _, rows in replies)
+
+
+def _done_key(store: DedupStore, ns: str, result: bytes) -> None:
+    claim = store.claim("big", namespace=ns)
+    store.complete("big", claim.token, namespace=ns, result=result)
+
+
+@pytest.mark.parametrize("reads_later", [False, True], ids=["never-reads", "reads-later"])
+def test_a_peer_that_stops_reading_is_paused_then_disconnected_or_served(
+    tmp_path: Path, reads_later: bool
+) -> None:
+    """Claims answered at once, each a DUPLICATE carrying a 60 kB result, sent by a peer
+    that reads nothing: past max_unsent the connection reads no more requests; after
+    write_timeout the peer is disconnected, or, if it reads in time, gets every reply."""
+    ns = unique_ns("unread")
+    n = 100
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    _done_key(store, ns, RESULT)
+    timeout = PATIENCE if reads_later else 0.5
+    with (
+        _serving(store, max_unsent=64 << 10, write_timeout=timeout) as (server, sock),
+        connect(sock) as s,
+    ):
+        before = server.counters["requests"]
+        s.sendall(b"".join(_claim(i, ns, ["big"]) for i in range(n)))
+        wait_until(lambda: server.counters["paused_reads"] >= 1, "the reads to pause")
+        if reads_later:
+            replies = [protocol.decode_response(read_frame(s)) for _ in range(n)]
+            assert [rid for rid, _, _ in replies] == list(range(n))
+            assert all(rows[0][0] == Outcome.DUPLICATE.value for _, _, rows in replies)
+            assert all(rows[0][2] == RESULT for _, _, rows in replies)
+            assert server.counters["write_timeouts"] == 0
+            return
+        wait_until(lambda: server.counters["write_timeouts"] >= 1, "the peer to be cut off")
+        # Reading stopped long before the last request (60 kB replies vs 64 kB).
+        assert server.counters["requests"] - before < n
+        wait_until(lambda: not server._connections, "its connection to be dropped")
+        # What the kernel took before the cut may still be read, not every reply.
+        assert len(read_until_eof(s)) < n * len(RESULT)
+        with connect(sock) as other:
+            other.sendall(_ping(1))
+            assert protocol.decode_response(read_frame(other)) == (1, Status.OK, "pong")
+
+
+def test_a_frame_that_does_not_fit_the_budget_pauses_its_connection_until_it_does(
+    tmp_path: Path,
+) -> None:
+    """A frame whose bytes would pass max_buffered waits (its connection reads nothing
+    more) until another request is answered; small frames pass it meanwhile."""
+    store = DedupStore.open(tmp_path / "data")
+    limit = 1 << 20
+    big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (900 << 10)})
+    other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (200 << 10)})
+    with (
+        _serving(store, max_frame=limit, max_buffered=limit, request_timeout=PATIENCE) as (
+            server,
+            sock,
+        ),
+        connect(sock) as first,
+        connect(sock) as second,
+    ):
+        first.sendall(big[:-1])
+        wait_until(lambda: server._budget.used >= 900 << 10, "the first frame to be held")
+        sender = threading.Thread(target=second.sendall, args=(other,), daemon=True)
+        sender.start()
+        wait_until(lambda: server._budget.waits >= 1, "the second frame to wait")
+        assert server._budget.used <= limit
+        with connect(sock) as third:  # a small frame is served meanwhile
+            third.sendall(_ping(3))
+            assert protocol.decode_response(read_frame(third)) == (3, Status.OK, "pong")
+        first.sendall(big[-1:])
+        assert protocol.decode_response(read_frame(first)) == (1, Status.OK, "pong")
+        sender.join(PATIENCE)
+        assert protocol.decode_response(read_frame(second)) == (2, Status.OK, "pong")
+        wait_until(lambda: server._budget.used == 0, "the budget to be free")
+
+
+def test_a_frame_waiting_for_the_budget_is_cut_off_after_the_request_timeout(
+    tmp_path: Path,
+) -> None:
+    """The wait for the budget counts in request_timeout (its deadline runs from the
+    header): the waiting connection is closed without a reply, its place in the queue
+    given up; the frame it waited behind is still served. (The timeout is lowered
+    once the first frame's header is read: only the second frame's deadline is short.)"""
+    store = DedupStore.open(tmp_path / "data")
+    limit = 1 << 20
+    big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (900 << 10)})
+    other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (200 << 10)})
+    with (
+        _serving(store, max_frame=limit, max_buffered=limit, request_timeout=PATIENCE) as (
+            server,
+            sock,
+        ),
+        connect(sock) as first,
+        connect(sock) as second,
+    ):
+        first.sendall(big[:-1])
+        wait_until(lambda: server._budget.used >= 900 << 10, "the first frame to be held")
+        server.request_timeout = 0.3
+        second.sendall(other[:4])
+        assert read_until_eof(second) == b""  # cut off while waiting, never answered
+        assert server._budget.waits == 1 and not server._budget._waiters
+        assert server._budget.used == len(big) - 4  # only the first frame's bytes
+        first.sendall(big[-1:])
+        assert protocol.decode_response(read_frame(first)) == (1, Status.OK, "pong")
+        wait_until(lambda: server._budget.used == 0, "the budget to be free")
+
+
+def test_a_bad_header_is_answered_then_the_connection_closes_after_its_replies(
+    tmp_path: Path,
+) -> None:
+    """A frame header the stream cannot recover from: the requests before it are
+    answered, then the error (as request 0), then the connection is closed."""
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    with _serving(store) as (server, sock), connect(sock) as s:
+        s.sendall(_ping(1) + b"\x00\x00\x00\x00" + _ping(2))
+        assert protocol.decode_response(read_frame(s)) == (1, Status.OK, "pong")
+        rid, status, payload = protocol.decode_response(read_frame(s))
+        assert (rid, status, payload["type"]) == (0, Status.ERROR, "FrameError")
+        assert "empty frame" in payload["message"]
+        assert read_until_eof(s) == b""
+        assert server.counters["protocol_errors"] == 1
+
+
+# -- the reader's own codec agrees with the protocol's -------------------------------------
+
+
+_small_ints = st.integers(min_value=-(2**31), max_value=2**31)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    st.lists(
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+        | st.floats()
+        | st.text(max_size=5)
+        | st.dictionaries(st.text(max_size=4), _small_ints | st.text(max_size=4), max_size=3),
+        min_size=2,
+        max_size=4,
+    )
+    | st.tuples(
+        st.integers(min_value=0, max_value=2**64 - 1),
+        st.integers(min_value=-1, max_value=12) | st.booleans() | st.floats(0, 10),
+        st.dictionaries(st.text(max_size=4), _small_ints, max_size=3),
+    ).map(list)
+)
+@example([1, True, {}])
+@example([True, 1, {}])
+@example([1, 1.0, {}])
+@example([2**64 - 1, int(Op.CLAIM_MANY), {"ns": "a", "keys": ["k"]}])
+def test_the_readers_decoder_agrees_with_decode_request(msg: list[Any]) -> None:
+    from dedupcore.daemon.server import _request_parts
+
+    body = msgpack.packb(msg, use_bin_type=True)
+    try:
+        request = protocol.decode_request(body)
+    except FrameError:
+        assert _request_parts(body) is None
+        return
+    parts = _request_parts(body)
+    assert parts == (request.request_id, request.op, request.args)
+    assert parts is not None and type(parts[1]) is Op
+
+
+def test_replies_are_encoded_as_encode_response_encodes_them(tmp_path: Path) -> None:
+    server = DaemonServer(DedupStore.open(tmp_path / "data"), tmp_path / "d.sock")
+    try:
+        results: list[Any] = [
+            "pong",
+            None,
+            [["new", 1, None, True, False]],
+            {"o": b"\x00\x01", "t": b"\x00" * 16, "r": [[0, {"n": 1}]]},
+            b"x" * 70_000,
+            2**64 - 1,
+        ]
+        for i, result in enumerate(results):
+            assert server._reply(i, result, time.perf_counter()) == protocol.encode_response(
+                i, result
+            )
+        with pytest.raises(TypeError):
+            server._reply(9, object(), time.perf_counter())
+        assert server._reply(10, "after", 0.0) == protocol.encode_response(10, "after")
+    finally:
+        server._pool.shutdown()
+        server.store.close()
