@@ -505,11 +505,13 @@ class BloomRing:
 
     With ``path``, slices persist as filter files in that directory: a slice
     is saved and reopened memory-mapped when a newer slice replaces it as the
-    head; ``save()`` writes the head and the manifest. Each unsealed slice also
-    keeps a key log (the hashes it took), and :meth:`compact` rebuilds sealed
-    slices from their logs as binary fuse filters: about 2.25 bytes per key
-    at 2**-16 instead of the Bloom filter's share of the budget
-    (dedupcore.fuse; docs/warm-tier.md, "The cold archive").
+    head; ``save()`` writes the head and the manifest. With ``key_logs=True``
+    (the cold archive's rings) each unsealed slice also keeps a key log (the
+    hashes it took, owner-only like every file of the ring), and
+    :meth:`compact` rebuilds sealed slices from their logs as binary fuse
+    filters: about 2.25 bytes per key at 2**-16 instead of the Bloom filter's
+    share of the budget (dedupcore.fuse; docs/warm-tier.md, "The cold
+    archive").
     """
 
     def __init__(
@@ -521,6 +523,7 @@ class BloomRing:
         *,
         seed: int = 0,
         path: str | os.PathLike[str] | None = None,
+        key_logs: bool = False,
     ) -> None:
         self.window = _check_positive("window", window)
         self.slice_seconds = _check_positive("slice_seconds", slice_seconds)
@@ -530,6 +533,9 @@ class BloomRing:
         self.max_slices = math.ceil(self.window / self.slice_seconds) + 1
         self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
         self.path = Path(path) if path is not None else None
+        # Open slices keep their keys' hashes, so that sealed ones can be rebuilt
+        # as fuse filters (compact()): a ring with a path that asks for them.
+        self.key_logs = bool(key_logs) and self.path is not None
         self._slices: list[_Slice] = []
         # Every live filter; None: stale.
         self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
@@ -598,7 +604,7 @@ class BloomRing:
         head.filters.append(
             BloomFilter(base, self.slice_error_rate * (1 - reserve), seed=self.seed)
         )
-        if self.path is not None:
+        if self.key_logs:
             # A log left by a slice of this bucket that never reached the
             # manifest (a crash) vouches for nothing: start it afresh.
             _unlink_quiet(self._log_file(bucket))
@@ -913,6 +919,7 @@ class BloomRing:
             "slice_capacity": self.slice_capacity,
             "error_rate": self.error_rate,
             "seed": self.seed,
+            "key_logs": self.key_logs,
             "slices": [self._manifest_entry(s) for s in self._slices],
         }
         data = json.dumps(manifest, indent=1).encode()
@@ -934,7 +941,12 @@ class BloomRing:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, verify: bool = True, readonly: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        readonly: bool = False,
+        key_logs: bool | None = None,
     ) -> BloomRing:
         """Reopens a saved ring: sealed slices memory-mapped, the head writable.
 
@@ -942,6 +954,8 @@ class BloomRing:
         :class:`CorruptFileError`; the caller decides whether to rebuild.
         ``readonly``: a view of a ring another process may be writing; nothing
         on disk is touched (no torn key-log tail cut, no leftover removed).
+        ``key_logs``: whether slices started from now on keep a key log (None:
+        as the manifest says; slices that have one keep it either way).
         """
         root = Path(path)
         manifest_path = root / RING_MANIFEST
@@ -965,6 +979,7 @@ class BloomRing:
                 manifest["error_rate"],
                 seed=manifest["seed"],
                 path=root,
+                key_logs=manifest.get("key_logs", False) if key_logs is None else key_logs,
             )
             if fmt not in (1, RING_FORMAT) or isinstance(fmt, bool):
                 raise ValueError(f"format {fmt!r} is not 1 or {RING_FORMAT}")

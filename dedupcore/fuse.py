@@ -193,7 +193,9 @@ class KeyLog:
     def append(self, hashes: memoryview) -> None:
         """Appends ``hashes`` (a uint64 buffer) in checksummed chunks, then fsyncs."""
         raw = memoryview(hashes).cast("B")
-        with open(self.path, "ab") as fh:
+        # Owner only, as every file of the store: the hashes tell which keys were seen.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with open(fd, "ab") as fh:
             for start in range(0, len(raw), 8 * LOG_CHUNK):
                 body = raw[start : start + 8 * LOG_CHUNK]
                 head = LOG_HEAD.pack(LOG_MAGIC, 0, len(body) // 8)

@@ -46,7 +46,7 @@ class ColdArchive:
             ring_path = None if self.path is None else self.path / f"{window:g}"
             if ring_path is not None and (ring_path / "ring.json").exists():
                 # Damage is an error.
-                self.rings[window] = BloomRing.open(ring_path, readonly=readonly)
+                self.rings[window] = BloomRing.open(ring_path, readonly=readonly, key_logs=True)
             elif ring_path is not None and any(ring_path.glob("slice-*.bloom")):
                 # Slices without their manifest cannot be read, and an empty
                 # archive would answer NEW for keys it holds.
@@ -61,6 +61,7 @@ class ColdArchive:
                     slice_capacity,
                     error_rate,
                     path=None if readonly else ring_path,
+                    key_logs=True,  # sealed slices are rebuilt as fuse filters
                 )
 
     @property

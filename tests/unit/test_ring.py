@@ -560,32 +560,22 @@ def test_expired_slice_files_are_deleted(tmp_path: Path, make_keys: Keys) -> Non
     ring.add_many(make_keys(10, "b1"), now=2.0)
     ring.add_many(make_keys(10, "b2"), now=4.0)
     ring.save()
-    # Each slice: its Bloom filters and its key log (the input of its rebuild).
     assert files(tmp_path) == [
         "ring.json",
         "slice-0-0.bloom",
         "slice-0-1.bloom",
-        "slice-0.keys",
         "slice-1-0.bloom",
-        "slice-1.keys",
         "slice-2-0.bloom",
-        "slice-2.keys",
     ]
     assert ring.expire(6.0) == 1  # bucket 0: (0 + 1) * 2 + 4 <= 6
-    assert files(tmp_path) == [
-        "ring.json",
-        "slice-1-0.bloom",
-        "slice-1.keys",
-        "slice-2-0.bloom",
-        "slice-2.keys",
-    ]
+    assert files(tmp_path) == ["ring.json", "slice-1-0.bloom", "slice-2-0.bloom"]
     assert [s.bucket for s in BloomRing.open(tmp_path).slices()] == [1, 2]
     ring.add(b"x", now=12.0)  # rolls over: buckets 1 and 2 expire
     assert [s.bucket for s in ring.slices()] == [6]
-    assert not [n for n in files(tmp_path) if n.startswith(("slice-1", "slice-2"))]
+    assert not [n for n in files(tmp_path) if n.startswith(("slice-1-", "slice-2-"))]
     assert not [n for n in files(tmp_path) if n.endswith(".tmp")]
     ring.save()
-    assert files(tmp_path) == ["ring.json", "slice-6-0.bloom", "slice-6.keys"]
+    assert files(tmp_path) == ["ring.json", "slice-6-0.bloom"]
     assert shape(BloomRing.open(tmp_path)) == shape(ring)
 
 

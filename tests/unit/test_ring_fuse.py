@@ -40,7 +40,13 @@ def kinds(ring: BloomRing) -> list[tuple[int, str]]:
 
 def _ring(path: Path | None, capacity: int = 500) -> BloomRing:
     return BloomRing(
-        window=10.0, slice_seconds=2.0, slice_capacity=capacity, error_rate=0.001, seed=7, path=path
+        window=10.0,
+        slice_seconds=2.0,
+        slice_capacity=capacity,
+        error_rate=0.001,
+        seed=7,
+        path=path,
+        key_logs=True,
     )
 
 
@@ -71,6 +77,7 @@ def test_compact_rebuilds_sealed_slices_and_keeps_every_key(
     assert infos[0].subfilters == 0 and infos[0].sealed
     assert infos[0].nbytes < before[0] and infos[1].nbytes < before[1]
     assert infos[0].estimated_fpr == 2.0**-16
+    assert (tmp_path / "slice-2.keys").stat().st_mode & 0o777 == 0o600
     assert files(tmp_path) == [
         "ring.json",
         "slice-0.fuse",
@@ -111,7 +118,15 @@ def test_memory_ring_and_head_are_never_rebuilt(make_keys: Keys, tmp_path: Path)
     ring, _ = _filled(None, make_keys)
     assert ring.compact() == 0
     assert {k for _, k in kinds(ring)} == {"bloom"}
-    single = _ring(tmp_path)
+    # A persisted ring keeps key logs only when asked (the front filter does not).
+    plain = BloomRing(window=10.0, slice_seconds=2.0, slice_capacity=100, path=tmp_path / "plain")
+    plain.add_many(make_keys(10), now=0.0)
+    plain.add_many(make_keys(10, "b"), now=3.0)
+    plain.save()
+    assert not list((tmp_path / "plain").glob("*.keys")) and plain.compact() == 0
+    assert BloomRing.open(tmp_path / "plain").key_logs is False
+    assert BloomRing.open(tmp_path / "plain", key_logs=True).key_logs is True
+    single = _ring(tmp_path / "single")
     single.add_many(make_keys(100), now=0.0)
     single.save()
     assert single.compact() == 0
@@ -120,7 +135,12 @@ def test_memory_ring_and_head_are_never_rebuilt(make_keys: Keys, tmp_path: Path)
 
 def test_bytes_per_key_of_a_large_rebuilt_slice(tmp_path: Path) -> None:
     ring = BloomRing(
-        window=10.0, slice_seconds=5.0, slice_capacity=1000, error_rate=0.001, path=tmp_path
+        window=10.0,
+        slice_seconds=5.0,
+        slice_capacity=1000,
+        error_rate=0.001,
+        path=tmp_path,
+        key_logs=True,
     )
     rng = np.random.default_rng(11)
     hashes = rng.integers(0, 2**64, size=300_000, dtype=np.uint64)
@@ -343,7 +363,12 @@ def test_readonly_open_touches_nothing(tmp_path: Path, make_keys: Keys) -> None:
 
 def test_probes_go_on_while_a_slice_is_rebuilt(tmp_path: Path) -> None:
     ring = BloomRing(
-        window=10.0, slice_seconds=5.0, slice_capacity=1000, error_rate=0.001, path=tmp_path
+        window=10.0,
+        slice_seconds=5.0,
+        slice_capacity=1000,
+        error_rate=0.001,
+        path=tmp_path,
+        key_logs=True,
     )
     hashes = np.random.default_rng(3).integers(0, 2**64, size=400_000, dtype=np.uint64)
     ring.insert_many(memoryview(hashes), now=0.0, expected=len(hashes))
@@ -384,7 +409,7 @@ from dedupcore import BloomRing
 
 path, point = sys.argv[1], sys.argv[2]
 ring = BloomRing(window=10.0, slice_seconds=5.0, slice_capacity=1000, error_rate=0.001,
-                 path=path)
+                 path=path, key_logs=True)
 first = np.arange(1, 50_001, dtype=np.uint64)
 ring.insert_many(memoryview(first), now=0.0)
 ring.save()
