@@ -301,6 +301,23 @@ cdef uint64_t _hash_other(object k, Py_ssize_t index, uint64_t seed) except? 0:
         f"not {type(k).__name__}")
 
 
+cdef inline void _export_body(Py_buffer* buffer, object owner, void* body, Py_ssize_t size,
+                              bint readonly):
+    """Fills ``buffer`` with a filter's body as one flat run of bytes (the buffer
+    protocol of BlockFilter and FuseFilter)."""
+    buffer.buf = body
+    buffer.obj = owner
+    buffer.len = size
+    buffer.readonly = readonly
+    buffer.itemsize = 1
+    buffer.format = NULL
+    buffer.ndim = 1
+    buffer.shape = NULL
+    buffer.strides = NULL
+    buffer.suboffsets = NULL
+    buffer.internal = NULL
+
+
 cdef inline bint _supports_buffer(obj):
     try:
         memoryview(obj)
@@ -460,17 +477,7 @@ cdef class BlockFilter:
         self._check()
         if (flags & PyBUF_WRITABLE) and self._readonly:
             raise BufferError("filter body is read-only")
-        buffer.buf = <void*>self.blocks
-        buffer.obj = self
-        buffer.len = self._nblocks * 64
-        buffer.readonly = self._readonly
-        buffer.itemsize = 1
-        buffer.format = NULL
-        buffer.ndim = 1
-        buffer.shape = NULL
-        buffer.strides = NULL
-        buffer.suboffsets = NULL
-        buffer.internal = NULL
+        _export_body(buffer, self, <void*>self.blocks, self._nblocks * 64, self._readonly)
 
     def __releasebuffer__(self, Py_buffer* buffer):
         pass
@@ -866,17 +873,7 @@ cdef class FuseFilter:
         self._check()
         if flags & PyBUF_WRITABLE:
             raise BufferError("fuse filter body is read-only")
-        buffer.buf = <void*>self.f.fp
-        buffer.obj = self
-        buffer.len = self.f.array_length * 2
-        buffer.readonly = 1
-        buffer.itemsize = 1
-        buffer.format = NULL
-        buffer.ndim = 1
-        buffer.shape = NULL
-        buffer.strides = NULL
-        buffer.suboffsets = NULL
-        buffer.internal = NULL
+        _export_body(buffer, self, <void*>self.f.fp, self.f.array_length * 2, True)
 
     def __releasebuffer__(self, Py_buffer* buffer):
         pass

@@ -687,13 +687,18 @@ def test_a_peer_that_stops_reading_is_paused_then_disconnected_or_served(
             assert protocol.decode_response(read_frame(other)) == (1, Status.OK, "pong")
 
 
-def test_a_frame_that_does_not_fit_the_budget_pauses_its_connection_until_it_does(
+_BUDGET_LIMIT = 1 << 20
+
+
+@contextlib.contextmanager
+def _first_frame_held(
     tmp_path: Path,
-) -> None:
-    """A frame whose bytes would pass max_buffered waits (its connection reads nothing
-    more) until another request is answered; small frames pass it meanwhile."""
+) -> Iterator[tuple[DaemonServer, Path, socket.socket, socket.socket, bytes, bytes]]:
+    """A daemon with a 1 MiB frame budget and two connections; the first has sent all
+    but the last byte of a 900 KiB frame, whose bytes the budget now holds. Yields
+    (server, socket path, first, second, that frame, a 200 KiB frame not yet sent)."""
     store = DedupStore.open(tmp_path / "data")
-    limit = 1 << 20
+    limit = _BUDGET_LIMIT
     big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (900 << 10)})
     other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (200 << 10)})
     with (
@@ -706,10 +711,19 @@ def test_a_frame_that_does_not_fit_the_budget_pauses_its_connection_until_it_doe
     ):
         first.sendall(big[:-1])
         wait_until(lambda: server._budget.used >= 900 << 10, "the first frame to be held")
+        yield server, sock, first, second, big, other
+
+
+def test_a_frame_that_does_not_fit_the_budget_pauses_its_connection_until_it_does(
+    tmp_path: Path,
+) -> None:
+    """A frame whose bytes would pass max_buffered waits (its connection reads nothing
+    more) until another request is answered; small frames pass it meanwhile."""
+    with _first_frame_held(tmp_path) as (server, sock, first, second, big, other):
         sender = threading.Thread(target=second.sendall, args=(other,), daemon=True)
         sender.start()
         wait_until(lambda: server._budget.waits >= 1, "the second frame to wait")
-        assert server._budget.used <= limit
+        assert server._budget.used <= _BUDGET_LIMIT
         with connect(sock) as third:  # a small frame is served meanwhile
             third.sendall(_ping(3))
             assert protocol.decode_response(read_frame(third)) == (3, Status.OK, "pong")
@@ -727,20 +741,7 @@ def test_a_frame_waiting_for_the_budget_is_cut_off_after_the_request_timeout(
     header): the waiting connection is closed without a reply, its place in the queue
     given up; the frame it waited behind is still served. (The timeout is lowered
     once the first frame's header is read: only the second frame's deadline is short.)"""
-    store = DedupStore.open(tmp_path / "data")
-    limit = 1 << 20
-    big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (900 << 10)})
-    other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (200 << 10)})
-    with (
-        _serving(store, max_frame=limit, max_buffered=limit, request_timeout=PATIENCE) as (
-            server,
-            sock,
-        ),
-        connect(sock) as first,
-        connect(sock) as second,
-    ):
-        first.sendall(big[:-1])
-        wait_until(lambda: server._budget.used >= 900 << 10, "the first frame to be held")
+    with _first_frame_held(tmp_path) as (server, _, first, second, big, other):
         server.request_timeout = 0.3
         second.sendall(other[:4])
         assert read_until_eof(second) == b""  # cut off while waiting, never answered

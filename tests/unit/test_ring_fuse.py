@@ -133,15 +133,20 @@ def test_memory_ring_and_head_are_never_rebuilt(make_keys: Keys, tmp_path: Path)
     assert kinds(single) == [(0, "bloom")]
 
 
-def test_bytes_per_key_of_a_large_rebuilt_slice(tmp_path: Path) -> None:
-    ring = BloomRing(
+def _two_slice_ring(path: Path) -> BloomRing:
+    """A persisted ring of slices of 5 s over a window of 10 s, with key logs."""
+    return BloomRing(
         window=10.0,
         slice_seconds=5.0,
         slice_capacity=1000,
         error_rate=0.001,
-        path=tmp_path,
+        path=path,
         key_logs=True,
     )
+
+
+def test_bytes_per_key_of_a_large_rebuilt_slice(tmp_path: Path) -> None:
+    ring = _two_slice_ring(tmp_path)
     rng = np.random.default_rng(11)
     hashes = rng.integers(0, 2**64, size=300_000, dtype=np.uint64)
     ring.insert_many(memoryview(hashes), now=0.0, expected=len(hashes))
@@ -362,14 +367,7 @@ def test_readonly_open_touches_nothing(tmp_path: Path, make_keys: Keys) -> None:
 
 
 def test_probes_go_on_while_a_slice_is_rebuilt(tmp_path: Path) -> None:
-    ring = BloomRing(
-        window=10.0,
-        slice_seconds=5.0,
-        slice_capacity=1000,
-        error_rate=0.001,
-        path=tmp_path,
-        key_logs=True,
-    )
+    ring = _two_slice_ring(tmp_path)
     hashes = np.random.default_rng(3).integers(0, 2**64, size=400_000, dtype=np.uint64)
     ring.insert_many(memoryview(hashes), now=0.0, expected=len(hashes))
     ring.insert_many(memoryview(hashes[:1]), now=6.0)
