@@ -865,9 +865,9 @@ class BloomRing:
                     if len(held) and held.cast("B").tobytes().find(b"\0") >= 0:
                         raise CorruptFileError(f"{keylog.path}: the rebuilt filter misses keys")
                     del hashes, held
+                    # The built filter is what a reopened ring would read back:
+                    # its body is in memory of its own already (open_fuse).
                     atomic_write(self._fuse_file(s.bucket), fuse_file_chunks(fuse, self.seed))
-                    del fuse
-                    mapped, _ = open_fuse(self._fuse_file(s.bucket))
                 except (CorruptFileError, OSError) as exc:
                     log.warning("cold slice %d stays a Bloom filter: %s", s.bucket, exc)
                     with self._lock:
@@ -877,13 +877,10 @@ class BloomRing:
                     if s not in self._slices:  # expired meanwhile
                         _unlink_quiet(self._fuse_file(s.bucket))
                         continue
-                    old = len(s.filters)
-                    s.fuse, s.filters, s.log = mapped, [], None
+                    s.fuse, s.filters, s.log = fuse, [], None
                     self._every = None
                     self._write_manifest()
-                    for i in range(old):
-                        _unlink_quiet(self._file(s.bucket, i))
-                    _unlink_quiet(self._log_file(s.bucket))
+                    self._unlink_slice_rest(s)
                 rebuilt += 1
 
     def save(self) -> None:
