@@ -1,7 +1,7 @@
 """Type stubs of the native core (ext/_core.pyx), checked against the built module by stubtest."""
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 from typing_extensions import Buffer, Self, disjoint_base
 
@@ -26,6 +26,10 @@ def probe_many(
     keys: _Keys,
     target: BlockFilter | None,
     seed: int,
+) -> memoryview[bool]: ...
+def frame_records(out: bytearray, payloads: list[Any], first_lsn: int, max_bytes: int) -> int: ...
+def probe_digests(
+    filters: tuple[BlockFilter | FuseFilter, ...], digests: bytes, seed: int
 ) -> memoryview[bool]: ...
 
 @disjoint_base

@@ -728,6 +728,12 @@ class BloomRing:
         with self._lock:
             return _core.probe_many(self._filters(), batch, None, self.seed)
 
+    def contains_digests(self, digests: bytes) -> memoryview[bool]:
+        """Membership in any slice of each of concatenated 16-byte record digests,
+        keyed by their first 8 bytes (the store's front hash; ``_core.probe_digests``)."""
+        with self._lock:
+            return _core.probe_digests(self._filters(), digests, self.seed)
+
     # -- figures -------------------------------------------------------------
 
     def __len__(self) -> int:

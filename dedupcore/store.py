@@ -472,9 +472,7 @@ class DedupStore(ClaimAPI):
             return missing
         every = len(missing) * 16 == len(joined)
         held = joined if every else _engine.gather_digests(joined, missing)
-        to_read = _engine.select_digests(
-            held, self._front.contains_many(_keys.front_hashes_of(held))
-        )
+        to_read = _engine.select_digests(held, self._front.contains_digests(held))
         n_read = len(to_read) // 16
         self._stats.front_negative += len(missing) - n_read
         self._stats.front_positive += n_read
@@ -490,7 +488,7 @@ class DedupStore(ClaimAPI):
     def _cold_hits(self, joined: bytes, ns_id: int) -> memoryview[bool]:
         """Whether the cold archive holds each of concatenated digests."""
         window = self._retention(ns_id).cold_window
-        return self._cold.contains_many(window, _keys.front_hashes_of(joined))
+        return self._cold.contains_digests(window, joined)
 
     # -- claims ----------------------------------------------------------------
 
@@ -690,14 +688,15 @@ class DedupStore(ClaimAPI):
             # Only now, with every key of the batch checked, does anything change.
             last = self._log(payloads, counts[4])
             n_new, n_dup, n_busy, takeovers, _, _ = counts
-            for outcome, n in (
-                (Outcome.NEW, n_new),
-                (Outcome.DUPLICATE, n_dup),
-                (Outcome.IN_PROGRESS, n_busy),
-            ):
-                if n:
-                    self._stats.outcomes[(ns_name, outcome.value)] += n
-            self._stats.takeovers += takeovers
+            outcomes = self._stats.outcomes
+            if n_new:
+                outcomes[(ns_name, _NEW)] += n_new
+            if n_dup:
+                outcomes[(ns_name, _DUPLICATE)] += n_dup
+            if n_busy:
+                outcomes[(ns_name, _IN_PROGRESS)] += n_busy
+            if takeovers:
+                self._stats.takeovers += takeovers
         finally:
             self._lock.release()
         return claims, counts[5], self._pending_lsn(max(last, depends))
@@ -1164,6 +1163,7 @@ class DedupStore(ClaimAPI):
 
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
+_NEW, _DUPLICATE, _IN_PROGRESS = (o.value for o in _OUTCOMES)  # the counters' keys
 
 
 def _digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:

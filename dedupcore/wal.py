@@ -130,7 +130,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import dedupcore._core as _core
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
@@ -360,6 +360,14 @@ def _check_lsn(name: str, value: object) -> int:
     if not 0 <= value <= MAX_LSN:
         raise ValueError(f"{name} must be in 0..2**64-1, got {value}")
     return value
+
+
+def _payload_list(payloads: object) -> list[Any]:
+    """The payloads of an append as a list; each is checked as it is framed
+    (``_core.frame_records``, with :func:`_check_payloads` naming a bad one)."""
+    if type(payloads) is list:
+        return payloads
+    return _check_payloads(payloads)
 
 
 def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
@@ -658,8 +666,9 @@ class WriteAheadLog:
     @property
     def last_lsn(self) -> int:
         """LSN of the last acknowledged record (the first segment's first LSN - 1 if none)."""
-        with self._cond:
-            return self._durable_lsn
+        # No lock: one int attribute, read whole, that only grows once the log is
+        # open (every claim asks whether its answer is durable already).
+        return self._durable_lsn
 
     @property
     def commit_bytes(self) -> int:
@@ -687,7 +696,7 @@ class WriteAheadLog:
         may not be in the log, like a commit whose reply was lost), and
         :class:`WalFailedError` once the log has failed.
         """
-        items = _check_payloads(payloads)
+        items = _payload_list(payloads)
         with self._cond:
             self._check_open()
             if not items:
@@ -704,25 +713,29 @@ class WriteAheadLog:
         until ``sync(lsn)`` (or a later ``append``) returns. Same checks as
         ``append``; an empty sequence returns the last queued LSN.
         """
-        items = _check_payloads(payloads)
+        items = _payload_list(payloads)
         with self._cond:
             self._check_open()
             if not items:
                 return self._next_lsn - 1
             return self._enqueue(items)
 
-    def _enqueue(self, items: list[bytes | bytearray | memoryview]) -> int:
-        """Frames records onto the queue (lock held); returns the last LSN given."""
+    def _enqueue(self, items: list[Any]) -> int:
+        """Frames records onto the queue (lock held; payloads not yet checked, see
+        :func:`_payload_list`); returns the last LSN given."""
         first = self._next_lsn
         target = first + len(items) - 1
         if target > MAX_LSN:
             raise OverflowError("write-ahead log LSNs exhausted")
-        pending = self._pending
-        pack_head, pack_sum, hash64 = FRAME_HEAD.pack, CHECKSUM.pack, _core.hash64
-        for lsn, item in enumerate(items, first):
-            body = pack_head(len(item), lsn) + item
-            pending += body
-            pending += pack_sum(hash64(body))
+        if _core.frame_records(self._pending, items, first, MAX_RECORD_BYTES) >= 0:
+            # A payload it does not take: named here (TypeError, ValueError, with
+            # nothing queued), or a contiguous memoryview or a subclass of bytes,
+            # framed from a copy.
+            checked = [
+                p if type(p) in (bytes, bytearray) else bytes(p) for p in _check_payloads(items)
+            ]
+            if _core.frame_records(self._pending, checked, first, MAX_RECORD_BYTES) >= 0:
+                raise AssertionError("checked payloads were refused")
         self._pending_records += len(items)
         self._next_lsn = target + 1
         return target

@@ -23,7 +23,8 @@ from libc.string cimport memcpy, memset
 from libc.math cimport log
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check,
                             PyBytes_FromStringAndSize)
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_CheckExact,
+                                PyByteArray_GET_SIZE, PyByteArray_Resize)
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
@@ -920,6 +921,75 @@ cdef struct FilterRef:
     uint64_t nblocks
 
 
+cdef struct Probe:
+    # The filters of one probe, as the nogil loops take them.
+    FilterRef* refs
+    Py_ssize_t nbloom
+    dc_fuse_t* fuses
+    Py_ssize_t nfuse
+
+
+cdef int _gather_filters(tuple filters, uint64_t seed, bint with_target, Probe* p) except -1:
+    """Fills ``p`` from BlockFilter and FuseFilter objects (empty fuse filters left
+    out); free it with _free_probe, also after an error."""
+    cdef Py_ssize_t nf = len(filters), f
+    cdef BlockFilter bf
+    cdef FuseFilter ff
+    p.nbloom = 0
+    p.nfuse = 0
+    p.fuses = NULL
+    p.refs = <FilterRef*>malloc((nf + 1) * sizeof(FilterRef))
+    if p.refs == NULL:
+        raise MemoryError()
+    for f in range(nf):
+        obj = filters[f]
+        if isinstance(obj, BlockFilter):  # the common case first
+            bf = <BlockFilter>obj
+            bf._check()
+            if bf._seed != seed:
+                raise ValueError("filters of one probe must share their hash seed")
+            p.refs[p.nbloom].blocks = bf.blocks
+            p.refs[p.nbloom].nblocks = bf._nblocks
+            p.nbloom += 1
+            continue
+        if not isinstance(obj, FuseFilter):
+            raise TypeError(f"filters must be BlockFilter or FuseFilter objects, "
+                            f"not {type(obj).__name__}")
+        if with_target:
+            raise TypeError("a FuseFilter cannot take part in a probe with a "
+                            "target: probe it with target=None")
+        ff = <FuseFilter>obj
+        ff._check()
+        if ff._count == 0:
+            continue  # holds nothing
+        if p.fuses == NULL:
+            p.fuses = <dc_fuse_t*>malloc(nf * sizeof(dc_fuse_t))
+            if p.fuses == NULL:
+                raise MemoryError()
+        p.fuses[p.nfuse] = ff.f
+        p.nfuse += 1
+    return 0
+
+
+cdef void _free_probe(Probe* p) noexcept:
+    free(p.refs)
+    free(p.fuses)
+    p.refs = NULL
+    p.fuses = NULL
+
+
+cdef void _contains_hashes(const Probe* p, const uint64_t* h, size_t m,
+                           unsigned char* flags) noexcept nogil:
+    """Sets the flag of every hash some filter of ``p`` may hold (others untouched)."""
+    cdef Py_ssize_t f
+    for f in range(p.nbloom):
+        dc_contains_batch(p.refs[f].blocks, p.refs[f].nblocks, h, m, flags)
+    # Fuse filters in a second pass over the same hashes (each batch prefetches
+    # its own slots ahead).
+    for f in range(p.nfuse):
+        dc_fuse_contains_batch(&p.fuses[f], h, m, flags)
+
+
 def probe_many(tuple filters, keys, target, uint64_t seed):
     """Probes a batch of keys against several filters, optionally adding them to one.
 
@@ -932,9 +1002,6 @@ def probe_many(tuple filters, keys, target, uint64_t seed):
     filter (``target`` included) before; a fuse filter takes no part then.
     This serves ``BloomFilter.add_many``/``contains_many`` and the ring.
     """
-    cdef Py_ssize_t nf = len(filters), f, nbloom = 0, nfuse = 0
-    cdef BlockFilter bf
-    cdef FuseFilter ff
     cdef BlockFilter tgt = None
     if target is not None:
         if isinstance(target, FuseFilter):
@@ -947,64 +1014,32 @@ def probe_many(tuple filters, keys, target, uint64_t seed):
         tgt._check_writable()
         if tgt._seed != seed:
             raise ValueError("filters of one probe must share their hash seed")
-    cdef FilterRef* refs = <FilterRef*>malloc((nf + 1) * sizeof(FilterRef))
-    if refs == NULL:
-        raise MemoryError()
-    cdef dc_fuse_t* fuses = NULL
+    cdef Probe p
+    _gather_filters(filters, seed, tgt is not None, &p)
     try:
-        for f in range(nf):
-            obj = filters[f]
-            if isinstance(obj, BlockFilter):  # the common case first
-                bf = <BlockFilter>obj
-                bf._check()
-                if bf._seed != seed:
-                    raise ValueError("filters of one probe must share their hash seed")
-                refs[nbloom].blocks = bf.blocks
-                refs[nbloom].nblocks = bf._nblocks
-                nbloom += 1
-                continue
-            if not isinstance(obj, FuseFilter):
-                raise TypeError(f"filters must be BlockFilter or FuseFilter objects, "
-                                f"not {type(obj).__name__}")
-            if tgt is not None:
-                raise TypeError("a FuseFilter cannot take part in a probe with a "
-                                "target: probe it with target=None")
-            ff = <FuseFilter>obj
-            ff._check()
-            if ff._count == 0:
-                continue  # holds nothing
-            if fuses == NULL:
-                fuses = <dc_fuse_t*>malloc(nf * sizeof(dc_fuse_t))
-                if fuses == NULL:
-                    raise MemoryError()
-            fuses[nfuse] = ff.f
-            nfuse += 1
         if tgt is None and isinstance(keys, (list, tuple)):
             # Nothing changes, so nothing needs validating up front: hash and
             # probe chunk by chunk, prefetching each block as soon as its key
             # is hashed, so fetching blocks overlaps walking the key objects.
             out = bytearray(len(keys))
-            _contains_chunked(refs, nbloom, fuses, nfuse, keys, seed,
-                              <unsigned char*>PyByteArray_AS_STRING(out))
+            _contains_chunked(&p, keys, seed, <unsigned char*>PyByteArray_AS_STRING(out))
             return memoryview(out).cast("?")
         batch = KeyBatch(keys, seed)
         out = bytearray(batch.n)
-        _probe_batch(refs, nbloom, fuses, nfuse, <KeyBatch>batch, tgt,
-                     <unsigned char*>PyByteArray_AS_STRING(out))
+        _probe_batch(&p, <KeyBatch>batch, tgt, <unsigned char*>PyByteArray_AS_STRING(out))
         return memoryview(out).cast("?")
     finally:
-        free(refs)
-        free(fuses)
+        _free_probe(&p)
 
 
 DEF CONTAINS_CHUNK = 2048
 
 
-cdef int _contains_chunked(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuses,
-                           Py_ssize_t nfuse, object keys, uint64_t seed,
+cdef int _contains_chunked(const Probe* p, object keys, uint64_t seed,
                            unsigned char* flags) except -1:
     cdef uint64_t h[CONTAINS_CHUNK]
     cdef Py_ssize_t n = len(keys), start = 0, i, m, f
+    cdef Py_ssize_t nf = p.nbloom
     cdef PyObject* k
     cdef bint is_list = isinstance(keys, list)
     cdef uint64_t x
@@ -1025,23 +1060,16 @@ cdef int _contains_chunked(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuse
                 x = _hash_other(<object>k, start + i, seed)
             h[i] = x
             for f in range(nf if nf < 2 else 2):
-                dc_prefetch(refs[f].blocks + dc_block_index(x, refs[f].nblocks) * 8)
+                dc_prefetch(p.refs[f].blocks + dc_block_index(x, p.refs[f].nblocks) * 8)
         with nogil:
-            for f in range(nf):
-                dc_contains_batch(refs[f].blocks, refs[f].nblocks, h, <size_t>m, flags + start)
-            # Fuse filters in a second pass over the same hashes (each batch
-            # prefetches its own slots ahead).
-            for f in range(nfuse):
-                dc_fuse_contains_batch(&fuses[f], h, <size_t>m, flags + start)
+            _contains_hashes(p, h, <size_t>m, flags + start)
         start += m
     return 0
 
 
-cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuses,
-                      Py_ssize_t nfuse, KeyBatch batch, BlockFilter target,
+cdef int _probe_batch(const Probe* p, KeyBatch batch, BlockFilter target,
                       unsigned char* flags) except -1:
     cdef size_t m = <size_t>batch.n
-    cdef Py_ssize_t f
     cdef const uint64_t* h = batch.hashes
     cdef bint has_target = target is not None
     cdef uint64_t* tblocks = target.blocks if has_target else NULL
@@ -1051,12 +1079,98 @@ cdef int _probe_batch(FilterRef* refs, Py_ssize_t nf, const dc_fuse_t* fuses,
     if m == 0:
         return 0
     with nogil:
-        for f in range(nf):
-            dc_contains_batch(refs[f].blocks, refs[f].nblocks, h, m, flags)
-        for f in range(nfuse):  # never with a target (probe_many refuses it)
-            dc_fuse_contains_batch(&fuses[f], h, m, flags)
+        _contains_hashes(p, h, m, flags)  # no fuse filter with a target (refused)
         if has_target:
             pthread_mutex_lock(tlock)
             tcount[0] += dc_add_batch(tblocks, tnblocks, h, m, flags)
             pthread_mutex_unlock(tlock)
     return 0
+
+
+def probe_digests(tuple filters, bytes digests, uint64_t seed):
+    """Probes concatenated 16-byte record digests against several filters.
+
+    As :func:`probe_many` without a target, over the digests' front hashes:
+    the first 8 bytes of each digest, in native byte order (the hash the
+    store's front filter and cold archive are keyed by; docs/warm-tier.md,
+    "Lookups"). No buffer or key object is made per call: this is the exact
+    and cold tiers' lookup of every claim.
+    """
+    cdef Py_ssize_t size = len(digests)
+    if size % 16:
+        raise ValueError(f"digests must be a multiple of 16 bytes, got {size}")
+    cdef Py_ssize_t n = size // 16, start = 0, i, m
+    out = bytearray(n)
+    if n == 0 or not filters:
+        return memoryview(out).cast("?")
+    cdef const unsigned char* src = <const unsigned char*>PyBytes_AS_STRING(digests)
+    cdef unsigned char* flags = <unsigned char*>PyByteArray_AS_STRING(out)
+    cdef uint64_t h[CONTAINS_CHUNK]
+    cdef Probe p
+    _gather_filters(filters, seed, False, &p)
+    try:
+        with nogil:
+            while start < n:
+                m = n - start
+                if m > CONTAINS_CHUNK:
+                    m = CONTAINS_CHUNK
+                for i in range(m):
+                    memcpy(&h[i], src + (start + i) * 16, 8)
+                _contains_hashes(&p, h, <size_t>m, flags + start)
+                start += m
+    finally:
+        _free_probe(&p)
+    return memoryview(out).cast("?")
+
+
+# -- write-ahead-log framing ------------------------------------------------------
+
+cdef inline void _put_le(unsigned char* p, uint64_t v, int n) noexcept nogil:
+    cdef int i
+    for i in range(n):
+        p[i] = <unsigned char>(v >> (8 * i))
+
+
+def frame_records(bytearray out, list payloads, uint64_t first_lsn, Py_ssize_t max_bytes):
+    """Appends payloads to ``out`` framed as write-ahead-log records.
+
+    Record ``i`` gets log position ``first_lsn + i`` and is framed as
+    ``[length u32 LE][lsn u64 LE][payload][checksum u64 LE]``, the checksum
+    being XXH64 (seed 0) of the head and payload (the format is described in
+    ``dedupcore/wal.py``; docs/architecture.md names the layers). Returns -1.
+    A payload that is not ``bytes`` or ``bytearray`` of at most ``max_bytes``
+    stops it before anything is appended: it returns that payload's index and
+    the caller (``dedupcore.wal``) names what is wrong, or converts it.
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(payloads), i, size, total = 0, start
+    cdef PyObject* item
+    for i in range(n):
+        item = PyList_GET_ITEM(payloads, i)
+        if _bytes_check_exact(item):
+            size = _bytes_size(item)
+        elif PyByteArray_CheckExact(<object>item):
+            size = PyByteArray_GET_SIZE(<object>item)
+        else:
+            return i
+        if size > max_bytes or size > 0xFFFFFFFF:
+            return i
+        total += 20 + size
+    start = PyByteArray_GET_SIZE(out)
+    PyByteArray_Resize(out, start + total)
+    cdef unsigned char* dst = <unsigned char*>PyByteArray_AS_STRING(out) + start
+    cdef const char* data
+    for i in range(n):
+        item = PyList_GET_ITEM(payloads, i)
+        if _bytes_check_exact(item):
+            data = _bytes_data(item)
+            size = _bytes_size(item)
+        else:
+            data = PyByteArray_AS_STRING(<object>item)
+            size = PyByteArray_GET_SIZE(<object>item)
+        _put_le(dst, <uint64_t>size, 4)
+        _put_le(dst + 4, first_lsn + <uint64_t>i, 8)
+        if size:
+            memcpy(dst + 12, data, <size_t>size)
+        _put_le(dst + 12 + size, dc_xxh64(dst, <size_t>(12 + size), 0), 8)
+        dst += 20 + size
+    return -1

@@ -431,6 +431,43 @@ def test_probe_many_mixes_bloom_and_fuse_filters() -> None:
     )
 
 
+def test_probe_digests_probes_the_first_half_of_each_digest() -> None:
+    # The store's lookups: concatenated 16-byte digests, keyed by their first 8
+    # bytes in native order; the answer must be probe_many's over those hashes.
+    seed = 5
+    rng = np.random.default_rng(3)
+    digests = rng.integers(0, 2**63, size=2 * 7000, dtype=np.uint64).tobytes()
+    fronts = np.frombuffer(digests, dtype=np.uint64)[::2].copy()
+    bloom = BloomFilter(3000, 0.01, seed=seed)
+    bloom.update(u64s(fronts[:2500]))
+    fuse = FuseFilter.build(u64s(fronts[2500:4000]), 9)
+    empty = FuseFilter.build(b"")
+    for filters in ((bloom, fuse, empty), (fuse,), (bloom,), ()):
+        expected = list(_core.probe_many(filters, u64s(fronts), None, seed))
+        assert list(_core.probe_digests(filters, digests, seed)) == expected  # crosses chunks
+        assert list(_core.probe_digests(filters, digests[:160], seed)) == expected[:10]
+    assert all(_core.probe_digests((bloom, fuse), digests, seed)[:4000])
+    assert list(_core.probe_digests((bloom,), b"", seed)) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (((), bytes(17), 1), ValueError, "multiple of 16 bytes, got 17"),
+        (((), bytearray(16), 1), TypeError, "bytearray"),
+        (((), memoryview(bytes(16)), 1), TypeError, "memoryview"),
+        (([], bytes(16), 1), TypeError, "list"),
+        ((("x",), bytes(16), 1), TypeError, "BlockFilter or FuseFilter"),
+        (((BloomFilter(10, 0.01, seed=2),), bytes(16), 1), ValueError, "share their hash seed"),
+    ],
+)
+def test_probe_digests_rejects_bad_arguments(
+    args: tuple[object, object, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        _core.probe_digests(*args)  # type: ignore[arg-type]
+
+
 def test_probe_many_refuses_a_fuse_filter_with_a_target() -> None:
     bloom = BloomFilter(100, 0.01, seed=1)
     fuse = FuseFilter.build(_core.hash64_many([b"a"], 1))

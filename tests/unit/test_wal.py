@@ -167,7 +167,59 @@ def test_empty_payloads_and_buffer_types_round_trip(tmp_path: Path) -> None:
     with WriteAheadLog.open(tmp_path) as wal:
         assert wal.append([b"", bytearray(b"ba"), memoryview(b"mv"), b""]) == 4
         assert wal.append([]) == 4  # nothing to append
-    assert replay(tmp_path) == [(1, b""), (2, b"ba"), (3, b"mv"), (4, b"")]
+        assert wal.append((_Bytes(b"sub"), memoryview(b"xmvx")[1:3])) == 6  # not a list
+        assert wal.append([_Bytes(b"sub2"), b"plain"]) == 8  # framed from copies
+    assert replay(tmp_path) == [
+        (1, b""),
+        (2, b"ba"),
+        (3, b"mv"),
+        (4, b""),
+        (5, b"sub"),
+        (6, b"mv"),
+        (7, b"sub2"),
+        (8, b"plain"),
+    ]
+
+
+class _Bytes(bytes):
+    """A bytes subclass: the native framing takes exact bytes only, the log any bytes."""
+
+
+def _framed(payloads: list[bytes], first: int) -> bytes:
+    out = b""
+    for lsn, p in enumerate(payloads, first):
+        body = struct.pack("<IQ", len(p), lsn) + p
+        out += body + struct.pack("<Q", hash64(body))
+    return out
+
+
+@given(
+    st.lists(st.binary(max_size=300), max_size=20),
+    st.integers(1, 2**64 - 30),
+    st.binary(max_size=40),
+)
+def test_native_framing_is_the_documented_format(
+    payloads: list[bytes], first: int, before: bytes
+) -> None:
+    out = bytearray(before)  # framing appends to what is queued
+    mixed: list[object] = [bytearray(p) if i % 2 else p for i, p in enumerate(payloads)]
+    assert dedupcore._core.frame_records(out, mixed, first, 1 << 20) == -1
+    assert bytes(out) == before + _framed(payloads, first)
+
+
+def test_native_framing_refuses_what_it_does_not_take_and_appends_nothing() -> None:
+    frame = dedupcore._core.frame_records
+    for bad, index in (
+        ([b"a", "text"], 1),
+        ([memoryview(b"m")], 0),
+        ([b"a", b"b", _Bytes(b"c")], 2),
+        ([b"ok", None], 1),
+        ([b"x" * 11], 0),  # over max_bytes
+    ):
+        out = bytearray(b"queued")
+        assert frame(out, bad, 1, 10) == index
+        assert out == b"queued"
+    assert frame(bytearray(), [b"x" * 10], 1, 10) == -1  # at the limit
 
 
 def test_write_then_sync_is_the_split_append(tmp_path: Path, fdatasyncs: list[int]) -> None:
