@@ -36,8 +36,17 @@ _NAMESPACE_RE = re.compile(rb"[A-Za-z0-9._:/\-]{1,128}\Z")
 _DIGEST = struct.Struct("<QQ")
 
 
+#: Namespaces checked already (a handful per process; bounded all the same).
+_CHECKED_NAMESPACES: dict[str, bytes] = {}
+_CHECKED_NAMESPACES_MAX = 1024
+
+
 def check_namespace(namespace: object) -> bytes:
     """The namespace as bytes; ValueError/TypeError naming what is wrong."""
+    if type(namespace) is str:  # every call checks one: remembered
+        known = _CHECKED_NAMESPACES.get(namespace)
+        if known is not None:
+            return known
     if isinstance(namespace, str):
         try:
             raw = namespace.encode("ascii")
@@ -53,6 +62,8 @@ def check_namespace(namespace: object) -> bytes:
         if len(raw) > MAX_NAMESPACE_BYTES:
             raise ValueError(f"namespace is {len(raw)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
         raise ValueError(f"namespace may only hold [A-Za-z0-9._:/-], got {namespace!r}")
+    if type(namespace) is str and len(_CHECKED_NAMESPACES) < _CHECKED_NAMESPACES_MAX:
+        _CHECKED_NAMESPACES[namespace] = raw
     return raw
 
 

@@ -150,6 +150,7 @@ class DedupStore(ClaimAPI):
         self.config = config
         self.readonly = readonly
         self._pid = os.getpid()
+        self._forks = _forks  # a child of a fork sees more (and refuses to serve)
         self._lock = threading.RLock()
         self._lock_wanted = False  # a batch waits for the lock (see _lock_for_batch)
         # Records in memory (the native engine's table): every PROCESSING
@@ -305,7 +306,7 @@ class DedupStore(ClaimAPI):
         return f"<DedupStore {str(self.path)!r}{' readonly' if self.readonly else ''}>"
 
     def _check_usable(self, write: bool = False) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             raise DedupError(
                 f"this store was opened by process {self._pid} and cannot be used after fork "
                 f"(in process {os.getpid()}); open it again in the child, or use dedupcore.Client"
@@ -637,7 +638,7 @@ class DedupStore(ClaimAPI):
         joined = _digests_of(ns, key_list, max_key)
         lease_s = self.config.lease if lease is None else check_lease(lease)
         owner_b = check_owner(owner)
-        fps = check_fingerprints(fingerprints, len(key_list))
+        fps = None if fingerprints is None else check_fingerprints(fingerprints, len(key_list))
         ns_name = ns.decode()
         if not key_list:
             return ((b"", b"", [], [], [], []) if form == _engine.FORM_COLUMNS else []), 0, 0
@@ -665,7 +666,7 @@ class DedupStore(ClaimAPI):
                 ns_id,
                 lease_s,
                 owner_b,
-                None if fingerprints is None else fps,
+                fps,
                 cold,
                 now_w,
                 now_m,
@@ -1161,6 +1162,18 @@ class DedupStore(ClaimAPI):
                 "wal_commits": self._wal.commits,
             }
 
+
+#: Forks into a child this process is (os.register_at_fork): every call checks it
+#: instead of asking the kernel for the process id.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
 _NEW, _DUPLICATE, _IN_PROGRESS = (o.value for o in _OUTCOMES)  # the counters' keys

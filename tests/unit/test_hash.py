@@ -183,3 +183,27 @@ def test_key_hashes_are_the_front_hashes_of_the_digests() -> None:
         dkeys.front_hashes(dkeys.digests(b"orders/billing", raw))
     )
     assert len(dkeys.key_hashes(b"ns", [])) == 0
+
+
+def test_check_namespace_remembers_only_what_passed() -> None:
+    # Namespaces checked once are remembered (every claim checks one); a bad one
+    # is refused every time, and a str subclass is always checked afresh.
+    class Text(str):
+        pass
+
+    assert dkeys.check_namespace("orders.v1") == b"orders.v1"
+    assert dkeys.check_namespace("orders.v1") == b"orders.v1"
+    assert "orders.v1" in dkeys._CHECKED_NAMESPACES
+    assert dkeys.check_namespace(Text("orders.v2")) == b"orders.v2"
+    assert "orders.v2" not in dkeys._CHECKED_NAMESPACES
+    for _ in range(2):
+        with pytest.raises(ValueError, match="may only hold"):
+            dkeys.check_namespace("bad namespace!")
+        with pytest.raises(ValueError, match="must not be empty"):
+            dkeys.check_namespace("")
+        with pytest.raises(ValueError, match="ASCII"):
+            dkeys.check_namespace("naïve")
+        with pytest.raises(TypeError, match="must be str"):
+            dkeys.check_namespace(b"orders")
+    assert "bad namespace!" not in dkeys._CHECKED_NAMESPACES
+    assert len(dkeys._CHECKED_NAMESPACES) <= dkeys._CHECKED_NAMESPACES_MAX
