@@ -827,7 +827,7 @@ class _Connection(asyncio.Protocol):
         if not self._blocked:
             # Every whole frame was served; a partial one is cut off. The replies of
             # the requests in flight are still written (the peer only stopped sending).
-            self._shut()
+            self.shut()
         return True  # keep the transport open for the replies
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -836,7 +836,7 @@ class _Connection(asyncio.Protocol):
             return
         self._write_paused = False
         self._write_deadline = None
-        self._shut()
+        self.shut()
         if self._done:
             self._finish()
 
@@ -1012,7 +1012,7 @@ class _Connection(asyncio.Protocol):
             protocol.frame_length(header, server.max_frame)
         except FrameError as exc:
             self.write(protocol.encode_error(0, exc))
-        self._shut()
+        self.shut()
 
     def _block(self, why: int) -> None:
         self._blocked |= why
@@ -1034,7 +1034,7 @@ class _Connection(asyncio.Protocol):
         if self._blocked:
             return
         if self._eof:
-            self._shut()
+            self.shut()
         elif not self._reading:
             self._reading = True
             assert self.transport is not None
@@ -1042,9 +1042,6 @@ class _Connection(asyncio.Protocol):
 
     def shut(self) -> None:
         """Reads no more requests; the connection closes once those in flight are answered."""
-        self._shut()
-
-    def _shut(self) -> None:
         if self._blocked & _SHUT:
             return
         self._block(_SHUT)
@@ -1115,7 +1112,7 @@ class _Connection(asyncio.Protocol):
             # No request within idle_timeout, or a frame not complete within
             # request_timeout: the connection closes once its replies are written.
             self._read_deadline = None
-            self._shut()
+            self.shut()
         when = self._write_deadline
         if when is not None and now >= when:
             self._write_deadline = None
