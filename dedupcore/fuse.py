@@ -46,6 +46,7 @@ from __future__ import annotations
 import mmap as _mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import dedupcore._core as _core
@@ -158,6 +159,24 @@ def open_fuse(
     return fuse, seed
 
 
+def _valid_chunks(data: bytes | bytearray | _mmap.mmap) -> Iterator[tuple[int, int, int]]:
+    """``(offset of the hashes, their count, end of the chunk)`` for each chunk of a
+    key log's valid prefix, in order: whole chunks whose magic, count and checksum
+    hold (format above). The walk stops at the first that does not."""
+    with memoryview(data) as view:
+        pos, size = 0, len(view)
+        while pos + LOG_HEAD.size <= size:
+            magic, _, n = LOG_HEAD.unpack_from(view, pos)
+            end = pos + LOG_HEAD.size + 8 * n
+            if magic != LOG_MAGIC or n > LOG_CHUNK or end + LOG_TAIL.size > size:
+                return
+            with view[pos:end] as chunk:
+                if LOG_TAIL.unpack_from(view, end)[0] != _core.hash64(chunk):
+                    return
+            yield pos + LOG_HEAD.size, n, end + LOG_TAIL.size
+            pos = end + LOG_TAIL.size
+
+
 class KeyLog:
     """The append-only log of the key hashes an unsealed slice took (format above).
 
@@ -210,21 +229,13 @@ class KeyLog:
         """(bytes, hashes) of the log's valid prefix: whole chunks whose checksum holds."""
         valid = hashes = 0
         with open(self.path, "rb") as fh:
-            while True:
-                head = fh.read(LOG_HEAD.size)
-                if len(head) < LOG_HEAD.size:
-                    break
-                magic, _, n = LOG_HEAD.unpack(head)
-                if magic != LOG_MAGIC or n > LOG_CHUNK:
-                    break
-                body = fh.read(8 * n)
-                tail = fh.read(LOG_TAIL.size)
-                if len(body) < 8 * n or len(tail) < LOG_TAIL.size:
-                    break
-                if LOG_TAIL.unpack(tail)[0] != _core.hash64(head + body):
-                    break
-                valid += LOG_HEAD.size + 8 * n + LOG_TAIL.size
-                hashes += n
+            if not os.fstat(fh.fileno()).st_size:
+                return 0, 0
+            # Mapped, not read: a head slice's log can be hundreds of MB.
+            with _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ) as data:
+                for _, n, end in _valid_chunks(data):
+                    valid = end
+                    hashes += n
         return valid, hashes
 
     def read(self) -> memoryview:
@@ -239,18 +250,12 @@ class KeyLog:
         except FileNotFoundError:
             raise CorruptFileError(f"{self.path}: key log is missing") from None
         view = memoryview(data)
-        pos = out = 0
-        while pos + LOG_HEAD.size <= len(data):
-            magic, _, n = LOG_HEAD.unpack_from(data, pos)
-            end = pos + LOG_HEAD.size + 8 * n
-            if magic != LOG_MAGIC or n > LOG_CHUNK or end + LOG_TAIL.size > len(data):
-                break
-            if LOG_TAIL.unpack_from(data, end)[0] != _core.hash64(view[pos:end]):
-                break
-            # Compact in place: the hashes move down over the chunk framing.
-            view[out : out + 8 * n] = view[pos + LOG_HEAD.size : end]
+        out = 0
+        for start, n, _ in _valid_chunks(data):
+            # Compact in place: the hashes move down over the chunk framing (only
+            # bytes the walk has passed are overwritten).
+            view[out : out + 8 * n] = view[start : start + 8 * n]
             out += 8 * n
-            pos = end + LOG_TAIL.size
         if out // 8 < self.hashes:
             raise CorruptFileError(
                 f"{self.path}: key log holds {out // 8} valid hashes; it vouches for {self.hashes}"
