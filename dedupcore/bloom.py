@@ -696,18 +696,9 @@ class BloomRing:
                 target = self._target(head)
                 room = max(1, target.capacity - target.count)
                 chunk = batch[start : start + room]
+                # Fuse slices only answer: a key one of them may hold was not new.
                 others = tuple(f for f in self._filters() if f is not target) if report else ()
-                blooms = tuple(f for f in others if isinstance(f, _core.BlockFilter))
-                flags = _core.probe_many(blooms, chunk, target, self.seed)
-                if len(blooms) < len(others):
-                    # A fuse filter only answers (it takes no keys): a key it may
-                    # hold was not new.
-                    fuses = tuple(f for f in others if not isinstance(f, _core.BlockFilter))
-                    seen = _core.probe_many(fuses, chunk, None, self.seed)
-                    flags = memoryview(
-                        bytes(a and not b for a, b in zip(flags, seen, strict=True))
-                    ).cast("?")
-                parts.append(flags)
+                parts.append(_core.probe_many(others, chunk, target, self.seed))
                 start += room
             if len(parts) == 1:
                 return parts[0]

@@ -929,7 +929,7 @@ cdef struct Probe:
     Py_ssize_t nfuse
 
 
-cdef int _gather_filters(tuple filters, uint64_t seed, bint with_target, Probe* p) except -1:
+cdef int _gather_filters(tuple filters, uint64_t seed, Probe* p) except -1:
     """Fills ``p`` from BlockFilter and FuseFilter objects (empty fuse filters left
     out); free it with _free_probe, also after an error."""
     cdef Py_ssize_t nf = len(filters), f
@@ -955,9 +955,6 @@ cdef int _gather_filters(tuple filters, uint64_t seed, bint with_target, Probe* 
         if not isinstance(obj, FuseFilter):
             raise TypeError(f"filters must be BlockFilter or FuseFilter objects, "
                             f"not {type(obj).__name__}")
-        if with_target:
-            raise TypeError("a FuseFilter cannot take part in a probe with a "
-                            "target: probe it with target=None")
         ff = <FuseFilter>obj
         ff._check()
         if ff._count == 0:
@@ -995,11 +992,12 @@ def probe_many(tuple filters, keys, target, uint64_t seed):
 
     Each key is hashed once (with the seed every filter shares). Without
     ``target`` the result says, per key, whether any filter may hold it;
-    ``filters`` may then mix :class:`BlockFilter` and :class:`FuseFilter`
+    ``filters`` may mix :class:`BlockFilter` and :class:`FuseFilter`
     objects, a fuse filter being probed with the same 64-bit hash (it mixes
     in its own seed). With ``target`` (a BlockFilter) each key is then added
     to it, and the result says whether the key was new: absent from every
-    filter (``target`` included) before; a fuse filter takes no part then.
+    filter (``target`` included) before. A fuse filter only answers; it can
+    never be the target (it is static).
     This serves ``BloomFilter.add_many``/``contains_many`` and the ring.
     """
     cdef BlockFilter tgt = None
@@ -1015,7 +1013,7 @@ def probe_many(tuple filters, keys, target, uint64_t seed):
         if tgt._seed != seed:
             raise ValueError("filters of one probe must share their hash seed")
     cdef Probe p
-    _gather_filters(filters, seed, tgt is not None, &p)
+    _gather_filters(filters, seed, &p)
     try:
         if tgt is None and isinstance(keys, (list, tuple)):
             # Nothing changes, so nothing needs validating up front: hash and
@@ -1079,7 +1077,7 @@ cdef int _probe_batch(const Probe* p, KeyBatch batch, BlockFilter target,
     if m == 0:
         return 0
     with nogil:
-        _contains_hashes(p, h, m, flags)  # no fuse filter with a target (refused)
+        _contains_hashes(p, h, m, flags)  # "present in another filter", fuse ones too
         if has_target:
             pthread_mutex_lock(tlock)
             tcount[0] += dc_add_batch(tblocks, tnblocks, h, m, flags)
@@ -1107,7 +1105,7 @@ def probe_digests(tuple filters, bytes digests, uint64_t seed):
     cdef unsigned char* flags = <unsigned char*>PyByteArray_AS_STRING(out)
     cdef uint64_t h[CONTAINS_CHUNK]
     cdef Probe p
-    _gather_filters(filters, seed, False, &p)
+    _gather_filters(filters, seed, &p)
     try:
         with nogil:
             while start < n:

@@ -468,20 +468,38 @@ def test_probe_digests_rejects_bad_arguments(
         _core.probe_digests(*args)  # type: ignore[arg-type]
 
 
-def test_probe_many_refuses_a_fuse_filter_with_a_target() -> None:
+def test_probe_many_refuses_bad_filters_and_a_fuse_target() -> None:
     bloom = BloomFilter(100, 0.01, seed=1)
     fuse = FuseFilter.build(_core.hash64_many([b"a"], 1))
     with pytest.raises(TypeError, match="cannot be the target"):
         _core.probe_many((), [b"a"], fuse, 1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="target=None"):
-        _core.probe_many((fuse,), [b"a"], bloom, 1)
-    with pytest.raises(TypeError, match="target=None"):
-        _core.probe_many((bloom, fuse), [b"a"], bloom, 1)
+    with pytest.raises(TypeError, match="BlockFilter or FuseFilter"):
+        _core.probe_many((fuse, "x"), [b"a"], bloom, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="BlockFilter or FuseFilter"):
         _core.probe_many((bloom, "x"), [b"a"], None, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="BlockFilter or None"):
         _core.probe_many((), [b"a"], "x", 1)  # type: ignore[arg-type]
     assert bloom.count == 0  # nothing was added
+
+
+def test_probe_many_with_a_target_counts_fuse_filters_as_seen() -> None:
+    # A key a fuse filter may hold was not new; it is still added to the target.
+    seed = 4
+    keys = [b"f%d" % i for i in range(3000)]
+    fuse = FuseFilter.build(_core.hash64_many(keys[:1000], seed), 7)
+    other = BloomFilter(2000, 0.01, seed=seed)
+    other.update(keys[1000:1500])
+    target = BloomFilter(4000, 0.01, seed=seed)
+    hashes = _core.hash64_many(keys, seed)
+    seen = [fuse.contains_hash(h) or other.contains_hash(h) for h in hashes]
+    flags = list(_core.probe_many((fuse, other), keys, target, seed))
+    assert not any(flags[:1500])  # held by the fuse or the other filter
+    # The rest is new unless a filter's false positive says otherwise (or the key
+    # repeats a target block's bits: a Bloom filter's own false positive).
+    assert all(not (f and s) for f, s in zip(flags, seen, strict=True))
+    assert sum(flags[1500:]) >= 1480
+    assert all(k in target for k in keys)  # every key was added
+    assert not any(_core.probe_many((fuse, other), keys, target, seed))  # now seen
 
 
 def test_probe_many_bloom_only_is_unchanged() -> None:
