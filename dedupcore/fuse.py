@@ -233,9 +233,10 @@ class KeyLog:
                 return 0, 0
             # Mapped, not read: a head slice's log can be hundreds of MB.
             with _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ) as data:
-                for _, n, end in _valid_chunks(data):
-                    valid = end
-                    hashes += n
+                chunks = list(_valid_chunks(data))  # walked whole: no view outlives the map
+        for _, n, end in chunks:
+            valid = end
+            hashes += n
         return valid, hashes
 
     def read(self) -> memoryview:
@@ -251,9 +252,9 @@ class KeyLog:
             raise CorruptFileError(f"{self.path}: key log is missing") from None
         view = memoryview(data)
         out = 0
-        for start, n, _ in _valid_chunks(data):
-            # Compact in place: the hashes move down over the chunk framing (only
-            # bytes the walk has passed are overwritten).
+        for start, n, _ in list(_valid_chunks(data)):
+            # Compact in place: the hashes move down over the chunk framing (every
+            # chunk was checked before the first move).
             view[out : out + 8 * n] = view[start : start + 8 * n]
             out += 8 * n
         if out // 8 < self.hashes:

@@ -366,7 +366,7 @@ def _payload_list(payloads: object) -> list[Any]:
     """The payloads of an append as a list; each is checked as it is framed
     (``_core.frame_records``, with :func:`_check_payloads` naming a bad one)."""
     if type(payloads) is list:
-        return payloads
+        return payloads.copy()  # a snapshot: the caller's list may change meanwhile
     return _check_payloads(payloads)
 
 
@@ -698,7 +698,7 @@ class WriteAheadLog:
         """
         items = _payload_list(payloads)
         with self._cond:
-            self._check_open()
+            self._check_open(items)
             if not items:
                 return self._durable_lsn
             target = self._enqueue(items)
@@ -715,7 +715,7 @@ class WriteAheadLog:
         """
         items = _payload_list(payloads)
         with self._cond:
-            self._check_open()
+            self._check_open(items)
             if not items:
                 return self._next_lsn - 1
             return self._enqueue(items)
@@ -740,8 +740,12 @@ class WriteAheadLog:
         self._next_lsn = target + 1
         return target
 
-    def _check_open(self) -> None:
-        """Raises unless appends are allowed (lock held)."""
+    def _check_open(self, payloads: list[Any] | None = None) -> None:
+        """Raises unless appends are allowed (lock held); a bad payload among
+        ``payloads`` (checked as they are framed) is named first, as it was
+        always the first error an append reported."""
+        if payloads and (self._closing or self.readonly or self._failure is not None):
+            _check_payloads(payloads)
         if self._closing:
             raise ValueError(f"write-ahead log {self.path} is closed")
         if self.readonly:

@@ -1099,13 +1099,13 @@ def probe_digests(tuple filters, bytes digests, uint64_t seed):
         raise ValueError(f"digests must be a multiple of 16 bytes, got {size}")
     cdef Py_ssize_t n = size // 16, start = 0, i, m
     out = bytearray(n)
-    if n == 0 or not filters:
+    if not filters:
         return memoryview(out).cast("?")
     cdef const unsigned char* src = <const unsigned char*>PyBytes_AS_STRING(digests)
     cdef unsigned char* flags = <unsigned char*>PyByteArray_AS_STRING(out)
     cdef uint64_t h[CONTAINS_CHUNK]
     cdef Probe p
-    _gather_filters(filters, seed, &p)
+    _gather_filters(filters, seed, &p)  # checked even for no digests, as probe_many does
     try:
         with nogil:
             while start < n:
@@ -1146,10 +1146,10 @@ def frame_records(bytearray out, list payloads, uint64_t first_lsn, Py_ssize_t m
         item = PyList_GET_ITEM(payloads, i)
         if _bytes_check_exact(item):
             size = _bytes_size(item)
-        elif PyByteArray_CheckExact(<object>item):
+        elif PyByteArray_CheckExact(<object>item) and item != <PyObject*>out:
             size = PyByteArray_GET_SIZE(<object>item)
         else:
-            return i
+            return i  # (``out`` itself is resized below: the caller copies it)
         if size > max_bytes or size > 0xFFFFFFFF:
             return i
         total += 20 + size

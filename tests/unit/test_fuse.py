@@ -459,6 +459,8 @@ def test_probe_digests_probes_the_first_half_of_each_digest() -> None:
         (([], bytes(16), 1), TypeError, "list"),
         ((("x",), bytes(16), 1), TypeError, "BlockFilter or FuseFilter"),
         (((BloomFilter(10, 0.01, seed=2),), bytes(16), 1), ValueError, "share their hash seed"),
+        (((BloomFilter(10, 0.01, seed=2),), b"", 1), ValueError, "share their hash seed"),
+        ((("x",), b"", 1), TypeError, "BlockFilter or FuseFilter"),
     ],
 )
 def test_probe_digests_rejects_bad_arguments(

@@ -219,6 +219,9 @@ def test_native_framing_refuses_what_it_does_not_take_and_appends_nothing() -> N
         out = bytearray(b"queued")
         assert frame(out, bad, 1, 10) == index
         assert out == b"queued"
+    out = bytearray(b"self")
+    assert frame(out, [b"a", out], 1, 10) == 1  # resized while framed: refused
+    assert out == b"self"
     assert frame(bytearray(), [b"x" * 10], 1, 10) == -1  # at the limit
 
 
@@ -1191,6 +1194,24 @@ def test_bad_payloads_are_refused_before_anything_is_queued(tmp_path: Path) -> N
         assert wal.last_lsn == 1
         assert wal.append([b"next"]) == 2
     assert replay(tmp_path) == [(1, b"ok"), (2, b"next")]
+
+
+def test_a_bad_payload_is_named_before_a_closed_log(tmp_path: Path) -> None:
+    # The payload's fault comes first, as the caller's bug, whatever the log's state.
+    wal = WriteAheadLog.open(tmp_path)
+    wal.close()
+    for call in (wal.append, wal.write):
+        with pytest.raises(TypeError, match=r"payload 1 .*not int"):
+            call([b"ok", 5])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"payload 0 .*not str"):
+            call(("text",))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="closed"):
+            call([b"ok"])
+    with WriteAheadLog.open(tmp_path, readonly=True) as ro:
+        with pytest.raises(TypeError, match=r"payload 0 .*not NoneType"):
+            ro.write([None])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="read-only"):
+            ro.write([b"ok"])
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
