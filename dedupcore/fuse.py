@@ -46,7 +46,6 @@ from __future__ import annotations
 import mmap as _mmap
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import dedupcore._core as _core
@@ -159,22 +158,25 @@ def open_fuse(
     return fuse, seed
 
 
-def _valid_chunks(data: bytes | bytearray | _mmap.mmap) -> Iterator[tuple[int, int, int]]:
+def _valid_chunks(data: bytes | bytearray | _mmap.mmap) -> list[tuple[int, int, int]]:
     """``(offset of the hashes, their count, end of the chunk)`` for each chunk of a
     key log's valid prefix, in order: whole chunks whose magic, count and checksum
-    hold (format above). The walk stops at the first that does not."""
+    hold (format above). The walk stops at the first that does not; no view of
+    ``data`` is left when it returns."""
+    chunks: list[tuple[int, int, int]] = []
     with memoryview(data) as view:
         pos, size = 0, len(view)
         while pos + LOG_HEAD.size <= size:
             magic, _, n = LOG_HEAD.unpack_from(view, pos)
             end = pos + LOG_HEAD.size + 8 * n
             if magic != LOG_MAGIC or n > LOG_CHUNK or end + LOG_TAIL.size > size:
-                return
+                break
             with view[pos:end] as chunk:
                 if LOG_TAIL.unpack_from(view, end)[0] != _core.hash64(chunk):
-                    return
-            yield pos + LOG_HEAD.size, n, end + LOG_TAIL.size
+                    break
+            chunks.append((pos + LOG_HEAD.size, n, end + LOG_TAIL.size))
             pos = end + LOG_TAIL.size
+    return chunks
 
 
 class KeyLog:
@@ -233,7 +235,7 @@ class KeyLog:
                 return 0, 0
             # Mapped, not read: a head slice's log can be hundreds of MB.
             with _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ) as data:
-                chunks = list(_valid_chunks(data))  # walked whole: no view outlives the map
+                chunks = _valid_chunks(data)
         for _, n, end in chunks:
             valid = end
             hashes += n
@@ -252,7 +254,7 @@ class KeyLog:
             raise CorruptFileError(f"{self.path}: key log is missing") from None
         view = memoryview(data)
         out = 0
-        for start, n, _ in list(_valid_chunks(data)):
+        for start, n, _ in _valid_chunks(data):
             # Compact in place: the hashes move down over the chunk framing (every
             # chunk was checked before the first move).
             view[out : out + 8 * n] = view[start : start + 8 * n]

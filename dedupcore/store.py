@@ -273,7 +273,7 @@ class DedupStore(ClaimAPI):
 
     def close(self) -> None:
         """Checkpoints, saves the filters and closes; the store cannot be used afterwards."""
-        if self._closed or os.getpid() != self._pid:
+        if self._closed or _forks != self._forks:  # a forked child leaves it to the parent
             return
         with self._lock:
             self._closed = True
