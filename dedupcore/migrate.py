@@ -128,7 +128,7 @@ def migrate_v1(lmdb_tier: LmdbTier, wal_dir: Path, *, readonly: bool) -> int:
     if readonly:
         raise UnsupportedFormatError(
             f"{lmdb_tier.path}: the data directory uses record format 1; open it once "
-            "read-write (DedupStore.open(path) or `dedupcore serve --data-dir ...`), which "
+            "read-write (DedupStore.open(path) or `dedupcore serve --data ...`), which "
             "converts it to format 2 in one transaction, then open it read-only"
         )
     items: dict[bytes, bytes] = {}
