@@ -26,6 +26,7 @@ from typing import Any
 
 from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
 from dedupcore.errors import ConflictError, DedupError
+from dedupcore.tiers.base import failure_of
 
 __all__ = [
     "BUCKETS",
@@ -440,6 +441,11 @@ class InstrumentedStore(ClaimAPI):
             raise AttributeError(name)
         return getattr(self.store, name)
 
+    @property
+    def failed(self) -> BaseException | None:
+        """The wrapped store's failure (see :func:`~dedupcore.tiers.base.failure_of`)."""
+        return failure_of(self.store)
+
     def __enter__(self) -> InstrumentedStore:
         return self
 
@@ -453,7 +459,7 @@ class InstrumentedStore(ClaimAPI):
             child = self._children[index] = metric.labels(*labels)
         return child
 
-    def _failed(self, operation: str, exc: Exception) -> None:
+    def _count_error(self, operation: str, exc: Exception) -> None:
         self._child(self.metrics.errors, operation, type(exc).__name__, self.region).inc()
 
     def _took(self, operation: str, started: float) -> None:
@@ -478,7 +484,7 @@ class InstrumentedStore(ClaimAPI):
             )
         except Exception as exc:
             self._took("claim", started)
-            self._failed("claim", exc)
+            self._count_error("claim", exc)
             if isinstance(exc, ConflictError) and isinstance(namespace, str):
                 ns = self.metrics.namespace(namespace)
                 self._child(self.metrics.claims, ns, CONFLICT, self.region).inc()
@@ -514,7 +520,7 @@ class InstrumentedStore(ClaimAPI):
                 self.store.release_many(batch, namespace=namespace)
         except Exception as exc:
             self._took(operation, started)
-            self._failed(operation, exc)
+            self._count_error(operation, exc)
             raise
         self._took(operation, started)
         if batch:
@@ -539,7 +545,7 @@ class InstrumentedStore(ClaimAPI):
         try:
             return self.store.get(key, namespace=namespace)
         except Exception as exc:
-            self._failed("get", exc)
+            self._count_error("get", exc)
             raise
         finally:
             self._took("get", started)

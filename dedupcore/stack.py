@@ -60,6 +60,7 @@ from dedupcore.tiers.base import (
     CacheTier,
     check_retention,
     durability_report,
+    failure_of,
 )
 
 __all__ = ["SHARD_SEED", "ShardedStore", "TieredStore"]
@@ -175,6 +176,11 @@ class TieredStore(ClaimAPI):
 
     def _durability_report(self) -> tuple[int, str]:
         return durability_report(self.authority)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The authority's failure (see :func:`~dedupcore.tiers.base.failure_of`)."""
+        return failure_of(self.authority)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -488,6 +494,11 @@ class ShardedStore(ClaimAPI):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The first failure of a shard (see :func:`~dedupcore.tiers.base.failure_of`)."""
+        return next((f for f in map(failure_of, self.shards) if f is not None), None)
 
     def durability(self) -> str:
         """The weakest shard's (each key lives on one shard), naming it."""

@@ -305,6 +305,14 @@ class DedupStore(ClaimAPI):
     def __repr__(self) -> str:
         return f"<DedupStore {str(self.path)!r}{' readonly' if self.readonly else ''}>"
 
+    @property
+    def failed(self) -> BaseException | None:
+        """None while the store serves; after a log write or sync failed, that error:
+        the log's tail is unknown, so the store refuses every call until it is closed
+        and reopened (reopening recovers the log). The daemon exits for a restart
+        when it sees one (docs/daemon.md)."""
+        return self._failed
+
     def _check_usable(self, write: bool = False) -> None:
         if _forks != self._forks:
             raise DedupError(

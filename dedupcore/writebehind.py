@@ -70,6 +70,7 @@ from dedupcore.api import (
 from dedupcore.config import check_lease
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.record import State
+from dedupcore.tiers.base import failure_of
 
 __all__ = ["Conflict", "MemoryTable", "WriteBehindStore"]
 
@@ -689,6 +690,12 @@ class WriteBehindStore(ClaimAPI):
             "changes not yet pushed, and another consumer can be answered NEW for them. "
             f"Local table: {self.local.durability()}. Authority: {self.authority.durability()}"
         )
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The local table's failure, else the authority's (see
+        :func:`~dedupcore.tiers.base.failure_of`)."""
+        return failure_of(self.local) or failure_of(self.authority)
 
     def _check_open(self) -> None:
         if self._closed:

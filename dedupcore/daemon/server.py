@@ -81,6 +81,7 @@ from dedupcore.api import ClaimAPI, check_fingerprints
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.errors import BatchTooLargeError, SocketPathError, UnavailableError
+from dedupcore.tiers.base import failure_of
 from dedupcore.wal import WalFailedError
 
 __all__ = [
@@ -1659,12 +1660,9 @@ class DaemonServer:
             if isinstance(seen, WalFailedError):
                 return True
             seen = seen.__cause__ or seen.__context__
-        return self._failed_inside(self.store)
-
-    @staticmethod
-    def _failed_inside(store: Any) -> bool:
-        stores = [store, *getattr(store, "shards", ()), getattr(store, "authority", None)]
-        return any(getattr(s, "_failed", None) is not None for s in stores if s is not None)
+        # The store's declared failure state: the embedded store's, and through the
+        # stores that wrap others (stacks, shards, instrumented) theirs, at any depth.
+        return failure_of(self.store) is not None
 
     def _fail_stop(self, exc: BaseException) -> None:
         if self.exit_code == 0:

@@ -48,6 +48,7 @@ __all__ = [
     "check_retention",
     "check_timeout",
     "durability_report",
+    "failure_of",
 ]
 
 #: Longest retention window (any of exact, cold, hot) a remote authority takes:
@@ -82,6 +83,25 @@ def durability_report(store: Any) -> tuple[int, str]:
     said = store.durability() if callable(getattr(store, "durability", None)) else "unknown"
     mode = getattr(getattr(store, "config", None), "durability", None)
     return {"durable": 3, "power-loss-unsafe": 2}.get(str(mode), -1), said
+
+
+def failure_of(store: object) -> BaseException | None:
+    """The failure a store declares through its ``failed`` property, else None.
+
+    A store that can stop for good after a failed write (the embedded store
+    once its log's tail is unknown) declares a ``failed`` property: None
+    while it serves, the error that stopped it afterwards; the stores that
+    wrap others (stacks, shards, write-behind, the instrumented store) give
+    the first failure of the stores inside them. Only a ``failed`` property
+    of the store's class counts (not an attribute or a method of that name).
+    A store without one never stops so: its errors belong to one request each.
+    The daemon exits for a restart when its store reports one (docs/daemon.md).
+    """
+    declared = getattr(type(store), "failed", None)
+    if not isinstance(declared, property):
+        return None
+    failed = declared.__get__(store)
+    return failed if isinstance(failed, BaseException) else None
 
 
 def check_retention(
