@@ -43,15 +43,24 @@ log = logging.getLogger("dedupcore.daemon")
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``ts``, ``level``, ``logger``, ``msg``; ``exc``, the
+    formatted traceback, for a record logged with ``exc_info`` (``log.exception``);
+    ``stack``, the formatted stack, for one logged with ``stack_info``."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(
-            {
-                "ts": round(record.created, 3),
-                "level": record.levelname,
-                "logger": record.name,
-                "msg": record.getMessage(),
-            }
-        )
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            entry["exc"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry)
 
 
 def run_serve(args: argparse.Namespace) -> int:
