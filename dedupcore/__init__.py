@@ -1,5 +1,7 @@
 """dedupcore: idempotent consumers, exactly-once effect over at-least-once delivery."""
 
+from importlib.metadata import version as _version
+
 from dedupcore._core import hash64, shard_many, shard_of
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
 from dedupcore.bloom import BloomFilter, BloomRing
@@ -27,4 +29,5 @@ __all__ = [
     "shard_many",
     "shard_of",
 ]
-__version__ = "0.1.0"
+#: The installed distribution's version; pyproject.toml is the one place it is written.
+__version__ = _version("dedupcore")
