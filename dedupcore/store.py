@@ -25,6 +25,7 @@ Lease timeline of one key (tokens grow on every new owner)::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import math
@@ -87,6 +88,9 @@ R = TypeVar("R")
 ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
 
 LOCK_FILE = "LOCK"
+#: The write-ahead log's head file (dedupcore/wal.py, "The head file"): outside wal/,
+#: so that a log deleted whole or cut short by a segment is refused at open.
+LOG_HEAD_FILE = "WAL_HEAD"
 # The log position the saved front filter covers: every key logged through it
 # is in the filter. Written after the filter, before LMDB's checkpoint moves.
 FRONT_COVERS = "covers_lsn"
@@ -191,6 +195,18 @@ class DedupStore(ClaimAPI):
             )
             if self._lmdb.format == b"1":
                 migrate_v1(self._lmdb, self.path / "wal", readonly=readonly)
+            # The log before anything else of the directory is touched: a log that
+            # lacks acknowledged records refuses the open with nothing changed.
+            self._wal = WriteAheadLog.open(
+                self.path / "wal",
+                sync="fdatasync" if durable else "none",
+                readonly=readonly,
+                must_exist=self._lmdb.checkpoint_lsn() > 0,
+                head=self.path / LOG_HEAD_FILE,
+                head_required=self._lmdb.log_head_kept(),
+            )
+            if not readonly and not self._lmdb.log_head_kept():
+                self._lmdb.keep_log_head()
             self._ns_ids = {name: i for name, i in self._lmdb.namespaces().items()}
             self._ns_names = {i: name.decode() for name, i in self._ns_ids.items()}
             self._cold = ColdArchive(
@@ -200,15 +216,11 @@ class DedupStore(ClaimAPI):
                 error_rate=config.cold_error_rate,
                 readonly=readonly,
             )
-            self._wal = WriteAheadLog.open(
-                self.path / "wal",
-                sync="fdatasync" if durable else "none",
-                readonly=readonly,
-                must_exist=self._lmdb.checkpoint_lsn() > 0,
-            )
             self._front_slice = -1  # the slice the saved front names (-1: save it anew)
-            front_ok = self._open_front()
+            # The log is read before the front filter is opened: a log that refuses
+            # (a segment missing) leaves the front's files as they were.
             self._replay()
+            front_ok = self._open_front()
             if not front_ok:
                 self._rebuild_front()
             if not readonly:
@@ -217,6 +229,11 @@ class DedupStore(ClaimAPI):
                 )
                 self._worker.start()
         except BaseException:
+            for part in ("_wal", "_lmdb"):  # what was opened, so that it can be opened again
+                opened = self.__dict__.get(part)
+                if opened is not None:
+                    with contextlib.suppress(Exception):
+                        opened.close()
             self._release_lock()
             raise
 
@@ -280,9 +297,11 @@ class DedupStore(ClaimAPI):
             self._wake.notify_all()
         if self._worker is not None:
             self._worker.join()
+        clean: int | None = None
         try:
             if not self.readonly and self._failed is None:
                 self._checkpoint(final=True)
+                clean = self._ckpt_lsn  # the log's head records a clean close if it is all
                 try:
                     self._lmdb.save_open_filter()
                 except OSError as exc:  # only a faster next open is lost
@@ -292,7 +311,7 @@ class DedupStore(ClaimAPI):
                         exc,
                     )
         finally:
-            self._wal.close()
+            self._wal.close(checkpointed=clean)
             self._lmdb.close()
             self._release_lock()
 

@@ -112,15 +112,50 @@ forgetting those records:
   another segment, or the header of a segment needed for replay (a segment
   is created only after the previous one was synced complete);
 - with ``must_exist`` (the store's log once a checkpoint was taken from it):
-  a missing log directory, or one without a segment.
+  a missing log directory, or one without a segment;
+- with a head file (below): a log that lacks the newest segment the head
+  names, or that is missing altogether while the head says it was not
+  closed clean.
 
 The operator decides: restore the file, or truncate it at the offset given
 (and delete later segments) to accept the loss.
+
+The head file
+-------------
+
+A log deleted whole, or the newest segment of it, leaves nothing inside the
+log directory to say that records are missing. So a log opened with
+``head=PATH`` (a file outside its directory; the store passes
+``<data>/WAL_HEAD``) keeps there, durably, the first LSN of the newest
+segment it created and whether it was closed clean (40 bytes)::
+
+    offset size field
+         0    8 magic b"DDCWALHD"
+         8    2 format version (1)
+        10    2 state: 0 open (records may follow the last checkpoint), 1 clean
+        12    4 reserved, zero
+        16    8 first LSN of the newest segment created
+        24    8 clean: the log's last LSN at close (0 while open)
+        32    8 XXH64 (seed 0) of bytes 0..31
+
+It is written (temporary file, fsync, rename, directory fsync) when a
+writable log opens (state open, before any append), after every new segment
+is in place and before a record goes into it, and by ``close(checkpointed=
+lsn)`` when the caller's checkpoint holds every record of the log (state
+clean). Opening then refuses with :class:`CorruptFileError`, changing
+nothing, when the log found lacks the newest segment the head names (the
+records from that LSN on are lost), or is missing or empty while the head
+says open (records after the last checkpoint may have been acknowledged).
+After a clean close, a missing log lost nothing: it is started again at the
+LSN after the clean one. A damaged head file is :class:`CorruptFileError`;
+a missing one is an error only with ``head_required`` (the store records in
+LMDB that it keeps one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import mmap as _mmap
 import os
@@ -133,14 +168,17 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import dedupcore._core as _core
+from dedupcore.bloom import atomic_write
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MAX_RECORD_BYTES",
     "SYNC_MODES",
+    "LogHead",
     "WalFailedError",
     "WriteAheadLog",
+    "read_head",
 ]
 
 log = logging.getLogger("dedupcore.wal")
@@ -161,6 +199,12 @@ MAX_LSN = (1 << 64) - 1
 SYNC_MODES = ("fdatasync", "none")
 SyncMode = Literal["fdatasync", "none"]
 T = TypeVar("T")
+
+HEAD_MAGIC = b"DDCWALHD"
+HEAD_VERSION = 1
+HEAD = struct.Struct("<8sHHIQQ")
+HEAD_SIZE = HEAD.size + 8
+_HEAD_OPEN, _HEAD_CLEAN = 0, 1
 
 _SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
 _TMP_RE = re.compile(r"\.wal-\d{20}\.log\.[^/]*tmp")
@@ -354,6 +398,49 @@ class _Mapped:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class LogHead:
+    """What a log's head file says (module documentation, "The head file")."""
+
+    newest_segment: int  #: first LSN of the newest segment the log created
+    clean: bool  #: closed with every record checkpointed
+    last_lsn: int  #: the log's last LSN at that clean close (0 while open)
+
+
+def _pack_head(head: LogHead) -> bytes:
+    state = _HEAD_CLEAN if head.clean else _HEAD_OPEN
+    body = HEAD.pack(HEAD_MAGIC, HEAD_VERSION, state, 0, head.newest_segment, head.last_lsn)
+    return body + CHECKSUM.pack(_core.hash64(body))
+
+
+def read_head(path: str | os.PathLike[str]) -> LogHead | None:
+    """The head file at ``path`` (None if there is none); CorruptFileError if it is
+    damaged, UnsupportedFormatError if a newer version wrote it."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as fh:
+            raw = fh.read(HEAD_SIZE + 1)
+    except FileNotFoundError:
+        return None
+    if len(raw) != HEAD_SIZE:
+        raise CorruptFileError(
+            f"{source}: write-ahead log head file is {len(raw)} bytes, not {HEAD_SIZE}"
+        )
+    magic, version, state, _reserved, newest, last = HEAD.unpack_from(raw)
+    if magic != HEAD_MAGIC:
+        raise CorruptFileError(f"{source}: not a write-ahead log head file (magic {magic!r})")
+    if version > HEAD_VERSION:
+        raise UnsupportedFormatError(
+            f"{source}: log head version {version} is newer than this dedupcore reads "
+            f"({HEAD_VERSION}); upgrade dedupcore"
+        )
+    if CHECKSUM.unpack_from(raw, HEAD.size)[0] != _core.hash64(raw[: HEAD.size]):
+        raise CorruptFileError(f"{source}: write-ahead log head checksum mismatch")
+    if version != HEAD_VERSION or state not in (_HEAD_OPEN, _HEAD_CLEAN) or newest < 1:
+        raise CorruptFileError(f"{source}: invalid write-ahead log head fields")
+    return LogHead(newest, state == _HEAD_CLEAN, last)
+
+
 def _check_lsn(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
@@ -430,6 +517,8 @@ class WriteAheadLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
         must_exist: bool = False,
+        head: str | os.PathLike[str] | None = None,
+        head_required: bool = False,
     ) -> None:
         if not isinstance(sync, str):
             raise TypeError(f"sync must be a str, not {type(sync).__name__}")
@@ -464,7 +553,9 @@ class WriteAheadLog:
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
         self._rotation_failures = 0  # new segments that could not be created in a row
-        self._recover(must_exist)
+        #: The head file outside the log's directory (module documentation), or None.
+        self.head_path = None if head is None else Path(head)
+        self._recover(must_exist, head_required)
 
     @classmethod
     def open(
@@ -475,6 +566,8 @@ class WriteAheadLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         readonly: bool = False,
         must_exist: bool = False,
+        head: str | os.PathLike[str] | None = None,
+        head_required: bool = False,
     ) -> WriteAheadLog:
         """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
 
@@ -501,9 +594,21 @@ class WriteAheadLog:
         store passes it once a checkpoint was taken from this log): a missing
         directory, or one without a segment, then raises
         :class:`CorruptFileError` instead of starting an empty log.
+
+        ``head`` is the path of the log's head file, outside ``path`` (module
+        documentation, "The head file"): a log deleted whole or missing its
+        newest segment is then refused instead of opened short, and a log
+        closed clean may be deleted without loss. ``head_required``: a missing
+        head file is :class:`CorruptFileError` (the caller knows one was kept).
         """
         return cls(
-            path, sync=sync, segment_bytes=segment_bytes, readonly=readonly, must_exist=must_exist
+            path,
+            sync=sync,
+            segment_bytes=segment_bytes,
+            readonly=readonly,
+            must_exist=must_exist,
+            head=head,
+            head_required=head_required,
         )
 
     # -- opening -------------------------------------------------------------
@@ -511,39 +616,73 @@ class WriteAheadLog:
     def _file(self, first_lsn: int) -> Path:
         return self.path / _segment_name(first_lsn)
 
-    def _recover(self, must_exist: bool) -> None:
-        """Lists the segments, cuts a torn tail of the last one and opens it for appending."""
+    def _recover(self, must_exist: bool, head_required: bool) -> None:
+        """Lists the segments, cuts a torn tail of the last one and opens it for appending.
+
+        Every check that can refuse runs before anything on disk is changed."""
         readonly = self.readonly
-        if not self.path.is_dir():
-            if must_exist:
+        # The head first: a segment created after it was read is listed below, and a
+        # head read after the listing could name a segment the listing missed.
+        head = None if self.head_path is None else read_head(self.head_path)
+        if head is None and head_required:
+            raise CorruptFileError(
+                f"{self.head_path}: the write-ahead log's head file is missing, but it was "
+                f"kept: without it the store cannot tell whether {self.path} lacks "
+                "acknowledged records (restore it from where the directory was copied)"
+            )
+        exists = self.path.is_dir()
+        firsts = []
+        stale = []
+        if exists:
+            for entry in os.listdir(self.path):
+                match = _SEGMENT_RE.fullmatch(entry)
+                if match:
+                    firsts.append(int(match.group(1)))
+                elif _TMP_RE.fullmatch(entry):
+                    stale.append(entry)
+        firsts.sort()
+        self._check_against_head(head, firsts, exists)
+        if not firsts and must_exist and head is None:
+            if not exists:
                 raise CorruptFileError(
                     f"{self.path}: the write-ahead log directory is missing, but records "
                     "were logged in it (restore it; an empty log would forget every "
                     "acknowledged record after the last checkpoint)"
                 )
+            raise CorruptFileError(
+                f"{self.path}: no write-ahead log segment, but records were logged here "
+                "(the last segment is never deleted): restore the segments"
+            )
+        if not exists and readonly and head is None:
+            raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
+        self._segments = firsts
+        if not firsts:
+            # A new log, or one deleted after a clean close (nothing was lost): it
+            # goes on after the last LSN it had.
+            start = head.last_lsn + 1 if head is not None else 1
+            if head is not None and start > 1:
+                log.warning(
+                    "%s: the write-ahead log is missing; it was closed clean at LSN %d "
+                    "(every record checkpointed), so nothing is lost: %s at LSN %d",
+                    self.path,
+                    start - 1,
+                    "reading it as empty" if readonly else "starting it again",
+                    start,
+                )
+            self._durable_lsn = start - 1
+            self._next_lsn = start
             if readonly:
-                raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _fsync_dir(self.path.parent)
-        firsts = []
-        for entry in os.listdir(self.path):
-            match = _SEGMENT_RE.fullmatch(entry)
-            if match:
-                firsts.append(int(match.group(1)))
-            elif _TMP_RE.fullmatch(entry) and not readonly:
+                return
+            if not exists:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _fsync_dir(self.path.parent)
+            self._create_segment(start)
+            self._segments.append(start)
+            return
+        if not readonly:
+            for entry in stale:
                 # A segment whose creation stopped before its rename: it never held a record.
                 os.unlink(self.path / entry)
-        self._segments = sorted(firsts)
-        if not self._segments:
-            if must_exist:
-                raise CorruptFileError(
-                    f"{self.path}: no write-ahead log segment, but records were logged here "
-                    "(the last segment is never deleted): restore the segments"
-                )
-            if not readonly:
-                self._create_segment(1)
-                self._segments.append(1)
-            return
         end, last_lsn = self._recover_last(self._segments[-1])
         self._durable_lsn = last_lsn
         self._next_lsn = last_lsn + 1
@@ -560,6 +699,37 @@ class WriteAheadLog:
             raise
         self._fd = fd
         self._seg_size = end
+        # Open from now on: records may follow the caller's last checkpoint.
+        self._write_head(self._segments[-1], None)
+
+    def _check_against_head(self, head: LogHead | None, firsts: list[int], exists: bool) -> None:
+        """CorruptFileError if the segments found lack records the head says were logged."""
+        if head is None or self.head_path is None:
+            return
+        newest = head.newest_segment
+        if not firsts and not head.clean:
+            what = "directory is missing" if not exists else "directory holds no segment"
+            raise CorruptFileError(
+                f"{self.path}: the write-ahead log {what}, but its head ({self.head_path}) "
+                f"says segment {_segment_name(newest)} was written and the log was not "
+                f"closed clean: records from LSN {newest} on (every record after the last "
+                "checkpoint) may have been acknowledged and would come back NEW; restore "
+                "the log directory (nothing was changed)"
+            )
+        if firsts and firsts[-1] < newest:
+            raise CorruptFileError(
+                f"{self.path}: segment {_segment_name(newest)} is missing (the newest "
+                f"segment here starts at LSN {firsts[-1]}, and the log's head "
+                f"{self.head_path} says {_segment_name(newest)} was created): records "
+                f"from LSN {newest} on are lost; restore the segment (nothing was changed)"
+            )
+
+    def _write_head(self, newest: int, clean_through: int | None) -> None:
+        """Writes the head file durably (no-op without one)."""
+        if self.head_path is None or self.readonly:
+            return
+        head = LogHead(newest, clean_through is not None, clean_through or 0)
+        atomic_write(self.head_path, [_pack_head(head)])
 
     def _recover_last(self, first: int) -> tuple[int, int]:
         """Scans the last segment: (end offset of its last valid record, the record's LSN).
@@ -658,8 +828,10 @@ class WriteAheadLog:
         self._unsynced = False
 
     def _create_segment(self, first_lsn: int) -> None:
-        """Creates segment ``first_lsn`` durably and makes it the one appended to."""
+        """Creates segment ``first_lsn`` durably, makes it the one appended to and
+        names it in the head file."""
         self._install_segment(*self._new_segment_file(first_lsn))
+        self._write_head(first_lsn, None)
 
     # -- appending -----------------------------------------------------------
 
@@ -897,6 +1069,9 @@ class WriteAheadLog:
                 raise
             return exc
         self._install_segment(fd, dir_fd)
+        # Before a record goes into it: a head that names it makes its loss an error.
+        # A failure here fails the log (the segment is in place, the head behind it).
+        self._write_head(first_lsn, None)
         return None
 
     def _rotated(self, first_lsn: int, error: OSError | None) -> None:
@@ -1048,6 +1223,10 @@ class WriteAheadLog:
             )
         if after_lsn == through:
             return
+        if not segments:
+            raise CorruptFileError(
+                f"{self.path}: no segment, but records {after_lsn + 1}..{through} were logged"
+            )
         needed = [i for i, first in enumerate(segments) if first <= after_lsn + 1]
         if not needed:
             raise CorruptFileError(
@@ -1092,11 +1271,14 @@ class WriteAheadLog:
 
     # -- closing -------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, checkpointed: int | None = None) -> None:
         """Commits queued records, syncs the last segment (in any mode) and closes. Idempotent.
 
         Appends started after ``close`` began raise ``ValueError``. A failed
-        log is closed without a sync.
+        log is closed without a sync. ``checkpointed``: the caller's durable
+        checkpoint holds every record through that LSN; if that is the last
+        record of the log, the head file records a clean close (a log then
+        deleted lost nothing: module documentation, "The head file").
         """
         with self._cond:
             if self._closing:
@@ -1109,6 +1291,13 @@ class WriteAheadLog:
                     self._exclusive_io(closing=True)
                     if self._unsynced:
                         self._io(self._sync_io)
+                    if (
+                        checkpointed is not None
+                        and checkpointed == self._durable_lsn
+                        and not self.readonly
+                    ):
+                        last = self._segments[-1]
+                        self._io(lambda: self._write_head(last, checkpointed))
             finally:
                 while self._busy:
                     self._cond.wait()

@@ -36,7 +36,9 @@ and bigger as history grows, so the records live in time slices
   compacted slices, opened as it is; b"1" is the older single-tree format,
   converted at open by dedupcore.migrate), namespace names <-> 16-bit ids,
   and one ``slice:<id>`` entry per slice (records, first and last write
-  time, state: open, sealed, or sealed and compacted).
+  time, state: open, sealed, or sealed and compacted), and ``log_head``
+  (b"1" once the store keeps the write-ahead log's head file, ``WAL_HEAD``:
+  from then on a missing head file is damage, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -424,6 +426,16 @@ class LmdbTier:
         with self._txn(db=self.meta) as txn:
             raw = txn.get(b"checkpoint_lsn")
         return _U64.unpack(raw)[0] if raw else 0
+
+    def log_head_kept(self) -> bool:
+        """Whether the store keeps the write-ahead log's head file (so a missing one is
+        damage, not a directory from before it was kept)."""
+        with self._txn(db=self.meta) as txn:
+            return txn.get(b"log_head") is not None
+
+    def keep_log_head(self) -> None:
+        """Records durably that the store keeps the log's head file (once)."""
+        self._write(lambda txn: txn.put(b"log_head", b"1", db=self.meta))
 
     def inflight_digests(self) -> list[bytes]:
         """Digests of PROCESSING records."""
