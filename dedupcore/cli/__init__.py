@@ -101,18 +101,22 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between the two samples the rates come from (default 1; 0: totals only)",
     )
 
-    demo = sub.add_parser("demo", help="run the demo on the embedded default")
+    demo = sub.add_parser(
+        "demo",
+        help="run the demo: SIGKILLed consumers through the daemon, then with the "
+        "transactional pattern on SQLite (docs/demo.md)",
+    )
     demo.add_argument(
         "--keys",
         type=int,
-        default=200_000,
-        help="unique messages in the simulated stream (default 200000)",
+        default=20_000,
+        help="unique messages in the simulated stream (default 20000)",
     )
     demo.add_argument(
         "--duplicate-rate",
         type=float,
         default=0.2,
-        help="fraction of deliveries that are redeliveries (default 0.2)",
+        help="fraction of the published messages that are producer retries (default 0.2)",
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
 
