@@ -42,6 +42,7 @@ __all__ = [
     "sample_rates",
     "serve_daemon_metrics",
     "store_figures",
+    "store_parts",
 ]
 
 log = logging.getLogger("dedupcore.metrics")
@@ -234,16 +235,16 @@ class StoreFigures:
     lmdb_bytes: int = 0
 
 
-def _parts(st: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+def store_parts(st: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
     """A store's stats and those of the stores inside it (authority, shards, local table)."""
     yield st
     for name in ("authority", "local"):
         sub = st.get(name)
         if isinstance(sub, Mapping):
-            yield from _parts(sub)
+            yield from store_parts(sub)
     for sub in st.get("shards", ()):
         if isinstance(sub, Mapping):
-            yield from _parts(sub)
+            yield from store_parts(sub)
 
 
 def _int(value: Any) -> int:
@@ -265,7 +266,7 @@ def store_figures(st: Mapping[str, Any]) -> StoreFigures:
         raise TypeError(f"stats must be a mapping, not {type(st).__name__}")
     out = StoreFigures()
     claims_found = False
-    for part in _parts(st):
+    for part in store_parts(st):
         per_ns = part.get("namespaces")
         if not claims_found and isinstance(per_ns, Mapping):
             claims_found = True
@@ -290,7 +291,7 @@ def store_figures(st: Mapping[str, Any]) -> StoreFigures:
             out.tier_hits["cold"] += _int(counts.get("cold_hits"))
             out.front_skips += _int(counts.get("front_negative"))
     if not claims_found:
-        for part in _parts(st):
+        for part in store_parts(st):
             if "engine" in part:
                 for o in Outcome:
                     out.claims[("", o.value)] += _int(part.get(o.value))

@@ -31,6 +31,7 @@ import json
 import logging
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,12 @@ def _start_metrics(store: Any, port: int) -> None:
 
 def run_stats(socket_path: str, *, as_json: bool, interval: float = 1.0) -> int:
     """Prints a running daemon's figures and, from two samples ``interval`` s apart, its
-    claim rates (the tables need rich: the ``cli`` extra)."""
+    claim rates (the tables need rich: the ``cli`` extra).
+
+    Any store the daemon serves gives its own ``stats()``: the embedded store, a
+    Redis or SQL authority, a stack or shards. ``--json`` prints it as it came (with
+    ``rates``); the tables show what that store counts (docs/metrics.md).
+    """
     from dedupcore.metrics import sample_rates
 
     try:
@@ -185,47 +191,142 @@ def run_stats(socket_path: str, *, as_json: bool, interval: float = 1.0) -> int:
         table.add_column(col, justify="left" if col == "namespace" else "right")
     table.add_column("claims/s", justify="right")
     table.add_column("duplicate rate now", justify="right")
-    for ns, c in sorted(st["namespaces"].items()):
+    counts = _claim_counts(st)
+    for ns, c in sorted(counts.items()):
         now = per_ns.get(ns)
+        total = sum(c.values())
         table.add_row(
-            ns,
+            ns or "(all namespaces)",
             f"{c['new']:,}",
             f"{c['duplicate']:,}",
             f"{c['in_progress']:,}",
-            f"{c['duplicate_rate']:.1%}",
+            f"{c['duplicate'] / total if total else 0.0:.1%}",
             "-" if now is None else f"{now['claims_per_second']:,.1f}",
             "-" if now is None else f"{now['duplicate_rate']:.1%}",
         )
+    if not counts:
+        table.caption = "this store keeps no claim counts (the daemon's requests are below)"
     console.print(table)
-    d = st.get("daemon", {})
     figures = Table(title="store and daemon")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
-    rows = [
-        ("lease takeovers", f"{st['lease_takeovers']:,}"),
-        ("front filter: lookups answered alone", f"{st['front']['skip_ratio']:.1%}"),
-        ("front filter: memory", f"{st['front']['nbytes'] / 2**20:.1f} MiB"),
-        ("front filter: estimated FPR", f"{st['front']['estimated_fpr']:.2e}"),
-        ("front slices", str(len(st["front"]["slices"]))),
-        ("LMDB records", f"{st['lmdb']['records']:,}"),
-        ("LMDB size", f"{st['lmdb']['disk_bytes'] / 2**20:.1f} MiB"),
-        ("recent records (log, memory)", f"{st['recent_records']:,}"),
-        ("in flight", f"{st['in_flight']:,}"),
-        ("checkpoints", f"{st['checkpoints']:,}"),
+    for name, value in _figure_rows(st):
+        figures.add_row(name, value)
+    console.print(figures)
+    return 0
+
+
+def _claim_counts(st: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Claims per namespace and outcome, whatever store gave ``st`` (a bare SQL
+    authority counts all namespaces together, under "")."""
+    from dedupcore.metrics import store_figures
+
+    counts: dict[str, dict[str, int]] = {}
+    for (ns, outcome), n in store_figures(st).claims.items():
+        counts.setdefault(ns, {"new": 0, "duplicate": 0, "in_progress": 0})[outcome] += n
+    return counts
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _store_kind(st: dict[str, Any]) -> str:
+    """What serves the keys, in words, from the shape of its ``stats()``."""
+    if isinstance(st.get("shards"), list):
+        kinds = [_store_kind(_mapping(s)) for s in st["shards"]]
+        same = len(set(kinds)) == 1
+        inner = kinds[0] if same else ", ".join(kinds)
+        return f"{len(kinds)} shards: {inner}" + (" each" if same else "")
+    if "write_behind" in st:
+        return f"write-behind over a local {_store_kind(_mapping(st.get('local')))}"
+    if isinstance(st.get("authority"), dict):
+        parts = [_store_kind(st["authority"])]
+        parts += [name for name in ("cache", "archive") if st.get(name)]
+        if st.get("front"):
+            parts.append("front filter")
+        return "stack: " + " + ".join(parts)
+    if "engine" in st:
+        return f"{st['engine']} table {st.get('table', '?')}"
+    if "maxmemory_policy" in st:
+        servers = st.get("servers", 1)
+        cluster = " cluster" if st.get("cluster") else ""
+        return f"redis{cluster}, {servers} server{'' if servers == 1 else 's'}"
+    if "lmdb" in st:
+        return "embedded store"
+    return "unknown"
+
+
+def _total(parts: list[Mapping[str, Any]], name: str) -> int:
+    return sum(int(p.get(name) or 0) for p in parts)
+
+
+def _windows(archive: Any) -> list[tuple[str, str]]:
+    rows = []
+    for window, cold in sorted(_mapping(archive).items()):
+        cold = _mapping(cold)
+        rows.append(
+            (
+                f"cold archive ({float(window):g} s): slices / est. FPR",
+                f"{len(cold.get('slices', ()))} / {cold.get('estimated_fpr', 0.0):.2e}",
+            )
+        )
+    return rows
+
+
+def _figure_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """The figures table: what every store counts, then what this kind of store has."""
+    from dedupcore.metrics import store_figures, store_parts
+
+    fig = store_figures(st)
+    rows = [("store", _store_kind(st)), ("durability", str(st.get("durability", "unknown")))]
+    parts = list(store_parts(st))
+    if any("lease_takeovers" in p or "takeovers" in p for p in parts):
+        rows.append(("lease takeovers", f"{fig.takeovers:,}"))
+    embedded = [p for p in parts if isinstance(p.get("lmdb"), dict)]
+    if embedded:
+        rows += [
+            ("in flight", f"{fig.in_flight:,}"),
+            ("LMDB records", f"{fig.lmdb_records:,}"),
+            ("LMDB size", f"{fig.lmdb_bytes / 2**20:.1f} MiB"),
+            ("LMDB reads", f"{fig.tier_hits['lmdb']:,}"),
+            ("recent records (log, memory)", f"{_total(embedded, 'recent_records'):,}"),
+            ("checkpoints", f"{_total(embedded, 'checkpoints'):,}"),
+        ]
+        if len(embedded) == 1:
+            front = _mapping(embedded[0].get("front"))
+            rows += [
+                ("front filter: lookups answered alone", f"{front.get('skip_ratio', 0.0):.1%}"),
+                ("front filter: memory", f"{front.get('nbytes', 0) / 2**20:.1f} MiB"),
+                ("front filter: estimated FPR", f"{front.get('estimated_fpr', 0.0):.2e}"),
+                ("front slices", str(len(front.get("slices", ())))),
+            ]
+            rows += _windows(embedded[0].get("cold"))
+    stacks = [p for p in parts if isinstance(p.get("counts"), dict)]
+    if stacks:
+        rows += [
+            ("front filter: keys answered alone", f"{fig.front_skips:,}"),
+            ("cache hits", f"{fig.tier_hits['cache']:,}"),
+            ("cold archive hits", f"{fig.tier_hits['cold']:,}"),
+        ]
+        if len(stacks) == 1:
+            rows += _windows(stacks[0].get("archive"))
+    sql = [p for p in parts if "engine" in p]
+    if sql:
+        rows.append(("SQL connections made", f"{_total(sql, 'connects'):,}"))
+    redis = [p for p in parts if "maxmemory_policy" in p]
+    if redis:
+        rows.append(("Redis restarts seen", f"{_total(redis, 'restarts'):,}"))
+        rows.append(("Redis maxmemory-policy", str(redis[0].get("maxmemory_policy"))))
+    d = _mapping(st.get("daemon"))
+    rows += [
         ("requests", f"{d.get('requests', 0):,}"),
         (
             "mean request time (incl. commit)",
             f"{d.get('request_seconds', 0.0) / max(1, d.get('requests', 0)) * 1e3:.2f} ms",
         ),
+        ("errors", f"{d.get('errors', 0):,}"),
         ("connections open", str(d.get("connections_open", 0))),
         ("refused connections", str(d.get("refused_connections", 0))),
     ]
-    for name, value in rows:
-        figures.add_row(name, value)
-    for window, cold in st.get("cold", {}).items():
-        figures.add_row(
-            f"cold archive ({window} s): slices / est. FPR",
-            f"{len(cold['slices'])} / {cold['estimated_fpr']:.2e}",
-        )
-    console.print(figures)
-    return 0
+    return rows
