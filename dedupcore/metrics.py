@@ -391,9 +391,12 @@ _DAEMON_COUNTERS = (
 )
 
 
-def serve_daemon_metrics(store: Any, port: int, *, region: str = "") -> Any:
-    """Serves the daemon's metrics on 127.0.0.1:``port`` from a registry of their own;
-    returns the registry."""
+def serve_daemon_metrics(
+    store: Any, port: int, *, region: str = "", host: str = "127.0.0.1"
+) -> Any:
+    """Serves the daemon's metrics on ``host``:``port`` (an IPv4 or IPv6 address or a
+    host name; default 127.0.0.1) from a registry of their own; returns the registry.
+    OSError when the address cannot be bound."""
     prom = _prometheus()
     if isinstance(port, bool) or not isinstance(port, int):
         raise TypeError(f"port must be an int, not {type(port).__name__}")
@@ -405,7 +408,7 @@ def serve_daemon_metrics(store: Any, port: int, *, region: str = "") -> Any:
     prom.ProcessCollector(registry=registry)
     prom.PlatformCollector(registry=registry)
     prom.GCCollector(registry=registry)
-    prom.start_http_server(port, addr="127.0.0.1", registry=registry)
+    prom.start_http_server(port, addr=host, registry=registry)
     return registry
 
 

@@ -81,7 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, help="default 1024")
     serve.add_argument("--request-timeout", help="seconds per request (default 30)")
     serve.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
+        "--metrics-port", type=int, help="serve Prometheus metrics on METRICS_HOST:PORT"
+    )
+    serve.add_argument(
+        "--metrics-host",
+        help="address the metrics are served on: an IPv4 or IPv6 address or a host name "
+        "(default 127.0.0.1; 0.0.0.0 or :: for every interface)",
     )
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import ipaddress
 import json
 import math
 import os
@@ -125,6 +126,26 @@ def _durability(value: object) -> str:
     return text
 
 
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _host(value: object) -> str:
+    """An IPv4 or IPv6 address, or a host name (letters, digits, hyphens, dots)."""
+    text = _text(value)
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    if (
+        len(text) > 253
+        or not all(_HOST_LABEL.fullmatch(label) for label in labels)
+        or labels[-1].isdigit()
+    ):
+        raise ValueError(f"must be an IP address or a host name, got {text!r}")
+    return text
+
+
 def _log_level(value: object) -> str:
     text = _text(value).upper()
     if text not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -146,6 +167,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "max_connections": lambda v: _count(v, 1),
     "request_timeout": _positive_seconds,
     "metrics_port": lambda v: _count(v, 1, 65535),
+    "metrics_host": _host,
     "log_level": _log_level,
     "write_timeout": _positive_seconds,
     "idle_timeout": _positive_seconds,
@@ -181,6 +203,7 @@ def defaults() -> dict[str, Any]:
         "socket": DEFAULT_SOCKET,
         "durability": store.durability,
         "lease": store.lease,
+        "metrics_host": "127.0.0.1",
         "log_level": "INFO",
         **{key: server[key].default for key in SERVER_LIMITS},
     }

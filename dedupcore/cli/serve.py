@@ -115,11 +115,22 @@ def run_serve(args: argparse.Namespace) -> int:
     except DedupError as exc:  # a remote authority that is down: said when it answers
         level, durability = -1, f"unknown until the authority answers ({exc})"
     log.log(logging.WARNING if level < 3 else logging.INFO, "durability: %s", durability)
+    if s.get("metrics_port"):
+        host, port = s["metrics_host"], int(s["metrics_port"])
+        try:
+            _start_metrics(store, host, port)
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            print(
+                f"dedupcore serve: cannot serve metrics on {where} (metrics_host, "
+                f"metrics_port): {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            store.close()
+            return 1
     stop_sweeping = threading.Event()
     if hasattr(store, "sweep") and (remote or s.get("cache") or s.get("archive")):
         _start_sweeper(store, stop_sweeping)
-    if s.get("metrics_port"):
-        _start_metrics(store, int(s["metrics_port"]))
     try:
         rc = serve(store, s["socket"], sock=sock, **settings.server_options())
     except DedupError as exc:
@@ -155,12 +166,13 @@ def _start_sweeper(store: Any, stop: threading.Event, interval: float = 60.0) ->
     threading.Thread(target=loop, name="dedupcore-sweep", daemon=True).start()
 
 
-def _start_metrics(store: Any, port: int) -> None:
-    """Serves Prometheus metrics on 127.0.0.1:port, read from stats() at each scrape
-    (names in docs/metrics.md)."""
+def _start_metrics(store: Any, host: str, port: int) -> None:
+    """Serves Prometheus metrics on host:port, read from stats() at each scrape
+    (names in docs/metrics.md); OSError when the address cannot be bound."""
     from dedupcore.metrics import serve_daemon_metrics
 
-    serve_daemon_metrics(store, port)
+    serve_daemon_metrics(store, port, host=host)
+    log.info("serving metrics on %s port %d", host, port)
 
 
 def run_stats(socket_path: str, *, as_json: bool, interval: float = 1.0) -> int:

@@ -92,6 +92,7 @@ def test_the_example_file_loads_with_its_policies() -> None:
     s = load(serve_args("--config", str(EXAMPLE)), environ={})
     assert s.values["data"] == "/var/lib/dedupcore"
     assert s.values["lease"] == 30.0 and s.values["idle_timeout"] == 600.0
+    assert s.values["metrics_port"] == 9101 and s.values["metrics_host"] == "127.0.0.1"
     assert s.retention == Retention(exact_window=7 * DAY, cold_window=30 * DAY, hot_window=3600)
     # A namespace's windows left out are those of [retention].
     assert s.namespaces == {
