@@ -14,14 +14,14 @@ extensions = [
         "dedupcore._core",
         sources=["ext/_core.pyx"],
         include_dirs=["ext"],
-        depends=["ext/dc_hash.h", "ext/dc_fuse.h"],
+        depends=["ext/dc_status.h", "ext/dc_hash.h", "ext/dc_fuse.h", "ext/_status.pxi"],
         extra_compile_args=compile_args,
     ),
     Extension(
         "dedupcore._engine",
         sources=["ext/_engine.pyx"],
         include_dirs=["ext"],
-        depends=["ext/dc_hash.h", "ext/dc_engine.h"],
+        depends=["ext/dc_status.h", "ext/dc_hash.h", "ext/dc_engine.h", "ext/_status.pxi"],
         extra_compile_args=compile_args,
     ),
 ]

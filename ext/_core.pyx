@@ -49,6 +49,9 @@ cdef extern from "Python.h":
     bint PyUnicode_Check(object o)
     bint PyBytes_CheckExact(object o)
 
+include "_status.pxi"
+
+
 cdef extern from "dc_hash.h" nogil:
     uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
     uint64_t dc_block_index(uint64_t h, uint64_t nblocks)
@@ -66,7 +69,6 @@ cdef extern from "dc_hash.h" nogil:
                           unsigned char* flags)
     const uint32_t DC_SALT[8]
 
-# After dc_hash.h, which it builds on (and which cannot be included twice).
 cdef extern from "dc_fuse.h" nogil:
     ctypedef struct dc_fuse_t:
         uint64_t seed
@@ -76,18 +78,14 @@ cdef extern from "dc_fuse.h" nogil:
         uint64_t array_length
         const unsigned char* fp
     enum:
-        DC_FUSE_OK
-        DC_FUSE_NOMEM
-        DC_FUSE_TOO_MANY
-        DC_FUSE_FAILED
         DC_FUSE_MAX_ATTEMPTS
     const unsigned int DC_FUSE_MAX_SEGMENT_LENGTH
     const unsigned long long DC_FUSE_MAX_ARRAY_LENGTH
     int dc_fuse_contains(const dc_fuse_t* f, uint64_t h)
     void dc_fuse_contains_batch(const dc_fuse_t* f, const uint64_t* h, size_t n,
                                 unsigned char* flags)
-    int dc_fuse_build(const void* hashes, size_t n, uint64_t seed, dc_fuse_t* f,
-                      unsigned char** body, uint64_t* count)
+    dc_status dc_fuse_build(const void* hashes, size_t n, uint64_t seed, dc_fuse_t* f,
+                            unsigned char** body, uint64_t* count)
     void dc_fuse_free(void* p, size_t size)
 
 #: Format constants shared with the Python layer and the file header.
@@ -738,7 +736,7 @@ cdef class FuseFilter:
         cdef dc_fuse_t geo
         cdef unsigned char* body = NULL
         cdef uint64_t count = 0
-        cdef int rc
+        cdef dc_status rc
         cdef size_t n
         PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
         try:
@@ -747,15 +745,9 @@ cdef class FuseFilter:
                 rc = dc_fuse_build(view.buf, n, s, &geo, &body, &count)
         finally:
             PyBuffer_Release(&view)
-        if rc == DC_FUSE_NOMEM:
-            raise MemoryError(f"cannot allocate the working memory of a fuse filter "
-                              f"of {n} keys (about {int(n) * 32} bytes)")
-        if rc == DC_FUSE_TOO_MANY:
-            raise ValueError(f"too many distinct keys for one fuse filter ({n} given): "
-                             f"its array is limited to {DC_FUSE_MAX_ARRAY_LENGTH} slots")
-        if rc != DC_FUSE_OK:
-            raise RuntimeError(f"fuse filter construction failed with "
-                               f"{DC_FUSE_MAX_ATTEMPTS} seeds")
+        check_status(rc, f"a fuse filter of {n} keys (at most {DC_FUSE_MAX_ARRAY_LENGTH} "
+                         f"slots, {DC_FUSE_MAX_ATTEMPTS} seeds, about {int(n) * 32} bytes "
+                         f"of working memory)")
         cdef FuseFilter ff = FuseFilter.__new__(FuseFilter)
         ff.f = geo
         ff.f.fp = body

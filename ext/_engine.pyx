@@ -23,6 +23,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStri
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
 
+include "_status.pxi"
+
+
 cdef extern from "dc_engine.h" nogil:
     ctypedef struct dc_export:
         unsigned char* items
@@ -107,28 +110,28 @@ cdef extern from "dc_engine.h" nogil:
                            const unsigned char* fp, size_t fp_len, int has_fp,
                            const unsigned char* result, size_t result_len, int has_result,
                            int* oom)
-    int dc_table_init(dc_table* t, uint64_t capacity)
+    dc_status dc_table_init(dc_table* t, uint64_t capacity)
     void dc_table_free(dc_table* t)
     dc_rec* dc_find(const dc_table* t, const unsigned char* digest)
     void dc_prefetch_slot(const dc_table* t, const unsigned char* digest)
     int dc_live(const dc_rec* r)
-    int dc_put(dc_table* t, const dc_rec* r, int note)
-    int64_t dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more)
-    int64_t dc_dirty(const dc_table* t, uint64_t after)
+    dc_status dc_put(dc_table* t, const dc_rec* r, int note)
+    dc_status dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more, uint64_t* dropped)
+    uint64_t dc_dirty(const dc_table* t, uint64_t after)
     size_t dc_missing(const dc_table* t, const unsigned char* digests, size_t n, size_t* out)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
     void dc_take_changes(dc_table* t, dc_export* x)
-    int dc_give_back(dc_table* t, dc_export* x)
-    int dc_sort_packed(const unsigned char* inp, size_t length, size_t n, unsigned char* out,
-                       size_t* out_len, size_t* kept)
-    int dc_decode_value(const unsigned char* digest, const unsigned char* p, size_t length,
-                        dc_rec* r)
-    int dc_stage_init(dc_stage* s, size_t cap)
+    dc_status dc_give_back(dc_table* t, dc_export* x)
+    dc_status dc_sort_packed(const unsigned char* inp, size_t length, size_t n,
+                             unsigned char* out, size_t* out_len, size_t* kept)
+    dc_status dc_decode_value(const unsigned char* digest, const unsigned char* p,
+                              size_t length, dc_rec* r)
+    dc_status dc_stage_init(dc_stage* s, size_t cap)
     void dc_stage_free(dc_stage* s)
-    int dc_decide_claim(const dc_table* t, dc_stage* s, dc_claim_io* io)
-    int dc_decide_change(const dc_table* t, dc_stage* s, dc_change_io* io)
-    int dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
+    dc_status dc_decide_claim(const dc_table* t, dc_stage* s, dc_claim_io* io)
+    dc_status dc_decide_change(const dc_table* t, dc_stage* s, dc_change_io* io)
+    dc_status dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
     uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
 
 PROCESSING = 1
@@ -436,15 +439,10 @@ def decode_value(bytes digest, value):
         raise ValueError("a digest is 16 bytes")
     cdef const unsigned char[:] view = value
     cdef dc_rec r
-    cdef int rc
     if view.shape[0] == 0:
         raise ValueError("empty record")
-    rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(digest), &view[0],
-                         <size_t>view.shape[0], &r)
-    if rc == -2:
-        raise MemoryError()
-    if rc:
-        raise ValueError("record fails its checksum or does not parse")
+    check_status(dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(digest), &view[0],
+                                 <size_t>view.shape[0], &r), "record")
     try:
         return _record_tuple(&r)[:9]
     finally:
@@ -464,8 +462,7 @@ cdef class ClaimTable:
     cdef bint staged
 
     def __cinit__(self, uint64_t capacity=1024):
-        if dc_table_init(&self.t, capacity):
-            raise MemoryError()
+        check_status(dc_table_init(&self.t, capacity), "a claim table")
         self.staged = False
 
     def __dealloc__(self):
@@ -527,7 +524,7 @@ cdef class ClaimTable:
         """
         cdef Py_ssize_t i
         cdef dc_rec r
-        cdef int rc
+        cdef dc_status rc
         cdef object pair, d, v
         cdef Py_ssize_t n = PyList_GET_SIZE(pairs)
         for i in range(n):
@@ -552,16 +549,14 @@ cdef class ClaimTable:
             rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(d),
                                  <const unsigned char*>PyBytes_AS_STRING(v),
                                  <size_t>PyBytes_GET_SIZE(v), &r)
-            if rc == -2:
-                raise MemoryError()
-            if rc:
+            if rc == DC_ECORRUPT:
                 return i
+            check_status(rc, "a loaded record")
             if r.state == DC_PROCESSING:
                 r.deadline = now_m + r.lease
             rc = dc_put(&self.t, &r, 1)
             dc_decref(r.extra)
-            if rc:
-                raise MemoryError()
+            check_status(rc, "a loaded record")
         return -1
 
     def replay(self, payload, uint64_t lsn, double now_m):
@@ -573,7 +568,7 @@ cdef class ClaimTable:
         cdef size_t size = view.shape[0], pos = 5, k
         cdef uint32_t count, vlen
         cdef dc_rec r
-        cdef int rc
+        cdef dc_status rc
         if size < 5 or view[0] != _LOG_VERSION:
             raise ValueError("not a log payload of format 2")
         memcpy(&count, &view[1], 4)
@@ -587,19 +582,15 @@ cdef class ClaimTable:
             memcpy(&vlen, &view[pos + 16], 4)
             if vlen == 0 or pos + 20 + vlen > size:
                 raise ValueError("log payload entry runs past its end")
-            rc = dc_decode_value(&view[pos], &view[pos + 20], vlen, &r)
-            if rc == -2:
-                raise MemoryError()
-            if rc:
-                raise ValueError(f"log record {k} fails its checksum or does not parse")
+            check_status(dc_decode_value(&view[pos], &view[pos + 20], vlen, &r),
+                         f"log record {k}")
             r.lsn = lsn
             if r.state == DC_PROCESSING:
                 r.deadline = now_m + r.lease
             memcpy(&out[16 * k], &view[pos], 16)
             rc = dc_put(&self.t, &r, 1)
             dc_decref(r.extra)
-            if rc:
-                raise MemoryError()
+            check_status(rc, f"log record {k}")
             pos += 20 + vlen
         if pos != size:
             raise ValueError("log payload has trailing bytes")
@@ -609,8 +600,7 @@ cdef class ClaimTable:
         if self.staged:
             dc_stage_free(&self.stage)
             self.staged = False
-        if dc_stage_init(&self.stage, n):
-            raise MemoryError()
+        check_status(dc_stage_init(&self.stage, n), f"staging a batch of {n}")
         self.staged = True
         return 0
 
@@ -674,7 +664,7 @@ cdef class ClaimTable:
         if fingerprints is not None:
             fps = <const unsigned char**>malloc((n + 1) * sizeof(void*))
             fp_lens = <size_t*>malloc((n + 1) * sizeof(size_t))
-        cdef int rc
+        cdef dc_status rc
         cdef uint64_t written = 0
         cdef list claims
         cdef object new, dup, busy
@@ -702,12 +692,10 @@ cdef class ClaimTable:
             self._begin(n)
             with nogil:
                 rc = dc_decide_claim(&self.t, &self.stage, &io)
-            if rc == -2:
-                self.discard()
-                raise MemoryError()
-            if rc == -1:
+            if rc == DC_ECONFLICT:
                 self.discard()
                 return None, io.conflict, 0, [], (0, 0, 0, 0, 0, 0)
+            check_status(rc, f"a claim batch of {n}")
             result_bytes = 0
             for i in range(n):
                 if outc[i] == 1 and dups[i] != NULL and (dups[i].has & DC_HAS_RESULT):
@@ -776,7 +764,7 @@ cdef class ClaimTable:
         cdef const unsigned char** res = NULL
         cdef size_t* res_lens = NULL
         cdef object v
-        cdef int rc
+        cdef dc_status rc
         cdef uint64_t written = 0
         if results is not None:
             res = <const unsigned char**>malloc((n + 1) * sizeof(void*))
@@ -804,12 +792,10 @@ cdef class ClaimTable:
             self._begin(n)
             with nogil:
                 rc = dc_decide_change(&self.t, &self.stage, &io)
-            if rc == -2:
-                self.discard()
-                raise MemoryError()
-            if rc == -1:
+            if rc == DC_ECONFLICT:
                 self.discard()
                 return io.error_index, io.error_kind, io.current_token, 0, [], 0
+            check_status(rc, f"a change batch of {n}")
             payloads = _encode_stage(&self.stage, &written)
             return -1, 0, 0, io.depends, payloads, written
         except BaseException:
@@ -822,14 +808,13 @@ cdef class ClaimTable:
 
     def apply(self, uint64_t lsn):
         """Stores the staged records with log position ``lsn`` (renewals keep theirs)."""
-        cdef int rc = 0
+        cdef dc_status rc = DC_OK
         if not self.staged:
             return
         with nogil:  # a table growing past 70 % is rebuilt here: seconds at millions
             rc = dc_apply(&self.t, &self.stage, lsn)
         self.discard()
-        if rc:
-            raise MemoryError()
+        check_status(rc, "applying a batch")
 
     def discard(self):
         """Forgets the staged records."""
@@ -856,8 +841,7 @@ cdef class ClaimTable:
 
     def give_back(self, Changes changes not None):
         """Puts changes taken by :meth:`take_changes` back in front of those since."""
-        if dc_give_back(&self.t, &changes.x):
-            raise MemoryError()
+        check_status(dc_give_back(&self.t, &changes.x), "giving changes back")
 
     def export(self):
         """:meth:`take_changes`, sorted and unpacked: ``(items, inflight, settled,
@@ -875,21 +859,19 @@ cdef class ClaimTable:
     def evict_some(self, uint64_t upto, size_t limit):
         """:meth:`evict` over at most ``limit`` journal entries (0 = all); returns
         ``(dropped, more)``, ``more`` True while entries <= upto are left."""
-        cdef int64_t n
+        cdef uint64_t n = 0
         cdef int more = 0
+        cdef dc_status rc
         with nogil:
-            n = dc_evict(&self.t, upto, limit, &more)
-        if n < 0:
-            raise MemoryError()
+            rc = dc_evict(&self.t, upto, limit, &more, &n)
+        check_status(rc, "shrinking the claim table")
         return n, bool(more)
 
     def dirty(self, uint64_t after):
         """Number of records changed after log position ``after`` (read from the journal)."""
-        cdef int64_t n
+        cdef uint64_t n
         with nogil:
             n = dc_dirty(&self.t, after)
-        if n < 0:
-            raise MemoryError()
         return n
 
     def inflight_records(self, double deadline_before, double updated_before):
@@ -972,12 +954,11 @@ def sort_changes(Changes changes not None):
     cdef size_t length = changes.x.items_len, out_len = 0, kept = 0
     cdef bytes out = PyBytes_FromStringAndSize(NULL, length)
     cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
-    cdef int rc
+    cdef dc_status rc
     with _sort_lock:
         with nogil:
             rc = dc_sort_packed(changes.x.items, length, changes.x.n, o, &out_len, &kept)
-    if rc < 0:
-        raise MemoryError()
+    check_status(rc, "the changes to sort")
     return (out if out_len == length else out[:out_len]), kept
 
 

@@ -41,6 +41,7 @@
 #include <sys/mman.h>
 
 #include "dc_hash.h"
+#include "dc_status.h"
 
 #define DC_PROCESSING 1
 #define DC_PROCESSED 2
@@ -241,7 +242,7 @@ static void dc_slots_free(dc_rec *slots, uint64_t n) {
         munmap(slots, bytes);
 }
 
-static int dc_table_init(dc_table *t, uint64_t capacity) {
+static dc_status dc_table_init(dc_table *t, uint64_t capacity) {
     uint64_t n = 1024;
     while (n < capacity * 2) n <<= 1;
     t->slots = dc_slots_alloc(n);
@@ -251,7 +252,7 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
         free(t->touched);
         t->slots = NULL;
         t->touched = NULL;
-        return -1;
+        return DC_ENOMEM;
     }
     t->mask = n - 1;
     t->old = NULL;
@@ -264,7 +265,7 @@ static int dc_table_init(dc_table *t, uint64_t capacity) {
     t->lhead = t->llen = t->lcap = 0;
     t->lstop = 0;
     t->evicting = 0;
-    return 0;
+    return DC_OK;
 }
 
 static void dc_table_free(dc_table *t) {
@@ -294,14 +295,14 @@ static void dc_table_free(dc_table *t) {
 static inline size_t dc_value_bound(const dc_rec *r);
 static size_t dc_encode_value(const dc_rec *r, unsigned char *out);
 
-/* Appends r, encoded, to x. -1 on allocation failure (x unchanged). */
-static int dc_export_add(dc_export *x, const dc_rec *r) {
+/* Appends r, encoded, to x. DC_ENOMEM on allocation failure (x unchanged). */
+static dc_status dc_export_add(dc_export *x, const dc_rec *r) {
     size_t need = 20 + dc_value_bound(r);
     if (x->items_len + need > x->cap) {
         size_t cap = x->cap ? x->cap : 65536;
         while (cap < x->items_len + need) cap *= 2;
         unsigned char *items = (unsigned char *)realloc(x->items, cap);
-        if (!items) return -1;
+        if (!items) return DC_ENOMEM;
         x->items = items;
         x->cap = cap;
     }
@@ -315,7 +316,7 @@ static int dc_export_add(dc_export *x, const dc_rec *r) {
     x->items_len += 20 + vlen;
     x->n++;
     if (r->updated > x->newest) x->newest = r->updated;
-    return 0;
+    return DC_OK;
 }
 
 /* Moves the changes out of the table (the next checkpoint's records start
@@ -326,12 +327,12 @@ static void dc_take_changes(dc_table *t, dc_export *x) {
 }
 
 /* Puts changes taken out back in front of those stored since (a checkpoint
- * that failed). Frees x's buffer. -1 on allocation failure (nothing changed). */
-static int dc_give_back(dc_table *t, dc_export *x) {
+ * that failed). Frees x's buffer. DC_ENOMEM on allocation failure (nothing changed). */
+static dc_status dc_give_back(dc_table *t, dc_export *x) {
     dc_export *c = &t->changes;
     size_t len = x->items_len + c->items_len;
     unsigned char *items = (unsigned char *)malloc(len ? len : 1);
-    if (!items) return -1;
+    if (!items) return DC_ENOMEM;
     if (x->items_len) memcpy(items, x->items, x->items_len);
     if (c->items_len) memcpy(items + x->items_len, c->items, c->items_len);
     free(x->items);
@@ -341,24 +342,24 @@ static int dc_give_back(dc_table *t, dc_export *x) {
     c->n += x->n;
     if (x->newest > c->newest) c->newest = x->newest;
     memset(x, 0, sizeof(*x));
-    return 0;
+    return DC_OK;
 }
 
 /* Notes that r is about to be stored (lsn 0 = a clean copy): with a log
  * position it goes to the journal and, encoded, to the changes the next
- * checkpoint writes. -1 on allocation failure, before anything changed. */
-static int dc_journal_note(dc_table *t, const dc_rec *r) {
+ * checkpoint writes. DC_ENOMEM on allocation failure, before anything changed. */
+static dc_status dc_journal_note(dc_table *t, const dc_rec *r) {
     const unsigned char *digest = r->digest;
     uint64_t lsn = r->lsn;
     if (lsn) {
         if (t->jlen == t->jcap) {
             size_t cap = t->jcap ? t->jcap * 2 : 1024;
             dc_jent *j = (dc_jent *)realloc(t->journal, cap * sizeof(dc_jent));
-            if (!j) return -1;
+            if (!j) return DC_ENOMEM;
             t->journal = j;
             t->jcap = cap;
         }
-        if (dc_export_add(&t->changes, r)) return -1;
+        if (dc_export_add(&t->changes, r) != DC_OK) return DC_ENOMEM;
         memcpy(t->journal[t->jlen].digest, digest, 16);
         t->journal[t->jlen].lsn = lsn;
         t->jlen++;
@@ -366,14 +367,14 @@ static int dc_journal_note(dc_table *t, const dc_rec *r) {
         if (t->llen == t->lcap) {
             size_t cap = t->lcap ? t->lcap * 2 : 1024;
             unsigned char *l = (unsigned char *)realloc(t->loaded, cap * 16);
-            if (!l) return -1;
+            if (!l) return DC_ENOMEM;
             t->loaded = l;
             t->lcap = cap;
         }
         memcpy(t->loaded + 16 * t->llen, digest, 16);
         t->llen++;
     }
-    return 0;
+    return DC_OK;
 }
 
 /* The slot of digest in the old array (growing only), or NULL. */
@@ -456,7 +457,7 @@ static void dc_migrate(dc_table *t, uint64_t k) {
  * that crosses 70 % costs an allocation, not a rebuild of millions of slots.
  * An old array still there is emptied first (not with DC_MIGRATE_STEP as it
  * is; a shrink does it too). */
-static int dc_grow(dc_table *t) {
+static dc_status dc_grow(dc_table *t) {
     if (t->old) dc_migrate(t, UINT64_MAX);
     uint64_t n = (t->mask + 1) * 2;
     dc_rec *slots = dc_slots_alloc(n);
@@ -464,7 +465,7 @@ static int dc_grow(dc_table *t) {
     if (!slots || !touched) {
         dc_slots_free(slots, n);
         free(touched);
-        return -1;
+        return DC_ENOMEM;
     }
     /* The old array is 70 % full: every page of it holds records, so its
      * probes (dc_find_old) need no page map. */
@@ -478,10 +479,10 @@ static int dc_grow(dc_table *t) {
      * of a record not yet moved still reaches it. */
     t->mig_pos = 0;
     t->mig_left = t->old_mask + 1;
-    return 0;
+    return DC_OK;
 }
 
-static int dc_resize(dc_table *t, uint64_t n) {
+static dc_status dc_resize(dc_table *t, uint64_t n) {
     if (t->old) dc_migrate(t, UINT64_MAX);
     dc_rec *old = t->slots;
     uint64_t *old_touched = t->touched;
@@ -491,7 +492,7 @@ static int dc_resize(dc_table *t, uint64_t n) {
     if (!slots || !touched) {
         dc_slots_free(slots, n);
         free(touched);
-        return -1;
+        return DC_ENOMEM;
     }
     free(old_touched);
     t->touched = touched;
@@ -500,18 +501,18 @@ static int dc_resize(dc_table *t, uint64_t n) {
     for (uint64_t i = 0; i < old_n; i++)
         if (old[i].state) dc_place(t, &old[i]);
     dc_slots_free(old, old_n);
-    return 0;
+    return DC_OK;
 }
 
 /* Stores a copy of r (taking a new reference to its blob), replacing the
  * digest's record if any; with note, the journal records the change (a lease
- * renewal keeps its log position and is not noted again). -1 on allocation
- * failure (the table is unchanged). */
-static int dc_put(dc_table *t, const dc_rec *r, int note) {
+ * renewal keeps its log position and is not noted again). DC_ENOMEM on
+ * allocation failure (the table is unchanged). */
+static dc_status dc_put(dc_table *t, const dc_rec *r, int note) {
     if ((t->count + 1) * 10 > (t->mask + 1) * 7) {
-        if (dc_grow(t)) return -1;
+        if (dc_grow(t) != DC_OK) return DC_ENOMEM;
     }
-    if (note && dc_journal_note(t, r)) return -1;
+    if (note && dc_journal_note(t, r) != DC_OK) return DC_ENOMEM;
     if (t->old) {
         /* The digest's record moves to the new array with this change. */
         dc_rec *o = dc_find_old(t, r->digest);
@@ -531,7 +532,7 @@ static int dc_put(dc_table *t, const dc_rec *r, int note) {
             dc_incref(s->extra);
             t->count++;
             dc_count(t, s, 1);
-            return 0;
+            return DC_OK;
         }
         if (memcmp(s->digest, r->digest, 16) == 0) {
             dc_count(t, s, -1);
@@ -540,7 +541,7 @@ static int dc_put(dc_table *t, const dc_rec *r, int note) {
             *s = *r;
             s->renewal = 0;
             dc_count(t, s, 1);
-            return 0;
+            return DC_OK;
         }
         i = (i + 1) & t->mask;
     }
@@ -632,8 +633,10 @@ static void dc_consume(void *p, size_t *head, size_t *len, size_t size, int done
  * entries per call (0 = no limit), so a caller can let go of its lock between
  * calls; *more is set if entries <= upto are left. In place: the records in
  * flight stay where they are; the table is rebuilt smaller only when it is
- * left under 1/16 full. Returns how many were dropped, -1 on OOM. */
-static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
+ * left under 1/16 full. Sets *dropped to how many were dropped; DC_ENOMEM if
+ * that rebuild cannot allocate (the records stay where they are). */
+static dc_status dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more,
+                          uint64_t *dropped_out) {
     uint64_t dropped = 0;
     size_t k = t->jhead, budget = limit ? limit : SIZE_MAX;
     /* The journal is in log order: what is <= upto is a prefix. */
@@ -666,16 +669,20 @@ static int64_t dc_evict(dc_table *t, uint64_t upto, size_t limit, int *more) {
         if (n > 1024 && t->count * 16 < n) {
             uint64_t m = 1024;
             while (m * 7 < t->count * 10 * 2) m <<= 1; /* at most 35 % full afterwards */
-            if (dc_resize(t, m)) return -1;
+            if (dc_resize(t, m) != DC_OK) {
+                *dropped_out = dropped;
+                return DC_ENOMEM;
+            }
         }
     }
-    return (int64_t)dropped;
+    *dropped_out = dropped;
+    return DC_OK;
 }
 
 /* How many records changed after log position after (not yet in LMDB): the
  * journal entries past it that are still their record's latest change. */
-static int64_t dc_dirty(const dc_table *t, uint64_t after) {
-    int64_t n = 0;
+static uint64_t dc_dirty(const dc_table *t, uint64_t after) {
+    uint64_t n = 0;
     for (size_t k = t->jhead; k < t->jlen; k++) {
         if (k + 8 < t->jlen) dc_prefetch_slot(t, t->journal[k + 8].digest);
         const dc_jent *e = &t->journal[k];
@@ -704,18 +711,18 @@ static inline size_t dc_put_varint(unsigned char *p, uint64_t v) {
     return n;
 }
 
-static inline int dc_get_varint(const unsigned char *p, size_t len, size_t *pos, uint64_t *out) {
+static inline dc_status dc_get_varint(const unsigned char *p, size_t len, size_t *pos, uint64_t *out) {
     uint64_t v = 0;
     for (int shift = 0; shift < 64; shift += 7) {
-        if (*pos >= len) return -1;
+        if (*pos >= len) return DC_ECORRUPT;
         unsigned char b = p[(*pos)++];
         v |= (uint64_t)(b & 0x7F) << shift;
         if (!(b & 0x80)) {
             *out = v;
-            return 0;
+            return DC_OK;
         }
     }
-    return -1;
+    return DC_ECORRUPT;
 }
 
 static inline int64_t dc_ms(double seconds) { return (int64_t)llround(seconds * 1000.0); }
@@ -795,18 +802,18 @@ static int dc_pick_cmp(const void *a, const void *b) {
 
 /* Writes the n packed records of in (len bytes) to out (room for len bytes)
  * in digest order, each digest once: of a digest packed several times only
- * the last (its latest change) is kept. Sets *out_len and *kept. 0, -1 on OOM
- * or a buffer that does not hold n records. Not reentrant (qsort has no
+ * the last (its latest change) is kept. Sets *out_len and *kept. DC_ENOMEM,
+ * or DC_ECORRUPT for a buffer that does not hold n records. Not reentrant (qsort has no
  * context argument): callers serialise it. */
-static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigned char *out,
+static dc_status dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigned char *out,
                           size_t *out_len, size_t *kept) {
     dc_pick *picks = (dc_pick *)malloc((n ? n : 1) * sizeof(dc_pick));
-    if (!picks) return -1;
+    if (!picks) return DC_ENOMEM;
     size_t pos = 0;
     for (size_t k = 0; k < n; k++) {
         if (pos + 20 > len) {
             free(picks);
-            return -1;
+            return DC_ECORRUPT;
         }
         uint64_t hi = 0;
         for (int b = 0; b < 8; b++) hi = (hi << 8) | in[pos + b];
@@ -818,7 +825,7 @@ static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigne
     }
     if (pos != len) {
         free(picks);
-        return -1;
+        return DC_ECORRUPT;
     }
     dc_sort_base = in;
     qsort(picks, n, sizeof(dc_pick), dc_pick_cmp);
@@ -836,21 +843,21 @@ static int dc_sort_packed(const unsigned char *in, size_t len, size_t n, unsigne
     free(picks);
     *out_len = o;
     *kept = m;
-    return 0;
+    return DC_OK;
 }
 
 /* Decodes a value stored under digest into r (lsn 0, deadline 0, a new blob).
- * Returns 0, -1 if the bytes are damaged, -2 on allocation failure. */
-static int dc_decode_value(const unsigned char *digest, const unsigned char *p, size_t len,
+ * DC_ECORRUPT if the bytes are damaged, DC_ENOMEM on allocation failure. */
+static dc_status dc_decode_value(const unsigned char *digest, const unsigned char *p, size_t len,
                            dc_rec *r) {
-    if (len < 14) return -1;
+    if (len < 14) return DC_ECORRUPT;
     uint32_t sum;
     memcpy(&sum, p + len - 4, 4);
     uint64_t h = dc_xxh64(digest, 16, DC_RECORD_SEED);
-    if ((uint32_t)dc_xxh64(p, len - 4, h) != sum) return -1;
+    if ((uint32_t)dc_xxh64(p, len - 4, h) != sum) return DC_ECORRUPT;
     len -= 4;
     unsigned char head = p[0];
-    if ((head & 0x03) == 0 || (head & 0xC0)) return -1;
+    if ((head & 0x03) == 0 || (head & 0xC0)) return DC_ECORRUPT;
     memset(r, 0, sizeof(*r));
     memcpy(r->digest, digest, 16);
     r->state = head & 0x03;
@@ -861,15 +868,15 @@ static int dc_decode_value(const unsigned char *digest, const unsigned char *p, 
     int64_t created = (int64_t)updated;
     if (head & DC_F_CREATED) {
         uint64_t z;
-        if (dc_get_varint(p, len, &pos, &z)) return -1;
+        if (dc_get_varint(p, len, &pos, &z) != DC_OK) return DC_ECORRUPT;
         created = (int64_t)updated - (int64_t)((z >> 1) ^ (~(z & 1) + 1));
     }
     r->updated = (double)updated / 1000.0;
     r->created = (double)created / 1000.0;
-    if (dc_get_varint(p, len, &pos, &r->token) || r->token == 0) return -1;
+    if (dc_get_varint(p, len, &pos, &r->token) != DC_OK || r->token == 0) return DC_ECORRUPT;
     if (r->state == DC_PROCESSING) {
         uint32_t lease_ms;
-        if (pos + 4 > len) return -1;
+        if (pos + 4 > len) return DC_ECORRUPT;
         memcpy(&lease_ms, p + pos, 4);
         pos += 4;
         r->lease = (float)(lease_ms / 1000.0);
@@ -878,29 +885,29 @@ static int dc_decode_value(const unsigned char *digest, const unsigned char *p, 
     size_t owner_len = 0, fp_len = 0;
     uint64_t result_len = 0;
     if (head & DC_F_OWNER) {
-        if (pos >= len) return -1;
+        if (pos >= len) return DC_ECORRUPT;
         owner_len = p[pos++];
-        if (pos + owner_len > len) return -1;
+        if (pos + owner_len > len) return DC_ECORRUPT;
         owner = p + pos;
         pos += owner_len;
     }
     if (head & DC_F_FP) {
-        if (pos >= len) return -1;
+        if (pos >= len) return DC_ECORRUPT;
         fp_len = p[pos++];
-        if (pos + fp_len > len) return -1;
+        if (pos + fp_len > len) return DC_ECORRUPT;
         fp = p + pos;
         pos += fp_len;
     }
     if (head & DC_F_RESULT) {
-        if (dc_get_varint(p, len, &pos, &result_len) || result_len > len - pos) return -1;
+        if (dc_get_varint(p, len, &pos, &result_len) != DC_OK || result_len > len - pos) return DC_ECORRUPT;
         result = p + pos;
         pos += result_len;
     }
-    if (pos != len) return -1;
+    if (pos != len) return DC_ECORRUPT;
     int oom = 0;
     r->extra = dc_extra_new(owner, owner_len, head & DC_F_OWNER, fp, fp_len, head & DC_F_FP,
                             result, (size_t)result_len, head & DC_F_RESULT, &oom);
-    return oom ? -2 : 0;
+    return oom ? DC_ENOMEM : DC_OK;
 }
 
 /* ---- staging: the records a batch is about to write -------------------- */
@@ -912,7 +919,7 @@ typedef struct {
     size_t n;
 } dc_stage;
 
-static int dc_stage_init(dc_stage *s, size_t cap) {
+static dc_status dc_stage_init(dc_stage *s, size_t cap) {
     uint64_t m = 16;
     while (m < cap * 2) m <<= 1;
     s->recs = (dc_rec *)malloc((cap ? cap : 1) * sizeof(dc_rec));
@@ -922,12 +929,12 @@ static int dc_stage_init(dc_stage *s, size_t cap) {
         free(s->map);
         s->recs = NULL;
         s->map = NULL;
-        return -1;
+        return DC_ENOMEM;
     }
     memset(s->map, 0xFF, m * sizeof(int32_t));
     s->map_mask = m - 1;
     s->n = 0;
-    return 0;
+    return DC_OK;
 }
 
 /* Releases the stage and the blob references its records hold. */
@@ -994,19 +1001,20 @@ typedef struct {
 } dc_claim_io;
 
 /* Decides a claim batch against the table, staging new records in s.
- * Returns 0, -1 on a conflict (io->conflict set, nothing staged that
- * matters: the caller drops the stage), -2 on allocation failure. */
-static int dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
+ * Returns DC_OK, DC_ECONFLICT on a fingerprint conflict (io->conflict set,
+ * nothing staged that matters: the caller drops the stage), DC_ENOMEM on
+ * allocation failure. */
+static dc_status dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
     dc_extra *owner_blob = NULL; /* shared by the batch's new records without a fingerprint */
     int oom = 0;
     if (io->owner) {
         owner_blob = dc_extra_new(io->owner, io->owner_len, 1, NULL, 0, 0, NULL, 0, 0, &oom);
-        if (oom) return -2;
+        if (oom) return DC_ENOMEM;
     }
     double deadline = io->now_m + (double)io->lease;
     io->conflict = -1;
     io->depends = io->takeovers = io->n_new = io->n_dup = io->n_busy = io->n_writes = 0;
-    int rc = 0;
+    dc_status rc = DC_OK;
     for (size_t i = 0; i < io->n; i++) {
         const unsigned char *d = io->digests + 16 * i;
         if (i + 8 < io->n) dc_prefetch_slot(t, io->digests + 16 * (i + 8));
@@ -1021,7 +1029,7 @@ static int dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
             const dc_extra *e = r->extra;
             if (fp && e && (e->has & DC_HAS_FP) && !dc_bytes_eq(fp, fp_len, dc_fp(e), e->fp_len)) {
                 io->conflict = (int64_t)i;
-                rc = -1;
+                rc = DC_ECONFLICT;
                 break;
             }
             if (!staged && r->lsn > io->depends) io->depends = r->lsn;
@@ -1083,7 +1091,7 @@ static int dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
             nr.extra = dc_extra_new(io->owner, io->owner_len, io->owner != NULL, keep_fp,
                                     keep_len, 1, NULL, 0, 0, &oom);
             if (oom) {
-                rc = -2;
+                rc = DC_ENOMEM;
                 break;
             }
         } else {
@@ -1097,7 +1105,7 @@ static int dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io) {
         io->n_new++;
     }
     dc_decref(owner_blob);
-    if (rc == 0)
+    if (rc == DC_OK)
         for (size_t k = 0; k < s->n; k++) io->n_writes += !s->recs[k].renewal;
     return rc;
 }
@@ -1119,7 +1127,11 @@ typedef struct {
     uint64_t n_writes;
 } dc_change_io;
 
-static int dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
+/* Decides a complete/release batch against the table, staging the changed
+ * records in s. DC_ECONFLICT at the first item that cannot change (io's
+ * error_index, error_kind and current_token say which and why), DC_ENOMEM on
+ * allocation failure. */
+static dc_status dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
     io->depends = io->n_writes = 0;
     io->error_index = -1;
     io->error_kind = 0;
@@ -1144,7 +1156,7 @@ static int dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
             io->error_index = (int64_t)i;
             io->error_kind = kind;
             io->current_token = r ? r->token : 0;
-            return -1;
+            return DC_ECONFLICT;
         }
         dc_rec nr = *r;
         nr.state = io->state;
@@ -1159,24 +1171,24 @@ static int dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *io) {
         nr.extra = dc_extra_new(has_owner ? dc_owner(e) : NULL, has_owner ? e->owner_len : 0,
                                 has_owner, has_fp ? dc_fp(e) : NULL, has_fp ? e->fp_len : 0,
                                 has_fp, res, has_res ? io->result_lens[i] : 0, has_res, &oom);
-        if (oom) return -2;
+        if (oom) return DC_ENOMEM;
         dc_stage_put(s, staged, slot, &nr);
     }
     io->n_writes = s->n;
-    return 0;
+    return DC_OK;
 }
 
 /* Puts the staged records into the table with log position lsn (renewals keep
- * theirs). -1 on allocation failure. */
-static int dc_apply(dc_table *t, const dc_stage *s, uint64_t lsn) {
+ * theirs). DC_ENOMEM on allocation failure. */
+static dc_status dc_apply(dc_table *t, const dc_stage *s, uint64_t lsn) {
     for (size_t i = 0; i < s->n; i++) {
         /* The slots of a large table are cache misses: fetch eight records ahead. */
         if (i + 8 < s->n) dc_prefetch_slot(t, s->recs[i + 8].digest);
         dc_rec r = s->recs[i];
         if (!r.renewal) r.lsn = lsn;
-        if (dc_put(t, &r, !r.renewal)) return -1;
+        if (dc_put(t, &r, !r.renewal) != DC_OK) return DC_ENOMEM;
     }
-    return 0;
+    return DC_OK;
 }
 
 #endif /* DC_ENGINE_H */

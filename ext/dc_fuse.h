@@ -27,21 +27,13 @@
 #include <string.h>
 #include <math.h>
 
-/* dc_hash.h (dc_prefetch, dc_alloc_body) must be included first: its memory
- * helpers sit outside its include guard, so it cannot be included twice. */
-#ifndef DC_HASH_H
-#error "include dc_hash.h before dc_fuse.h"
-#endif
+#include "dc_hash.h" /* dc_prefetch, dc_alloc_body */
+#include "dc_status.h"
 
 #define DC_FUSE_MAX_SEGMENT_LENGTH 262144u     /* 2**18 */
 #define DC_FUSE_MAX_ARRAY_LENGTH 0xFFFFFFFFull /* slots are indexed by uint32 */
 #define DC_FUSE_MAX_ATTEMPTS 100               /* seeds tried before giving up */
 
-/* Results of dc_fuse_build. */
-#define DC_FUSE_OK 0
-#define DC_FUSE_NOMEM 1    /* an allocation failed; nothing is leaked */
-#define DC_FUSE_TOO_MANY 2 /* more distinct keys than 2**32 - 1 slots can hold */
-#define DC_FUSE_FAILED 3   /* no seed of DC_FUSE_MAX_ATTEMPTS worked (never seen) */
 
 typedef struct {
     uint64_t seed;                 /* mixed into every key hash */
@@ -167,9 +159,9 @@ static inline void dc_fuse_contains_batch(const dc_fuse_t *f, const uint64_t *__
 
 /* Sizes a filter for n distinct keys (the sizing rules of the paper for
  * 3-wise filters: segments grow with n, and the array holds 1.125 n slots
- * from about a million keys up, more below). Returns -1 when n keys need
+ * from about a million keys up, more below). Returns DC_ETOOBIG when n keys need
  * more than DC_FUSE_MAX_ARRAY_LENGTH slots. The seed is left alone. */
-static inline int dc_fuse_geometry(uint64_t n, dc_fuse_t *f) {
+static inline dc_status dc_fuse_geometry(uint64_t n, dc_fuse_t *f) {
     uint64_t sl = 4, capacity = 0, segments;
     if (n > 1) {
         int e = (int)floor(log((double)n) / log(3.33) + 2.25);
@@ -177,17 +169,17 @@ static inline int dc_fuse_geometry(uint64_t n, dc_fuse_t *f) {
         double factor = 0.875 + 0.25 * log(1000000.0) / log((double)n);
         if (factor < 1.125) factor = 1.125;
         double c = round((double)n * factor);
-        if (c > 2.0 * (double)DC_FUSE_MAX_ARRAY_LENGTH) return -1;
+        if (c > 2.0 * (double)DC_FUSE_MAX_ARRAY_LENGTH) return DC_ETOOBIG;
         capacity = (uint64_t)c;
     }
     segments = (capacity + sl - 1) / sl; /* all segments, the two last included */
     if (segments < 3) segments = 3;
-    if (segments * sl > DC_FUSE_MAX_ARRAY_LENGTH) return -1;
+    if (segments * sl > DC_FUSE_MAX_ARRAY_LENGTH) return DC_ETOOBIG;
     f->segment_length = sl;
     f->segment_length_mask = sl - 1;
     f->segment_count_length = (segments - 2) * sl;
     f->array_length = segments * sl;
-    return 0;
+    return DC_OK;
 }
 
 /* ---- construction ------------------------------------------------------- */
@@ -198,14 +190,14 @@ static inline void dc_fuse_free(void *p, size_t size) {
 }
 
 /* Sorts a[0..n) ascending (LSD radix sort, 8 passes of 8 bits; a pass whose
- * digit is the same for every key is skipped). tmp holds n keys. Returns -1
+ * digit is the same for every key is skipped). tmp holds n keys. Returns DC_ENOMEM
  * if its 16 KiB of counters cannot be allocated. */
-static inline int dc_fuse_radix_sort(uint64_t *a, uint64_t *tmp, size_t n) {
+static inline dc_status dc_fuse_radix_sort(uint64_t *a, uint64_t *tmp, size_t n) {
     size_t (*count)[256] = (size_t (*)[256])calloc(8 * 256, sizeof(size_t));
     uint64_t *src = a, *dst = tmp;
     size_t i;
     int pass;
-    if (count == NULL) return -1;
+    if (count == NULL) return DC_ENOMEM;
     for (i = 0; i < n; i++) {
         uint64_t v = a[i];
         for (pass = 0; pass < 8; pass++) count[pass][(v >> (8 * pass)) & 0xFF]++;
@@ -223,7 +215,7 @@ static inline int dc_fuse_radix_sort(uint64_t *a, uint64_t *tmp, size_t n) {
     }
     if (src != a) memcpy(a, src, n * sizeof(uint64_t));
     free(count);
-    return 0;
+    return DC_OK;
 }
 
 /* Removes adjacent duplicates from a sorted a[0..n); returns the new length. */
@@ -335,11 +327,11 @@ static inline int dc_fuse_attempt(dc_fuse_work_t *w, const dc_fuse_t *f, int bit
     return stack == m;
 }
 
-/* Builds a filter from n key hashes (duplicates allowed). On DC_FUSE_OK, f
+/* Builds a filter from n key hashes (duplicates allowed). On DC_OK, f
  * describes the filter, *body is its array_length * 2 bytes (free with
  * dc_fuse_free(*body, array_length * 2)) and *count the distinct keys. The
  * result depends only on the set of keys and on seed. */
-static inline int dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_fuse_t *f,
+static inline dc_status dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_fuse_t *f,
                                 unsigned char **body, uint64_t *count) {
     dc_fuse_work_t w;
     unsigned char *fp = NULL;
@@ -353,17 +345,17 @@ static inline int dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_
     *count = 0;
     w.n = n;
     if (n > 0) {
-        if (n > SIZE_MAX / 8) return DC_FUSE_NOMEM;
+        if (n > SIZE_MAX / 8) return DC_ENOMEM;
         w.keys = (uint64_t *)dc_fuse_alloc(n * 8);
         w.order = (uint64_t *)dc_fuse_alloc(n * 8);
         if (w.keys == NULL || w.order == NULL) goto nomem;
         memcpy(w.keys, hashes, n * 8);
-        if (dc_fuse_radix_sort(w.keys, w.order, n) != 0) goto nomem;
+        if (dc_fuse_radix_sort(w.keys, w.order, n) != DC_OK) goto nomem;
         w.m = dc_fuse_unique(w.keys, n);
     }
-    if (dc_fuse_geometry(w.m, f) != 0) {
+    if (dc_fuse_geometry(w.m, f) != DC_OK) {
         dc_fuse_work_free(&w);
-        return DC_FUSE_TOO_MANY;
+        return DC_ETOOBIG;
     }
     f->seed = dc_fuse_splitmix(&state);
     fp = (unsigned char *)dc_fuse_alloc(f->array_length * 2);
@@ -372,7 +364,7 @@ static inline int dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_
     if (w.m == 0) { /* nothing to hold: an all-zero body (the caller answers False) */
         dc_fuse_work_free(&w);
         *body = fp;
-        return DC_FUSE_OK;
+        return DC_OK;
     }
 
     w.slots = f->array_length;
@@ -391,7 +383,7 @@ static inline int dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_
         if (attempt + 1 >= DC_FUSE_MAX_ATTEMPTS) {
             dc_fuse_work_free(&w);
             dc_fuse_free(fp, f->array_length * 2);
-            return DC_FUSE_FAILED;
+            return DC_EBUILD;
         }
         f->seed = dc_fuse_splitmix(&state);
         memset(w.t2count, 0, w.slots); /* fresh allocations start zeroed */
@@ -414,12 +406,12 @@ static inline int dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_
     *count = w.m;
     *body = fp;
     dc_fuse_work_free(&w);
-    return DC_FUSE_OK;
+    return DC_OK;
 
 nomem:
     dc_fuse_work_free(&w);
     if (fp) dc_fuse_free(fp, f->array_length * 2);
-    return DC_FUSE_NOMEM;
+    return DC_ENOMEM;
 }
 
 #endif /* DC_FUSE_H */

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "dc_status.h"
+
 #define DC_P64_1 0x9E3779B185EBCA87ULL
 #define DC_P64_2 0xC2B2AE3D27D4EB4FULL
 #define DC_P64_3 0x165667B19E3779F9ULL
@@ -183,8 +185,6 @@ static inline int dc_popcount64(uint64_t x) {
 #endif
 }
 
-#endif /* DC_HASH_H */
-
 /* ---- memory for filter bodies ------------------------------------------ */
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
@@ -260,3 +260,5 @@ static inline uint64_t dc_add_batch(uint64_t *__restrict blocks, uint64_t nblock
     }
     return added;
 }
+
+#endif /* DC_HASH_H */

@@ -1,0 +1,321 @@
+/*
+ * test_headers.c - C-level tests of the native core's headers (ext/dc_*.h).
+ *
+ * Built and run by tests/unit/test_native_headers.py under
+ * -fsanitize=address,undefined, so an out-of-bounds access, a leak or
+ * undefined behaviour in the headers fails the suite even where the Cython
+ * wrappers never reach it. Every header is included twice, to check that
+ * each is guarded whole. With an argument "xxh64" it prints the XXH64 of
+ * a fixed set of inputs instead, for the Python side to compare with the
+ * xxhash library.
+ */
+#include "dc_status.h"
+#include "dc_hash.h"
+#include "dc_fuse.h"
+#include "dc_engine.h"
+#include "dc_status.h"
+#include "dc_hash.h"
+#include "dc_fuse.h"
+#include "dc_engine.h"
+
+#include <stdio.h>
+
+static int checks, failures;
+
+#define CHECK(cond)                                                                    \
+    do {                                                                               \
+        checks++;                                                                      \
+        if (!(cond)) {                                                                 \
+            failures++;                                                                \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);   \
+        }                                                                              \
+    } while (0)
+
+/* A 16-byte digest made from i, as the store's digests are: uniform bytes. */
+static void digest_of(uint64_t i, unsigned char d[16]) {
+    uint64_t a = dc_xxh64(&i, 8, 1), b = dc_xxh64(&i, 8, 2);
+    memcpy(d, &a, 8);
+    memcpy(d + 8, &b, 8);
+}
+
+static void test_status(void) {
+    dc_status all[] = {DC_OK, DC_ENOMEM, DC_ECORRUPT, DC_ECONFLICT, DC_ETOOBIG, DC_EBUILD};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        CHECK(dc_status_str(all[i]) != NULL);
+        for (size_t j = 0; j < i; j++) CHECK(strcmp(dc_status_str(all[i]), dc_status_str(all[j])));
+    }
+    CHECK(DC_OK == 0);
+}
+
+static void test_blocks(void) {
+    uint64_t nblocks = 64;
+    uint64_t *blocks = (uint64_t *)dc_alloc_body(nblocks * DC_BLOCK_BYTES);
+    CHECK(blocks != NULL);
+    uint64_t h[1000];
+    unsigned char flags[1000];
+    for (int i = 0; i < 1000; i++) {
+        h[i] = dc_xxh64(&i, sizeof(i), 7);
+        flags[i] = 0;
+    }
+    uint64_t added = dc_add_batch(blocks, nblocks, h, 1000, flags);
+    CHECK(added > 900 && added <= 1000);
+    memset(flags, 0, sizeof(flags));
+    dc_contains_batch(blocks, nblocks, h, 1000, flags);
+    int all = 1;
+    for (int i = 0; i < 1000; i++) all &= flags[i];
+    CHECK(all);
+    for (int i = 0; i < 1000; i++) CHECK(dc_block_index(h[i], nblocks) < nblocks);
+    dc_free_body(blocks, nblocks * DC_BLOCK_BYTES);
+}
+
+static void test_jump(void) {
+    /* In range, and a key only ever moves to the bucket being added. */
+    for (uint64_t k = 0; k < 2000; k++) {
+        uint64_t key = dc_xxh64(&k, 8, 3);
+        int32_t prev = dc_jump(key, 1);
+        CHECK(prev == 0);
+        for (int32_t n = 2; n <= 64; n++) {
+            int32_t b = dc_jump(key, n);
+            CHECK(b >= 0 && b < n);
+            CHECK(b == prev || b == n - 1);
+            prev = b;
+        }
+    }
+}
+
+static void test_varint(void) {
+    uint64_t values[] = {0, 1, 127, 128, 300, 1ull << 35, UINT64_MAX};
+    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+        unsigned char buf[16];
+        size_t n = dc_put_varint(buf, values[i]), pos = 0;
+        uint64_t out = 0;
+        CHECK(dc_get_varint(buf, n, &pos, &out) == DC_OK && out == values[i] && pos == n);
+        pos = 0;
+        if (n > 1) CHECK(dc_get_varint(buf, n - 1, &pos, &out) == DC_ECORRUPT);
+    }
+    unsigned char endless[11];
+    memset(endless, 0xFF, sizeof(endless));
+    size_t pos = 0;
+    uint64_t out;
+    CHECK(dc_get_varint(endless, sizeof(endless), &pos, &out) == DC_ECORRUPT);
+}
+
+static void test_record_format(void) {
+    dc_rec r;
+    memset(&r, 0, sizeof(r));
+    digest_of(42, r.digest);
+    r.state = DC_PROCESSED;
+    r.token = 7;
+    r.ns_id = 3;
+    r.created = 1700000000.250;
+    r.updated = 1700000100.500;
+    int oom = 0;
+    const unsigned char owner[] = "consumer-1", fp[] = "fingerprint", result[] = "ok";
+    r.extra = dc_extra_new(owner, 10, 1, fp, 11, 1, result, 2, 1, &oom);
+    CHECK(!oom && r.extra != NULL);
+
+    unsigned char *buf = (unsigned char *)malloc(dc_value_bound(&r));
+    size_t len = dc_encode_value(&r, buf);
+    CHECK(len > 14 && len <= dc_value_bound(&r));
+    dc_rec back;
+    CHECK(dc_decode_value(r.digest, buf, len, &back) == DC_OK);
+    CHECK(back.state == DC_PROCESSED && back.token == 7 && back.ns_id == 3);
+    CHECK(back.created == r.created && back.updated == r.updated);
+    CHECK(back.extra && back.extra->owner_len == 10 && back.extra->fp_len == 11);
+    CHECK(back.extra && back.extra->result_len == 2 && !memcmp(dc_result(back.extra), "ok", 2));
+    dc_decref(back.extra);
+
+    /* Every flipped bit, every truncation and another digest are damage. */
+    for (size_t i = 0; i < len; i++) {
+        for (int bit = 0; bit < 8; bit++) {
+            buf[i] ^= (unsigned char)(1u << bit);
+            dc_rec x;
+            x.extra = NULL;
+            CHECK(dc_decode_value(r.digest, buf, len, &x) == DC_ECORRUPT);
+            buf[i] ^= (unsigned char)(1u << bit);
+        }
+    }
+    for (size_t cut = 0; cut < len; cut++) {
+        dc_rec x;
+        CHECK(dc_decode_value(r.digest, buf, cut, &x) == DC_ECORRUPT);
+    }
+    unsigned char other[16];
+    digest_of(43, other);
+    dc_rec x;
+    CHECK(dc_decode_value(other, buf, len, &x) == DC_ECORRUPT);
+    free(buf);
+    dc_decref(r.extra);
+}
+
+/* Claims n keys through the decision, staging and apply, as a batch. */
+static dc_status claim_batch(dc_table *t, const unsigned char *digests, size_t n,
+                             const unsigned char *const *fps, const size_t *fp_lens,
+                             double now, unsigned char *outc, uint64_t *toks, uint64_t lsn,
+                             int64_t *conflict) {
+    dc_stage s;
+    const dc_extra **dups = (const dc_extra **)malloc(n * sizeof(void *));
+    dc_claim_io io;
+    memset(&io, 0, sizeof(io));
+    io.digests = digests;
+    io.n = n;
+    io.fps = fps;
+    io.fp_lens = fp_lens;
+    io.lease = 30.0f;
+    io.now_w = now;
+    io.now_m = now;
+    io.outcomes = outc;
+    io.tokens = toks;
+    io.dup_extra = dups;
+    dc_status rc = dc_stage_init(&s, n);
+    if (rc == DC_OK) {
+        rc = dc_decide_claim(t, &s, &io);
+        if (rc == DC_OK) rc = dc_apply(t, &s, lsn);
+        dc_stage_free(&s);
+    }
+    *conflict = io.conflict;
+    free(dups);
+    return rc;
+}
+
+static void test_table(void) {
+    enum { N = 20000 };
+    dc_table t;
+    CHECK(dc_table_init(&t, 16) == DC_OK);
+    unsigned char *digests = (unsigned char *)malloc(16 * N);
+    for (uint64_t i = 0; i < N; i++) digest_of(i, digests + 16 * i);
+    unsigned char *outc = (unsigned char *)malloc(N);
+    uint64_t *toks = (uint64_t *)malloc(N * sizeof(uint64_t));
+    int64_t conflict;
+
+    /* A first batch is all NEW (the table grows on the way), a second all IN_PROGRESS. */
+    CHECK(claim_batch(&t, digests, N, NULL, NULL, 1000.0, outc, toks, 1, &conflict) == DC_OK);
+    int all = 1;
+    for (size_t i = 0; i < N; i++) all &= outc[i] == DC_NEW && toks[i] == 1;
+    CHECK(all);
+    CHECK(t.count == N && t.inflight == N);
+    CHECK(claim_batch(&t, digests, N, NULL, NULL, 1001.0, outc, toks, 2, &conflict) == DC_OK);
+    all = 1;
+    for (size_t i = 0; i < N; i++) all &= outc[i] == DC_IN_PROGRESS;
+    CHECK(all);
+    for (uint64_t i = 0; i < N; i += 97) CHECK(dc_find(&t, digests + 16 * i) != NULL);
+
+    /* Completing with a wrong token is refused at that item; with the right one it holds. */
+    dc_stage s;
+    dc_change_io ch;
+    memset(&ch, 0, sizeof(ch));
+    uint64_t *tokens = (uint64_t *)malloc(N * sizeof(uint64_t));
+    for (size_t i = 0; i < N; i++) tokens[i] = 1;
+    tokens[5] = 9;
+    ch.digests = digests;
+    ch.n = N;
+    ch.tokens = tokens;
+    ch.state = DC_PROCESSED;
+    ch.now_w = 1002.0;
+    CHECK(dc_stage_init(&s, N) == DC_OK);
+    CHECK(dc_decide_change(&t, &s, &ch) == DC_ECONFLICT);
+    CHECK(ch.error_index == 5 && ch.error_kind == DC_ERR_WRONG_TOKEN && ch.current_token == 1);
+    dc_stage_free(&s);
+    tokens[5] = 1;
+    CHECK(dc_stage_init(&s, N) == DC_OK);
+    CHECK(dc_decide_change(&t, &s, &ch) == DC_OK);
+    CHECK(dc_apply(&t, &s, 3) == DC_OK);
+    dc_stage_free(&s);
+    CHECK(claim_batch(&t, digests, N, NULL, NULL, 1003.0, outc, toks, 4, &conflict) == DC_OK);
+    all = 1;
+    for (size_t i = 0; i < N; i++) all &= outc[i] == DC_DUPLICATE;
+    CHECK(all);
+
+    /* A fingerprint conflict is an answer, not an error: nothing is applied. */
+    unsigned char fresh[16 * 2];
+    digest_of(N + 1, fresh);
+    digest_of(N + 2, fresh + 16);
+    const unsigned char *fps[2] = {(const unsigned char *)"aa", (const unsigned char *)"bb"};
+    size_t fp_lens[2] = {2, 2};
+    CHECK(claim_batch(&t, fresh, 1, fps, fp_lens, 1004.0, outc, toks, 5, &conflict) == DC_OK);
+    CHECK(claim_batch(&t, fresh, 1, fps + 1, fp_lens + 1, 1005.0, outc, toks, 6, &conflict) ==
+          DC_ECONFLICT);
+    CHECK(conflict == 0);
+
+    /* The checkpoint's export sorts; a buffer that does not hold its records is damage. */
+    dc_export x;
+    dc_take_changes(&t, &x);
+    CHECK(x.n >= 2 * N);
+    unsigned char *out = (unsigned char *)malloc(x.items_len ? x.items_len : 1);
+    size_t out_len = 0, kept = 0;
+    CHECK(dc_sort_packed(x.items, x.items_len, x.n, out, &out_len, &kept) == DC_OK);
+    CHECK(kept == N + 1);
+    CHECK(dc_sort_packed(x.items, x.items_len - 1, x.n, out, &out_len, &kept) == DC_ECORRUPT);
+    CHECK(dc_sort_packed(x.items, x.items_len, x.n + 1, out, &out_len, &kept) == DC_ECORRUPT);
+    free(out);
+    CHECK(dc_give_back(&t, &x) == DC_OK);
+    CHECK(dc_dirty(&t, 0) == N + 1);
+
+    /* Eviction drops the settled records LMDB holds and shrinks the table. */
+    int more = 1;
+    uint64_t dropped = 0;
+    CHECK(dc_evict(&t, 10, 0, &more, &dropped) == DC_OK);
+    CHECK(!more && dropped == N);
+    CHECK(t.count == 1);
+
+    dc_take_changes(&t, &x);
+    free(x.items);
+    free(tokens);
+    free(toks);
+    free(outc);
+    free(digests);
+    dc_table_free(&t);
+}
+
+static void test_fuse(void) {
+    enum { N = 100000 };
+    uint64_t *h = (uint64_t *)malloc(N * sizeof(uint64_t));
+    for (uint64_t i = 0; i < N; i++) h[i] = dc_xxh64(&i, 8, 11);
+    h[N - 1] = h[0]; /* duplicates are allowed */
+    dc_fuse_t f;
+    unsigned char *body = NULL;
+    uint64_t count = 0;
+    CHECK(dc_fuse_build(h, N, 99, &f, &body, &count) == DC_OK);
+    CHECK(count == N - 1);
+    unsigned char *flags = (unsigned char *)calloc(N, 1);
+    dc_fuse_contains_batch(&f, h, N, flags);
+    int all = 1;
+    for (size_t i = 0; i < N; i++) all &= flags[i] && dc_fuse_contains(&f, h[i]);
+    CHECK(all);
+    uint64_t fp = 0;
+    for (uint64_t i = N; i < 11 * (uint64_t)N; i++) fp += dc_fuse_contains(&f, dc_xxh64(&i, 8, 11));
+    CHECK(fp < 100); /* 2**-16 of a million is about 15 */
+    dc_fuse_free(body, f.array_length * 2);
+
+    CHECK(dc_fuse_build(NULL, 0, 1, &f, &body, &count) == DC_OK && count == 0);
+    dc_fuse_free(body, f.array_length * 2);
+    dc_fuse_t big;
+    CHECK(dc_fuse_geometry(UINT64_C(1) << 40, &big) == DC_ETOOBIG);
+    free(flags);
+    free(h);
+}
+
+/* The XXH64 of inputs 0..n of lengths 0..199, seeds 0 and 2**63+1. */
+static void print_xxh64(void) {
+    unsigned char buf[200];
+    for (int i = 0; i < 200; i++) buf[i] = (unsigned char)(i * 37 + 11);
+    for (size_t len = 0; len < 200; len++) {
+        printf("%zu %llu %llu\n", len, (unsigned long long)dc_xxh64(buf, len, 0),
+               (unsigned long long)dc_xxh64(buf, len, UINT64_C(0x8000000000000001)));
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "xxh64")) {
+        print_xxh64();
+        return 0;
+    }
+    test_status();
+    test_blocks();
+    test_jump();
+    test_varint();
+    test_record_format();
+    test_table();
+    test_fuse();
+    printf("%d checks, %d failed\n", checks, failures);
+    return failures ? 1 : 0;
+}
