@@ -45,3 +45,19 @@ class BatchTooLargeError(DedupError, ValueError):
 
     Split the batch into smaller ones.
     """
+
+
+class MissingExtraError(DedupError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it.
+
+    For example ``pip install 'dedupcore[redis]'`` for a Redis authority or cache
+    (docs/compatibility.md, "Installing").
+    """
+
+
+class UnsupportedPlatformError(DedupError, OSError):
+    """This platform lacks something a part of dedupcore needs (docs/compatibility.md).
+
+    For example ``SO_PEERCRED``, with which the daemon checks who connects: only
+    Linux has it.
+    """

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
-from dedupcore.errors import ConflictError, DedupError
+from dedupcore.errors import ConflictError, MissingExtraError
 from dedupcore.tiers.base import failure_of
 
 __all__ = [
@@ -105,10 +105,6 @@ _HELP = {
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9._:/-]{0,128}\Z")
 _INSTALL = "pip install 'dedupcore[cli]'"
-
-
-class MissingExtraError(DedupError, ImportError):
-    """prometheus-client, of the ``cli`` extra, is not installed."""
 
 
 def _prometheus() -> Any:

@@ -168,6 +168,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import dedupcore._core as _core
+import dedupcore._platform as _platform
 from dedupcore.bloom import atomic_write
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
@@ -982,7 +983,7 @@ class WriteAheadLog:
             self._seg_size += len(batch)
             self._unsynced = True
             if self.sync_mode == "fdatasync":
-                os.fdatasync(self._fd)
+                _platform.fdatasync(self._fd)
                 self._unsynced = False
         except BaseException as exc:
             failure = exc
@@ -1057,7 +1058,7 @@ class WriteAheadLog:
         once the segment is in place, raises (and fails the log).
         """
         if self._unsynced:
-            os.fdatasync(self._fd)
+            _platform.fdatasync(self._fd)
             self._unsynced = False
         try:
             fd, dir_fd = self._new_segment_file(first_lsn)
@@ -1099,7 +1100,7 @@ class WriteAheadLog:
         )
 
     def _sync_io(self) -> None:
-        os.fdatasync(self._fd)
+        _platform.fdatasync(self._fd)
         self._unsynced = False
 
     def rotate(self) -> int:

@@ -77,6 +77,7 @@ from typing import Any, TypeVar, cast
 
 import msgpack
 
+import dedupcore._platform as _platform
 from dedupcore.api import ClaimAPI, check_fingerprints
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op, Status
@@ -1185,6 +1186,8 @@ class DaemonServer:
     ) -> None:
         if sock is not None and not isinstance(sock, socket.socket):
             raise TypeError(f"sock must be a listening socket.socket, not {type(sock).__name__}")
+        # Who connects is checked with SO_PEERCRED: a clear error off Linux, before listening.
+        self._peercred = _platform.peer_credentials_option()
         self.store = store
         self.socket_path = Path(socket_path)
         #: A listening socket passed in (socket activation): served as it is, never unlinked.
@@ -1352,7 +1355,7 @@ class DaemonServer:
         sock = transport.get_extra_info("socket")
         if sock is None:
             return False, "no socket"
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        raw = sock.getsockopt(socket.SOL_SOCKET, self._peercred, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
         who = f"pid {pid} uid {uid} gid {gid}"
         if uid in self.allowed_uids or gid in self.allowed_gids:

@@ -18,8 +18,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
-import redis
-from redis.exceptions import RedisError
+
+try:
+    import redis
+    from redis.exceptions import RedisError
+except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
+    if exc.name != "redis":
+        raise
+    from dedupcore.errors import MissingExtraError
+
+    raise MissingExtraError(
+        "dedupcore.tiers.cache needs redis, which is not installed: pip install 'dedupcore[redis]'"
+    ) from exc
 
 import dedupcore.keys as _keys
 from dedupcore.tiers.base import Cached, CacheTier

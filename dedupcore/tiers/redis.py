@@ -73,20 +73,29 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import redis
-from redis.backoff import ExponentialBackoff
-from redis.cluster import RedisCluster
-from redis.crc import key_slot
-from redis.exceptions import (
-    AskError,
-    MovedError,
-    NoScriptError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.retry import Retry
+try:
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.cluster import RedisCluster
+    from redis.crc import key_slot
+    from redis.exceptions import (
+        AskError,
+        MovedError,
+        NoScriptError,
+        RedisClusterException,
+        RedisError,
+        ResponseError,
+        TryAgainError,
+    )
+    from redis.retry import Retry
+except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
+    if exc.name != "redis":
+        raise
+    from dedupcore.errors import MissingExtraError
+
+    raise MissingExtraError(
+        "dedupcore.tiers.redis needs redis, which is not installed: pip install 'dedupcore[redis]'"
+    ) from exc
 
 import dedupcore.keys as _keys
 from dedupcore._core import shard_many

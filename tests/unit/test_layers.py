@@ -36,6 +36,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.api",
         "dedupcore.ids",
         "dedupcore.retry",
+        "dedupcore._platform",
     ),
     # files of their own: Bloom filters and rings, the write-ahead log
     1: ("dedupcore.fuse", "dedupcore.bloom", "dedupcore.wal"),

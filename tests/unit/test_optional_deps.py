@@ -1,8 +1,13 @@
-"""The library works without the ``cli`` extra (rich, prometheus-client); the CLI names it.
+"""The library works without its extras; what needs one names it.
 
-Each check runs in a subprocess whose import system refuses ``rich`` and
-``prometheus_client`` (as if they were not installed), so what this process
-has already imported does not matter.
+Without the ``cli`` extra (rich, prometheus-client) the library works and the
+CLI commands that need it say so; without the ``redis`` extra (redis-py) the
+package, the embedded store, the daemon and the CLI work, and every Redis part
+raises :class:`~dedupcore.errors.MissingExtraError` naming ``dedupcore[redis]``.
+
+Each check runs in a subprocess whose import system refuses the extra's
+modules (as if they were not installed), so what this process has already
+imported does not matter.
 """
 
 from __future__ import annotations
@@ -15,30 +20,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-BLOCK = textwrap.dedent(
-    """
-    import importlib.abc
-    import sys
+#: The top-level modules of each extra that the checks hide.
+CLI_MODULES = ("rich", "prometheus_client")
+REDIS_MODULES = ("redis", "hiredis")
 
-    BLOCKED = ("rich", "prometheus_client")
 
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
+def _block(blocked: tuple[str, ...]) -> str:
+    return textwrap.dedent(
+        f"""
+        import importlib.abc
+        import sys
+
+        BLOCKED = {blocked!r}
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        for name in list(sys.modules):
             if name.split(".")[0] in BLOCKED:
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    for name in list(sys.modules):
-        if name.split(".")[0] in BLOCKED:
-            del sys.modules[name]
-    sys.meta_path.insert(0, Block())
-    """
-)
+                del sys.modules[name]
+        sys.meta_path.insert(0, Block())
+        """
+    )
 
 
-def _run(body: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def _run(
+    body: str, tmp: Path, blocked: tuple[str, ...] = CLI_MODULES
+) -> subprocess.CompletedProcess[str]:
     script = tmp / "check.py"
-    script.write_text(BLOCK + textwrap.dedent(body))
+    script.write_text(_block(blocked) + textwrap.dedent(body))
     return subprocess.run(
         [sys.executable, str(script), str(tmp)],
         capture_output=True,
@@ -52,7 +65,7 @@ def _run(body: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 def test_the_import_hook_really_blocks(tmp_path: Path) -> None:
     out = _run(
         """
-        for name in ("rich", "prometheus_client", "rich.progress"):
+        for name in ("rich", "prometheus_client", "rich.progress", "redis", "redis.exceptions"):
             try:
                 __import__(name)
             except ImportError:
@@ -61,6 +74,7 @@ def test_the_import_hook_really_blocks(tmp_path: Path) -> None:
         print("blocked")
         """,
         tmp_path,
+        blocked=CLI_MODULES + REDIS_MODULES,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "blocked"
@@ -138,3 +152,130 @@ def test_cli_commands_that_need_the_extra_say_what_to_install(tmp_path: Path) ->
     rc, said = answers["stats-json"]
     assert rc == 1 and "dedupcore[cli]" not in said
     assert answers["served-dir-made"] is False  # refused before opening a store
+
+
+def test_package_store_daemon_and_cli_work_without_the_redis_extra(tmp_path: Path) -> None:
+    serve = tmp_path / "serve.py"
+    serve.write_text(
+        _block(REDIS_MODULES) + "from dedupcore.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    out = _run(
+        """
+        import json
+        import os
+        import signal
+        import subprocess
+        import sys
+        import time
+
+        import dedupcore
+        import dedupcore.cli
+        import dedupcore.factory
+        import dedupcore.stack
+        import dedupcore.tiers.sql
+        from dedupcore import Client, DedupStore, open_store
+
+        tmp = sys.argv[1]
+        answers = {}
+        with DedupStore.open(tmp + "/embedded") as store:
+            c = store.claim("k", namespace="n")
+            store.complete("k", c.token, namespace="n", result="done")
+            answers["embedded"] = [c.outcome.value, store.claim("k", namespace="n").outcome.value]
+        with open_store(tmp + "/opened") as store:
+            answers["open_store"] = store.claim("k", namespace="n").outcome.value
+
+        # The daemon, run by the command line in a process that cannot import redis either.
+        sock = tmp + "/d.sock"
+        daemon = subprocess.Popen(
+            [sys.executable, tmp + "/serve.py", "serve", "--data", tmp + "/served",
+             "--socket", sock],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(sock) and daemon.poll() is None:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the daemon made no socket")
+                time.sleep(0.05)
+            if daemon.poll() is not None:
+                raise SystemExit("serve exited: " + daemon.stderr.read())
+            with Client(sock) as client:
+                first = client.claim("k", namespace="n")
+                client.complete("k", first.token, namespace="n")
+                again = client.claim("k", namespace="n")
+                answers["daemon"] = [first.outcome.value, again.outcome.value]
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            answers["daemon_rc"] = daemon.wait(timeout=120)
+        answers["redis_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "redis")
+        print(json.dumps(answers))
+        """,
+        tmp_path,
+        blocked=REDIS_MODULES,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "embedded": ["new", "duplicate"],
+        "open_store": "new",
+        "daemon": ["new", "duplicate"],
+        "daemon_rc": 0,
+        "redis_loaded": [],
+    }
+
+
+def test_redis_parts_without_the_extra_name_it(tmp_path: Path) -> None:
+    out = _run(
+        """
+        import contextlib
+        import importlib
+        import io
+        import json
+        import os
+        import sys
+
+        from dedupcore import open_store
+        from dedupcore.cli import main
+        from dedupcore.errors import DedupError, MissingExtraError
+
+        tmp = sys.argv[1]
+        answers = {}
+
+        def attempt(name, call):
+            try:
+                call()
+            except MissingExtraError as exc:
+                kinds = [isinstance(exc, ImportError), isinstance(exc, DedupError)]
+                answers[name] = [*kinds, str(exc)]
+            else:
+                answers[name] = "no error"
+
+        attempt("tiers.redis", lambda: importlib.import_module("dedupcore.tiers.redis"))
+        attempt("tiers.cache", lambda: importlib.import_module("dedupcore.tiers.cache"))
+        attempt("authority", lambda: open_store("redis://127.0.0.1:6379/0"))
+        attempt("cache", lambda: open_store(tmp + "/local", cache="redis://127.0.0.1:6379/0"))
+        for name, argv in [
+            ("serve-authority", ["serve", "--authority", "redis://127.0.0.1:6379/0"]),
+            ("serve-cache", ["serve", "--data", tmp + "/served", "--cache", "redis://127.0.0.1:6379/0"]),
+        ]:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = main([*argv, "--socket", tmp + "/s.sock"])
+            answers[name] = [rc, err.getvalue()]
+        answers["socket-made"] = os.path.exists(tmp + "/s.sock")
+        print(json.dumps(answers))
+        """,
+        tmp_path,
+        blocked=REDIS_MODULES,
+    )
+    assert out.returncode == 0, out.stderr
+    answers = json.loads(out.stdout)
+    for name in ("tiers.redis", "tiers.cache", "authority", "cache"):
+        is_import_error, is_dedup_error, said = answers[name]
+        assert is_import_error and is_dedup_error, (name, said)
+        assert "pip install 'dedupcore[redis]'" in said, (name, said)
+    for name in ("serve-authority", "serve-cache"):
+        rc, said = answers[name]
+        assert rc == 1, (name, said)
+        assert "pip install 'dedupcore[redis]'" in said and "Traceback" not in said, (name, said)
+    assert answers["socket-made"] is False  # refused before serving
