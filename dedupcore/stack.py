@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -655,3 +656,21 @@ def _first(errors: list[BaseException]) -> BaseException:
             if isinstance(e, kind):
                 return e
     return errors[0]
+
+
+# -- names that moved away (docs/compatibility.md, "Moved and removed names") ----------
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated aliases of names that moved out of this module: each warns, then answers."""
+    if name == "open_store":
+        warnings.warn(
+            "dedupcore.stack.open_store moved to dedupcore.factory.open_store (also "
+            "dedupcore.open_store); the old name will be removed in 0.3.0",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from dedupcore.factory import open_store
+
+        return open_store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
