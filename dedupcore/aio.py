@@ -35,13 +35,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dedupcore.api import AsyncClaimAPI, Claim, KeyRecord
-from dedupcore.client import DEFAULT_SOCKET
+from dedupcore.client import DEFAULT_SOCKET, default_socket
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
 from dedupcore.retry import RetryPolicy, policy_from_args
 
-__all__ = ["DEFAULT_SOCKET", "Client"]
+__all__ = ["DEFAULT_SOCKET", "Client", "default_socket"]
 
 
 class _ConnectionLost(Exception):
@@ -122,7 +122,9 @@ async def _reply(conn: _Connection, fut: asyncio.Future[tuple[Status, Any]]) -> 
 
 
 class Client(AsyncClaimAPI):
-    """An asyncio connection to ``dedupcore serve`` at ``path`` (see the module docstring).
+    """An asyncio connection to ``dedupcore serve`` at ``path`` (see the module docstring);
+    without a path, at :func:`~dedupcore.client.default_socket` (``DEDUPCORE_SOCKET``,
+    else the default).
 
     ``timeout`` bounds the wait for each reply; ``retry`` (a
     :class:`~dedupcore.retry.RetryPolicy`, the same default as the sync
@@ -133,7 +135,7 @@ class Client(AsyncClaimAPI):
 
     def __init__(
         self,
-        path: str | os.PathLike[str] = DEFAULT_SOCKET,
+        path: str | os.PathLike[str] | None = None,
         *,
         timeout: float = 30.0,
         retries: int | None = None,
@@ -141,7 +143,7 @@ class Client(AsyncClaimAPI):
         retry: RetryPolicy | None = None,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
     ) -> None:
-        self.path = os.fspath(path)
+        self.path = default_socket() if path is None else os.fspath(path)
         self.timeout = timeout
         self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
         self.max_frame = max_frame

@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from dedupcore.api import Claim, ClaimAPI, KeyRecord
@@ -32,9 +32,22 @@ from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
 from dedupcore.retry import RetryPolicy, policy_from_args
 
-__all__ = ["DEFAULT_SOCKET", "Client"]
+__all__ = ["DEFAULT_SOCKET", "Client", "default_socket"]
 
 DEFAULT_SOCKET = "/run/dedupcore/dedupcore.sock"
+#: The environment variable that names the daemon's socket for every command and client.
+SOCKET_VARIABLE = "DEDUPCORE_SOCKET"
+
+
+def default_socket(environ: Mapping[str, str] | None = None) -> str:
+    """The daemon's socket when no path is given: ``DEDUPCORE_SOCKET`` if it is set
+    (and not empty), else :data:`DEFAULT_SOCKET`.
+
+    ``Client()``, ``aio.Client()``, ``dedupcore stats`` and ``dedupcore serve`` all
+    resolve their default with this function (docs/daemon-config.md).
+    """
+    env = os.environ if environ is None else environ
+    return env.get(SOCKET_VARIABLE) or DEFAULT_SOCKET
 
 
 class _Connection:
@@ -68,11 +81,12 @@ class _Connection:
 
 
 class Client(ClaimAPI):
-    """A connection to ``dedupcore serve`` at ``path`` (see the module docstring)."""
+    """A connection to ``dedupcore serve`` at ``path`` (see the module docstring);
+    without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default)."""
 
     def __init__(
         self,
-        path: str | os.PathLike[str] = DEFAULT_SOCKET,
+        path: str | os.PathLike[str] | None = None,
         *,
         timeout: float = 30.0,
         retries: int | None = None,
@@ -80,7 +94,7 @@ class Client(ClaimAPI):
         retry: RetryPolicy | None = None,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
     ) -> None:
-        self.path = os.fspath(path)
+        self.path = default_socket() if path is None else os.fspath(path)
         self.timeout = timeout
         self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
         self.max_frame = max_frame

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-from dedupcore.client import DEFAULT_SOCKET
+from dedupcore.client import DEFAULT_SOCKET, default_socket
 
 #: The modules of the ``cli`` extra (tables, progress bars, Prometheus metrics), by
 #: distribution name. The library itself imports and works without them.
@@ -97,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--table", default="dedup", help="table name (default dedup)")
 
     stats = sub.add_parser("stats", help="print a running daemon's figures")
-    stats.add_argument("--socket", default=os.environ.get("DEDUPCORE_SOCKET", DEFAULT_SOCKET))
+    stats.add_argument(
+        "--socket", help=f"the daemon's socket (DEDUPCORE_SOCKET; default {DEFAULT_SOCKET})"
+    )
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stats.add_argument(
         "--interval",
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not args.json and (rc := missing_extra("stats", "rich")) is not None:
             return rc
-        return run_stats(args.socket, as_json=args.json, interval=args.interval)
+        return run_stats(args.socket or default_socket(), as_json=args.json, interval=args.interval)
     if args.command == "demo":
         from dedupcore.cli.demo import run_demo
 

@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from dedupcore.client import DEFAULT_SOCKET
+from dedupcore.client import default_socket
 from dedupcore.config import DURABILITY_MODES, Retention, StoreConfig, check_lease
 from dedupcore.daemon.server import DaemonServer
 from dedupcore.keys import check_namespace
@@ -194,13 +194,14 @@ SERVER_LIMITS = (
 RETENTION_KEYS = tuple(f.name for f in fields(Retention))
 
 
-def defaults() -> dict[str, Any]:
-    """The value of every key that has a default (from the classes that own them)."""
+def defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The value of every key that has a default (from the classes that own them);
+    the socket's is :func:`~dedupcore.client.default_socket`'s in ``environ``."""
     server = inspect.signature(DaemonServer.__init__).parameters
     store = StoreConfig()
     return {
         "data": "dedupcore-data",
-        "socket": DEFAULT_SOCKET,
+        "socket": default_socket(environ),
         "durability": store.durability,
         "lease": store.lease,
         "metrics_host": "127.0.0.1",
@@ -286,7 +287,7 @@ def load(
     Raises :class:`SettingsError` naming the key and its source (file, variable or option).
     """
     env = os.environ if environ is None else environ
-    values = defaults()
+    values = defaults(env)
     retention = Retention()
     namespaces: dict[str, Retention] = {}
     path = getattr(args, "config", None)
