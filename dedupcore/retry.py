@@ -18,19 +18,40 @@ recovery (docs/conveniences.md, "Retries").
 Calls are retried by :meth:`RetryPolicy.call` (sync) and
 :meth:`RetryPolicy.acall` (asyncio); both take the sleep function, so tests
 pass a fake clock.
+
+:class:`Deadline` is the other half: one time limit for a whole call of a
+remote authority (docs/timeouts.md). It is taken when the public call
+starts; every attempt in it (a connect, a send, each reply, a retry's
+backoff sleep, a reconnect) gets the time left instead of a fresh full
+timeout, and a retry starts only while at least :data:`RETRY_FLOOR` of the
+timeout is left. :func:`deadline_scope` makes it the current one of the
+thread (a context variable), so the drivers' hooks deep inside a call
+(redis-py's connections, the SQL watchdog) see the same deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import functools
 import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["DEFAULT_RETRY", "RetryPolicy", "policy_from_args"]
+__all__ = [
+    "DEFAULT_RETRY",
+    "RETRY_FLOOR",
+    "Deadline",
+    "RetryPolicy",
+    "current_deadline",
+    "deadline_scope",
+    "one_call",
+    "policy_from_args",
+]
 
 T = TypeVar("T")
 
@@ -176,3 +197,116 @@ def policy_from_args(
     else:
         cap = DEFAULT_RETRY.cap  # the policy names the wrong type
     return RetryPolicy(attempts=attempts, initial=initial, cap=cap)
+
+
+# -- one deadline per call ---------------------------------------------------------------
+
+#: A retry starts only while at least this share of the call's timeout is left
+#: (after its backoff sleep): less is too short for a connect and a reply.
+RETRY_FLOOR = 0.1
+
+
+class Deadline:
+    """The time limit of one call: ``timeout`` seconds from its start on ``clock``.
+
+    Each attempt asks :meth:`budget` for its wait (connect, send, one reply)
+    and a retry asks :meth:`retry_wait` for its backoff sleep; neither ever
+    gives more than the time left (docs/timeouts.md).
+    """
+
+    __slots__ = ("_clock", "at", "timeout")
+
+    def __init__(self, timeout: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        timeout = _number("timeout", timeout)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
+        self._clock = clock
+        #: When the call must have ended, on ``clock``.
+        self.at = clock() + timeout
+
+    def left(self) -> float:
+        """Seconds until the deadline (0.0 once it has passed)."""
+        return max(0.0, self.at - self._clock())
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return self.at - self._clock() <= 0.0
+
+    def budget(self, cap: float | None = None) -> float:
+        """The longest the next wait may take: the time left, at most ``cap`` (None: no cap).
+
+        0.0 means no time is left: the caller fails the attempt instead of waiting
+        (0 would make a socket non-blocking, not a wait of no time).
+        """
+        left = self.left()
+        return left if cap is None else min(left, max(0.0, cap))
+
+    def retry_wait(self, backoff: float) -> float | None:
+        """The sleep before a retry, or None when no retry is to start.
+
+        A retry needs :data:`RETRY_FLOOR` of the timeout left once it starts:
+        with less left, None. Otherwise the ``backoff`` sleep, cut so that the
+        floor is still left after it.
+        """
+        floor = self.timeout * RETRY_FLOOR
+        left = self.left()
+        if left < floor:
+            return None
+        return min(max(0.0, backoff), left - floor)
+
+    def __repr__(self) -> str:
+        return f"Deadline(timeout={self.timeout}, left={self.left():.3f})"
+
+
+_CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "dedupcore_deadline", default=None
+)
+
+
+def current_deadline() -> Deadline | None:
+    """The deadline of the call this thread (or task) is in, if any."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def deadline_scope(
+    timeout: float | None, *, clock: Callable[[], float] = time.monotonic
+) -> Iterator[Deadline | None]:
+    """Runs the block as one call with a deadline ``timeout`` s from now (None: no deadline).
+
+    A call inside another call keeps the earlier of the two deadlines: an
+    inner call never extends the outer one's time.
+    """
+    outer = _CURRENT.get()
+    if timeout is None:
+        yield outer
+        return
+    mine = Deadline(timeout, clock=clock)
+    if outer is not None and outer.at <= mine.at:
+        yield outer
+        return
+    token = _CURRENT.set(mine)
+    try:
+        yield mine
+    finally:
+        _CURRENT.reset(token)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def one_call(method: Callable[P, R]) -> Callable[P, R]:
+    """Runs a store's method as one call under its deadline (the store's ``timeout``).
+
+    The store's ``timeout`` attribute is seconds or None (no deadline).
+    """
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        timeout: Any = getattr(args[0], "timeout", None)
+        with deadline_scope(timeout):
+            return method(*args, **kwargs)
+
+    return call

@@ -20,7 +20,6 @@ from typing import Any
 import msgpack
 
 try:
-    import redis
     from redis.exceptions import RedisError
 except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
     if exc.name != "redis":
@@ -32,7 +31,8 @@ except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
     ) from exc
 
 import dedupcore.keys as _keys
-from dedupcore.tiers.base import Cached, CacheTier
+from dedupcore.retry import one_call
+from dedupcore.tiers.base import Cached, CacheTier, check_timeout
 
 __all__ = ["RedisCache"]
 
@@ -46,21 +46,31 @@ class RedisCache(CacheTier):
     def __init__(self, client: Any, *, prefix: str = "dcc") -> None:
         self.client = client
         self.prefix = _keys.check_namespace(prefix)
+        #: Seconds one read or write of the cache may take (docs/timeouts.md); set by
+        #: :meth:`from_url`. None: the client's own timeouts and retries.
+        self.timeout: float | None = None
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> RedisCache:
+    def from_url(cls, url: str, *, timeout: float = 0.5, **options: Any) -> RedisCache:
         """A cache on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax).
 
-        Short socket timeouts by default: a cache that does not answer
-        quickly is skipped rather than waited for.
+        A short deadline by default: each read or write of the cache ends
+        within ``timeout`` seconds (0.5), its connect, reply waits and one
+        retry included (docs/timeouts.md), so a cache that does not answer
+        quickly is skipped rather than waited for. ``options`` are redis-py
+        client arguments.
         """
-        kwargs = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
-        kwargs.update(options)
-        return cls(redis.Redis.from_url(url, **kwargs))
+        from dedupcore.tiers.redis import deadline_client
+
+        wait = check_timeout(timeout)
+        cache = cls(deadline_client(url, wait, **options))
+        cache.timeout = wait
+        return cache
 
     def _name(self, namespace: bytes, key: bytes) -> bytes:
         return self.prefix + b":" + namespace + b":" + key
 
+    @one_call
     def _get_many(self, namespace: bytes, keys: Sequence[bytes]) -> list[Cached | None]:
         pipe = self.client.pipeline(transaction=False)
         for k in keys:
@@ -77,6 +87,7 @@ class RedisCache(CacheTier):
                 out.append(None)  # not ours or damaged: the authority decides
         return out
 
+    @one_call
     def _put_many(
         self, namespace: bytes, entries: Sequence[tuple[bytes, Cached]], ttl: float
     ) -> None:

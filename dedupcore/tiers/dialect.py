@@ -140,10 +140,11 @@ def connect_url(
     if scheme in ("mysql", "mariadb"):
         parts = urlsplit(url)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        # Caps of each wait; a store's call gives each one at most its time left.
         waits: dict[str, Any] = {
             "connect_timeout": timeout,
-            "read_timeout": 2 * timeout,
-            "write_timeout": 2 * timeout,
+            "read_timeout": timeout,
+            "write_timeout": timeout,
         }
         for name in waits:
             if name in query:

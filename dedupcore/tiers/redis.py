@@ -49,11 +49,16 @@ store loaded before (``NOSCRIPT``) has its ``run_id`` read again: a changed
 one means it restarted, which is logged as a warning (records it did not
 persist are gone: their keys come back NEW) and counted in ``stats()``.
 
-**Timeouts.** :meth:`RedisStore.from_url` gives its client a connect and a
-reply timeout (``timeout``, 5 s), TCP keepalive and one retry on a fresh
-connection, so a server that stops answering fails a call with
-:class:`~dedupcore.errors.UnavailableError` after about twice ``timeout``
-instead of blocking it. A client you pass yourself keeps its own settings.
+**Timeouts.** A store from :meth:`RedisStore.from_url` gives each call one
+deadline, ``timeout`` (5 s) from the call's start: the connect, every send
+and every reply read get the time left, never a fresh full ``timeout``, and
+the one retry on a fresh connection (after a lost connection or a timeout)
+starts only while a tenth of ``timeout`` is left. So a server that stops
+answering fails a call with :class:`~dedupcore.errors.UnavailableError`
+within ``timeout``, retries and reconnects included (docs/timeouts.md). A
+call cut off at its deadline may still run on the server later (its
+scripts are safe to run twice: see ``_run``). A client you pass yourself
+keeps its own timeouts and retries.
 
 **Bad input** is a ``ValueError``/``TypeError`` raised before anything is
 sent: keys, namespace, owner, fingerprints, tokens, leases (at most
@@ -66,12 +71,14 @@ never an :class:`~dedupcore.errors.UnavailableError`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 try:
     import redis
@@ -114,6 +121,7 @@ from dedupcore.api import (
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.retry import current_deadline, deadline_scope, one_call
 from dedupcore.tiers.base import (
     RequestRefusedError,
     check_limit,
@@ -121,7 +129,7 @@ from dedupcore.tiers.base import (
     check_timeout,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "RedisStore"]
+__all__ = ["DEFAULT_TIMEOUT", "RedisStore", "deadline_client"]
 
 #: Seconds :meth:`RedisStore.from_url` waits to connect and for each reply.
 DEFAULT_TIMEOUT = 5.0
@@ -319,6 +327,145 @@ def _failure(exc: BaseException) -> DedupError:
     return _unavailable(exc)
 
 
+# -- one deadline per call (docs/timeouts.md) ------------------------------------------
+
+T = TypeVar("T")
+
+
+class _DeadlineRetry(Retry):
+    """redis-py's retry under the call's deadline (see :mod:`dedupcore.retry`).
+
+    Outside a call with a deadline it is redis-py's own. Inside one, a
+    retry starts only while :meth:`~dedupcore.retry.Deadline.retry_wait`
+    allows it, and its backoff sleep is cut to the time left.
+    """
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        deadline = current_deadline()
+        if deadline is None:
+            if is_retryable is None and not with_failure_count:
+                return super().call_with_retry(do, fail)  # (redis-py 5 has only these two)
+            return super().call_with_retry(
+                do, fail, is_retryable=is_retryable, with_failure_count=with_failure_count
+            )
+        self._backoff.reset()  # type: ignore[no-untyped-call]
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                if 0 <= self._retries < failures:
+                    raise
+                wait = deadline.retry_wait(self._backoff.compute(failures))
+                if wait is None:
+                    raise  # too little time left for another attempt
+                if wait > 0:
+                    time.sleep(wait)
+
+
+class _DeadlineConnection:
+    """Mixed into the connection class of the clients :meth:`RedisStore.from_url` makes.
+
+    Inside a call with a deadline, every wait of the connection gets the
+    time left (at most its own ``socket_connect_timeout`` or
+    ``socket_timeout``): the TCP connect, each send and each reply read.
+    With no time left an attempt fails at once with redis-py's
+    ``TimeoutError`` (a reply already asked for disconnects the connection,
+    as a read timeout does). Outside such a call it is redis-py's own.
+    """
+
+    _sock: Any
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+
+    def _connect(self) -> Any:
+        deadline = current_deadline()
+        if deadline is None:
+            return super()._connect()  # type: ignore[misc]
+        wait = deadline.budget(self.socket_connect_timeout)
+        if wait <= 0:
+            raise TimeoutError("the call's deadline passed before connecting")
+        own = self.socket_connect_timeout
+        self.socket_connect_timeout = wait
+        try:
+            return super()._connect()  # type: ignore[misc]
+        finally:
+            self.socket_connect_timeout = own
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        deadline = current_deadline()
+        if deadline is None:
+            super().send_packed_command(command, check_health)  # type: ignore[misc]
+            return
+        if not self._sock:
+            self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
+        wait = deadline.budget(self.socket_timeout)
+        if wait <= 0:
+            raise redis.TimeoutError("Timeout writing to socket: the call's deadline passed")
+        sock = self._sock
+        sock.settimeout(wait)
+        try:
+            super().send_packed_command(command, check_health)  # type: ignore[misc]
+        finally:
+            if self._sock is sock:  # still connected: its own timeout for later calls
+                sock.settimeout(self.socket_timeout)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        deadline = current_deadline()
+        if deadline is not None and "timeout" not in kwargs:
+            wait = deadline.budget(self.socket_timeout)
+            if wait <= 0:
+                if kwargs.get("disconnect_on_error", True):
+                    self.disconnect()  # type: ignore[attr-defined]
+                raise redis.TimeoutError("Timeout reading: the call's deadline passed")
+            kwargs["timeout"] = wait
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+
+def deadline_client(url: str, timeout: float, **options: Any) -> Any:
+    """A ``redis.Redis`` on ``url`` whose waits keep the deadline of the current call.
+
+    Its connections give every connect, send and reply read the time left
+    of the call they run in (:func:`dedupcore.retry.deadline_scope`), and
+    its one retry on a fresh connection starts only while the deadline
+    allows (docs/timeouts.md). ``timeout`` is each wait's cap (the
+    ``socket_timeout`` and ``socket_connect_timeout``); ``options`` (any
+    redis-py client argument) win over these defaults.
+    """
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": _DeadlineRetry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+        **options,
+    }
+    client = redis.Redis.from_url(url, **kwargs)
+    # Nothing is connected yet: every connection of the pool gets the deadline.
+    pool = client.connection_pool
+    pool.connection_class = _with_deadline(pool.connection_class)
+    return client
+
+
+@functools.cache
+def _with_deadline(connection_class: type[Any]) -> type[Any]:
+    """``connection_class`` with :class:`_DeadlineConnection` mixed in (once per class)."""
+    if issubclass(connection_class, _DeadlineConnection):
+        return connection_class
+    return type(f"Deadline{connection_class.__name__}", (_DeadlineConnection, connection_class), {})
+
+
 class RedisStore(ClaimAPI):
     """A dedup store whose authority is a Redis server or cluster (see the module docstring).
 
@@ -356,6 +503,9 @@ class RedisStore(ClaimAPI):
         self._run_ids: dict[str, str] = {}
         self.restarts = 0
         self._owns_client = False
+        #: Seconds one call may take, retries and reconnects included (docs/timeouts.md);
+        #: set by :meth:`from_url`. None: the client's own timeouts and retries.
+        self.timeout: float | None = None
 
     def _ready(self) -> None:
         """The first call that reaches the server checks it (see "Connecting" above)."""
@@ -438,14 +588,20 @@ class RedisStore(ClaimAPI):
     ) -> RedisStore:
         """A store on ``redis://``, ``rediss://`` or ``unix://`` (redis-py's URL syntax).
 
-        The client gets ``timeout`` seconds (default 5) to connect and to
-        wait for each reply, TCP keepalive, and one retry on a fresh
-        connection after a connection error or timeout: a server that stops
-        answering fails a call with :class:`UnavailableError` after about
-        twice ``timeout``. The URL's query parameters (``socket_timeout``,
+        ``timeout`` (seconds, default 5) is the deadline of each call of the
+        store: a call returns, or raises :class:`UnavailableError`, within
+        ``timeout`` (plus the few milliseconds a failure takes to raise),
+        retries and reconnects included. It starts when the call does; the
+        connect, every send and every reply get the time left, and the one
+        retry on a fresh connection after a connection error or timeout
+        starts only while a tenth of ``timeout`` is left (docs/timeouts.md).
+        The client also gets TCP keepalive. A call that ends at its deadline
+        may still have been run by the server (see "Timeouts" in the module
+        docstring). The URL's query parameters (``socket_timeout``,
         ``socket_connect_timeout``, ``socket_keepalive``, ...) win over
-        these defaults, and ``client_options`` (any redis-py client argument,
-        e.g. ``retry``) over both. Nothing is sent here: a server that is
+        these defaults as caps of each wait, and ``client_options`` (any
+        redis-py client argument) over both; a ``retry`` given there replaces
+        the deadline-bound retry. Nothing is sent here: a server that is
         down makes the first call fail, not the open. ``cluster=True`` treats
         the URL as one node of a Redis Cluster, whose client reads the slot
         map when it is made (so a cluster that cannot answer fails the open,
@@ -458,16 +614,22 @@ class RedisStore(ClaimAPI):
             "socket_connect_timeout": wait,
             "socket_keepalive": True,
         }
-        if not cluster:
+        if cluster:
+            # The cluster client gives each node's client its own connection pool.
+            tls = url.lower().startswith("rediss://")
+            kwargs["connection_class"] = _with_deadline(
+                redis.SSLConnection if tls else redis.Connection
+            )
+        else:
             kwargs["socket_keepalive_options"] = _KEEPALIVE
-            kwargs["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), 1)
         kwargs.update(client_options or {})
         try:
-            client = (
-                RedisCluster.from_url(url, **kwargs)
-                if cluster
-                else redis.Redis.from_url(url, **kwargs)
-            )
+            with deadline_scope(wait):  # a cluster client reads the slot map here
+                client: Any = (
+                    RedisCluster.from_url(url, **kwargs)
+                    if cluster
+                    else deadline_client(url, wait, **kwargs)
+                )
         except _DOWN as exc:
             raise _failure(exc) from exc
         try:
@@ -476,6 +638,7 @@ class RedisStore(ClaimAPI):
             client.close()
             raise
         store._owns_client = True
+        store.timeout = wait
         return store
 
     def close(self) -> None:
@@ -508,6 +671,7 @@ class RedisStore(ClaimAPI):
             out.append((node, _text(value.get(name)) if isinstance(value, dict) else None))
         return out
 
+    @one_call
     def durability(self) -> str:
         """What an acknowledged claim survives, from the server's persistence settings.
 
@@ -518,7 +682,8 @@ class RedisStore(ClaimAPI):
     def _durability_report(self) -> tuple[int, str]:
         """See :func:`~dedupcore.tiers.base.durability_report`."""
         try:
-            return self._durability()
+            with deadline_scope(self.timeout):
+                return self._durability()
         except _DOWN as exc:
             raise _failure(exc) from exc
 
@@ -699,6 +864,7 @@ class RedisStore(ClaimAPI):
 
     # -- the claim API -----------------------------------------------------------
 
+    @one_call
     def claim_many(
         self,
         keys: Iterable[bytes | str],
@@ -844,6 +1010,7 @@ class RedisStore(ClaimAPI):
                     ResponseError(" ".join([words[0], "1", *words[2:]])), [parsed[i][0]], namespace
                 )
 
+    @one_call
     def complete_many(
         self,
         items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
@@ -853,10 +1020,12 @@ class RedisStore(ClaimAPI):
         """Completes many claims; a retried completion with the same token is a no-op."""
         self._change_many(items, namespace, State.PROCESSED)
 
+    @one_call
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims (a tombstone keeps the token growing)."""
         self._change_many(items, namespace, State.RELEASED)
 
+    @one_call
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""
         ns = _keys.check_namespace(namespace)
@@ -899,7 +1068,8 @@ class RedisStore(ClaimAPI):
             raise TypeError(f"count must be an int, not {type(count).__name__}")
         if not 0 < count <= 1_000_000:
             raise ValueError(f"count must be in 1..1000000, got {count!r}")
-        self._ready()
+        with deadline_scope(self.timeout):
+            self._ready()
         head = self._head(ns)
         limit_ms = within * 1000.0
         found: list[bytes] = []
@@ -907,14 +1077,18 @@ class RedisStore(ClaimAPI):
             for _, server in self._primaries():
                 cursor = 0
                 while True:
-                    cursor, names = server.scan(cursor, match=head + b"*", count=count)
-                    names = [n for n in names if self._key_of(head, n) is not None]
+                    # A scan is many calls: each step has a deadline of its own.
+                    with deadline_scope(self.timeout):
+                        cursor, names = server.scan(cursor, match=head + b"*", count=count)
+                        names = [n for n in names if self._key_of(head, n) is not None]
+                        replies = []
+                        if names:
+                            pipe = server.pipeline(transaction=False)
+                            for n in names:
+                                pipe.hget(n, "s")
+                                pipe.pttl(n)
+                            replies = pipe.execute()
                     if names:
-                        pipe = server.pipeline(transaction=False)
-                        for n in names:
-                            pipe.hget(n, "s")
-                            pipe.pttl(n)
-                        replies = pipe.execute()
                         for j, n in enumerate(names):
                             state, ttl = replies[2 * j], replies[2 * j + 1]
                             if state == b"2" and 0 <= ttl < limit_ms:
@@ -942,6 +1116,7 @@ class RedisStore(ClaimAPI):
             return None
         return name[end + 2 :]
 
+    @one_call
     def stats(self) -> dict[str, Any]:
         """The server's persistence and memory settings (every node of a cluster).
 

@@ -164,6 +164,7 @@ from dedupcore.decision import (
 from dedupcore.errors import DedupError, SchemaError, UnavailableError
 from dedupcore.ids import time_of
 from dedupcore.record import State
+from dedupcore.retry import Deadline, current_deadline, deadline_scope, one_call
 from dedupcore.tiers.base import (
     RequestRefusedError,
     check_limit,
@@ -355,8 +356,15 @@ class _Dialect:
         """Whether the server refused the request's data (out of range, too long, a CHECK)."""
         return False
 
+    def arm(self, conn: Any, wait: float) -> None:
+        """Gives the connection's next transaction at most ``wait`` seconds of waiting.
+
+        (The driver's own per-wait timeouts, where it has them; the watchdog
+        cuts what is left at the deadline.)
+        """
+
     def socket_of(self, conn: Any) -> int | None:
-        """The connection's socket, for a driver with no timeout of its own on replies."""
+        """The connection's socket, for the watchdog that cuts it at a call's deadline."""
         return None
 
     def durability(self, cur: Any) -> tuple[int, str]:
@@ -642,10 +650,9 @@ class _Postgres(_Dialect):
         return isinstance(exc, psycopg.errors.UndefinedTable)
 
     def is_transient(self, exc: BaseException) -> bool:
-        import psycopg.errors
-
         # 40001 serialization failure, 40P01 deadlock: the transaction was rolled back.
-        return isinstance(exc, psycopg.errors.TransactionRollback)
+        # (By SQLSTATE: psycopg's DeadlockDetected is no TransactionRollback subclass.)
+        return getattr(exc, "sqlstate", None) in ("40001", "40P01")
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
         return bool(getattr(conn, "broken", False) or getattr(conn, "closed", False))
@@ -660,6 +667,9 @@ class _Postgres(_Dialect):
         # psycopg waits for a reply without a timeout of its own (see _Watchdog).
         fd: int = conn.fileno()
         return fd
+
+    # No arm(): libpq has no client-side wait limit; the watchdog is the deadline, and
+    # statement_timeout (from_url) the server's own.
 
     def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')")
@@ -986,6 +996,19 @@ class _MySQL(_Dialect):
 
         return isinstance(exc, (pymysql.err.DataError, pymysql.err.IntegrityError))
 
+    def arm(self, conn: Any, wait: float) -> None:
+        # PyMySQL sets its socket's timeout to these before every read and write; the
+        # connection's own values (read_timeout=, write_timeout=) stay the caps.
+        caps = getattr(conn, "_dedupcore_caps", None)
+        if caps is None:
+            caps = conn._dedupcore_caps = (conn._read_timeout, conn._write_timeout)
+        conn._read_timeout = wait if caps[0] is None else min(wait, caps[0])
+        conn._write_timeout = wait if caps[1] is None else min(wait, caps[1])
+
+    def socket_of(self, conn: Any) -> int | None:
+        sock = getattr(conn, "_sock", None)
+        return None if sock is None else int(sock.fileno())
+
     def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("SELECT @@innodb_flush_log_at_trx_commit")
         mode = int(cur.fetchone()[0])
@@ -1261,6 +1284,10 @@ class _SQLite(_Dialect):
         finally:
             cur.close()
 
+    def arm(self, conn: Any, wait: float) -> None:
+        # The busy wait for another writer's lock: the time left, in whole milliseconds.
+        conn.execute(f"PRAGMA busy_timeout = {max(1, int(wait * 1000))}")
+
     def begin(self, cur: Any, write: bool) -> None:
         if write:
             cur.execute("BEGIN IMMEDIATE")
@@ -1378,58 +1405,69 @@ _DIALECTS: dict[str, type[_Dialect]] = {
 
 
 class _Watchdog:
-    """Cuts the connection of a transaction that has waited longer than ``limit`` seconds.
+    """Cuts the connection of a transaction still waiting at its deadline.
 
     psycopg waits for a reply without a timeout of its own, and the server's
     statement_timeout cannot fire in a server that does not run (stopped,
     or on a host that froze while its kernel still acknowledges packets, so
     TCP keepalive does not notice either). A thread that shuts the socket
-    down wakes the waiting call, which then fails as a lost connection
-    (:class:`UnavailableError`); the next call connects again. The thread
-    runs while transactions do and ends after a while without any.
+    down at the deadline wakes the waiting call, which then fails as a lost
+    connection (:class:`UnavailableError`); the next call connects again.
+    The deadline is the call's (docs/timeouts.md), or ``limit`` seconds
+    after the transaction started if that comes first. The thread sleeps
+    until the deadline of the transaction it watches, and ends after a
+    while without any.
     """
 
-    def __init__(self, limit: float) -> None:
+    #: Seconds without a transaction after which the thread ends.
+    IDLE = 30.0
+
+    def __init__(self, limit: float | None = None) -> None:
         self.limit = limit
         self.cuts = 0
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._fd: int | None = None
-        self._since = 0.0
+        self._until = 0.0
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def guard(self, fd: int | None) -> Iterator[None]:
-        """Watches the socket ``fd`` for the block's duration (nothing when None)."""
-        if fd is None or fd < 0:
+    def guard(self, fd: int | None, until: float | None = None) -> Iterator[None]:
+        """Watches the socket ``fd`` for the block's duration (nothing when None).
+
+        ``until``: the call's deadline (``time.monotonic()`` seconds), or None.
+        """
+        if self.limit is not None:
+            own = time.monotonic() + self.limit
+            until = own if until is None else min(until, own)
+        if fd is None or fd < 0 or until is None:
             yield
             return
-        with self._lock:
-            self._fd, self._since = fd, time.monotonic()
+        with self._cond:
+            self._fd, self._until = fd, until
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dedupcore-sql-watchdog", daemon=True
                 )
                 self._thread.start()
+            else:
+                self._cond.notify()
         try:
             yield
         finally:
-            with self._lock:
+            with self._cond:
                 self._fd = None
 
     def _run(self) -> None:
-        step = min(0.25, self.limit / 4)
-        idle = 0.0
-        while True:
-            time.sleep(step)
-            with self._lock:
+        with self._cond:
+            while True:
                 if self._fd is None:
-                    idle += step
-                    if idle >= 30.0:
+                    if not self._cond.wait(self.IDLE) and self._fd is None:
                         self._thread = None
                         return
                     continue
-                idle = 0.0
-                if time.monotonic() - self._since < self.limit:
+                wait = self._until - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
                     continue
                 # Under the lock: the transaction cannot finish (and its connection
                 # cannot be closed, freeing the descriptor) in the meantime.
@@ -1441,6 +1479,44 @@ class _Watchdog:
                     finally:
                         cut.close()  # the duplicate only; the driver owns the socket
                 self._fd = None
+
+
+def _connect_within(factory: Callable[[], Any], wait: float) -> Any:
+    """``factory()``, given up after ``wait`` seconds (``TimeoutError``).
+
+    The drivers' own connect timeouts are whole seconds (libpq: 2 at
+    least), so the connect runs in a thread of its own that the call stops
+    waiting for at its deadline; a connection that arrives after that is
+    closed at once.
+    """
+    lock = threading.Lock()
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            conn = factory()
+        except BaseException as exc:
+            box["error"] = exc
+        else:
+            with lock:
+                if box.get("abandoned"):
+                    SqlStore._close(conn)
+                    return
+                box["conn"] = conn
+        done.set()
+
+    if wait <= 0:
+        raise TimeoutError("the call's deadline passed before connecting")
+    threading.Thread(target=run, name="dedupcore-sql-connect", daemon=True).start()
+    if not done.wait(wait):
+        with lock:
+            if "conn" not in box and "error" not in box:
+                box["abandoned"] = True
+                raise TimeoutError(f"no connection within the call's deadline ({wait:.3f} s)")
+    if "error" in box:
+        raise box["error"]
+    return box["conn"]
 
 
 # -- the store -------------------------------------------------------------------------
@@ -1455,9 +1531,13 @@ class SqlStore(ClaimAPI):
     driver when not given (which takes a connection at once); with a
     ``dialect`` nothing is sent before the first call, so a store opens
     while its database is down and its first call fails closed. Or use
-    :meth:`from_url`. ``hang_timeout``: seconds a transaction may wait on a
-    PostgreSQL server before its connection is cut (see ``_Watchdog``);
-    None (the constructor's default) for no limit.
+    :meth:`from_url`. ``timeout``: the deadline of each call in seconds
+    (None, the constructor's default: none; :meth:`from_url` gives 5): a
+    call returns or raises :class:`UnavailableError` within ``timeout``,
+    connects, deadlock retries and their backoff included
+    (docs/timeouts.md). ``hang_timeout``: seconds one transaction may wait
+    on a PostgreSQL or MariaDB server before its connection is cut (see
+    ``_Watchdog``), whatever the call's deadline; None for no such limit.
 
     Every argument is checked before it is sent: keys, namespace, owner,
     fingerprints, tokens, leases (at most
@@ -1489,6 +1569,7 @@ class SqlStore(ClaimAPI):
         max_key_bytes: int = 512,
         max_result_bytes: int = 65536,
         retries: int = 8,
+        timeout: float | None = None,
         hang_timeout: float | None = None,
         partition: str | None = None,
         partition_tolerance: float = DEFAULT_TOLERANCE,
@@ -1520,7 +1601,10 @@ class SqlStore(ClaimAPI):
         self.max_key_bytes = max_key_bytes
         self.max_result_bytes = max_result_bytes
         self.retries = retries
-        self._watchdog = None if hang_timeout is None else _Watchdog(check_timeout(hang_timeout))
+        #: Seconds one call may take (docs/timeouts.md); None: no deadline.
+        self.timeout = None if timeout is None else check_timeout(timeout)
+        limit = None if hang_timeout is None else check_timeout(hang_timeout, "hang_timeout")
+        self._watchdog = None if limit is None and self.timeout is None else _Watchdog(limit)
         self._told_durability = False
         self._connect = connect
         self._conn: Any = None
@@ -1575,28 +1659,40 @@ class SqlStore(ClaimAPI):
         """A store on ``postgresql://``, ``mysql://``/``mariadb://`` or ``sqlite:///path``.
 
         Nothing is sent here: a database that is down makes the first call
-        fail with :class:`UnavailableError`, not the open. Each connection
-        gets ``timeout`` seconds (default 5) by default:
+        fail with :class:`UnavailableError`, not the open.
 
-        - PostgreSQL: ``connect_timeout`` (whole seconds, at least 2),
-          ``statement_timeout`` (through ``options``), TCP keepalive (30 s
-          idle, 10 s apart, 3 probes), and a transaction that waits twice
-          ``timeout`` without an answer has its connection cut (a stopped
-          server never runs its statement_timeout). URL query parameters
-          (``?connect_timeout=2&options=-c%20statement_timeout%3D1000``)
-          win over these defaults.
-        - MariaDB/MySQL: ``connect_timeout``, and ``read_timeout`` and
-          ``write_timeout`` of twice ``timeout`` (also as URL query
-          parameters); PyMySQL turns TCP keepalive on itself.
-        - SQLite, a local file, waits up to 30 s for another writer's lock.
+        ``timeout`` (seconds, default 5) is the deadline of each call: the
+        call returns, or raises :class:`UnavailableError`, within
+        ``timeout`` (plus the few milliseconds a failure takes to raise),
+        connects and retries included. It starts when the call does, and
+        each step gets the time left, never a fresh full ``timeout``
+        (docs/timeouts.md):
 
-        ``connect_args`` go to the driver's ``connect`` and win over all of
-        these; other options go to the constructor.
+        - a connect is given up at the deadline (the drivers' own connect
+          timeouts are whole seconds); the connection arriving later is closed;
+        - PostgreSQL: a transaction still waiting at the deadline has its
+          connection cut (a stopped server never runs its statement_timeout,
+          and psycopg has no wait limit of its own); ``statement_timeout`` is
+          ``timeout`` too, and TCP keepalive is on (30 s idle, 10 s apart, 3
+          probes);
+        - MariaDB/MySQL: each read and write waits at most the time left
+          (PyMySQL's ``read_timeout``/``write_timeout``, whose own values
+          are the caps), and a transaction still waiting at the deadline has
+          its connection cut; PyMySQL turns TCP keepalive on itself;
+        - SQLite waits for another writer's lock (its busy wait) at most the
+          time left;
+        - a deadlock retry starts only while a tenth of ``timeout`` is left,
+          and its backoff sleep is cut to the time left.
+
+        The URL's query parameters (``?connect_timeout=2``,
+        ``options=-c%20statement_timeout%3D1000``, ``read_timeout=``, ...)
+        win over these defaults, and ``connect_args`` (the driver's
+        ``connect`` arguments) over both; the deadline of each call stays.
+        Other options go to the constructor.
         """
         wait = check_timeout(timeout)
         dialect, factory = _factory(url, dict(connect_args or {}), wait)
-        if dialect == "postgresql":
-            options.setdefault("hang_timeout", 2 * wait)
+        options.setdefault("timeout", wait)
         return cls(factory, dialect=dialect, **options)
 
     @property
@@ -1619,8 +1715,12 @@ class SqlStore(ClaimAPI):
     def _connection(self) -> Any:
         if self._conn is not None:
             return self._conn
+        deadline = current_deadline()
         try:
-            conn = self._connect()
+            if deadline is None or (self._dialect is not None and self._dialect.name == "sqlite"):
+                conn = self._connect()  # (a local file: nothing to wait for but its lock)
+            else:
+                conn = _connect_within(self._connect, deadline.budget())
         except Exception as exc:
             self._counts["unavailable"] += 1
             raise UnavailableError(f"cannot connect to the SQL authority: {exc}") from exc
@@ -1646,11 +1746,19 @@ class SqlStore(ClaimAPI):
         return conn
 
     def _guard(self, conn: Any) -> contextlib.AbstractContextManager[None]:
-        """The watchdog over ``conn`` while it waits for the database (see ``_Watchdog``)."""
+        """The watchdog over ``conn`` while it waits for the database (see ``_Watchdog``).
+
+        Inside a call with a deadline, the driver's own waits are given the
+        time left first (``_Dialect.arm``).
+        """
         if self._watchdog is None:
             return contextlib.nullcontext()
-        assert self._dialect is not None
-        return self._watchdog.guard(self._dialect.socket_of(conn))
+        d = self._dialect
+        assert d is not None
+        deadline = current_deadline()
+        if deadline is not None:
+            d.arm(conn, deadline.budget())
+        return self._watchdog.guard(d.socket_of(conn), None if deadline is None else deadline.at)
 
     def _tell_durability(self, conn: Any) -> None:
         """Logs once what committed claims survive: a warning when a crash can lose them."""
@@ -1702,6 +1810,22 @@ class SqlStore(ClaimAPI):
         except Exception:
             self._drop()
 
+    @contextlib.contextmanager
+    def _locked(self, deadline: Deadline | None) -> Iterator[None]:
+        """The store's lock (one call at a time on its connection), waited for until the
+        call's deadline at most."""
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=deadline.left()):
+            raise UnavailableError(
+                "SQL authority: another call of this store held its connection past this "
+                f"call's timeout of {deadline.timeout:g} s"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _tx(self, body: Callable[[Any], T], *, write: bool = True) -> T:
         """Runs ``body(cursor)`` in one transaction: commit, or roll back and raise.
 
@@ -1711,9 +1835,15 @@ class SqlStore(ClaimAPI):
         d = self._dialect
         assert d is not None
         errors = d.error_classes()
-        with self._lock:
+        with deadline_scope(self.timeout) as deadline, self._locked(deadline):
             attempt = 0
             while True:
+                if deadline is not None and deadline.expired():
+                    self._counts["unavailable"] += 1
+                    raise UnavailableError(
+                        f"SQL authority ({d.name}): no answer within the call's timeout "
+                        f"of {deadline.timeout:g} s"
+                    )
                 conn = self._connection()
                 autocommit = not write and d.autocommit_reads
                 try:
@@ -1776,7 +1906,17 @@ class SqlStore(ClaimAPI):
                     raise UnavailableError(
                         f"SQL authority ({d.name}): gave up after {self.retries} retries"
                     )
-                time.sleep(min(0.2, 0.005 * 2**attempt) * (0.5 + random.random()))
+                backoff = min(0.2, 0.005 * 2**attempt) * (0.5 + random.random())
+                if deadline is not None:
+                    cut = deadline.retry_wait(backoff)
+                    if cut is None:  # too little of the call's time left to try again
+                        self._counts["unavailable"] += 1
+                        raise UnavailableError(
+                            f"SQL authority ({d.name}): gave up after {attempt} tries within "
+                            f"the call's timeout of {deadline.timeout:g} s"
+                        )
+                    backoff = cut
+                time.sleep(backoff)
 
     def init_schema(self) -> None:
         """Creates the dedup table and its index if they do not exist (idempotent).
@@ -1826,6 +1966,7 @@ class SqlStore(ClaimAPI):
 
     # -- the claim API --------------------------------------------------------------
 
+    @one_call
     def claim_many(
         self,
         keys: Iterable[bytes | str],
@@ -2443,6 +2584,7 @@ class SqlStore(ClaimAPI):
 
         self._tx(body)
 
+    @one_call
     def complete_many(
         self,
         items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
@@ -2455,10 +2597,12 @@ class SqlStore(ClaimAPI):
         """
         self._change_many(items, namespace, _PROCESSED)
 
+    @one_call
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims (a tombstone keeps the token growing)."""
         self._change_many(items, namespace, _RELEASED)
 
+    @one_call
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the table holds nothing)."""
         ns = _keys.check_namespace(namespace).decode()

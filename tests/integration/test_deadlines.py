@@ -1,0 +1,366 @@
+"""One deadline per call (docs/timeouts.md), against real servers that stop answering.
+
+Redis: a private redis-server that is SIGSTOPped. PostgreSQL and MariaDB:
+the machine's shared servers behind a small TCP proxy in the test process
+that stops forwarding (a blackhole), since stopping the shared servers
+would break other tests. SQLite: another connection holding the write lock.
+
+Each store gets ``timeout=1.0``. A call started while the server does not
+answer must raise :class:`UnavailableError` well before twice the timeout
+(what one retry or a doubled wait used to take): the bound asserted is
+1.6 s, a margin that a loaded machine does not reach but the old waits of
+2 s and more always passed. No lower bound is asserted. After the server
+answers again the store serves, and no key acknowledged before the pause
+comes back NEW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dedupcore.api import Outcome
+from dedupcore.errors import UnavailableError
+from dedupcore.factory import open_store
+from dedupcore.record import State
+from dedupcore.tiers.redis import RedisStore
+from dedupcore.tiers.sql import SqlStore
+
+from .cluster import redis_cluster, redis_server
+from .conftest import require_server
+from .test_sql_store import MY_URL, PG_URL
+
+NS = "deadline/test"
+TIMEOUT = 1.0
+#: The asserted upper bound of a failed call: timeout * 1.1 plus a generous margin for
+#: a loaded machine, and still well under the 2 x timeout that a retry with a fresh
+#: full timeout (or a doubled wait) takes.
+BOUND = 1.6
+DONE = [f"done{i}" for i in range(20)]
+
+
+def _in_thread(fn: Callable[[], Any], limit: float = 90.0) -> Any:
+    """``fn()`` in a thread; fails the test if it has not returned after ``limit`` s."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), "the call hung instead of failing"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _fails_within_the_deadline(call: Callable[[], Any]) -> float:
+    """Runs ``call``, which must raise UnavailableError; returns the seconds it took."""
+    start = time.monotonic()
+    with pytest.raises(UnavailableError):
+        _in_thread(call)
+    elapsed = time.monotonic() - start
+    assert elapsed < BOUND, f"the call took {elapsed:.2f} s with timeout={TIMEOUT}"
+    return elapsed
+
+
+def _acknowledge(store: Any) -> None:
+    """Claims and completes DONE (acknowledged before the pause)."""
+    claims = store.claim_many(DONE, namespace=NS)
+    assert {c.outcome for c in claims} == {Outcome.NEW}
+    store.complete_many([(c.key, c.token, "r") for c in claims], namespace=NS)
+
+
+def _calls(store: Any) -> list[Callable[[], Any]]:
+    """Every kind of call of a store: claims, a completion, a read."""
+    return [
+        lambda: store.claim("paused", namespace=NS, owner="w"),
+        lambda: store.claim_many(DONE, namespace=NS),
+        lambda: store.complete("done0", 1, namespace=NS),
+        lambda: store.get("done0", namespace=NS),
+    ]
+
+
+def _serves_again(store: Any) -> None:
+    """After the pause: nothing acknowledged comes back NEW, and new claims work."""
+    again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+    assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
+    # A claim cut off at its deadline may still have run: then it is held for its
+    # owner, never NEW to anyone else.
+    rec = store.get("paused", namespace=NS)
+    if rec is not None:
+        assert (rec.state, rec.owner) == (State.PROCESSING, b"w")
+        assert store.claim("paused", namespace=NS, owner="other").outcome is Outcome.IN_PROGRESS
+    fresh = store.claim(f"fresh-{uuid.uuid4().hex}", namespace=NS)
+    assert fresh.outcome is Outcome.NEW
+
+
+# -- Redis -------------------------------------------------------------------------------
+
+
+def test_redis_calls_end_within_the_timeout_while_the_server_is_paused(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        store = RedisStore.from_url(f"redis://127.0.0.1:{server.port}/0", timeout=TIMEOUT)
+        _acknowledge(store)
+        server.pause()
+        try:
+            for call in _calls(store):
+                _fails_within_the_deadline(call)
+            # A call that has to connect anew: the connect and the handshake share it.
+            store.client.connection_pool.disconnect()
+            _fails_within_the_deadline(_calls(store)[0])
+        finally:
+            server.resume()
+        _serves_again(store)
+        store.close()
+
+
+def test_redis_cluster_calls_end_within_the_timeout_while_a_master_is_paused(
+    tmp_path: Path,
+) -> None:
+    with redis_cluster(tmp_path, 3) as cluster:
+        url = f"redis://127.0.0.1:{cluster.ports[0]}/0"
+        store = RedisStore.from_url(url, cluster=True, timeout=TIMEOUT)
+        _acknowledge(store)
+        # Pause the master of one acknowledged key (not the node the URL names).
+        from redis.crc import key_slot
+
+        names = {k: store._names(NS.encode(), [k.encode()])[0] for k in DONE}
+        port_of = {k: cluster.node_of_slot(key_slot(n)) for k, n in names.items()}
+        key = next(k for k, p in port_of.items() if p != cluster.ports[0])
+        node = next(n for n in cluster.nodes if n.port == port_of[key])
+        node.pause()
+        try:
+            _fails_within_the_deadline(lambda: store.claim(key, namespace=NS))
+            _fails_within_the_deadline(lambda: store.claim_many(DONE, namespace=NS))
+            _fails_within_the_deadline(lambda: store.get(key, namespace=NS))
+        finally:
+            node.resume()
+        again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+        assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
+        store.close()
+
+
+def test_a_stack_skips_its_paused_redis_cache_within_the_cache_s_deadline(
+    tmp_path: Path,
+) -> None:
+    """The hot cache of a stack is one call with its own deadline (0.5 s by default)."""
+    with redis_server(tmp_path / "cache") as server:
+        store = open_store(
+            f"sqlite:///{tmp_path / 'auth.db'}",
+            cache=f"redis://127.0.0.1:{server.port}/0",
+            init_schema=True,
+            timeout=TIMEOUT,
+        )
+        _acknowledge(store)
+        assert {c.outcome for c in store.claim_many(DONE, namespace=NS)} == {Outcome.DUPLICATE}
+        server.pause()
+        try:
+            # The acknowledged keys pass the front filter and ask the cache first: it does
+            # not answer, so it is skipped after its deadline and the authority answers.
+            start = time.monotonic()
+            again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+            elapsed = time.monotonic() - start
+            assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
+            assert elapsed < BOUND, f"the stack took {elapsed:.2f} s with a paused cache"
+        finally:
+            server.resume()
+        _serves_again(store)
+        store.close()
+
+
+# -- PostgreSQL and MariaDB behind a proxy that can stop forwarding ----------------------
+
+
+class Blackhole:
+    """A TCP proxy on a free loopback port in front of ``target``.
+
+    :meth:`hold` stops it forwarding, both ways, on every connection, and
+    new connections are accepted but not forwarded: to the client the server
+    looks paused (the kernel still accepts and acknowledges). :meth:`release`
+    forwards again, including what was held back.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._open.set()
+        with self._lock:
+            socks, self._socks = [self._listener, *self._socks], []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _track(self, s: socket.socket) -> None:
+        with self._lock:
+            self._socks.append(s)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._track(client)
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        self._open.wait()  # a held proxy does not even reach the server
+        try:
+            upstream = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        self._track(upstream)
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                self._open.wait()  # held: keep what was read until released
+                if not data or self._closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def blackhole(port: int) -> Iterator[Blackhole]:
+    proxy = Blackhole(("127.0.0.1", port))
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def _sql_store_behind_a_blackhole(
+    url: str, port: int, proxy: Blackhole, table: str, **options: Any
+) -> SqlStore:
+    with SqlStore.from_url(url, table=table) as setup:
+        setup.init_schema()
+    proxied = url.replace(f"127.0.0.1:{port}", f"127.0.0.1:{proxy.port}")
+    return SqlStore.from_url(proxied, table=table, timeout=TIMEOUT, **options)
+
+
+def _drop_table(url: str, table: str) -> None:
+    with SqlStore.from_url(url, table=table) as s:
+        quoted = f"`{table}`" if url.startswith("mysql") else f'"{table}"'
+        s._tx(lambda cur: cur.execute(f"DROP TABLE IF EXISTS {quoted}"))
+
+
+@pytest.mark.parametrize(
+    ("name", "url", "port"),
+    [("postgresql", PG_URL, 5432), ("mariadb", MY_URL, 3306)],
+)
+def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(
+    name: str, url: str, port: int
+) -> None:
+    require_server(name, port)
+    table = f"deadline_{uuid.uuid4().hex[:12]}"
+    try:
+        with blackhole(port) as proxy:
+            store = _sql_store_behind_a_blackhole(url, port, proxy, table)
+            _acknowledge(store)
+            proxy.hold()
+            try:
+                # The first call waits on the open connection, which is cut at the
+                # deadline; the later ones must connect anew, within the deadline too.
+                for call in _calls(store):
+                    _fails_within_the_deadline(call)
+                assert store.stats()["cut_connections"] >= 1
+            finally:
+                proxy.release()
+            _serves_again(store)
+            store.close()
+    finally:
+        _drop_table(url, table)
+
+
+def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
+    """A deadlock retry's backoff and its new attempt share the call's deadline."""
+    require_server("postgresql", 5432)
+    table = f"deadline_{uuid.uuid4().hex[:12]}"
+    try:
+        with blackhole(5432) as proxy:
+            store = _sql_store_behind_a_blackhole(PG_URL, 5432, proxy, table, retries=100)
+            _acknowledge(store)
+            attempts = []
+
+            def body(cur: Any) -> None:
+                attempts.append(time.monotonic())
+                if len(attempts) == 3:
+                    proxy.hold()  # the third attempt finds the server gone
+                # The server reports a deadlock (40P01): the transaction is retried.
+                cur.execute(
+                    "DO $$ BEGIN RAISE EXCEPTION 'simulated' USING ERRCODE = '40P01'; END $$"
+                )
+
+            try:
+                _fails_within_the_deadline(lambda: store._tx(body))
+            finally:
+                proxy.release()
+            assert len(attempts) == 3
+            _serves_again(store)
+            store.close()
+    finally:
+        _drop_table(PG_URL, table)
+
+
+# -- SQLite: the busy wait for another writer's lock ---------------------------------------
+
+
+def test_sqlite_busy_wait_ends_within_the_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "dedup.db"
+    store = SqlStore.from_url(f"sqlite:///{path}", timeout=TIMEOUT)
+    store.init_schema()
+    _acknowledge(store)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+    try:
+        _fails_within_the_deadline(lambda: store.claim("paused", namespace=NS, owner="w"))
+        _fails_within_the_deadline(lambda: store.complete("done0", 1, namespace=NS))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    _serves_again(store)
+    store.close()
