@@ -537,6 +537,7 @@ class BloomRing:
         # as fuse filters (compact()): a ring with a path that asks for them.
         self.key_logs = bool(key_logs) and self.path is not None
         self._slices: list[_Slice] = []
+        self._vouched: dict[int, int] = {}  # bucket -> hashes its key log must prove (open())
         # Every live filter; None: stale.
         self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
@@ -987,6 +988,7 @@ class BloomRing:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptFileError(f"{manifest_path}: damaged ring manifest: {exc}") from exc
+        ring._vouched = {e.bucket: e.keys for e in entries if e.keys is not None}
         if not readonly:
             for stale in root.glob(".*.tmp"):  # a write a crash cut short (atomic_write)
                 _unlink_quiet(stale)
@@ -1026,6 +1028,13 @@ class BloomRing:
             ring._slices.append(s)
         ring._every = None
         return ring
+
+    def vouched_key_logs(self) -> list[KeyLog]:
+        """The key logs of a reopened ring, each with the hashes its manifest vouches for
+        (read-side verification: :meth:`KeyLog.check` each)."""
+        if self.path is None:
+            return []
+        return [KeyLog(self._log_file(b), n) for b, n in sorted(self._vouched.items())]
 
     def _open_fuse_slice(self, bucket: int, verify: bool, readonly: bool) -> _Slice:
         """A rebuilt slice of a reopened ring; files a crash left beside it are removed."""

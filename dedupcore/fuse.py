@@ -241,6 +241,19 @@ class KeyLog:
             hashes += n
         return valid, hashes
 
+    def check(self) -> int:
+        """The hashes of the log's valid prefix, read in place (mapped, not copied);
+        :class:`CorruptFileError` if they are fewer than ``hashes`` (as :meth:`read`)."""
+        try:
+            _, hashes = self._scan()
+        except FileNotFoundError:
+            raise CorruptFileError(f"{self.path}: key log is missing") from None
+        if hashes < self.hashes:
+            raise CorruptFileError(
+                f"{self.path}: key log holds {hashes} valid hashes; it vouches for {self.hashes}"
+            )
+        return hashes
+
     def read(self) -> memoryview:
         """Every hash of the log's valid prefix as one uint64 buffer.
 

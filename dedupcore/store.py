@@ -362,7 +362,7 @@ class DedupStore(ClaimAPI):
             ring = BloomRing.open(path)
             if ring.window != window or ring.error_rate != self.config.front_error_rate:
                 raise CorruptFileError("front filter settings changed")
-            covers, covers_slice = _read_covers(path / FRONT_COVERS)
+            covers, covers_slice = read_covers(path / FRONT_COVERS)
             checkpoint = self._lmdb.checkpoint_lsn()
             if covers < checkpoint and covers_slice < 0:
                 # Valid files from an earlier moment (a restored or copied
@@ -1224,7 +1224,7 @@ def _unpack_stored(raw: bytes | None) -> Any:
         raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
 
 
-def _read_covers(path: Path) -> tuple[int, int]:
+def read_covers(path: Path) -> tuple[int, int]:
     """What a saved front filter covers: (log position, warm-tier slice); -1 for what is
     unknown (a file without the slice makes a front behind the checkpoint rebuilt)."""
     try:

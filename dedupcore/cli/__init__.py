@@ -1,4 +1,4 @@
-"""Command line: ``dedupcore serve|sql|stats|demo|bench`` (also ``python -m dedupcore``).
+"""Command line: ``dedupcore serve|sql|stats|check|demo|bench`` (also ``python -m dedupcore``).
 
 ``serve`` settings come, in rising precedence, from defaults, a TOML file
 (``--config``; keys as the long options, with ``_`` for ``-``, and retention
@@ -107,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between the two samples the rates come from (default 1; 0: totals only)",
     )
 
+    check = sub.add_parser(
+        "check",
+        help="read a data directory whole and report damage (exit 0 clean, 1 damage, 2 error)",
+    )
+    check.add_argument("data_dir", metavar="DATA_DIR", help="the store's data directory")
+    check.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
     demo = sub.add_parser(
         "demo",
         help="run the demo: SIGKILLed consumers through the daemon, then with the "
@@ -158,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.json and (rc := missing_extra("stats", "rich")) is not None:
             return rc
         return run_stats(args.socket or default_socket(), as_json=args.json, interval=args.interval)
+    if args.command == "check":
+        from dedupcore.cli.check import run_check
+
+        return run_check(args.data_dir, as_json=args.json)
     if args.command == "demo":
         from dedupcore.cli.demo import run_demo
 

@@ -149,8 +149,12 @@ class LmdbTier:
         slice_seconds: float = 86400.0,
         slice_error_rate: float = 0.01,
         filters: str | os.PathLike[str] | None = None,
+        load_filters: bool = True,
     ) -> None:
         self.path = Path(path)
+        # False: the slices' filters are neither opened nor rebuilt (``info.filter`` stays
+        # None, so no lookup works): for dedupcore.check, which verifies their files itself.
+        self._load_filters = load_filters
         self.readonly = readonly
         self.slice_records = slice_records
         self.slice_seconds = slice_seconds
@@ -258,7 +262,8 @@ class LmdbTier:
                 raise CorruptFileError(
                     f"{self.path}: slice {info.id} is listed but its database is missing"
                 ) from None
-            info.filter = self._open_filter(info)
+            if self._load_filters:
+                info.filter = self._open_filter(info)
         if not self.readonly:
             # A crash between a compaction taking a slice's place and the drop of
             # the tree it replaced leaves that tree: it goes now (one transaction,
@@ -273,6 +278,14 @@ class LmdbTier:
             if left:
                 self._drop_dbs(left)
         self._slices = entries
+
+    def filter_path(self, info: SliceInfo) -> Path:
+        """Where a sealed slice's filter file lives."""
+        return self._filter_path(info)
+
+    def slice_infos(self) -> list[SliceInfo]:
+        """The slices as listed at open (or since), oldest first."""
+        return list(self._slices)
 
     def _filter_path(self, info: SliceInfo) -> Path:
         return self.filters_dir / f"{info.id:08d}.bloom"
