@@ -40,14 +40,25 @@ SOCKET_VARIABLE = "DEDUPCORE_SOCKET"
 
 
 def default_socket(environ: Mapping[str, str] | None = None) -> str:
-    """The daemon's socket when no path is given: ``DEDUPCORE_SOCKET`` if it is set
-    (and not empty), else :data:`DEFAULT_SOCKET`.
+    """The daemon's socket when no path is given.
 
-    ``Client()``, ``aio.Client()``, ``dedupcore stats`` and ``dedupcore serve`` all
-    resolve their default with this function (docs/daemon-config.md).
+    ``DEDUPCORE_SOCKET`` if it is set (and not empty); else, for root,
+    :data:`DEFAULT_SOCKET`; for another user, ``$XDG_RUNTIME_DIR/dedupcore/
+    dedupcore.sock`` when ``XDG_RUNTIME_DIR`` is set (to an absolute path: the
+    user's own runtime directory, which the login manager makes), else
+    :data:`DEFAULT_SOCKET` as well (which such a user can seldom create: ``serve``
+    then says so, and how to name another path). ``Client()``, ``aio.Client()``,
+    ``dedupcore stats`` and ``dedupcore serve`` all resolve their default with this
+    function, so they meet at the same path (docs/daemon-config.md, "The socket").
     """
     env = os.environ if environ is None else environ
-    return env.get(SOCKET_VARIABLE) or DEFAULT_SOCKET
+    named = env.get(SOCKET_VARIABLE)
+    if named:
+        return named
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if os.geteuid() != 0 and runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "dedupcore", "dedupcore.sock")
+    return DEFAULT_SOCKET
 
 
 class _Connection:

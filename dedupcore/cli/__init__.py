@@ -15,6 +15,11 @@ from collections.abc import Sequence
 
 from dedupcore.client import DEFAULT_SOCKET, default_socket
 
+#: Where the socket is when no path is given (:func:`dedupcore.client.default_socket`).
+SOCKET_HELP = (
+    f"{DEFAULT_SOCKET} for root, $XDG_RUNTIME_DIR/dedupcore/dedupcore.sock for another user"
+)
+
 #: The modules of the ``cli`` extra (tables, progress bars, Prometheus metrics), by
 #: distribution name. The library itself imports and works without them.
 CLI_EXTRA = {"rich": "rich", "prometheus_client": "prometheus-client"}
@@ -62,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--cache", help="Redis URL of a hot cache in front of the authority")
     serve.add_argument("--archive", help="directory of the cold archive of a remote authority")
-    serve.add_argument("--socket", help=f"socket path (DEDUPCORE_SOCKET; default {DEFAULT_SOCKET})")
+    serve.add_argument("--socket", help=f"socket path (DEDUPCORE_SOCKET; default {SOCKET_HELP})")
     serve.add_argument("--group", help="let this group connect (socket 0660, directory 0750)")
     serve.add_argument(
         "--allow-uid",
@@ -97,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser("stats", help="print a running daemon's figures")
     stats.add_argument(
-        "--socket", help=f"the daemon's socket (DEDUPCORE_SOCKET; default {DEFAULT_SOCKET})"
+        "--socket", help=f"the daemon's socket (DEDUPCORE_SOCKET; default {SOCKET_HELP})"
     )
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stats.add_argument(

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -37,7 +39,7 @@ from typing import Any
 
 from dedupcore.cli import config
 from dedupcore.client import Client
-from dedupcore.errors import DedupError
+from dedupcore.errors import DedupError, SocketPathError
 from dedupcore.tiers.base import durability_report
 
 log = logging.getLogger("dedupcore.daemon")
@@ -133,6 +135,14 @@ def run_serve(args: argparse.Namespace) -> int:
         _start_sweeper(store, stop_sweeping)
     try:
         rc = serve(store, s["socket"], sock=sock, **settings.server_options())
+    except OSError as exc:  # SocketPathError included
+        if sock is not None or not _about_socket(exc, s["socket"]):
+            if isinstance(exc, DedupError):
+                print(f"dedupcore serve: {exc}", file=sys.stderr)
+                return 1
+            raise
+        print(f"dedupcore serve: {_socket_failure(exc, s['socket'])}", file=sys.stderr)
+        return 1
     except DedupError as exc:
         print(f"dedupcore serve: {exc}", file=sys.stderr)
         return 1
@@ -148,6 +158,37 @@ def run_serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             print(f"dedupcore serve: the store failed; exiting with {rc}", file=sys.stderr)
     return rc
+
+
+def _about_socket(exc: OSError, path: str) -> bool:
+    """Whether ``exc`` is about the socket: a SocketPathError, or an error naming the
+    socket or one of its directories (making, binding or changing them)."""
+    if isinstance(exc, SocketPathError):
+        return True
+    if exc.filename is None:
+        return False
+    socket_path = Path(path).absolute()
+    return Path(os.fsdecode(exc.filename)).absolute() in (socket_path, *socket_path.parents)
+
+
+def _socket_failure(exc: OSError, path: str) -> str:
+    """Why the socket cannot be served, with the way out: another path."""
+    if isinstance(exc, SocketPathError):
+        why = str(exc)
+    else:
+        name = errno.errorcode.get(exc.errno or 0, "")
+        where = os.fsdecode(exc.filename) if exc.filename is not None else path
+        why = f"{where}: {exc.strerror or exc} (errno {exc.errno}{', ' + name if name else ''})"
+    hint = (
+        "; as a user other than root, set XDG_RUNTIME_DIR (the default is then "
+        "$XDG_RUNTIME_DIR/dedupcore/dedupcore.sock) or name a path"
+        if os.geteuid() != 0
+        else "; name a path"
+    )
+    return (
+        f"cannot serve the socket {path}: {why}{hint} this user may create: "
+        "`dedupcore serve --socket PATH` or DEDUPCORE_SOCKET=PATH (docs/daemon-config.md)"
+    )
 
 
 def _start_sweeper(store: Any, stop: threading.Event, interval: float = 60.0) -> None:
