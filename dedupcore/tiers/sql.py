@@ -81,9 +81,10 @@ was cut off may or may not have been applied: the caller gets
 ``UnavailableError`` and may retry (an owner gets its own claim back, a
 completion with the same token is a no-op). A store from
 :meth:`SqlStore.from_url` connects on its first call (a database that is
-down fails that call, not the open) and waits a bounded time for every
-answer (``timeout``; see there), so a server that stops answering fails a
-call instead of blocking it. A database error that refuses the request's
+down fails that call, not the open) and gives each call one deadline
+(``timeout``, 5 s; see there and docs/timeouts.md), so a server that stops
+answering fails a call within ``timeout``, connects and retries included,
+instead of blocking it. A database error that refuses the request's
 own data (out of range, too long, a CHECK) is a
 :class:`~dedupcore.tiers.base.RequestRefusedError`, a ``ValueError``: the
 arguments are all checked before they are sent, so it only happens when the

@@ -367,3 +367,16 @@ def test_a_sql_call_with_no_time_left_fails_before_it_sends_anything(
         with pytest.raises(UnavailableError, match="no answer within the call's timeout of 1 s"):
             store._tx(lambda cur: None)
     assert busy == []
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), 1e39])
+def test_a_sql_store_refuses_a_bad_timeout_before_connecting(bad: float) -> None:
+    from dedupcore.tiers.sql import SqlStore
+
+    def never() -> Any:
+        raise AssertionError("nothing may connect")
+
+    with pytest.raises(ValueError, match="timeout"):
+        SqlStore(never, dialect="sqlite", timeout=bad)
+    with pytest.raises(TypeError, match="timeout"):
+        SqlStore(never, dialect="sqlite", timeout="5")  # type: ignore[arg-type]
