@@ -41,6 +41,25 @@ def missing_extra(command: str, *modules: str) -> int | None:
     return None
 
 
+def _sql_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a SQL authority's table, shared by ``serve`` and ``sql init``
+    (the same keys in the TOML file; docs/sql-partitions.md)."""
+    parser.add_argument("--table", help="a SQL authority's table name (default dedup)")
+    parser.add_argument(
+        "--partition",
+        help="day or hour: keep a PostgreSQL or MariaDB table in partitions by each key's "
+        "event time (the time inside a time-ordered id; default none)",
+    )
+    parser.add_argument(
+        "--partition-tolerance",
+        help="seconds two event times of one message may differ across a partition "
+        "boundary (default 300)",
+    )
+    parser.add_argument(
+        "--partitions-ahead", help="partitions created ahead of the clock (default 3)"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dedupcore",
@@ -93,12 +112,20 @@ def _parser() -> argparse.ArgumentParser:
         "(default 127.0.0.1; 0.0.0.0 or :: for every interface)",
     )
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    _sql_table_arguments(serve)
 
     sql = sub.add_parser("sql", help="manage a SQL authority's dedup table")
     sql_sub = sql.add_subparsers(dest="sql_command", required=True)
     init = sql_sub.add_parser("init", help="create the dedup table (idempotent)")
-    init.add_argument("--url", required=True, help="postgresql://, mysql:// or sqlite:///path")
-    init.add_argument("--table", default="dedup", help="table name (default dedup)")
+    init.add_argument(
+        "--url",
+        help="postgresql://, mysql:// or sqlite:///path (default: the SQL authorities of --config)",
+    )
+    init.add_argument(
+        "--config",
+        help="serve's TOML file: its SQL authorities, table, partitions and retention",
+    )
+    _sql_table_arguments(init)
 
     stats = sub.add_parser("stats", help="print a running daemon's figures")
     stats.add_argument(
@@ -163,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_serve(args)
     if args.command == "sql":
-        return _sql_init(args.url, args.table)
+        return _sql_init(args)
     if args.command == "stats":
         from dedupcore.cli.serve import run_stats
 
@@ -187,15 +214,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
-def _sql_init(url: str, table: str) -> int:
+def _sql_init(args: argparse.Namespace) -> int:
+    """Creates the table of ``--url``, or of each SQL authority of ``--config``, with
+    the table, partition and retention settings of the options, environment and file."""
+    from dedupcore.cli import config
     from dedupcore.errors import DedupError
     from dedupcore.tiers.sql import SqlStore
 
     try:
-        with SqlStore.from_url(url, table=table) as store:
-            store.init_schema()
-            print(f"dedup table {table!r} ready on {store.dialect} {store.server_version()}")
-    except (DedupError, ValueError, TypeError) as exc:
+        settings = config.load(args)
+    except config.SettingsError as exc:
         print(f"dedupcore sql init: {exc}", file=sys.stderr)
         return 1
+    urls = [args.url] if args.url else settings.values.get("authority") or []
+    others = [u for u in urls if not u.startswith(config.SQL_SCHEMES)]
+    if not urls or others:
+        which = f"; {others[0]!r} is not" if others else ""
+        print(
+            "dedupcore sql init: give a SQL URL with --url, or a --config whose authority is "
+            f"SQL (postgresql://, mysql://, sqlite:///){which}",
+            file=sys.stderr,
+        )
+        return 1
+    options = settings.sql_options()
+    table = options.get("table", "dedup")
+    layout = f", partitioned by {options['partition']}" if options.get("partition") else ""
+    for url in urls:
+        try:
+            with SqlStore.from_url(
+                url,
+                retention=settings.retention,
+                namespaces=dict(settings.namespaces),
+                **options,
+            ) as store:
+                store.init_schema()
+                print(
+                    f"dedup table {table!r} ready on {store.dialect} "
+                    f"{store.server_version()}{layout}"
+                )
+        except (DedupError, ValueError, TypeError) as exc:
+            print(f"dedupcore sql init: {exc}", file=sys.stderr)
+            return 1
     return 0

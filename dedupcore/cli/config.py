@@ -35,6 +35,7 @@ from dedupcore.client import default_socket
 from dedupcore.config import DURABILITY_MODES, Retention, StoreConfig, check_lease
 from dedupcore.daemon.server import DaemonServer
 from dedupcore.keys import check_namespace
+from dedupcore.tiers.sql import PARTITION_SPANS
 
 __all__ = ["Settings", "SettingsError", "load", "parse_duration", "to_toml"]
 
@@ -146,6 +147,13 @@ def _host(value: object) -> str:
     return text
 
 
+def _partition(value: object) -> str:
+    text = _text(value)
+    if text not in PARTITION_SPANS:
+        raise ValueError(f"must be one of {', '.join(PARTITION_SPANS)}, got {text!r}")
+    return text
+
+
 def _log_level(value: object) -> str:
     text = _text(value).upper()
     if text not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -169,6 +177,10 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "metrics_port": lambda v: _count(v, 1, 65535),
     "metrics_host": _host,
     "log_level": _log_level,
+    "table": _text,  # SqlStore checks it is an SQL identifier
+    "partition": _partition,
+    "partition_tolerance": parse_duration,
+    "partitions_ahead": lambda v: _count(v, 1, 1000),
     "write_timeout": _positive_seconds,
     "idle_timeout": _positive_seconds,
     "max_unsent": lambda v: _count(v, 1),
@@ -178,7 +190,22 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "drain_timeout": _positive_seconds,
 }
 #: Keys without a default: left out of the printed settings when unset.
-OPTIONAL = ("authority", "cache", "archive", "group", "allow_uid", "metrics_port")
+OPTIONAL = (
+    "authority",
+    "cache",
+    "archive",
+    "group",
+    "allow_uid",
+    "metrics_port",
+    "table",
+    "partition",
+    "partition_tolerance",
+    "partitions_ahead",
+)
+#: Keys of a SQL authority's table, passed to SqlStore by name (docs/sql-partitions.md).
+SQL_KEYS = ("table", "partition", "partition_tolerance", "partitions_ahead")
+#: The URL schemes of a SQL authority.
+SQL_SCHEMES = ("postgresql://", "postgres://", "mysql://", "mariadb://", "sqlite:///")
 #: Keys that are limits of DaemonServer, passed to it by name.
 SERVER_LIMITS = (
     "max_connections",
@@ -227,7 +254,22 @@ class Settings:
         }
         if not remote:
             options["durability"] = self.values["durability"]
+        sql = self.sql_options()
+        if sql:
+            targets = self.values.get("authority") or [self.values["data"]]
+            other = [t for t in targets if not t.startswith(SQL_SCHEMES)]
+            if other:
+                raise SettingsError(
+                    f"{', '.join(sql)}: only a SQL authority (postgresql://, mysql://, "
+                    f"sqlite:///) has a table, and {other[0]!r} is not one"
+                )
+            options.update(sql)
         return options
+
+    def sql_options(self) -> dict[str, Any]:
+        """The SQL table settings that are set, as SqlStore keywords (the others keep
+        SqlStore's defaults: table ``dedup``, no partitions, tolerance 300 s, 3 ahead)."""
+        return {key: self.values[key] for key in SQL_KEYS if self.values.get(key) is not None}
 
     def server_options(self) -> dict[str, Any]:
         """Keyword arguments of DaemonServer."""
@@ -319,6 +361,12 @@ def load(
         value = getattr(args, key, None)
         if value is not None:
             values[key] = _checked(key, value, "--" + key.replace("_", "-"))
+    unbound = [k for k in ("partition_tolerance", "partitions_ahead") if values.get(k) is not None]
+    if unbound and values.get("partition") is None:
+        raise SettingsError(
+            f"{unbound[0]}: set with no partition; it applies to a partitioned table "
+            '(partition = "day" or "hour", docs/sql-partitions.md)'
+        )
     return Settings(values, retention, namespaces)
 
 

@@ -101,6 +101,33 @@ def test_the_example_file_loads_with_its_policies() -> None:
     }
 
 
+def test_the_example_files_sql_authority_block_loads(tmp_path: Path) -> None:
+    """The commented SQL authority of the example, uncommented, loads and gives SqlStore
+    its table and partition settings."""
+    lines = EXAMPLE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# authority = "))
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("# "):
+            break
+        block.append(line[2:])
+    config = write(tmp_path, "\n".join([*block, *lines]) + "\n", "sql.toml")  # top level
+    s = load(serve_args("--config", str(config)), environ={})
+    assert s.values["authority"] == ["postgresql://dedupcore@db.internal/dedup"]
+    options = s.store_options(remote=True)
+    assert {k: options[k] for k in ("table", "partition", "partition_tolerance")} == {
+        "table": "dedup_by_day",
+        "partition": "day",
+        "partition_tolerance": 300.0,
+    }
+    assert options["partitions_ahead"] == 3
+    # Beside the embedded store's data directory they are refused.
+    with pytest.raises(SettingsError, match="only a SQL authority"):
+        load(serve_args("--config", str(EXAMPLE), "--partition", "day"), environ={}).store_options(
+            remote=False
+        )
+
+
 def test_defaults_file_environment_command_line_in_rising_precedence(tmp_path: Path) -> None:
     config = write(tmp_path, 'lease = 10\nidle_timeout = "1m"\nsocket = "/tmp/a.sock"\n')
     env = {"DEDUPCORE_LEASE": "20", "DEDUPCORE_IDLE_TIMEOUT": "2m", "DEDUPCORE_GROUP": "wheel"}
