@@ -27,12 +27,12 @@ from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
+from tests.authorities.conftest import require_server
+from tests.authorities.test_sql_store import MY_URL, PG_URL
 from tests.daemon.conftest import PATIENCE, Daemon
 from tests.daemon.conftest import daemon as daemon  # a fixture
 from tests.daemon.conftest import module_lab as module_lab  # a fixture
 from tests.daemon.conftest import ns as ns  # a fixture
-from tests.integration.conftest import require_server
-from tests.integration.test_sql_store import MY_URL, PG_URL
 
 #: The authorities and stacks that live outside this process's data directory.
 SERVER_APIS = ["redis_store", "sql_postgresql", "sql_mysql", "sql_sqlite", "tiered", "sharded"]

@@ -223,7 +223,7 @@ def test_complete_many_and_release_many(api: ClaimAPI, ns: str) -> None:
 
 
 # A sharded batch is not atomic across shards (ShardedStore's docstring);
-# tests/integration/test_stack.py checks what it does instead.
+# tests/authorities/test_stack.py checks what it does instead.
 @pytest.mark.parametrize(
     "api", ["store", "client", *(a for a in SERVER_APIS if a != "sharded")], indirect=True
 )

@@ -58,8 +58,8 @@ from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipP
 
 from dedupcore.api import ClaimAPI
 from dedupcore.cli import config as serve_config
+from tests.authorities.conftest import require_server
 from tests.daemon.conftest import Lab
-from tests.integration.conftest import require_server
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The documents whose blocks are run.

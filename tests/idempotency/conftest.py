@@ -15,8 +15,8 @@ import pytest
 
 from dedupcore import DedupStore
 from dedupcore.api import ClaimAPI
+from tests.authorities.conftest import require_server
 from tests.daemon.conftest import Daemon, Lab, daemon, module_lab  # noqa: F401
-from tests.integration.conftest import require_server
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
 STORE_KINDS = ("embedded", "daemon", "redis")

@@ -25,7 +25,7 @@ from dedupcore.integrations.rabbitmq import (
     Verdict,
 )
 from dedupcore.record import State
-from tests.integration.conftest import require_server
+from tests.authorities.conftest import require_server
 
 from .conftest import AMQP_URL, STORE_KINDS, FirstBlocks, uid
 

@@ -2,7 +2,7 @@
 
 Every test makes tables of its own (random names, dropped afterwards), since
 other runs use the same databases at the same time. A server that does not
-answer skips its tests (fails them under CI=true), as in tests/integration.
+answer skips its tests (fails them under CI=true), as in tests/authorities.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import require_server
+from tests.authorities.conftest import require_server
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MY_ARGS: dict[str, Any] = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}

@@ -3,7 +3,7 @@
 The hooks are driven without a server: redis-py's retry and connection
 methods under a deadline (each attempt's time left, no retry with too
 little left), the SQL store's bounded connect and its deadlock retries.
-Real servers that stop answering are in tests/integration/test_deadlines.py.
+Real servers that stop answering are in tests/authorities/test_deadlines.py.
 """
 
 from __future__ import annotations
