@@ -209,7 +209,7 @@ def test_a_batch_is_handed_to_the_gc_whole_while_collections_run_during_it(
     """Claims stay out of the GC while their batch is built and are all tracked when it
     is returned: collections set off in the middle (here by unpacking each stored
     result) neither free nor walk the claims built so far."""
-    import dedupcore.store as store_mod
+    import dedupcore.store.store as store_mod
 
     unpack = store_mod._unpack_stored
     calls = 0
@@ -247,7 +247,7 @@ def test_a_batch_given_up_while_built_frees_its_untracked_claims(
 ) -> None:
     """An error in the middle of building a batch's answer drops the claims built so
     far (untracked) without a crash or a leak, and claims nothing."""
-    import dedupcore.store as store_mod
+    import dedupcore.store.store as store_mod
 
     unpack = store_mod._unpack_stored
     calls = 0

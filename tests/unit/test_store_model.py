@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import dedupcore.store as store_module
+import dedupcore.store.store as store_module
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
