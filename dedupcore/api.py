@@ -40,7 +40,13 @@ from typing import Any, ParamSpec, TypeVar
 import msgpack
 
 import dedupcore._engine as _engine
-from dedupcore.errors import ConflictError, DedupError, StaleTokenError
+from dedupcore.errors import (
+    ConflictError,
+    DedupError,
+    InProgressError,
+    KeyPathError,
+    StaleTokenError,
+)
 from dedupcore.record import State
 
 __all__ = [
@@ -120,10 +126,6 @@ class KeyRecord:
     created: float
     updated: float
     exact: bool = True
-
-
-class InProgressError(DedupError):
-    """Raised by :meth:`DedupStore.idempotent` while another owner holds the key."""
 
 
 def check_token(token: object) -> int:
@@ -244,10 +246,6 @@ def unpack_result(raw: bytes | None) -> Any:
 
 
 # -- conveniences of the decorator: key paths, the disable switch, the cache ----------
-
-
-class KeyPathError(DedupError, LookupError):
-    """A key path found nothing (or an empty value) in the payload: no key to dedup on."""
 
 
 _PATH_TOKEN = re.compile(r'\.?(?:"((?:[^"\\]|\\.)*)"|([^.\[\]"]+))|\[(-?\d+)\]')

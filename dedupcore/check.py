@@ -31,7 +31,11 @@ import lmdb
 
 import dedupcore._engine as _engine
 from dedupcore.bloom import RING_MANIFEST, BloomFilter, BloomRing
-from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+from dedupcore.errors import (
+    CorruptFileError,
+    NotADataDirectoryError,
+    UnsupportedFormatError,
+)
 from dedupcore.store import FRONT_COVERS, LOCK_FILE, LOG_HEAD_FILE, read_covers
 from dedupcore.tiers.lmdb import LmdbTier, SliceInfo
 from dedupcore.wal import WriteAheadLog
@@ -59,10 +63,6 @@ _SLICE_META = struct.Struct("<QQQB")
 
 #: (stage, done, total) while the check runs: a progress bar's feed.
 Progress = Callable[[str, int, int], None]
-
-
-class NotADataDirectoryError(DedupError, ValueError):
-    """The path is not a data directory of the embedded store."""
 
 
 @dataclass

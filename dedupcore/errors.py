@@ -7,6 +7,8 @@ do not know dedupcore.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DedupError(Exception):
     """Root of every dedupcore error."""
@@ -61,3 +63,93 @@ class UnsupportedPlatformError(DedupError, OSError):
     For example ``SO_PEERCRED``, with which the daemon checks who connects: only
     Linux has it.
     """
+
+
+# -- the embedded store and its log ------------------------------------------------
+
+
+class StoreLockedError(DedupError, BlockingIOError):
+    """The data directory is owned by another process."""
+
+
+class WalFailedError(DedupError, OSError):
+    """A write to the log failed earlier; its tail is unknown, so it refuses to append.
+
+    Reopen the log: opening finds the last valid record and cuts the rest.
+    """
+
+
+class NotADataDirectoryError(DedupError, ValueError):
+    """The path is not a data directory of the embedded store."""
+
+
+# -- remote authorities -----------------------------------------------------------------
+
+
+class RequestRefusedError(DedupError, ValueError):
+    """A server refused a request's arguments or data: a bad request, not an outage.
+
+    Retrying cannot help, so it is a ``ValueError`` as every other bad input,
+    never an :class:`~dedupcore.errors.UnavailableError` (which callers retry).
+    """
+
+
+class PartitionDroppedError(DedupError, ValueError):
+    """The event time's partition was dropped (it is older than the exact window).
+
+    The store has no row to decide with and nowhere to write one; a stack
+    with a cold archive answers the keys the archive holds before they get
+    here (docs/sql-partitions.md).
+    """
+
+
+# -- the claim API's conveniences ----------------------------------------------------------
+
+
+class InProgressError(DedupError):
+    """Raised by :meth:`DedupStore.idempotent` while another owner holds the key."""
+
+
+class KeyPathError(DedupError, LookupError):
+    """A key path found nothing (or an empty value) in the payload: no key to dedup on."""
+
+
+# -- the daemon's protocol ----------------------------------------------------------------
+
+
+class FrameError(DedupError, ValueError):
+    """A frame or message that does not follow the protocol."""
+
+
+# -- patterns and integrations -----------------------------------------------------------
+
+
+class InvalidTokenError(DedupError, ValueError):
+    """The token was not issued with this secret and namespace: forged, garbled or foreign."""
+
+
+class ExpiredTokenError(InvalidTokenError):
+    """The token is genuine but its expiry has passed and it was never redeemed."""
+
+
+class UnstoredResultError(DedupError, ValueError):
+    """The operation ran once, but its result could not be stored (or is no longer stored).
+
+    ``result`` holds the value on the attempt that produced it, and is None
+    on retries. The token is used up: the operation will not run again.
+    """
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class MissingKeyError(ValueError):
+    """A message carries no dedup key (no business id, key header or message id)."""
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names the key and where it came from."""

@@ -170,7 +170,7 @@ from typing import Any, Literal, TypeVar
 import dedupcore._core as _core
 import dedupcore._platform as _platform
 from dedupcore.bloom import atomic_write
-from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+from dedupcore.errors import CorruptFileError, UnsupportedFormatError, WalFailedError
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -209,13 +209,6 @@ _HEAD_OPEN, _HEAD_CLEAN = 0, 1
 
 _SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
 _TMP_RE = re.compile(r"\.wal-\d{20}\.log\.[^/]*tmp")
-
-
-class WalFailedError(DedupError, OSError):
-    """A write to the log failed earlier; its tail is unknown, so it refuses to append.
-
-    Reopen the log: opening finds the last valid record and cuts the rest.
-    """
 
 
 def _segment_name(first_lsn: int) -> str:

@@ -34,14 +34,11 @@ else:  # pragma: no cover
 from dedupcore.client import default_socket
 from dedupcore.config import DURABILITY_MODES, Retention, StoreConfig, check_lease
 from dedupcore.daemon.server import DaemonServer
+from dedupcore.errors import SettingsError
 from dedupcore.keys import check_namespace
 from dedupcore.tiers.sql import PARTITION_SPANS
 
 __all__ = ["Settings", "SettingsError", "load", "parse_duration", "to_toml"]
-
-
-class SettingsError(ValueError):
-    """A setting that cannot be used; the message names the key and where it came from."""
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

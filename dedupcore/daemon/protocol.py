@@ -45,6 +45,7 @@ import dedupcore._engine as _engine
 import dedupcore.errors as errors
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
+from dedupcore.errors import FrameError
 from dedupcore.record import State
 from dedupcore.store import ReplyColumns, StoreLockedError
 from dedupcore.wal import WalFailedError
@@ -100,10 +101,6 @@ class Status(enum.IntEnum):
 
     OK = 0
     ERROR = 1
-
-
-class FrameError(errors.DedupError, ValueError):
-    """A frame or message that does not follow the protocol."""
 
 
 @dataclass(frozen=True, slots=True)

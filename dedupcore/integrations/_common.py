@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar, Union
 
 import dedupcore.keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
-from dedupcore.errors import StaleTokenError, UnavailableError
+from dedupcore.errors import MissingKeyError, StaleTokenError, UnavailableError
 from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
 from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
@@ -47,10 +47,6 @@ log = logging.getLogger("dedupcore.integrations")
 KeyFunc = Callable[[bytes, Mapping[str, Any]], bytes | str | int | None]
 #: Called after the dedup decision is durable (completed / committed) and before the ack.
 BeforeAck = Callable[["Delivery", Outcome], None]
-
-
-class MissingKeyError(ValueError):
-    """A message carries no dedup key (no business id, key header or message id)."""
 
 
 class Verdict(enum.Enum):

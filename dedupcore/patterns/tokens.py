@@ -84,7 +84,13 @@ from dedupcore.api import (
     result_refused,
     unpack_result,
 )
-from dedupcore.errors import ConflictError, DedupError, StaleTokenError
+from dedupcore.errors import (
+    ConflictError,
+    ExpiredTokenError,
+    InvalidTokenError,
+    StaleTokenError,
+    UnstoredResultError,
+)
 from dedupcore.keys import check_namespace
 from dedupcore.record import State
 
@@ -121,26 +127,6 @@ _FP_CONTEXT = b"dedupcore.tokens.fingerprint\x00"
 # Stored results are an envelope, so that "no result" is never mistaken for one.
 _STORED = 1  # [1, value]
 _UNSTORED = 0  # [0, why]
-
-
-class InvalidTokenError(DedupError, ValueError):
-    """The token was not issued with this secret and namespace: forged, garbled or foreign."""
-
-
-class ExpiredTokenError(InvalidTokenError):
-    """The token is genuine but its expiry has passed and it was never redeemed."""
-
-
-class UnstoredResultError(DedupError, ValueError):
-    """The operation ran once, but its result could not be stored (or is no longer stored).
-
-    ``result`` holds the value on the attempt that produced it, and is None
-    on retries. The token is used up: the operation will not run again.
-    """
-
-    def __init__(self, message: str, result: Any = None) -> None:
-        super().__init__(message)
-        self.result = result
 
 
 @dataclass(frozen=True, slots=True)

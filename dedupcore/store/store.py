@@ -118,8 +118,7 @@ def _evict_pacing() -> tuple[int, bool]:
     return _EVICT_STEP_COARSE, False
 
 
-class StoreLockedError(DedupError, BlockingIOError):
-    """The data directory is owned by another process."""
+from dedupcore.errors import StoreLockedError  # noqa: E402 (defined in errors.py)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import dedupcore.keys as _keys
 from dedupcore.api import Claim, KeyRecord
 from dedupcore.config import Retention
-from dedupcore.errors import DedupError
+from dedupcore.errors import RequestRefusedError
 
 __all__ = [
     "MAX_TIMEOUT_SECONDS",
@@ -57,14 +57,6 @@ __all__ = [
 MAX_WINDOW_SECONDS = 100 * 365 * 86400.0
 #: Longest connect/reply timeout accepted for a remote authority.
 MAX_TIMEOUT_SECONDS = 3600.0
-
-
-class RequestRefusedError(DedupError, ValueError):
-    """A server refused a request's arguments or data: a bad request, not an outage.
-
-    Retrying cannot help, so it is a ``ValueError`` as every other bad input,
-    never an :class:`~dedupcore.errors.UnavailableError` (which callers retry).
-    """
 
 
 def durability_report(store: Any) -> tuple[int, str]:
