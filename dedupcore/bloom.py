@@ -36,7 +36,6 @@ import math
 import mmap as _mmap
 import os
 import struct
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import dedupcore._core as _core
+from dedupcore._files import FileHeader, mkdir_private
+from dedupcore._files import atomic_write as atomic_write  # re-exported for older importers
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
 
@@ -62,7 +63,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHHIQQQdQQ56xQ")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 128
-_HEADER_CHECKED = HEADER_SIZE - 8
+_FORMAT = FileHeader(HEADER, MAGIC, FORMAT_VERSION, "a dedupcore Bloom filter")
 MAX_SEED = (1 << 64) - 1
 
 Keys = Iterable[bytes | bytearray | memoryview | str] | memoryview
@@ -142,49 +143,6 @@ def _check_seed(seed: object) -> int:
     return seed
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _mkdir_private(path: Path) -> None:
-    """Creates ``path`` and its missing parents with mode 0o700 (``mkdir -p`` ignores the mode
-    for parents): the filters tell which keys were seen, so only the owner may read them."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o700, exist_ok=True)
-
-
-def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes | memoryview]) -> None:
-    """Writes a file so that readers see the old or the new content, never a mix.
-
-    Temp file in the same directory, fsync, rename over the target, fsync of
-    the directory (so the rename itself survives a power loss).
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
-
-
 @dataclass(frozen=True)
 class _Header:
     seed: int
@@ -196,9 +154,7 @@ class _Header:
 
 
 def _pack_header(bf: _core.BlockFilter, count: int, body_checksum: int) -> bytes:
-    head = HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
+    return _FORMAT.pack(
         _core.HASH_ALGORITHM_XXH64,
         _core.BLOCK_BYTES,
         bf.seed,
@@ -207,9 +163,7 @@ def _pack_header(bf: _core.BlockFilter, count: int, body_checksum: int) -> bytes
         bf.error_rate,
         count,
         body_checksum,
-        0,
     )
-    return head[:_HEADER_CHECKED] + struct.pack("<Q", _core.hash64(head[:_HEADER_CHECKED]))
 
 
 def _serialize(bf: _core.BlockFilter) -> tuple[bytes, bytes]:
@@ -219,13 +173,7 @@ def _serialize(bf: _core.BlockFilter) -> tuple[bytes, bytes]:
 
 
 def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
-    if len(head) < HEADER_SIZE:
-        raise CorruptFileError(
-            f"{source}: truncated: {len(head)} bytes, shorter than the {HEADER_SIZE}-byte header"
-        )
     (
-        magic,
-        version,
         algorithm,
         block_bytes,
         seed,
@@ -234,19 +182,7 @@ def _parse_header(head: bytes, total_size: int, source: str) -> _Header:
         error_rate,
         count,
         body_checksum,
-        header_checksum,
-    ) = HEADER.unpack_from(head)
-    if magic != MAGIC:
-        raise CorruptFileError(f"{source}: not a dedupcore Bloom filter (magic {magic!r})")
-    if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{source}: format version {version} is newer than this dedupcore reads "
-            f"({FORMAT_VERSION}); upgrade dedupcore"
-        )
-    if header_checksum != _core.hash64(bytes(head[:_HEADER_CHECKED])):
-        raise CorruptFileError(f"{source}: header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise CorruptFileError(f"{source}: invalid format version {version}")
+    ) = _FORMAT.unpack(head, source)
     if algorithm != _core.HASH_ALGORITHM_XXH64:
         raise UnsupportedFormatError(f"{source}: unknown hash algorithm id {algorithm}")
     if block_bytes != _core.BLOCK_BYTES:
@@ -544,7 +480,7 @@ class BloomRing:
         self._lock = threading.RLock()
         self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
         if self.path is not None:
-            _mkdir_private(self.path)
+            mkdir_private(self.path)
 
     # -- time ----------------------------------------------------------------
 

@@ -49,6 +49,7 @@ import struct
 from pathlib import Path
 
 import dedupcore._core as _core
+from dedupcore._files import FILE_MODE, FileHeader, resize_durably
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 
 __all__ = ["KeyLog", "fuse_file_chunks", "open_fuse"]
@@ -59,7 +60,14 @@ MAX_PARAMS = 6
 FUSE_HEADER = struct.Struct("<8sHHIQQQ6Q32xQ")
 FUSE_HEADER_SIZE = FUSE_HEADER.size
 assert FUSE_HEADER_SIZE == 128
-_FUSE_CHECKED = FUSE_HEADER_SIZE - 8
+_FORMAT = FileHeader(
+    FUSE_HEADER,
+    FUSE_MAGIC,
+    FUSE_VERSION,
+    "a dedupcore fuse filter",
+    newer="fuse format version",
+    invalid="invalid fuse format version {version}",
+)
 
 LOG_MAGIC = b"DKLG"
 LOG_HEAD = struct.Struct("<4sIQ")
@@ -72,9 +80,7 @@ def _pack_fuse_header(fuse: _core.FuseFilter, seed: int) -> bytes:
     params = tuple(fuse.params)
     if len(params) > MAX_PARAMS:
         raise ValueError(f"a fuse filter with {len(params)} parameters does not fit the header")
-    head = FUSE_HEADER.pack(
-        FUSE_MAGIC,
-        FUSE_VERSION,
+    return _FORMAT.pack(
         _core.HASH_ALGORITHM_XXH64,
         len(params),
         seed,
@@ -82,9 +88,7 @@ def _pack_fuse_header(fuse: _core.FuseFilter, seed: int) -> bytes:
         fuse._checksum(),
         *params,
         *([0] * (MAX_PARAMS - len(params))),
-        0,
     )
-    return head[:_FUSE_CHECKED] + LOG_TAIL.pack(_core.hash64(head[:_FUSE_CHECKED]))
 
 
 def fuse_file_chunks(fuse: _core.FuseFilter, seed: int) -> list[bytes | memoryview]:
@@ -109,25 +113,9 @@ def open_fuse(
     source = os.fspath(path)
     with open(source, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        head = fh.read(FUSE_HEADER_SIZE)
-        if len(head) < FUSE_HEADER_SIZE:
-            raise CorruptFileError(
-                f"{source}: truncated: {len(head)} bytes, shorter than the "
-                f"{FUSE_HEADER_SIZE}-byte header"
-            )
-        magic, version, algorithm, nparams, seed, count, body_sum, *rest = FUSE_HEADER.unpack(head)
-        params, header_sum = tuple(rest[:MAX_PARAMS]), rest[MAX_PARAMS]
-        if magic != FUSE_MAGIC:
-            raise CorruptFileError(f"{source}: not a dedupcore fuse filter (magic {magic!r})")
-        if version > FUSE_VERSION:
-            raise UnsupportedFormatError(
-                f"{source}: fuse format version {version} is newer than this dedupcore reads "
-                f"({FUSE_VERSION}); upgrade dedupcore"
-            )
-        if header_sum != _core.hash64(head[:_FUSE_CHECKED]):
-            raise CorruptFileError(f"{source}: header checksum mismatch")
-        if version != FUSE_VERSION:
-            raise CorruptFileError(f"{source}: invalid fuse format version {version}")
+        algorithm, nparams, seed, count, body_sum, *params = _FORMAT.unpack(
+            fh.read(FUSE_HEADER_SIZE), source
+        )
         if algorithm != _core.HASH_ALGORITHM_XXH64:
             raise UnsupportedFormatError(f"{source}: unknown hash algorithm id {algorithm}")
         if not 1 <= nparams <= MAX_PARAMS:
@@ -145,7 +133,7 @@ def open_fuse(
     body = whole[FUSE_HEADER_SIZE:]
     try:
         # _attach checks that the body's length is exactly what the parameters say.
-        fuse._attach(body, params[:nparams], count, copy=not mmap)
+        fuse._attach(body, tuple(params[:nparams]), count, copy=not mmap)
     except ValueError as exc:
         raise CorruptFileError(f"{source}: {exc}") from None
     finally:
@@ -205,9 +193,7 @@ class KeyLog:
             return None
         if hashes < committed:
             return None
-        with open(path, "r+b") as fh:
-            fh.truncate(valid)
-            os.fsync(fh.fileno())
+        resize_durably(path, valid)
         log.hashes = hashes
         return log
 
@@ -215,7 +201,7 @@ class KeyLog:
         """Appends ``hashes`` (a uint64 buffer) in checksummed chunks, then fsyncs."""
         raw = memoryview(hashes).cast("B")
         # Owner only, as every file of the store: the hashes tell which keys were seen.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         with open(fd, "ab") as fh:
             for start in range(0, len(raw), 8 * LOG_CHUNK):
                 body = raw[start : start + 8 * LOG_CHUNK]

@@ -57,6 +57,7 @@ from typing import Any, Protocol, TypeVar, cast
 import lmdb
 
 import dedupcore._engine as _engine
+from dedupcore._files import DIR_MODE, resize_durably
 from dedupcore.bloom import BloomFilter
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
 
@@ -169,7 +170,7 @@ class LmdbTier:
         data = self.path / "data.mdb"
         if not readonly:
             # Records hold results: only the owner may list or read them.
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         elif not data.exists():
             raise CorruptFileError(f"{self.path}: no LMDB environment to open read-only")
         if data.exists() and data.stat().st_size < _MIN_DATA_BYTES:
@@ -187,7 +188,7 @@ class LmdbTier:
                 sync=sync,
                 metasync=sync,
                 lock=True,
-                mode=0o700,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
+                mode=DIR_MODE,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
                 readahead=False,
                 meminit=False,
             )
@@ -304,7 +305,7 @@ class LmdbTier:
                 return saved
         built = self._build_filter(info, max(info.records, 1000) if info.sealed else None)
         if info.sealed and not self.readonly:
-            self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
             built.save(self._filter_path(info))
         return built
 
@@ -340,7 +341,7 @@ class LmdbTier:
             return
         info = self._slices[-1]
         assert info.filter is not None
-        self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         info.filter.save(self.filters_dir / self._open_filter_name(info))
 
     def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
@@ -598,7 +599,7 @@ class LmdbTier:
         with self._txn() as txn:
             info.records = int(txn.stat(info.db)["entries"])
         bf = self._build_filter(info, max(info.records, 1000))
-        self.filters_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         bf.save(self._filter_path(info))
         info.sealed = True
         self._write(lambda txn: txn.put(info.meta_key(), info.meta_value(), db=self.meta))
@@ -788,9 +789,4 @@ class LmdbTier:
         used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
         if data.stat().st_size >= used:
             return
-        fd = os.open(data, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, used)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        resize_durably(data, used)
