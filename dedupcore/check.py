@@ -36,7 +36,7 @@ from dedupcore.errors import (
     NotADataDirectoryError,
     UnsupportedFormatError,
 )
-from dedupcore.store import FRONT_COVERS, LOCK_FILE, LOG_HEAD_FILE, read_covers
+from dedupcore.store.store import FRONT_COVERS, LOCK_FILE, LOG_HEAD_FILE, read_covers
 from dedupcore.tiers.lmdb import LmdbTier, SliceInfo
 from dedupcore.wal import WriteAheadLog
 

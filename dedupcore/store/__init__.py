@@ -5,18 +5,14 @@ modules of this package hold the store by concern (docs/architecture.md).
 """
 
 from dedupcore.store.store import (
-    FRONT_COVERS,
-    LOCK_FILE,
-    LOG_HEAD_FILE,
     Claim,
     DedupStore,
     InProgressError,
     KeyRecord,
     Outcome,
-    ReplyColumns,
     StoreLockedError,
-    read_covers,
 )
+from dedupcore.store.store import ReplyColumns as ReplyColumns  # the daemon's reply
 
 __all__ = [
     "Claim",
