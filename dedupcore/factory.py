@@ -35,7 +35,7 @@ def _open_authority(target: Any, options: dict[str, Any]) -> ClaimAPI:
             f"an authority is a URL, a directory or a store object, not {type(target).__name__}"
         )
     if target.startswith(_REDIS_SCHEMES):
-        from dedupcore.tiers.redis import RedisStore
+        from dedupcore.redis import RedisStore
 
         return RedisStore.from_url(target, **options)
     if target.startswith(_SQL_SCHEMES):

@@ -60,7 +60,7 @@ class RedisCache(CacheTier):
         quickly is skipped rather than waited for. ``options`` are redis-py
         client arguments.
         """
-        from dedupcore.tiers.redis import deadline_client
+        from dedupcore.redis import deadline_client
 
         wait = check_timeout(timeout)
         cache = cls(deadline_client(url, wait, **options))

@@ -41,7 +41,13 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # files of their own: Bloom filters and rings, the write-ahead log
     1: ("dedupcore.fuse", "dedupcore.bloom", "dedupcore.wal"),
     # stores and tiers: the embedded store, LMDB, archive, Redis, SQL, cache
-    2: ("dedupcore.tiers.*", "dedupcore.store.*", "dedupcore.migrate", "dedupcore.check"),
+    2: (
+        "dedupcore.tiers.*",
+        "dedupcore.store.*",
+        "dedupcore.redis.*",
+        "dedupcore.migrate",
+        "dedupcore.check",
+    ),
     # built from stores: stacks and shards, write-behind, opening by URL, patterns, metrics
     3: (
         "dedupcore.stack",
