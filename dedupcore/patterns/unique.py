@@ -63,7 +63,7 @@ from typing import Any
 
 from dedupcore.api import Outcome
 from dedupcore.errors import SchemaError
-from dedupcore.tiers.dialect import (
+from dedupcore.sql.dialects import (
     detect_dialect,
     driver_error,
     is_unique_violation,

@@ -45,6 +45,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.tiers.*",
         "dedupcore.store.*",
         "dedupcore.redis.*",
+        "dedupcore.sql.*",
         "dedupcore.migrate",
         "dedupcore.check",
     ),
