@@ -8,6 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The shared base of every suite (tests/support/): its fixtures are seen everywhere, and
+# its asserts are rewritten as in test modules.
+pytest.register_assert_rewrite("tests.support")
+pytest_plugins = [
+    "tests.support.servers",
+    "tests.support.daemon",
+]
+
 # Correctness only: no per-example deadline (the machine is shared and timing drifts).
 settings.register_profile(
     "dedupcore",

@@ -34,9 +34,9 @@ from dedupcore.factory import open_store
 from dedupcore.record import State
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
+from tests.support.cluster import redis_cluster, redis_server
+from tests.support.servers import require_server
 
-from .cluster import redis_cluster, redis_server
-from .conftest import require_server
 from .test_sql_store import MY_URL, PG_URL
 
 NS = "deadline/test"

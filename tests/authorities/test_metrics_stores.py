@@ -3,7 +3,7 @@
 The scripted sequence of tests/unit/test_metrics.py runs against an
 instrumented RedisStore, SqlStore on PostgreSQL and daemon Client, each with
 a registry of its own, and must leave the same counts. The daemon is a real
-``dedupcore serve --metrics-port`` process (tests/daemon/conftest.py); its
+``dedupcore serve --metrics-port`` process (tests/support/daemon.py); its
 endpoint is scraped over HTTP. Each test uses its own Redis prefix, table,
 namespace or daemon.
 """
@@ -29,12 +29,11 @@ from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.conformance.conftest import take_over
-from tests.daemon.conftest import PATIENCE, Lab, child_env, unique_ns
-from tests.daemon.conftest import lab as lab  # a fixture
+from tests.support.cluster import free_port
+from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
+from tests.support.servers import require_server
 from tests.unit.test_metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value
 
-from .cluster import free_port
-from .conftest import require_server
 from .test_sql_store import PG_URL, Engine
 
 REDIS_DB = 14

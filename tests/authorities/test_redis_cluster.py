@@ -18,8 +18,7 @@ from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 from dedupcore.tiers.redis import RedisStore
-
-from .cluster import Cluster, free_port, redis_cluster
+from tests.support.cluster import Cluster, free_port, redis_cluster
 
 NS = "orders/billing"
 

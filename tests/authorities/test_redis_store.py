@@ -15,8 +15,7 @@ from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.redis import RedisStore
-
-from .cluster import free_port
+from tests.support.cluster import free_port
 
 NS = "orders/billing"
 

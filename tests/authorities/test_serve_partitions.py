@@ -22,10 +22,9 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.ids import IdGenerator, time_of
-from tests.daemon.conftest import PATIENCE, Lab, child_env, unique_ns
-from tests.daemon.conftest import lab as lab  # a fixture
+from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
+from tests.support.servers import require_server
 
-from .conftest import require_server
 from .test_sql_partitions import MY_URL, PG_URL, Engine
 
 SPANS = {"day": 86400, "hour": 3600}

@@ -23,8 +23,7 @@ from dedupcore.ids import pack
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.sql import PartitionDroppedError, SqlStore
-
-from .conftest import require_server
+from tests.support.servers import require_server
 
 NS = "orders/billing"
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -27,8 +27,7 @@ from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, Unavai
 from dedupcore.record import State
 from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.sql import SqlStore
-
-from .conftest import require_server
+from tests.support.servers import require_server
 
 NS = "orders/billing"
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -37,9 +37,9 @@ from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
+from tests.support.cluster import free_port, redis_server
+from tests.support.servers import require_server
 
-from .cluster import free_port, redis_server
-from .conftest import require_server
 from .test_sql_store import MY_URL, PG_URL, Engine, _counting_store
 
 NS = "orders/billing"

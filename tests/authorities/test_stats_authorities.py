@@ -18,10 +18,8 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.metrics import store_figures
-from tests.daemon.conftest import PATIENCE, Lab, child_env, unique_ns
-from tests.daemon.conftest import lab as lab  # a fixture
-
-from .conftest import require_server
+from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
+from tests.support.servers import require_server
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MY_URL = "mysql://root@127.0.0.1:3306/test"

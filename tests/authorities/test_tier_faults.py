@@ -33,8 +33,8 @@ from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
+from tests.support.cluster import RedisServer, free_port, redis_server
 
-from .cluster import RedisServer, free_port, redis_server
 from .test_sql_store import NS, Engine, _engine
 
 # -- Redis -------------------------------------------------------------------------

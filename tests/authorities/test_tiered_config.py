@@ -21,10 +21,8 @@ import redis
 from dedupcore.api import Outcome
 from dedupcore.record import State
 from dedupcore.tiers.sql import SqlStore
-from tests.daemon.conftest import Lab
-from tests.daemon.conftest import lab as lab  # a fixture
-
-from .conftest import require_server
+from tests.support.daemon import Lab
+from tests.support.servers import require_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERED = ROOT / "docs" / "tiered.toml"

@@ -16,8 +16,7 @@ from dedupcore.record import State
 from dedupcore.store import DedupStore
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.writebehind import WriteBehindStore
-
-from .cluster import free_port
+from tests.support.cluster import free_port
 
 NS = "orders/billing"
 URL = "redis://127.0.0.1:6379/12"

@@ -2,7 +2,7 @@
 
 ``api`` is, in turn: the embedded store in this process, a
 :class:`dedupcore.Client` talking to ``dedupcore serve`` (a real subprocess,
-from tests/daemon/conftest.py), Redis and each SQL engine as the authority
+from tests/support/daemon.py), Redis and each SQL engine as the authority
 (the machine's real servers), a stack with a front filter, a Redis cache and
 a cold archive over PostgreSQL, and a store sharded over Redis and SQLite.
 Servers and the daemon are shared by a test module; each test works in a
@@ -27,12 +27,9 @@ from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
-from tests.authorities.conftest import require_server
 from tests.authorities.test_sql_store import MY_URL, PG_URL
-from tests.daemon.conftest import PATIENCE, Daemon
-from tests.daemon.conftest import daemon as daemon  # a fixture
-from tests.daemon.conftest import module_lab as module_lab  # a fixture
-from tests.daemon.conftest import ns as ns  # a fixture
+from tests.support.daemon import PATIENCE, Daemon
+from tests.support.servers import require_server
 
 #: The authorities and stacks that live outside this process's data directory.
 SERVER_APIS = ["redis_store", "sql_postgresql", "sql_mysql", "sql_sqlite", "tiered", "sharded"]

@@ -34,8 +34,8 @@ from dedupcore.record import State
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.sql import SqlStore
-from tests.authorities.conftest import require_server
 from tests.authorities.test_sql_store import MY_URL, PG_URL
+from tests.support.servers import require_server
 
 from .conftest import wait_until
 

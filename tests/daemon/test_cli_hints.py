@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from dedupcore.cli import _parser
-
-from .conftest import ROOT
+from tests.support.daemon import ROOT
 
 PACKAGE = ROOT / "dedupcore"
 #: A command line quoted in a message: `dedupcore serve --data ...`.

@@ -19,8 +19,7 @@ from dedupcore.factory import open_store
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.sql import SqlStore
-
-from .conftest import ROOT, child_env
+from tests.support.daemon import ROOT, child_env
 
 EXAMPLE = ROOT / "docs" / "dedupcore.toml"
 DAY = 86400.0

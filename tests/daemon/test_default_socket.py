@@ -13,8 +13,7 @@ import pytest
 from dedupcore import aio
 from dedupcore.api import Outcome
 from dedupcore.client import Client
-
-from .conftest import PATIENCE, Daemon, Lab, child_env, unique_ns
+from tests.support.daemon import PATIENCE, Daemon, Lab, child_env, unique_ns
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.daemon.conftest import Lab
+from tests.support.daemon import Lab
 
 
 def _durability_lines(log: str) -> list[dict[str, object]]:

@@ -27,8 +27,8 @@ from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, DaemonServer
 from dedupcore.store import DedupStore
+from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
 
-from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import read_frame, read_until_eof, wait_until
 from .test_limits import RESULT, connect, daemon_stats
 

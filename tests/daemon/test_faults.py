@@ -25,8 +25,7 @@ from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op
 from dedupcore.errors import UnavailableError
-
-from .conftest import PATIENCE, Daemon, Lab, unique_ns
+from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
 
 NOBODY = 65534
 HEADER = struct.Struct(">I")

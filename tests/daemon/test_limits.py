@@ -24,8 +24,8 @@ from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.daemon.server import EXIT_STORE_FAILED
+from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
 
-from .conftest import PATIENCE, Daemon, Lab, unique_ns
 from .test_faults import (
     assert_serves,
     read_frame,

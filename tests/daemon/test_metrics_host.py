@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 
 from dedupcore.cli.config import SettingsError, load
+from tests.support.daemon import PATIENCE, Lab
 
-from .conftest import PATIENCE, Lab
 from .test_config import serve_args, write
 
 pytest.importorskip("prometheus_client")

@@ -18,8 +18,7 @@ from dedupcore.api import Outcome
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
-
-from .conftest import PATIENCE, Lab, unique_ns
+from tests.support.daemon import PATIENCE, Lab, unique_ns
 
 HEADER = struct.Struct(">I")
 

@@ -30,8 +30,7 @@ from dedupcore.errors import (
     UnavailableError,
 )
 from dedupcore.record import State
-
-from .conftest import Daemon, unique_ns
+from tests.support.daemon import Daemon, unique_ns
 
 HEADER = struct.Struct(">I")
 

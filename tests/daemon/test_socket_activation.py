@@ -21,8 +21,8 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon.server import DaemonServer, inherited_socket
+from tests.support.daemon import PATIENCE, Daemon, Lab, child_env, unique_ns
 
-from .conftest import PATIENCE, Daemon, Lab, child_env, unique_ns
 from .test_faults import NOBODY, ping_from_child, run_as
 
 #: What systemd does before it runs the service: the socket on descriptor 3, LISTEN_PID

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 
 from dedupcore.daemon.server import peer_admitted
+from tests.support.daemon import PATIENCE, Lab
 
-from .conftest import PATIENCE, Lab
 from .test_faults import (
     NOBODY,
     assert_serves,

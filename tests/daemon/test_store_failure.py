@@ -25,8 +25,8 @@ from dedupcore.stack import ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.base import failure_of
 from dedupcore.writebehind import MemoryTable, WriteBehindStore
+from tests.support.daemon import PATIENCE, unique_ns
 
-from .conftest import PATIENCE, unique_ns
 from .test_fastpath import _serving
 
 #: No checkpoint while a test runs: every write goes to the log first.

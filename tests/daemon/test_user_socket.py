@@ -21,8 +21,8 @@ import pytest
 
 from dedupcore import aio
 from dedupcore.client import DEFAULT_SOCKET, Client, default_socket
+from tests.support.daemon import PATIENCE, ROOT, Daemon, Lab, child_env, unique_ns
 
-from .conftest import PATIENCE, ROOT, Daemon, Lab, child_env, unique_ns
 from .test_faults import NOBODY, run_as
 
 SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]

@@ -26,7 +26,7 @@ database of its own, flushed before and after), ``POSTGRES_URL`` and
 ``MARIADB_URL`` (a database created for the document and dropped after),
 ``AMQP_URL``, ``NATS_URL`` and ``KAFKA_BOOTSTRAP``; and when it uses the
 daemon, a ``dedupcore serve`` started with the launcher of
-tests/daemon/conftest.py, its socket in ``DEDUPCORE_SOCKET``. The same names
+tests/support/daemon.py, its socket in ``DEDUPCORE_SOCKET``. The same names
 are the environment of shell blocks. The servers' addresses come from
 ``DEDUPCORE_TEST_REDIS``, ``DEDUPCORE_TEST_POSTGRES``,
 ``DEDUPCORE_TEST_MARIADB``, ``DEDUPCORE_TEST_AMQP``, ``DEDUPCORE_TEST_NATS``
@@ -58,8 +58,8 @@ from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipP
 
 from dedupcore.api import ClaimAPI
 from dedupcore.cli import config as serve_config
-from tests.authorities.conftest import require_server
-from tests.daemon.conftest import Lab
+from tests.support.daemon import Lab
+from tests.support.servers import require_server
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The documents whose blocks are run.

@@ -1,8 +1,7 @@
 """Stores for the idempotency tests: embedded, through the daemon, and on the real Redis.
 
-The daemon fixtures are the ones of ``tests/daemon/conftest.py`` (imported,
-so pytest sees them here too); Redis uses database 9 of its own, flushed
-before and after each test.
+The daemon fixtures are the shared ones of ``tests/support/daemon.py``; Redis
+uses database 9 of its own, flushed before and after each test.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import pytest
 
 from dedupcore import DedupStore
 from dedupcore.api import ClaimAPI
-from tests.authorities.conftest import require_server
-from tests.daemon.conftest import Daemon, Lab, daemon, module_lab  # noqa: F401
+from tests.support.daemon import Daemon, Lab
+from tests.support.servers import require_server
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
 STORE_KINDS = ("embedded", "daemon", "redis")
@@ -41,7 +40,7 @@ def redis_store() -> Iterator[ClaimAPI]:
 def any_store(
     request: pytest.FixtureRequest,
     tmp_path: Path,
-    module_lab: Lab,  # noqa: F811
+    module_lab: Lab,
 ) -> Iterator[ClaimAPI]:
     """Each kind of ClaimAPI store in turn."""
     kind = request.param

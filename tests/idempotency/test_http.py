@@ -22,7 +22,8 @@ import pytest
 
 from dedupcore import DedupStore
 from dedupcore.http import IdempotencyMiddleware, parse_key
-from tests.idempotency.http_apps import PATIENCE, Effects, serve
+
+from .http_apps import PATIENCE, Effects, serve
 
 MAX_BODY = 64 * 1024
 #: (framework, store) pairs every server test runs against.

@@ -3,7 +3,7 @@
 Every test names its queues, streams and tables with a fresh uuid and
 deletes them afterwards: other test runs use the same servers at the same
 time. A server that does not answer skips its tests (fails them with
-CI=true), through :func:`tests.authorities.conftest.require_server`.
+CI=true), through :func:`tests.support.servers.require_server`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from dedupcore import DedupStore
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -146,7 +146,7 @@ def store_factory(tmp_path: Path, pg_tables: list[str]) -> Iterator[Any]:
         if kind == "embedded":
             s: Any = DedupStore.open(tmp_path / uid("store"))
         elif kind == "daemon":
-            from tests.daemon.conftest import Lab
+            from tests.support.daemon import Lab
 
             lab = Lab()
             labs.append(lab)

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 
 from dedupcore.patterns.table import ensure_table
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 from .conftest import AMQP_URL, NATS_URL, PG_URL, pg_connect, uid
 

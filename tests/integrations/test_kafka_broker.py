@@ -23,7 +23,7 @@ import pytest
 from dedupcore import DedupStore
 from dedupcore.integrations.kafka import BatchReport, KafkaDedupLoop
 from dedupcore.record import State
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 from .conftest import FirstBlocks
 

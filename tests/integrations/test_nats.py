@@ -20,7 +20,7 @@ from dedupcore.api import Outcome
 from dedupcore.integrations.nats import JetStreamConsumer
 from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable, Verdict
 from dedupcore.record import State
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 from .conftest import NATS_URL, FirstBlocks, uid
 

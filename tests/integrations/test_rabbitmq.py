@@ -25,7 +25,7 @@ from dedupcore.integrations.rabbitmq import (
     Verdict,
 )
 from dedupcore.record import State
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 from .conftest import AMQP_URL, STORE_KINDS, FirstBlocks, uid
 

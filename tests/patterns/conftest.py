@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.authorities.conftest import require_server
+from tests.support.servers import require_server
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MY_ARGS: dict[str, Any] = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}

@@ -12,7 +12,6 @@ disturbing it.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -33,18 +32,12 @@ from dedupcore.cli import main
 from dedupcore.fuse import FUSE_HEADER_SIZE
 from dedupcore.store import DedupStore, Outcome
 from dedupcore.wal import HEADER_SIZE as WAL_HEADER_SIZE
+from tests.support.daemon import Lab, child_env
 
 NS = "check/ns"
 PER_SLICE = 300
 SLICES = 3
 COLD_WINDOW = 800.0
-
-_spec = importlib.util.spec_from_file_location(
-    "daemon_conftest", Path(__file__).resolve().parents[1] / "daemon" / "conftest.py"
-)
-assert _spec is not None and _spec.loader is not None
-daemon_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(daemon_conftest)
 
 
 def slice_keys(sid: int) -> list[str]:
@@ -316,7 +309,7 @@ def test_the_exit_code_of_the_command(store_dir: Path) -> None:
         [sys.executable, "-m", "dedupcore", "check", str(store_dir)],
         capture_output=True,
         text=True,
-        env=daemon_conftest.child_env(),
+        env=child_env(),
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr
@@ -367,7 +360,7 @@ def test_a_usage_error_of_the_command_exits_2() -> None:
 
 
 def test_check_of_a_store_served_by_a_live_daemon(tmp_path: Path) -> None:
-    lab = daemon_conftest.Lab()
+    lab = Lab()
     try:
         d = lab.daemon()
         with d.client() as client:
@@ -379,7 +372,7 @@ def test_check_of_a_store_served_by_a_live_daemon(tmp_path: Path) -> None:
                 [sys.executable, "-m", "dedupcore", "check", str(d.data), "--json"],
                 capture_output=True,
                 text=True,
-                env=daemon_conftest.child_env(),
+                env=child_env(),
                 timeout=120,
             )
             assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -252,8 +252,8 @@ def test_a_sealed_slice_filter_that_is_missing_or_damaged_is_rebuilt(
 
 _CRASHING_CHILD = """
 import os, sys
-sys.path.insert(0, {repo!r})
-from tests.unit.test_warm_tier import _fill, _open
+sys.path[:0] = [{repo!r}, {here!r}]
+from test_warm_tier import _fill, _open  # this module, by its directory
 store = _open(__import__("pathlib").Path({path!r}))
 _fill(store, [f"k{{i}}" for i in range({n})])
 sys.stdout.write(open(os.path.join({path!r}, "front", "covers_lsn")).read())
@@ -273,8 +273,9 @@ def test_a_front_saved_once_per_slice_catches_up_from_the_newer_slices_after_a_c
     import sys
 
     repo = str(Path(__file__).resolve().parents[2])
+    here = str(Path(__file__).resolve().parent)
     n = 1650  # 7 checkpoints of 250 into slices of 500: the last ones save no front
-    code = _CRASHING_CHILD.format(repo=repo, path=str(tmp_path), n=n)
+    code = _CRASHING_CHILD.format(repo=repo, here=here, path=str(tmp_path), n=n)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     covers_lsn, covers_slice = (int(x) for x in out.stdout.split())
     keys = [f"k{i}" for i in range(n)]
@@ -384,9 +385,9 @@ def test_a_format_2_directory_opens_as_it_is_and_goes_to_format_3_when_compacted
 
 _COMPACTING_CHILD = """
 import os, signal, sys
-sys.path.insert(0, {repo!r})
+sys.path[:0] = [{repo!r}, {here!r}]
 from pathlib import Path
-from tests.unit.test_warm_tier import _fill, _open
+from test_warm_tier import _fill, _open  # this module, by its directory
 store = _open(Path({path!r}), slice_records=2000)
 _fill(store, [f"k{{i}}" for i in range(5000)], batch=500)
 if {between_switch_and_drop!r}:
@@ -417,8 +418,13 @@ def test_a_compaction_killed_midway_resumes_and_loses_nothing(
     import sys
 
     repo = str(Path(__file__).resolve().parents[2])
+    here = str(Path(__file__).resolve().parent)
     code = _COMPACTING_CHILD.format(
-        repo=repo, path=str(tmp_path), partial=2500, between_switch_and_drop=between_switch_and_drop
+        repo=repo,
+        here=here,
+        path=str(tmp_path),
+        partial=2500,
+        between_switch_and_drop=between_switch_and_drop,
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr

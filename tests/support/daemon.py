@@ -30,7 +30,7 @@ from dedupcore.client import Client
 from dedupcore.errors import DedupError
 
 ROOT = Path(__file__).resolve().parents[2]
-CHILD = Path(__file__).with_name("child.py")
+CHILD = ROOT / "tests" / "daemon" / "child.py"
 #: Generous bound for anything that should happen "soon" on a loaded machine.
 PATIENCE = 90.0
 
