@@ -3,11 +3,43 @@
 Every error derives from :class:`DedupError` and also from the built-in
 exception it means, so ``except ValueError`` keeps working for callers that
 do not know dedupcore.
+
+Every public exception of the package is defined here (the modules that
+raise them re-export theirs), and :data:`__all__` lists them all: the
+daemon's protocol builds its table of the errors a reply can name from it
+(``dedupcore/daemon/protocol.py``, docs/daemon.md).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = [
+    "BatchTooLargeError",
+    "ConflictError",
+    "CorruptFileError",
+    "DedupError",
+    "ExpiredTokenError",
+    "FrameError",
+    "InProgressError",
+    "InvalidTokenError",
+    "KeyPathError",
+    "MissingExtraError",
+    "MissingKeyError",
+    "NotADataDirectoryError",
+    "PartitionDroppedError",
+    "RequestRefusedError",
+    "SchemaError",
+    "SettingsError",
+    "SocketPathError",
+    "StaleTokenError",
+    "StoreLockedError",
+    "UnavailableError",
+    "UnstoredResultError",
+    "UnsupportedFormatError",
+    "UnsupportedPlatformError",
+    "WalFailedError",
+]
 
 
 class DedupError(Exception):
@@ -144,12 +176,12 @@ class UnstoredResultError(DedupError, ValueError):
         self.result = result
 
 
-class MissingKeyError(ValueError):
+class MissingKeyError(DedupError, ValueError):
     """A message carries no dedup key (no business id, key header or message id)."""
 
 
 # -- the command line -----------------------------------------------------------------------
 
 
-class SettingsError(ValueError):
+class SettingsError(DedupError, ValueError):
     """A setting that cannot be used; the message names the key and where it came from."""

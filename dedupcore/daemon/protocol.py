@@ -37,18 +37,19 @@ import sys
 from array import array
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 import dedupcore._engine as _engine
 import dedupcore.errors as errors
-from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome, change_items
+from dedupcore.api import Claim, KeyRecord, Outcome, change_items
 from dedupcore.config import check_lease
 from dedupcore.errors import FrameError
 from dedupcore.record import State
-from dedupcore.store import ReplyColumns, StoreLockedError
-from dedupcore.wal import WalFailedError
+
+if TYPE_CHECKING:  # the clients import this module: never the store (nor LMDB) at run time
+    from dedupcore.store import ReplyColumns
 
 __all__ = [
     "COLUMNS_ARG",
@@ -182,33 +183,21 @@ def encode_response(request_id: int, result: Any) -> bytes:
     return frame(_pack([request_id, int(Status.OK), result]))
 
 
-#: Exceptions the daemon reports by name, so a client raises the class the store
-#: raised; anything else arrives as DedupError (an OSError as UnavailableError).
+#: The exceptions a reply names, so that a client raises the class the store raised:
+#: every public exception of dedupcore (all defined in dedupcore/errors.py, which lists
+#: them), and the built-in ValueError and TypeError of a bad argument. Anything else
+#: arrives as DedupError, an OSError as UnavailableError.
 _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
-    for cls in (
-        errors.DedupError,
-        errors.ConflictError,
-        errors.StaleTokenError,
-        errors.UnavailableError,
-        errors.CorruptFileError,
-        errors.UnsupportedFormatError,
-        errors.SchemaError,
-        errors.SocketPathError,
-        errors.BatchTooLargeError,
-        StoreLockedError,
-        WalFailedError,
-        InProgressError,
-        FrameError,
-        ValueError,
-        TypeError,
-    )
+    for cls in (*(getattr(errors, name) for name in errors.__all__), ValueError, TypeError)
 }
 
 
 def encode_error(request_id: int, exc: BaseException) -> bytes:
     """A framed ERROR response for an exception."""
-    name = type(exc).__name__ if type(exc).__name__ in _ERRORS else "DedupError"
+    name = type(exc).__name__
+    if _ERRORS.get(name) is not type(exc):  # another class of that name is not ours
+        name = "DedupError"
     if isinstance(exc, OSError) and not isinstance(exc, errors.DedupError):
         name = "UnavailableError"
     return frame(_pack([request_id, int(Status.ERROR), {"type": name, "message": str(exc)}]))
