@@ -38,8 +38,14 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.retry",
         "dedupcore._platform",
     ),
-    # files of their own: Bloom filters and rings, the write-ahead log
-    1: ("dedupcore.fuse", "dedupcore.bloom", "dedupcore.wal"),
+    # files of their own: the shared file helpers, Bloom filters and rings, the write-ahead log
+    1: (
+        "dedupcore._files",
+        "dedupcore.fuse",
+        "dedupcore.bloom",
+        "dedupcore.ring",
+        "dedupcore.wal.*",
+    ),
     # stores and tiers: the embedded store, LMDB, archive, Redis, SQL, cache
     2: (
         "dedupcore.tiers.*",

@@ -1,487 +1,57 @@
-"""Write-ahead log of the embedded store: checksummed, group-committed, segmented.
+"""The write-ahead log itself: group commit, appends, rotation, replay, closing.
 
-The embedded authority acknowledges a claim only once its record is durably
-in this log: appending a batch costs one ``write`` and one ``fdatasync`` of a
-small sequential tail (~0.1 ms), where a durable LMDB commit rewrites about a
-4 KB page per key. Recent records are served from memory and written into
-LMDB in large sorted batches; once LMDB is synced up to an LSN (a
-"checkpoint"), :meth:`WriteAheadLog.drop_through` deletes the segments that
-hold only older records, and opening the store replays the records after the
-checkpoint with :meth:`WriteAheadLog.replay`. Records are opaque bytes here.
-
-Files
------
-
-A log is a directory of segment files ``wal-<first_lsn:020d>.log``; a
-segment holds the records with consecutive LSNs from its first LSN up to the
-next segment's first LSN minus one. All integers are little-endian.
-
-Segment header (32 bytes)::
-
-    offset size field
-         0    8 magic b"DDCWAL01"
-         8    2 format version (1)
-        10    2 checksum algorithm (1 = XXH64)
-        12    4 reserved, zero
-        16    8 first LSN (equals the LSN in the file name)
-        24    8 XXH64 (seed 0) of header bytes 0..23
-
-Record, repeated up to the end of the file (20 bytes of framing)::
-
-    offset size field
-         0    4 payload length n, at most MAX_RECORD_BYTES (64 MiB)
-         4    8 LSN: the previous record's plus 1 (the first is the header's)
-        12    n payload
-      12+n    8 XXH64 (seed 0) of bytes 0..12+n-1 (length, LSN and payload)
-
-The LSN inside each record makes a stale or misplaced record invalid even
-when its checksum is right, and makes a zero-filled tail invalid (LSN 0 is
-never expected).
-
-Durability
-----------
-
-- ``append`` writes the whole batch with one ``write`` and makes it durable
-  with one ``fdatasync`` before returning: ``fdatasync`` flushes the data and
-  the file size (the metadata needed to read the data back), skipping only
-  timestamps. Concurrent appends are group-committed: one leader writes
-  everything queued and syncs once for all of them.
-- ``sync="none"`` skips that ``fdatasync``: an acknowledged record is in the
-  kernel's page cache, so it survives a crash of the process (SIGKILL, OOM
-  kill, segfault) but NOT a power loss or kernel crash. Use it only where
-  losing the last moments of acknowledged claims on power loss is acceptable.
-- A new segment is written as a temporary file (header, ``fsync``), renamed
-  into place, and then the directory is ``fsync``-ed: a file's ``fsync`` does
-  not make its directory entry durable, so without the directory sync a power
-  loss could lose the whole new segment with the records acknowledged in it.
-  Before a segment is created the previous one is synced even with
-  ``sync="none"``, so every segment but the last is complete on disk.
-- Cutting a torn tail truncates the segment and fsyncs it before anything
-  new is appended: cut bytes that came back after a later power loss would
-  put stale records under the LSNs that new records reuse. Deleting
-  segments (``drop_through``) is followed by a directory ``fsync``, which
-  only makes the freed space stick (a dropped segment that reappears
-  precedes the checkpoint, is never read and is dropped again).
-- ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
-  orders records under its own lock and waits for durability outside it.
-- A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
-  raises ``OSError`` to every caller whose records were in that commit and
-  fails the log: the bytes after the last acknowledged record are unknown,
-  and after a failed ``fsync`` the kernel may have dropped the dirty pages
-  and report success next time, so nothing is acknowledged after it. Later
-  calls raise :class:`WalFailedError` until the log is reopened.
-- A new segment that cannot be put in place (out of file descriptors, a full
-  disk: opening, writing, syncing or renaming its temporary file) does NOT
-  fail the log: no byte of a record was written, so nothing acknowledged is
-  in doubt. The temporary file is removed, appends go on in the current
-  segment, and the rotation is tried again at the next commit past
-  ``segment_bytes`` (or the next ``rotate``, which raises the error). Only
-  a failed sync of the current segment before it, or of the directory after
-  the rename, fails the log.
-
-Recovery: torn tail versus damage
----------------------------------
-
-A crash can leave two things only. A temporary file ``.wal-*.log.tmp`` of a
-segment whose creation was interrupted before its rename (it never held a
-record; opening deletes it): a segment is renamed into place only once its
-header is synced, so a segment *in place* always has a valid header. And a
-torn tail: garbage after the last durable record of the *last* segment (a
-batch partly written, a zero-filled or garbage tail from the filesystem),
-with no valid record after it that continues the log. Opening the log cuts
-such a tail at the last valid record: the segment is truncated there and
-fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
-were dropped and why. Records cut off this way were never acknowledged in
-``fdatasync`` mode.
-
-Everything else is damage to acknowledged records (media error, a stray
-write, a file from elsewhere), and raises :class:`CorruptFileError` naming
-the file, the offset and the first LSN affected, instead of silently
-forgetting those records:
-
-- a segment in place without a valid header, whatever its size (empty,
-  shorter than a header, zero-filled, garbage);
-- invalid bytes in the last segment followed by a valid record that carries
-  the next expected LSN or any later one: the records after the damage were
-  written, so the ones it covers were too. Opening searches the rest of the
-  segment for such a record before it cuts anything. (Should a power loss
-  write the pages of an unsynced batch out of order, leaving a hole inside
-  that never-acknowledged batch, opening refuses too: the log cannot tell
-  that hole from damage, and refusing is the side that loses nothing.)
-- an invalid record or header anywhere else: inside a segment followed by
-  another segment, or the header of a segment needed for replay (a segment
-  is created only after the previous one was synced complete);
-- with ``must_exist`` (the store's log once a checkpoint was taken from it):
-  a missing log directory, or one without a segment;
-- with a head file (below): a log that lacks the newest segment the head
-  names, or that is missing altogether while the head says it was not
-  closed clean.
-
-The operator decides: restore the file, or truncate it at the offset given
-(and delete later segments) to accept the loss.
-
-The head file
--------------
-
-A log deleted whole, or the newest segment of it, leaves nothing inside the
-log directory to say that records are missing. So a log opened with
-``head=PATH`` (a file outside its directory; the store passes
-``<data>/WAL_HEAD``) keeps there, durably, the first LSN of the newest
-segment it created and whether it was closed clean (40 bytes)::
-
-    offset size field
-         0    8 magic b"DDCWALHD"
-         8    2 format version (1)
-        10    2 state: 0 open (records may follow the last checkpoint), 1 clean
-        12    4 reserved, zero
-        16    8 first LSN of the newest segment created
-        24    8 clean: the log's last LSN at close (0 while open)
-        32    8 XXH64 (seed 0) of bytes 0..31
-
-It is written (temporary file, fsync, rename, directory fsync) when a
-writable log opens (state open, before any append), after every new segment
-is in place and before a record goes into it, and by ``close(checkpointed=
-lsn)`` when the caller's checkpoint holds every record of the log (state
-clean). Opening then refuses with :class:`CorruptFileError`, changing
-nothing, when the log found lacks the newest segment the head names (the
-records from that LSN on are lost), or is missing or empty while the head
-says open (records after the last checkpoint may have been acknowledged).
-After a clean close, a missing log lost nothing: it is started again at the
-LSN after the clean one. A damaged head file is :class:`CorruptFileError`;
-a missing one is an error only with ``head_required`` (the store records in
-LMDB that it keeps one).
+The formats, the durability rules and the recovery are in the package's
+documentation (``dedupcore/wal/__init__.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import mmap as _mmap
 import os
-import re
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import dedupcore._core as _core
 import dedupcore._platform as _platform
 from dedupcore.bloom import atomic_write
-from dedupcore.errors import CorruptFileError, UnsupportedFormatError, WalFailedError
+from dedupcore.errors import CorruptFileError, WalFailedError
+from dedupcore.wal.framing import (
+    DEFAULT_SEGMENT_BYTES,
+    HEADER_SIZE,
+    MAX_LSN,
+    MAX_RECORD_BYTES,
+    MIN_SEGMENT_BYTES,
+    SYNC_MODES,
+    SyncMode,
+    T,
+    _all_zero,
+    _check_lsn,
+    _check_payloads,
+    _header_problem,
+    _later_record,
+    _Mapped,
+    _pack_header,
+    _payload_list,
+    _Scan,
+    _write_all,
+)
+from dedupcore.wal.segments import (
+    _SEGMENT_RE,
+    _TMP_RE,
+    LogHead,
+    _fsync_dir,
+    _pack_head,
+    _segment_name,
+    read_head,
+)
 
-__all__ = [
-    "DEFAULT_SEGMENT_BYTES",
-    "MAX_RECORD_BYTES",
-    "SYNC_MODES",
-    "LogHead",
-    "WalFailedError",
-    "WriteAheadLog",
-    "read_head",
-]
+__all__ = ["WriteAheadLog"]
 
 log = logging.getLogger("dedupcore.wal")
-
-MAGIC = b"DDCWAL01"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHHIQQ")
-HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 32
-_HEADER_CHECKED = HEADER_SIZE - 8
-FRAME_HEAD = struct.Struct("<IQ")
-CHECKSUM = struct.Struct("<Q")
-FRAME_OVERHEAD = FRAME_HEAD.size + CHECKSUM.size
-MAX_RECORD_BYTES = 64 << 20
-DEFAULT_SEGMENT_BYTES = 64 << 20
-MIN_SEGMENT_BYTES = 64
-MAX_LSN = (1 << 64) - 1
-SYNC_MODES = ("fdatasync", "none")
-SyncMode = Literal["fdatasync", "none"]
-T = TypeVar("T")
-
-HEAD_MAGIC = b"DDCWALHD"
-HEAD_VERSION = 1
-HEAD = struct.Struct("<8sHHIQQ")
-HEAD_SIZE = HEAD.size + 8
-_HEAD_OPEN, _HEAD_CLEAN = 0, 1
-
-_SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
-_TMP_RE = re.compile(r"\.wal-\d{20}\.log\.[^/]*tmp")
-
-
-def _segment_name(first_lsn: int) -> str:
-    return f"wal-{first_lsn:020d}.log"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Writes every byte (os.write may write less than asked)."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
-
-
-def _all_zero(view: memoryview) -> bool:
-    return view.tobytes().count(0) == len(view)
-
-
-def _pack_header(first_lsn: int) -> bytes:
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, _core.HASH_ALGORITHM_XXH64, 0, first_lsn, 0)
-    return head[:_HEADER_CHECKED] + CHECKSUM.pack(_core.hash64(head[:_HEADER_CHECKED]))
-
-
-def _header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str | None:
-    """Why a segment header is invalid, or None; UnsupportedFormatError for newer versions."""
-    if len(buf) < HEADER_SIZE:
-        return f"truncated header: {len(buf)} bytes, shorter than {HEADER_SIZE}"
-    magic, version, algorithm, _reserved, lsn, checksum = HEADER.unpack_from(buf)
-    if magic != MAGIC:
-        return f"not a dedupcore write-ahead log segment (magic {bytes(magic)!r})"
-    if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{source}: WAL format version {version} is newer than this dedupcore reads "
-            f"({FORMAT_VERSION}); upgrade dedupcore"
-        )
-    if checksum != _core.hash64(buf[:_HEADER_CHECKED]):
-        return "header checksum mismatch"
-    if version != FORMAT_VERSION:
-        return f"invalid format version {version}"
-    if algorithm != _core.HASH_ALGORITHM_XXH64:
-        return f"unknown checksum algorithm id {algorithm}"
-    if lsn != first_lsn:
-        return f"header says first LSN {lsn}, file name says {first_lsn}"
-    return None
-
-
-class _Scan:
-    """Walks the records of one segment's bytes, stopping at the first invalid byte."""
-
-    __slots__ = ("buf", "next_lsn", "pos", "problem")
-
-    def __init__(self, buf: bytes | memoryview, first_lsn: int) -> None:
-        self.buf = buf
-        self.pos = HEADER_SIZE  # end of the last valid record
-        self.next_lsn = first_lsn  # LSN the next record must carry
-        self.problem: str | None = None
-
-    def records(self, through: int | None = None) -> Iterator[tuple[int, int, int]]:
-        """Yields (lsn, payload start, payload end) of valid records, up to LSN ``through``."""
-        buf = self.buf
-        size = len(buf)
-        while self.pos < size:
-            if through is not None and self.next_lsn > through:
-                return
-            start = self.pos
-            if size - start < FRAME_HEAD.size:
-                self.problem = f"truncated record header ({size - start} bytes)"
-                return
-            length, lsn = FRAME_HEAD.unpack_from(buf, start)
-            if lsn != self.next_lsn:
-                self.problem = f"record carries LSN {lsn} where {self.next_lsn} was expected"
-                return
-            if length > MAX_RECORD_BYTES:
-                self.problem = (
-                    f"record length field {length} exceeds the maximum {MAX_RECORD_BYTES}"
-                )
-                return
-            body_end = start + FRAME_HEAD.size + length
-            end = body_end + CHECKSUM.size
-            if end > size:
-                self.problem = (
-                    f"truncated record: {end - start} bytes needed, {size - start} present"
-                )
-                return
-            (stored,) = CHECKSUM.unpack_from(buf, body_end)
-            if stored != _core.hash64(buf[start:body_end]):
-                self.problem = f"checksum mismatch in the record of LSN {lsn}"
-                return
-            yield lsn, start + FRAME_HEAD.size, body_end
-            self.pos = end
-            self.next_lsn += 1
-
-
-# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see _later_record).
-_SMALL_LSN_END = re.compile(b"[^\x00]\x00\x00\x00\x00")
-
-
-def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
-    """The LSN of a valid record at offset ``pos`` carrying an LSN in lo..hi, else None."""
-    size = len(buf)
-    if pos < 0 or size - pos < FRAME_OVERHEAD:
-        return None
-    length, lsn = FRAME_HEAD.unpack_from(buf, pos)
-    if not lo <= lsn <= hi or length > MAX_RECORD_BYTES:
-        return None
-    body_end = pos + FRAME_HEAD.size + length
-    if body_end + CHECKSUM.size > size:
-        return None
-    (stored,) = CHECKSUM.unpack_from(buf, body_end)
-    return lsn if stored == _core.hash64(buf[pos:body_end]) else None
-
-
-def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
-    """(offset, LSN) of a valid record at or after ``start`` carrying ``next_lsn`` or later.
-
-    Any LSN from ``next_lsn`` up to the end of the 2**32 block after its own
-    counts: farther than records could reach in a file. Rather than trying every offset in Python,
-    candidates come from C-speed searches for the upper half of such an LSN:
-    its 4 bytes when nonzero, else the last nonzero byte of the lower half
-    followed by 4 zero bytes. A zero-filled tail has no candidate at all; a
-    candidate counts only with a valid checksum.
-    """
-    size = len(buf)
-    if size - start < FRAME_OVERHEAD:
-        return None
-    lo = next_lsn
-    hi = min(MAX_LSN, (((next_lsn >> 32) + 2) << 32) - 1)
-    best: tuple[int, int] | None = None
-    for high in range(lo >> 32, (hi >> 32) + 1):
-        if high:
-            pattern = re.compile(re.escape(high.to_bytes(4, "little")))
-            shifts: tuple[int, ...] = (8,)  # the upper half starts 8 bytes into a record
-        else:
-            pattern = _SMALL_LSN_END
-            shifts = (7, 6, 5, 4)  # the last nonzero byte is one of LSN bytes 0..3
-        match = pattern.search(buf, start)
-        while match is not None:
-            at = match.start()
-            if best is not None and at - max(shifts) >= best[0]:
-                break
-            for shift in shifts:
-                if at - shift >= start:
-                    lsn = _frame_at(buf, at - shift, lo, hi)
-                    if lsn is not None and (best is None or at - shift < best[0]):
-                        best = (at - shift, lsn)
-            match = pattern.search(buf, at + 1)
-    return best
-
-
-class _Mapped:
-    """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
-
-    def __init__(self, path: Path) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
-        size = os.fstat(self._file.fileno()).st_size
-        self._map: _mmap.mmap | None = None
-        if size:
-            self._map = _mmap.mmap(self._file.fileno(), size, access=_mmap.ACCESS_READ)
-            self.view: memoryview = memoryview(self._map)
-        else:
-            self.view = memoryview(b"")
-
-    def close(self) -> None:
-        self.view.release()
-        if self._map is not None:
-            self._map.close()
-        self._file.close()
-
-    def __enter__(self) -> _Mapped:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class LogHead:
-    """What a log's head file says (module documentation, "The head file")."""
-
-    newest_segment: int  #: first LSN of the newest segment the log created
-    clean: bool  #: closed with every record checkpointed
-    last_lsn: int  #: the log's last LSN at that clean close (0 while open)
-
-
-def _pack_head(head: LogHead) -> bytes:
-    state = _HEAD_CLEAN if head.clean else _HEAD_OPEN
-    body = HEAD.pack(HEAD_MAGIC, HEAD_VERSION, state, 0, head.newest_segment, head.last_lsn)
-    return body + CHECKSUM.pack(_core.hash64(body))
-
-
-def read_head(path: str | os.PathLike[str]) -> LogHead | None:
-    """The head file at ``path`` (None if there is none); CorruptFileError if it is
-    damaged, UnsupportedFormatError if a newer version wrote it."""
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as fh:
-            raw = fh.read(HEAD_SIZE + 1)
-    except FileNotFoundError:
-        return None
-    if len(raw) != HEAD_SIZE:
-        raise CorruptFileError(
-            f"{source}: write-ahead log head file is {len(raw)} bytes, not {HEAD_SIZE}"
-        )
-    magic, version, state, _reserved, newest, last = HEAD.unpack_from(raw)
-    if magic != HEAD_MAGIC:
-        raise CorruptFileError(f"{source}: not a write-ahead log head file (magic {magic!r})")
-    if version > HEAD_VERSION:
-        raise UnsupportedFormatError(
-            f"{source}: log head version {version} is newer than this dedupcore reads "
-            f"({HEAD_VERSION}); upgrade dedupcore"
-        )
-    if CHECKSUM.unpack_from(raw, HEAD.size)[0] != _core.hash64(raw[: HEAD.size]):
-        raise CorruptFileError(f"{source}: write-ahead log head checksum mismatch")
-    if version != HEAD_VERSION or state not in (_HEAD_OPEN, _HEAD_CLEAN) or newest < 1:
-        raise CorruptFileError(f"{source}: invalid write-ahead log head fields")
-    return LogHead(newest, state == _HEAD_CLEAN, last)
-
-
-def _check_lsn(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if not 0 <= value <= MAX_LSN:
-        raise ValueError(f"{name} must be in 0..2**64-1, got {value}")
-    return value
-
-
-def _payload_list(payloads: object) -> list[Any]:
-    """The payloads of an append as a list; each is checked as it is framed
-    (``_core.frame_records``, with :func:`_check_payloads` naming a bad one)."""
-    if type(payloads) is list:
-        return payloads.copy()  # a snapshot: the caller's list may change meanwhile
-    return _check_payloads(payloads)
-
-
-def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
-    """The payloads as a list, each checked: bytes-like and at most MAX_RECORD_BYTES."""
-    if isinstance(payloads, (bytes, bytearray, memoryview, str)):
-        raise TypeError(
-            f"append takes a sequence of payloads, not a single {type(payloads).__name__} "
-            "(wrap one payload in a list)"
-        )
-    try:
-        items = list(payloads)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(
-            f"append takes a sequence of bytes payloads, not {type(payloads).__name__}"
-        ) from None
-    out: list[bytes | bytearray | memoryview] = []
-    for i, item in enumerate(items):
-        if isinstance(item, memoryview):
-            if not item.c_contiguous:
-                raise TypeError(f"payload {i} is a non-contiguous memoryview")
-            item = item.cast("B")
-        elif not isinstance(item, (bytes, bytearray)):
-            hint = " (encode text first)" if isinstance(item, str) else ""
-            raise TypeError(
-                f"payload {i} must be bytes, bytearray or memoryview, "
-                f"not {type(item).__name__}{hint}"
-            )
-        if len(item) > MAX_RECORD_BYTES:
-            raise ValueError(
-                f"payload {i} is {len(item)} bytes; a record holds at most {MAX_RECORD_BYTES} bytes"
-            )
-        out.append(item)
-    return out
 
 
 class WriteAheadLog:

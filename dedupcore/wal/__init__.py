@@ -1,0 +1,184 @@
+"""Write-ahead log of the embedded store: checksummed, group-committed, segmented.
+
+The embedded authority acknowledges a claim only once its record is durably
+in this log: appending a batch costs one ``write`` and one ``fdatasync`` of a
+small sequential tail (~0.1 ms), where a durable LMDB commit rewrites about a
+4 KB page per key. Recent records are served from memory and written into
+LMDB in large sorted batches; once LMDB is synced up to an LSN (a
+"checkpoint"), :meth:`WriteAheadLog.drop_through` deletes the segments that
+hold only older records, and opening the store replays the records after the
+checkpoint with :meth:`WriteAheadLog.replay`. Records are opaque bytes here.
+
+Files
+-----
+
+A log is a directory of segment files ``wal-<first_lsn:020d>.log``; a
+segment holds the records with consecutive LSNs from its first LSN up to the
+next segment's first LSN minus one. All integers are little-endian.
+
+Segment header (32 bytes)::
+
+    offset size field
+         0    8 magic b"DDCWAL01"
+         8    2 format version (1)
+        10    2 checksum algorithm (1 = XXH64)
+        12    4 reserved, zero
+        16    8 first LSN (equals the LSN in the file name)
+        24    8 XXH64 (seed 0) of header bytes 0..23
+
+Record, repeated up to the end of the file (20 bytes of framing)::
+
+    offset size field
+         0    4 payload length n, at most MAX_RECORD_BYTES (64 MiB)
+         4    8 LSN: the previous record's plus 1 (the first is the header's)
+        12    n payload
+      12+n    8 XXH64 (seed 0) of bytes 0..12+n-1 (length, LSN and payload)
+
+The LSN inside each record makes a stale or misplaced record invalid even
+when its checksum is right, and makes a zero-filled tail invalid (LSN 0 is
+never expected).
+
+Durability
+----------
+
+- ``append`` writes the whole batch with one ``write`` and makes it durable
+  with one ``fdatasync`` before returning: ``fdatasync`` flushes the data and
+  the file size (the metadata needed to read the data back), skipping only
+  timestamps. Concurrent appends are group-committed: one leader writes
+  everything queued and syncs once for all of them.
+- ``sync="none"`` skips that ``fdatasync``: an acknowledged record is in the
+  kernel's page cache, so it survives a crash of the process (SIGKILL, OOM
+  kill, segfault) but NOT a power loss or kernel crash. Use it only where
+  losing the last moments of acknowledged claims on power loss is acceptable.
+- A new segment is written as a temporary file (header, ``fsync``), renamed
+  into place, and then the directory is ``fsync``-ed: a file's ``fsync`` does
+  not make its directory entry durable, so without the directory sync a power
+  loss could lose the whole new segment with the records acknowledged in it.
+  Before a segment is created the previous one is synced even with
+  ``sync="none"``, so every segment but the last is complete on disk.
+- Cutting a torn tail truncates the segment and fsyncs it before anything
+  new is appended: cut bytes that came back after a later power loss would
+  put stale records under the LSNs that new records reuse. Deleting
+  segments (``drop_through``) is followed by a directory ``fsync``, which
+  only makes the freed space stick (a dropped segment that reappears
+  precedes the checkpoint, is never read and is dropped again).
+- ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
+  orders records under its own lock and waits for durability outside it.
+- A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
+  raises ``OSError`` to every caller whose records were in that commit and
+  fails the log: the bytes after the last acknowledged record are unknown,
+  and after a failed ``fsync`` the kernel may have dropped the dirty pages
+  and report success next time, so nothing is acknowledged after it. Later
+  calls raise :class:`WalFailedError` until the log is reopened.
+- A new segment that cannot be put in place (out of file descriptors, a full
+  disk: opening, writing, syncing or renaming its temporary file) does NOT
+  fail the log: no byte of a record was written, so nothing acknowledged is
+  in doubt. The temporary file is removed, appends go on in the current
+  segment, and the rotation is tried again at the next commit past
+  ``segment_bytes`` (or the next ``rotate``, which raises the error). Only
+  a failed sync of the current segment before it, or of the directory after
+  the rename, fails the log.
+
+Recovery: torn tail versus damage
+---------------------------------
+
+A crash can leave two things only. A temporary file ``.wal-*.log.tmp`` of a
+segment whose creation was interrupted before its rename (it never held a
+record; opening deletes it): a segment is renamed into place only once its
+header is synced, so a segment *in place* always has a valid header. And a
+torn tail: garbage after the last durable record of the *last* segment (a
+batch partly written, a zero-filled or garbage tail from the filesystem),
+with no valid record after it that continues the log. Opening the log cuts
+such a tail at the last valid record: the segment is truncated there and
+fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
+were dropped and why. Records cut off this way were never acknowledged in
+``fdatasync`` mode.
+
+Everything else is damage to acknowledged records (media error, a stray
+write, a file from elsewhere), and raises :class:`CorruptFileError` naming
+the file, the offset and the first LSN affected, instead of silently
+forgetting those records:
+
+- a segment in place without a valid header, whatever its size (empty,
+  shorter than a header, zero-filled, garbage);
+- invalid bytes in the last segment followed by a valid record that carries
+  the next expected LSN or any later one: the records after the damage were
+  written, so the ones it covers were too. Opening searches the rest of the
+  segment for such a record before it cuts anything. (Should a power loss
+  write the pages of an unsynced batch out of order, leaving a hole inside
+  that never-acknowledged batch, opening refuses too: the log cannot tell
+  that hole from damage, and refusing is the side that loses nothing.)
+- an invalid record or header anywhere else: inside a segment followed by
+  another segment, or the header of a segment needed for replay (a segment
+  is created only after the previous one was synced complete);
+- with ``must_exist`` (the store's log once a checkpoint was taken from it):
+  a missing log directory, or one without a segment;
+- with a head file (below): a log that lacks the newest segment the head
+  names, or that is missing altogether while the head says it was not
+  closed clean.
+
+The operator decides: restore the file, or truncate it at the offset given
+(and delete later segments) to accept the loss.
+
+The head file
+-------------
+
+A log deleted whole, or the newest segment of it, leaves nothing inside the
+log directory to say that records are missing. So a log opened with
+``head=PATH`` (a file outside its directory; the store passes
+``<data>/WAL_HEAD``) keeps there, durably, the first LSN of the newest
+segment it created and whether it was closed clean (40 bytes)::
+
+    offset size field
+         0    8 magic b"DDCWALHD"
+         8    2 format version (1)
+        10    2 state: 0 open (records may follow the last checkpoint), 1 clean
+        12    4 reserved, zero
+        16    8 first LSN of the newest segment created
+        24    8 clean: the log's last LSN at close (0 while open)
+        32    8 XXH64 (seed 0) of bytes 0..31
+
+It is written (temporary file, fsync, rename, directory fsync) when a
+writable log opens (state open, before any append), after every new segment
+is in place and before a record goes into it, and by ``close(checkpointed=
+lsn)`` when the caller's checkpoint holds every record of the log (state
+clean). Opening then refuses with :class:`CorruptFileError`, changing
+nothing, when the log found lacks the newest segment the head names (the
+records from that LSN on are lost), or is missing or empty while the head
+says open (records after the last checkpoint may have been acknowledged).
+After a clean close, a missing log lost nothing: it is started again at the
+LSN after the clean one. A damaged head file is :class:`CorruptFileError`;
+a missing one is an error only with ``head_required`` (the store records in
+LMDB that it keeps one).
+"""
+
+from __future__ import annotations
+
+from dedupcore.errors import WalFailedError
+from dedupcore.wal.framing import CHECKSUM as CHECKSUM
+from dedupcore.wal.framing import DEFAULT_SEGMENT_BYTES, MAX_RECORD_BYTES, SYNC_MODES
+from dedupcore.wal.framing import FORMAT_VERSION as FORMAT_VERSION
+from dedupcore.wal.framing import FRAME_HEAD as FRAME_HEAD
+from dedupcore.wal.framing import FRAME_OVERHEAD as FRAME_OVERHEAD
+from dedupcore.wal.framing import HEADER as HEADER
+from dedupcore.wal.framing import HEADER_SIZE as HEADER_SIZE
+from dedupcore.wal.framing import MAGIC as MAGIC
+from dedupcore.wal.framing import MAX_LSN as MAX_LSN
+from dedupcore.wal.framing import MIN_SEGMENT_BYTES as MIN_SEGMENT_BYTES
+from dedupcore.wal.framing import SyncMode as SyncMode
+from dedupcore.wal.log import WriteAheadLog
+from dedupcore.wal.segments import HEAD as HEAD
+from dedupcore.wal.segments import HEAD_MAGIC as HEAD_MAGIC
+from dedupcore.wal.segments import HEAD_SIZE as HEAD_SIZE
+from dedupcore.wal.segments import HEAD_VERSION as HEAD_VERSION
+from dedupcore.wal.segments import LogHead, read_head
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "SYNC_MODES",
+    "LogHead",
+    "WalFailedError",
+    "WriteAheadLog",
+    "read_head",
+]

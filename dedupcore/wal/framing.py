@@ -1,0 +1,252 @@
+"""The write-ahead log's frames: the segment header, the record framing, the tail scan.
+
+The layouts are in the package's documentation (``dedupcore/wal/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import dedupcore._core as _core
+from dedupcore.errors import UnsupportedFormatError
+
+MAGIC = b"DDCWAL01"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+_HEADER_CHECKED = HEADER_SIZE - 8
+FRAME_HEAD = struct.Struct("<IQ")
+CHECKSUM = struct.Struct("<Q")
+FRAME_OVERHEAD = FRAME_HEAD.size + CHECKSUM.size
+MAX_RECORD_BYTES = 64 << 20
+DEFAULT_SEGMENT_BYTES = 64 << 20
+MIN_SEGMENT_BYTES = 64
+MAX_LSN = (1 << 64) - 1
+SYNC_MODES = ("fdatasync", "none")
+SyncMode = Literal["fdatasync", "none"]
+T = TypeVar("T")
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Writes every byte (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def _all_zero(view: memoryview) -> bool:
+    return view.tobytes().count(0) == len(view)
+
+
+def _pack_header(first_lsn: int) -> bytes:
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, _core.HASH_ALGORITHM_XXH64, 0, first_lsn, 0)
+    return head[:_HEADER_CHECKED] + CHECKSUM.pack(_core.hash64(head[:_HEADER_CHECKED]))
+
+
+def _header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str | None:
+    """Why a segment header is invalid, or None; UnsupportedFormatError for newer versions."""
+    if len(buf) < HEADER_SIZE:
+        return f"truncated header: {len(buf)} bytes, shorter than {HEADER_SIZE}"
+    magic, version, algorithm, _reserved, lsn, checksum = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        return f"not a dedupcore write-ahead log segment (magic {bytes(magic)!r})"
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{source}: WAL format version {version} is newer than this dedupcore reads "
+            f"({FORMAT_VERSION}); upgrade dedupcore"
+        )
+    if checksum != _core.hash64(buf[:_HEADER_CHECKED]):
+        return "header checksum mismatch"
+    if version != FORMAT_VERSION:
+        return f"invalid format version {version}"
+    if algorithm != _core.HASH_ALGORITHM_XXH64:
+        return f"unknown checksum algorithm id {algorithm}"
+    if lsn != first_lsn:
+        return f"header says first LSN {lsn}, file name says {first_lsn}"
+    return None
+
+
+class _Scan:
+    """Walks the records of one segment's bytes, stopping at the first invalid byte."""
+
+    __slots__ = ("buf", "next_lsn", "pos", "problem")
+
+    def __init__(self, buf: bytes | memoryview, first_lsn: int) -> None:
+        self.buf = buf
+        self.pos = HEADER_SIZE  # end of the last valid record
+        self.next_lsn = first_lsn  # LSN the next record must carry
+        self.problem: str | None = None
+
+    def records(self, through: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """Yields (lsn, payload start, payload end) of valid records, up to LSN ``through``."""
+        buf = self.buf
+        size = len(buf)
+        while self.pos < size:
+            if through is not None and self.next_lsn > through:
+                return
+            start = self.pos
+            if size - start < FRAME_HEAD.size:
+                self.problem = f"truncated record header ({size - start} bytes)"
+                return
+            length, lsn = FRAME_HEAD.unpack_from(buf, start)
+            if lsn != self.next_lsn:
+                self.problem = f"record carries LSN {lsn} where {self.next_lsn} was expected"
+                return
+            if length > MAX_RECORD_BYTES:
+                self.problem = (
+                    f"record length field {length} exceeds the maximum {MAX_RECORD_BYTES}"
+                )
+                return
+            body_end = start + FRAME_HEAD.size + length
+            end = body_end + CHECKSUM.size
+            if end > size:
+                self.problem = (
+                    f"truncated record: {end - start} bytes needed, {size - start} present"
+                )
+                return
+            (stored,) = CHECKSUM.unpack_from(buf, body_end)
+            if stored != _core.hash64(buf[start:body_end]):
+                self.problem = f"checksum mismatch in the record of LSN {lsn}"
+                return
+            yield lsn, start + FRAME_HEAD.size, body_end
+            self.pos = end
+            self.next_lsn += 1
+
+
+# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see _later_record).
+_SMALL_LSN_END = re.compile(b"[^\x00]\x00\x00\x00\x00")
+
+
+def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
+    """The LSN of a valid record at offset ``pos`` carrying an LSN in lo..hi, else None."""
+    size = len(buf)
+    if pos < 0 or size - pos < FRAME_OVERHEAD:
+        return None
+    length, lsn = FRAME_HEAD.unpack_from(buf, pos)
+    if not lo <= lsn <= hi or length > MAX_RECORD_BYTES:
+        return None
+    body_end = pos + FRAME_HEAD.size + length
+    if body_end + CHECKSUM.size > size:
+        return None
+    (stored,) = CHECKSUM.unpack_from(buf, body_end)
+    return lsn if stored == _core.hash64(buf[pos:body_end]) else None
+
+
+def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
+    """(offset, LSN) of a valid record at or after ``start`` carrying ``next_lsn`` or later.
+
+    Any LSN from ``next_lsn`` up to the end of the 2**32 block after its own
+    counts: farther than records could reach in a file. Rather than trying every offset in Python,
+    candidates come from C-speed searches for the upper half of such an LSN:
+    its 4 bytes when nonzero, else the last nonzero byte of the lower half
+    followed by 4 zero bytes. A zero-filled tail has no candidate at all; a
+    candidate counts only with a valid checksum.
+    """
+    size = len(buf)
+    if size - start < FRAME_OVERHEAD:
+        return None
+    lo = next_lsn
+    hi = min(MAX_LSN, (((next_lsn >> 32) + 2) << 32) - 1)
+    best: tuple[int, int] | None = None
+    for high in range(lo >> 32, (hi >> 32) + 1):
+        if high:
+            pattern = re.compile(re.escape(high.to_bytes(4, "little")))
+            shifts: tuple[int, ...] = (8,)  # the upper half starts 8 bytes into a record
+        else:
+            pattern = _SMALL_LSN_END
+            shifts = (7, 6, 5, 4)  # the last nonzero byte is one of LSN bytes 0..3
+        match = pattern.search(buf, start)
+        while match is not None:
+            at = match.start()
+            if best is not None and at - max(shifts) >= best[0]:
+                break
+            for shift in shifts:
+                if at - shift >= start:
+                    lsn = _frame_at(buf, at - shift, lo, hi)
+                    if lsn is not None and (best is None or at - shift < best[0]):
+                        best = (at - shift, lsn)
+            match = pattern.search(buf, at + 1)
+    return best
+
+
+class _Mapped:
+    """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        size = os.fstat(self._file.fileno()).st_size
+        self._map: _mmap.mmap | None = None
+        if size:
+            self._map = _mmap.mmap(self._file.fileno(), size, access=_mmap.ACCESS_READ)
+            self.view: memoryview = memoryview(self._map)
+        else:
+            self.view = memoryview(b"")
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            self._map.close()
+        self._file.close()
+
+    def __enter__(self) -> _Mapped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_lsn(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 0 <= value <= MAX_LSN:
+        raise ValueError(f"{name} must be in 0..2**64-1, got {value}")
+    return value
+
+
+def _payload_list(payloads: object) -> list[Any]:
+    """The payloads of an append as a list; each is checked as it is framed
+    (``_core.frame_records``, with :func:`_check_payloads` naming a bad one)."""
+    if type(payloads) is list:
+        return payloads.copy()  # a snapshot: the caller's list may change meanwhile
+    return _check_payloads(payloads)
+
+
+def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
+    """The payloads as a list, each checked: bytes-like and at most MAX_RECORD_BYTES."""
+    if isinstance(payloads, (bytes, bytearray, memoryview, str)):
+        raise TypeError(
+            f"append takes a sequence of payloads, not a single {type(payloads).__name__} "
+            "(wrap one payload in a list)"
+        )
+    try:
+        items = list(payloads)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"append takes a sequence of bytes payloads, not {type(payloads).__name__}"
+        ) from None
+    out: list[bytes | bytearray | memoryview] = []
+    for i, item in enumerate(items):
+        if isinstance(item, memoryview):
+            if not item.c_contiguous:
+                raise TypeError(f"payload {i} is a non-contiguous memoryview")
+            item = item.cast("B")
+        elif not isinstance(item, (bytes, bytearray)):
+            hint = " (encode text first)" if isinstance(item, str) else ""
+            raise TypeError(
+                f"payload {i} must be bytes, bytearray or memoryview, "
+                f"not {type(item).__name__}{hint}"
+            )
+        if len(item) > MAX_RECORD_BYTES:
+            raise ValueError(
+                f"payload {i} is {len(item)} bytes; a record holds at most {MAX_RECORD_BYTES} bytes"
+            )
+        out.append(item)
+    return out
