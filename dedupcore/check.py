@@ -36,7 +36,9 @@ from dedupcore.errors import (
     NotADataDirectoryError,
     UnsupportedFormatError,
 )
-from dedupcore.store.store import FRONT_COVERS, LOCK_FILE, LOG_HEAD_FILE, read_covers
+from dedupcore.store.front import FRONT_COVERS, read_covers
+from dedupcore.store.lockfile import LOCK_FILE
+from dedupcore.store.store import LOG_HEAD_FILE
 from dedupcore.tiers.lmdb import LmdbTier, SliceInfo
 from dedupcore.wal import WriteAheadLog
 

@@ -26,15 +26,13 @@ Lease timeline of one key (tokens grow on every new owner)::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -55,16 +53,19 @@ from dedupcore.api import (
     pack_result,
     unpack_result,
 )
-from dedupcore.bloom import BloomRing, atomic_write
 from dedupcore.config import Retention, StoreConfig, check_lease, policies
 from dedupcore.decision import stale_token_error
 from dedupcore.errors import (
     BatchTooLargeError,
     CorruptFileError,
     DedupError,
+    StoreLockedError,
 )
 from dedupcore.migrate import migrate_v1
-from dedupcore.record import State, decode_stored
+from dedupcore.record import State
+from dedupcore.store.front import FrontFilter
+from dedupcore.store.lockfile import OwnerLock
+from dedupcore.store.maintenance import Maintenance
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.lmdb import LmdbTier
 from dedupcore.wal import WriteAheadLog
@@ -87,38 +88,10 @@ R = TypeVar("R")
 #: outcomes, tokens, result indexes, results, cold indexes, takeover indexes.
 ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
 
-LOCK_FILE = "LOCK"
 #: The write-ahead log's head file (dedupcore/wal.py, "The head file"): outside wal/,
 #: so that a log deleted whole or cut short by a segment is refused at open.
 LOG_HEAD_FILE = "WAL_HEAD"
-# The log position the saved front filter covers: every key logged through it
-# is in the filter. Written after the filter, before LMDB's checkpoint moves.
-FRONT_COVERS = "covers_lsn"
 _MAX_NAMESPACES = 65535
-# How a checkpoint evicts, in steps that each hold the store lock. A step runs
-# without the GIL, and taking the GIL back costs up to a switch interval while
-# another thread runs Python. At the daemon's 0.5 ms interval (at most 1 ms):
-# steps of 4096 journal entries (about a millisecond), and after a step during
-# which a batch asked for the lock (_lock_for_batch) a short pause, since a lock
-# let go and taken again at once goes back to the thread that let it go. At the
-# default 5 ms: steps of 65536 entries and no pause, so that the GIL's hand-backs
-# do not slow the checkpoint down behind a thread that claims without pause.
-_EVICT_STEP = 4096
-_EVICT_STEP_COARSE = 65536
-_EVICT_PAUSE = 0.0002
-#: Records per compaction transaction (docs/warm-tier.md, "Compaction"): a few
-#: tenths of a second, after which a due checkpoint goes first.
-_COMPACT_STEP = 262_144
-
-
-def _evict_pacing() -> tuple[int, bool]:
-    """(entries per step, whether to pause for a waiting batch) at this switch interval."""
-    if sys.getswitchinterval() <= 0.001:
-        return _EVICT_STEP, True
-    return _EVICT_STEP_COARSE, False
-
-
-from dedupcore.errors import StoreLockedError  # noqa: E402 (defined in errors.py)
 
 
 @dataclass
@@ -134,7 +107,7 @@ class _Stats:
     swept: int = 0
 
 
-class DedupStore(ClaimAPI):
+class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
     """An embedded dedup store over one data directory (see the module docstring)."""
 
     #: claim_many takes reply_limit= and refuses a batch whose answer would pass it
@@ -263,30 +236,6 @@ class DedupStore(ClaimAPI):
             raise TypeError("pass either config= or settings as keywords, not both")
         return cls(path, config, readonly=readonly)
 
-    def _take_lock(self) -> None:
-        lock_path = self.path / LOCK_FILE
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise StoreLockedError(
-                f"data directory {self.path} is owned by process {owner}; one process "
-                "owns a directory at a time: share it through `dedupcore serve` and "
-                "connect with dedupcore.Client, or open it with readonly=True to inspect it"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
     def close(self) -> None:
         """Checkpoints, saves the filters and closes; the store cannot be used afterwards."""
         if self._closed or _forks != self._forks:  # a forked child leaves it to the parent
@@ -346,89 +295,6 @@ class DedupStore(ClaimAPI):
             ) from self._failed
         if write and self.readonly:
             raise DedupError("the store is open read-only")
-
-    # -- filters ---------------------------------------------------------------
-
-    def _front_window(self) -> float:
-        window = self.config.longest_exact_window()
-        return window + max(window * 0.25, 2 * self.config.sweep_interval)
-
-    def _open_front(self) -> bool:
-        """Loads the front filter; False if it has to be rebuilt from the authority."""
-        path = self.path / "front"
-        window = self._front_window()
-        try:
-            ring = BloomRing.open(path)
-            if ring.window != window or ring.error_rate != self.config.front_error_rate:
-                raise CorruptFileError("front filter settings changed")
-            covers, covers_slice = read_covers(path / FRONT_COVERS)
-            checkpoint = self._lmdb.checkpoint_lsn()
-            if covers < checkpoint and covers_slice < 0:
-                # Valid files from an earlier moment (a restored or copied
-                # directory) would answer "definitely new" for keys LMDB holds.
-                raise CorruptFileError(
-                    f"front filter covers the log through {covers}, behind the checkpoint "
-                    f"{checkpoint}"
-                )
-            if covers < checkpoint:
-                # Saved at an earlier checkpoint (docs/warm-tier.md, "The front filter
-                # on disk"): what LMDB took since lies in that slice and newer ones.
-                now_w = time.time()
-                for joined in self._lmdb.digests_since(covers_slice):
-                    ring.insert_many(_keys.front_hashes_of(joined), now_w)
-        except CorruptFileError as exc:
-            if (path / "ring.json").exists() or self._lmdb.record_count():
-                log.warning(
-                    "front filter at %s unusable (%s); rebuilding it from the authority", path, exc
-                )
-            for stale in path.glob("*"):
-                if not self.readonly:
-                    stale.unlink()
-            self._front = self._new_front(None if self.readonly else path)
-            return not self._lmdb.record_count()
-        self._front = ring
-        return True
-
-    def _new_front(self, path: Path | None) -> BloomRing:
-        window = self._front_window()
-        return BloomRing(
-            window,
-            window / 8,
-            self.config.front_slice_capacity,
-            self.config.front_error_rate,
-            path=path,
-        )
-
-    def _rebuild_front(self) -> None:
-        total = self._lmdb.record_count()
-        now = time.time()
-        batch: list[int] = []
-        done = 0
-        progress = _progress(total, "rebuilding the front filter")
-        for digest, _raw in self._lmdb.iter_records():
-            batch.append(_keys.front_hash(digest))
-            if len(batch) >= 100_000:
-                self._front.insert_many(_keys.u64(batch), now)
-                done += len(batch)
-                progress(done)
-                batch.clear()
-        if batch:
-            self._front.insert_many(_keys.u64(batch), now)
-            done += len(batch)
-        progress(done)
-        held = self._table.digests()
-        if held:
-            self._front.insert_many(_keys.front_hashes_of(held), now)
-        if not self.readonly:
-            self._save_front(self._last_lsn)
-
-    def _save_front(self, lsn: int) -> None:
-        """Saves the front filter and records that it covers the log through ``lsn`` and
-        every record LMDB holds outside the newest slice and the ones after it."""
-        slice_id = self._lmdb.newest_slice_id
-        self._front.save()
-        atomic_write(self.path / "front" / FRONT_COVERS, [f"{lsn} {slice_id}\n".encode()])
-        self._front_slice = slice_id
 
     # -- replay ----------------------------------------------------------------
 
@@ -887,271 +753,6 @@ class DedupStore(ClaimAPI):
             self._failed = exc
             raise
 
-    # -- checkpoints and retention ---------------------------------------------
-
-    def checkpoint(self) -> None:
-        """Writes recent records into LMDB (sorted, one durable transaction), then trims the log."""
-        self._check_usable(write=True)
-        self._checkpoint()
-
-    def compact(self, max_records: int | None = None) -> int:
-        """Rewrites sealed warm-tier slices in key order now (the background thread
-        does it on its own, a step at a time); returns the records copied.
-
-        A slice filled by random inserts has B-tree pages about 70 % full; the
-        copy, appended in key order, fills them (docs/warm-tier.md,
-        "Compaction"). ``max_records`` bounds the work of this call.
-        """
-        self._check_usable(write=True)
-        return self._compact(max_records)
-
-    def _compact(self, limit: int | None) -> int:
-        done = 0
-        while self._lmdb.compaction_pending() and (limit is None or done < limit):
-            step = _COMPACT_STEP if limit is None else min(_COMPACT_STEP, limit - done)
-            with self._checkpoint_lock:  # no checkpoint or drop meanwhile
-                done += self._lmdb.compact_step(step, self._lock)
-        return done
-
-    def _checkpoint(self, final: bool = False) -> None:
-        with self._checkpoint_lock:
-            with self._lock:
-                upto = self._last_lsn
-                idle = upto <= self._ckpt_lsn
-                if idle:
-                    if self._table.clean:
-                        self._table.evict(self._ckpt_lsn)
-                    self._last_checkpoint = time.monotonic()
-                else:
-                    started = time.monotonic()
-                    # What changed through upto, taken out of the table in O(1):
-                    # claims go on meanwhile and their changes are the next
-                    # checkpoint's (docs/engine.md, "The change journal").
-                    changes = self._table.take_changes()
-                    # Keys that stay in flight must not age out of the front filter:
-                    # those claimed more than half a front window ago go in again.
-                    # That scans the whole table, so it runs every quarter window,
-                    # not at every checkpoint: a key is back in by 3/4 of its window.
-                    now_w = time.time()
-                    aged = []
-                    if started - self._aged_scan >= self._front_window() / 4:
-                        self._aged_scan = started
-                        aged = self._table.inflight_records(
-                            float("inf"), now_w - self._front_window() / 2
-                        )
-            if idle:  # nothing to write; a closing store still saves its front
-                if final:
-                    self._save_front(upto)
-                return
-            try:
-                # The file work runs outside the store lock, so claims go on
-                # meanwhile (the log and the front filter have their own locks).
-                # Later records go to a new segment, so the old ones can be
-                # dropped whole.
-                self._wal.rotate()
-                # Everything goes to LMDB in key order, each record's latest change.
-                # LMDB reads the records in place, one at a time (no lists of
-                # millions of tuples to build and free while holding the GIL).
-                packed, n = _engine.sort_changes(changes)
-                records = _engine.PackedRecords(packed, n)
-                digests = records.digests()
-                # The front filter takes every key LMDB is about to take, before
-                # LMDB has it and before the front is saved: a record leaves the
-                # table only after this, so a lookup that misses both the table and
-                # the front is right to skip LMDB. A claim or a completion adds
-                # nothing itself: its record is in the table until it gets here, and
-                # its key's front entry spans the exact window from here on
-                # (docs/warm-tier.md, "The front filter").
-                self._front.insert_many(_keys.front_hashes_of(digests), now_w)
-                if aged:
-                    hashes = _keys.front_hashes_of(b"".join(a[0] for a in aged))
-                    self._front.insert_many(hashes, now_w)
-                # The front is saved before LMDB records the checkpoint, so a saved
-                # front, with the slices from the one it names on, holds every key
-                # LMDB holds. It is saved once per slice (and at close): between
-                # two saves, an open after a crash adds the keys of those slices
-                # (docs/warm-tier.md).
-                if final or self._lmdb.newest_slice_id != self._front_slice:
-                    self._save_front(upto)
-                self._wal.sync(upto, force=True)
-                self._lmdb.checkpoint(
-                    records,
-                    records.inflight,
-                    records.settled,
-                    upto,
-                    now=time.time(),
-                    newest=changes.newest,
-                    digests=digests,
-                )
-            except BaseException:
-                with self._lock:  # LMDB did not take them: the next checkpoint writes them
-                    self._table.give_back(changes)
-                raise
-            del changes, records, packed
-            with self._lock:
-                self._ckpt_lsn = upto
-            self._wal.drop_through(upto)
-            # What LMDB now holds leaves memory in bounded steps: a claim waits
-            # on the lock for one step at most, not for the whole checkpoint.
-            more = True
-            step, pause = _evict_pacing()
-            while more:
-                with self._lock:
-                    _dropped, more = self._table.evict_some(upto, step)
-                if more and pause and self._lock_wanted:
-                    self._lock_wanted = False
-                    time.sleep(_EVICT_PAUSE)
-            with self._lock:
-                self._unflushed = self._table.pending
-                self._last_checkpoint = time.monotonic()
-                self._stats.checkpoints += 1
-                self._stats.checkpoint_seconds += time.monotonic() - started
-
-    def sweep(self, now: float | None = None) -> int:
-        """Drops warm-tier slices past the exact window; returns the keys demoted to cold.
-
-        A slice is dropped whole once its newest record is older than the
-        longest exact window (docs/warm-tier.md). Copy then drop: its PROCESSED
-        keys (those no newer slice holds) are written into the cold archive,
-        fsynced and renamed into place first; records still in flight move to
-        the newest slice in the same LMDB transaction as the drop. Abandoned
-        claims past their window become tombstones first; expired cold slices
-        are dropped.
-        """
-        self._check_usable(write=True)
-        now_w = time.time() if now is None else float(now)
-        self._release_abandoned(now_w)
-        self._checkpoint()
-        window = self.config.longest_exact_window()
-        demoted = 0
-        with self._checkpoint_lock:  # no checkpoint writes into a slice being dropped
-            self._lmdb.seal_idle(now_w, window)
-            for sid in self._lmdb.droppable(now_w, window):
-                keep, to_cold, dropped = self._drop_plan(sid)
-                for cold_window, hashes in to_cold.items():
-                    expected = self._cold_expected(
-                        cold_window, now_w, len(hashes), dropped + len(keep)
-                    )
-                    demoted += self._cold.add_many(cold_window, hashes, now_w, expected=expected)
-                with self._lock:
-                    self._lmdb.drop_slice(sid, keep, now=time.time())
-                    self._table.evict(self._ckpt_lsn)  # no clean copy of a dropped record
-                    self._stats.swept += dropped
-        with self._lock:
-            self._cold.expire(now_w)
-            self._stats.demoted += demoted
-            self._last_sweep = time.monotonic()
-        # Outside both locks: a large slice takes seconds, and claims probe
-        # its Bloom filters meanwhile (docs/warm-tier.md, "The cold archive").
-        self._cold.compact()
-        return demoted
-
-    def _cold_expected(self, cold_window: float, now: float, demoting: int, scanned: int) -> int:
-        """Keys the cold slice this drop goes into will receive in all: the records of
-        the warm slices that drop before that slice ends (this one included), at
-        the share of this slice's records that went to ``cold_window``. The
-        archive uses it only when this drop starts the slice."""
-        end = self._cold.slice_end(cold_window, now)
-        if end is None or not scanned:
-            return 0
-        window = self.config.longest_exact_window()
-        upcoming = self._lmdb.records_dropping_by(end, window)
-        return max(demoting, math.ceil(upcoming * demoting / scanned))
-
-    def _drop_plan(self, sid: int) -> tuple[list[tuple[bytes, bytes]], dict[float, list[int]], int]:
-        """What dropping slice ``sid`` must keep: (in-flight records to move, PROCESSED
-        front hashes per cold window, records dropped). Only the newest version of a
-        key counts: a key a newer slice holds is that slice's business."""
-        inflight = set(self._lmdb.inflight_digests())
-        keep: list[tuple[bytes, bytes]] = []
-        to_cold: dict[float, list[int]] = {}
-        seen = 0
-        batch: list[tuple[bytes, bytes]] = []
-
-        def flush() -> None:
-            nonlocal seen
-            newer = self._lmdb.newer_holds(sid, [d for d, _ in batch])
-            for (d, raw), superseded in zip(batch, newer, strict=True):
-                seen += 1
-                if superseded:
-                    continue
-                state, ns_id, *_ = decode_stored(d, raw, self.path / "lmdb")
-                if state == State.PROCESSING and d in inflight:
-                    keep.append((d, raw))
-                elif state == State.PROCESSED:
-                    policy = self._retention(ns_id)
-                    if policy.cold_window > 0:
-                        to_cold.setdefault(policy.cold_window, []).append(_keys.front_hash(d))
-            batch.clear()
-
-        for item in self._lmdb.scan_slice(sid):
-            batch.append(item)
-            if len(batch) >= 100_000:
-                flush()
-        if batch:
-            flush()
-        return keep, to_cold, seen - len(keep)
-
-    def _release_abandoned(self, now_w: float) -> None:
-        """Releases PROCESSING records older than their exact window whose lease ran out.
-
-        Their owner is gone and no redelivery claimed them again; a tombstone
-        (durable, through the log) keeps the token growing and lets retention
-        remove the key like any other.
-        """
-        now_m = time.monotonic()
-        last = 0
-        with self._lock:
-            gone = [
-                (d, token)
-                for d, ns_id, token, updated in self._table.inflight_records(now_m, float("inf"))
-                if updated + self._retention(ns_id).exact_window <= now_w
-            ]
-            if gone:
-                bad, _kind, _cur, _dep, payloads, n = self._table.change(
-                    b"".join(d for d, _ in gone),
-                    [t for _, t in gone],
-                    None,
-                    int(State.RELEASED),
-                    now_w,
-                )
-                if bad < 0:
-                    last = self._log(payloads, n)
-        self._sync(last)
-
-    def _background(self) -> None:
-        """Checkpoints and sweeps on the configured cadence; compacts sealed slices
-        while neither is due."""
-        compacting = False
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                if not compacting:
-                    self._wake.wait(timeout=1.0)
-                if self._closed or self._failed is not None:
-                    return
-                now = time.monotonic()
-                due_checkpoint = (
-                    self._unflushed >= self.config.checkpoint_records
-                    or now - self._last_checkpoint >= self.config.checkpoint_interval
-                )
-                due_sweep = now - self._last_sweep >= self.config.sweep_interval
-            compacting = False
-            try:
-                if due_sweep:
-                    self.sweep()
-                elif due_checkpoint:
-                    self._checkpoint()
-                # One step after every checkpoint, back to back while none is due: a
-                # store under constant load still compacts (a step of 262,144 records
-                # per checkpoint of 200,000 keeps up with the slices being sealed).
-                if self.config.compact_slices and self._lmdb.compaction_pending():
-                    self._compact(_COMPACT_STEP)
-                    compacting = self._lmdb.compaction_pending()
-            except Exception:
-                log.exception("background checkpoint/sweep/compaction failed; will retry")
-
     # -- figures ---------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -1223,41 +824,5 @@ def _unpack_stored(raw: bytes | None) -> Any:
         raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
 
 
-def read_covers(path: Path) -> tuple[int, int]:
-    """What a saved front filter covers: (log position, warm-tier slice); -1 for what is
-    unknown (a file without the slice makes a front behind the checkpoint rebuilt)."""
-    try:
-        fields = path.read_text().split()
-        lsn = int(fields[0])
-        slice_id = int(fields[1]) if len(fields) > 1 else -1
-    except (OSError, ValueError, IndexError):
-        return -1, -1
-    return lsn, slice_id
-
-
 def _slice_dict(s: Any) -> dict[str, Any]:
     return {name: getattr(s, name) for name in s.__dataclass_fields__}
-
-
-def _progress(total: int, what: str) -> Callable[[int], None]:
-    """A progress bar on a terminal for long work; a no-op elsewhere or without rich
-    (an optional dependency: the ``cli`` extra)."""
-    import sys
-
-    if not sys.stderr.isatty() or total < 100_000:
-        return lambda done: None
-    try:
-        from rich.progress import Progress
-    except ImportError:
-        return lambda done: None
-
-    progress = Progress(transient=True)
-    task = progress.add_task(what, total=total)
-    progress.start()
-
-    def update(done: int) -> None:
-        progress.update(task, completed=done)
-        if done >= total:
-            progress.stop()
-
-    return update

@@ -89,7 +89,7 @@ def test_library_imports_and_claims_without_the_cli_extra(tmp_path: Path) -> Non
         import dedupcore
         import dedupcore.cli
         from dedupcore import DedupStore, Outcome
-        from dedupcore.store import store as store_module
+        from dedupcore.store import front as store_module
 
         with DedupStore.open(sys.argv[1] + "/data") as store:
             c = store.claim("k", namespace="n")

@@ -13,13 +13,8 @@ import pytest
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
-from dedupcore.store import (
-    DedupStore,
-    InProgressError,
-    Outcome,
-    StoreLockedError,
-    _digests_of,
-)
+from dedupcore.store import DedupStore, InProgressError, Outcome, StoreLockedError
+from dedupcore.store.store import _digests_of
 
 NS = "orders/billing"
 
