@@ -797,7 +797,7 @@ _small_ints = st.integers(min_value=-(2**31), max_value=2**31)
 @example([1, 1.0, {}])
 @example([2**64 - 1, int(Op.CLAIM_MANY), {"ns": "a", "keys": ["k"]}])
 def test_the_readers_decoder_agrees_with_decode_request(msg: list[Any]) -> None:
-    from dedupcore.daemon.server import _request_parts
+    from dedupcore.daemon.connection import _request_parts
 
     body = msgpack.packb(msg, use_bin_type=True)
     try:

@@ -1,0 +1,166 @@
+"""Group commit: the requests decided on the event loop are made durable together
+(docs/daemon.md, "The request path of the embedded store").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: The event loop waits for a commit itself (no thread hop) only when the log it
+#: writes is at most this big: a commit that carries a large batch's records
+#: would stop every other connection for its write and sync.
+INLINE_COMMIT_BYTES = 64 << 10
+
+
+#: A request decided on the loop whose commit is still to come: (request id, answer,
+#: the commit, when its handling started).
+_Decided = tuple[int, Any, asyncio.Future[None], float]
+
+
+class _Committer:
+    """Makes the requests decided on the event loop durable, a group at a time.
+
+    The requests decided in one pass of the loop are gathered; at the start of
+    the next pass they are handed over together: when no commit is running,
+    none is queued, no other request is in flight (``others_in_flight(n)``:
+    requests beside the group's n) and the log to write is small
+    (INLINE_COMMIT_BYTES), the loop itself waits for the log (one
+    ``fdatasync`` for the group, no thread hop: a lone client's claim costs
+    one wake-up less); otherwise the commit thread takes them (a sync under
+    load can take far longer than its bytes say: other files' writes share
+    the disk), and each of its rounds
+    takes every group queued meanwhile, waits once until the highest LSN
+    among them is durable, then resolves all their futures in one callback on
+    the loop (the loop keeps deciding while the disk works)."""
+
+    def __init__(
+        self,
+        store: Any,
+        loop: asyncio.AbstractEventLoop,
+        others_in_flight: Callable[[int], bool] = lambda n: False,
+    ) -> None:
+        self._store = store
+        self._loop = loop
+        self._others_in_flight = others_in_flight
+        # A plain lock (not the default RLock): the loop takes it without a Python call.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+        self._running = False  # a round of the commit thread is under way
+        self._gathered: list[tuple[int, asyncio.Future[None]]] = []
+        self._closed = False
+        self.rounds = 0  # waits for the log, each covering every request queued meanwhile
+        self.inline_rounds = 0  # of them, waits on the loop itself
+        self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
+        self._thread.start()
+
+    def wait(self, lsn: int, *, gather: bool = False) -> asyncio.Future[None] | None:
+        """A future resolved (on the loop) once the log is durable through ``lsn``.
+        Called on the loop. A lone request with a small commit, unless ``gather``, is
+        committed here and now: None comes back (durable: no future, no pass of the
+        loop for the hand-over), or the commit's error is raised. With ``gather``
+        the commit waits for the end of this pass of the loop, so that requests
+        other connections sent meanwhile share it."""
+        if not self._gathered:
+            if not gather:
+                with self._lock:
+                    lone = self._inline(1)
+                if lone:
+                    self.rounds += 1
+                    self.inline_rounds += 1
+                    try:
+                        self._store.wait_durable(lsn)
+                    except BaseException:
+                        # As _commit: a second wait says whether the records were
+                        # durable before the commit failed, else raises its error.
+                        self._store.wait_durable(lsn)
+                    return None
+            self._loop.call_soon(self._hand_over)
+        fut = self._loop.create_future()
+        self._gathered.append((lsn, fut))
+        return fut
+
+    def _inline(self, n: int) -> bool:
+        """Whether the loop commits a group of ``n`` requests itself (lock held): no
+        commit running or queued, no other request in flight, a small commit."""
+        return (
+            not self._running
+            and not self._waiting
+            and not self._others_in_flight(n)
+            and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
+        )
+
+    def _hand_over(self) -> None:
+        """The requests of the last pass of the loop: committed here when the thread is
+        idle and the commit small, else queued for the thread."""
+        batch, self._gathered = self._gathered, []
+        with self._cond:
+            # After close() the thread may be gone: the loop commits itself.
+            if not (self._closed or self._inline(len(batch))):
+                self._waiting.extend(batch)
+                self._cond.notify()
+                return
+        self._commit_here(batch)
+
+    def _commit_here(self, batch: list[tuple[int, asyncio.Future[None]]]) -> None:
+        """Commits a group on the loop itself and resolves its futures."""
+        self.rounds += 1
+        self.inline_rounds += 1
+        _resolve(self._commit(batch))
+
+    def close(self) -> None:
+        """Finishes the waits queued so far, then stops the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _commit(
+        self, batch: list[tuple[int, asyncio.Future[None]]]
+    ) -> list[tuple[asyncio.Future[None], BaseException | None]]:
+        """Waits until the log is durable through the batch's highest LSN; what to
+        resolve each future with."""
+        try:
+            self._store.wait_durable(max(lsn for lsn, _ in batch))
+            return [(fut, None) for _, fut in batch]
+        except BaseException:
+            # The commit failed: the requests whose records were durable before
+            # it are still answered; the others get the error their own wait gives.
+            done: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            for lsn, fut in sorted(batch, key=lambda item: item[0]):
+                try:
+                    self._store.wait_durable(lsn)
+                    done.append((fut, None))
+                except BaseException as exc:
+                    done.append((fut, exc))
+            return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._running = False
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                batch, self._waiting = self._waiting, []
+                self._running = True
+            self.rounds += 1
+            done = self._commit(batch)
+            try:
+                self._loop.call_soon_threadsafe(_resolve, done)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+
+
+def _resolve(done: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, exc in done:
+        if fut.done():  # the request timed out or its connection went away
+            continue
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
