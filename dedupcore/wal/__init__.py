@@ -12,31 +12,18 @@ checkpoint with :meth:`WriteAheadLog.replay`. Records are opaque bytes here.
 Files
 -----
 
-A log is a directory of segment files ``wal-<first_lsn:020d>.log``; a
-segment holds the records with consecutive LSNs from its first LSN up to the
-next segment's first LSN minus one. All integers are little-endian.
+A log is a directory of segment files ``wal-<first_lsn:020d>.log``, each
+holding the records with consecutive LSNs from its first LSN on. The
+package is split by concern:
 
-Segment header (32 bytes)::
-
-    offset size field
-         0    8 magic b"DDCWAL01"
-         8    2 format version (1)
-        10    2 checksum algorithm (1 = XXH64)
-        12    4 reserved, zero
-        16    8 first LSN (equals the LSN in the file name)
-        24    8 XXH64 (seed 0) of header bytes 0..23
-
-Record, repeated up to the end of the file (20 bytes of framing)::
-
-    offset size field
-         0    4 payload length n, at most MAX_RECORD_BYTES (64 MiB)
-         4    8 LSN: the previous record's plus 1 (the first is the header's)
-        12    n payload
-      12+n    8 XXH64 (seed 0) of bytes 0..12+n-1 (length, LSN and payload)
-
-The LSN inside each record makes a stale or misplaced record invalid even
-when its checksum is right, and makes a zero-filled tail invalid (LSN 0 is
-never expected).
+- ``dedupcore/wal/framing.py``: the segment header and the record framing
+  (their layouts), checksums, reading records back and telling a torn tail
+  from damage;
+- ``dedupcore/wal/segments.py``: the segment files, their creation and
+  rotation, the recovery of the last one at open, and the head file (its
+  layout: "The head file" there);
+- ``dedupcore/wal/log.py``: :class:`WriteAheadLog`, group commit, appends
+  and the rule that one thread at a time does the I/O.
 
 Durability
 ----------
@@ -124,39 +111,17 @@ The head file
 -------------
 
 A log deleted whole, or the newest segment of it, leaves nothing inside the
-log directory to say that records are missing. So a log opened with
-``head=PATH`` (a file outside its directory; the store passes
-``<data>/WAL_HEAD``) keeps there, durably, the first LSN of the newest
-segment it created and whether it was closed clean (40 bytes)::
-
-    offset size field
-         0    8 magic b"DDCWALHD"
-         8    2 format version (1)
-        10    2 state: 0 open (records may follow the last checkpoint), 1 clean
-        12    4 reserved, zero
-        16    8 first LSN of the newest segment created
-        24    8 clean: the log's last LSN at close (0 while open)
-        32    8 XXH64 (seed 0) of bytes 0..31
-
-It is written (temporary file, fsync, rename, directory fsync) when a
-writable log opens (state open, before any append), after every new segment
-is in place and before a record goes into it, and by ``close(checkpointed=
-lsn)`` when the caller's checkpoint holds every record of the log (state
-clean). Opening then refuses with :class:`CorruptFileError`, changing
-nothing, when the log found lacks the newest segment the head names (the
-records from that LSN on are lost), or is missing or empty while the head
-says open (records after the last checkpoint may have been acknowledged).
-After a clean close, a missing log lost nothing: it is started again at the
-LSN after the clean one. A damaged head file is :class:`CorruptFileError`;
-a missing one is an error only with ``head_required`` (the store records in
-LMDB that it keeps one).
+log directory to say that records are missing. A log opened with
+``head=PATH`` (outside its directory; the store passes ``<data>/WAL_HEAD``)
+keeps there the first LSN of the newest segment it created and whether it
+was closed clean, and opening refuses a log that lacks what the head names
+(dedupcore/wal/segments.py, "The head file").
 """
 
 from __future__ import annotations
 
 from dedupcore.errors import WalFailedError
 from dedupcore.wal.framing import CHECKSUM as CHECKSUM
-from dedupcore.wal.framing import DEFAULT_SEGMENT_BYTES, MAX_RECORD_BYTES, SYNC_MODES
 from dedupcore.wal.framing import FORMAT_VERSION as FORMAT_VERSION
 from dedupcore.wal.framing import FRAME_HEAD as FRAME_HEAD
 from dedupcore.wal.framing import FRAME_OVERHEAD as FRAME_OVERHEAD
@@ -164,9 +129,10 @@ from dedupcore.wal.framing import HEADER as HEADER
 from dedupcore.wal.framing import HEADER_SIZE as HEADER_SIZE
 from dedupcore.wal.framing import MAGIC as MAGIC
 from dedupcore.wal.framing import MAX_LSN as MAX_LSN
-from dedupcore.wal.framing import MIN_SEGMENT_BYTES as MIN_SEGMENT_BYTES
-from dedupcore.wal.framing import SyncMode as SyncMode
-from dedupcore.wal.log import WriteAheadLog
+from dedupcore.wal.framing import MAX_RECORD_BYTES
+from dedupcore.wal.log import DEFAULT_SEGMENT_BYTES, SYNC_MODES, WriteAheadLog
+from dedupcore.wal.log import MIN_SEGMENT_BYTES as MIN_SEGMENT_BYTES
+from dedupcore.wal.log import SyncMode as SyncMode
 from dedupcore.wal.segments import HEAD as HEAD
 from dedupcore.wal.segments import HEAD_MAGIC as HEAD_MAGIC
 from dedupcore.wal.segments import HEAD_SIZE as HEAD_SIZE

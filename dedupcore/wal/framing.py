@@ -1,6 +1,35 @@
-"""The write-ahead log's frames: the segment header, the record framing, the tail scan.
+"""The write-ahead log's frames: the segment header, the records, the scan of a tail.
 
-The layouts are in the package's documentation (``dedupcore/wal/__init__.py``).
+A segment file (``wal-<first_lsn:020d>.log``, dedupcore/wal/segments.py)
+holds the records with consecutive LSNs from its first LSN up to the next
+segment's first LSN minus one. All integers are little-endian.
+
+Segment header (32 bytes; the frame every file header of dedupcore has,
+dedupcore/_files.py)::
+
+    offset size field
+         0    8 magic b"DDCWAL01"
+         8    2 format version (1)
+        10    2 checksum algorithm (1 = XXH64)
+        12    4 reserved, zero
+        16    8 first LSN (equals the LSN in the file name)
+        24    8 XXH64 (seed 0) of header bytes 0..23
+
+Record, repeated up to the end of the file (20 bytes of framing)::
+
+    offset size field
+         0    4 payload length n, at most MAX_RECORD_BYTES (64 MiB)
+         4    8 LSN: the previous record's plus 1 (the first is the header's)
+        12    n payload
+      12+n    8 XXH64 (seed 0) of bytes 0..12+n-1 (length, LSN and payload)
+
+The LSN inside each record makes a stale or misplaced record invalid even
+when its checksum is right, and makes a zero-filled tail invalid (LSN 0 is
+never expected). A batch is framed by the native core
+(``_core.frame_records``); :class:`Scan` reads records back up to the first
+invalid byte, and :func:`later_record` tells a torn tail (nothing valid
+after it) from damage (a valid record that continues the log follows): the
+package's documentation, "Recovery: torn tail versus damage".
 """
 
 from __future__ import annotations
@@ -11,62 +40,63 @@ import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import dedupcore._core as _core
-from dedupcore.errors import UnsupportedFormatError
+import dedupcore._files as _files
+
+__all__ = [
+    "CHECKSUM",
+    "FORMAT_VERSION",
+    "FRAME_HEAD",
+    "FRAME_OVERHEAD",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_LSN",
+    "MAX_RECORD_BYTES",
+    "Mapped",
+    "Scan",
+    "all_zero",
+    "check_lsn",
+    "check_payloads",
+    "header_problem",
+    "later_record",
+    "pack_header",
+    "payload_list",
+]
 
 MAGIC = b"DDCWAL01"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHHIQQ")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
-_HEADER_CHECKED = HEADER_SIZE - 8
+_HEADER = _files.FileHeader(
+    HEADER, MAGIC, FORMAT_VERSION, "a dedupcore write-ahead log segment", newer="WAL format version"
+)
 FRAME_HEAD = struct.Struct("<IQ")
-CHECKSUM = struct.Struct("<Q")
+CHECKSUM = _files.CHECKSUM
 FRAME_OVERHEAD = FRAME_HEAD.size + CHECKSUM.size
 MAX_RECORD_BYTES = 64 << 20
-DEFAULT_SEGMENT_BYTES = 64 << 20
-MIN_SEGMENT_BYTES = 64
 MAX_LSN = (1 << 64) - 1
-SYNC_MODES = ("fdatasync", "none")
-SyncMode = Literal["fdatasync", "none"]
-T = TypeVar("T")
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Writes every byte (os.write may write less than asked)."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
-
-
-def _all_zero(view: memoryview) -> bool:
+def all_zero(view: memoryview) -> bool:
     return view.tobytes().count(0) == len(view)
 
 
-def _pack_header(first_lsn: int) -> bytes:
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, _core.HASH_ALGORITHM_XXH64, 0, first_lsn, 0)
-    return head[:_HEADER_CHECKED] + CHECKSUM.pack(_core.hash64(head[:_HEADER_CHECKED]))
+def pack_header(first_lsn: int) -> bytes:
+    return _HEADER.pack(_core.HASH_ALGORITHM_XXH64, 0, first_lsn)
 
 
-def _header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str | None:
+def header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str | None:
     """Why a segment header is invalid, or None; UnsupportedFormatError for newer versions."""
     if len(buf) < HEADER_SIZE:
         return f"truncated header: {len(buf)} bytes, shorter than {HEADER_SIZE}"
-    magic, version, algorithm, _reserved, lsn, checksum = HEADER.unpack_from(buf)
-    if magic != MAGIC:
-        return f"not a dedupcore write-ahead log segment (magic {bytes(magic)!r})"
-    if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{source}: WAL format version {version} is newer than this dedupcore reads "
-            f"({FORMAT_VERSION}); upgrade dedupcore"
-        )
-    if checksum != _core.hash64(buf[:_HEADER_CHECKED]):
-        return "header checksum mismatch"
-    if version != FORMAT_VERSION:
-        return f"invalid format version {version}"
+    problem = _HEADER.problem(buf, source)
+    if problem is not None:
+        return problem
+    _magic, _version, algorithm, _reserved, lsn, _checksum = HEADER.unpack_from(buf)
     if algorithm != _core.HASH_ALGORITHM_XXH64:
         return f"unknown checksum algorithm id {algorithm}"
     if lsn != first_lsn:
@@ -74,7 +104,7 @@ def _header_problem(buf: bytes | memoryview, first_lsn: int, source: str) -> str
     return None
 
 
-class _Scan:
+class Scan:
     """Walks the records of one segment's bytes, stopping at the first invalid byte."""
 
     __slots__ = ("buf", "next_lsn", "pos", "problem")
@@ -121,11 +151,11 @@ class _Scan:
             self.next_lsn += 1
 
 
-# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see _later_record).
+# The last nonzero byte of an LSN below 2**32 and the zero bytes after it (see later_record).
 _SMALL_LSN_END = re.compile(b"[^\x00]\x00\x00\x00\x00")
 
 
-def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
+def frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None:
     """The LSN of a valid record at offset ``pos`` carrying an LSN in lo..hi, else None."""
     size = len(buf)
     if pos < 0 or size - pos < FRAME_OVERHEAD:
@@ -140,7 +170,7 @@ def _frame_at(buf: bytes | memoryview, pos: int, lo: int, hi: int) -> int | None
     return lsn if stored == _core.hash64(buf[pos:body_end]) else None
 
 
-def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
+def later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[int, int] | None:
     """(offset, LSN) of a valid record at or after ``start`` carrying ``next_lsn`` or later.
 
     Any LSN from ``next_lsn`` up to the end of the 2**32 block after its own
@@ -170,14 +200,14 @@ def _later_record(buf: bytes | memoryview, start: int, next_lsn: int) -> tuple[i
                 break
             for shift in shifts:
                 if at - shift >= start:
-                    lsn = _frame_at(buf, at - shift, lo, hi)
+                    lsn = frame_at(buf, at - shift, lo, hi)
                     if lsn is not None and (best is None or at - shift < best[0]):
                         best = (at - shift, lsn)
             match = pattern.search(buf, at + 1)
     return best
 
 
-class _Mapped:
+class Mapped:
     """A segment file's bytes, memory-mapped read-only (empty files read as b"")."""
 
     def __init__(self, path: Path) -> None:
@@ -196,14 +226,14 @@ class _Mapped:
             self._map.close()
         self._file.close()
 
-    def __enter__(self) -> _Mapped:
+    def __enter__(self) -> Mapped:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _check_lsn(name: str, value: object) -> int:
+def check_lsn(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not 0 <= value <= MAX_LSN:
@@ -211,15 +241,15 @@ def _check_lsn(name: str, value: object) -> int:
     return value
 
 
-def _payload_list(payloads: object) -> list[Any]:
+def payload_list(payloads: object) -> list[Any]:
     """The payloads of an append as a list; each is checked as it is framed
-    (``_core.frame_records``, with :func:`_check_payloads` naming a bad one)."""
+    (``_core.frame_records``, with :func:`check_payloads` naming a bad one)."""
     if type(payloads) is list:
         return payloads.copy()  # a snapshot: the caller's list may change meanwhile
-    return _check_payloads(payloads)
+    return check_payloads(payloads)
 
 
-def _check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
+def check_payloads(payloads: object) -> list[bytes | bytearray | memoryview]:
     """The payloads as a list, each checked: bytes-like and at most MAX_RECORD_BYTES."""
     if isinstance(payloads, (bytes, bytearray, memoryview, str)):
         raise TypeError(

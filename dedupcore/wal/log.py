@@ -1,57 +1,38 @@
-"""The write-ahead log itself: group commit, appends, rotation, replay, closing.
+"""The write-ahead log itself: group commit, appends, the single-writer rule.
 
-The formats, the durability rules and the recovery are in the package's
-documentation (``dedupcore/wal/__init__.py``).
+:class:`WriteAheadLog` queues framed records under its lock and lets one
+thread at a time do the I/O: a leader writes everything queued and syncs
+once for all waiters (group commit), rotations, syncs and the head file's
+updates run the same way, and a failed write or sync fails the log. The
+files themselves are dedupcore/wal/segments.py's, the frames
+dedupcore/wal/framing.py's; what is durable when, and what opening
+recovers, is in the package's documentation (dedupcore/wal/__init__.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import dedupcore._core as _core
-import dedupcore._platform as _platform
-from dedupcore.bloom import atomic_write
-from dedupcore.errors import CorruptFileError, WalFailedError
-from dedupcore.wal.framing import (
-    DEFAULT_SEGMENT_BYTES,
-    HEADER_SIZE,
-    MAX_LSN,
-    MAX_RECORD_BYTES,
-    MIN_SEGMENT_BYTES,
-    SYNC_MODES,
-    SyncMode,
-    T,
-    _all_zero,
-    _check_lsn,
-    _check_payloads,
-    _header_problem,
-    _later_record,
-    _Mapped,
-    _pack_header,
-    _payload_list,
-    _Scan,
-    _write_all,
-)
-from dedupcore.wal.segments import (
-    _SEGMENT_RE,
-    _TMP_RE,
-    LogHead,
-    _fsync_dir,
-    _pack_head,
-    _segment_name,
-    read_head,
-)
+from dedupcore.errors import WalFailedError
+from dedupcore.wal.framing import MAX_LSN, MAX_RECORD_BYTES, check_lsn, check_payloads, payload_list
+from dedupcore.wal.segments import Segments
 
-__all__ = ["WriteAheadLog"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "MIN_SEGMENT_BYTES", "SYNC_MODES", "SyncMode", "WriteAheadLog"]
 
 log = logging.getLogger("dedupcore.wal")
+
+DEFAULT_SEGMENT_BYTES = 64 << 20
+MIN_SEGMENT_BYTES = 64
+SYNC_MODES = ("fdatasync", "none")
+SyncMode = Literal["fdatasync", "none"]
+T = TypeVar("T")
 
 
 class WriteAheadLog:
@@ -100,10 +81,6 @@ class WriteAheadLog:
         self.sync_mode: SyncMode = sync
         self.segment_bytes = segment_bytes
         self._cond = threading.Condition(threading.Lock())
-        self._segments: list[int] = []  # first LSN of each segment, ascending
-        self._fd = -1  # the last segment, open for writing
-        self._seg_size = 0  # bytes in the last segment
-        self._unsynced = False  # the last segment has writes not yet fdatasynced
         #: Commits made (one write, and one fdatasync in that mode, each): with
         #: group commit, fewer than the appends they acknowledged.
         self.commits = 0
@@ -116,10 +93,12 @@ class WriteAheadLog:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
-        self._rotation_failures = 0  # new segments that could not be created in a row
-        #: The head file outside the log's directory (module documentation), or None.
+        #: The head file outside the log's directory (dedupcore/wal/segments.py), or None.
         self.head_path = None if head is None else Path(head)
-        self._recover(must_exist, head_required)
+        # The files; their list changes under the lock, their I/O runs one thread at a time.
+        self._segments = Segments(self.path, readonly=self.readonly, head=self.head_path)
+        self._durable_lsn = self._segments.recover(must_exist, head_required)
+        self._next_lsn = self._durable_lsn + 1
 
     @classmethod
     def open(
@@ -159,8 +138,8 @@ class WriteAheadLog:
         directory, or one without a segment, then raises
         :class:`CorruptFileError` instead of starting an empty log.
 
-        ``head`` is the path of the log's head file, outside ``path`` (module
-        documentation, "The head file"): a log deleted whole or missing its
+        ``head`` is the path of the log's head file, outside ``path``
+        (dedupcore/wal/segments.py, "The head file"): a log deleted whole or missing its
         newest segment is then refused instead of opened short, and a log
         closed clean may be deleted without loss. ``head_required``: a missing
         head file is :class:`CorruptFileError` (the caller knows one was kept).
@@ -174,228 +153,6 @@ class WriteAheadLog:
             head=head,
             head_required=head_required,
         )
-
-    # -- opening -------------------------------------------------------------
-
-    def _file(self, first_lsn: int) -> Path:
-        return self.path / _segment_name(first_lsn)
-
-    def _recover(self, must_exist: bool, head_required: bool) -> None:
-        """Lists the segments, cuts a torn tail of the last one and opens it for appending.
-
-        Every check that can refuse runs before anything on disk is changed."""
-        readonly = self.readonly
-        # The head first: a segment created after it was read is listed below, and a
-        # head read after the listing could name a segment the listing missed.
-        head = None if self.head_path is None else read_head(self.head_path)
-        if head is None and head_required:
-            raise CorruptFileError(
-                f"{self.head_path}: the write-ahead log's head file is missing, but it was "
-                f"kept: without it the store cannot tell whether {self.path} lacks "
-                "acknowledged records (restore it from where the directory was copied)"
-            )
-        exists = self.path.is_dir()
-        firsts = []
-        stale = []
-        if exists:
-            for entry in os.listdir(self.path):
-                match = _SEGMENT_RE.fullmatch(entry)
-                if match:
-                    firsts.append(int(match.group(1)))
-                elif _TMP_RE.fullmatch(entry):
-                    stale.append(entry)
-        firsts.sort()
-        self._check_against_head(head, firsts, exists)
-        if not firsts and must_exist and head is None:
-            if not exists:
-                raise CorruptFileError(
-                    f"{self.path}: the write-ahead log directory is missing, but records "
-                    "were logged in it (restore it; an empty log would forget every "
-                    "acknowledged record after the last checkpoint)"
-                )
-            raise CorruptFileError(
-                f"{self.path}: no write-ahead log segment, but records were logged here "
-                "(the last segment is never deleted): restore the segments"
-            )
-        if not exists and readonly and head is None:
-            raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
-        self._segments = firsts
-        if not firsts:
-            # A new log, or one deleted after a clean close (nothing was lost): it
-            # goes on after the last LSN it had.
-            start = head.last_lsn + 1 if head is not None else 1
-            if head is not None and start > 1:
-                log.warning(
-                    "%s: the write-ahead log is missing; it was closed clean at LSN %d "
-                    "(every record checkpointed), so nothing is lost: %s at LSN %d",
-                    self.path,
-                    start - 1,
-                    "reading it as empty" if readonly else "starting it again",
-                    start,
-                )
-            self._durable_lsn = start - 1
-            self._next_lsn = start
-            if readonly:
-                return
-            if not exists:
-                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-                _fsync_dir(self.path.parent)
-            self._create_segment(start)
-            self._segments.append(start)
-            return
-        if not readonly:
-            for entry in stale:
-                # A segment whose creation stopped before its rename: it never held a record.
-                os.unlink(self.path / entry)
-        end, last_lsn = self._recover_last(self._segments[-1])
-        self._durable_lsn = last_lsn
-        self._next_lsn = last_lsn + 1
-        if readonly:
-            return
-        fd = os.open(self._file(self._segments[-1]), os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size > end:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
-            os.lseek(fd, end, os.SEEK_SET)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._seg_size = end
-        # Open from now on: records may follow the caller's last checkpoint.
-        self._write_head(self._segments[-1], None)
-
-    def _check_against_head(self, head: LogHead | None, firsts: list[int], exists: bool) -> None:
-        """CorruptFileError if the segments found lack records the head says were logged."""
-        if head is None or self.head_path is None:
-            return
-        newest = head.newest_segment
-        if not firsts and not head.clean:
-            what = "directory is missing" if not exists else "directory holds no segment"
-            raise CorruptFileError(
-                f"{self.path}: the write-ahead log {what}, but its head ({self.head_path}) "
-                f"says segment {_segment_name(newest)} was written and the log was not "
-                f"closed clean: records from LSN {newest} on (every record after the last "
-                "checkpoint) may have been acknowledged and would come back NEW; restore "
-                "the log directory (nothing was changed)"
-            )
-        if firsts and firsts[-1] < newest:
-            raise CorruptFileError(
-                f"{self.path}: segment {_segment_name(newest)} is missing (the newest "
-                f"segment here starts at LSN {firsts[-1]}, and the log's head "
-                f"{self.head_path} says {_segment_name(newest)} was created): records "
-                f"from LSN {newest} on are lost; restore the segment (nothing was changed)"
-            )
-
-    def _write_head(self, newest: int, clean_through: int | None) -> None:
-        """Writes the head file durably (no-op without one)."""
-        if self.head_path is None or self.readonly:
-            return
-        head = LogHead(newest, clean_through is not None, clean_through or 0)
-        atomic_write(self.head_path, [_pack_head(head)])
-
-    def _recover_last(self, first: int) -> tuple[int, int]:
-        """Scans the last segment: (end offset of its last valid record, the record's LSN).
-
-        Logs the cut of a torn tail (the caller truncates). Raises
-        :class:`CorruptFileError` for an invalid header (a segment is renamed
-        into place only with a synced header) and for invalid bytes followed
-        by a valid record carrying the next LSN or a later one.
-        """
-        path = self._file(first)
-        with _Mapped(path) as data:
-            buf = data.view
-            problem = _header_problem(buf, first, str(path))
-            if problem is not None:
-                zero = ", all zero" if len(buf) and _all_zero(buf) else ""
-                raise CorruptFileError(
-                    f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed into "
-                    "place only once its header is synced, so this is damage, not an "
-                    "interrupted creation; its records are unreadable (restore the file)"
-                )
-            scan = _Scan(buf, first)
-            for _ in scan.records():
-                pass
-            if scan.problem is not None:
-                later = _later_record(buf, scan.pos, scan.next_lsn)
-                if later is not None:
-                    offset, lsn = later
-                    raise CorruptFileError(
-                        f"{path}: {scan.problem} at offset {scan.pos}, but a valid record "
-                        f"of LSN {lsn} follows at offset {offset}: records from LSN "
-                        f"{scan.next_lsn} on are damaged, not a torn tail (restore the file; "
-                        f"or, to accept losing them, truncate it at offset {scan.pos})"
-                    )
-                dropped = len(buf) - scan.pos
-                zero = ", all zero" if _all_zero(buf[scan.pos :]) else ""
-                log.warning(
-                    "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes%s",
-                    path,
-                    "skipped (read-only)" if self.readonly else "cut",
-                    scan.pos,
-                    scan.next_lsn - 1,
-                    scan.problem,
-                    "ignored" if self.readonly else "dropped",
-                    dropped,
-                    zero,
-                )
-            return scan.pos, scan.next_lsn - 1
-
-    def _new_segment_file(self, first_lsn: int) -> tuple[int, int]:
-        """Puts segment ``first_lsn`` in place; returns (its fd, the directory's fd).
-
-        Written under a temporary name, fsynced and renamed into place: the
-        segment appears whole or not at all. The directory is opened first, so
-        that running out of file descriptors shows here. An ``OSError`` here
-        leaves no new segment in place (the temporary file is removed) and no
-        byte of a record written: nothing changed, the creation can be retried.
-        """
-        final = self._file(first_lsn)
-        if final.exists():
-            raise CorruptFileError(f"{final}: segment already exists")
-        dir_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        tmp = self.path / f".{final.name}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except BaseException:
-            os.close(dir_fd)
-            raise
-        try:
-            _write_all(fd, _pack_header(first_lsn))
-            os.fsync(fd)
-            os.rename(tmp, final)
-        except BaseException:
-            os.close(fd)
-            os.close(dir_fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
-        return fd, dir_fd
-
-    def _install_segment(self, fd: int, dir_fd: int) -> None:
-        """Fsyncs the directory (so the new segment stays after a power loss) and
-        makes the new segment the one appended to. The caller adds it to
-        ``_segments`` (under the lock). A failure here fails the log: the
-        segment is in place, its directory entry maybe not durable."""
-        try:
-            os.fsync(dir_fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:
-            os.close(dir_fd)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = fd
-        self._seg_size = HEADER_SIZE
-        self._unsynced = False
-
-    def _create_segment(self, first_lsn: int) -> None:
-        """Creates segment ``first_lsn`` durably, makes it the one appended to and
-        names it in the head file."""
-        self._install_segment(*self._new_segment_file(first_lsn))
-        self._write_head(first_lsn, None)
 
     # -- appending -----------------------------------------------------------
 
@@ -432,7 +189,7 @@ class WriteAheadLog:
         may not be in the log, like a commit whose reply was lost), and
         :class:`WalFailedError` once the log has failed.
         """
-        items = _payload_list(payloads)
+        items = payload_list(payloads)
         with self._cond:
             self._check_open(items)
             if not items:
@@ -449,7 +206,7 @@ class WriteAheadLog:
         until ``sync(lsn)`` (or a later ``append``) returns. Same checks as
         ``append``; an empty sequence returns the last queued LSN.
         """
-        items = _payload_list(payloads)
+        items = payload_list(payloads)
         with self._cond:
             self._check_open(items)
             if not items:
@@ -458,7 +215,7 @@ class WriteAheadLog:
 
     def _enqueue(self, items: list[Any]) -> int:
         """Frames records onto the queue (lock held; payloads not yet checked, see
-        :func:`_payload_list`); returns the last LSN given."""
+        :func:`payload_list`); returns the last LSN given."""
         first = self._next_lsn
         target = first + len(items) - 1
         if target > MAX_LSN:
@@ -468,7 +225,7 @@ class WriteAheadLog:
             # nothing queued), or a contiguous memoryview or a subclass of bytes,
             # framed from a copy.
             checked = [
-                p if type(p) in (bytes, bytearray) else bytes(p) for p in _check_payloads(items)
+                p if type(p) in (bytes, bytearray) else bytes(p) for p in check_payloads(items)
             ]
             if _core.frame_records(self._pending, checked, first, MAX_RECORD_BYTES) >= 0:
                 raise AssertionError("checked payloads were refused")
@@ -481,7 +238,7 @@ class WriteAheadLog:
         ``payloads`` (checked as they are framed) is named first, as it was
         always the first error an append reported."""
         if payloads and (self._closing or self.readonly or self._failure is not None):
-            _check_payloads(payloads)
+            check_payloads(payloads)
         if self._closing:
             raise ValueError(f"write-ahead log {self.path} is closed")
         if self.readonly:
@@ -530,7 +287,8 @@ class WriteAheadLog:
         count, self._pending_records = self._pending_records, 0
         last = self._next_lsn - 1
         first = last - count + 1
-        rotate = self._seg_size >= self.segment_bytes and self._segments[-1] < first
+        files = self._segments
+        rotate = files.size >= self.segment_bytes and files.firsts[-1] < first
         self._busy = True
         self._cond.release()
         failure: BaseException | None = None
@@ -540,21 +298,18 @@ class WriteAheadLog:
             if rotate:
                 # A segment that cannot be created (no file descriptor, no space)
                 # costs nothing acknowledged: the batch goes to the current one.
-                not_created = self._rotate_io(first)
+                not_created = files.rotate(first)
                 rotated = True
-            _write_all(self._fd, batch)
-            self._seg_size += len(batch)
-            self._unsynced = True
+            files.append(batch)
             if self.sync_mode == "fdatasync":
-                _platform.fdatasync(self._fd)
-                self._unsynced = False
+                files.sync()
         except BaseException as exc:
             failure = exc
         finally:
             self._cond.acquire()
             self._busy = False
         if rotated:
-            self._rotated(first, not_created)
+            files.rotated(first, not_created)
         if failure is None:
             self._durable_lsn = last
             self.commits += 1
@@ -612,60 +367,6 @@ class WriteAheadLog:
                 self._fail(failure, 0, -1)
             self._cond.notify_all()
 
-    def _rotate_io(self, first_lsn: int) -> OSError | None:
-        """Syncs the last segment complete (in any sync mode), then creates the next one.
-
-        Returns the error that kept the new segment from being put in place
-        (out of file descriptors, a full disk): the last segment then stays
-        the one appended to, and the log is fine. A failed sync, or a failure
-        once the segment is in place, raises (and fails the log).
-        """
-        if self._unsynced:
-            _platform.fdatasync(self._fd)
-            self._unsynced = False
-        try:
-            fd, dir_fd = self._new_segment_file(first_lsn)
-        except OSError as exc:
-            if self._file(first_lsn).exists():
-                # A rename that reported an error but happened (an I/O error): records
-                # appended to the current segment would sit behind a segment claiming
-                # their LSNs.
-                raise
-            return exc
-        self._install_segment(fd, dir_fd)
-        # Before a record goes into it: a head that names it makes its loss an error.
-        # A failure here fails the log (the segment is in place, the head behind it).
-        self._write_head(first_lsn, None)
-        return None
-
-    def _rotated(self, first_lsn: int, error: OSError | None) -> None:
-        """Records the outcome of a rotation (lock held)."""
-        if error is None:
-            self._segments.append(first_lsn)
-            if self._rotation_failures:
-                log.info(
-                    "%s: new segment at LSN %d created after %d failed attempts",
-                    self.path,
-                    first_lsn,
-                    self._rotation_failures,
-                )
-                self._rotation_failures = 0
-            return
-        self._rotation_failures += 1
-        log.log(
-            logging.WARNING if self._rotation_failures == 1 else logging.DEBUG,
-            "%s: cannot create a new segment at LSN %d (%s); appending to the current "
-            "segment and trying again later (attempt %d)",
-            self.path,
-            first_lsn,
-            error,
-            self._rotation_failures,
-        )
-
-    def _sync_io(self) -> None:
-        _platform.fdatasync(self._fd)
-        self._unsynced = False
-
     def rotate(self) -> int:
         """Starts a new segment and returns its first LSN; queued records are committed first.
 
@@ -681,9 +382,9 @@ class WriteAheadLog:
         with self._cond:
             self._exclusive_io()
             first = self._durable_lsn + 1
-            if self._segments[-1] != first:
-                error = self._io(lambda: self._rotate_io(first))
-                self._rotated(first, error)
+            if self._segments.firsts[-1] != first:
+                error = self._io(lambda: self._segments.rotate(first))
+                self._segments.rotated(first, error)
                 if error is not None:
                     raise error
             return first
@@ -707,7 +408,7 @@ class WriteAheadLog:
                 raise ValueError(f"write-ahead log {self.path} is closed")
             if self.readonly:
                 raise ValueError(f"write-ahead log {self.path} is open read-only")
-            target = self._next_lsn - 1 if lsn is None else _check_lsn("lsn", lsn)
+            target = self._next_lsn - 1 if lsn is None else check_lsn("lsn", lsn)
             if target >= self._next_lsn:
                 raise ValueError(
                     f"cannot sync through LSN {target}: the last record written is "
@@ -716,8 +417,8 @@ class WriteAheadLog:
             self._wait_durable(target)
             if force:
                 self._exclusive_io()
-                if self._unsynced:
-                    self._io(self._sync_io)
+                if self._segments.unsynced:
+                    self._io(self._segments.sync)
             return self._durable_lsn
 
     def drop_through(self, lsn: int) -> int:
@@ -728,7 +429,7 @@ class WriteAheadLog:
         it keeps the log's position. The directory is fsynced after the
         deletes so that they stick.
         """
-        lsn = _check_lsn("lsn", lsn)
+        lsn = check_lsn("lsn", lsn)
         with self._cond:
             if self._closing:
                 raise ValueError(f"write-ahead log {self.path} is closed")
@@ -738,19 +439,14 @@ class WriteAheadLog:
                 raise ValueError(
                     f"cannot drop through LSN {lsn}: the log's last record is {self._durable_lsn}"
                 )
-            doomed = []
-            while len(self._segments) > 1 and self._segments[1] - 1 <= lsn:
-                doomed.append(self._segments.pop(0))
-        for first in doomed:
-            self._file(first).unlink(missing_ok=True)
-        if doomed:
-            _fsync_dir(self.path)
+            doomed = self._segments.detach_through(lsn)
+        self._segments.delete(doomed)
         return len(doomed)
 
     def segments(self) -> list[Path]:
         """Paths of the segment files, oldest first."""
         with self._cond:
-            return [self._file(first) for first in self._segments]
+            return [self._segments.file(first) for first in self._segments.firsts]
 
     # -- replay --------------------------------------------------------------
 
@@ -768,70 +464,13 @@ class WriteAheadLog:
         before the checkpoint). Records yielded before such an error were
         valid, but the caller should treat the whole replay as failed.
         """
-        after_lsn = _check_lsn("after_lsn", after_lsn)
+        after_lsn = check_lsn("after_lsn", after_lsn)
         with self._cond:
             if self._closing:
                 raise ValueError(f"write-ahead log {self.path} is closed")
-            segments = list(self._segments)
+            segments = list(self._segments.firsts)
             through = self._durable_lsn
-        return self._replay(after_lsn, segments, through)
-
-    def _replay(
-        self, after_lsn: int, segments: list[int], through: int
-    ) -> Iterator[tuple[int, bytes]]:
-        if after_lsn > through:
-            raise CorruptFileError(
-                f"{self.path}: the log ends at LSN {through} but replay starts after "
-                f"{after_lsn}: records up to the checkpoint are missing (with sync='none', "
-                "sync(force=True) must run before a checkpoint is made durable)"
-            )
-        if after_lsn == through:
-            return
-        if not segments:
-            raise CorruptFileError(
-                f"{self.path}: no segment, but records {after_lsn + 1}..{through} were logged"
-            )
-        needed = [i for i, first in enumerate(segments) if first <= after_lsn + 1]
-        if not needed:
-            raise CorruptFileError(
-                f"{self.path}: the log starts at LSN {segments[0]}; records "
-                f"{after_lsn + 1}..{segments[0] - 1} after the checkpoint are missing"
-            )
-        expected = segments[needed[-1]]
-        for index in range(needed[-1], len(segments)):
-            first = segments[index]
-            path = self._file(first)
-            if first != expected:
-                raise CorruptFileError(
-                    f"{path}: starts at LSN {first} but the previous segment ends at LSN "
-                    f"{expected - 1}; records are missing"
-                )
-            with _Mapped(path) as data:
-                problem = _header_problem(data.view, first, str(path))
-                if problem is not None:
-                    raise CorruptFileError(f"{path}: {problem}")
-                scan = _Scan(data.view, first)
-                for lsn, start, end in scan.records(through):
-                    if lsn > after_lsn:
-                        yield lsn, bytes(data.view[start:end])
-                if scan.problem is not None:
-                    where = (
-                        "before the last acknowledged record"
-                        if index == len(segments) - 1
-                        else "in a segment that was complete when the next one was created"
-                    )
-                    raise CorruptFileError(
-                        f"{path}: {scan.problem} at offset {scan.pos}, {where}: records "
-                        f"from LSN {scan.next_lsn} on are damaged (restore the file, or "
-                        f"truncate it at offset {scan.pos} and delete later segments to "
-                        "accept their loss)"
-                    )
-                expected = scan.next_lsn
-            if expected > through:
-                return
-        raise CorruptFileError(
-            f"{self.path}: the log ends at LSN {expected - 1}, before LSN {through}"
-        )
+        return self._segments.replay(after_lsn, segments, through)
 
     # -- closing -------------------------------------------------------------
 
@@ -842,7 +481,7 @@ class WriteAheadLog:
         log is closed without a sync. ``checkpointed``: the caller's durable
         checkpoint holds every record through that LSN; if that is the last
         record of the log, the head file records a clean close (a log then
-        deleted lost nothing: module documentation, "The head file").
+        deleted lost nothing: dedupcore/wal/segments.py, "The head file").
         """
         with self._cond:
             if self._closing:
@@ -853,22 +492,20 @@ class WriteAheadLog:
             try:
                 if self._failure is None:
                     self._exclusive_io(closing=True)
-                    if self._unsynced:
-                        self._io(self._sync_io)
+                    if self._segments.unsynced:
+                        self._io(self._segments.sync)
                     if (
                         checkpointed is not None
                         and checkpointed == self._durable_lsn
                         and not self.readonly
                     ):
-                        last = self._segments[-1]
-                        self._io(lambda: self._write_head(last, checkpointed))
+                        last = self._segments.firsts[-1]
+                        self._io(lambda: self._segments.write_head(last, checkpointed))
             finally:
                 while self._busy:
                     self._cond.wait()
                 self._closed = True
-                if self._fd >= 0:
-                    os.close(self._fd)
-                    self._fd = -1
+                self._segments.close()
                 self._cond.notify_all()
 
     @property
@@ -891,5 +528,5 @@ class WriteAheadLog:
         state = "closed" if self._closed else "failed" if self._failure else "open"
         return (
             f"<WriteAheadLog {str(self.path)!r} sync={self.sync_mode} last_lsn="
-            f"{self._durable_lsn} segments={len(self._segments)} {state}>"
+            f"{self._durable_lsn} segments={len(self._segments.firsts)} {state}>"
         )

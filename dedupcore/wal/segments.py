@@ -1,24 +1,87 @@
-"""The write-ahead log's files: segment names and the head file.
+"""The write-ahead log's files: segments, their creation and rotation, the head file.
 
-The head file's layout is in the package's documentation (``dedupcore/wal/__init__.py``).
+A log is a directory of segment files ``wal-<first_lsn:020d>.log``
+(dedupcore/wal/framing.py has their layout). A new segment is written as a
+temporary file ``.wal-<first_lsn:020d>.log.tmp`` (header, ``fsync``),
+renamed into place, and then the directory is ``fsync``-ed; the previous
+segment is synced complete before, so every segment but the last is complete
+on disk. :class:`Segments` does that I/O and the recovery of the last
+segment at open; the log (dedupcore/wal/log.py) decides when, under its lock.
+
+The head file
+-------------
+
+
+A log deleted whole, or the newest segment of it, leaves nothing inside the
+log directory to say that records are missing. So a log opened with
+``head=PATH`` (a file outside its directory; the store passes
+``<data>/WAL_HEAD``) keeps there, durably, the first LSN of the newest
+segment it created and whether it was closed clean (40 bytes)::
+
+    offset size field
+         0    8 magic b"DDCWALHD"
+         8    2 format version (1)
+        10    2 state: 0 open (records may follow the last checkpoint), 1 clean
+        12    4 reserved, zero
+        16    8 first LSN of the newest segment created
+        24    8 clean: the log's last LSN at close (0 while open)
+        32    8 XXH64 (seed 0) of bytes 0..31
+
+It is written (temporary file, fsync, rename, directory fsync) when a
+writable log opens (state open, before any append), after every new segment
+is in place and before a record goes into it, and by ``close(checkpointed=
+lsn)`` when the caller's checkpoint holds every record of the log (state
+clean). Opening then refuses with :class:`CorruptFileError`, changing
+nothing, when the log found lacks the newest segment the head names (the
+records from that LSN on are lost), or is missing or empty while the head
+says open (records after the last checkpoint may have been acknowledged).
+After a clean close, a missing log lost nothing: it is started again at the
+LSN after the clean one. A damaged head file is :class:`CorruptFileError`;
+a missing one is an error only with ``head_required`` (the store records in
+LMDB that it keeps one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
-import dedupcore._core as _core
-from dedupcore.errors import CorruptFileError, UnsupportedFormatError
-from dedupcore.wal.framing import CHECKSUM
+import dedupcore._files as _files
+from dedupcore.errors import CorruptFileError
+from dedupcore.wal.framing import (
+    HEADER_SIZE,
+    Mapped,
+    Scan,
+    all_zero,
+    header_problem,
+    later_record,
+    pack_header,
+)
+
+__all__ = ["HEAD", "HEAD_MAGIC", "HEAD_SIZE", "HEAD_VERSION", "LogHead", "Segments", "read_head"]
+
+log = logging.getLogger("dedupcore.wal")
 
 HEAD_MAGIC = b"DDCWALHD"
 HEAD_VERSION = 1
-HEAD = struct.Struct("<8sHHIQQ")
-HEAD_SIZE = HEAD.size + 8
+HEAD = struct.Struct("<8sHHIQQQ")
+HEAD_SIZE = HEAD.size
+assert HEAD_SIZE == 40
+_HEAD = _files.FileHeader(
+    HEAD,
+    HEAD_MAGIC,
+    HEAD_VERSION,
+    "a write-ahead log head file",
+    newer="log head version",
+    invalid="invalid write-ahead log head fields",
+    mismatch="write-ahead log head checksum mismatch",
+)
 _HEAD_OPEN, _HEAD_CLEAN = 0, 1
 
 _SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
@@ -29,17 +92,9 @@ def _segment_name(first_lsn: int) -> str:
     return f"wal-{first_lsn:020d}.log"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclasses.dataclass(frozen=True)
 class LogHead:
-    """What a log's head file says (module documentation, "The head file")."""
+    """What a log's head file says (above, "The head file")."""
 
     newest_segment: int  #: first LSN of the newest segment the log created
     clean: bool  #: closed with every record checkpointed
@@ -48,8 +103,7 @@ class LogHead:
 
 def _pack_head(head: LogHead) -> bytes:
     state = _HEAD_CLEAN if head.clean else _HEAD_OPEN
-    body = HEAD.pack(HEAD_MAGIC, HEAD_VERSION, state, 0, head.newest_segment, head.last_lsn)
-    return body + CHECKSUM.pack(_core.hash64(body))
+    return _HEAD.pack(state, 0, head.newest_segment, head.last_lsn)
 
 
 def read_head(path: str | os.PathLike[str]) -> LogHead | None:
@@ -65,16 +119,391 @@ def read_head(path: str | os.PathLike[str]) -> LogHead | None:
         raise CorruptFileError(
             f"{source}: write-ahead log head file is {len(raw)} bytes, not {HEAD_SIZE}"
         )
-    magic, version, state, _reserved, newest, last = HEAD.unpack_from(raw)
-    if magic != HEAD_MAGIC:
-        raise CorruptFileError(f"{source}: not a write-ahead log head file (magic {magic!r})")
-    if version > HEAD_VERSION:
-        raise UnsupportedFormatError(
-            f"{source}: log head version {version} is newer than this dedupcore reads "
-            f"({HEAD_VERSION}); upgrade dedupcore"
-        )
-    if CHECKSUM.unpack_from(raw, HEAD.size)[0] != _core.hash64(raw[: HEAD.size]):
-        raise CorruptFileError(f"{source}: write-ahead log head checksum mismatch")
-    if version != HEAD_VERSION or state not in (_HEAD_OPEN, _HEAD_CLEAN) or newest < 1:
+    state, _reserved, newest, last = _HEAD.unpack(raw, source)
+    if state not in (_HEAD_OPEN, _HEAD_CLEAN) or newest < 1:
         raise CorruptFileError(f"{source}: invalid write-ahead log head fields")
     return LogHead(newest, state == _HEAD_CLEAN, last)
+
+
+class Segments:
+    """The segment files of one log directory, the last one open for appending, and
+    the log's head file.
+
+    The log (dedupcore/wal/log.py) serialises the I/O: one thread at a time
+    calls the methods that touch the last segment (``append``, ``sync``,
+    ``rotate``), and ``firsts`` changes under the log's lock only.
+    """
+
+    def __init__(self, path: Path, *, readonly: bool, head: Path | None) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.head_path = head
+        self.firsts: list[int] = []  # first LSN of each segment, ascending
+        self.fd = -1  # the last segment, open for writing
+        self.size = 0  # bytes in the last segment
+        self.unsynced = False  # the last segment has writes not yet fdatasynced
+        self._rotation_failures = 0  # new segments that could not be created in a row
+
+    def file(self, first_lsn: int) -> Path:
+        """The path of segment ``first_lsn``."""
+        return self.path / _segment_name(first_lsn)
+
+    def recover(self, must_exist: bool, head_required: bool) -> int:
+        """Lists the segments, cuts a torn tail of the last one and opens it for appending;
+        returns the LSN of the log's last valid record.
+
+        Every check that can refuse runs before anything on disk is changed."""
+        readonly = self.readonly
+        # The head first: a segment created after it was read is listed below, and a
+        # head read after the listing could name a segment the listing missed.
+        head = None if self.head_path is None else read_head(self.head_path)
+        if head is None and head_required:
+            raise CorruptFileError(
+                f"{self.head_path}: the write-ahead log's head file is missing, but it was "
+                f"kept: without it the store cannot tell whether {self.path} lacks "
+                "acknowledged records (restore it from where the directory was copied)"
+            )
+        exists = self.path.is_dir()
+        firsts = []
+        stale = []
+        if exists:
+            for entry in os.listdir(self.path):
+                match = _SEGMENT_RE.fullmatch(entry)
+                if match:
+                    firsts.append(int(match.group(1)))
+                elif _TMP_RE.fullmatch(entry):
+                    stale.append(entry)
+        firsts.sort()
+        self._check_against_head(head, firsts, exists)
+        if not firsts and must_exist and head is None:
+            if not exists:
+                raise CorruptFileError(
+                    f"{self.path}: the write-ahead log directory is missing, but records "
+                    "were logged in it (restore it; an empty log would forget every "
+                    "acknowledged record after the last checkpoint)"
+                )
+            raise CorruptFileError(
+                f"{self.path}: no write-ahead log segment, but records were logged here "
+                "(the last segment is never deleted): restore the segments"
+            )
+        if not exists and readonly and head is None:
+            raise FileNotFoundError(f"{self.path}: no write-ahead log to open read-only")
+        self.firsts = firsts
+        if not firsts:
+            # A new log, or one deleted after a clean close (nothing was lost): it
+            # goes on after the last LSN it had.
+            start = head.last_lsn + 1 if head is not None else 1
+            if head is not None and start > 1:
+                log.warning(
+                    "%s: the write-ahead log is missing; it was closed clean at LSN %d "
+                    "(every record checkpointed), so nothing is lost: %s at LSN %d",
+                    self.path,
+                    start - 1,
+                    "reading it as empty" if readonly else "starting it again",
+                    start,
+                )
+            if readonly:
+                return start - 1
+            if not exists:
+                self.path.mkdir(mode=_files.DIR_MODE, parents=True, exist_ok=True)
+                _files.fsync_dir(self.path.parent)
+            self._create(start)
+            self.firsts.append(start)
+            return start - 1
+        if not readonly:
+            for entry in stale:
+                # A segment whose creation stopped before its rename: it never held a record.
+                os.unlink(self.path / entry)
+        end, last_lsn = self._recover_last(self.firsts[-1])
+        if readonly:
+            return last_lsn
+        fd = os.open(self.file(self.firsts[-1]), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+            os.lseek(fd, end, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.size = end
+        # Open from now on: records may follow the caller's last checkpoint.
+        self.write_head(self.firsts[-1], None)
+        return last_lsn
+
+    def _check_against_head(self, head: LogHead | None, firsts: list[int], exists: bool) -> None:
+        """CorruptFileError if the segments found lack records the head says were logged."""
+        if head is None or self.head_path is None:
+            return
+        newest = head.newest_segment
+        if not firsts and not head.clean:
+            what = "directory is missing" if not exists else "directory holds no segment"
+            raise CorruptFileError(
+                f"{self.path}: the write-ahead log {what}, but its head ({self.head_path}) "
+                f"says segment {_segment_name(newest)} was written and the log was not "
+                f"closed clean: records from LSN {newest} on (every record after the last "
+                "checkpoint) may have been acknowledged and would come back NEW; restore "
+                "the log directory (nothing was changed)"
+            )
+        if firsts and firsts[-1] < newest:
+            raise CorruptFileError(
+                f"{self.path}: segment {_segment_name(newest)} is missing (the newest "
+                f"segment here starts at LSN {firsts[-1]}, and the log's head "
+                f"{self.head_path} says {_segment_name(newest)} was created): records "
+                f"from LSN {newest} on are lost; restore the segment (nothing was changed)"
+            )
+
+    def write_head(self, newest: int, clean_through: int | None) -> None:
+        """Writes the head file durably (no-op without one)."""
+        if self.head_path is None or self.readonly:
+            return
+        head = LogHead(newest, clean_through is not None, clean_through or 0)
+        _files.atomic_write(self.head_path, [_pack_head(head)])
+
+    def _recover_last(self, first: int) -> tuple[int, int]:
+        """Scans the last segment: (end offset of its last valid record, the record's LSN).
+
+        Logs the cut of a torn tail (the caller truncates). Raises
+        :class:`CorruptFileError` for an invalid header (a segment is renamed
+        into place only with a synced header) and for invalid bytes followed
+        by a valid record carrying the next LSN or a later one.
+        """
+        path = self.file(first)
+        with Mapped(path) as data:
+            buf = data.view
+            problem = header_problem(buf, first, str(path))
+            if problem is not None:
+                zero = ", all zero" if len(buf) and all_zero(buf) else ""
+                raise CorruptFileError(
+                    f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed into "
+                    "place only once its header is synced, so this is damage, not an "
+                    "interrupted creation; its records are unreadable (restore the file)"
+                )
+            scan = Scan(buf, first)
+            for _ in scan.records():
+                pass
+            if scan.problem is not None:
+                later = later_record(buf, scan.pos, scan.next_lsn)
+                if later is not None:
+                    offset, lsn = later
+                    raise CorruptFileError(
+                        f"{path}: {scan.problem} at offset {scan.pos}, but a valid record "
+                        f"of LSN {lsn} follows at offset {offset}: records from LSN "
+                        f"{scan.next_lsn} on are damaged, not a torn tail (restore the file; "
+                        f"or, to accept losing them, truncate it at offset {scan.pos})"
+                    )
+                dropped = len(buf) - scan.pos
+                zero = ", all zero" if all_zero(buf[scan.pos :]) else ""
+                log.warning(
+                    "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes%s",
+                    path,
+                    "skipped (read-only)" if self.readonly else "cut",
+                    scan.pos,
+                    scan.next_lsn - 1,
+                    scan.problem,
+                    "ignored" if self.readonly else "dropped",
+                    dropped,
+                    zero,
+                )
+            return scan.pos, scan.next_lsn - 1
+
+    def _new_file(self, first_lsn: int) -> tuple[int, int]:
+        """Puts segment ``first_lsn`` in place; returns (its fd, the directory's fd).
+
+        Written under a temporary name, fsynced and renamed into place: the
+        segment appears whole or not at all. The directory is opened first, so
+        that running out of file descriptors shows here. An ``OSError`` here
+        leaves no new segment in place (the temporary file is removed) and no
+        byte of a record written: nothing changed, the creation can be retried.
+        """
+        final = self.file(first_lsn)
+        if final.exists():
+            raise CorruptFileError(f"{final}: segment already exists")
+        dir_fd = _files.open_dir(self.path)
+        tmp = self.path / f".{final.name}.tmp"
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _files.FILE_MODE
+            )
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            _files.write_all(fd, pack_header(first_lsn))
+            os.fsync(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            os.close(fd)
+            os.close(dir_fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        return fd, dir_fd
+
+    def _install(self, fd: int, dir_fd: int) -> None:
+        """Fsyncs the directory (so the new segment stays after a power loss) and
+        makes the new segment the one appended to. The caller adds it to
+        ``firsts`` (under the log's lock). A failure here fails the log: the
+        segment is in place, its directory entry maybe not durable."""
+        try:
+            os.fsync(dir_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.close(dir_fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = fd
+        self.size = HEADER_SIZE
+        self.unsynced = False
+
+    def _create(self, first_lsn: int) -> None:
+        """Creates segment ``first_lsn`` durably, makes it the one appended to and
+        names it in the head file."""
+        self._install(*self._new_file(first_lsn))
+        self.write_head(first_lsn, None)
+
+    def rotate(self, first_lsn: int) -> OSError | None:
+        """Syncs the last segment complete (in any sync mode), then creates the next one.
+
+        Returns the error that kept the new segment from being put in place
+        (out of file descriptors, a full disk): the last segment then stays
+        the one appended to, and the log is fine. A failed sync, or a failure
+        once the segment is in place, raises (and fails the log).
+        """
+        if self.unsynced:
+            _files.fdatasync(self.fd)
+            self.unsynced = False
+        try:
+            fd, dir_fd = self._new_file(first_lsn)
+        except OSError as exc:
+            if self.file(first_lsn).exists():
+                # A rename that reported an error but happened (an I/O error): records
+                # appended to the current segment would sit behind a segment claiming
+                # their LSNs.
+                raise
+            return exc
+        self._install(fd, dir_fd)
+        # Before a record goes into it: a head that names it makes its loss an error.
+        # A failure here fails the log (the segment is in place, the head behind it).
+        self.write_head(first_lsn, None)
+        return None
+
+    def rotated(self, first_lsn: int, error: OSError | None) -> None:
+        """Records the outcome of a rotation (lock held)."""
+        if error is None:
+            self.firsts.append(first_lsn)
+            if self._rotation_failures:
+                log.info(
+                    "%s: new segment at LSN %d created after %d failed attempts",
+                    self.path,
+                    first_lsn,
+                    self._rotation_failures,
+                )
+                self._rotation_failures = 0
+            return
+        self._rotation_failures += 1
+        log.log(
+            logging.WARNING if self._rotation_failures == 1 else logging.DEBUG,
+            "%s: cannot create a new segment at LSN %d (%s); appending to the current "
+            "segment and trying again later (attempt %d)",
+            self.path,
+            first_lsn,
+            error,
+            self._rotation_failures,
+        )
+
+    def sync(self) -> None:
+        """Flushes the last segment's data (dedupcore/_files.py, ``fdatasync``)."""
+        _files.fdatasync(self.fd)
+        self.unsynced = False
+
+    def replay(
+        self, after_lsn: int, segments: list[int], through: int
+    ) -> Iterator[tuple[int, bytes]]:
+        """Yields (lsn, payload) of the records after ``after_lsn`` through ``through``
+        from the segments ``segments`` (the log's ``replay`` documents the errors)."""
+        if after_lsn > through:
+            raise CorruptFileError(
+                f"{self.path}: the log ends at LSN {through} but replay starts after "
+                f"{after_lsn}: records up to the checkpoint are missing (with sync='none', "
+                "sync(force=True) must run before a checkpoint is made durable)"
+            )
+        if after_lsn == through:
+            return
+        if not segments:
+            raise CorruptFileError(
+                f"{self.path}: no segment, but records {after_lsn + 1}..{through} were logged"
+            )
+        needed = [i for i, first in enumerate(segments) if first <= after_lsn + 1]
+        if not needed:
+            raise CorruptFileError(
+                f"{self.path}: the log starts at LSN {segments[0]}; records "
+                f"{after_lsn + 1}..{segments[0] - 1} after the checkpoint are missing"
+            )
+        expected = segments[needed[-1]]
+        for index in range(needed[-1], len(segments)):
+            first = segments[index]
+            path = self.file(first)
+            if first != expected:
+                raise CorruptFileError(
+                    f"{path}: starts at LSN {first} but the previous segment ends at LSN "
+                    f"{expected - 1}; records are missing"
+                )
+            with Mapped(path) as data:
+                problem = header_problem(data.view, first, str(path))
+                if problem is not None:
+                    raise CorruptFileError(f"{path}: {problem}")
+                scan = Scan(data.view, first)
+                for lsn, start, end in scan.records(through):
+                    if lsn > after_lsn:
+                        yield lsn, bytes(data.view[start:end])
+                if scan.problem is not None:
+                    where = (
+                        "before the last acknowledged record"
+                        if index == len(segments) - 1
+                        else "in a segment that was complete when the next one was created"
+                    )
+                    raise CorruptFileError(
+                        f"{path}: {scan.problem} at offset {scan.pos}, {where}: records "
+                        f"from LSN {scan.next_lsn} on are damaged (restore the file, or "
+                        f"truncate it at offset {scan.pos} and delete later segments to "
+                        "accept their loss)"
+                    )
+                expected = scan.next_lsn
+            if expected > through:
+                return
+        raise CorruptFileError(
+            f"{self.path}: the log ends at LSN {expected - 1}, before LSN {through}"
+        )
+
+    # -- appending and dropping ---------------------------------------------------
+
+    def append(self, batch: bytes | bytearray) -> None:
+        """Writes framed records at the end of the last segment (not synced)."""
+        _files.write_all(self.fd, batch)
+        self.size += len(batch)
+        self.unsynced = True
+
+    def detach_through(self, lsn: int) -> list[int]:
+        """Takes the segments all of whose records are <= ``lsn`` off the list (the
+        last one stays); returns their first LSNs for :meth:`delete`."""
+        doomed = []
+        while len(self.firsts) > 1 and self.firsts[1] - 1 <= lsn:
+            doomed.append(self.firsts.pop(0))
+        return doomed
+
+    def delete(self, firsts: list[int]) -> None:
+        """Deletes detached segments, then fsyncs the directory so that the deletes stick."""
+        for first in firsts:
+            self.file(first).unlink(missing_ok=True)
+        if firsts:
+            _files.fsync_dir(self.path)
+
+    def close(self) -> None:
+        """Closes the last segment."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
