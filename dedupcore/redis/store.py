@@ -101,7 +101,7 @@ except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
     from dedupcore.errors import MissingExtraError
 
     raise MissingExtraError(
-        "dedupcore.tiers.redis needs redis, which is not installed: pip install 'dedupcore[redis]'"
+        "dedupcore.redis needs redis, which is not installed: pip install 'dedupcore[redis]'"
     ) from exc
 
 import dedupcore.keys as _keys
