@@ -5,10 +5,11 @@ from typing import TYPE_CHECKING, Any
 
 from dedupcore._core import hash64, shard_many, shard_of
 from dedupcore.api import Claim, InProgressError, KeyRecord, Outcome
-from dedupcore.bloom import BloomFilter, BloomRing
+from dedupcore.bloom import BloomFilter
 from dedupcore.client import Client
 from dedupcore.config import Retention, StoreConfig
 from dedupcore.factory import open_store
+from dedupcore.ring import BloomRing
 from dedupcore.stack import ShardedStore, TieredStore
 
 if TYPE_CHECKING:

@@ -30,12 +30,13 @@ from typing import Any, cast
 import lmdb
 
 import dedupcore._engine as _engine
-from dedupcore.bloom import RING_MANIFEST, BloomFilter, BloomRing
+from dedupcore.bloom import BloomFilter
 from dedupcore.errors import (
     CorruptFileError,
     NotADataDirectoryError,
     UnsupportedFormatError,
 )
+from dedupcore.ring import RING_MANIFEST, BloomRing
 from dedupcore.store.front import FRONT_COVERS, read_covers
 from dedupcore.store.lockfile import LOCK_FILE
 from dedupcore.store.store import LOG_HEAD_FILE

@@ -1,6 +1,6 @@
 """Sealed ring slices as static filters: the fuse file format and the key log.
 
-A :class:`~dedupcore.bloom.BloomRing` with a path keeps, beside each unsealed
+A :class:`~dedupcore.ring.BloomRing` with a path keeps, beside each unsealed
 slice's Bloom filter, a *key log*: the 64-bit hashes of every key the slice
 took, appended before the filter is saved. Once the slice is sealed (a newer
 slice took its place) and no key can reach it any more, the ring builds a

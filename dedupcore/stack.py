@@ -50,10 +50,10 @@ from dedupcore.api import (
     pack_result,
     unpack_result,
 )
-from dedupcore.bloom import BloomRing
 from dedupcore.config import Retention, check_lease, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
+from dedupcore.ring import BloomRing
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.base import (
     Authority,

@@ -239,7 +239,7 @@ def _front_contains(front: Any, k: bytes) -> bool:
 
 
 def _front_add(front: Any, k: bytes) -> None:
-    from dedupcore.bloom import BloomRing
+    from dedupcore.ring import BloomRing
 
     if isinstance(front, BloomRing):
         front.add_many([k], time.time())

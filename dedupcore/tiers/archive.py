@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dedupcore.bloom import BloomRing
 from dedupcore.errors import CorruptFileError
 from dedupcore.keys import u64
+from dedupcore.ring import BloomRing
 
 __all__ = ["ColdArchive"]
 

@@ -26,10 +26,11 @@ import lmdb
 import pytest
 
 from dedupcore import keys as _keys
-from dedupcore.bloom import HEADER_SIZE, BloomRing
+from dedupcore.bloom import HEADER_SIZE
 from dedupcore.check import DAMAGE, CheckReport, NotADataDirectoryError, check_data_dir
 from dedupcore.cli import main
 from dedupcore.fuse import FUSE_HEADER_SIZE
+from dedupcore.ring import BloomRing
 from dedupcore.store import DedupStore, Outcome
 from dedupcore.wal import HEADER_SIZE as WAL_HEADER_SIZE
 from tests.support.daemon import Lab, child_env

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dedupcore import BloomRing, hash64
-from dedupcore.bloom import RING_FORMAT, SliceInfo
 from dedupcore.errors import CorruptFileError
+from dedupcore.ring import RING_FORMAT, SliceInfo
 
 Keys = Callable[..., list[bytes]]
 

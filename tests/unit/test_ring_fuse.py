@@ -401,7 +401,7 @@ def test_probes_go_on_while_a_slice_is_rebuilt(tmp_path: Path) -> None:
 _CHILD = r"""
 import os, signal, sys
 import numpy as np
-import dedupcore.bloom as bloom
+import dedupcore.ring as bloom
 import dedupcore.fuse as fuse
 from dedupcore import BloomRing
 
