@@ -250,6 +250,7 @@ def test_redis_parts_without_the_extra_name_it(tmp_path: Path) -> None:
             else:
                 answers[name] = "no error"
 
+        attempt("redis", lambda: importlib.import_module("dedupcore.redis"))
         attempt("tiers.redis", lambda: importlib.import_module("dedupcore.tiers.redis"))
         attempt("tiers.cache", lambda: importlib.import_module("dedupcore.tiers.cache"))
         attempt("authority", lambda: open_store("redis://127.0.0.1:6379/0"))
@@ -270,7 +271,7 @@ def test_redis_parts_without_the_extra_name_it(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     answers = json.loads(out.stdout)
-    for name in ("tiers.redis", "tiers.cache", "authority", "cache"):
+    for name in ("redis", "tiers.redis", "tiers.cache", "authority", "cache"):
         is_import_error, is_dedup_error, said = answers[name]
         assert is_import_error and is_dedup_error, (name, said)
         assert "pip install 'dedupcore[redis]'" in said, (name, said)
