@@ -53,12 +53,9 @@ __all__ = [
     "split_block_fpr",
 ]
 
-MAGIC = b"DEDUPBLM"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHHIQQQdQQ56xQ")
-HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 128
-_FORMAT = FileHeader(HEADER, MAGIC, FORMAT_VERSION, "a dedupcore Bloom filter")
+#: The file header (above), written and checked by dedupcore/_files.py.
+_FORMAT = FileHeader(struct.Struct("<8sHHIQQQdQQ56xQ"), b"DEDUPBLM", 1, "a dedupcore Bloom filter")
+HEADER_SIZE = _FORMAT.size  # 128: a mapped body starts cache-line aligned
 MAX_SEED = (1 << 64) - 1
 
 
@@ -100,8 +97,8 @@ def _load_for(error_rate: float) -> float:
 
 def blocks_for(capacity: int, error_rate: float) -> int:
     """Number of 64-byte blocks that keep ``capacity`` keys under ``error_rate``."""
-    _check_capacity(capacity)
-    _check_error_rate(error_rate)
+    check_capacity(capacity)
+    check_error_rate(error_rate)
     nblocks = max(1, math.ceil(capacity / _load_for(error_rate)))
     if nblocks > _core.MAX_BLOCKS:
         raise ValueError(
@@ -111,7 +108,8 @@ def blocks_for(capacity: int, error_rate: float) -> int:
     return nblocks
 
 
-def _check_capacity(capacity: object) -> int:
+def check_capacity(capacity: object) -> int:
+    """A filter's capacity: an int > 0 (TypeError, ValueError otherwise)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
     if capacity <= 0:
@@ -119,7 +117,8 @@ def _check_capacity(capacity: object) -> int:
     return capacity
 
 
-def _check_error_rate(error_rate: object) -> float:
+def check_error_rate(error_rate: object) -> float:
+    """A false-positive rate in (0, 1), as a float (TypeError, ValueError otherwise)."""
     if isinstance(error_rate, bool) or not isinstance(error_rate, (int, float)):
         raise TypeError(f"error_rate must be a float, not {type(error_rate).__name__}")
     rate = float(error_rate)
@@ -128,7 +127,8 @@ def _check_error_rate(error_rate: object) -> float:
     return rate
 
 
-def _check_seed(seed: object) -> int:
+def check_seed(seed: object) -> int:
+    """A hash seed in 0..2**64-1 (TypeError, ValueError otherwise)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, not {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
@@ -205,9 +205,9 @@ class BloomFilter(_core.BlockFilter):
     """
 
     def __init__(self, capacity: int, error_rate: float = 0.001, *, seed: int = 0) -> None:
-        capacity = _check_capacity(capacity)
-        error_rate = _check_error_rate(error_rate)
-        seed = _check_seed(seed)
+        capacity = check_capacity(capacity)
+        error_rate = check_error_rate(error_rate)
+        seed = check_seed(seed)
         self._allocate(blocks_for(capacity, error_rate), seed, capacity, error_rate)
 
     # -- derived figures -----------------------------------------------------

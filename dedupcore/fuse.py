@@ -54,20 +54,17 @@ from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 
 __all__ = ["KeyLog", "fuse_file_chunks", "open_fuse"]
 
-FUSE_MAGIC = b"DEDUPFUS"
-FUSE_VERSION = 1
 MAX_PARAMS = 6
-FUSE_HEADER = struct.Struct("<8sHHIQQQ6Q32xQ")
-FUSE_HEADER_SIZE = FUSE_HEADER.size
-assert FUSE_HEADER_SIZE == 128
+#: The fuse file's header (above), written and checked by dedupcore/_files.py.
 _FORMAT = FileHeader(
-    FUSE_HEADER,
-    FUSE_MAGIC,
-    FUSE_VERSION,
+    struct.Struct("<8sHHIQQQ6Q32xQ"),
+    b"DEDUPFUS",
+    1,
     "a dedupcore fuse filter",
     newer="fuse format version",
     invalid="invalid fuse format version {version}",
 )
+FUSE_HEADER_SIZE = _FORMAT.size  # 128
 
 LOG_MAGIC = b"DKLG"
 LOG_HEAD = struct.Struct("<4sIQ")

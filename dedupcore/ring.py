@@ -9,7 +9,6 @@ filters (dedupcore/fuse.py; docs/warm-tier.md, "The cold archive").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -23,7 +22,8 @@ from typing import Any
 
 import dedupcore._core as _core
 from dedupcore._files import atomic_write, mkdir_private
-from dedupcore.bloom import BloomFilter, _check_capacity, _check_error_rate, _check_seed
+from dedupcore._files import unlink_quiet as _unlink_quiet
+from dedupcore.bloom import BloomFilter, check_capacity, check_error_rate, check_seed
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
 
@@ -130,9 +130,9 @@ class BloomRing:
     ) -> None:
         self.window = _check_positive("window", window)
         self.slice_seconds = _check_positive("slice_seconds", slice_seconds)
-        self.slice_capacity = _check_capacity(slice_capacity)
-        self.error_rate = _check_error_rate(error_rate)
-        self.seed = _check_seed(seed)
+        self.slice_capacity = check_capacity(slice_capacity)
+        self.error_rate = check_error_rate(error_rate)
+        self.seed = check_seed(seed)
         self.max_slices = math.ceil(self.window / self.slice_seconds) + 1
         self.slice_error_rate = 1.0 - (1.0 - self.error_rate) ** (1.0 / self.max_slices)
         self.path = Path(path) if path is not None else None
@@ -724,8 +724,3 @@ def _as_batch(keys: Keys) -> Any:
         return memoryview(keys)  # type: ignore[arg-type]
     except TypeError:
         return list(keys)
-
-
-def _unlink_quiet(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()

@@ -66,14 +66,16 @@ __all__ = [
     "payload_list",
 ]
 
-MAGIC = b"DDCWAL01"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHHIQQ")
-HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 32
+#: The segment header (above), written and checked by dedupcore/_files.py.
 _HEADER = _files.FileHeader(
-    HEADER, MAGIC, FORMAT_VERSION, "a dedupcore write-ahead log segment", newer="WAL format version"
+    struct.Struct("<8sHHIQQ"),
+    b"DDCWAL01",
+    1,
+    "a dedupcore write-ahead log segment",
+    newer="WAL format version",
 )
+MAGIC, FORMAT_VERSION = _HEADER.magic, _HEADER.version
+HEADER, HEADER_SIZE = _HEADER.layout, _HEADER.size  # 32 bytes
 FRAME_HEAD = struct.Struct("<IQ")
 CHECKSUM = _files.CHECKSUM
 FRAME_OVERHEAD = FRAME_HEAD.size + CHECKSUM.size
@@ -82,10 +84,12 @@ MAX_LSN = (1 << 64) - 1
 
 
 def all_zero(view: memoryview) -> bool:
+    """True if every byte of ``view`` is zero."""
     return view.tobytes().count(0) == len(view)
 
 
 def pack_header(first_lsn: int) -> bytes:
+    """The header of the segment whose first LSN is ``first_lsn``."""
     return _HEADER.pack(_core.HASH_ALGORITHM_XXH64, 0, first_lsn)
 
 
@@ -234,6 +238,7 @@ class Mapped:
 
 
 def check_lsn(name: str, value: object) -> int:
+    """An LSN argument: an int in 0..2**64-1 (TypeError, ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not 0 <= value <= MAX_LSN:

@@ -68,20 +68,18 @@ __all__ = ["HEAD", "HEAD_MAGIC", "HEAD_SIZE", "HEAD_VERSION", "LogHead", "Segmen
 
 log = logging.getLogger("dedupcore.wal")
 
-HEAD_MAGIC = b"DDCWALHD"
-HEAD_VERSION = 1
-HEAD = struct.Struct("<8sHHIQQQ")
-HEAD_SIZE = HEAD.size
-assert HEAD_SIZE == 40
+#: The head file (above), written and checked by dedupcore/_files.py.
 _HEAD = _files.FileHeader(
-    HEAD,
-    HEAD_MAGIC,
-    HEAD_VERSION,
+    struct.Struct("<8sHHIQQQ"),
+    b"DDCWALHD",
+    1,
     "a write-ahead log head file",
     newer="log head version",
     invalid="invalid write-ahead log head fields",
     mismatch="write-ahead log head checksum mismatch",
 )
+HEAD_MAGIC, HEAD_VERSION = _HEAD.magic, _HEAD.version
+HEAD, HEAD_SIZE = _HEAD.layout, _HEAD.size  # 40 bytes
 _HEAD_OPEN, _HEAD_CLEAN = 0, 1
 
 _SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
