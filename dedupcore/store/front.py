@@ -14,14 +14,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import dedupcore._engine as _engine
 import dedupcore.keys as _keys
-from dedupcore.bloom import BloomRing, atomic_write
+from dedupcore._files import atomic_write
 from dedupcore.config import StoreConfig
 from dedupcore.errors import CorruptFileError
+from dedupcore.ring import BloomRing
 from dedupcore.tiers.lmdb import LmdbTier
 
-__all__ = ["FRONT_COVERS", "FrontFilter", "read_covers"]
+__all__ = [
+    "FRONT_COVERS",
+    "front_window",
+    "new_front",
+    "open_front",
+    "read_covers",
+    "rebuild_front",
+    "save_front",
+]
 
 log = logging.getLogger("dedupcore.store")
 
@@ -30,98 +38,91 @@ log = logging.getLogger("dedupcore.store")
 FRONT_COVERS = "covers_lsn"
 
 
-class FrontFilter:
-    """The front filter's part of :class:`~dedupcore.store.DedupStore` (mixed in)."""
+def front_window(config: StoreConfig) -> float:
+    """Seconds a key stays in the front filter: the longest exact window and a margin
+    of a quarter of it, at least two sweeps (a checkpoint renews keys in flight)."""
+    window = config.longest_exact_window()
+    return window + max(window * 0.25, 2 * config.sweep_interval)
 
-    path: Path
-    config: StoreConfig
-    readonly: bool
-    _lmdb: LmdbTier
-    _table: _engine.ClaimTable
-    _front: BloomRing
-    _front_slice: int
-    _last_lsn: int
 
-    def _front_window(self) -> float:
-        window = self.config.longest_exact_window()
-        return window + max(window * 0.25, 2 * self.config.sweep_interval)
+def open_front(
+    path: Path, config: StoreConfig, lmdb: LmdbTier, *, readonly: bool
+) -> tuple[BloomRing, bool]:
+    """Loads the front filter saved in ``path``: (filter, whether it holds every key
+    LMDB holds). Unusable files give an empty filter (False unless LMDB is empty
+    too): :func:`rebuild_front` fills it from the authority."""
+    window = front_window(config)
+    try:
+        ring = BloomRing.open(path)
+        if ring.window != window or ring.error_rate != config.front_error_rate:
+            raise CorruptFileError("front filter settings changed")
+        covers, covers_slice = read_covers(path / FRONT_COVERS)
+        checkpoint = lmdb.checkpoint_lsn()
+        if covers < checkpoint and covers_slice < 0:
+            # Valid files from an earlier moment (a restored or copied
+            # directory) would answer "definitely new" for keys LMDB holds.
+            raise CorruptFileError(
+                f"front filter covers the log through {covers}, behind the checkpoint {checkpoint}"
+            )
+        if covers < checkpoint:
+            # Saved at an earlier checkpoint (docs/warm-tier.md, "The front filter
+            # on disk"): what LMDB took since lies in that slice and newer ones.
+            now_w = time.time()
+            for joined in lmdb.digests_since(covers_slice):
+                ring.insert_many(_keys.front_hashes_of(joined), now_w)
+    except CorruptFileError as exc:
+        if (path / "ring.json").exists() or lmdb.record_count():
+            log.warning(
+                "front filter at %s unusable (%s); rebuilding it from the authority", path, exc
+            )
+        for stale in path.glob("*"):
+            if not readonly:
+                stale.unlink()
+        return new_front(config, None if readonly else path), not lmdb.record_count()
+    return ring, True
 
-    def _open_front(self) -> bool:
-        """Loads the front filter; False if it has to be rebuilt from the authority."""
-        path = self.path / "front"
-        window = self._front_window()
-        try:
-            ring = BloomRing.open(path)
-            if ring.window != window or ring.error_rate != self.config.front_error_rate:
-                raise CorruptFileError("front filter settings changed")
-            covers, covers_slice = read_covers(path / FRONT_COVERS)
-            checkpoint = self._lmdb.checkpoint_lsn()
-            if covers < checkpoint and covers_slice < 0:
-                # Valid files from an earlier moment (a restored or copied
-                # directory) would answer "definitely new" for keys LMDB holds.
-                raise CorruptFileError(
-                    f"front filter covers the log through {covers}, behind the checkpoint "
-                    f"{checkpoint}"
-                )
-            if covers < checkpoint:
-                # Saved at an earlier checkpoint (docs/warm-tier.md, "The front filter
-                # on disk"): what LMDB took since lies in that slice and newer ones.
-                now_w = time.time()
-                for joined in self._lmdb.digests_since(covers_slice):
-                    ring.insert_many(_keys.front_hashes_of(joined), now_w)
-        except CorruptFileError as exc:
-            if (path / "ring.json").exists() or self._lmdb.record_count():
-                log.warning(
-                    "front filter at %s unusable (%s); rebuilding it from the authority", path, exc
-                )
-            for stale in path.glob("*"):
-                if not self.readonly:
-                    stale.unlink()
-            self._front = self._new_front(None if self.readonly else path)
-            return not self._lmdb.record_count()
-        self._front = ring
-        return True
 
-    def _new_front(self, path: Path | None) -> BloomRing:
-        window = self._front_window()
-        return BloomRing(
-            window,
-            window / 8,
-            self.config.front_slice_capacity,
-            self.config.front_error_rate,
-            path=path,
-        )
+def new_front(config: StoreConfig, path: Path | None) -> BloomRing:
+    """An empty front filter (saved in ``path``; None: kept in memory only)."""
+    window = front_window(config)
+    return BloomRing(
+        window,
+        window / 8,
+        config.front_slice_capacity,
+        config.front_error_rate,
+        path=path,
+    )
 
-    def _rebuild_front(self) -> None:
-        total = self._lmdb.record_count()
-        now = time.time()
-        batch: list[int] = []
-        done = 0
-        progress = _progress(total, "rebuilding the front filter")
-        for digest, _raw in self._lmdb.iter_records():
-            batch.append(_keys.front_hash(digest))
-            if len(batch) >= 100_000:
-                self._front.insert_many(_keys.u64(batch), now)
-                done += len(batch)
-                progress(done)
-                batch.clear()
-        if batch:
-            self._front.insert_many(_keys.u64(batch), now)
+
+def rebuild_front(front: BloomRing, lmdb: LmdbTier, held: bytes) -> None:
+    """Adds the key of every record LMDB holds, and of the concatenated digests
+    ``held`` (the records in memory), to ``front``."""
+    total = lmdb.record_count()
+    now = time.time()
+    batch: list[int] = []
+    done = 0
+    progress = _progress(total, "rebuilding the front filter")
+    for digest, _raw in lmdb.iter_records():
+        batch.append(_keys.front_hash(digest))
+        if len(batch) >= 100_000:
+            front.insert_many(_keys.u64(batch), now)
             done += len(batch)
-        progress(done)
-        held = self._table.digests()
-        if held:
-            self._front.insert_many(_keys.front_hashes_of(held), now)
-        if not self.readonly:
-            self._save_front(self._last_lsn)
+            progress(done)
+            batch.clear()
+    if batch:
+        front.insert_many(_keys.u64(batch), now)
+        done += len(batch)
+    progress(done)
+    if held:
+        front.insert_many(_keys.front_hashes_of(held), now)
 
-    def _save_front(self, lsn: int) -> None:
-        """Saves the front filter and records that it covers the log through ``lsn`` and
-        every record LMDB holds outside the newest slice and the ones after it."""
-        slice_id = self._lmdb.newest_slice_id
-        self._front.save()
-        atomic_write(self.path / "front" / FRONT_COVERS, [f"{lsn} {slice_id}\n".encode()])
-        self._front_slice = slice_id
+
+def save_front(front: BloomRing, path: Path, lsn: int, slice_id: int) -> None:
+    """Saves ``front`` into ``path`` and records that it covers the log through ``lsn``
+    and every record LMDB holds outside warm-tier slice ``slice_id`` and the ones
+    after it: the filter first, then what it covers (docs/warm-tier.md)."""
+    front.save()
+    atomic_write(path / FRONT_COVERS, [f"{lsn} {slice_id}\n".encode()])
 
 
 def read_covers(path: Path) -> tuple[int, int]:

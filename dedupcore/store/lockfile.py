@@ -19,14 +19,20 @@ LOCK_FILE = "LOCK"
 
 
 class OwnerLock:
-    """The lock's part of :class:`~dedupcore.store.DedupStore` (mixed in)."""
+    """The lock of data directory ``directory``: :meth:`take` it, :meth:`release` it.
 
-    path: Path
-    _lock_fd: int | None
+    The lock goes with the open file, so a process that dies lets go of it;
+    the pid in the file is only what a refused opener is told.
+    """
 
-    def _take_lock(self) -> None:
-        lock_path = self.path / LOCK_FILE
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fd: int | None = None
+
+    def take(self) -> None:
+        """Takes the lock and writes this process's id into the file; raises
+        StoreLockedError, naming the owner, while another process holds it."""
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -35,15 +41,16 @@ class OwnerLock:
             finally:
                 os.close(fd)
             raise StoreLockedError(
-                f"data directory {self.path} is owned by process {owner}; one process "
+                f"data directory {self.directory} is owned by process {owner}; one process "
                 "owns a directory at a time: share it through `dedupcore serve` and "
                 "connect with dedupcore.Client, or open it with readonly=True to inspect it"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._fd = fd
 
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+    def release(self) -> None:
+        """Lets the lock go (nothing if it is not held)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

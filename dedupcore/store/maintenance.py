@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
-from dedupcore.bloom import BloomRing
 from dedupcore.config import Retention, StoreConfig
 from dedupcore.record import State, decode_stored
+from dedupcore.ring import BloomRing
+from dedupcore.store.front import front_window
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.lmdb import LmdbTier
 from dedupcore.wal import WriteAheadLog
@@ -82,13 +83,12 @@ class Maintenance:
     _aged_scan: float
     _last_sweep: float
 
-    if TYPE_CHECKING:  # the store's own, and the front filter's
+    if TYPE_CHECKING:  # the store's own
 
         def _check_usable(self, write: bool = False) -> None: ...
         def _log(self, payloads: list[bytes], count: int) -> int: ...
         def _sync(self, lsn: int) -> None: ...
         def _retention(self, ns_id: int) -> Retention: ...
-        def _front_window(self) -> float: ...
         def _save_front(self, lsn: int) -> None: ...
 
     def checkpoint(self) -> None:
@@ -136,10 +136,10 @@ class Maintenance:
                     # not at every checkpoint: a key is back in by 3/4 of its window.
                     now_w = time.time()
                     aged = []
-                    if started - self._aged_scan >= self._front_window() / 4:
+                    if started - self._aged_scan >= front_window(self.config) / 4:
                         self._aged_scan = started
                         aged = self._table.inflight_records(
-                            float("inf"), now_w - self._front_window() / 2
+                            float("inf"), now_w - front_window(self.config) / 2
                         )
             if idle:  # nothing to write; a closing store still saves its front
                 if final:

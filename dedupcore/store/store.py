@@ -1,26 +1,8 @@
 """DedupStore: claim / complete / release with leases and fencing tokens.
 
-The embedded authority. It decides the order of the tiers and never speaks
-LMDB or the log format itself::
-
-    claim ──> recent records (memory, not yet in LMDB)
-          ──> front filter: "definitely new" skips the rest
-          ──> LmdbTier: exact records, written in sorted checkpoint batches
-          ──> cold archive: demoted keys, DUPLICATE with exact=False
-
-Every change is a full record appended to the write-ahead log under the
-store's lock (so the log order is the decision order); the caller then
-waits, outside the lock, until the log is durable up to every record its
-answer depends on (group commit: concurrent callers share one fdatasync).
-Only then is the answer returned, so an acknowledged claim or completion
-survives a crash, and no answer is ever based on a record a crash could
-still take back.
-
-Lease timeline of one key (tokens grow on every new owner)::
-
-    owner A: claim ─ NEW t=1 ── lease ──┤ (A stalls)
-    owner B:             claim ─ IN_PROGRESS      claim ─ NEW t=2 (takeover)
-    owner A:                                              complete(t=1) ─ StaleTokenError
+The order of the tiers, the log's group commit and a key's lease timeline are
+drawn in the package's docstring (dedupcore/store/__init__.py); this module
+holds the claims, the log writes and the store's life from open to close.
 """
 
 from __future__ import annotations
@@ -35,14 +17,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
+from dedupcore._engine import FORM_CHECK, FORM_CLAIMS, FORM_COLUMNS
 from dedupcore.api import (
     Claim,
     ClaimAPI,
-    InProgressError,
     KeyRecord,
     Outcome,
     change_items,
@@ -59,36 +41,25 @@ from dedupcore.errors import (
     BatchTooLargeError,
     CorruptFileError,
     DedupError,
-    StoreLockedError,
 )
 from dedupcore.migrate import migrate_v1
 from dedupcore.record import State
-from dedupcore.store.front import FrontFilter
+from dedupcore.store.front import open_front, rebuild_front, save_front
 from dedupcore.store.lockfile import OwnerLock
 from dedupcore.store.maintenance import Maintenance
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.lmdb import LmdbTier
 from dedupcore.wal import WriteAheadLog
 
-__all__ = [
-    "Claim",
-    "DedupStore",
-    "InProgressError",
-    "KeyRecord",
-    "Outcome",
-    "StoreLockedError",
-]
+__all__ = ["LOG_HEAD_FILE", "DedupStore", "ReplyColumns"]  # dedupcore.store has the public names
 
 log = logging.getLogger("dedupcore.store")
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 #: A claim batch's answers in columns (:meth:`DedupStore.claim_columns_deferred`):
 #: outcomes, tokens, result indexes, results, cold indexes, takeover indexes.
 ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
 
-#: The write-ahead log's head file (dedupcore/wal.py, "The head file"): outside wal/,
+#: The write-ahead log's head file (dedupcore/wal/segments.py, "The head file"): outside wal/,
 #: so that a log deleted whole or cut short by a segment is refused at open.
 LOG_HEAD_FILE = "WAL_HEAD"
 _MAX_NAMESPACES = 65535
@@ -107,8 +78,8 @@ class _Stats:
     swept: int = 0
 
 
-class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
-    """An embedded dedup store over one data directory (see the module docstring)."""
+class DedupStore(Maintenance, ClaimAPI):
+    """An embedded dedup store over one data directory (see :mod:`dedupcore.store`)."""
 
     #: claim_many takes reply_limit= and refuses a batch whose answer would pass it
     #: before anything changes (the daemon relies on it instead of reading ahead).
@@ -140,7 +111,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         self._stats = _Stats()
         self._closed = False
         self._failed: BaseException | None = None
-        self._lock_fd: int | None = None
+        self._owner = OwnerLock(self.path)
         self._last_checkpoint = time.monotonic()
         self._aged_scan = -math.inf  # when a checkpoint last looked for long-held claims
         self._last_sweep = time.monotonic()
@@ -153,7 +124,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
                 raise FileNotFoundError(f"{self.path}: no data directory to open read-only")
         else:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._take_lock()
+            self._owner.take()
         try:
             self._lmdb = LmdbTier(
                 self.path / "lmdb",
@@ -192,9 +163,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
             # The log is read before the front filter is opened: a log that refuses
             # (a segment missing) leaves the front's files as they were.
             self._replay()
-            front_ok = self._open_front()
-            if not front_ok:
-                self._rebuild_front()
+            self._open_front()
             if not readonly:
                 self._worker = threading.Thread(
                     target=self._background, name="dedupcore-store", daemon=True
@@ -222,7 +191,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
 
         Settings are :class:`~dedupcore.config.StoreConfig` fields, given as
         keywords or as ``config=``. One process owns a directory at a time;
-        another process gets :class:`StoreLockedError` (share it through
+        another process gets :class:`~dedupcore.errors.StoreLockedError` (share it through
         ``dedupcore serve``) but may open it with ``readonly=True``.
         """
         if isinstance(path, str) and "://" in path:
@@ -271,6 +240,28 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
 
     def __repr__(self) -> str:
         return f"<DedupStore {str(self.path)!r}{' readonly' if self.readonly else ''}>"
+
+    def _release_lock(self) -> None:
+        self._owner.release()
+
+    def _open_front(self) -> None:
+        """Loads the front filter (front.py); rebuilds it from LMDB and the table when
+        the saved one does not hold every key LMDB holds."""
+        front, complete = open_front(
+            self.path / "front", self.config, self._lmdb, readonly=self.readonly
+        )
+        self._front = front
+        if not complete:
+            rebuild_front(front, self._lmdb, self._table.digests())
+            if not self.readonly:
+                self._save_front(self._last_lsn)
+
+    def _save_front(self, lsn: int) -> None:
+        """Saves the front filter as covering the log through ``lsn`` and LMDB but for
+        the newest slice and the ones after it (front.py)."""
+        slice_id = self._lmdb.newest_slice_id
+        save_front(self._front, self.path / "front", lsn, slice_id)
+        self._front_slice = slice_id
 
     @property
     def failed(self) -> BaseException | None:
@@ -406,14 +397,9 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         duplicates) raises BatchTooLargeError, also before anything changes:
         the daemon passes its frame limit.
         """
-        claims, lsn = self.claim_many_deferred(
-            keys,
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
-            fingerprints=fingerprints,
-            reply_limit=reply_limit,
-            row_bytes=row_bytes,
+        claims: list[Claim]
+        claims, _, lsn = self._claim_many(
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CLAIMS
         )
         self._sync(lsn)
         return claims
@@ -439,14 +425,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         wait for many requests' commit in one place (docs/daemon.md).
         """
         claims, _, lsn = self._claim_many(
-            keys,
-            namespace,
-            lease,
-            owner,
-            fingerprints,
-            reply_limit,
-            row_bytes,
-            _engine.FORM_CLAIMS,
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CLAIMS
         )
         return claims, lsn
 
@@ -470,14 +449,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         the takeovers. The daemon sends them as its reply (docs/daemon.md).
         """
         columns, _, lsn = self._claim_many(
-            keys,
-            namespace,
-            lease,
-            owner,
-            fingerprints,
-            reply_limit,
-            row_bytes,
-            _engine.FORM_COLUMNS,
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_COLUMNS
         )
         return columns, lsn
 
@@ -500,14 +472,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         large batch so before claiming any of them (docs/daemon.md).
         """
         return self._claim_many(
-            keys,
-            namespace,
-            lease,
-            owner,
-            fingerprints,
-            reply_limit,
-            row_bytes,
-            _engine.FORM_CHECK,
+            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CHECK
         )[1]
 
     def _claim_many(
@@ -533,7 +498,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
         fps = None if fingerprints is None else check_fingerprints(fingerprints, len(key_list))
         ns_name = ns.decode()
         if not key_list:
-            return ((b"", b"", [], [], [], []) if form == _engine.FORM_COLUMNS else []), 0, 0
+            return ((b"", b"", [], [], [], []) if form == FORM_COLUMNS else []), 0, 0
         ns_id = self._ns_id(ns)
         table = self._table
         self._lock_for_batch()
@@ -576,7 +541,7 @@ class DedupStore(FrontFilter, Maintenance, OwnerLock, ClaimAPI):
                     f"{row_bytes * len(key_list) + counts[5]} bytes, over {reply_limit} (the "
                     "duplicates' stored results included); nothing was claimed: split the batch"
                 )
-            if form == _engine.FORM_CHECK:
+            if form == FORM_CHECK:
                 return [], counts[5], 0
             # Only now, with every key of the batch checked, does anything change.
             last = self._log(payloads, counts[4])
