@@ -1,5 +1,6 @@
-"""What the daemon admits: connections within the open-file limit, request bytes
-within a shared budget (docs/daemon.md, "Limits").
+"""What the daemon admits, and when: connections within the open-file limit,
+request bytes within a shared budget, small requests before the slices of large
+batches, every wait within its deadline (docs/daemon.md, "Limits").
 """
 
 from __future__ import annotations
@@ -8,8 +9,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections import deque
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
+
+__all__ = ["SMALL_FRAME", "Budget", "SmallRequests", "connection_cap", "within"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("dedupcore.daemon")
 
@@ -62,7 +70,7 @@ def connection_cap(wanted: int, reserve: int) -> int:
     return wanted
 
 
-class _Budget:
+class Budget:
     """Bytes of request frames held (being read or not yet answered), across connections."""
 
     def __init__(self, limit: int) -> None:
@@ -110,3 +118,38 @@ class _Budget:
                 self._waiters.remove(entry)
                 self.used += n
                 fut.set_result(None)
+
+
+class SmallRequests:
+    """The small requests (frames of at most SMALL_FRAME bytes) read and not yet answered.
+
+    A large claim batch's next slice waits until there are none, for a short
+    while at most (:meth:`drained`): a single claim then waits for no slice.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    def add(self) -> None:
+        self.count += 1
+        self._none.clear()
+
+    def done(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._none.set()
+
+    async def drained(self, seconds: float) -> None:
+        """Returns once none is in flight, or after ``seconds``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._none.wait(), seconds)
+
+
+async def within(aw: Awaitable[T], seconds: float) -> T:
+    """Awaits with a deadline; ``asyncio.timeout`` where available (no extra task)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover

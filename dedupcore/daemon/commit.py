@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+__all__ = ["INLINE_COMMIT_BYTES", "Committer", "Decided"]
+
 #: The event loop waits for a commit itself (no thread hop) only when the log it
 #: writes is at most this big: a commit that carries a large batch's records
 #: would stop every other connection for its write and sync.
@@ -17,10 +19,10 @@ INLINE_COMMIT_BYTES = 64 << 10
 
 #: A request decided on the loop whose commit is still to come: (request id, answer,
 #: the commit, when its handling started).
-_Decided = tuple[int, Any, asyncio.Future[None], float]
+Decided = tuple[int, Any, asyncio.Future[None], float]
 
 
-class _Committer:
+class Committer:
     """Makes the requests decided on the event loop durable, a group at a time.
 
     The requests decided in one pass of the loop are gathered; at the start of

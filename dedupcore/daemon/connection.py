@@ -12,38 +12,38 @@ from typing import TYPE_CHECKING, Any, cast
 import msgpack
 
 from dedupcore.daemon import protocol
-from dedupcore.daemon.admission import SMALL_FRAME
-from dedupcore.daemon.commit import _Decided
-from dedupcore.daemon.protocol import FrameError, Op, Status
+from dedupcore.daemon.admission import SMALL_FRAME, Budget
+from dedupcore.daemon.commit import Decided
+from dedupcore.daemon.protocol import FrameError, Op
 
 if TYPE_CHECKING:
-    from dedupcore.daemon.server import DaemonServer
+    from dedupcore.daemon.server import DaemonServer, Pending
+
+__all__ = ["DRAIN_QUIET", "Connection"]
 
 log = logging.getLogger("dedupcore.daemon")
 
 #: After SIGTERM, a connection that sends nothing for this long is closed.
-_DRAIN_QUIET = 0.2
+DRAIN_QUIET = 0.2
 
 
-#: What keeps a connection from reading (``_Connection._blocked``, bits): a request
+#: What keeps a connection from reading (``Connection._blocked``, bits): a request
 #: waits for a slot (max_in_flight), a frame for the buffer budget, the peer to take
 #: its replies (max_unsent); or the connection reads no more requests (shut).
 _SLOT, _BUDGET, _WRITE, _SHUT = 1, 2, 4, 8
 _NEVER = float("inf")
 _header_at = protocol.HEADER.unpack_from
-_header_of = protocol.HEADER.pack
 _unpackb = msgpack.unpackb  # as protocol._unpack calls it
 _OPS = {int(op): op for op in Op}
-_STATUS_OK = int(Status.OK)
 #: A request read while the connection's slots are taken: (body, bytes reserved,
 #: small, the request as decoded, its decision), started once a slot is free.
-_Held = tuple[bytes, int, bool, "protocol.Request | None", "_Decided | None"]
+_Held = tuple[bytes, int, bool, "protocol.Request | None", "Decided | None"]
 
 
 def _request_parts(body: bytes) -> tuple[int, Op, dict[str, Any]] | None:
     """(request id, op, args) of a request frame's body, as ``protocol.decode_request``
     gives them, without building its Request; None when the body does not decode
-    (``_handle`` then answers why)."""
+    (``DaemonServer._handle`` then answers why)."""
     try:
         msg = _unpackb(body, raw=False, strict_map_key=False)
     except Exception:
@@ -67,73 +67,21 @@ def _request_parts(body: bytes) -> tuple[int, Op, dict[str, Any]] | None:
     return request.request_id, request.op, request.args
 
 
-class _Pending:
-    """A request decided by its connection's reader whose commit is still to come. It is
-    answered from the commit's callback (:meth:`finish`), or with the timeout error
-    once its connection's timer finds ``deadline`` passed."""
-
-    __slots__ = (
-        "conn",
-        "deadline",
-        "done",
-        "durable",
-        "request_id",
-        "reserved",
-        "result",
-        "small",
-        "started",
-    )
-
-    def __init__(
-        self, conn: _Connection, decided: _Decided, reserved: int, small: bool, deadline: float
-    ) -> None:
-        self.conn = conn
-        self.request_id, self.result, self.durable, self.started = decided
-        self.reserved = reserved
-        self.small = small
-        self.deadline = deadline
-        self.done = False
-
-    def finish(self, _: object = None) -> None:
-        if self.done:  # the commit after its timeout, or the timeout after the commit
-            return
-        self.done = True
-        conn = self.conn
-        server = conn.server
-        durable = self.durable
-        if not durable.cancelled():  # cancelled: the loop is closing, nobody is answered
-            if not durable.done():
-                reply = server._error_reply(self.request_id, TimeoutError())
-            else:
-                try:
-                    durable.result()  # raises what the commit raised
-                    reply = server._reply(self.request_id, self.result, self.started)
-                    server.counters["completed_by_commit"] += 1
-                except Exception as exc:
-                    reply = server._error_reply(self.request_id, exc)
-            conn.write(reply)
-        self.result = None
-        pending = conn.pending
-        while pending and pending[0].done:
-            pending.popleft()
-        server._answered(conn, self.reserved, self.small)
-
-
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection, served from its transport's callbacks (docs/daemon.md,
     "The request path of the embedded store").
 
     ``data_received`` parses frames straight out of the connection's own buffer. A
     small request the embedded store decides at once is answered there and then with
     ``transport.write``: no task, no future, no timer. A decided request whose commit
-    is still to come is answered from the commit's callback (:class:`_Pending`); every
+    is still to come is answered from the commit's callback (:class:`Pending`); every
     other request is started as a task (``DaemonServer._handle``).
 
     The connection stops reading (``pause_reading``) while a request waits for one of
     its ``max_in_flight`` slots, while a frame waits for the shared buffer budget, and
     while its unsent replies are over ``max_unsent`` (the transport's high-water mark:
     ``pause_writing``/``resume_writing``). One timer per connection checks its
-    deadlines lazily: the wait for a request (``idle_timeout``, ``_DRAIN_QUIET`` after
+    deadlines lazily: the wait for a request (``idle_timeout``, ``DRAIN_QUIET`` after
     SIGTERM), a frame not complete within ``request_timeout`` of its header (the wait
     for the budget included), unsent replies not taken within ``write_timeout``, and
     commits that outlast ``request_timeout``. A deadline that moves later re-arms
@@ -156,6 +104,7 @@ class _Connection(asyncio.Protocol):
         "_write_deadline",
         "_write_paused",
         "admitted",
+        "budget",
         "finished",
         "in_flight",
         "loop",
@@ -165,16 +114,20 @@ class _Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, server: DaemonServer, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, server: DaemonServer, loop: asyncio.AbstractEventLoop, budget: Budget
+    ) -> None:
         self.server = server
         self.loop = loop
+        #: The request bytes shared by every connection of the server (max_buffered).
+        self.budget = budget
         self.transport: asyncio.Transport | None = None
         self.admitted = False
         #: Resolved once the connection is closed and nothing of it is in flight.
         self.finished: asyncio.Future[None] | None = None
         self.in_flight = 0  # requests started (task or commit to come), reply not written
         self.tasks: set[asyncio.Task[None]] = set()
-        self.pending: deque[_Pending] = deque()  # answered by their commit, oldest first
+        self.pending: deque[Pending] = deque()  # answered by their commit, oldest first
         self._buf = bytearray()  # bytes read and not parsed yet
         self._length = -1  # body length of the frame whose header was read, else -1
         self._blocked = 0
@@ -195,28 +148,14 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport subclasses, only alike.)
         self.transport = cast(asyncio.Transport, transport)
-        server = self.server
-        allowed, who = server._peer_allowed(self.transport)
-        if (
-            not allowed
-            or len(server._connections) >= server.max_connections
-            or server._stopping.is_set()
-        ):
-            server.counters["refused_connections"] += 1
-            log.warning(
-                "refused connection from %s (%s)",
-                who,
-                "credentials" if not allowed else "connection limit or shutdown",
-            )
+        if not self.server.admit(self):  # credentials, the connection limit, shutdown
             self._blocked = _SHUT
             transport.close()
             return
         self.admitted = True
         self.finished = self.loop.create_future()
-        server._connections.add(self)
-        server.counters["connections"] += 1
         # The transport pauses writing past this; resumes at a quarter of it.
-        self.transport.set_write_buffer_limits(high=server.max_unsent)
+        self.transport.set_write_buffer_limits(high=self.server.max_unsent)
         self._wait_for_request()
 
     def data_received(self, data: bytes) -> None:
@@ -297,7 +236,7 @@ class _Connection(asyncio.Protocol):
                     return
                 pos += 4
                 self._length = length
-                budget = server._budget
+                budget = self.budget
                 if not budget.fits(length):
                     self._wait_for_budget(length)
                     break
@@ -333,13 +272,13 @@ class _Connection(asyncio.Protocol):
         server = self.server
         small = length <= SMALL_FRAME
         request: protocol.Request | None = None
-        decided: _Decided | None = None
-        if small and server._fast:
+        decided: Decided | None = None
+        if small and server.decides_on_loop:
             parts = _request_parts(body)
             if parts is not None:
-                now = server._decide_now(*parts)
+                now = server.decide_now(*parts)
                 if isinstance(now, bytes):  # answered: nothing to wait for
-                    server._budget.give(length)
+                    self.budget.give(length)
                     # Past max_unsent, the transport pauses writing and the next
                     # request is not read until the peer takes its replies.
                     self.write(now)
@@ -360,20 +299,10 @@ class _Connection(asyncio.Protocol):
         length: int,
         small: bool,
         request: protocol.Request | None,
-        now: _Decided | None,
+        now: Decided | None,
     ) -> None:
-        server = self.server
         self.in_flight += 1
-        server._in_flight += 1
-        if small:
-            server._small += 1
-            server._no_small.clear()
-        if now is not None:  # decided: its commit is to come, no task waits for it
-            server._complete_later(now, length, self, small)
-        else:
-            task = self.loop.create_task(server._handle(body, length, self, small, request))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+        self.server.start_request(self, body, length, small, request, now)
 
     def answered(self) -> None:
         """One of this connection's requests was answered (its slot is free)."""
@@ -396,12 +325,12 @@ class _Connection(asyncio.Protocol):
         """The wait for the next request's header starts now (idle_timeout; after
         SIGTERM, a short quiet period: requests already sent are still answered)."""
         server = self.server
-        quiet = _DRAIN_QUIET if server._stopping.is_set() else server.idle_timeout
+        quiet = DRAIN_QUIET if server.draining else server.idle_timeout
         self._at(self.loop.time() + quiet)
 
     def _wait_for_budget(self, length: int) -> None:
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._budget_wait = self.server._budget.wait(length, fut)
+        self._budget_wait = self.budget.wait(length, fut)
         fut.add_done_callback(self._budget_granted)
         self._block(_BUDGET)
         # The frame's bytes (and their wait for the budget) within request_timeout.
@@ -454,7 +383,7 @@ class _Connection(asyncio.Protocol):
         if self._blocked & _SHUT:
             return
         self._block(_SHUT)
-        budget = self.server._budget
+        budget = self.budget
         if self._length >= 0:  # a partial frame (or one waiting for the budget) is dropped
             wait = self._budget_wait
             if wait is not None:
@@ -473,7 +402,7 @@ class _Connection(asyncio.Protocol):
         if self._done or self.in_flight or not self._blocked & _SHUT:
             return
         self._done = True
-        self.server._connections.discard(self)
+        self.server.forget(self)
         transport = self.transport
         if self._lost or transport is None:
             self._finish()

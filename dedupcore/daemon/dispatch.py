@@ -1,20 +1,52 @@
-"""From a request's op and arguments to the store's call (docs/daemon.md)."""
+"""From a request's op and arguments to the store's call (docs/daemon.md).
+
+:class:`Dispatcher` runs PING, CLAIM_MANY, COMPLETE_MANY, RELEASE_MANY and GET
+on the store the daemon serves. Every store is served by :meth:`Dispatcher.call`
+in the daemon's thread pool; its reply is kept within the frame limit by the
+store itself when it declares ``bounds_replies``, else by reading the stored
+results of the batch's keys first (:class:`Gate`). A store that declares it
+decides without waiting for its log (:class:`Abilities`, the embedded store)
+has its claims, completions and releases decided on the event loop
+(:meth:`Dispatcher.decide_sync`, :meth:`Dispatcher.decide`, a large claim batch
+in slices) and only the wait for the log handed to the group commit
+(:class:`~dedupcore.daemon.commit.Committer`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from dedupcore.api import check_fingerprints
+from dedupcore.daemon import protocol
+from dedupcore.daemon.admission import SmallRequests, within
+from dedupcore.daemon.commit import Committer
 from dedupcore.daemon.protocol import FrameError, Op
+from dedupcore.errors import BatchTooLargeError
+
+__all__ = [
+    "DEFERRED_OPS",
+    "INLINE_OPS",
+    "REPLY_FIXED",
+    "ROW_FIXED",
+    "SLICE_ABOVE",
+    "SLICE_KEYS",
+    "SMALL_FIRST_SECONDS",
+    "Abilities",
+    "Dispatcher",
+    "Gate",
+]
 
 #: Ops answered on the event loop itself (they neither block nor touch the log).
-_INLINE_OPS = frozenset({Op.PING})
+INLINE_OPS = frozenset({Op.PING})
 #: Size of a CLAIM_MANY reply around its rows: frame header, [id, status, list header].
-_REPLY_FIXED = 32
+REPLY_FIXED = 32
 #: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
-_ROW_FIXED = 32
+ROW_FIXED = 32
 #: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
 #: SLICE_KEYS keys, with other connections' requests served between two slices.
 SLICE_ABOVE = 8192
@@ -26,10 +58,52 @@ SMALL_FIRST_SECONDS = 0.005
 #: request of another connection waits behind at most one slice per pass.
 SLICE_KEYS = 1024
 #: Ops the embedded store decides on the event loop (then only the commit is waited for).
-_DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
+DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
 
-class _Gate:
+@dataclass(frozen=True)
+class Abilities:
+    """What a store declares it can do for the daemon, read once from its public
+    attributes (a store that declares nothing is served the ordinary way).
+
+    ``bounds_replies``: ``claim_many`` takes ``reply_limit=`` and refuses a batch whose
+    answer would pass it before anything changes (no reading ahead). ``defers_durability``:
+    ``claim_many_deferred``, ``complete_many_deferred`` and ``release_many_deferred``
+    answer without waiting for the log, ``wait_durable(lsn)`` waits, ``commit_bytes()``
+    says how much the next commit writes. ``unsynced_commits``: a commit is a write to
+    the OS, no ``fdatasync`` (``config.durability`` is ``"power-loss-unsafe"``).
+    ``max_result_bytes``: the largest result it keeps, when it says (itself or its
+    ``config``).
+    """
+
+    bounds_replies: bool = False
+    defers_durability: bool = False
+    unsynced_commits: bool = False
+    max_result_bytes: int | None = None
+
+    @property
+    def decides_on_loop(self) -> bool:
+        """Whether claims, completions and releases are decided on the event loop."""
+        return self.bounds_replies and self.defers_durability
+
+    @classmethod
+    def of(cls, store: object) -> Abilities:
+        config = getattr(store, "config", None)
+        limit = None
+        for holder in (store, config):
+            value = getattr(holder, "max_result_bytes", None)
+            if isinstance(value, int) and value > 0:
+                limit = value
+                break
+        return cls(
+            bounds_replies=bool(getattr(store, "bounds_replies", False)),
+            defers_durability=bool(getattr(store, "defers_durability", False)),
+            unsynced_commits=getattr(config, "durability", "durable") == "power-loss-unsafe",
+            max_result_bytes=limit,
+        )
+
+
+class Gate:
     """Two kinds of callers, each sharing the gate with its own kind only.
 
     Claim batches whose reply size was bounded by reading their keys' results
@@ -61,16 +135,269 @@ class _Gate:
                 self._cond.notify_all()
 
 
-_CLAIMS, _COMPLETES = 0, 1
+#: The two sides of the gate: claims whose reply was bounded by reading ahead, completions.
+CLAIMS, COMPLETES = 0, 1
 
 
-def _max_result_bytes(store: Any, ceiling: int) -> int:
-    """The largest result ``store`` keeps, as far as it says (else ``ceiling``)."""
-    for holder in (store, getattr(store, "config", None)):
-        limit = getattr(holder, "max_result_bytes", None)
-        if isinstance(limit, int) and limit > 0:
-            return limit
-    return ceiling
+class Dispatcher:
+    """Runs requests' ops on one store (see the module docstring).
+
+    ``counters`` is the daemon's (the sliced batches are counted in it), ``small``
+    the small requests in flight (a large batch's slices let them go first).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        max_frame: int,
+        request_timeout: float,
+        counters: dict[str, int],
+        small: SmallRequests,
+    ) -> None:
+        self.store = store
+        self.abilities = Abilities.of(store)
+        self.max_frame = max_frame
+        self.request_timeout = request_timeout
+        self.counters = counters
+        self.small = small
+        #: The group commit of the requests decided on the loop (:meth:`start`).
+        self.committer: Committer | None = None
+        self._gate = Gate()
+        self._max_result = self.abilities.max_result_bytes or max_frame
+        self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
+
+    def start(
+        self, loop: asyncio.AbstractEventLoop, others_in_flight: Callable[[int], bool]
+    ) -> None:
+        """Starts the group commit, when the store decides on the loop."""
+        if self.abilities.decides_on_loop and self.committer is None:
+            self.committer = Committer(self.store, loop, others_in_flight)
+
+    def close(self) -> None:
+        """Finishes the commits queued and stops the commit thread (blocks)."""
+        if self.committer is not None:
+            self.committer.close()
+
+    def decides_now(self, op: Op) -> bool:
+        """Whether ``op`` is decided on the event loop (then only its commit is waited for)."""
+        return self.committer is not None and op in DEFERRED_OPS
+
+    async def durable(self, durable: asyncio.Future[None] | None) -> None:
+        """Waits for a commit (request_timeout); raises what it raised."""
+        if durable is None:
+            return
+        if not durable.done():
+            await within(durable, self.request_timeout)
+        durable.result()
+
+    async def decide(self, op: Op, args: dict[str, Any]) -> Any:
+        """Decides a claim, completion or release on the event loop, then waits (without
+        blocking the loop) until the log is durable through every record the answer
+        depends on: nothing is answered before that (docs/daemon.md)."""
+        keys = args.get("keys")
+        if op is Op.CLAIM_MANY and isinstance(keys, list) and len(keys) > SLICE_ABOVE:
+            options = _claim_options(args)
+            columns = bool(args.get(protocol.COLUMNS_ARG))
+            result, lsn = await self.claim_sliced(keys, options, columns)
+            await self.durable(self.commit(lsn))
+            return result
+        result, durable = self.decide_sync(op, args)
+        await self.durable(durable)
+        return result
+
+    def commit(self, lsn: int, gather: bool = False) -> asyncio.Future[None] | None:
+        """The commit through ``lsn`` (None when there is nothing to commit)."""
+        if not lsn:
+            return None
+        assert self.committer is not None
+        return self.committer.wait(lsn, gather=gather)
+
+    def decide_sync(
+        self, op: Op, args: dict[str, Any], gather: bool = False
+    ) -> tuple[Any, asyncio.Future[None] | None]:
+        """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
+        (the answer, the commit it waits for, or None)."""
+        store: Any = self.store
+        if op is Op.CLAIM_MANY:
+            ns, keys = args.get("ns"), args.get("keys")
+            options: dict[str, Any]
+            if (
+                type(ns) is str
+                and type(keys) is list
+                and args.get("lease") is None
+                and args.get("owner") is None
+                and args.get("fps") is None
+            ):
+                # The plain claim (what the clients send for claim()): its arguments
+                # need no checking.
+                options = {"namespace": ns, "lease": None, "owner": None, "fingerprints": None}
+            else:
+                _arg(args, "ns", str)  # checked first, as for every op
+                keys = _arg(args, "keys", list)
+                options = _claim_options(args)
+            if args.get(protocol.COLUMNS_ARG):
+                part, lsn = store.claim_columns_deferred(
+                    keys,
+                    **options,
+                    reply_limit=self.max_frame - REPLY_FIXED,
+                    row_bytes=ROW_FIXED + 8,
+                )
+                return protocol.columns_payload(part), self.commit(lsn, gather)
+            claims, lsn = store.claim_many_deferred(
+                keys,
+                **options,
+                reply_limit=self.max_frame - REPLY_FIXED,
+                row_bytes=ROW_FIXED + 8,
+            )
+            return [protocol.claim_row(c) for c in claims], self.commit(lsn, gather)
+        ns = _arg(args, "ns", str)
+        if op is Op.COMPLETE_MANY:
+            lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
+        else:
+            lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
+        return None, self.commit(lsn, gather)
+
+    async def claim_sliced(
+        self, keys: list[Any], options: dict[str, Any], columns: bool
+    ) -> tuple[Any, int]:
+        """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
+        two slices so that other connections are served meanwhile.
+
+        Every slice is first checked (decided, nothing applied): a bad key, a fingerprint
+        conflict or an answer over the frame limit refuses the whole batch before any of
+        it is claimed. Then the slices are claimed in order; a key repeated across slices
+        is IN_PROGRESS in the later one, as within one batch. A conflict that other
+        clients create between the check and the claim of a later slice can still refuse
+        the batch after its earlier slices were claimed (they stay claimed, as after a
+        lost reply)."""
+        store: Any = self.store
+        slices = [keys[i : i + SLICE_KEYS] for i in range(0, len(keys), SLICE_KEYS)]
+        fps = options.pop("fingerprints")
+        if fps is None:
+            fp_slices: list[Any] = [None] * len(slices)
+        else:
+            check_fingerprints(fps, len(keys))
+            fp_slices = [fps[i : i + SLICE_KEYS] for i in range(0, len(fps), SLICE_KEYS)]
+        rows_bytes = REPLY_FIXED + (ROW_FIXED + 8) * len(keys)
+        if rows_bytes > self.max_frame:
+            raise BatchTooLargeError(
+                f"the answer to a claim of {len(keys)} keys would pass {self.max_frame} bytes "
+                "(the frame limit); nothing was claimed: split the batch"
+            )
+        self.counters["sliced_batches"] += 1
+        budget = self.max_frame - rows_bytes
+        held: list[int] = []  # bytes of stored results each slice's answer carries
+        for part, part_fps in zip(slices, fp_slices, strict=True):
+            async with self._turn():
+                held.append(
+                    store.check_claim_many(
+                        part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
+                    )
+                )
+        rows: list[list[Any]] = []
+        cols = protocol.ClaimColumns()
+        lsn = 0
+        for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
+            # Later slices keep the room the checked answers of the others need.
+            room = budget - sum(held[:i]) - sum(held[i + 1 :])
+            async with self._turn():
+                if columns:
+                    answers, part_lsn = store.claim_columns_deferred(
+                        part, **options, fingerprints=part_fps, reply_limit=room
+                    )
+                    cols.add_columns(answers)
+                else:
+                    claims, part_lsn = store.claim_many_deferred(
+                        part, **options, fingerprints=part_fps, reply_limit=room
+                    )
+                    rows.extend(protocol.claim_row(c) for c in claims)
+                self.counters["batch_slices"] += 1
+                lsn = max(lsn, part_lsn)
+        return (cols.payload() if columns else rows), lsn
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """One slice of one large batch: the batches in flight take turns (the lock
+        wakes its waiters in order, one per pass of the loop), every other request
+        that became ready meanwhile is served before the next slice, and a small
+        request read meanwhile is answered first (up to SMALL_FIRST_SECONDS): its
+        decision, its commit and its reply then wait for no slice."""
+        async with self._slice_turn:
+            if self.small.count:
+                self.counters["slices_held_for_small"] += 1
+                await self.small.drained(SMALL_FIRST_SECONDS)
+            yield
+            await asyncio.sleep(0)
+
+    def call(self, op: Op, args: dict[str, Any]) -> Any:
+        """Runs a request the ordinary way: the store's own call, in the daemon's thread
+        pool (a ping on the event loop). STATS is the server's (it adds its counters)."""
+        if op is Op.PING:
+            return "pong"
+        ns = _arg(args, "ns", str)
+        if op is Op.CLAIM_MANY:
+            keys = _arg(args, "keys", list)
+            options = _claim_options(args)
+            fixed = REPLY_FIXED + ROW_FIXED * len(keys)
+            if self.abilities.bounds_replies:
+                # The embedded store sizes the answer after deciding and before
+                # applying anything: no read-ahead, no gate.
+                bounded: Any = self.store
+                claims = bounded.claim_many(
+                    keys,
+                    **options,
+                    reply_limit=self.max_frame - REPLY_FIXED,
+                    row_bytes=ROW_FIXED + 8,
+                )
+            elif fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
+                claims = self.store.claim_many(keys, **options)
+            else:
+                # The reply could exceed a frame if enough keys are duplicates with
+                # large results: count the results they hold now, with completions
+                # held off until the claim is done, and refuse before applying.
+                with self._gate.side(CLAIMS):
+                    self.check_reply_bound(keys, ns, fixed)
+                    claims = self.store.claim_many(keys, **options)
+            if args.get(protocol.COLUMNS_ARG):
+                return protocol.claim_columns(claims)
+            return [protocol.claim_row(c) for c in claims]
+        if op is Op.COMPLETE_MANY:
+            items = _arg(args, "items", list)
+            with self._gate.side(COMPLETES):
+                self.store.complete_many(items, namespace=ns)
+            return None
+        if op is Op.RELEASE_MANY:
+            self.store.release_many(_arg(args, "items", list), namespace=ns)
+            return None
+        if op is Op.GET:
+            return protocol.record_map(
+                self.store.get(_arg(args, "key", (bytes, str)), namespace=ns)
+            )
+        raise FrameError(f"op {op!r} is not served")
+
+    def check_reply_bound(self, keys: list[Any], ns: str, fixed: int) -> None:
+        """BatchTooLargeError if the claim reply for ``keys`` could exceed a frame."""
+        sizes: dict[Any, int] = {}
+        total = fixed
+        for key in keys:
+            size = sizes.get(key)
+            if size is None:
+                try:
+                    record = self.store.get(key, namespace=ns)
+                except (TypeError, ValueError):
+                    record = None  # a bad key: claim_many names it
+                size = 0
+                if record is not None and record.result is not None:
+                    size = 8 + protocol.packed_len(record.result)
+                sizes[key] = size
+            total += size
+            if total > self.max_frame:
+                raise BatchTooLargeError(
+                    f"a claim of these {len(keys)} keys could be answered with more than "
+                    f"{self.max_frame} bytes (the frame limit), counting the stored results "
+                    "of the keys already done; nothing was claimed: split the batch"
+                )
 
 
 def _arg(args: dict[str, Any], name: str, kind: Any) -> Any:

@@ -65,44 +65,31 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 
 import dedupcore._platform as _platform
-from dedupcore.api import ClaimAPI, check_fingerprints
+from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
-from dedupcore.daemon.admission import SMALL_FRAME, _Budget, connection_cap
-from dedupcore.daemon.commit import INLINE_COMMIT_BYTES, _Committer, _Decided
-from dedupcore.daemon.connection import (
-    _DRAIN_QUIET,
-    _STATUS_OK,
-    _Connection,
-    _header_of,
-    _Pending,
-)
+from dedupcore.daemon.admission import SMALL_FRAME, Budget, SmallRequests, connection_cap
+from dedupcore.daemon.admission import within as _within
+from dedupcore.daemon.commit import INLINE_COMMIT_BYTES, Decided
+from dedupcore.daemon.connection import DRAIN_QUIET, Connection
 from dedupcore.daemon.dispatch import (
-    _CLAIMS,
-    _COMPLETES,
-    _DEFERRED_OPS,
-    _INLINE_OPS,
-    _REPLY_FIXED,
-    _ROW_FIXED,
+    INLINE_OPS,
     SLICE_ABOVE,
     SLICE_KEYS,
     SMALL_FIRST_SECONDS,
-    _arg,
-    _claim_options,
-    _Gate,
-    _max_result_bytes,
+    Dispatcher,
 )
-from dedupcore.daemon.protocol import FrameError, Op
+from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.daemon.socketpath import (
-    _PEERCRED,
     MAX_SOCKET_PATH,
+    check_peer,
     check_socket_path,
     inherited_socket,
     peer_admitted,
@@ -135,25 +122,66 @@ __all__ = [
     "serve",
 ]
 
-T = TypeVar("T")
-
 log = logging.getLogger("dedupcore.daemon")
-
-
-async def _within(aw: Awaitable[T], seconds: float) -> T:
-    """Awaits with a deadline; ``asyncio.timeout`` where available (no extra task)."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)  # pragma: no cover
-
 
 #: Exit status of ``dedupcore serve`` when the store failed and must be reopened.
 EXIT_STORE_FAILED = 3
-
-
 #: Seconds a thread may hold the GIL while another waits for it, in a serving process.
 SWITCH_INTERVAL = 0.0005
+_header_of = protocol.HEADER.pack
+_STATUS_OK = int(Status.OK)
+
+
+class Pending:
+    """A request decided by its connection's reader whose commit is still to come. It is
+    answered from the commit's callback (:meth:`finish`), or with the timeout error
+    once its connection's timer finds ``deadline`` passed."""
+
+    __slots__ = (
+        "conn",
+        "deadline",
+        "done",
+        "durable",
+        "request_id",
+        "reserved",
+        "result",
+        "small",
+        "started",
+    )
+
+    def __init__(
+        self, conn: Connection, decided: Decided, reserved: int, small: bool, deadline: float
+    ) -> None:
+        self.conn = conn
+        self.request_id, self.result, self.durable, self.started = decided
+        self.reserved = reserved
+        self.small = small
+        self.deadline = deadline
+        self.done = False
+
+    def finish(self, _: object = None) -> None:
+        if self.done:  # the commit after its timeout, or the timeout after the commit
+            return
+        self.done = True
+        conn = self.conn
+        server = conn.server
+        durable = self.durable
+        if not durable.cancelled():  # cancelled: the loop is closing, nobody is answered
+            if not durable.done():
+                reply = server._error_reply(self.request_id, TimeoutError())
+            else:
+                try:
+                    durable.result()  # raises what the commit raised
+                    reply = server._reply(self.request_id, self.result, self.started)
+                    server.counters["completed_by_commit"] += 1
+                except Exception as exc:
+                    reply = server._error_reply(self.request_id, exc)
+            conn.write(reply)
+        self.result = None
+        pending = conn.pending
+        while pending and pending[0].done:
+            pending.popleft()
+        server._answered(conn, self.reserved, self.small)
 
 
 class DaemonServer:
@@ -214,31 +242,14 @@ class DaemonServer:
         self.drain_timeout = drain_timeout
         #: Exit status for ``dedupcore serve``: EXIT_STORE_FAILED once the store failed.
         self.exit_code = 0
-        self._budget = _Budget(self.max_buffered)
-        self._gate = _Gate()
-        self._max_result = _max_result_bytes(store, max_frame)
+        self._budget = Budget(self.max_buffered)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dedupcore-io")
-        # The embedded store decides claims, completions and releases on the event loop
-        # (native, the GIL released) and only the wait for the log goes to a thread.
-        self._fast = bool(
-            getattr(store, "defers_durability", False) and getattr(store, "bounds_replies", False)
-        )
-        self._committer: _Committer | None = None
-        # Commits without fdatasync (a write to the OS) may run on the loop for each
-        # request as it is read: the request path without a task (_decide_now).
-        config = getattr(store, "config", None)
-        self._cheap_commits = self._fast and (
-            getattr(config, "durability", "durable") == "power-loss-unsafe"
-        )
-        self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
         # Small requests read and not yet answered: a large batch's next slice waits
         # (up to SMALL_FIRST_SECONDS) until there are none.
-        self._small = 0
-        self._deciding = 0  # requests being decided by _decide_now (not tasks)
-        self._no_small = asyncio.Event()
-        self._no_small.set()
+        self.small = SmallRequests()
+        self._deciding = 0  # requests being decided by decide_now (not tasks)
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
         # Requests in flight (started and not answered, of every connection): their
         # tasks, and those answered by their commit's callback.
         self._in_flight = 0
@@ -260,6 +271,19 @@ class DaemonServer:
         }
         self._commit_seconds = 0.0
         self._packer = msgpack.Packer(use_bin_type=True)  # replies, on the event loop only
+        self.dispatch = Dispatcher(
+            store,
+            max_frame=max_frame,
+            request_timeout=request_timeout,
+            counters=self.counters,
+            small=self.small,
+        )
+        # The embedded store decides claims, completions and releases on the event loop
+        # (native, the GIL released) and only the wait for the log goes to a thread.
+        self.decides_on_loop = self.dispatch.abilities.decides_on_loop
+        # Commits without fdatasync (a write to the OS) may run on the loop for each
+        # request as it is read: the request path without a task (decide_now).
+        self._cheap_commits = self.decides_on_loop and self.dispatch.abilities.unsynced_commits
 
     # -- life cycle ------------------------------------------------------------
 
@@ -269,17 +293,12 @@ class DaemonServer:
             path = check_socket_path(self.socket_path, group=self.group)
         else:  # its owner (systemd) made the file and its permissions
             path = Path(os.fsdecode(self.sock.getsockname()))
-        if self._fast and self._committer is None:
-            self._committer = _Committer(
-                self.store,
-                asyncio.get_running_loop(),
-                lambda n: self._in_flight + self._deciding > n,
-            )
-        self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
         loop = asyncio.get_running_loop()
+        self.dispatch.start(loop, lambda n: self._in_flight + self._deciding > n)
+        self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
 
-        def connection() -> _Connection:
-            return _Connection(self, loop)
+        def connection() -> Connection:
+            return Connection(self, loop, self._budget)
 
         if self.sock is not None:
             self._server = await loop.create_unix_server(connection, sock=self.sock)
@@ -316,6 +335,11 @@ class DaemonServer:
         """Asks the server to drain and close."""
         self._stopping.set()
 
+    @property
+    def draining(self) -> bool:
+        """Whether the server was asked to stop (it reads the requests already sent)."""
+        return self._stopping.is_set()
+
     async def close(self, drain_timeout: float = 30.0) -> None:
         """Stops accepting, answers the requests already sent, closes connections and the socket.
 
@@ -334,7 +358,7 @@ class DaemonServer:
             busy = self._in_flight or not all(c.idle for c in self._connections)
             if busy:
                 quiet_since = loop.time()
-            elif loop.time() - quiet_since >= _DRAIN_QUIET:
+            elif loop.time() - quiet_since >= DRAIN_QUIET:
                 break
             await asyncio.sleep(0.02)
         # Each connection reads no more; it closes once its requests in flight are
@@ -350,33 +374,63 @@ class DaemonServer:
         if self.sock is None:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-        if self._committer is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._committer.close)
+        await asyncio.get_running_loop().run_in_executor(None, self.dispatch.close)
         self._pool.shutdown(wait=True)
 
     # -- connections -----------------------------------------------------------
 
-    def _peer_allowed(self, transport: asyncio.BaseTransport) -> tuple[bool, str]:
-        sock = transport.get_extra_info("socket")
+    def admit(self, conn: Connection) -> bool:
+        """Whether a new connection is served: its peer's credentials are allowed, fewer
+        than ``max_connections`` are open and the server is not stopping. An admitted
+        connection is served until it calls :meth:`forget`."""
+        assert conn.transport is not None
+        sock = conn.transport.get_extra_info("socket")
         if sock is None:
-            return False, "no socket"
-        raw = sock.getsockopt(socket.SOL_SOCKET, self._peercred, _PEERCRED.size)
-        pid, uid, gid = _PEERCRED.unpack(raw)
-        who = f"pid {pid} uid {uid} gid {gid}"
-        if uid in self.allowed_uids or gid in self.allowed_gids:
-            return True, who
-        if not self.allowed_gids:
-            return False, who
-        groups = peer_groups(sock, uid, gid)
-        return peer_admitted(uid, gid, groups, self.allowed_uids, self.allowed_gids), (
-            f"{who} groups {sorted(groups)}"
-        )
+            allowed, who = False, "no socket"
+        else:
+            allowed, who = check_peer(sock, self._peercred, self.allowed_uids, self.allowed_gids)
+        if not allowed or len(self._connections) >= self.max_connections or self.draining:
+            self.counters["refused_connections"] += 1
+            log.warning(
+                "refused connection from %s (%s)",
+                who,
+                "credentials" if not allowed else "connection limit or shutdown",
+            )
+            return False
+        self._connections.add(conn)
+        self.counters["connections"] += 1
+        return True
+
+    def forget(self, conn: Connection) -> None:
+        """A connection is closing: it no longer counts against ``max_connections``."""
+        self._connections.discard(conn)
+
+    def start_request(
+        self,
+        conn: Connection,
+        body: bytes,
+        length: int,
+        small: bool,
+        request: protocol.Request | None,
+        decided: Decided | None,
+    ) -> None:
+        """Serves a request its connection read (and, on the fast path, decided): answered
+        from its commit's callback when decided, else by a task (:meth:`_handle`)."""
+        self._in_flight += 1
+        if small:
+            self.small.add()
+        if decided is not None:  # its commit is to come, no task waits for it
+            self._complete_later(decided, length, conn, small)
+        else:
+            task = conn.loop.create_task(self._handle(body, length, conn, small, request))
+            conn.tasks.add(task)
+            task.add_done_callback(conn.tasks.discard)
 
     async def _handle(
         self,
         body: bytes,
         reserved: int,
-        conn: _Connection,
+        conn: Connection,
         small: bool = False,
         request: protocol.Request | None = None,
     ) -> None:
@@ -388,15 +442,15 @@ class DaemonServer:
                 request_id = request.request_id
                 self.counters["requests"] += 1
                 started = time.perf_counter()
-                if request.op in _INLINE_OPS:
+                if request.op in INLINE_OPS:
                     # Nothing to wait for: answer on the event loop, no thread hop.
-                    result = self._dispatch(request.op, request.args)
-                elif self._committer is not None and request.op in _DEFERRED_OPS:
-                    result = await self._decide(request.op, request.args)
+                    result = self.dispatch.call(request.op, request.args)
+                elif self.dispatch.decides_now(request.op):
+                    result = await self.dispatch.decide(request.op, request.args)
                 else:
                     loop = asyncio.get_running_loop()
                     result = await _within(
-                        loop.run_in_executor(self._pool, self._dispatch, request.op, request.args),
+                        loop.run_in_executor(self._pool, self._call, request.op, request.args),
                         self.request_timeout,
                     )
                 reply = self._reply(request_id, result, started)
@@ -410,20 +464,18 @@ class DaemonServer:
         finally:
             self._answered(conn, reserved, small)
 
-    def _answered(self, conn: _Connection, reserved: int, small: bool) -> None:
+    def _answered(self, conn: Connection, reserved: int, small: bool) -> None:
         """Gives back what a request held until its reply was written: its frame's bytes,
         its place among the small requests, its connection's slot (the requests of a
         connection that does not read its replies stay bounded, and so do their bytes)."""
         self._in_flight -= 1
         self._budget.give(reserved)
         if small:
-            self._small -= 1
-            if not self._small:
-                self._no_small.set()
+            self.small.done()
         conn.answered()
 
     def _complete_later(
-        self, decided: _Decided, reserved: int, conn: _Connection, small: bool
+        self, decided: Decided, reserved: int, conn: Connection, small: bool
     ) -> None:
         """Answers a request decided by the connection's reader once its commit is done,
         from the commit's own callback (no task; docs/daemon.md, "The request path of
@@ -431,7 +483,7 @@ class DaemonServer:
         timeout error a task would have given (the connection's timer checks that: no
         timer per request)."""
         deadline = conn.loop.time() + self.request_timeout
-        entry = _Pending(conn, decided, reserved, small, deadline)
+        entry = Pending(conn, decided, reserved, small, deadline)
         conn.pending.append(entry)
         conn.arm_for(deadline)
         entry.durable.add_done_callback(entry.finish)
@@ -467,7 +519,7 @@ class DaemonServer:
 
     # -- the embedded store's fast path (on the event loop) ----------------------------
 
-    def _decide_now(self, request_id: int, op: Op, args: dict[str, Any]) -> bytes | _Decided | None:
+    def decide_now(self, request_id: int, op: Op, args: dict[str, Any]) -> bytes | Decided | None:
         """A small request served without a task (docs/daemon.md, "The request path"):
         a ping, or a claim (of at most SLICE_ABOVE keys), completion or release that
         the embedded store decides here and now. Returns the reply when nothing is
@@ -482,7 +534,7 @@ class DaemonServer:
         in the same pass have been read and decided too, and they share one
         ``fdatasync``."""
         if op is not Op.PING:
-            if self._committer is None or op not in _DEFERRED_OPS:
+            if not self.dispatch.decides_now(op):
                 return None
             keys = args.get("keys")
             if op is Op.CLAIM_MANY and (not isinstance(keys, list) or len(keys) > SLICE_ABOVE):
@@ -497,7 +549,9 @@ class DaemonServer:
             else:
                 # A durable commit waits for the end of this pass of the loop, so
                 # that it gathers the requests other connections sent meanwhile.
-                result, durable = self._decide_sync(op, args, gather=not self._cheap_commits)
+                result, durable = self.dispatch.decide_sync(
+                    op, args, gather=not self._cheap_commits
+                )
             if durable is not None and not durable.done():
                 return request_id, result, durable, started
             if durable is not None:
@@ -508,154 +562,6 @@ class DaemonServer:
             return self._error_reply(request_id, exc)
         finally:
             self._deciding -= 1
-
-    async def _durable(self, durable: asyncio.Future[None] | None) -> None:
-        """Waits for a commit (request_timeout); raises what it raised."""
-        if durable is None:
-            return
-        if not durable.done():
-            await _within(durable, self.request_timeout)
-        durable.result()
-
-    async def _decide(self, op: Op, args: dict[str, Any]) -> Any:
-        """Decides a claim, completion or release on the event loop, then waits (without
-        blocking the loop) until the log is durable through every record the answer
-        depends on: nothing is answered before that (docs/daemon.md)."""
-        keys = args.get("keys")
-        if op is Op.CLAIM_MANY and isinstance(keys, list) and len(keys) > SLICE_ABOVE:
-            options = _claim_options(args)
-            columns = bool(args.get(protocol.COLUMNS_ARG))
-            result, lsn = await self._claim_sliced(keys, options, columns)
-            await self._durable(self._commit(lsn))
-            return result
-        result, durable = self._decide_sync(op, args)
-        await self._durable(durable)
-        return result
-
-    def _commit(self, lsn: int, gather: bool = False) -> asyncio.Future[None] | None:
-        """The commit through ``lsn`` (None when there is nothing to commit)."""
-        if not lsn:
-            return None
-        assert self._committer is not None
-        return self._committer.wait(lsn, gather=gather)
-
-    def _decide_sync(
-        self, op: Op, args: dict[str, Any], gather: bool = False
-    ) -> tuple[Any, asyncio.Future[None] | None]:
-        """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
-        (the answer, the commit it waits for, or None)."""
-        store: Any = self.store
-        if op is Op.CLAIM_MANY:
-            ns, keys = args.get("ns"), args.get("keys")
-            options: dict[str, Any]
-            if (
-                type(ns) is str
-                and type(keys) is list
-                and args.get("lease") is None
-                and args.get("owner") is None
-                and args.get("fps") is None
-            ):
-                # The plain claim (what the clients send for claim()): its arguments
-                # need no checking.
-                options = {"namespace": ns, "lease": None, "owner": None, "fingerprints": None}
-            else:
-                _arg(args, "ns", str)  # checked first, as for every op
-                keys = _arg(args, "keys", list)
-                options = _claim_options(args)
-            if args.get(protocol.COLUMNS_ARG):
-                part, lsn = store.claim_columns_deferred(
-                    keys,
-                    **options,
-                    reply_limit=self.max_frame - _REPLY_FIXED,
-                    row_bytes=_ROW_FIXED + 8,
-                )
-                return protocol.columns_payload(part), self._commit(lsn, gather)
-            claims, lsn = store.claim_many_deferred(
-                keys,
-                **options,
-                reply_limit=self.max_frame - _REPLY_FIXED,
-                row_bytes=_ROW_FIXED + 8,
-            )
-            return [protocol.claim_row(c) for c in claims], self._commit(lsn, gather)
-        ns = _arg(args, "ns", str)
-        if op is Op.COMPLETE_MANY:
-            lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
-        else:
-            lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
-        return None, self._commit(lsn, gather)
-
-    async def _claim_sliced(
-        self, keys: list[Any], options: dict[str, Any], columns: bool
-    ) -> tuple[Any, int]:
-        """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
-        two slices so that other connections are served meanwhile.
-
-        Every slice is first checked (decided, nothing applied): a bad key, a fingerprint
-        conflict or an answer over the frame limit refuses the whole batch before any of
-        it is claimed. Then the slices are claimed in order; a key repeated across slices
-        is IN_PROGRESS in the later one, as within one batch. A conflict that other
-        clients create between the check and the claim of a later slice can still refuse
-        the batch after its earlier slices were claimed (they stay claimed, as after a
-        lost reply)."""
-        store: Any = self.store
-        slices = [keys[i : i + SLICE_KEYS] for i in range(0, len(keys), SLICE_KEYS)]
-        fps = options.pop("fingerprints")
-        if fps is None:
-            fp_slices: list[Any] = [None] * len(slices)
-        else:
-            check_fingerprints(fps, len(keys))
-            fp_slices = [fps[i : i + SLICE_KEYS] for i in range(0, len(fps), SLICE_KEYS)]
-        rows_bytes = _REPLY_FIXED + (_ROW_FIXED + 8) * len(keys)
-        if rows_bytes > self.max_frame:
-            raise BatchTooLargeError(
-                f"the answer to a claim of {len(keys)} keys would pass {self.max_frame} bytes "
-                "(the frame limit); nothing was claimed: split the batch"
-            )
-        self.counters["sliced_batches"] += 1
-        budget = self.max_frame - rows_bytes
-        held: list[int] = []  # bytes of stored results each slice's answer carries
-        for part, part_fps in zip(slices, fp_slices, strict=True):
-            async with self._turn():
-                held.append(
-                    store.check_claim_many(
-                        part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
-                    )
-                )
-        rows: list[list[Any]] = []
-        cols = protocol.ClaimColumns()
-        lsn = 0
-        for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
-            # Later slices keep the room the checked answers of the others need.
-            room = budget - sum(held[:i]) - sum(held[i + 1 :])
-            async with self._turn():
-                if columns:
-                    answers, part_lsn = store.claim_columns_deferred(
-                        part, **options, fingerprints=part_fps, reply_limit=room
-                    )
-                    cols.add_columns(answers)
-                else:
-                    claims, part_lsn = store.claim_many_deferred(
-                        part, **options, fingerprints=part_fps, reply_limit=room
-                    )
-                    rows.extend(protocol.claim_row(c) for c in claims)
-                self.counters["batch_slices"] += 1
-                lsn = max(lsn, part_lsn)
-        return (cols.payload() if columns else rows), lsn
-
-    @contextlib.asynccontextmanager
-    async def _turn(self) -> AsyncIterator[None]:
-        """One slice of one large batch: the batches in flight take turns (the lock
-        wakes its waiters in order, one per pass of the loop), every other request
-        that became ready meanwhile is served before the next slice, and a small
-        request read meanwhile is answered first (up to SMALL_FIRST_SECONDS): its
-        decision, its commit and its reply then wait for no slice."""
-        async with self._slice_turn:
-            if not self._no_small.is_set():
-                self.counters["slices_held_for_small"] += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._no_small.wait(), SMALL_FIRST_SECONDS)
-            yield
-            await asyncio.sleep(0)
 
     # -- a failed store --------------------------------------------------------------
 
@@ -686,10 +592,11 @@ class DaemonServer:
 
     # -- operations (run in the thread pool) ----------------------------------------
 
-    def _dispatch(self, op: Op, args: dict[str, Any]) -> Any:
-        if op is Op.PING:
-            return "pong"
+    def _call(self, op: Op, args: dict[str, Any]) -> Any:
+        """Runs a request the ordinary way, in the thread pool: STATS here (the store's
+        stats with the daemon's counters), every other op by the dispatcher."""
         if op is Op.STATS:
+            committer = self.dispatch.committer
             stats = self.store.stats()
             stats["durability"] = self.store.durability()
             stats["daemon"] = dict(
@@ -699,75 +606,11 @@ class DaemonServer:
                 buffered_bytes=self._budget.used,
                 buffer_waits=self._budget.waits,
                 request_seconds=self._commit_seconds,
-                commit_rounds=0 if self._committer is None else self._committer.rounds,
-                inline_commit_rounds=(
-                    0 if self._committer is None else self._committer.inline_rounds
-                ),
+                commit_rounds=0 if committer is None else committer.rounds,
+                inline_commit_rounds=0 if committer is None else committer.inline_rounds,
             )
             return stats
-        ns = _arg(args, "ns", str)
-        if op is Op.CLAIM_MANY:
-            keys = _arg(args, "keys", list)
-            options = _claim_options(args)
-            fixed = _REPLY_FIXED + _ROW_FIXED * len(keys)
-            if getattr(self.store, "bounds_replies", False):
-                # The embedded store sizes the answer after deciding and before
-                # applying anything: no read-ahead, no gate.
-                bounded: Any = self.store
-                claims = bounded.claim_many(
-                    keys,
-                    **options,
-                    reply_limit=self.max_frame - _REPLY_FIXED,
-                    row_bytes=_ROW_FIXED + 8,
-                )
-            elif fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
-                claims = self.store.claim_many(keys, **options)
-            else:
-                # The reply could exceed a frame if enough keys are duplicates with
-                # large results: count the results they hold now, with completions
-                # held off until the claim is done, and refuse before applying.
-                with self._gate.side(_CLAIMS):
-                    self._check_reply_bound(keys, ns, fixed)
-                    claims = self.store.claim_many(keys, **options)
-            if args.get(protocol.COLUMNS_ARG):
-                return protocol.claim_columns(claims)
-            return [protocol.claim_row(c) for c in claims]
-        if op is Op.COMPLETE_MANY:
-            items = _arg(args, "items", list)
-            with self._gate.side(_COMPLETES):
-                self.store.complete_many(items, namespace=ns)
-            return None
-        if op is Op.RELEASE_MANY:
-            self.store.release_many(_arg(args, "items", list), namespace=ns)
-            return None
-        if op is Op.GET:
-            return protocol.record_map(
-                self.store.get(_arg(args, "key", (bytes, str)), namespace=ns)
-            )
-        raise FrameError(f"op {op!r} is not served")
-
-    def _check_reply_bound(self, keys: list[Any], ns: str, fixed: int) -> None:
-        """BatchTooLargeError if the claim reply for ``keys`` could exceed a frame."""
-        sizes: dict[Any, int] = {}
-        total = fixed
-        for key in keys:
-            size = sizes.get(key)
-            if size is None:
-                try:
-                    record = self.store.get(key, namespace=ns)
-                except (TypeError, ValueError):
-                    record = None  # a bad key: claim_many names it
-                size = 0
-                if record is not None and record.result is not None:
-                    size = 8 + protocol.packed_len(record.result)
-                sizes[key] = size
-            total += size
-            if total > self.max_frame:
-                raise BatchTooLargeError(
-                    f"a claim of these {len(keys)} keys could be answered with more than "
-                    f"{self.max_frame} bytes (the frame limit), counting the stored results "
-                    "of the keys already done; nothing was claimed: split the batch"
-                )
+        return self.dispatch.call(op, args)
 
 
 def serve(store: ClaimAPI, socket_path: str | os.PathLike[str], **options: Any) -> int:

@@ -19,6 +19,15 @@ from pathlib import Path
 
 from dedupcore.errors import SocketPathError
 
+__all__ = [
+    "MAX_SOCKET_PATH",
+    "check_peer",
+    "check_socket_path",
+    "inherited_socket",
+    "peer_admitted",
+    "peer_groups",
+]
+
 log = logging.getLogger("dedupcore.daemon")
 
 #: Longest Unix socket path on Linux (sun_path is 108 bytes with its NUL).
@@ -204,3 +213,22 @@ def peer_admitted(
 ) -> bool:
     """Whether a peer (uid, primary gid, all its groups) may use the daemon."""
     return uid in allowed_uids or gid in allowed_gids or bool(groups & allowed_gids)
+
+
+def check_peer(
+    sock: socket.socket, option: int, allowed_uids: set[int], allowed_gids: set[int]
+) -> tuple[bool, str]:
+    """Whether the peer connected on ``sock`` may use the daemon, and who it is (for
+    the log). ``option`` is the platform's peer-credentials socket option
+    (``SO_PEERCRED``, :func:`dedupcore._platform.peer_credentials_option`)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    who = f"pid {pid} uid {uid} gid {gid}"
+    if uid in allowed_uids or gid in allowed_gids:
+        return True, who
+    if not allowed_gids:
+        return False, who
+    groups = peer_groups(sock, uid, gid)
+    return peer_admitted(uid, gid, groups, allowed_uids, allowed_gids), (
+        f"{who} groups {sorted(groups)}"
+    )
