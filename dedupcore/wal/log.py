@@ -84,8 +84,6 @@ class WriteAheadLog:
         #: Commits made (one write, and one fdatasync in that mode, each): with
         #: group commit, fewer than the appends they acknowledged.
         self.commits = 0
-        self._durable_lsn = 0  # last acknowledged record
-        self._next_lsn = 1  # LSN the next queued record gets
         self._pending = bytearray()  # framed records queued for the next leader
         self._pending_records = 0
         self._busy = False  # a thread does I/O on the last segment
@@ -97,6 +95,7 @@ class WriteAheadLog:
         self.head_path = None if head is None else Path(head)
         # The files; their list changes under the lock, their I/O runs one thread at a time.
         self._segments = Segments(self.path, readonly=self.readonly, head=self.head_path)
+        # The last acknowledged record, then the LSN the next queued record gets.
         self._durable_lsn = self._segments.recover(must_exist, head_required)
         self._next_lsn = self._durable_lsn + 1
 
@@ -122,8 +121,8 @@ class WriteAheadLog:
         A segment is rotated once it holds ``segment_bytes`` or more (a batch
         is never split, so a segment may exceed it by one batch).
 
-        Recovery cuts a torn tail of the last segment (see the module
-        documentation), so ``append`` right after ``open`` is safe with or
+        Recovery cuts a torn tail of the last segment (dedupcore/wal/__init__.py,
+        "Recovery: torn tail versus damage"), so ``append`` right after ``open`` is safe with or
         without a ``replay``. Damage to the last segment (an invalid header,
         or invalid bytes followed by a valid record continuing the log)
         raises :class:`CorruptFileError` and changes nothing.

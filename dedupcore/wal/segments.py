@@ -11,7 +11,6 @@ segment at open; the log (dedupcore/wal/log.py) decides when, under its lock.
 The head file
 -------------
 
-
 A log deleted whole, or the newest segment of it, leaves nothing inside the
 log directory to say that records are missing. So a log opened with
 ``head=PATH`` (a file outside its directory; the store passes
