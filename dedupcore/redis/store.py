@@ -71,30 +71,23 @@ never an :class:`~dedupcore.errors.UnavailableError`.
 
 from __future__ import annotations
 
-import functools
 import logging
-import socket
 import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import Any
 
 try:
     import redis
-    from redis.backoff import ExponentialBackoff
     from redis.cluster import RedisCluster
-    from redis.crc import key_slot
     from redis.exceptions import (
         AskError,
-        MovedError,
         NoScriptError,
         RedisClusterException,
         RedisError,
         ResponseError,
         TryAgainError,
     )
-    from redis.retry import Retry
 except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
     if exc.name != "redis":
         raise
@@ -121,7 +114,9 @@ from dedupcore.api import (
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
-from dedupcore.retry import current_deadline, deadline_scope, one_call
+from dedupcore.redis.cluster import Routing
+from dedupcore.redis.connection import _KEEPALIVE, _with_deadline, deadline_client
+from dedupcore.retry import deadline_scope, one_call
 from dedupcore.tiers.base import (
     RequestRefusedError,
     check_limit,
@@ -133,15 +128,13 @@ __all__ = ["DEFAULT_TIMEOUT", "RedisStore", "deadline_client"]
 
 #: Seconds :meth:`RedisStore.from_url` waits to connect and for each reply.
 DEFAULT_TIMEOUT = 5.0
-#: TCP keepalive of the connections from_url makes: probes after 30 s idle, every
-#: 10 s, 3 unanswered ones end the connection (where the platform has the options).
-_KEEPALIVE = {
-    getattr(socket, name): value
-    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
-    if hasattr(socket, name)
-}
-
 log = logging.getLogger("dedupcore")
+
+
+def _script(name: str) -> str:
+    """The text of a Lua script of this package (dedupcore/redis/*.lua)."""
+    return resources.files("dedupcore.redis").joinpath(name).read_text(encoding="utf-8")
+
 
 # The claim script is the one documented second implementation of the claim
 # decision: it answers exactly as dedupcore/decision.py (the reference, whose
@@ -161,126 +154,12 @@ log = logging.getLogger("dedupcore")
 # The reply is flat: {codes, tokens, results}: one outcome digit per key (0 NEW,
 # 1 DUPLICATE, 2 IN_PROGRESS, 3 takeover), the tokens joined by ',', and the
 # stored result of each DUPLICATE in key order.
-_CLAIM = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[1])
-local owner = ARGV[2]
-local ttl = ARGV[3]
-local withfp = ARGV[4] == '1'
-if withfp then
-  -- the fingerprint each key has once its first copy in the batch is decided
-  local known = {}
-  for i, k in ipairs(KEYS) do
-    local fp = ARGV[4 + i]
-    local have = known[k]
-    if have == nil then
-      local r = redis.call('HMGET', k, 's', 'f', 'o', 'd')
-      local live = r[1] and r[1] ~= '3'
-      have = (live and r[2]) or ''
-      if fp ~= '' and have ~= '' and have ~= fp then
-        return redis.error_reply('DCCONFLICT ' .. i)
-      end
-      local mine = owner ~= '' and r[3] == owner
-      if have == '' and (not live or (r[1] == '1' and not mine and tonumber(r[4]) <= now)) then
-        have = fp  -- a new record or a takeover records this claim's fingerprint
-      end
-      known[k] = have
-    elseif fp ~= '' and have ~= '' and have ~= fp then
-      return redis.error_reply('DCCONFLICT ' .. i)
-    end
-  end
-end
-local codes, tokens, results = {}, {}, {}
-local deadline = now + lease
--- a new PROCESSING record: no 'u' (updated = created) and no empty 'o', 'f' or 'r'
-local function create(k, token, fp)
-  if owner == '' and fp == '' then
-    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now)
-  elseif fp == '' then
-    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'o', owner)
-  elseif owner == '' then
-    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'f', fp)
-  else
-    redis.call('HSET', k, 's', '1', 't', token, 'd', deadline, 'c', now, 'o', owner, 'f', fp)
-  end
-  redis.call('PEXPIRE', k, ttl)
-end
-for i, k in ipairs(KEYS) do
-  local r = redis.call('HMGET', k, 's', 't', 'o', 'd', 'r')
-  local s = r[1]
-  if not s then
-    create(k, '1', withfp and ARGV[4 + i] or '')
-    codes[i] = '0'
-    tokens[i] = '1'
-  elseif s == '2' then
-    codes[i] = '1'
-    tokens[i] = r[2]
-    results[#results + 1] = r[5] or ''
-  elseif s == '3' then
-    -- a RELEASED tombstone: a new record whose token continues the old one
-    local token = tonumber(r[2]) + 1
-    redis.call('DEL', k)
-    create(k, token, withfp and ARGV[4 + i] or '')
-    codes[i] = '0'
-    tokens[i] = token
-  elseif owner ~= '' and r[3] == owner then
-    redis.call('HSET', k, 'd', deadline, 'u', now)
-    codes[i] = '0'
-    tokens[i] = r[2]
-  elseif tonumber(r[4]) > now then
-    codes[i] = '2'
-    tokens[i] = r[2]
-  else
-    -- a takeover: 'c' and the first fingerprint stay; a fingerprint given where
-    -- the record had none is recorded (a different one was refused above)
-    local token = tonumber(r[2]) + 1
-    local fp = withfp and ARGV[4 + i] or ''
-    if fp == '' then
-      redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now)
-    else
-      redis.call('HSET', k, 't', token, 'o', owner, 'd', deadline, 'u', now, 'f', fp)
-    end
-    redis.call('PEXPIRE', k, ttl)
-    codes[i] = '3'
-    tokens[i] = token
-  end
-end
-return {table.concat(codes), table.concat(tokens, ','), results}
-"""
+_CLAIM = _script("claim.lua")
 
 # ARGV: ttl_ms, new_state ('2' complete / '3' release), then token, result per key.
-_CHANGE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-local state = ARGV[2]
-for i, k in ipairs(KEYS) do
-  local token = ARGV[1 + 2 * i]
-  local r = redis.call('HMGET', k, 's', 't')
-  if (not r[1]) or r[1] == '3' then
-    return redis.error_reply('DCNOTCLAIMED ' .. i)
-  end
-  if r[2] ~= token then
-    return redis.error_reply('DCSTALE ' .. i .. ' ' .. r[2])
-  end
-  if r[1] == '2' and state == '3' then
-    return redis.error_reply('DCDONE ' .. i)
-  end
-end
-for i, k in ipairs(KEYS) do
-  local r = redis.call('HGET', k, 's')
-  if r == '1' then
-    redis.call('HSET', k, 's', state, 'r', ARGV[2 + 2 * i], 'u', now)
-    redis.call('PEXPIRE', k, ttl)
-  end
-end
-return #KEYS
-"""
+_CHANGE = _script("change.lua")
 
 _SAFE_POLICIES = ("noeviction",)
-#: Keys per script call: bounds how long one call holds the (single-threaded) server.
-_SCRIPT_KEYS = 1000
 #: Errors meaning "the server or cluster could not answer" (DC* replies are decisions).
 _DOWN: tuple[type[BaseException], ...] = (RedisError, RedisClusterException)
 _STATS_DOWN: tuple[type[BaseException], ...] = (DedupError, *_DOWN)
@@ -327,146 +206,7 @@ def _failure(exc: BaseException) -> DedupError:
     return _unavailable(exc)
 
 
-# -- one deadline per call (docs/timeouts.md) ------------------------------------------
-
-T = TypeVar("T")
-
-
-class _DeadlineRetry(Retry):
-    """redis-py's retry under the call's deadline (see :mod:`dedupcore.retry`).
-
-    Outside a call with a deadline it is redis-py's own. Inside one, a
-    retry starts only while :meth:`~dedupcore.retry.Deadline.retry_wait`
-    allows it, and its backoff sleep is cut to the time left.
-    """
-
-    def call_with_retry(
-        self,
-        do: Callable[[], T],
-        fail: Callable[..., Any],
-        is_retryable: Callable[[Exception], bool] | None = None,
-        with_failure_count: bool = False,
-    ) -> T:
-        deadline = current_deadline()
-        if deadline is None:
-            if is_retryable is None and not with_failure_count:
-                return super().call_with_retry(do, fail)  # (redis-py 5 has only these two)
-            return super().call_with_retry(
-                do, fail, is_retryable=is_retryable, with_failure_count=with_failure_count
-            )
-        self._backoff.reset()  # type: ignore[no-untyped-call]
-        failures = 0
-        while True:
-            try:
-                return do()
-            except self._supported_errors as error:
-                if is_retryable is not None and not is_retryable(error):
-                    raise
-                failures += 1
-                if with_failure_count:
-                    fail(error, failures)
-                else:
-                    fail(error)
-                if 0 <= self._retries < failures:
-                    raise
-                wait = deadline.retry_wait(self._backoff.compute(failures))
-                if wait is None:
-                    raise  # too little time left for another attempt
-                if wait > 0:
-                    time.sleep(wait)
-
-
-class _DeadlineConnection:
-    """Mixed into the connection class of the clients :meth:`RedisStore.from_url` makes.
-
-    Inside a call with a deadline, every wait of the connection gets the
-    time left (at most its own ``socket_connect_timeout`` or
-    ``socket_timeout``): the TCP connect, each send and each reply read.
-    With no time left an attempt fails at once with redis-py's
-    ``TimeoutError`` (a reply already asked for disconnects the connection,
-    as a read timeout does). Outside such a call it is redis-py's own.
-    """
-
-    _sock: Any
-    socket_timeout: float | None
-    socket_connect_timeout: float | None
-
-    def _connect(self) -> Any:
-        deadline = current_deadline()
-        if deadline is None:
-            return super()._connect()  # type: ignore[misc]
-        wait = deadline.budget(self.socket_connect_timeout)
-        if wait <= 0:
-            raise TimeoutError("the call's deadline passed before connecting")
-        own = self.socket_connect_timeout
-        self.socket_connect_timeout = wait
-        try:
-            return super()._connect()  # type: ignore[misc]
-        finally:
-            self.socket_connect_timeout = own
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        deadline = current_deadline()
-        if deadline is None:
-            super().send_packed_command(command, check_health)  # type: ignore[misc]
-            return
-        if not self._sock:
-            self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
-        wait = deadline.budget(self.socket_timeout)
-        if wait <= 0:
-            raise redis.TimeoutError("Timeout writing to socket: the call's deadline passed")
-        sock = self._sock
-        sock.settimeout(wait)
-        try:
-            super().send_packed_command(command, check_health)  # type: ignore[misc]
-        finally:
-            if self._sock is sock:  # still connected: its own timeout for later calls
-                sock.settimeout(self.socket_timeout)
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        deadline = current_deadline()
-        if deadline is not None and "timeout" not in kwargs:
-            wait = deadline.budget(self.socket_timeout)
-            if wait <= 0:
-                if kwargs.get("disconnect_on_error", True):
-                    self.disconnect()  # type: ignore[attr-defined]
-                raise redis.TimeoutError("Timeout reading: the call's deadline passed")
-            kwargs["timeout"] = wait
-        return super().read_response(*args, **kwargs)  # type: ignore[misc]
-
-
-def deadline_client(url: str, timeout: float, **options: Any) -> Any:
-    """A ``redis.Redis`` on ``url`` whose waits keep the deadline of the current call.
-
-    Its connections give every connect, send and reply read the time left
-    of the call they run in (:func:`dedupcore.retry.deadline_scope`), and
-    its one retry on a fresh connection starts only while the deadline
-    allows (docs/timeouts.md). ``timeout`` is each wait's cap (the
-    ``socket_timeout`` and ``socket_connect_timeout``); ``options`` (any
-    redis-py client argument) win over these defaults.
-    """
-    kwargs: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "retry": _DeadlineRetry(ExponentialBackoff(cap=0.5, base=0.05), 1),
-        **options,
-    }
-    client = redis.Redis.from_url(url, **kwargs)
-    # Nothing is connected yet: every connection of the pool gets the deadline.
-    pool = client.connection_pool
-    pool.connection_class = _with_deadline(pool.connection_class)
-    return client
-
-
-@functools.cache
-def _with_deadline(connection_class: type[Any]) -> type[Any]:
-    """``connection_class`` with :class:`_DeadlineConnection` mixed in (once per class)."""
-    if issubclass(connection_class, _DeadlineConnection):
-        return connection_class
-    return type(f"Deadline{connection_class.__name__}", (_DeadlineConnection, connection_class), {})
-
-
-class RedisStore(ClaimAPI):
+class RedisStore(Routing, ClaimAPI):
     """A dedup store whose authority is a Redis server or cluster (see the module docstring).
 
     ``client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (bring
@@ -648,17 +388,6 @@ class RedisStore(ClaimAPI):
 
     # -- server settings ---------------------------------------------------------
 
-    def _servers(self) -> list[tuple[str, Any]]:
-        """``(name, client)`` of every server: each node (masters and replicas) of a cluster."""
-        if not self.cluster:
-            return [("redis", self.client)]
-        return [(n.name, self.client.get_redis_connection(n)) for n in self.client.get_nodes()]
-
-    def _primaries(self) -> list[tuple[str, Any]]:
-        if not self.cluster:
-            return [("redis", self.client)]
-        return [(n.name, self.client.get_redis_connection(n)) for n in self.client.get_primaries()]
-
     def _config_all(self, name: str) -> list[tuple[str, str | None]]:
         """The setting on every server (None where CONFIG is disabled, as on managed Redis)."""
         out: list[tuple[str, str | None]] = []
@@ -745,30 +474,6 @@ class RedisStore(ClaimAPI):
         heads = [head + b"%d}:" % b for b in range(self.buckets)]
         return [heads[b] + k for b, k in zip(buckets, raw, strict=True)]
 
-    def _groups(self, names: list[bytes]) -> list[list[int]]:
-        """Indexes of the keys each script call gets: one cluster slot per call.
-
-        A single server takes any keys in one call, so a batch is one call
-        per ``_SCRIPT_KEYS`` keys; a cluster gets one call per slot (the
-        buckets of a namespace are spread over the masters).
-        """
-        by_slot: dict[int, list[int]] = defaultdict(list)
-        if self.cluster:
-            slots: dict[bytes, int] = {}
-            for i, name in enumerate(names):
-                tag = name[: name.index(b"}") + 1]
-                slot = slots.get(tag)
-                if slot is None:
-                    slot = slots[tag] = key_slot(name)
-                by_slot[slot].append(i)
-        else:
-            by_slot[0] = list(range(len(names)))
-        return [
-            idx[i : i + _SCRIPT_KEYS]
-            for _, idx in sorted(by_slot.items())
-            for i in range(0, len(idx), _SCRIPT_KEYS)
-        ]
-
     def _run(self, script: Any, calls: list[tuple[list[bytes], list[Any]]]) -> list[Any]:
         """Runs ``script`` once per ``(keys, args)``: one pipelined round trip per server.
 
@@ -808,49 +513,6 @@ class RedisStore(ClaimAPI):
         except _DOWN as exc:
             raise _failure(exc) from exc
         return out
-
-    def _follow(self, redirects: Iterable[Any]) -> None:
-        """Routes the slots of MOVED replies to the masters they name, as redis-py's own
-        commands do; the slot map is read again only for an ASK or TRYAGAIN, or where
-        redis-py cannot patch one slot. (A map read right after a slot moved can still
-        come from a node that has not heard of the move yet.)"""
-        nodes = self.client.nodes_manager
-        move_slot = getattr(nodes, "move_slot", None)
-        again = False
-        for err in redirects:
-            if isinstance(err, MovedError) and move_slot is not None:
-                move_slot(err)
-            else:
-                again = True
-        if again:
-            nodes.initialize()
-
-    def _send(
-        self, sha: str, calls: list[tuple[list[bytes], list[Any]]], todo: list[int], out: list[Any]
-    ) -> None:
-        """``EVALSHA`` of the calls ``todo``, one pipeline per server; replies into ``out``.
-
-        (redis-py's cluster pipeline would ask a node for the keys of every
-        ``EVALSHA`` first; the slot of each call is known here, so each
-        master gets a plain pipeline of its own calls.)
-        """
-        per_server: dict[str, tuple[Any, list[int]]] = {}
-        for i in todo:
-            if self.cluster:
-                node = self.client.get_node_from_key(calls[i][0][0])
-                server = self.client.get_redis_connection(node)
-                name = node.name
-            else:
-                server, name = self.client, ""
-            per_server.setdefault(name, (server, []))[1].append(i)
-        for server, idx in per_server.values():
-            pipe = server.pipeline(transaction=False)
-            command = pipe.execute_command
-            for i in idx:
-                keys, args = calls[i]
-                command("EVALSHA", sha, len(keys), *keys, *args)
-            for i, res in zip(idx, pipe.execute(raise_on_error=False), strict=True):
-                out[i] = res
 
     def _pipeline(self, build: Any) -> list[Any]:
         """Runs the commands ``build(pipe)`` queues on a non-transactional pipeline."""

@@ -132,7 +132,7 @@ def test_each_thread_has_its_own_deadline() -> None:
 @pytest.fixture
 def redis_hooks(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Any:
     pytest.importorskip("redis", reason="the [redis] extra is not installed")
-    from dedupcore.redis import store as tier
+    from dedupcore.redis import connection as tier
 
     monkeypatch.setattr(tier.time, "sleep", clock.sleep)
     return tier
