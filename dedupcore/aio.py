@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dedupcore.api import AsyncClaimAPI, Claim, KeyRecord
-from dedupcore.client import DEFAULT_SOCKET, default_socket
+from dedupcore.client import DEFAULT_SOCKET, ClientBase, default_socket
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
-from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = ["DEFAULT_SOCKET", "Client", "default_socket"]
 
@@ -121,7 +118,7 @@ async def _reply(conn: _Connection, fut: asyncio.Future[tuple[Status, Any]]) -> 
     return await fut
 
 
-class Client(AsyncClaimAPI):
+class Client(ClientBase, AsyncClaimAPI):
     """An asyncio connection to ``dedupcore serve`` at ``path`` (see the module docstring);
     without a path, at :func:`~dedupcore.client.default_socket` (``DEDUPCORE_SOCKET``,
     else the default).
@@ -133,24 +130,9 @@ class Client(AsyncClaimAPI):
     ``attempts`` and ``initial``.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int | None = None,
-        backoff: float | None = None,
-        retry: RetryPolicy | None = None,
-        max_frame: int = protocol.DEFAULT_MAX_FRAME,
-    ) -> None:
-        self.path = default_socket() if path is None else os.fspath(path)
-        self.timeout = timeout
-        self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
-        self.max_frame = max_frame
+    def _open(self) -> None:
         self._conn: _Connection | None = None
         self._connect_lock: asyncio.Lock | None = None
-        self._ids = itertools.count(1)
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"<dedupcore.aio.Client {self.path!r}>"
@@ -210,15 +192,7 @@ class Client(AsyncClaimAPI):
                 return conn
 
     async def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        if self._closed:
-            raise UnavailableError("the client is closed")
-        request_id = next(self._ids)
-        data = protocol.encode_request(request_id, op, args)
-        if len(data) - 4 > self.max_frame:
-            raise ValueError(
-                f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
-                "send smaller batches"
-            )
+        request_id, data = self._request(op, args)
         loop = asyncio.get_running_loop()
         unsent_retries = 2  # a connection found dead before anything of the request left
         attempt = 0

@@ -91,9 +91,15 @@ class _Connection:
         return protocol.decode_response(self._read_exact(length))
 
 
-class Client(ClaimAPI):
-    """A connection to ``dedupcore serve`` at ``path`` (see the module docstring);
-    without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default)."""
+class ClientBase:
+    """What the sync and the asyncio client share: where the daemon is, their limits,
+    request ids and request frames (the transport is each client's own).
+
+    ``path``: the daemon's socket, else :func:`default_socket`; ``timeout`` bounds
+    each reply; ``retry`` (a :class:`~dedupcore.retry.RetryPolicy`; ``retries=``
+    and ``backoff=`` are shorthands for its ``attempts`` and ``initial``) governs
+    connecting; ``max_frame`` is the largest frame either side sends.
+    """
 
     def __init__(
         self,
@@ -109,9 +115,34 @@ class Client(ClaimAPI):
         self.timeout = timeout
         self.retry = policy_from_args(retry, retries=retries, backoff=backoff)
         self.max_frame = max_frame
-        self._local = threading.local()
         self._ids = itertools.count(1)
         self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """Sets up the client's own connection state (no connection is made yet)."""
+
+    def _request(self, op: Op, args: dict[str, Any]) -> tuple[int, bytes]:
+        """A new request id and the request's frame; UnavailableError once the client is
+        closed, ValueError for a request larger than a frame."""
+        if self._closed:
+            raise UnavailableError("the client is closed")
+        request_id = next(self._ids)
+        data = protocol.encode_request(request_id, op, args)
+        if len(data) - 4 > self.max_frame:
+            raise ValueError(
+                f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
+                "send smaller batches"
+            )
+        return request_id, data
+
+
+class Client(ClientBase, ClaimAPI):
+    """A connection to ``dedupcore serve`` at ``path`` (see the module docstring);
+    without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default)."""
+
+    def _open(self) -> None:
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"<dedupcore.Client {self.path!r}>"
@@ -172,15 +203,7 @@ class Client(ClaimAPI):
         self._local.conn = None
 
     def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        if self._closed:
-            raise UnavailableError("the client is closed")
-        request_id = next(self._ids)
-        data = protocol.encode_request(request_id, op, args)
-        if len(data) - 4 > self.max_frame:
-            raise ValueError(
-                f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
-                "send smaller batches"
-            )
+        request_id, data = self._request(op, args)
         for attempt in range(2):
             conn = self._connection()
             try:
