@@ -257,6 +257,31 @@ def test_the_daemon_does_not_import_the_clients_or_the_face(
     assert not bad
 
 
+def test_the_clients_load_neither_the_store_nor_its_log(
+    package: tuple[dict[str, Path | None], list[Arrow]],
+) -> None:
+    """What ``dedupcore.client`` and ``dedupcore.aio`` import when they are imported, at
+    any depth (the daemon's protocol among it), holds no store and no log
+    (docs/daemon.md, "Errors"); tests/unit/test_errors.py checks it in a process."""
+    _, found = package
+    eager: dict[str, set[str]] = {}
+    for a in found:
+        if a.eager:
+            eager.setdefault(a.source, set()).add(a.target)
+    reached: set[str] = set()
+    todo = ["dedupcore.client", "dedupcore.aio"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(eager.get(module, ()))
+    assert "dedupcore.daemon.protocol" in reached
+    loaded = sorted(
+        m for m in reached if m.split(".")[:2] in (["dedupcore", "store"], ["dedupcore", "wal"])
+    )
+    assert not loaded, loaded
+
+
 def test_the_check_finds_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
