@@ -1,11 +1,10 @@
 """What every benchmark report shares: reading pytest-benchmark JSON, formatting, output.
 
-The reports (``benchmarks.report`` for the Bloom core, ``benchmarks.report_store``,
-``benchmarks.report_tiers`` and ``benchmarks.report_daemon``) each read the
-rows of their own operations from a pytest-benchmark JSON (``--json``, or
-the newest one under benchmarks/results/ that holds them), print tables and
-check their targets. A row's ``ns_per_key`` is its fastest round (the least
-disturbed one on a shared machine), ``ns_per_key_median`` its median round.
+``python -m benchmarks.report SUITE`` reads the rows of the suite's operations
+from pytest-benchmark JSONs (:func:`load_run`), and the suite's module in
+``benchmarks/reports/`` prints its tables and checks its targets with what is
+here. A row's ``ns_per_key`` is its fastest round (the least disturbed one on a
+shared machine), ``ns_per_key_median`` its median round.
 """
 
 from __future__ import annotations
@@ -75,32 +74,36 @@ def load(path: Path, keep: Callable[[str], bool] | None = None) -> tuple[dict[st
     return data, rows_of(data, keep)
 
 
-def has_operation(path: Path, prefix: str) -> bool:
-    """Whether the JSON at ``path`` reads and holds an operation starting with ``prefix``."""
+@dataclass
+class Run:
+    """One pytest-benchmark JSON: its path, its data and the rows of one suite."""
+
+    path: Path
+    data: dict[str, Any]
+    rows: Rows
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ``extra_info`` of one row: what every row of the run records alike."""
+        return next(iter(self.rows.values())).extra
+
+    def config(self, key: str) -> dict[str, Any]:
+        """The suite's sizes, as its rows record them under ``key``."""
+        return dict(self.info.get(key, {}))
+
+
+def load_run(path: Path, keep: Callable[[str], bool], what: str) -> Run:
+    """The rows of ``path`` whose operation ``keep`` accepts; SystemExit naming ``what``
+    when there are none (or no file)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return any(
-        str(b.get("extra_info", {}).get("operation", "")).startswith(prefix)
-        for b in data.get("benchmarks", [])
-    )
-
-
-def newest_json(
-    directory: Path, holds: Callable[[Path], bool], missing: str, run: str, name: str
-) -> Path:
-    """The newest JSON under ``directory`` for which ``holds(path)`` is true.
-
-    None: SystemExit with ``no {missing} JSON under {directory}; run {run}
-    --benchmark-json={directory/name} first``.
-    """
-    for path in sorted(directory.rglob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        if holds(path):
-            return path
-    raise SystemExit(
-        f"no {missing} JSON under {directory}; run {run} --benchmark-json={directory / name} first"
-    )
+        data, rows = load(path, keep)
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file; run {what} first") from None
+    except ValueError:
+        raise SystemExit(f"{path}: not a pytest-benchmark JSON (did {what} fail?)") from None
+    if not rows:
+        raise SystemExit(f"{path}: no rows of {what} in it")
+    return Run(path, data, rows)
 
 
 def loads_of(rows: Rows) -> list[float]:
@@ -108,18 +111,47 @@ def loads_of(rows: Rows) -> list[float]:
     return [x for r in rows.values() for x in r.extra.get("loadavg_1min", [])]
 
 
-def source_line(path: Path, data: dict[str, Any], more: str = "") -> str:
-    """``source: PATH  (datetime, CPU<more>)``."""
-    return (
-        f"source: {path}  ({data.get('datetime', '?')}, "
-        f"{data.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')}{more})"
-    )
-
-
-def local_changes(info: dict[str, Any]) -> str:
-    """`` with local changes in a, b`` when the run's checkout had some, else ``""``."""
+def print_provenance(out: Out, run: Run) -> None:
+    """Where the figures come from: the file, when, the CPU, the code measured (commit,
+    local changes, digest), the interpreter, and the load average during the run."""
+    data, info = run.data, run.info
+    cpu = data.get("machine_info", {}).get("cpu", {}).get("brand_raw", "?")
+    out.line(f"source: {run.path}  ({data.get('datetime', '?')}, {cpu})")
     dirty = info.get("git_dirty")
-    return f" with local changes in {', '.join(dirty)}" if dirty else ""
+    out.line(
+        f"dedupcore at {info.get('git_rev', '?')}"
+        + (f" with local changes in {', '.join(dirty)}" if dirty else "")
+        + f", code sha256 {info.get('dedupcore_sha256', '?')}; Python {info.get('python', '?')}, "
+        f"event loop {info.get('event_loop', '?')}, SQLite {info.get('sqlite_version', '?')}"
+    )
+    loads = loads_of(run.rows)
+    if loads:
+        out.line(
+            f"1-minute load average during the run: {min(loads):.2f} .. {max(loads):.2f} on "
+            f"{info.get('cpus', '?')} CPUs; only ratios within one run mean much"
+        )
+    e = next((r.extra for r in run.rows.values() if "redis_version" in r.extra), None)
+    if e is not None:
+        out.line(
+            f"Redis {e['redis_version']} (AOF {'on' if e.get('redis_aof_enabled') else 'off'}, "
+            f"redis-py parser {e.get('redis_parser', '?')})"
+        )
+
+
+def order_key(order: Sequence[str]) -> Callable[[str], tuple[int, str]]:
+    """A sort key putting the names of ``order`` first, in that order."""
+
+    def key(name: str) -> tuple[int, str]:
+        return (order.index(name) if name in order else len(order), name)
+
+    return key
+
+
+def size_note(actual: int | None, target: int, name: str) -> str:
+    """``  [run at NAME=actual; the target is for target]`` when they differ."""
+    if actual is None or actual == target:
+        return ""
+    return f"  [run at {name}={actual:,}; the target is for {target:,}]"
 
 
 # ------------------------------------------------------------ formatting --
@@ -139,6 +171,12 @@ def fmt_x(r: float | None) -> str:
 
 def fmt_rate(keys_per_s: float | None) -> str:
     return "-" if keys_per_s is None else f"{keys_per_s:,.0f}/s"
+
+
+def fmt_us(us: float | None) -> str:
+    if us is None:
+        return "-"
+    return f"{us:,.0f} µs" if us >= 100 else f"{us:,.1f} µs"
 
 
 class Out:

@@ -1,47 +1,83 @@
-"""dedupcore's Bloom filter against what users would pick instead.
+"""dedupcore's Bloom filter against what users would pick instead (benchmarks/README.md).
 
-Run with pytest-benchmark (see benchmarks/README.md); every benchmark stores
-its per-key figures in ``extra_info`` (library, operation, n_keys,
-ns_per_key from the fastest round, ns_per_key_median, bits_per_key, fpr) and
-``python -m benchmarks.report`` turns the JSON into ratios and verdicts.
-These are measurements, not tests: the only assertions are sanity checks
-(no false negatives), never timings.
+Every benchmark stores its per-key figures in ``extra_info`` (library,
+operation, n_keys, ns_per_key from the fastest round, ns_per_key_median,
+bits_per_key, fpr) and ``python -m benchmarks.report bloom`` turns the JSON
+into ratios and verdicts. These are measurements, not tests: the only
+assertions are sanity checks (no false negatives), never timings.
+
+Every benchmark of one run probes the same keys, generated once per run
+from fixed seeds. Sizes come from the environment (``--quick``: the second
+figure)::
+
+    DEDUPCORE_BENCH_N       keys per batch benchmark and filter capacity (10_000_000; 200_000)
+    DEDUPCORE_BENCH_BIG     pre-hashed uint64 keys of the memory-bound benchmark
+                            (100_000_000; 2_000_000)
+    DEDUPCORE_BENCH_PURE_N  keys for the pure-Python pybloom-live (200_000; 20_000)
+    DEDUPCORE_BENCH_FPR_N   absent keys of the false-positive measurement (1_000_000; 100_000)
+    DEDUPCORE_BENCH_SEED    seed of every generated key set (20240601)
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytest
 
-from benchmarks.conftest import BenchConfig
+from benchmarks._support import SEED, env_int, random_keys, record
 
 ROUNDS = 3
 
-# ---------------------------------------------------------------- peers --
-
 
 @dataclass(frozen=True)
-class Lib:
-    """How one library does each operation, as its users would write it."""
+class BenchConfig:
+    n: int
+    big: int
+    pure_n: int
+    fpr_n: int
+    seed: int
+    error_rate: float = 0.001
+    key_bytes: int = 16
 
-    name: str
-    module: str
-    make: Callable[[Any, int, float], Any]  # (module, capacity, error_rate) -> filter
-    add_batch: Callable[[Any, list[bytes]], Any]
-    contains_batch: Callable[[Any, list[bytes]], Sequence[bool]]
-    add_single: Callable[[Any, list[bytes]], Any]
-    contains_single: Callable[[Any, list[bytes]], Sequence[bool]]
-    nbytes: Callable[[Any], int]
-    add_batch_call: str
-    contains_batch_call: str
-    add_single_call: str
-    contains_single_call: str
-    pure_python: bool = False  # benchmarked on DEDUPCORE_BENCH_PURE_N keys
-    is_filter: bool = True  # False for the exact set (a reference, not a peer)
+
+CONFIG = BenchConfig(
+    n=env_int("DEDUPCORE_BENCH_N", 10_000_000, quick=200_000),
+    big=env_int("DEDUPCORE_BENCH_BIG", 100_000_000, quick=2_000_000),
+    pure_n=env_int("DEDUPCORE_BENCH_PURE_N", 200_000, quick=20_000),
+    fpr_n=env_int("DEDUPCORE_BENCH_FPR_N", 1_000_000, quick=100_000),
+    seed=SEED,
+)
+_record = functools.partial(record, bloom_bench=asdict(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def cfg() -> BenchConfig:
+    return CONFIG
+
+
+@pytest.fixture(scope="module")
+def keys(cfg: BenchConfig) -> list[bytes]:
+    """N keys that are added to every filter (the present keys)."""
+    return random_keys(cfg.n, cfg.seed)
+
+
+@pytest.fixture(scope="module")
+def absent_keys(cfg: BenchConfig) -> list[bytes]:
+    """N keys never added (a different seed; a 128-bit collision is not a concern)."""
+    return random_keys(cfg.n, cfg.seed + 1)
+
+
+@pytest.fixture(scope="module")
+def fpr_keys(cfg: BenchConfig) -> list[bytes]:
+    """The absent keys of the false-positive-rate measurement."""
+    return random_keys(cfg.fpr_n, cfg.seed + 2)
+
+
+# ---------------------------------------------------------------- peers --
 
 
 def _in_all(f: Any, keys: list[bytes]) -> list[bool]:
@@ -69,6 +105,27 @@ def _fastbloom_contains_each(f: Any, keys: list[bytes]) -> list[bool]:
     return [contains(k) for k in keys]
 
 
+@dataclass(frozen=True)
+class Lib:
+    """How one library does each operation, as its users would write it (by default:
+    ``in`` and ``add`` per key)."""
+
+    name: str
+    module: str
+    make: Callable[[Any, int, float], Any]  # (module, capacity, error_rate) -> filter
+    add_batch: Callable[[Any, list[bytes]], Any]
+    nbytes: Callable[[Any], int]
+    add_batch_call: str
+    contains_batch: Callable[[Any, list[bytes]], Sequence[bool]] = _in_all
+    add_single: Callable[[Any, list[bytes]], Any] = _add_each
+    contains_single: Callable[[Any, list[bytes]], Sequence[bool]] = _in_all
+    contains_batch_call: str = "[k in f for k in keys]"
+    add_single_call: str = "[f.add(k) for k in keys]"
+    contains_single_call: str = "[k in f for k in keys]"
+    pure_python: bool = False  # benchmarked on DEDUPCORE_BENCH_PURE_N keys
+    is_filter: bool = True  # False for the exact set (a reference, not a peer)
+
+
 LIBS: dict[str, Lib] = {
     lib.name: lib
     for lib in [
@@ -78,41 +135,25 @@ LIBS: dict[str, Lib] = {
             make=lambda m, cap, er: m.BloomFilter(cap, er),
             add_batch=lambda f, keys: f.add_many(keys),
             contains_batch=lambda f, keys: f.contains_many(keys),
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=lambda f: f.nbytes,
             add_batch_call="f.add_many(keys)",
             contains_batch_call="f.contains_many(keys)",
-            add_single_call="[f.add(k) for k in keys]",
-            contains_single_call="[k in f for k in keys]",
         ),
         Lib(
             "abloom",
             "abloom",
             make=lambda m, cap, er: m.BloomFilter(cap, er),
             add_batch=lambda f, keys: f.update(keys),
-            contains_batch=_in_all,
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=lambda f: f.byte_count,
             add_batch_call="f.update(keys)",
-            contains_batch_call="[k in f for k in keys]",
-            add_single_call="[f.add(k) for k in keys]",
-            contains_single_call="[k in f for k in keys]",
         ),
         Lib(
             "rbloom",
             "rbloom",
             make=lambda m, cap, er: m.Bloom(cap, er),
             add_batch=lambda f, keys: f.update(keys),
-            contains_batch=_in_all,
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=lambda f: f.size_in_bits // 8,
             add_batch_call="f.update(keys)",
-            contains_batch_call="[k in f for k in keys]",
-            add_single_call="[f.add(k) for k in keys]",
-            contains_single_call="[k in f for k in keys]",
         ),
         Lib(
             # check_type=False skips the wrapper's Python-level isinstance loop:
@@ -135,28 +176,16 @@ LIBS: dict[str, Lib] = {
             "pybloomfilter",
             make=lambda m, cap, er: m.BloomFilter(cap, er),  # in memory, no file
             add_batch=lambda f, keys: f.update(keys),
-            contains_batch=_in_all,
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=lambda f: f.num_bits // 8,
             add_batch_call="f.update(keys)",
-            contains_batch_call="[k in f for k in keys]",
-            add_single_call="[f.add(k) for k in keys]",
-            contains_single_call="[k in f for k in keys]",
         ),
         Lib(
             "pybloom-live",
             "pybloom_live",
             make=lambda m, cap, er: m.BloomFilter(cap, er),
             add_batch=_add_loop,  # no batch API
-            contains_batch=_in_all,
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=lambda f: f.num_bits // 8,
             add_batch_call="for k in keys: f.add(k)",
-            contains_batch_call="[k in f for k in keys]",
-            add_single_call="[f.add(k) for k in keys]",
-            contains_single_call="[k in f for k in keys]",
             pure_python=True,
         ),
         Lib(
@@ -164,9 +193,6 @@ LIBS: dict[str, Lib] = {
             "builtins",
             make=lambda m, cap, er: set(),
             add_batch=lambda f, keys: f.update(keys),
-            contains_batch=_in_all,
-            add_single=_add_each,
-            contains_single=_in_all,
             nbytes=sys.getsizeof,  # the hash table only, not the key objects
             add_batch_call="s.update(keys)",
             contains_batch_call="[k in s for k in keys]",
@@ -200,9 +226,9 @@ class Peer:
 _filled: dict[str, Any] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def filled(cfg: BenchConfig, keys: list[bytes]) -> Callable[[Peer], Any]:
-    """A filter per library holding its n present keys, built once per session."""
+    """A filter per library holding its n present keys, built once per run."""
 
     def get(peer: Peer) -> Any:
         name = peer.lib.name
@@ -216,64 +242,68 @@ def filled(cfg: BenchConfig, keys: list[bytes]) -> Callable[[Peer], Any]:
     _filled.clear()
 
 
-def _record(
-    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
-) -> None:
-    info = benchmark.extra_info
-    info.update(library=library, operation=operation, n_keys=n_keys, call=call, **extra)
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None and n_keys:
-        info["ns_per_key"] = stats.min / n_keys * 1e9
-        info["ns_per_key_median"] = stats.median / n_keys * 1e9
-
-
 # ----------------------------------------------------------- 16-byte keys --
 
 
 @pytest.mark.parametrize("name", LIB_NAMES)
-def test_add_batch(benchmark: Any, cfg: BenchConfig, keys: list[bytes], name: str) -> None:
-    """Batch add of n keys into a fresh filter sized for them (allocation excluded)."""
+@pytest.mark.parametrize("form", ["batch", "single"])
+def test_add(benchmark: Any, cfg: BenchConfig, keys: list[bytes], form: str, name: str) -> None:
+    """Adding n keys into a fresh filter sized for them (allocation excluded): the
+    library's batch call, or one call per key (``[f.add(k) for k in keys]``)."""
     peer = Peer(LIBS[name], cfg)
+    lib = peer.lib
+    add, call = (
+        (lib.add_batch, lib.add_batch_call)
+        if form == "batch"
+        else (lib.add_single, lib.add_single_call)
+    )
     batch = keys[: peer.n]
-    benchmark.group = "add_batch"
+    operation = f"add_{form}"
+    benchmark.group = operation
     made: list[Any] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        made.clear()
-        made.append(peer.fresh())
+        made[:] = [peer.fresh()]
         return (made[0], batch), {}
 
-    benchmark.pedantic(peer.lib.add_batch, setup=setup, rounds=ROUNDS, iterations=1)
+    benchmark.pedantic(add, setup=setup, rounds=ROUNDS, iterations=1)
     _record(
         benchmark,
         library=name,
-        operation="add_batch",
+        operation=operation,
         n_keys=peer.n,
-        call=peer.lib.add_batch_call,
+        call=call,
         bits_per_key=peer.bits_per_key(made[0]),
     )
 
 
 @pytest.mark.parametrize("present", [True, False], ids=["present", "absent"])
 @pytest.mark.parametrize("name", LIB_NAMES)
-def test_contains_batch(
+@pytest.mark.parametrize("form", ["batch", "single"])
+def test_contains(
     benchmark: Any,
     cfg: BenchConfig,
     keys: list[bytes],
     absent_keys: list[bytes],
     filled: Callable[[Peer], Any],
+    form: str,
     name: str,
     present: bool,
 ) -> None:
-    """Batch membership of n keys, all present or all absent, in a full filter."""
+    """Membership of n keys, all present or all absent, in a full filter: the library's
+    batch call, or one call per key (``[k in f for k in keys]`` or its single-key method)."""
     peer = Peer(LIBS[name], cfg)
+    lib = peer.lib
+    contains, call = (
+        (lib.contains_batch, lib.contains_batch_call)
+        if form == "batch"
+        else (lib.contains_single, lib.contains_single_call)
+    )
     f = filled(peer)
     batch = (keys if present else absent_keys)[: peer.n]
-    operation = "contains_batch_" + ("present" if present else "absent")
+    operation = f"contains_{form}_" + ("present" if present else "absent")
     benchmark.group = operation
-    result = benchmark.pedantic(
-        peer.lib.contains_batch, args=(f, batch), rounds=ROUNDS, iterations=1
-    )
+    result = benchmark.pedantic(contains, args=(f, batch), rounds=ROUNDS, iterations=1)
     hits = sum(result)
     assert len(result) == peer.n
     if present:
@@ -283,65 +313,9 @@ def test_contains_batch(
         library=name,
         operation=operation,
         n_keys=peer.n,
-        call=peer.lib.contains_batch_call,
+        call=call,
         bits_per_key=peer.bits_per_key(f),
-        **({} if present else {"fpr_batch": hits / peer.n}),
-    )
-
-
-@pytest.mark.parametrize("name", LIB_NAMES)
-def test_add_single(benchmark: Any, cfg: BenchConfig, keys: list[bytes], name: str) -> None:
-    """One call per key, ``[f.add(k) for k in keys]``, into a fresh filter."""
-    peer = Peer(LIBS[name], cfg)
-    batch = keys[: peer.n]
-    benchmark.group = "add_single"
-    made: list[Any] = []
-
-    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        made.clear()
-        made.append(peer.fresh())
-        return (made[0], batch), {}
-
-    benchmark.pedantic(peer.lib.add_single, setup=setup, rounds=ROUNDS, iterations=1)
-    _record(
-        benchmark,
-        library=name,
-        operation="add_single",
-        n_keys=peer.n,
-        call=peer.lib.add_single_call,
-        bits_per_key=peer.bits_per_key(made[0]),
-    )
-
-
-@pytest.mark.parametrize("present", [True, False], ids=["present", "absent"])
-@pytest.mark.parametrize("name", LIB_NAMES)
-def test_contains_single(
-    benchmark: Any,
-    cfg: BenchConfig,
-    keys: list[bytes],
-    absent_keys: list[bytes],
-    filled: Callable[[Peer], Any],
-    name: str,
-    present: bool,
-) -> None:
-    """One call per key, ``[k in f for k in keys]`` (or the library's single-key method)."""
-    peer = Peer(LIBS[name], cfg)
-    f = filled(peer)
-    batch = (keys if present else absent_keys)[: peer.n]
-    operation = "contains_single_" + ("present" if present else "absent")
-    benchmark.group = operation
-    result = benchmark.pedantic(
-        peer.lib.contains_single, args=(f, batch), rounds=ROUNDS, iterations=1
-    )
-    if present:
-        assert sum(result) == peer.n, f"{name}: false negatives"
-    _record(
-        benchmark,
-        library=name,
-        operation=operation,
-        n_keys=peer.n,
-        call=peer.lib.contains_single_call,
-        bits_per_key=peer.bits_per_key(f),
+        **({} if present else {"absent_hits": hits / peer.n}),
     )
 
 
@@ -380,7 +354,7 @@ def test_fpr_memory(
 # --------------------------------------------------- dedupcore phases --
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prehashed(keys: list[bytes]) -> Any:
     """The present keys as hashed by a seed-0 filter, as a uint64 buffer."""
     from dedupcore import _core

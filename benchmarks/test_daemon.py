@@ -24,8 +24,7 @@ Peers, on the same 16-byte keys, in the same run:
   ``claim_many`` batches (``latency-under-batches``): the single claim's
   p50/p99, against the same single ``SET NX PX`` while four processes send
   pipelines of 100k against the ``appendfsync always`` Redis.
-- P client processes at once (``multiprocessing`` "spawn", default 16, 8 under
-  ``dedupcore bench``, each
+- P client processes at once (``multiprocessing`` "spawn", default 8, each
   claiming its own slice of the fresh keys in batches of 1000, all released
   by one barrier once connected) against one client process alone with the
   same total keys, through the same harness: aggregate keys/s. Errors in
@@ -41,79 +40,71 @@ threads (event loop vs the rest, from /proc) are read before it is stopped.
 Redis uses db ``DEDUPCORE_BENCH_DAEMON_REDIS_DB`` (11), FLUSHDB'd before
 every round.
 
-Sizes come from the environment::
+Sizes come from the environment (``--quick``: the second figure)::
 
-    DEDUPCORE_BENCH_DAEMON_N       keys of the claim_many and concurrency benchmarks (200_000)
-    DEDUPCORE_BENCH_DAEMON_SINGLE  timed single claims per round of the latency benchmark (5000)
-    DEDUPCORE_BENCH_DAEMON_PROCS   client processes of the concurrency benchmark (16)
+    DEDUPCORE_BENCH_DAEMON_N       keys of the claim_many and concurrency benchmarks
+                                   (200_000; 50_000)
+    DEDUPCORE_BENCH_DAEMON_SINGLE  timed single claims per round of the latency benchmark
+                                   (5000; 2000)
+    DEDUPCORE_BENCH_DAEMON_PROCS   client processes of the concurrency benchmark (8)
     DEDUPCORE_BENCH_DAEMON_BATCH   keys per batch (1000)
     DEDUPCORE_BENCH_DAEMON_ROUNDS  rounds of each benchmark (3)
-    DEDUPCORE_BENCH_DAEMON_DIR     where temporary daemons go (the system temp dir; keep it short)
     DEDUPCORE_BENCH_REDIS_URL      redis://127.0.0.1:6379
     DEDUPCORE_BENCH_DAEMON_REDIS_DB  Redis db to use and FLUSHDB (11)
 
 Every benchmark stores ``library``, ``operation``, ``n_keys``, ``call`` and
 its figures (``ns_per_key``, ``keys_per_s``, ``p50_us``/``p99_us``...) in
-``extra_info``; ``python -m benchmarks.report_daemon`` prints the table and
+``extra_info``; ``python -m benchmarks.report daemon`` prints the table and
 the verdicts. Only correctness is asserted (outcomes, zero errors), never
 timings.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
-import os
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.conftest import CONFIG, _env_int, git_provenance, random_keys, record_info
+from benchmarks._support import (
+    Daemon,
+    PrivateRedis,
+    SuiteConfig,
+    Workspace,
+    claim_batches,
+    env_int,
+    loader,
+    outcomes,
+    percentiles,
+    random_keys,
+    record,
+    redis_claim_batches,
+    redis_db,
+    redis_info,
+    timed_calls,
+)
 
 NS = "bench/daemon"
-REPO = Path(__file__).resolve().parent.parent
 WARMUP = 500  # untimed single calls before the latency measurement
-START_TIMEOUT = 60.0  # seconds for a daemon to answer ping / children to reach the barrier
+START_TIMEOUT = 60.0  # seconds for children to reach the barrier
 CHILD_TIMEOUT = 600.0  # seconds for all children to report
 
 
 @dataclass(frozen=True)
-class DaemonBenchConfig:
-    n: int
-    single: int
+class DaemonBenchConfig(SuiteConfig):
     procs: int
-    batch: int
-    rounds: int
-    seed: int
-    px_ms: int
-    redis_url: str
-    redis_db: int
-    tmp_dir: str
 
 
 DCFG = DaemonBenchConfig(
-    n=_env_int("DEDUPCORE_BENCH_DAEMON_N", 200_000),
-    single=_env_int("DEDUPCORE_BENCH_DAEMON_SINGLE", 5000),
-    procs=_env_int("DEDUPCORE_BENCH_DAEMON_PROCS", 16),
-    batch=_env_int("DEDUPCORE_BENCH_DAEMON_BATCH", 1000),
-    rounds=_env_int("DEDUPCORE_BENCH_DAEMON_ROUNDS", 3),
-    seed=CONFIG.seed,
-    px_ms=30_000,
-    redis_url=os.environ.get("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"),
-    redis_db=int(os.environ.get("DEDUPCORE_BENCH_DAEMON_REDIS_DB", "11")),
-    tmp_dir=os.environ.get("DEDUPCORE_BENCH_DAEMON_DIR", "") or tempfile.gettempdir(),
+    procs=env_int("DEDUPCORE_BENCH_DAEMON_PROCS", 8),
+    **SuiteConfig.common("DAEMON", n=(200_000, 50_000), single=(5000, 2000), redis_db=11),
 )
-
+_record = functools.partial(record, daemon_bench=asdict(DCFG))
 CALLS = {
     "dedupcore-daemon": "Client(sock).claim_many(keys[i:i+B], namespace=ns)  "
     "(durability='durable')",
@@ -147,61 +138,6 @@ CALLS = {
 }
 
 
-def _provenance() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "repo": str(REPO),
-        **git_provenance(),
-    }
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        info["event_loop"] = "asyncio"
-    else:
-        info["event_loop"] = "uvloop"
-    return info
-
-
-def _record(
-    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
-) -> None:
-    info = record_info(
-        benchmark,
-        library=library,
-        operation=operation,
-        n_keys=n_keys,
-        call=call,
-        daemon_bench=asdict(DCFG),
-        cpus=os.cpu_count(),
-        **_provenance(),
-        **extra,
-    )
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None and n_keys:
-        info["ns_per_key"] = stats.min / n_keys * 1e9
-        info["ns_per_key_median"] = stats.median / n_keys * 1e9
-        info["keys_per_s"] = n_keys / stats.min
-        info["keys_per_s_median"] = n_keys / stats.median
-
-
-def _latency_figures(samples_ns: list[int]) -> dict[str, float]:
-    s = sorted(samples_ns)
-    n = len(s)
-
-    def pct(p: float) -> float:
-        return s[min(n - 1, int(p * n))] / 1000
-
-    return {
-        "calls": n,
-        "p50_us": pct(0.50),
-        "p90_us": pct(0.90),
-        "p99_us": pct(0.99),
-        "p999_us": pct(0.999),
-        "max_us": s[-1] / 1000,
-        "mean_us": statistics.fmean(s) / 1000,
-    }
-
-
 # ---------------------------------------------------------------- keys --
 
 
@@ -222,131 +158,6 @@ def single_keys() -> list[bytes]:
 # -------------------------------------------------------------- daemon --
 
 
-def _cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return out
-
-
-class Daemon:
-    """One ``python -m dedupcore serve`` subprocess on a fresh data directory."""
-
-    def __init__(self, durability: str = "durable") -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))  # 0700
-        self.socket = str(self.root / "d.sock")
-        self.data = self.root / "data"
-        self.log = self.root / "daemon.log"
-        self.clients: list[Any] = []
-        path = [str(REPO), os.environ.get("PYTHONPATH", "")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dedupcore",
-                    "serve",
-                    "--data",
-                    str(self.data),
-                    "--socket",
-                    self.socket,
-                    "--durability",
-                    durability,
-                ],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.root,
-            )
-        self._wait_ready()
-        self.cpu_start = _cpu_seconds(self.proc.pid)
-
-    def _wait_ready(self) -> None:
-        from dedupcore.client import Client
-        from dedupcore.errors import UnavailableError
-
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if self.proc.poll() is not None:
-                tail = self._tail()
-                self.stop()
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {tail}")
-            try:
-                with Client(self.socket, timeout=2.0, retries=0) as c:
-                    if c.ping():
-                        return
-            except (UnavailableError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                tail = self._tail()
-                self.stop()
-                raise RuntimeError(f"the daemon did not answer within {START_TIMEOUT} s: {tail}")
-            time.sleep(0.02)
-
-    def _tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def client(self) -> Any:
-        """A connected client (the connection is made here, outside any timing)."""
-        from dedupcore.client import Client
-
-        c = Client(self.socket)
-        self.clients.append(c)
-        assert c.ping()
-        return c
-
-    def finish(self) -> dict[str, Any]:
-        """The round's figures: outcomes, daemon request counters and CPU by thread."""
-        cpu_end = _cpu_seconds(self.proc.pid)
-        with self.client() as c:
-            st = c.stats()
-        pid = self.proc.pid
-        loop_cpu = cpu_end.get(pid, 0.0) - self.cpu_start.get(pid, 0.0)
-        other_cpu = sum(cpu_end.values()) - sum(self.cpu_start.values()) - loop_cpu
-        counts = st["namespaces"].get(NS, {})
-        d = st.get("daemon", {})
-        return {
-            "outcomes": {k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")},
-            "requests": d.get("requests", 0),
-            "request_seconds": d.get("request_seconds", 0.0),
-            "errors": d.get("errors", 0) + d.get("protocol_errors", 0),
-            "checkpoints": st.get("checkpoints"),
-            "cpu_event_loop_s": loop_cpu,
-            "cpu_other_threads_s": other_cpu,
-            "threads": len(cpu_end),
-        }
-
-    def stop(self) -> None:
-        # Close our connections first: the daemon's drain on SIGTERM waits
-        # for open connections (up to its 30 s drain timeout when one idles).
-        while self.clients:
-            self.clients.pop().close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 class Rounds:
     """A fresh daemon per round; the previous round's figures are read before it stops."""
 
@@ -363,7 +174,7 @@ class Rounds:
     def close(self) -> None:
         if self.daemon is not None:
             try:
-                self.figures.append(self.daemon.finish())
+                self.figures.append(self.daemon.finish(NS))
             finally:
                 self.daemon.stop()
                 self.daemon = None
@@ -398,74 +209,7 @@ def _check_outcomes(rounds: Rounds, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def redis_client() -> Any:
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(DCFG.redis_url, db=DCFG.redis_db)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {DCFG.redis_url}: {exc}")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
-
-
-class PrivateRedis:
-    """A redis-server of our own for the run: ``appendonly yes``, ``appendfsync always``
-    (every write is fsynced before its reply, the durability a durable claim has), files
-    in the benchmark's temporary directory, so both wait for the same disk."""
-
-    def __init__(self) -> None:
-        import socket
-
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server is not installed (needed for the appendfsync-always peer)")
-        self.root = Path(tempfile.mkdtemp(prefix="dcr", dir=DCFG.tmp_dir))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.root),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError("the private redis-server did not start") from None
-                time.sleep(0.02)
-        assert self.client.config_get("appendfsync")["appendfsync"] == "always"
-
-    def close(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        shutil.rmtree(self.root, ignore_errors=True)
+    yield from redis_db(DCFG.redis_url, DCFG.redis_db, prefix=None)
 
 
 @pytest.fixture(scope="module")
@@ -477,52 +221,11 @@ def redis_always() -> Any:
     server.close()
 
 
-def _redis_info(client: Any) -> dict[str, Any]:
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        HIREDIS_AVAILABLE = False
-    persistence = client.info("persistence")
-    return {
-        "redis_version": client.info("server").get("redis_version"),
-        "redis_aof_enabled": persistence.get("aof_enabled"),
-        "redis_appendfsync": client.config_get("appendfsync").get("appendfsync"),
-        "redis_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
-    }
-
-
-# ------------------------------------------------------------ the calls --
-
-
-def redis_claim_batches(client: Any, keys: list[bytes], batch: int, px: int) -> int:
-    """Pipelined SET NX PX per batch; returns how many keys were new."""
-    fresh = 0
-    for i in range(0, len(keys), batch):
-        pipe = client.pipeline(transaction=False)
-        set_ = pipe.set
-        for k in keys[i : i + batch]:
-            set_(k, 1, nx=True, px=px)
-        fresh += pipe.execute().count(True)
-    return fresh
-
-
-def dedupcore_claim_batches(api: Any, keys: list[bytes], batch: int) -> None:
-    """``claim_many`` per batch (a Client or a DedupStore; outcomes checked from stats())."""
-    claim_many = api.claim_many
-    for i in range(0, len(keys), batch):
-        claim_many(keys[i : i + batch], namespace=NS)
-
-
-def timed_singles(call: Callable[[bytes], Any], keys: list[bytes]) -> list[int]:
-    """One call per key, each timed with perf_counter_ns."""
-    clock = time.perf_counter_ns
-    out = []
-    append = out.append
-    for k in keys:
-        t0 = clock()
-        call(k)
-        append(clock() - t0)
-    return out
+def _in_process(ws: Workspace, seen: list[dict[str, int]]) -> Any:
+    """A fresh embedded store for a round; its outcomes go to ``seen`` when it is cleared."""
+    store = ws.open_store()
+    ws.on_clear(lambda: seen.append(outcomes(store, NS)))
+    return store
 
 
 # ----------------------------------------------- claim_many, batches of B --
@@ -544,45 +247,24 @@ def test_claim_many(
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 client = rounds.fresh().client()
-                return (client, daemon_keys, batch), {}
+                return (client, daemon_keys, batch, NS), {}
 
-            benchmark.pedantic(
-                dedupcore_claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1
-            )
+            benchmark.pedantic(claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1)
         finally:
             rounds.close()
         _check_outcomes(rounds, n)
         extra.update(rounds.summary(n))
     elif name == "dedupcore-in-process":
-        from dedupcore.store import DedupStore
-
-        stores: list[tuple[Any, Path]] = []
-        outcomes: list[dict[str, int]] = []
-
-        def close_store() -> None:
-            while stores:
-                store, root = stores.pop()
-                counts = store.stats()["namespaces"].get(NS, {})
-                outcomes.append({k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")})
-                store.close()
-                shutil.rmtree(root, ignore_errors=True)
-
+        ws, seen = Workspace(name), []
         try:
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                close_store()
-                root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))
-                store = DedupStore.open(root / "data")
-                stores.append((store, root))
-                return (store, daemon_keys, batch), {}
+                return (_in_process(ws, seen), daemon_keys, batch, NS), {}
 
-            benchmark.pedantic(
-                dedupcore_claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1
-            )
+            benchmark.pedantic(claim_batches, setup=setup, rounds=DCFG.rounds, iterations=1)
         finally:
-            close_store()
-        for o in outcomes:
-            assert o == {"new": n, "duplicate": 0, "in_progress": 0}, o
+            ws.clear()
+        assert seen == [{"new": n, "duplicate": 0, "in_progress": 0}] * DCFG.rounds, seen
     else:
         client = request.getfixturevalue("redis_client")
         results: list[int] = []
@@ -599,7 +281,7 @@ def test_claim_many(
 
         benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
         assert results == [n] * DCFG.rounds, results
-        extra.update(_redis_info(client))
+        extra.update(redis_info(client))
         client.flushdb()
     _record(
         benchmark,
@@ -639,9 +321,9 @@ def test_claim_latency(
     per_round_p50: list[float] = []
 
     def run(call: Callable[[bytes], Any], keys: list[bytes]) -> None:
-        lat = timed_singles(call, keys)
+        lat = timed_calls(call, keys)
         samples.extend(lat)
-        per_round_p50.append(_latency_figures(lat)["p50_us"])
+        per_round_p50.append(percentiles(lat, "us")["p50_us"])
 
     if name.startswith(("dedupcore-daemon-single", "dedupcore-daemon-pair")):
         from dedupcore.api import Outcome
@@ -681,27 +363,11 @@ def test_claim_latency(
         _check_outcomes(rounds, len(single_keys))
         extra.update(rounds.summary(len(single_keys)))
     elif name == "dedupcore-in-process-single":
-        from dedupcore.store import DedupStore
-
-        stores: list[tuple[Any, Path]] = []
-        outcomes: list[dict[str, int]] = []
-
-        def close_store() -> None:
-            while stores:
-                store, root = stores.pop()
-                counts = store.stats()["namespaces"].get(NS, {})
-                outcomes.append({k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")})
-                store.close()
-                shutil.rmtree(root, ignore_errors=True)
-
+        ws, seen = Workspace(name), []
         try:
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                close_store()
-                root = Path(tempfile.mkdtemp(prefix="dcb", dir=DCFG.tmp_dir))
-                store = DedupStore.open(root / "data")
-                stores.append((store, root))
-                claim = store.claim
+                claim = _in_process(ws, seen).claim
 
                 def call(k: bytes) -> Any:
                     return claim(k, namespace=NS)
@@ -712,9 +378,9 @@ def test_claim_latency(
 
             benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
         finally:
-            close_store()
-        for o in outcomes:
-            assert o == {"new": len(single_keys), "duplicate": 0, "in_progress": 0}, o
+            ws.clear()
+        expected = {"new": len(single_keys), "duplicate": 0, "in_progress": 0}
+        assert seen == [expected] * DCFG.rounds, seen
     else:
         always = name.endswith("-always")
         client = (
@@ -748,9 +414,9 @@ def test_claim_latency(
         benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
         sizes.append(int(client.dbsize()))
         assert sizes == [len(single_keys)] * DCFG.rounds, sizes
-        extra.update(_redis_info(client))
+        extra.update(redis_info(client))
         client.flushdb()
-    extra.update(_latency_figures(samples))
+    extra.update(percentiles(samples, "us"))
     extra["p50_us_per_round"] = per_round_p50
     _record(
         benchmark,
@@ -766,58 +432,7 @@ def test_claim_latency(
 
 LOADERS = 4  # client processes sending big batches
 LOAD_BATCH = 100_000  # keys per batch of each of them
-LOADER_MAX_SECONDS = 900.0  # a loader stops by itself after this, whatever the run does
 UNDER_LOAD_CALLS = 2000  # timed single claims (one every millisecond at most)
-
-
-def _loader(target: str, kind: str, seed: int, started: Any, stop: Any, results: Any) -> None:
-    """Sends batches of LOAD_BATCH fresh keys until ``stop`` is set; reports how many.
-
-    Bounded whatever happens to the run: it stops at its first error (a daemon
-    or Redis that went away), when the process that started it is gone (a
-    benchmark killed before it set ``stop``), and after LOADER_MAX_SECONDS.
-    """
-    report: dict[str, Any] = {"batches": 0, "errors": 0, "first_error": None}
-    parent = os.getppid()
-    deadline = time.monotonic() + LOADER_MAX_SECONDS
-    try:
-        import random
-
-        rng = random.Random(seed)
-        if kind == "dedupcore":
-            from dedupcore.client import Client
-
-            api = Client(target, timeout=120.0)
-
-            def send(keys: list[bytes]) -> None:
-                api.claim_many(keys, namespace=NS + "/load")
-
-        else:
-            import redis
-
-            r = redis.Redis.from_url(target)
-
-            def send(keys: list[bytes]) -> None:
-                pipe = r.pipeline(transaction=False)
-                for k in keys:
-                    pipe.set(k, 1, nx=True, px=DCFG.px_ms)
-                pipe.execute()
-
-        started.release()
-        while not stop.is_set() and os.getppid() == parent and time.monotonic() < deadline:
-            keys = [rng.randbytes(16) for _ in range(LOAD_BATCH)]
-            try:
-                send(keys)
-                report["batches"] += 1
-            except Exception as exc:
-                report["errors"] += 1
-                report["first_error"] = report["first_error"] or repr(exc)
-                break
-    except BaseException as exc:
-        report["errors"] += 1
-        report["first_error"] = report["first_error"] or repr(exc)
-        started.release()
-    results.put(report)
 
 
 @pytest.mark.parametrize("name", ["under-batches-dedupcore", "under-batches-redis-always"])
@@ -852,8 +467,8 @@ def test_latency_under_batches(
         stop, started, results = ctx.Event(), ctx.Semaphore(0), ctx.Queue()
         procs = [
             ctx.Process(
-                target=_loader,
-                args=(target, kind, DCFG.seed + 100 + i, started, stop, results),
+                target=loader,
+                args=(target, kind, DCFG.seed + 100 + i, started, stop, results, NS, LOAD_BATCH),
                 daemon=True,
             )
             for i in range(LOADERS)
@@ -875,7 +490,7 @@ def test_latency_under_batches(
             lat.append(clock() - t0)
             time.sleep(0.001)
         samples.extend(lat)
-        per_round_p99.append(_latency_figures(lat)["p99_us"])
+        per_round_p99.append(percentiles(lat, "us")["p99_us"])
 
     try:
         if name == "under-batches-dedupcore":
@@ -919,7 +534,7 @@ def test_latency_under_batches(
     assert errors == 0, [r["first_error"] for r in loads if r["first_error"]][:3]
     batches = sum(r["batches"] for r in loads)
     assert batches > 0, "the loaders sent no batch"
-    extra = _latency_figures(samples)
+    extra = percentiles(samples, "us")
     extra["p99_us_per_round"] = per_round_p99
     _record(
         benchmark,

@@ -4,9 +4,9 @@ Two calls, on a store with ``durability="power-loss-unsafe"`` (no fdatasync,
 so the wrapper's cost is not lost in the disk's): one single-key claim of a
 processed key (DUPLICATE, the cheapest answer: the worst case for a relative
 overhead), and a ``claim_many`` of ``DEDUPCORE_BENCH_METRICS_BATCH`` fresh keys
-(1000). ``extra_info`` holds ``ns_per_call``; ``python -m benchmarks.report``
-is not needed: compare the two ``library`` rows of one operation. Only sanity
-checks are asserted, never timings.
+(1000). ``python -m benchmarks.report metrics`` prints each call's median
+time bare and instrumented, and the difference. Only sanity checks are
+asserted, never timings.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from benchmarks.conftest import _env_int, random_keys, record_info
+from benchmarks._support import env_int, random_keys, record
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.metrics import Metrics, instrument
 from dedupcore.store import DedupStore
 
 NS = "bench/metrics"
-BATCH = _env_int("DEDUPCORE_BENCH_METRICS_BATCH", 1000)
+BATCH = env_int("DEDUPCORE_BENCH_METRICS_BATCH", 1000)
 
 
 @pytest.fixture(params=["bare", "instrumented"])
@@ -38,22 +38,19 @@ def api(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, C
     store.close()
 
 
-def _info(benchmark: Any, library: str, operation: str, n_keys: int) -> None:
-    info = record_info(
-        benchmark, library=library, operation=operation, n_keys=n_keys, call=operation
-    )
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None:
-        info["ns_per_call"] = stats.median * 1e9
-
-
 def test_duplicate_claim(benchmark: Any, api: tuple[str, ClaimAPI]) -> None:
     library, store = api
     first = store.claim(b"k", namespace=NS)
     store.complete(b"k", first.token, namespace=NS)
     c = benchmark(store.claim, b"k", namespace=NS)
     assert c.outcome is Outcome.DUPLICATE
-    _info(benchmark, f"dedupcore {library}", "claim (duplicate)", 1)
+    record(
+        benchmark,
+        library=f"dedupcore {library}",
+        operation="claim (duplicate)",
+        n_keys=1,
+        call="store.claim(k)",
+    )
 
 
 def test_claim_many_fresh(benchmark: Any, api: tuple[str, ClaimAPI]) -> None:
@@ -67,4 +64,10 @@ def test_claim_many_fresh(benchmark: Any, api: tuple[str, ClaimAPI]) -> None:
 
     claims = benchmark.pedantic(store.claim_many, setup=setup, rounds=200, iterations=1)
     assert len(claims) == BATCH
-    _info(benchmark, f"dedupcore {library}", f"claim_many ({BATCH} keys)", BATCH)
+    record(
+        benchmark,
+        library=f"dedupcore {library}",
+        operation=f"claim_many ({BATCH} keys)",
+        n_keys=BATCH,
+        call="store.claim_many(keys)",
+    )

@@ -3,11 +3,13 @@
 Opt-in and slow (never part of the test run; ``benchmarks/`` is not collected
 by ``pytest tests``). Run it on a quiet machine::
 
-    DEDUPCORE_BENCH_SCALE_N=100000000 PYTHONPATH=. .venv/bin/python -m benchmarks.test_scale
+    DEDUPCORE_BENCH_SCALE_N=100000000 ./dev bench scale -s
 
-or through pytest (``PYTHONPATH=. .venv/bin/pytest benchmarks/test_scale.py -s``).
-It prints one row per tenth of the run and writes ``benchmarks/results/scale.json``
-and the chart ``docs/scale.png``:
+(``-s`` shows a row per tenth as it goes). The whole run is one benchmark of
+one round; its figures are in ``extra_info["scale"]``, and
+``python -m benchmarks.report scale`` prints them and draws the chart
+(``--png``; several ``--json`` runs, e.g. a store run and a peers run, are
+drawn together):
 
 - dedupcore (embedded, durable): fresh 16-byte random keys through
   ``claim_many`` then ``complete_many`` in batches of 1000, the background
@@ -26,6 +28,11 @@ and the chart ``docs/scale.png``:
   put into the cold archive through ``ColdArchive.add_many`` (the path a
   dropped slice's keys take), spread over the time slices of one cold
   window, then fresh claims measured again.
+
+``DEDUPCORE_BENCH_SCALE_N`` keys (100_000_000; ``--quick`` 200_000),
+``DEDUPCORE_BENCH_SCALE_PEER_N`` peer keys (20_000_000; 50_000; 0: none),
+``DEDUPCORE_BENCH_SCALE_COLD`` cold keys (900_000_000; 2_000_000; 0: none),
+``DEDUPCORE_BENCH_SCALE_PARTS`` which parts run (``store,cold,peers``).
 """
 
 from __future__ import annotations
@@ -44,16 +51,17 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-N = int(os.environ.get("DEDUPCORE_BENCH_SCALE_N", "100000000"))
-PEER_N = int(os.environ.get("DEDUPCORE_BENCH_SCALE_PEER_N", "20000000"))
-COLD = int(os.environ.get("DEDUPCORE_BENCH_SCALE_COLD", "900000000"))
+from benchmarks._support import TMP_DIR, env_int, env_str, record
+
+N = env_int("DEDUPCORE_BENCH_SCALE_N", 100_000_000, quick=200_000)
+PEER_N = env_int("DEDUPCORE_BENCH_SCALE_PEER_N", 20_000_000, quick=50_000, minimum=0)
+COLD = env_int("DEDUPCORE_BENCH_SCALE_COLD", 900_000_000, quick=2_000_000, minimum=0)
 BATCH = 1000
 #: Which parts run: store (the N-key run and open times), cold, peers.
 PARTS = set(os.environ.get("DEDUPCORE_BENCH_SCALE_PARTS", "store,cold,peers").split(","))
 COLD_CHUNK = 100_000_000  # hashes per ColdArchive.add_many (each call saves the ring)
 NS = "bench/scale"
-DIR = Path(os.environ.get("DEDUPCORE_BENCH_STORE_DIR", "") or tempfile.gettempdir())
+DIR = Path(TMP_DIR)
 
 
 def rss_anon() -> int:
@@ -123,7 +131,9 @@ def run_dedupcore(path: Path, n: int, rng: np.random.Generator) -> list[dict[str
 def run_redis(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
     import redis
 
-    client = redis.Redis.from_url("redis://127.0.0.1:6379/15")
+    client = redis.Redis.from_url(
+        env_str("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"), db=15
+    )
     client.flushdb()
     rows = []
     step = max(n // 10, BATCH)
@@ -283,43 +293,7 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
     }
 
 
-def chart(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, key in (
-        ("dedupcore", "disk_bytes_per_key"),
-        ("sqlite", "disk_bytes_per_key"),
-        ("redis", "memory_bytes_per_key"),
-    ):
-        rows = results.get(name) or []
-        if not rows:
-            continue
-        xs = [r["keys"] / 1e6 for r in rows]
-        a.plot(xs, [r["claims_per_s"] / 1e3 for r in rows], marker="o", label=name)
-        b.plot(
-            xs,
-            [r[key] for r in rows],
-            marker="o",
-            label=f"{name} ({'memory' if name == 'redis' else 'disk'})",
-        )
-    a.set_xlabel("keys held (millions)")
-    a.set_ylabel("claim + complete, thousand keys/s")
-    a.set_title("throughput as the store grows")
-    b.set_xlabel("keys held (millions)")
-    b.set_ylabel("bytes per key")
-    b.set_title("footprint")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-
-
-def main() -> None:
+def run() -> dict[str, Any]:
     rng = np.random.default_rng(20261201)
     results: dict[str, Any] = {"n": N, "peer_n": PEER_N, "batch": BATCH}
     with tempfile.TemporaryDirectory(dir=DIR, prefix="dedupcore-scale-") as tmp:
@@ -339,24 +313,19 @@ def main() -> None:
             results["redis"] = run_redis(PEER_N, rng)
             (base / "sqlite").mkdir()
             results["sqlite"] = run_sqlite(base / "sqlite" / "dedup.db", PEER_N, rng)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    name = "scale" if {"store", "cold", "peers"} == PARTS else "scale-" + "-".join(sorted(PARTS))
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
-    # The chart shows every series the runs so far left in benchmarks/results/ (a
-    # store run and a peers run may be separate), this run's taking precedence.
-    shown: dict[str, Any] = {}
-    for other in sorted(out.glob("scale*.json")):
-        shown.update({k: v for k, v in json.loads(other.read_text()).items() if v})
-    shown.update({k: v for k, v in results.items() if v})
-    if shown.get("dedupcore") or shown.get("redis"):
-        chart(shown, REPO / "docs" / "scale.png")
+    return results
 
 
-def test_scale() -> None:
-    """The whole run as one pytest item (``-s`` to see the rows)."""
-    main()
-
-
-if __name__ == "__main__":
-    main()
+def test_scale(benchmark: Any) -> None:
+    """The whole run as one benchmark of one round (``-s`` to see the rows as they come)."""
+    benchmark.group = "scale"
+    results = benchmark.pedantic(run, rounds=1, iterations=1)
+    record(
+        benchmark,
+        library="dedupcore",
+        operation="scale",
+        n_keys=N,
+        call="claim_many + complete_many per batch of 1000, durable",
+        parts=sorted(PARTS),
+        scale=results,
+    )

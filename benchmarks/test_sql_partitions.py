@@ -7,17 +7,15 @@ as a sweep would, nothing is dropped: the exact window is longer than the
 run), ``KEYS`` fresh keys are claimed in batches of ``BATCH`` with event
 times spread over the day (so a few near each boundary take edge locks),
 then completed, then (after an untimed ``ANALYZE``, as autovacuum would)
-claimed again (all DUPLICATE). Each day's claims are timed; the run prints
-ns/key of both for the first, middle and last days of both tables.
+claimed again (all DUPLICATE). Each day's claims are timed and kept in
+``extra_info``; ``python -m benchmarks.report sql-partitions`` prints ns/key of
+both tables for the first, middle and last days.
 
-Opt-in, like every benchmark here (``testpaths = ["tests"]``)::
-
-    DEDUPCORE_BENCH_PART_DAYS=10 DEDUPCORE_BENCH_PART_KEYS=20000 \\
-        PYTHONPATH=. .venv/bin/pytest benchmarks/test_sql_partitions.py -s -q
-
-``DEDUPCORE_BENCH_PART_DAYS`` days (30), ``DEDUPCORE_BENCH_PART_KEYS`` keys
-per day (100_000), ``DEDUPCORE_BENCH_PART_BATCH`` keys per batch (1000),
-``DEDUPCORE_BENCH_PART_PG_URL`` the server. Only outcomes are asserted.
+Opt-in, like every benchmark here: ``DEDUPCORE_BENCH_PART_DAYS=10
+DEDUPCORE_BENCH_PART_KEYS=20000 ./dev bench sql-partitions``.
+``DEDUPCORE_BENCH_PART_DAYS`` days (30; ``--quick`` 3), ``DEDUPCORE_BENCH_PART_KEYS``
+keys per day (100_000; 2_000), ``DEDUPCORE_BENCH_PART_BATCH`` keys per batch
+(1000), ``DEDUPCORE_BENCH_PART_PG_URL`` the server. Only outcomes are asserted.
 """
 
 from __future__ import annotations
@@ -27,20 +25,20 @@ import random
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from benchmarks._support import env_int, record
 from dedupcore.api import Outcome
 from dedupcore.config import Retention
-from dedupcore.tiers.sql import SqlStore
-
-from .conftest import _env_int
+from dedupcore.sql import SqlStore
 
 DAY = 86400
 T0 = 1_764_547_200
-DAYS = _env_int("DEDUPCORE_BENCH_PART_DAYS", 30)
-KEYS = _env_int("DEDUPCORE_BENCH_PART_KEYS", 100_000)
-BATCH = _env_int("DEDUPCORE_BENCH_PART_BATCH", 1000)
+DAYS = env_int("DEDUPCORE_BENCH_PART_DAYS", 30, quick=3)
+KEYS = env_int("DEDUPCORE_BENCH_PART_KEYS", 100_000, quick=2_000)
+BATCH = env_int("DEDUPCORE_BENCH_PART_BATCH", 1000)
 PG_URL = os.environ.get("DEDUPCORE_BENCH_PART_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 NS = "bench/parts"
 
@@ -114,12 +112,10 @@ def _day(store: SqlStore, keys: list[bytes], times: list[float] | None) -> tuple
     return spent[0], spent[1]
 
 
-def test_insert_cost_as_day_partitions_accumulate(
-    tables: tuple[SqlStore, SqlStore, _Clock],
-) -> None:
-    flat, parted, clock = tables
+def _days(flat: SqlStore, parted: SqlStore, clock: _Clock) -> list[dict[str, Any]]:
+    """Every day of the run: the partitions, and the seconds of each table's claims."""
     rng = random.Random(20251201)
-    rows: list[tuple[int, int, float, float, float, float]] = []
+    rows: list[dict[str, Any]] = []
     for day in range(DAYS):
         clock.t = T0 + day * DAY + 3600
         parted.ensure_partitions()  # what a sweep does each day
@@ -132,20 +128,33 @@ def test_insert_cost_as_day_partitions_accumulate(
         else:
             t_flat = _day(flat, keys, None)
             t_parted = _day(parted, keys, times)
-        rows.append((day + 1, len(parted.partitions()), *t_flat, *t_parted))
-    print(f"\nPostgreSQL, {KEYS} keys per day, batches of {BATCH}, claim_many only timed")
-    print("ns/key: fresh keys (flat, day-partitioned), the same keys again (flat, day)")
-    print("day  partitions  fresh flat  fresh day  dup flat  dup day")
-    shown = sorted({1, 2, max(1, DAYS // 2), DAYS})
+        rows.append(
+            {
+                "day": day + 1,
+                "partitions": len(parted.partitions()),
+                "fresh_flat_s": t_flat[0],
+                "duplicate_flat_s": t_flat[1],
+                "fresh_day_s": t_parted[0],
+                "duplicate_day_s": t_parted[1],
+            }
+        )
+    return rows
 
-    def ns(t: float, n: int = KEYS) -> str:
-        return f"{t / n * 1e9:.0f}"
 
-    for day, parts, f_new, f_dup, p_new, p_dup in rows:
-        if day in shown:
-            print(
-                f"{day:>3}  {parts:>10}  {ns(f_new):>10}  {ns(p_new):>9}  "
-                f"{ns(f_dup):>8}  {ns(p_dup):>7}"
-            )
-    total = [ns(sum(r[j] for r in rows), KEYS * DAYS) for j in (2, 4, 3, 5)]
-    print(f"all  {rows[-1][1]:>10}  {total[0]:>10}  {total[1]:>9}  {total[2]:>8}  {total[3]:>7}")
+def test_insert_cost_as_day_partitions_accumulate(
+    benchmark: Any, tables: tuple[SqlStore, SqlStore, _Clock]
+) -> None:
+    """One round of DAYS days (the whole run is timed; the report reads each day's claims)."""
+    benchmark.group = "sql_partitions"
+    days = benchmark.pedantic(_days, args=tables, rounds=1, iterations=1)
+    record(
+        benchmark,
+        library="dedupcore-postgresql",
+        operation="sql_partitions",
+        n_keys=KEYS * DAYS,
+        call="SqlStore.claim_many(keys[i:i+B]) (flat) vs SqlStore(partition='day') "
+        "with event_times",
+        keys_per_day=KEYS,
+        batch=BATCH,
+        days=days,
+    )

@@ -16,34 +16,30 @@ dedupcore runs with its defaults (``durability="durable"``: every
 ``claim_many`` returns after an fdatasync of the write-ahead log) unless a
 benchmark says otherwise. Every round gets a fresh data directory / SQLite
 file / flushed Redis db, built in the untimed setup. Redis uses db
-``DEDUPCORE_BENCH_REDIS_DB`` (15), which is FLUSHDB'd, and a key prefix; it
-refuses to run if that db holds keys without the prefix.
+``DEDUPCORE_BENCH_REDIS_DB`` (15), which is FLUSHDB'd, and a key prefix; the
+suite skips Redis if that db holds keys without the prefix.
 
-Sizes come from the environment (see benchmarks/README.md)::
+Sizes come from the environment (``--quick``: the second figure)::
 
-    DEDUPCORE_BENCH_STORE_N       keys of the claim_many benchmarks (1_000_000)
-    DEDUPCORE_BENCH_STORE_BIG     keys of the sustained run (10_000_000)
-    DEDUPCORE_BENCH_STORE_SINGLE  single calls of the latency benchmark (20_000)
+    DEDUPCORE_BENCH_STORE_N       keys of the claim_many benchmarks (1_000_000; 50_000)
+    DEDUPCORE_BENCH_STORE_BIG     keys of the sustained run (10_000_000; 200_000)
+    DEDUPCORE_BENCH_STORE_SINGLE  single calls of the latency benchmark (20_000; 2_000)
     DEDUPCORE_BENCH_STORE_BATCH   keys per batch (1000)
     DEDUPCORE_BENCH_STORE_ROUNDS  rounds of the N-key benchmarks (3)
-    DEDUPCORE_BENCH_STORE_DIR     where temporary stores go (the system temp dir)
     DEDUPCORE_BENCH_REDIS_URL     redis://127.0.0.1:6379 (db from DEDUPCORE_BENCH_REDIS_DB)
 
 Every benchmark stores ``library``, ``operation``, ``n_keys``, ``call`` and
-its own figures (``claims_per_s``, ``ns_per_key``, p50/p99 latencies,
-bytes/key) in ``extra_info``; ``python -m benchmarks.report_store`` turns
-the JSON into ratios and verdicts. Only sanity checks are asserted (every
-fresh key NEW, every repeated key DUPLICATE), never timings.
+its own figures (p50/p99 latencies, bytes/key) in ``extra_info``;
+``python -m benchmarks.report store`` turns the JSON into ratios and verdicts.
+Only sanity checks are asserted (every fresh key NEW, every repeated key
+DUPLICATE), never timings.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
-import hashlib
-import os
-import shutil
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,102 +48,59 @@ from typing import Any
 
 import pytest
 
-from benchmarks.conftest import CONFIG, _env_int, git_provenance, random_keys, record_info
+from benchmarks._support import (
+    REDIS_PREFIX,
+    SuiteConfig,
+    Tenths,
+    Workspace,
+    claim_and_complete,
+    claim_batches,
+    env_int,
+    outcomes,
+    percentiles,
+    random_keys,
+    record,
+    redis_claim_batches,
+    redis_db,
+    redis_info,
+    timed_calls,
+)
 
 NS = "bench/store"
-REDIS_PREFIX = b"dcbench:"
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
-class StoreBenchConfig:
-    n: int
+class StoreBenchConfig(SuiteConfig):
     big: int
-    single: int
-    batch: int
-    rounds: int
-    seed: int
-    px_ms: int
-    redis_url: str
-    redis_db: int
-    tmp_dir: str
 
 
 SCFG = StoreBenchConfig(
-    n=_env_int("DEDUPCORE_BENCH_STORE_N", 1_000_000),
-    big=_env_int("DEDUPCORE_BENCH_STORE_BIG", 10_000_000),
-    single=_env_int("DEDUPCORE_BENCH_STORE_SINGLE", 20_000),
-    batch=_env_int("DEDUPCORE_BENCH_STORE_BATCH", 1000),
-    rounds=_env_int("DEDUPCORE_BENCH_STORE_ROUNDS", 3),
-    seed=CONFIG.seed,
-    px_ms=30_000,
-    redis_url=os.environ.get("DEDUPCORE_BENCH_REDIS_URL", "redis://127.0.0.1:6379"),
-    redis_db=int(os.environ.get("DEDUPCORE_BENCH_REDIS_DB", "15")),
-    tmp_dir=os.environ.get("DEDUPCORE_BENCH_STORE_DIR", "") or tempfile.gettempdir(),
+    big=env_int("DEDUPCORE_BENCH_STORE_BIG", 10_000_000, quick=200_000),
+    **SuiteConfig.common("STORE", n=(1_000_000, 50_000), single=(20_000, 2_000), redis_db=15),
 )
 WARMUP = 500  # single calls made before the latency measurement (not recorded)
-
-
-def _provenance() -> dict[str, Any]:
-    """What was measured: the commit and whether store/ext had local changes."""
-    info: dict[str, Any] = {"sqlite_version": sqlite3.sqlite_version, **git_provenance()}
-    # The code measured, byte for byte (the store is being worked on concurrently).
-    digest = hashlib.sha256()
-    package = REPO / "dedupcore"
-    for path in sorted([*package.rglob("*.py"), *package.rglob("*.so")]):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    info["dedupcore_sha256"] = digest.hexdigest()[:16]
-    return info
-
-
-PROVENANCE = _provenance()
-
-
-def _record(
-    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
-) -> None:
-    info = record_info(
-        benchmark,
-        library=library,
-        operation=operation,
-        n_keys=n_keys,
-        call=call,
-        store_bench=asdict(SCFG),
-        **PROVENANCE,
-        **extra,
-    )
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None and n_keys:
-        info["ns_per_key"] = stats.min / n_keys * 1e9
-        info["ns_per_key_median"] = stats.median / n_keys * 1e9
-        info["claims_per_s"] = n_keys / stats.min
-        info["claims_per_s_median"] = n_keys / stats.median
+_record = functools.partial(record, store_bench=asdict(SCFG))
 
 
 # ------------------------------------------------------------------ keys --
 
 
-@pytest.fixture(scope="session")
-def scfg() -> StoreBenchConfig:
-    return SCFG
-
-
-@pytest.fixture(scope="session")
-def store_keys(scfg: StoreBenchConfig) -> list[bytes]:
+@pytest.fixture(scope="module")
+def store_keys() -> list[bytes]:
     """N fresh 16-byte keys, shared by every claim_many benchmark."""
-    return random_keys(scfg.n, scfg.seed + 10)
-
-
-@pytest.fixture(scope="session")
-def single_keys(scfg: StoreBenchConfig) -> list[bytes]:
-    """WARMUP + SINGLE keys of the latency benchmark."""
-    return random_keys(WARMUP + scfg.single, scfg.seed + 12)
+    return random_keys(SCFG.n, SCFG.seed + 10)
 
 
 @pytest.fixture(scope="module")
-def big_keys(scfg: StoreBenchConfig) -> Any:
+def single_keys() -> list[bytes]:
+    """WARMUP + SINGLE keys of the latency benchmark."""
+    return random_keys(WARMUP + SCFG.single, SCFG.seed + 12)
+
+
+@pytest.fixture(scope="module")
+def big_keys() -> Any:
     """BIG fresh keys of the sustained run (and their Redis form), freed after the module."""
-    keys = random_keys(scfg.big, scfg.seed + 11)
+    keys = random_keys(SCFG.big, SCFG.seed + 11)
     data = {"keys": keys, "redis": None}
     yield data
     data.clear()
@@ -174,70 +127,9 @@ def sqlite_rows(keys: list[bytes]) -> list[tuple[bytes]]:
     return _rows[id(keys)][1]
 
 
-def _chunks(n: int) -> list[int]:
-    """Ten progress marks (as key offsets) to report throughput over time."""
-    return sorted({min(n, round(n * i / 10)) for i in range(1, 11)})
-
-
-# ---------------------------------------------------------------- redis --
-
-
-@pytest.fixture(scope="session")
-def redis_client(scfg: StoreBenchConfig) -> Any:
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(scfg.redis_url, db=scfg.redis_db)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {scfg.redis_url}: {exc}")
-    for key in client.scan_iter(count=1000):
-        if not key.startswith(REDIS_PREFIX):
-            pytest.skip(
-                f"Redis db {scfg.redis_db} holds keys without the {REDIS_PREFIX!r} prefix "
-                f"(e.g. {key!r}); set DEDUPCORE_BENCH_REDIS_DB to an unused db"
-            )
-        break
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
-
-
-def _redis_info(client: Any) -> dict[str, Any]:
-    info = client.info()
-    persistence = client.info("persistence")
-    return {
-        "redis_version": info.get("redis_version"),
-        "redis_aof_enabled": persistence.get("aof_enabled"),
-        "redis_parser": "hiredis" if _hiredis() else "python",
-    }
-
-
-def _hiredis() -> bool:
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        return False
-    return bool(HIREDIS_AVAILABLE)
-
-
-def redis_claim_batches(
-    client: Any, keys: list[bytes], batch: int, px: int, marks: list[float] | None = None
-) -> int:
-    """Pipelined SET NX PX per batch; returns how many keys were new (SET returned True)."""
-    fresh = 0
-    n = len(keys)
-    chunk = _chunks(n) if marks is not None else []
-    for i in range(0, n, batch):
-        pipe = client.pipeline(transaction=False)
-        set_ = pipe.set
-        for k in keys[i : i + batch]:
-            set_(k, 1, nx=True, px=px)
-        fresh += pipe.execute().count(True)
-        if chunk and i + batch >= chunk[0]:
-            chunk.pop(0)
-            marks.append(time.perf_counter())  # type: ignore[union-attr]
-    return fresh
+@pytest.fixture(scope="module")
+def redis_client() -> Any:
+    yield from redis_db(SCFG.redis_url, SCFG.redis_db)
 
 
 # ---------------------------------------------------------------- sqlite --
@@ -288,25 +180,6 @@ def sqlite_returning_batches(conn: sqlite3.Connection, keys: list[bytes], batch:
 # ------------------------------------------------------------- dedupcore --
 
 
-def dedupcore_claim_batches(
-    store: Any, keys: list[bytes], batch: int, marks: list[float] | None = None
-) -> None:
-    """``store.claim_many`` per batch (outcomes are checked afterwards from stats())."""
-    claim_many = store.claim_many
-    n = len(keys)
-    chunk = _chunks(n) if marks is not None else []
-    for i in range(0, n, batch):
-        claim_many(keys[i : i + batch], namespace=NS)
-        if chunk and i + batch >= chunk[0]:
-            chunk.pop(0)
-            marks.append(time.perf_counter())  # type: ignore[union-attr]
-
-
-def _outcomes(store: Any) -> dict[str, int]:
-    counts = store.stats()["namespaces"].get(NS, {})
-    return {k: counts.get(k, 0) for k in ("new", "duplicate", "in_progress")}
-
-
 def _footprint(store: Any, n_keys: int) -> dict[str, Any]:
     """LMDB and front sizes after a checkpoint: everything acknowledged is in LMDB."""
     during = store.stats()
@@ -334,41 +207,6 @@ def _footprint(store: Any, n_keys: int) -> dict[str, Any]:
         "front_slices": len(st["front"]["slices"]),
         "footprint_keys": n_keys,
     }
-
-
-class Workspace:
-    """Fresh temporary directories, one per round; the previous one is closed and removed."""
-
-    def __init__(self, tag: str) -> None:
-        self.tag = tag
-        self.dir: Path | None = None
-        self.closers: list[Callable[[], None]] = []
-        self.close_seconds: list[float] = []
-
-    def fresh(self) -> Path:
-        self.clear()
-        self.dir = Path(tempfile.mkdtemp(prefix=f"dcbench-{self.tag}-", dir=SCFG.tmp_dir))
-        return self.dir
-
-    def on_clear(self, fn: Callable[[], None]) -> None:
-        self.closers.append(fn)
-
-    def clear(self) -> None:
-        started = time.perf_counter()
-        while self.closers:
-            self.closers.pop()()
-        if self.dir is not None:
-            self.close_seconds.append(time.perf_counter() - started)
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-
-def open_store(ws: Workspace, **config: Any) -> Any:
-    from dedupcore.store import DedupStore
-
-    store = DedupStore.open(ws.fresh() / "store", **config)
-    ws.on_clear(store.close)
-    return store
 
 
 # ------------------------------------------------- claim_many, fresh keys --
@@ -408,13 +246,12 @@ def _sqlite_setup(ws: Workspace, name: str) -> sqlite3.Connection:
 def test_claim_many_fresh(
     benchmark: Any,
     request: pytest.FixtureRequest,
-    scfg: StoreBenchConfig,
     store_keys: list[bytes],
     name: str,
 ) -> None:
     """claim_many of N fresh keys in batches of B into an empty store (fresh per round)."""
     benchmark.group = "store_claim_many_fresh"
-    n, batch = len(store_keys), scfg.batch
+    n, batch = len(store_keys), SCFG.batch
     ws = Workspace(name)
     extra: dict[str, Any] = {}
     try:
@@ -422,14 +259,12 @@ def test_claim_many_fresh(
             holder: list[Any] = []
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                holder[:] = [open_store(ws, durability="durable")]
-                return (holder[0], store_keys, batch), {}
+                holder[:] = [ws.open_store(durability="durable")]
+                return (holder[0], store_keys, batch, NS), {}
 
-            benchmark.pedantic(
-                dedupcore_claim_batches, setup=setup, rounds=scfg.rounds, iterations=1
-            )
+            benchmark.pedantic(claim_batches, setup=setup, rounds=SCFG.rounds, iterations=1)
             store = holder[0]
-            assert _outcomes(store) == {"new": n, "duplicate": 0, "in_progress": 0}
+            assert outcomes(store, NS) == {"new": n, "duplicate": 0, "in_progress": 0}
             extra.update(_footprint(store, n))
         elif name == "redis-pipelined":
             client = request.getfixturevalue("redis_client")
@@ -439,13 +274,13 @@ def test_claim_many_fresh(
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 client.flushdb()
                 used[:] = [client.info("memory")["used_memory"]]
-                return (client, rkeys, batch, scfg.px_ms), {}
+                return (client, rkeys, batch, SCFG.px_ms), {}
 
             fresh = benchmark.pedantic(
-                redis_claim_batches, setup=setup, rounds=scfg.rounds, iterations=1
+                redis_claim_batches, setup=setup, rounds=SCFG.rounds, iterations=1
             )
             assert fresh == n, f"{n - fresh} keys were not new"
-            extra.update(_redis_info(client))
+            extra.update(redis_info(client))
             extra["redis_bytes_per_key"] = (client.info("memory")["used_memory"] - used[0]) / n
             client.flushdb()
         else:
@@ -458,7 +293,7 @@ def test_claim_many_fresh(
                 conns[:] = [_sqlite_setup(ws, name)]
                 return (conns[0], data, batch), {}
 
-            fresh = benchmark.pedantic(run, setup=setup, rounds=scfg.rounds, iterations=1)
+            fresh = benchmark.pedantic(run, setup=setup, rounds=SCFG.rounds, iterations=1)
             assert fresh == n, f"{n - fresh} keys were not new"
             assert ws.dir is not None
             db_bytes = sum(p.stat().st_size for p in ws.dir.iterdir())
@@ -485,21 +320,20 @@ def test_claim_many_fresh(
 def test_complete_many(
     benchmark: Any,
     request: pytest.FixtureRequest,
-    scfg: StoreBenchConfig,
     store_keys: list[bytes],
     name: str,
 ) -> None:
     """complete_many of N claimed keys in batches of B (the claims are set up untimed);
     Redis: pipelined ``SET k 2 XX PX`` over keys set with ``SET NX PX``."""
     benchmark.group = "store_complete_many"
-    n, batch = len(store_keys), scfg.batch
+    n, batch = len(store_keys), SCFG.batch
     ws = Workspace("complete-" + name)
     try:
         if name == "dedupcore":
             work: list[Any] = []
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                store = open_store(ws, durability="durable")
+                store = ws.open_store(durability="durable")
                 items = []
                 for i in range(0, n, batch):
                     claims = store.claim_many(store_keys[i : i + batch], namespace=NS)
@@ -511,7 +345,7 @@ def test_complete_many(
                 for part in items:
                     store.complete_many(part, namespace=NS)
 
-            benchmark.pedantic(complete, setup=setup, rounds=scfg.rounds, iterations=1)
+            benchmark.pedantic(complete, setup=setup, rounds=SCFG.rounds, iterations=1)
             assert work[0].get(store_keys[0], namespace=NS).state.name == "PROCESSED"
         else:
             client = request.getfixturevalue("redis_client")
@@ -519,7 +353,7 @@ def test_complete_many(
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 client.flushdb()
-                redis_claim_batches(client, rkeys, batch, scfg.px_ms)
+                redis_claim_batches(client, rkeys, batch, SCFG.px_ms)
                 return (client, rkeys), {}
 
             def complete(client: Any, keys: list[bytes]) -> int:
@@ -527,11 +361,11 @@ def test_complete_many(
                 for i in range(0, n, batch):
                     pipe = client.pipeline(transaction=False)
                     for k in keys[i : i + batch]:
-                        pipe.set(k, 2, xx=True, px=scfg.px_ms)
+                        pipe.set(k, 2, xx=True, px=SCFG.px_ms)
                     done += pipe.execute().count(True)
                 return done
 
-            done = benchmark.pedantic(complete, setup=setup, rounds=scfg.rounds, iterations=1)
+            done = benchmark.pedantic(complete, setup=setup, rounds=SCFG.rounds, iterations=1)
             assert done == n
             client.flushdb()
     finally:
@@ -558,13 +392,8 @@ def _dedupcore_filled(ws: Workspace, keys: list[bytes], batch: int, in_memory: b
     config: dict[str, Any] = {"durability": "durable"}
     if in_memory:
         config.update(checkpoint_records=4 * len(keys) + 1, checkpoint_interval=86400.0)
-    store = open_store(ws, **config)
-    for i in range(0, len(keys), batch):
-        chunk = keys[i : i + batch]
-        claims = store.claim_many(chunk, namespace=NS)
-        store.complete_many(
-            [(k, c.token) for k, c in zip(chunk, claims, strict=True)], namespace=NS
-        )
+    store = ws.open_store(**config)
+    claim_and_complete(store, keys, batch, NS)
     if not in_memory:
         store.checkpoint()  # every record in LMDB: duplicates go front -> LMDB
     before = store.stats()
@@ -576,7 +405,6 @@ def _dedupcore_filled(ws: Workspace, keys: list[bytes], batch: int, in_memory: b
 def test_claim_many_duplicate(
     benchmark: Any,
     request: pytest.FixtureRequest,
-    scfg: StoreBenchConfig,
     store_keys: list[bytes],
     name: str,
 ) -> None:
@@ -590,7 +418,7 @@ def test_claim_many_duplicate(
     same ``SET NX PX 30000``.
     """
     benchmark.group = "store_claim_many_duplicate"
-    n, batch = len(store_keys), scfg.batch
+    n, batch = len(store_keys), SCFG.batch
     ws = Workspace(name)
     extra: dict[str, Any] = {}
     try:
@@ -600,14 +428,12 @@ def test_claim_many_duplicate(
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 holder[:] = [_dedupcore_filled(ws, store_keys, batch, in_memory)]
-                holder.append(_outcomes(holder[0]))
-                return (holder[0], store_keys, batch), {}
+                holder.append(outcomes(holder[0], NS))
+                return (holder[0], store_keys, batch, NS), {}
 
-            benchmark.pedantic(
-                dedupcore_claim_batches, setup=setup, rounds=scfg.rounds, iterations=1
-            )
+            benchmark.pedantic(claim_batches, setup=setup, rounds=SCFG.rounds, iterations=1)
             store, before = holder
-            after = _outcomes(store)
+            after = outcomes(store, NS)
             assert after["duplicate"] - before["duplicate"] == n, (before, after)
             assert after["new"] == before["new"] == n
             st = store.stats()
@@ -620,13 +446,13 @@ def test_claim_many_duplicate(
                 client.flushdb()
                 loaded = redis_claim_batches(client, rkeys, batch, 3_600_000)
                 assert loaded == n
-                return (client, rkeys, batch, scfg.px_ms), {}
+                return (client, rkeys, batch, SCFG.px_ms), {}
 
             fresh = benchmark.pedantic(
-                redis_claim_batches, setup=setup, rounds=scfg.rounds, iterations=1
+                redis_claim_batches, setup=setup, rounds=SCFG.rounds, iterations=1
             )
             assert fresh == 0, f"{fresh} keys were new again"
-            extra.update(_redis_info(client))
+            extra.update(redis_info(client))
             client.flushdb()
         else:
             rows = sqlite_rows(store_keys)
@@ -638,7 +464,7 @@ def test_claim_many_duplicate(
                 return (conns[0], rows, batch), {}
 
             fresh = benchmark.pedantic(
-                sqlite_claim_batches, setup=setup, rounds=scfg.rounds, iterations=1
+                sqlite_claim_batches, setup=setup, rounds=SCFG.rounds, iterations=1
             )
             assert fresh == 0, f"{fresh} keys were new again"
     finally:
@@ -661,7 +487,6 @@ def test_claim_many_duplicate(
 def test_sustained(
     benchmark: Any,
     request: pytest.FixtureRequest,
-    scfg: StoreBenchConfig,
     big_keys: Any,
     name: str,
 ) -> None:
@@ -674,25 +499,23 @@ def test_sustained(
     """
     benchmark.group = "store_sustained"
     keys = big_keys["keys"]
-    n, batch = len(keys), scfg.batch
+    n, batch = len(keys), SCFG.batch
     ws = Workspace("sustained-" + name)
-    marks: list[float] = []
+    tenths = Tenths(n)
     extra: dict[str, Any] = {}
-    start: list[float] = []
     try:
         if name == "dedupcore":
             holder: list[Any] = []
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                holder[:] = [open_store(ws, durability="durable")]
-                marks.clear()
+                holder[:] = [ws.open_store(durability="durable")]
                 gc.collect()
-                start[:] = [time.perf_counter()]
-                return (holder[0], keys, batch, marks), {}
+                tenths.begin()
+                return (holder[0], keys, batch, NS, tenths), {}
 
-            benchmark.pedantic(dedupcore_claim_batches, setup=setup, rounds=1, iterations=1)
+            benchmark.pedantic(claim_batches, setup=setup, rounds=1, iterations=1)
             store = holder[0]
-            assert _outcomes(store) == {"new": n, "duplicate": 0, "in_progress": 0}
+            assert outcomes(store, NS) == {"new": n, "duplicate": 0, "in_progress": 0}
             extra.update(_footprint(store, n))
         else:
             client = request.getfixturevalue("redis_client")
@@ -702,23 +525,17 @@ def test_sustained(
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 client.flushdb()
-                marks.clear()
                 gc.collect()
-                start[:] = [time.perf_counter()]
-                return (client, rkeys, batch, scfg.px_ms, marks), {}
+                tenths.begin()
+                return (client, rkeys, batch, SCFG.px_ms, tenths), {}
 
             fresh = benchmark.pedantic(redis_claim_batches, setup=setup, rounds=1, iterations=1)
             assert fresh == n, f"{n - fresh} keys were not new"
-            extra.update(_redis_info(client))
+            extra.update(redis_info(client))
             client.flushdb()
     finally:
         ws.clear()
-    bounds = [start[0], *marks]
-    offsets = [0, *_chunks(n)]
-    extra["tenths_claims_per_s"] = [
-        (offsets[i + 1] - offsets[i]) / (bounds[i + 1] - bounds[i])
-        for i in range(min(len(bounds), len(offsets)) - 1)
-    ]
+    extra["tenths_claims_per_s"] = tenths.rates()
     _record(
         benchmark,
         library=name,
@@ -736,29 +553,10 @@ def test_sustained(
 LATENCY_PEERS = ["dedupcore-durable", "dedupcore-power-loss-unsafe", "redis-single"]
 
 
-def _percentiles(lat_ns: list[int]) -> dict[str, float]:
-    s = sorted(lat_ns)
-    n = len(s)
-
-    def q(p: float) -> float:
-        return float(s[min(n - 1, int(p * n))])
-
-    return {
-        "p50_ns": q(0.50),
-        "p90_ns": q(0.90),
-        "p99_ns": q(0.99),
-        "p999_ns": q(0.999),
-        "max_ns": float(s[-1]),
-        "mean_ns": sum(s) / n,
-        "calls": n,
-    }
-
-
 @pytest.mark.parametrize("name", LATENCY_PEERS)
 def test_claim_latency(
     benchmark: Any,
     request: pytest.FixtureRequest,
-    scfg: StoreBenchConfig,
     single_keys: list[bytes],
     name: str,
 ) -> None:
@@ -776,13 +574,7 @@ def test_claim_latency(
     extra: dict[str, Any] = {}
 
     def timed(call: Callable[[bytes], Any], keys: list[bytes]) -> None:
-        clock = time.perf_counter_ns
-        append = lat.append
-        lat.clear()
-        for k in keys:
-            t0 = clock()
-            call(k)
-            append(clock() - t0)
+        lat[:] = timed_calls(call, keys)
 
     try:
         if name.startswith("dedupcore"):
@@ -790,7 +582,7 @@ def test_claim_latency(
             holder: list[Any] = []
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                store = open_store(ws, durability=durability)
+                store = ws.open_store(durability=durability)
                 holder[:] = [store]
                 for k in warm:
                     store.claim(k, namespace=NS)
@@ -801,7 +593,7 @@ def test_claim_latency(
                 return (call, keys), {}
 
             benchmark.pedantic(timed, setup=setup, rounds=1, iterations=1)
-            counts = _outcomes(holder[0])
+            counts = outcomes(holder[0], NS)
             assert counts["new"] == len(keys) + len(warm), counts
         else:
             client = request.getfixturevalue("redis_client")
@@ -810,19 +602,19 @@ def test_claim_latency(
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
                 client.flushdb()
                 for k in rwarm:
-                    client.set(k, 1, nx=True, px=scfg.px_ms)
+                    client.set(k, 1, nx=True, px=SCFG.px_ms)
 
                 def call(k: bytes) -> Any:
-                    return client.set(k, 1, nx=True, px=scfg.px_ms)
+                    return client.set(k, 1, nx=True, px=SCFG.px_ms)
 
                 return (call, rkeys), {}
 
             benchmark.pedantic(timed, setup=setup, rounds=1, iterations=1)
-            extra.update(_redis_info(client))
+            extra.update(redis_info(client))
             client.flushdb()
     finally:
         ws.clear()
-    extra.update(_percentiles(lat))
+    extra.update(percentiles(lat))
     _record(
         benchmark,
         library=name,

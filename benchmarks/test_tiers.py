@@ -23,13 +23,13 @@ The first ``WARMUP`` round(s) are not recorded. Redis uses db
 (the suite skips Redis if it holds keys it did not write); SQL tables are
 ``dcbench_<random>_*`` and are dropped afterwards.
 
-Sizes and servers come from the environment (see benchmarks/README.md)::
+Sizes and servers come from the environment (see benchmarks/README.md; ``--quick``:
+the second figure)::
 
-    DEDUPCORE_BENCH_TIER_QUICK     1: N=20_000, 2_000 single calls (a smoke run)
-    DEDUPCORE_BENCH_TIER_N         keys of every claim_many benchmark (200_000)
+    DEDUPCORE_BENCH_TIER_N         keys of every claim_many benchmark (200_000; 20_000)
     DEDUPCORE_BENCH_TIER_BATCH     keys per batch (1000)
     DEDUPCORE_BENCH_TIER_ROUNDS    recorded rounds (3) after DEDUPCORE_BENCH_TIER_WARMUP (1)
-    DEDUPCORE_BENCH_TIER_SINGLE    timed single calls (5_000, after 200 warm-up calls)
+    DEDUPCORE_BENCH_TIER_SINGLE    timed single calls (5_000; 2_000; after 200 warm-up calls)
     DEDUPCORE_BENCH_TIER_ENGINES   comma list of redis,postgresql,mariadb,sqlite (all)
 
 ``DEDUPCORE_BENCH_TIER_ALT_REDIS`` / ``DEDUPCORE_BENCH_TIER_ALT_SQL`` name a
@@ -37,82 +37,73 @@ Sizes and servers come from the environment (see benchmarks/README.md)::
 too, as ``dedupcore-alt-*`` (to try a change to a tier side by side with the
 current code on the same keys in the same run).
 
-Each benchmark stores ``library``, ``operation``, ``n_keys``, ``call``,
-``ns_per_key`` (median round; ``_min`` too), ``keys_per_s`` and, for Redis, the
-server's own time for the calls (``INFO commandstats`` usec of EVALSHA / SET,
-``server_ns_per_key``) in ``extra_info``; ``python -m benchmarks.report_tiers``
-prints ratios and verdicts. Only outcomes are asserted, never timings.
+Each benchmark stores ``library``, ``operation``, ``n_keys``, ``call``, the
+per-key figures of its fastest and median rounds and, for Redis, the server's
+own time for the calls (``INFO commandstats`` usec of EVALSHA / SET,
+``server_ns_per_key``) in ``extra_info``; ``python -m benchmarks.report tiers``
+prints ratios (of the median rounds) and verdicts. Only outcomes are asserted, never timings.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
-import sqlite3
-import tempfile
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.conftest import _env_int, random_keys, record_info
-from benchmarks.test_store import PROVENANCE, _percentiles, _redis_info
+from benchmarks._support import (
+    QUICK,
+    REDIS_PREFIX,
+    SqlEngine,
+    SuiteConfig,
+    claim_and_complete,
+    env_int,
+    env_str,
+    percentiles,
+    random_keys,
+    record,
+    redis_claim_batches,
+    redis_db,
+    redis_info,
+    sql_engine,
+    timed_calls,
+)
 from dedupcore.api import Outcome
 
 NS = "bench/tiers"
-PEER_PREFIX = b"dcbench:"  # the SET NX peer's keys (RedisStore's start with "dcbench:{")
-QUICK = os.environ.get("DEDUPCORE_BENCH_TIER_QUICK", "") not in ("", "0")
 
 
 @dataclass(frozen=True)
-class TierBenchConfig:
-    n: int
-    batch: int
-    rounds: int
+class TierBenchConfig(SuiteConfig):
     warmup: int
-    single: int
-    seed: int
     engines: tuple[str, ...]
-    redis_url: str
-    redis_db: int
     pg_url: str
     mariadb_url: str
-    sqlite_dir: str
     quick: bool
 
 
 TCFG = TierBenchConfig(
-    n=_env_int("DEDUPCORE_BENCH_TIER_N", 20_000 if QUICK else 200_000),
-    batch=_env_int("DEDUPCORE_BENCH_TIER_BATCH", 1000),
-    rounds=_env_int("DEDUPCORE_BENCH_TIER_ROUNDS", 3),
-    warmup=int(os.environ.get("DEDUPCORE_BENCH_TIER_WARMUP", "1")),
-    single=_env_int("DEDUPCORE_BENCH_TIER_SINGLE", 2_000 if QUICK else 5_000),
-    seed=_env_int("DEDUPCORE_BENCH_SEED", 20240601),
+    warmup=env_int("DEDUPCORE_BENCH_TIER_WARMUP", 1, minimum=0),
     engines=tuple(
         e.strip()
-        for e in os.environ.get("DEDUPCORE_BENCH_TIER_ENGINES", "redis,postgresql,mariadb,sqlite")
+        for e in env_str("DEDUPCORE_BENCH_TIER_ENGINES", "redis,postgresql,mariadb,sqlite")
         .lower()
         .split(",")
         if e.strip()
     ),
-    redis_url=os.environ.get("DEDUPCORE_BENCH_TIER_REDIS_URL", "redis://127.0.0.1:6379"),
-    redis_db=int(os.environ.get("DEDUPCORE_BENCH_TIER_REDIS_DB", "11")),
-    pg_url=os.environ.get(
-        "DEDUPCORE_BENCH_TIER_PG_URL", "postgresql://postgres@127.0.0.1:5432/test"
-    ),
-    mariadb_url=os.environ.get(
-        "DEDUPCORE_BENCH_TIER_MARIADB_URL", "mysql://root@127.0.0.1:3306/test"
-    ),
-    sqlite_dir=os.environ.get("DEDUPCORE_BENCH_TIER_SQLITE_DIR", "") or tempfile.gettempdir(),
+    pg_url=env_str("DEDUPCORE_BENCH_TIER_PG_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+    mariadb_url=env_str("DEDUPCORE_BENCH_TIER_MARIADB_URL", "mysql://root@127.0.0.1:3306/test"),
     quick=QUICK,
+    **SuiteConfig.common("TIER", n=(200_000, 20_000), single=(5_000, 2_000), redis_db=11),
 )
 SINGLE_WARMUP = 200
 ALT_REDIS = os.environ.get("DEDUPCORE_BENCH_TIER_ALT_REDIS", "")
 ALT_SQL = os.environ.get("DEDUPCORE_BENCH_TIER_ALT_SQL", "")
+_record = functools.partial(record, tier_bench=asdict(TCFG))
 
 
 def _needs(engine: str) -> None:
@@ -125,27 +116,6 @@ def _import(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _record(
-    benchmark: Any, *, library: str, operation: str, n_keys: int, call: str, **extra: Any
-) -> None:
-    info = record_info(
-        benchmark,
-        library=library,
-        operation=operation,
-        n_keys=n_keys,
-        call=call,
-        tier_bench=asdict(TCFG),
-        **PROVENANCE,
-        **extra,
-    )
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None and n_keys:
-        info["ns_per_key"] = stats.median / n_keys * 1e9
-        info["ns_per_key_min"] = stats.min / n_keys * 1e9
-        info["keys_per_s"] = n_keys / stats.median
-        info["round_seconds"] = list(stats.data)
-
-
 def _batches(keys: list[Any], batch: int) -> list[list[Any]]:
     return [keys[i : i + batch] for i in range(0, len(keys), batch)]
 
@@ -153,57 +123,38 @@ def _batches(keys: list[Any], batch: int) -> list[list[Any]]:
 # ------------------------------------------------------------------ keys --
 
 
-@pytest.fixture(scope="session")
-def tcfg() -> TierBenchConfig:
-    return TCFG
-
-
-@pytest.fixture(scope="session")
-def tier_keys(tcfg: TierBenchConfig) -> list[bytes]:
+@pytest.fixture(scope="module")
+def tier_keys() -> list[bytes]:
     """N fresh 16-byte keys, shared by every claim_many benchmark of the run."""
-    return random_keys(tcfg.n, tcfg.seed + 20)
+    return random_keys(TCFG.n, TCFG.seed + 20)
 
 
-@pytest.fixture(scope="session")
-def tier_single_keys(tcfg: TierBenchConfig) -> list[bytes]:
-    return random_keys(SINGLE_WARMUP + tcfg.single, tcfg.seed + 21)
+@pytest.fixture(scope="module")
+def tier_single_keys() -> list[bytes]:
+    return random_keys(SINGLE_WARMUP + TCFG.single, TCFG.seed + 21)
 
 
 # ---------------------------------------------------------------- redis --
 
 
-@pytest.fixture(scope="session")
-def tier_redis(tcfg: TierBenchConfig) -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def tier_redis() -> Iterator[Any]:
     _needs("redis")
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(tcfg.redis_url, db=tcfg.redis_db)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {tcfg.redis_url}: {exc}")
-    for key in client.scan_iter(count=1000):
-        if not key.startswith(PEER_PREFIX):
-            pytest.skip(
-                f"Redis db {tcfg.redis_db} holds keys this suite did not write (e.g. {key!r}); "
-                "set DEDUPCORE_BENCH_TIER_REDIS_DB to an unused db"
-            )
-        break
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    yield from redis_db(TCFG.redis_url, TCFG.redis_db)
 
 
 def _redis_store(client: Any, alt: bool = False) -> Any:
-    from dedupcore.tiers.redis import RedisStore
+    from dedupcore.redis import RedisStore
 
     cls = _import(ALT_REDIS) if alt else RedisStore
     return cls(client, prefix="dcbench")
 
 
 def _px_ms(store: Any) -> int:
-    """The TTL (ms) RedisStore gives a fresh claim: the peer's SET gets the same."""
-    return int(store._window_ms(NS, store.lease))
+    """The TTL (ms) RedisStore gives a fresh claim, the longer of the namespace's exact
+    window and twice the lease (docs/architecture.md): the peer's SET gets the same."""
+    policy = store.namespaces.get(NS, store.retention)
+    return int(max(policy.exact_window, 2 * store.lease) * 1000)
 
 
 class CommandStats:
@@ -222,23 +173,11 @@ class CommandStats:
         return calls - self.start[0], usec - self.start[1]
 
 
-def dc_redis_batches(store: Any, batches: list[list[bytes]]) -> int:
+def dc_redis_batches(store: Any, keys: list[bytes], batch: int) -> int:
     """``store.claim_many`` per batch; returns how many claims were NEW."""
     claim_many, new, fresh = store.claim_many, 0, Outcome.NEW
-    for chunk in batches:
-        new += sum(c.outcome is fresh for c in claim_many(chunk, namespace=NS))
-    return new
-
-
-def peer_redis_batches(client: Any, batches: list[list[bytes]], px: int) -> int:
-    """Pipelined ``SET k 1 NX PX px`` per batch; returns how many SETs were applied."""
-    new = 0
-    for chunk in batches:
-        pipe = client.pipeline(transaction=False)
-        set_ = pipe.set
-        for k in chunk:
-            set_(k, 1, nx=True, px=px)
-        new += pipe.execute().count(True)
+    for i in range(0, len(keys), batch):
+        new += sum(c.outcome is fresh for c in claim_many(keys[i : i + batch], namespace=NS))
     return new
 
 
@@ -262,45 +201,42 @@ def _run_redis(
     operation: str,
     duplicate: bool,
 ) -> None:
-    tcfg = TCFG
     n = len(keys)
     dc = name.startswith("dedupcore")
     store = _redis_store(client, alt="-alt-" in name) if dc else None
     px = _px_ms(store or _redis_store(client))
-    batches = _batches(keys if dc else [PEER_PREFIX + k for k in keys], tcfg.batch)
+    batch = TCFG.batch
+    if not dc:
+        keys = [REDIS_PREFIX + k for k in keys]
     client.flushdb()
     if duplicate:  # every key claimed and completed once, untimed; rounds repeat on it
         if dc:
-            for chunk in batches:
-                claims = store.claim_many(chunk, namespace=NS)
-                store.complete_many(
-                    [(k, c.token) for k, c in zip(chunk, claims, strict=True)], namespace=NS
-                )
+            claim_and_complete(store, keys, batch, NS)
         else:
-            assert peer_redis_batches(client, batches, 3_600_000) == n
+            assert redis_claim_batches(client, keys, batch, 3_600_000) == n
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not duplicate:
             client.flushdb()
-        return ((store, batches) if dc else (client, batches, px)), {}
+        return ((store, keys, batch) if dc else (client, keys, batch, px)), {}
 
     stats = CommandStats(client, "evalsha" if dc else "set")
     new = benchmark.pedantic(
-        dc_redis_batches if dc else peer_redis_batches,
+        dc_redis_batches if dc else redis_claim_batches,
         setup=setup,
-        rounds=tcfg.rounds,
-        warmup_rounds=tcfg.warmup,
+        rounds=TCFG.rounds,
+        warmup_rounds=TCFG.warmup,
         iterations=1,
     )
     calls, usec = stats.delta()
     assert new == (0 if duplicate else n), f"{new} of {n} keys NEW"
-    runs = tcfg.rounds + tcfg.warmup
+    runs = TCFG.rounds + TCFG.warmup
     extra = {
-        **_redis_info(client),
+        **redis_info(client),
         "px_ms": px,
         "server_calls": calls,
         "server_ns_per_key": usec * 1000 / (runs * n),
-        "server_calls_expected": runs * len(batches) if not dc else None,
+        "server_calls_expected": runs * -(-n // batch) if not dc else None,
     }
     if dc:
         extra["buckets"] = store.buckets
@@ -311,29 +247,26 @@ def _run_redis(
         operation=operation,
         n_keys=n,
         call=REDIS_CALLS[name],
-        batch=tcfg.batch,
+        batch=TCFG.batch,
         **extra,
     )
 
 
 @pytest.mark.parametrize("name", REDIS_LIBS)
-def test_redis_fresh(
-    benchmark: Any, request: pytest.FixtureRequest, tier_keys: list[bytes], name: str
+@pytest.mark.parametrize("duplicate", [False, True], ids=["fresh", "duplicate"])
+def test_redis(
+    benchmark: Any,
+    request: pytest.FixtureRequest,
+    tier_keys: list[bytes],
+    name: str,
+    duplicate: bool,
 ) -> None:
-    """N fresh keys in batches of B into an empty db: every claim NEW / every SET applied."""
-    benchmark.group = "tier_redis_fresh"
+    """N fresh keys in batches of B into an empty db (every claim NEW / every SET applied),
+    then the same keys again, all claimed and completed (DUPLICATE) / all SET already."""
+    operation = f"tier_redis_{'duplicate' if duplicate else 'fresh'}"
+    benchmark.group = operation
     client = request.getfixturevalue("tier_redis")
-    _run_redis(benchmark, client, tier_keys, name, "tier_redis_fresh", duplicate=False)
-
-
-@pytest.mark.parametrize("name", REDIS_LIBS)
-def test_redis_duplicate(
-    benchmark: Any, request: pytest.FixtureRequest, tier_keys: list[bytes], name: str
-) -> None:
-    """The same N keys again, all claimed and completed (DUPLICATE) / all SET already."""
-    benchmark.group = "tier_redis_duplicate"
-    client = request.getfixturevalue("tier_redis")
-    _run_redis(benchmark, client, tier_keys, name, "tier_redis_duplicate", duplicate=True)
+    _run_redis(benchmark, client, tier_keys, name, operation, duplicate)
 
 
 @pytest.mark.parametrize("name", ["dedupcore-redis-single", "redis-single"])
@@ -347,8 +280,8 @@ def test_redis_single(
     store = _redis_store(client)
     px = _px_ms(store)
     if name == "redis-single":
-        warm = [PEER_PREFIX + k for k in warm]
-        keys = [PEER_PREFIX + k for k in keys]
+        warm = [REDIS_PREFIX + k for k in warm]
+        keys = [REDIS_PREFIX + k for k in keys]
 
         def call(k: bytes) -> Any:
             return client.set(k, 1, nx=True, px=px)
@@ -360,12 +293,7 @@ def test_redis_single(
     lat: list[int] = []
 
     def timed() -> None:
-        clock, append = time.perf_counter_ns, lat.append
-        lat.clear()
-        for k in keys:
-            t0 = clock()
-            call(k)
-            append(clock() - t0)
+        lat[:] = timed_calls(call, keys)
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         client.flushdb()
@@ -382,183 +310,25 @@ def test_redis_single(
         n_keys=len(keys),
         call=REDIS_CALLS[name],
         warmup=len(warm),
-        **_redis_info(client),
-        **_percentiles(lat),
+        **redis_info(client),
+        **percentiles(lat),
     )
 
 
 # ------------------------------------------------------------------ SQL --
 
 
-@dataclass
-class SqlEngine:
-    """One SQL server: dedupcore's table and the peer's table, raw connections, cleanup."""
-
-    name: str  # postgresql | mariadb | sqlite
-    url: str
-    tag: str
-    sqlite_path: Path | None = None
-
-    @property
-    def dc_table(self) -> str:
-        return f"dcbench_{self.tag}_dedup"
-
-    @property
-    def peer_table(self) -> str:
-        return f"dcbench_{self.tag}_peer"
-
-    def connect(self) -> Any:
-        if self.name == "postgresql":
-            import psycopg
-
-            return psycopg.connect(self.url)
-        if self.name == "mariadb":
-            from dedupcore.tiers.sql import _factory
-
-            return _factory(self.url, {})[1]()
-        assert self.sqlite_path is not None
-        conn = sqlite3.connect(self.sqlite_path, isolation_level=None, check_same_thread=False)
-        assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
-        return conn
-
-    def admin(self, *statements: str) -> None:
-        conn = self.connect()
-        try:
-            cur = conn.cursor()
-            for s in statements:
-                cur.execute(s)
-            cur.close()
-            if self.name != "sqlite":
-                conn.commit()
-        finally:
-            conn.close()
-
-    def peer_schema(self) -> str:
-        t = self.peer_table
-        if self.name == "postgresql":
-            return (
-                f'CREATE TABLE {t} (ns text COLLATE "C" NOT NULL, k bytea NOT NULL, '
-                "PRIMARY KEY (ns, k))"
-            )
-        if self.name == "mariadb":
-            return (
-                f"CREATE TABLE {t} (ns VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT "
-                "NULL, k VARBINARY(512) NOT NULL, PRIMARY KEY (ns, k)) ENGINE=InnoDB"
-            )
-        return (
-            f"CREATE TABLE {t} (ns TEXT NOT NULL, k BLOB NOT NULL, PRIMARY KEY (ns, k)) "
-            "WITHOUT ROWID"
-        )
-
-    def peer_insert(self) -> str:
-        t = self.peer_table
-        if self.name == "postgresql":
-            return f"INSERT INTO {t} (ns, k) VALUES (%s, %s) ON CONFLICT DO NOTHING"
-        if self.name == "mariadb":
-            return f"INSERT INTO {t} (ns, k) VALUES (%s, %s) ON DUPLICATE KEY UPDATE k = k"
-        return f"INSERT INTO {t} (ns, k) VALUES (?, ?) ON CONFLICT DO NOTHING"
-
-    def empty(self, table: str) -> None:
-        if self.name == "sqlite":
-            self.admin(f"DELETE FROM {table}")
-        else:
-            self.admin(f"TRUNCATE TABLE {table}")
-
-    def analyze(self, table: str) -> None:
-        self.admin(f"ANALYZE {'TABLE ' if self.name == 'mariadb' else ''}{table}")
-
-    def drop(self) -> None:
-        if self.name == "sqlite":
-            assert self.sqlite_path is not None
-            for suffix in ("", "-wal", "-shm"):
-                Path(str(self.sqlite_path) + suffix).unlink(missing_ok=True)
-            return
-        for attempt in range(30):  # a shared server may be out of connections for a while
-            try:
-                self._drop_tables()
-                return
-            except Exception:
-                if attempt == 29:
-                    raise
-                time.sleep(2.0)
-
-    def _drop_tables(self) -> None:
-        self.admin(
-            f"DROP TABLE IF EXISTS {self.dc_table}", f"DROP TABLE IF EXISTS {self.peer_table}"
-        )
-
-    def version(self) -> str:
-        conn = self.connect()
-        try:
-            cur = conn.cursor()
-            cur.execute("SELECT sqlite_version()" if self.name == "sqlite" else "SELECT version()")
-            return f"{self.name} {cur.fetchone()[0]}"
-        finally:
-            conn.close()
-
-    def settings(self) -> dict[str, Any]:
-        """What makes a commit durable or not on this server."""
-        conn = self.connect()
-        try:
-            cur = conn.cursor()
-            if self.name == "postgresql":
-                cur.execute(
-                    "SELECT name, setting FROM pg_settings WHERE name IN "
-                    "('synchronous_commit', 'fsync', 'wal_sync_method', 'shared_buffers')"
-                )
-            elif self.name == "mariadb":
-                cur.execute(
-                    "SHOW VARIABLES WHERE Variable_name IN "
-                    "('innodb_flush_log_at_trx_commit', 'sync_binlog', 'log_bin', "
-                    "'innodb_buffer_pool_size')"
-                )
-            else:
-                cur.execute("PRAGMA synchronous")
-                return {"synchronous": cur.fetchone()[0], "journal_mode": "wal"}
-            return {str(k): str(v) for k, v in cur.fetchall()}
-        finally:
-            conn.close()
-
-
-def _sql_engine(name: str, tcfg: TierBenchConfig) -> Iterator[SqlEngine]:
-    _needs(name)
-    tag = uuid.uuid4().hex[:10]
-    if name == "sqlite":
-        path = Path(tcfg.sqlite_dir) / f"dcbench-{tag}.db"
-        eng = SqlEngine(name, f"sqlite:///{path}", tag, sqlite_path=path)
-    else:
-        if name == "postgresql":
-            pytest.importorskip("psycopg")
-        else:
-            pytest.importorskip("pymysql")
-        eng = SqlEngine(name, tcfg.pg_url if name == "postgresql" else tcfg.mariadb_url, tag)
-        try:
-            eng.version()
-        except Exception as exc:  # any driver error: the server is not there
-            pytest.skip(f"no {name} at {eng.url}: {exc}")
-    try:
-        yield eng
-    finally:
-        eng.drop()
-
-
-@pytest.fixture(scope="module")
-def pg_engine(tcfg: TierBenchConfig) -> Iterator[SqlEngine]:
-    yield from _sql_engine("postgresql", tcfg)
-
-
-@pytest.fixture(scope="module")
-def mariadb_engine(tcfg: TierBenchConfig) -> Iterator[SqlEngine]:
-    yield from _sql_engine("mariadb", tcfg)
-
-
-@pytest.fixture(scope="module")
-def sqlite_engine(tcfg: TierBenchConfig) -> Iterator[SqlEngine]:
-    yield from _sql_engine("sqlite", tcfg)
+@pytest.fixture(scope="module", params=["postgresql", "mariadb", "sqlite"])
+def sql_server(request: pytest.FixtureRequest) -> Iterator[SqlEngine]:
+    """PostgreSQL and MariaDB on the machine's servers, SQLite (WAL, one file) in the
+    benchmarks' temporary directory."""
+    _needs(request.param)
+    url = TCFG.pg_url if request.param == "postgresql" else TCFG.mariadb_url
+    yield from sql_engine(request.param, url)
 
 
 def _sql_store(eng: SqlEngine, alt: bool = False) -> Any:
-    from dedupcore.tiers.sql import SqlStore
+    from dedupcore.sql import SqlStore
 
     cls = _import(ALT_SQL) if alt else SqlStore
     store = cls.from_url(eng.url, table=eng.dc_table)
@@ -592,16 +362,6 @@ def peer_sqlite_batches(conn: Any, sql: str, batches: list[list[tuple[str, bytes
         execute("COMMIT")
 
 
-def _count_rows(eng: SqlEngine, table: str) -> int:
-    conn = eng.connect()
-    try:
-        cur = conn.cursor()
-        cur.execute(f"SELECT COUNT(*) FROM {table}")
-        return int(cur.fetchone()[0])
-    finally:
-        conn.close()
-
-
 def _sql_calls(eng: SqlEngine) -> dict[str, str]:
     return {
         f"dedupcore-{eng.name}": "store.claim_many(keys[i:i+B], namespace=ns)  (SqlStore, one "
@@ -613,7 +373,6 @@ def _sql_calls(eng: SqlEngine) -> dict[str, str]:
 
 
 def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplicate: bool) -> None:
-    tcfg = TCFG
     n = len(keys)
     op = f"tier_{eng.name}_{'duplicate' if duplicate else 'fresh'}"
     benchmark.group = op
@@ -632,13 +391,9 @@ def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplic
             store = _sql_store(eng, alt="-alt-" in lib)
             opened.append(store)
             eng.empty(eng.dc_table)
-            batches = _batches(keys, tcfg.batch)
+            batches = _batches(keys, TCFG.batch)
             if duplicate:
-                for chunk in batches:
-                    claims = store.claim_many(chunk, namespace=NS)
-                    store.complete_many(
-                        [(k, c.token) for k, c in zip(chunk, claims, strict=True)], namespace=NS
-                    )
+                claim_and_complete(store, keys, TCFG.batch, NS)
                 eng.analyze(eng.dc_table)
 
             def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -650,12 +405,12 @@ def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplic
             benchmark.pedantic(
                 dc_sql_batches,
                 setup=setup,
-                rounds=tcfg.rounds,
-                warmup_rounds=tcfg.warmup,
+                rounds=TCFG.rounds,
+                warmup_rounds=TCFG.warmup,
                 iterations=1,
             )
             after = store.stats()
-            runs = tcfg.rounds + tcfg.warmup
+            runs = TCFG.rounds + TCFG.warmup
             want = "duplicate" if duplicate else "new"
             got = after.get(want, 0) - before.get(want, 0)
             assert got == runs * n, f"{got} {want} claims, expected {runs * n}"
@@ -672,7 +427,7 @@ def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplic
             if eng.name != "sqlite":
                 conn.commit()
             sql = eng.peer_insert()
-            batches = _batches([(NS, k) for k in keys], tcfg.batch)
+            batches = _batches([(NS, k) for k in keys], TCFG.batch)
             run: Callable[..., None] = (
                 peer_sqlite_batches if eng.name == "sqlite" else peer_sql_batches
             )
@@ -686,9 +441,9 @@ def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplic
                 return (conn, sql, batches), {}
 
             benchmark.pedantic(
-                run, setup=setup, rounds=tcfg.rounds, warmup_rounds=tcfg.warmup, iterations=1
+                run, setup=setup, rounds=TCFG.rounds, warmup_rounds=TCFG.warmup, iterations=1
             )
-            assert _count_rows(eng, eng.peer_table) == n
+            assert eng.query(f"SELECT COUNT(*) FROM {eng.peer_table}")[0][0] == n
             eng.admin(f"DROP TABLE {eng.peer_table}")
     finally:
         close_all()
@@ -698,39 +453,21 @@ def _run_sql(benchmark: Any, eng: SqlEngine, keys: list[bytes], lib: str, duplic
         operation=op,
         n_keys=n,
         call=_sql_calls(eng)[lib],
-        batch=tcfg.batch,
+        batch=TCFG.batch,
         **extra,
     )
 
 
-def _sql_libs(engine: str) -> list[str]:
-    return [f"dedupcore-{engine}", f"{engine}-executemany"] + (
-        [f"dedupcore-alt-{engine}"] if ALT_SQL else []
-    )
+SQL_SIDES = ["dedupcore", "peer"] + (["dedupcore-alt"] if ALT_SQL else [])
 
 
-@pytest.mark.parametrize("lib", _sql_libs("postgresql"))
+@pytest.mark.parametrize("side", SQL_SIDES)
 @pytest.mark.parametrize("duplicate", [False, True], ids=["fresh", "duplicate"])
-def test_postgresql(
-    benchmark: Any, pg_engine: SqlEngine, tier_keys: list[bytes], lib: str, duplicate: bool
+def test_sql(
+    benchmark: Any, sql_server: SqlEngine, tier_keys: list[bytes], side: str, duplicate: bool
 ) -> None:
-    """PostgreSQL authority: fresh keys (empty table per round), then all duplicates."""
-    _run_sql(benchmark, pg_engine, tier_keys, lib, duplicate)
-
-
-@pytest.mark.parametrize("lib", _sql_libs("mariadb"))
-@pytest.mark.parametrize("duplicate", [False, True], ids=["fresh", "duplicate"])
-def test_mariadb(
-    benchmark: Any, mariadb_engine: SqlEngine, tier_keys: list[bytes], lib: str, duplicate: bool
-) -> None:
-    """MariaDB authority (reference): fresh keys, then all duplicates."""
-    _run_sql(benchmark, mariadb_engine, tier_keys, lib, duplicate)
-
-
-@pytest.mark.parametrize("lib", _sql_libs("sqlite"))
-@pytest.mark.parametrize("duplicate", [False, True], ids=["fresh", "duplicate"])
-def test_sqlite(
-    benchmark: Any, sqlite_engine: SqlEngine, tier_keys: list[bytes], lib: str, duplicate: bool
-) -> None:
-    """SQLite authority (reference): fresh keys, then all duplicates (WAL, one file)."""
-    _run_sql(benchmark, sqlite_engine, tier_keys, lib, duplicate)
+    """A SQL authority (PostgreSQL; MariaDB and SQLite for reference) against the peer's
+    executemany: fresh keys (an empty table per round), then all duplicates."""
+    name = sql_server.name
+    lib = f"{name}-executemany" if side == "peer" else f"{side}-{name}"
+    _run_sql(benchmark, sql_server, tier_keys, lib, duplicate)

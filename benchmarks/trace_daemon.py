@@ -26,11 +26,9 @@ import asyncio
 import asyncio.events
 import gc
 import multiprocessing
-import os
 import random
 import re
 import runpy
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 SLOW_LOCK = 0.002  # seconds: lock waits and holds at least this long are traced
+NS = "bench/daemon"
 
 
 class _TimedLock:
@@ -177,38 +176,21 @@ def main() -> None:
         _serve_traced(args.trace, args.slow_ms / 1000, args.serve)
         return
 
-    from benchmarks.test_daemon import NS, _loader
+    from benchmarks._support import Daemon, loader
     from dedupcore.client import Client
 
-    root = Path(tempfile.mkdtemp(prefix="dctrace"))
-    sock, trace = root / "d.sock", root / "trace.txt"
-    serve = ["serve", "--data", str(root / "data"), "--socket", str(sock)]
-    serve += ["--durability", args.durability]
+    trace = Path(tempfile.mkdtemp(prefix="dctrace")) / "trace.txt"
     cmd = [sys.executable, "-m", "benchmarks.trace_daemon", "--slow-ms", str(args.slow_ms)]
-    cmd += ["--trace", str(trace), "--serve", *serve]
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    with open(root / "daemon.log", "wb") as log:
-        daemon = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo)
+    cmd += ["--trace", str(trace), "--serve"]
+    daemon = Daemon(args.durability, command=cmd)
     ctx = multiprocessing.get_context("spawn")
     stop, started, results = ctx.Event(), ctx.Semaphore(0), ctx.Queue()
     procs: list[Any] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(sock, timeout=2, retries=0) as c:
-                    c.ping()
-                break
-            except Exception as exc:
-                if time.monotonic() > deadline or daemon.poll() is not None:
-                    log_path = root / "daemon.log"
-                    raise RuntimeError(f"the daemon did not start (log: {log_path})") from exc
-                time.sleep(0.05)
         procs = [
             ctx.Process(
-                target=_loader,
-                args=(str(sock), "dedupcore", 100 + i, started, stop, results),
+                target=loader,
+                args=(daemon.socket, "dedupcore", 100 + i, started, stop, results, NS),
                 daemon=True,
             )
             for i in range(args.loaders)
@@ -220,7 +202,7 @@ def main() -> None:
         time.sleep(1.0)
         rng = random.Random(5)
         latencies = []
-        with Client(sock, timeout=60) as c:
+        with Client(daemon.socket, timeout=60) as c:
             for _ in range(args.calls):
                 key = rng.randbytes(16)
                 t0 = time.perf_counter()
@@ -232,8 +214,7 @@ def main() -> None:
         loads = [results.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(60)
-        daemon.terminate()
-        daemon.wait(60)
+        daemon.stop()
     lat = sorted(latencies)
     n = len(lat)
     batches = sum(load["batches"] for load in loads)

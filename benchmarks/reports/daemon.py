@@ -1,9 +1,6 @@
-"""Table and target verdicts from a pytest-benchmark JSON of benchmarks/test_daemon.py.
+"""The daemon's report (``python -m benchmarks.report daemon``): tables, comparisons, targets.
 
-    python -m benchmarks.report_daemon [--json PATH] [--plain]
-
-Without ``--json`` it reads the newest JSON under benchmarks/results/ that
-holds daemon benchmarks. Throughput uses each benchmark's fastest round (the
+Throughput uses each benchmark's fastest round (the
 least disturbed one on a shared machine), with the median next to it;
 latencies are percentiles over every timed call of every round. The targets
 (the reasons behind the design are in docs/architecture.md, "Performance"):
@@ -24,25 +21,17 @@ latencies are percentiles over every timed call of every round. The targets
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks import reporting
 from benchmarks.reporting import (
-    RESULTS_DIR,
     Out,
     Row,
+    Run,
     Verdict,
     fmt_ns,
     fmt_rate,
+    fmt_us,
     fmt_x,
-    loads_of,
-    print_verdicts,
-    source_line,
 )
 
 OPERATIONS = {
@@ -76,39 +65,17 @@ LATENCY_PEERS = {
 DEFAULT_N = 200_000
 
 
-def _daemon_rows(data: dict[str, Any]) -> dict[tuple[str, str], Row]:
-    return reporting.rows_of(data, lambda op: op in OPERATIONS)
+def keep(operation: str) -> bool:
+    """The operations of benchmarks/test_daemon.py."""
+    return operation in OPERATIONS
 
 
-def _holds_daemon_rows(path: Path) -> bool:
-    try:
-        return bool(_daemon_rows(json.loads(path.read_text())))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def newest_json(directory: Path = RESULTS_DIR) -> Path:
-    """The newest JSON under ``directory`` that holds daemon benchmarks."""
-    return reporting.newest_json(
-        directory,
-        _holds_daemon_rows,
-        "daemon benchmark",
-        "PYTHONPATH=. pytest benchmarks/test_daemon.py",
-        "daemon.json",
-    )
-
-
-def load(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], Row]]:
-    return reporting.load(path, lambda op: op in OPERATIONS)
-
-
-# ------------------------------------------------------------ formatting --
-
-
-def fmt_us(us: float | None) -> str:
-    if us is None:
-        return "-"
-    return f"{us:,.0f} µs" if us >= 100 else f"{us:,.1f} µs"
+def print_run(out: Out, run: Run) -> None:
+    """The tables, then one line per comparison."""
+    print_tables(out, run.rows)
+    out.heading("comparisons")
+    for line in comparisons(run.rows):
+        out.line(line)
 
 
 def _cfg(rows: dict[tuple[str, str], Row]) -> dict[str, Any]:
@@ -129,22 +96,11 @@ def _clients_rows(
 
 def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
     cfg = _cfg(rows)
-    loads = loads_of(rows)
-    any_row = next(iter(rows.values()))
-    e = any_row.extra
     out.heading(
         f"dedupcore daemon benchmarks: N={cfg.get('n', '?'):,} fresh 16-byte keys, batches of "
         f"{cfg.get('batch', '?')}, {cfg.get('single', '?'):,} single calls x "
-        f"{cfg.get('rounds', '?')} rounds; {e.get('cpus', '?')} CPUs, event loop "
-        f"{e.get('event_loop', '?')}, "
-        + (f"git {e['git_rev']}" if e.get("git_rev") else f"code at {e.get('repo', '?')}")
-        + (" (dirty: " + ", ".join(e["git_dirty"]) + ")" if e.get("git_dirty") else "")
+        f"{cfg.get('rounds', '?')} rounds"
     )
-    if loads:
-        out.line(
-            f"1-minute load average during the run: {min(loads):.2f} .. {max(loads):.2f} "
-            f"(on {e.get('cpus', '?')} CPUs); only ratios within this run are meaningful."
-        )
 
     # claim_many --------------------------------------------------------------
     redis = rows.get(("claim_many", "redis-pipelined"))
@@ -376,7 +332,8 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
 # -------------------------------------------------------------- verdicts --
 
 
-def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
+def evaluate(run: Run) -> list[Verdict]:
+    rows = run.rows
     cfg = _cfg(rows)
     n = cfg.get("n")
     note = "" if n in (None, DEFAULT_N) else f"  [run at N={n:,}; the default is {DEFAULT_N:,}]"
@@ -509,36 +466,3 @@ def comparisons(rows: dict[tuple[str, str], Row]) -> list[str]:
         else:
             lines.append(f"many client processes vs one ({what}): not measured")
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.report_daemon",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        help="pytest-benchmark JSON (default: newest with daemon benchmarks under "
-        "benchmarks/results/)",
-    )
-    parser.add_argument("--plain", action="store_true", help="plain text even if rich is installed")
-    args = parser.parse_args(argv)
-
-    path = args.json or newest_json()
-    data, rows = load(path)
-    if not rows:
-        raise SystemExit(f"{path}: no daemon benchmarks (benchmarks/test_daemon.py) in it")
-    out = Out(plain=args.plain)
-    out.line(source_line(path, data))
-    print_tables(out, rows)
-    out.heading("comparisons")
-    for line in comparisons(rows):
-        out.line(line)
-    print_verdicts(out, evaluate(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

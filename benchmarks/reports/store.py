@@ -1,38 +1,26 @@
-"""Tables and target verdicts from a pytest-benchmark JSON of benchmarks/test_store.py.
+"""The embedded store's report (``python -m benchmarks.report store``): tables and targets.
 
-    python -m benchmarks.report_store [--json PATH] [--plain]
-
-Without ``--json`` it reads the newest ``*.json`` under benchmarks/results/
-that holds store benchmarks. Throughput figures use each benchmark's fastest
-round (the least disturbed one on a shared machine; the median is shown next
-to it); "speed-up" is the peer's time over dedupcore's on the same keys in the
-same run, so above 1.0 means dedupcore is faster. Latencies are percentiles of
-individually timed single calls.
+Throughput figures use each benchmark's fastest round (the least disturbed one
+on a shared machine; the median is shown next to it); "speed-up" is the peer's
+time over dedupcore's on the same keys in the same run, so above 1.0 means
+dedupcore is faster. Latencies are percentiles of individually timed single
+calls.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks import reporting
 from benchmarks.reporting import (
-    RESULTS_DIR,
     Out,
     Row,
+    Run,
     Verdict,
     fmt_ns,
     fmt_rate,
     fmt_x,
-    load,
-    loads_of,
-    local_changes,
-    print_verdicts,
-    source_line,
+    order_key,
+    size_note,
 )
 
 DC = "dedupcore"
@@ -69,18 +57,16 @@ TARGET_LMDB_BYTES = 100.0
 TARGET_FRONT_BYTES = 2.5
 
 
-def lib_key(name: str) -> tuple[int, str]:
-    return (LIB_ORDER.index(name) if name in LIB_ORDER else len(LIB_ORDER), name)
+lib_key = order_key(LIB_ORDER)
 
 
-def is_store_json(path: Path) -> bool:
-    return reporting.has_operation(path, "store_")
+def keep(operation: str) -> bool:
+    """The operations of benchmarks/test_store.py."""
+    return operation.startswith("store_")
 
 
-def newest_store_json(directory: Path = RESULTS_DIR) -> Path:
-    return reporting.newest_json(
-        directory, is_store_json, "store benchmark", "pytest benchmarks/test_store.py", "store.json"
-    )
+def print_run(out: Out, run: Run) -> None:
+    print_tables(out, run.rows, run.config("store_bench"))
 
 
 def fmt_bytes(b: float | None) -> str:
@@ -257,12 +243,6 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row], cfg: dict[str, Any]
 # -------------------------------------------------------------- verdicts --
 
 
-def _size_note(actual: int | None, target: int, name: str) -> str:
-    if actual is None or actual == target:
-        return ""
-    return f"  [run at {name}={actual:,}; the target is for {target:,}]"
-
-
 def _ratio_verdict(
     rows: dict[tuple[str, str], Row],
     op: str,
@@ -285,10 +265,11 @@ def _ratio_verdict(
     )
 
 
-def evaluate(rows: dict[tuple[str, str], Row], cfg: dict[str, Any]) -> list[Verdict]:
+def evaluate(run: Run) -> list[Verdict]:
+    rows, cfg = run.rows, run.config("store_bench")
     verdicts: list[Verdict] = []
-    n_note = _size_note(cfg.get("n"), TARGET_N, "N")
-    big_note = _size_note(cfg.get("big"), TARGET_BIG, "BIG")
+    n_note = size_note(cfg.get("n"), TARGET_N, "N")
+    big_note = size_note(cfg.get("big"), TARGET_BIG, "BIG")
     fresh, dup = "store_claim_many_fresh", "store_claim_many_duplicate"
     verdicts.append(
         _ratio_verdict(
@@ -386,7 +367,7 @@ def evaluate(rows: dict[tuple[str, str], Row], cfg: dict[str, Any]) -> list[Verd
     fp_note = big_note
     if fp is None or "lmdb_disk_bytes" not in fp.extra:
         fp = rows.get(("store_claim_many_fresh", DC))
-        fp_note = _size_note(fp.n_keys if fp else None, TARGET_BIG, "keys")
+        fp_note = size_note(fp.n_keys if fp else None, TARGET_BIG, "keys")
     if fp is None or "lmdb_disk_bytes" not in fp.extra:
         verdicts.append(Verdict(None, "LMDB bytes/key: not measured"))
         verdicts.append(Verdict(None, "front bytes/key: not measured"))
@@ -408,57 +389,3 @@ def evaluate(rows: dict[tuple[str, str], Row], cfg: dict[str, Any]) -> list[Verd
             )
         )
     return verdicts
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.report_store",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        help="pytest-benchmark JSON (default: newest store JSON under benchmarks/results/)",
-    )
-    parser.add_argument("--plain", action="store_true", help="plain text even if rich is installed")
-    args = parser.parse_args(argv)
-
-    path = args.json or newest_store_json()
-    data, all_rows = load(path)
-    rows = {k: r for k, r in all_rows.items() if k[0].startswith("store_")}
-    if not rows:
-        raise SystemExit(f"{path}: no store benchmarks (benchmarks/test_store.py) in it")
-    cfg = next(iter(rows.values())).extra.get("store_bench", {})
-    out = Out(plain=args.plain)
-    info = next(iter(rows.values())).extra
-    redis_row = rows.get(("store_claim_many_fresh", REDIS)) or rows.get(("store_sustained", REDIS))
-    redis_note = ""
-    if redis_row is not None and "redis_version" in redis_row.extra:
-        e = redis_row.extra
-        redis_note = (
-            f"; Redis {e['redis_version']} (AOF {'on' if e['redis_aof_enabled'] else 'off'}, "
-            f"redis-py parser {e['redis_parser']})"
-        )
-    out.line(
-        source_line(
-            path,
-            data,
-            f"; dedupcore at {info.get('git_rev', '?')}{local_changes(info)}"
-            f"; SQLite {info.get('sqlite_version', '?')}{redis_note}",
-        )
-    )
-    loads = loads_of(rows)
-    if loads:
-        out.line(
-            f"1-minute load average at the start/end of the benchmarks: {min(loads):.2f} .. "
-            f"{max(loads):.2f} ({os.cpu_count()} CPUs); code measured: dedupcore sha256 "
-            f"{info.get('dedupcore_sha256', '?')}"
-        )
-    print_tables(out, rows, cfg)
-    print_verdicts(out, evaluate(rows, cfg))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,38 +1,25 @@
-"""Tables and target verdicts from pytest-benchmark JSONs of benchmarks/test_tiers.py.
+"""The shared tiers' report (``python -m benchmarks.report tiers``): tables, targets, spread.
 
-    python -m benchmarks.report_tiers [--json PATH ...] [--plain]
-
-Without ``--json`` it reads the newest ``*.json`` under benchmarks/results/
-that holds tier benchmarks. Figures use each benchmark's median round (the
-fastest is shown beside it); "ratio" is the peer's time over dedupcore's on the
-same keys in the same run, so above 1.0 means dedupcore is faster. Given
-several JSONs (repeated runs), it prints each run and then the spread of every
-ratio over the runs; the verdicts of the spread table use the median run.
+Figures use each benchmark's median round (the fastest is shown beside it);
+"ratio" is the peer's time over dedupcore's on the same keys in the same run,
+so above 1.0 means dedupcore is faster. Given several JSONs (repeated runs),
+it prints each run and then the spread of every ratio over the runs; the
+verdicts of the spread table use the median run.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from benchmarks import reporting
 from benchmarks.reporting import (
-    RESULTS_DIR,
     Out,
     Row,
+    Run,
     Verdict,
     fmt_ns,
     fmt_rate,
     fmt_x,
-    load,
-    loads_of,
-    local_changes,
-    print_verdicts,
 )
 
 # (operation, dedupcore library, peer library, target ratio or None, what)
@@ -108,14 +95,15 @@ TITLES = {
 }
 
 
-def is_tier_json(path: Path) -> bool:
-    return reporting.has_operation(path, "tier_")
+def keep(operation: str) -> bool:
+    """The operations of benchmarks/test_tiers.py."""
+    return operation.startswith("tier_")
 
 
-def newest_tier_json(directory: Path = RESULTS_DIR) -> Path:
-    return reporting.newest_json(
-        directory, is_tier_json, "tier benchmark", "pytest benchmarks/test_tiers.py", "tiers.json"
-    )
+def finish(out: Out, runs: list[Run], png: Path | None) -> None:
+    """Given several runs, the spread of each ratio over them."""
+    if len(runs) > 1:
+        print_spread(out, [(run.path, run.rows) for run in runs])
 
 
 def median_ns(r: Row) -> float:
@@ -137,29 +125,14 @@ def _peer_of(op: str, lib: str) -> str | None:
     return None
 
 
-def print_run(out: Out, path: Path, data: dict[str, Any], rows: dict[tuple[str, str], Row]) -> None:
-    info = next(iter(rows.values())).extra
-    cfg = info.get("tier_bench", {})
+def print_run(out: Out, run: Run) -> None:
+    rows = run.rows
+    cfg = run.config("tier_bench")
     out.heading(
-        f"{path.name}: N={cfg.get('n', 0):,} 16-byte keys, batches of {cfg.get('batch', 0):,}, "
-        f"{cfg.get('rounds', '?')} rounds after {cfg.get('warmup', '?')} warm-up"
-        + (" (QUICK)" if cfg.get("quick") else "")
+        f"{run.path.name}: N={cfg.get('n', 0):,} 16-byte keys, batches of "
+        f"{cfg.get('batch', 0):,}, {cfg.get('rounds', '?')} rounds after "
+        f"{cfg.get('warmup', '?')} warm-up" + (" (QUICK)" if cfg.get("quick") else "")
     )
-    loads = loads_of(rows)
-    out.line(
-        f"{data.get('datetime', '?')}; dedupcore at {info.get('git_rev', '?')}"
-        + local_changes(info)
-        + f", code sha256 {info.get('dedupcore_sha256', '?')}; 1-minute load average "
-        + (f"{min(loads):.2f} .. {max(loads):.2f}" if loads else "?")
-        + f" on {os.cpu_count()} CPUs"
-    )
-    redis_row = next((r for (o, _), r in rows.items() if o.startswith("tier_redis")), None)
-    if redis_row is not None and "redis_version" in redis_row.extra:
-        e = redis_row.extra
-        out.line(
-            f"Redis {e['redis_version']} (AOF {'on' if e['redis_aof_enabled'] else 'off'}, "
-            f"redis-py parser {e['redis_parser']})"
-        )
     servers = {
         r.extra["server"]: r.extra.get("server_settings")
         for r in rows.values()
@@ -224,7 +197,8 @@ def print_run(out: Out, path: Path, data: dict[str, Any], rows: dict[tuple[str, 
         out.line(f"  {lib:<28} {calls[lib]}")
 
 
-def evaluate(rows: dict[tuple[str, str], Row]) -> list[Verdict]:
+def evaluate(run: Run) -> list[Verdict]:
+    rows = run.rows
     verdicts = []
     for op, dc, peer, target, what in COMPARISONS:
         a, b = rows.get((op, dc)), rows.get((op, peer))
@@ -311,38 +285,3 @@ def print_spread(out: Out, runs: list[tuple[Path, dict[tuple[str, str], Row]]]) 
         table,
         [False, False, False, True, True, True, True, True, False],
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.report_tiers",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        action="append",
-        help="pytest-benchmark JSON of test_tiers.py (repeat for several runs; default: the "
-        "newest tier JSON under benchmarks/results/)",
-    )
-    parser.add_argument("--plain", action="store_true", help="plain text even if rich is installed")
-    args = parser.parse_args(argv)
-    paths = args.json or [newest_tier_json()]
-    out = Out(plain=args.plain)
-    runs = []
-    for path in paths:
-        data, all_rows = load(path)
-        rows = {k: r for k, r in all_rows.items() if k[0].startswith("tier_")}
-        if not rows:
-            raise SystemExit(f"{path}: no tier benchmarks (benchmarks/test_tiers.py) in it")
-        print_run(out, path, data, rows)
-        print_verdicts(out, evaluate(rows))
-        runs.append((path, rows))
-    if len(runs) > 1:
-        print_spread(out, runs)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
