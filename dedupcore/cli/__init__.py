@@ -165,20 +165,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
 
-    bench = sub.add_parser("bench", help="run the benchmark suite and print the comparison")
-    bench.add_argument(
-        "--quick",
-        action="store_true",
-        help="small sizes (seconds, not minutes); figures are indicative only",
+    bench = sub.add_parser(
+        "bench",
+        help="deprecated: the benchmarks run from a clone, with ./dev bench SUITE "
+        "(docs/performance.md)",
     )
-    bench.add_argument(
-        "--daemon",
-        action="store_true",
-        help="only the daemon benchmarks: one claim and a claim+complete pair vs redis-py, "
-        "claim_many vs a redis-py pipeline, 8 client processes vs 1 (Redis on "
-        "DEDUPCORE_BENCH_REDIS_URL, default redis://127.0.0.1:6379)",
-    )
-    bench.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
+    # The options it took, so that an old command line gets the pointer, not a usage error.
+    bench.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--daemon", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 
@@ -210,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from dedupcore.cli.bench import run_bench
 
-        return run_bench(quick=args.quick, daemon=args.daemon, extra=args.pytest_args)
+        return run_bench()
     raise AssertionError(args.command)
 
 
