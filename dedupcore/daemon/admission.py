@@ -143,7 +143,7 @@ class SmallRequests:
 
     async def drained(self, seconds: float) -> None:
         """Returns once none is in flight, or after ``seconds``."""
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._none.wait(), seconds)
 
 

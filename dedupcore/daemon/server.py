@@ -168,7 +168,7 @@ class Pending:
         durable = self.durable
         if not durable.cancelled():  # cancelled: the loop is closing, nobody is answered
             if not durable.done():
-                reply = server._error_reply(self.request_id, TimeoutError())
+                reply = server._error_reply(self.request_id, asyncio.TimeoutError())
             else:
                 try:
                     durable.result()  # raises what the commit raised
@@ -506,7 +506,7 @@ class DaemonServer:
             self.counters["protocol_errors"] += 1
             return protocol.encode_error(request_id, exc)
         self.counters["errors"] += 1
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, asyncio.TimeoutError):
             return protocol.encode_error(
                 request_id,
                 UnavailableError(f"request not finished within {self.request_timeout} s"),
