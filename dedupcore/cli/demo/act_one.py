@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
 from dedupcore.cli.demo.broker import (
     _COMMITTED,
     _DUPLICATE,
-    _FIELDS,
     _IN_PROGRESS,
     _REDELIVERED_DUPLICATE,
     _REDELIVERED_NEW,
@@ -30,21 +25,25 @@ from dedupcore.cli.demo.broker import (
     MID_EFFECT,
     NAMESPACE,
     Kill,
+    _consumer_process,
     _deliver,
     _die,
     _due,
     _kill_point,
+    _partition,
     _prepare,
-    _read_partition,
+    _stage,
     _supervise,
 )
 from dedupcore.cli.demo.summary import (
     DemoResult,
     _counters,
+    _finished,
     _ids,
 )
 
 
+@_consumer_process
 def _consumer(
     partition: int,
     incarnation: int,
@@ -62,62 +61,54 @@ def _consumer(
     from dedupcore.api import Outcome
     from dedupcore.client import Client
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
-    try:
-        base = partition * _FIELDS
-        s = shared
-        tmp = Path(tmp_dir)
-        messages = _read_partition(tmp, partition)
-        owner = f"consumer-{partition}"  # stable across restarts: a restart gets its claims back
-        fd = os.open(tmp / f"effects-{partition}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        step = 0
-        with Client(socket_path, timeout=60.0, retries=100, backoff=0.02) as client:
-            client.ping()
-            while (delivery := _deliver(s, base, messages, batch_size)) is not None:
-                offset, batch, redelivered = delivery
-                _kill_point(s, base, plan, offset, BEFORE_CLAIM)
-                # An id twice in one batch is claimed once.
-                todo: list[bytes | str] = list(dict.fromkeys(batch))
-                s[base + _SAME_BATCH] += len(batch) - len(todo)
-                first = True
-                while todo:
-                    claims = client.claim_many(todo, namespace=NAMESPACE, owner=owner, lease=lease)
-                    _kill_point(s, base, plan, offset, AFTER_CLAIM)
-                    new = [c for c in claims if c.outcome is Outcome.NEW]
-                    waiting = [c.key for c in claims if c.outcome is Outcome.IN_PROGRESS]
-                    dup = [c for c in claims if c.outcome is Outcome.DUPLICATE]
-                    s[base + _DUPLICATE] += len(dup)
-                    s[base + _IN_PROGRESS] += len(waiting)
-                    if first and redelivered:
-                        s[base + _REDELIVERED_DUPLICATE] += sum(c.key in redelivered for c in dup)
-                        s[base + _REDELIVERED_NEW] += sum(c.key in redelivered for c in new)
-                    if new:
-                        step += 1
-                        # The business effect: one write for the batch's new messages.
-                        # (Each write starts a new line, and a line counts only with its
-                        # final " .", so a write torn by a SIGKILL is not an effect.)
-                        t = time.monotonic_ns()
-                        effect = b"\n" + b"".join(
-                            b"E %d %d %d %s .\n" % (incarnation, step, t, _as_bytes(c.key))
-                            for c in new
-                        )
-                        if _due(s, base, plan, offset, MID_EFFECT):
-                            os.write(fd, effect[: len(effect) // 2])  # a torn effect
-                            _die(s, base)
-                        os.write(fd, effect)
-                        _kill_point(s, base, plan, offset, AFTER_EFFECT)
-                        client.complete_many([(c.key, c.token) for c in new], namespace=NAMESPACE)
-                        t = time.monotonic_ns()
-                        os.write(fd, b"\nC %d %d %d .\n" % (incarnation, step, t))
-                    if waiting:
-                        time.sleep(0.005)  # held by another consumer: nack, retry shortly
-                    todo = waiting
-                    first = False
-                _kill_point(s, base, plan, offset, AFTER_COMPLETE)
-                s[base + _COMMITTED] = offset + len(batch)  # the ack
-    except BaseException:
-        traceback.print_exc()
-        raise
+    base, tmp, messages = _partition(tmp_dir, partition)
+    s = shared
+    owner = f"consumer-{partition}"  # stable across restarts: a restart gets its claims back
+    fd = os.open(tmp / f"effects-{partition}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    step = 0
+    with Client(socket_path, timeout=60.0, retries=100, backoff=0.02) as client:
+        client.ping()
+        while (delivery := _deliver(s, base, messages, batch_size)) is not None:
+            offset, batch, redelivered = delivery
+            _kill_point(s, base, plan, offset, BEFORE_CLAIM)
+            # An id twice in one batch is claimed once.
+            todo: list[bytes | str] = list(dict.fromkeys(batch))
+            s[base + _SAME_BATCH] += len(batch) - len(todo)
+            first = True
+            while todo:
+                claims = client.claim_many(todo, namespace=NAMESPACE, owner=owner, lease=lease)
+                _kill_point(s, base, plan, offset, AFTER_CLAIM)
+                new = [c for c in claims if c.outcome is Outcome.NEW]
+                waiting = [c.key for c in claims if c.outcome is Outcome.IN_PROGRESS]
+                dup = [c for c in claims if c.outcome is Outcome.DUPLICATE]
+                s[base + _DUPLICATE] += len(dup)
+                s[base + _IN_PROGRESS] += len(waiting)
+                if first and redelivered:
+                    s[base + _REDELIVERED_DUPLICATE] += sum(c.key in redelivered for c in dup)
+                    s[base + _REDELIVERED_NEW] += sum(c.key in redelivered for c in new)
+                if new:
+                    step += 1
+                    # The business effect: one write for the batch's new messages.
+                    # (Each write starts a new line, and a line counts only with its
+                    # final " .", so a write torn by a SIGKILL is not an effect.)
+                    t = time.monotonic_ns()
+                    effect = b"\n" + b"".join(
+                        b"E %d %d %d %s .\n" % (incarnation, step, t, _as_bytes(c.key)) for c in new
+                    )
+                    if _due(s, base, plan, offset, MID_EFFECT):
+                        os.write(fd, effect[: len(effect) // 2])  # a torn effect
+                        _die(s, base)
+                    os.write(fd, effect)
+                    _kill_point(s, base, plan, offset, AFTER_EFFECT)
+                    client.complete_many([(c.key, c.token) for c in new], namespace=NAMESPACE)
+                    t = time.monotonic_ns()
+                    os.write(fd, b"\nC %d %d %d .\n" % (incarnation, step, t))
+                if waiting:
+                    time.sleep(0.005)  # held by another consumer: nack, retry shortly
+                todo = waiting
+                first = False
+            _kill_point(s, base, plan, offset, AFTER_COMPLETE)
+            s[base + _COMMITTED] = offset + len(batch)  # the ack
 
 
 def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -197,8 +188,7 @@ def simulate(
     messages advance.
     """
     run = _prepare(keys, duplicate_rate, seed, consumers, batch, kills)
-    shared = RawArray("q", consumers * _FIELDS)
-    tmp = Path(tempfile.mkdtemp(prefix="dcdemo"))
+    shared, tmp = _stage(run)
     daemon: subprocess.Popen[bytes] | None = None
     started = time.perf_counter()
     try:
@@ -211,12 +201,8 @@ def simulate(
         with Client(socket_path) as client:
             stats = client.stats()
         result = _account(tmp, consumers, keys, run.retries, len(run.stream), shared)
-        result.kills = kill_counts
-        result.planned_kills = run.planned_kills
-        result.crashes = crashes
         result.lease_takeovers = int(stats.get("lease_takeovers", 0))
-        result.elapsed = time.perf_counter() - started
-        return result
+        return _finished(result, run, kill_counts, crashes, started)
     finally:
         if daemon is not None:
             _stop_daemon(daemon)

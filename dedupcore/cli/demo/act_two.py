@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import sqlite3
-import tempfile
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
-from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
 from dedupcore.cli.demo.broker import (
     _COMMITTED,
     _DUPLICATE,
-    _FIELDS,
     _REDELIVERED_DUPLICATE,
     _REDELIVERED_NEW,
     AFTER_CLAIM,
@@ -28,16 +23,19 @@ from dedupcore.cli.demo.broker import (
     MID_EFFECT,
     NAMESPACE,
     Kill,
+    _consumer_process,
     _deliver,
     _kill_point,
+    _partition,
     _prepare,
-    _read_partition,
+    _stage,
     _Stream,
     _supervise,
 )
 from dedupcore.cli.demo.summary import (
     DemoResult,
     _counters,
+    _finished,
     _ids,
 )
 
@@ -65,6 +63,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+@_consumer_process
 def _table_consumer(
     partition: int,
     incarnation: int,
@@ -85,52 +84,44 @@ def _table_consumer(
     """
     from dedupcore.patterns.table import consume
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
-    try:
-        base = partition * _FIELDS
-        s = shared
-        tmp = Path(tmp_dir)
-        messages = _read_partition(tmp, partition)
-        business = _connect(tmp / _BUSINESS_DB)
-        conn = business if atomic else _connect(tmp / _DEDUP_DB)
-        consumer = f"consumer-{partition}/{incarnation}"
-        while (delivery := _deliver(s, base, messages, batch_size)) is not None:
-            offset, batch, redelivered = delivery
-            _kill_point(s, base, plan, offset, BEFORE_CLAIM)
-            second_half = len(batch) // 2
-            for i, key in enumerate(batch):
-                with consume(conn, NAMESPACE, key) as c:
-                    if c.new:
-                        here = i >= second_half
-                        if here:
-                            _kill_point(s, base, plan, offset, AFTER_CLAIM)
-                        account, amount = _ledger_entry(key)
-                        business.execute(
-                            "UPDATE accounts SET balance = balance + ? WHERE id = ?",
-                            (amount, account),
-                        )
-                        if here:
-                            _kill_point(s, base, plan, offset, MID_EFFECT)
-                        business.execute(
-                            "INSERT INTO effects (key, account, amount, consumer) "
-                            "VALUES (?, ?, ?, ?)",
-                            (key, account, amount, consumer),
-                        )
-                        if not atomic:
-                            business.commit()
-                        if here:
-                            _kill_point(s, base, plan, offset, AFTER_EFFECT)
-                # committed: the dedup row with the effect, or (DUPLICATE) nothing
+    base, tmp, messages = _partition(tmp_dir, partition)
+    s = shared
+    business = _connect(tmp / _BUSINESS_DB)
+    conn = business if atomic else _connect(tmp / _DEDUP_DB)
+    consumer = f"consumer-{partition}/{incarnation}"
+    while (delivery := _deliver(s, base, messages, batch_size)) is not None:
+        offset, batch, redelivered = delivery
+        _kill_point(s, base, plan, offset, BEFORE_CLAIM)
+        second_half = len(batch) // 2
+        for i, key in enumerate(batch):
+            with consume(conn, NAMESPACE, key) as c:
                 if c.new:
-                    s[base + _REDELIVERED_NEW] += key in redelivered
-                else:
-                    s[base + _DUPLICATE] += 1
-                    s[base + _REDELIVERED_DUPLICATE] += key in redelivered
-            _kill_point(s, base, plan, offset, AFTER_COMPLETE)
-            s[base + _COMMITTED] = offset + len(batch)  # the ack
-    except BaseException:
-        traceback.print_exc()
-        raise
+                    here = i >= second_half
+                    if here:
+                        _kill_point(s, base, plan, offset, AFTER_CLAIM)
+                    account, amount = _ledger_entry(key)
+                    business.execute(
+                        "UPDATE accounts SET balance = balance + ? WHERE id = ?",
+                        (amount, account),
+                    )
+                    if here:
+                        _kill_point(s, base, plan, offset, MID_EFFECT)
+                    business.execute(
+                        "INSERT INTO effects (key, account, amount, consumer) VALUES (?, ?, ?, ?)",
+                        (key, account, amount, consumer),
+                    )
+                    if not atomic:
+                        business.commit()
+                    if here:
+                        _kill_point(s, base, plan, offset, AFTER_EFFECT)
+            # committed: the dedup row with the effect, or (DUPLICATE) nothing
+            if c.new:
+                s[base + _REDELIVERED_NEW] += key in redelivered
+            else:
+                s[base + _DUPLICATE] += 1
+                s[base + _REDELIVERED_DUPLICATE] += key in redelivered
+        _kill_point(s, base, plan, offset, AFTER_COMPLETE)
+        s[base + _COMMITTED] = offset + len(batch)  # the ack
 
 
 def simulate_transactional(
@@ -155,8 +146,7 @@ def simulate_transactional(
     from dedupcore.patterns.table import ensure_table
 
     run = _prepare(keys, duplicate_rate, seed, consumers, batch, kills)
-    shared = RawArray("q", consumers * _FIELDS)
-    tmp = Path(tempfile.mkdtemp(prefix="dcdemo"))
+    shared, tmp = _stage(run)
     started = time.perf_counter()
     try:
         _make_business_db(tmp / _BUSINESS_DB)
@@ -165,11 +155,7 @@ def simulate_transactional(
             ensure_table(db)
         kill_counts, crashes = _supervise(run, tmp, _table_consumer, (atomic,), shared, progress)
         result = _account_table(tmp / _BUSINESS_DB, run, shared)
-        result.kills = kill_counts
-        result.planned_kills = run.planned_kills
-        result.crashes = crashes
-        result.elapsed = time.perf_counter() - started
-        return result
+        return _finished(result, run, kill_counts, crashes, started)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

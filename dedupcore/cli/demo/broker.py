@@ -8,14 +8,18 @@ the seed, and the supervisor that restarts each consumer after it dies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import random
 import signal
+import tempfile
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +83,28 @@ def _kill_point(row: Any, base: int, plan: list[Kill], offset: int, moment: int)
         _die(row, base)
 
 
-def _read_partition(tmp: Path, partition: int) -> list[bytes]:
+def _partition(tmp_dir: str, partition: int) -> tuple[int, Path, list[bytes]]:
+    """A consumer's partition: its row in the shared counters, the act's directory and
+    the partition's messages (written there by :func:`_supervise`)."""
+    tmp = Path(tmp_dir)
     data = (tmp / f"partition-{partition}").read_bytes()
-    return data.split(b"\n") if data else []
+    return partition * _FIELDS, tmp, data.split(b"\n") if data else []
+
+
+def _consumer_process(target: Callable[..., None]) -> Callable[..., None]:
+    """A consumer as its process runs it: Ctrl-C is the supervisor's to handle, and an
+    error is printed before the process dies of it."""
+
+    @functools.wraps(target)
+    def run(*args: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            target(*args)
+        except BaseException:
+            traceback.print_exc()
+            raise
+
+    return run
 
 
 def _deliver(
@@ -178,6 +201,12 @@ def _prepare(
     sizes = [len(stream[p::consumers]) for p in range(consumers)]
     plan = _kill_plan(sizes, batch, n_kills, rng)
     return _Stream(keys, stream, retries, consumers, batch, sizes, plan)
+
+
+def _stage(run: _Stream) -> tuple[Any, Path]:
+    """What an act of ``run`` needs besides: the shared counters, zero, and a new
+    temporary directory (the act removes it)."""
+    return RawArray("q", run.consumers * _FIELDS), Path(tempfile.mkdtemp(prefix="dcdemo"))
 
 
 def _supervise(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from dedupcore.cli.demo.broker import (
     _DELIVERIES,
@@ -15,6 +16,7 @@ from dedupcore.cli.demo.broker import (
     _REDELIVERIES,
     _SAME_BATCH,
     KILL_POINTS,
+    _Stream,
 )
 
 
@@ -78,18 +80,9 @@ class DemoResult:
 # -- the accounting ---------------------------------------------------------------------------
 
 
-class _Counters(TypedDict):
-    deliveries: int
-    redeliveries: int
-    duplicates_suppressed: int
-    redelivered_duplicates: int
-    redelivered_new: int
-    in_progress: int
-    same_batch: int
-
-
-def _counters(shared: Any, consumers: int) -> _Counters:
-    """The stream figures both acts count, summed over the partitions."""
+def _counters(shared: Any, consumers: int) -> dict[str, Any]:
+    """The stream figures both acts count, summed over the partitions: the fields of
+    :class:`DemoResult` of those names."""
 
     def total(f: int) -> int:
         return sum(int(shared[p * _FIELDS + f]) for p in range(consumers))
@@ -103,6 +96,22 @@ def _counters(shared: Any, consumers: int) -> _Counters:
         "in_progress": total(_IN_PROGRESS),
         "same_batch": total(_SAME_BATCH),
     }
+
+
+def _finished(
+    result: DemoResult,
+    run: _Stream,
+    kill_counts: dict[str, int],
+    crashes: int,
+    started: float,
+) -> DemoResult:
+    """``result`` with what the supervisor saw: the planned kills done and planned, the
+    consumers that died otherwise, and the act's time since ``started``."""
+    result.kills = kill_counts
+    result.planned_kills = run.planned_kills
+    result.crashes = crashes
+    result.elapsed = time.perf_counter() - started
+    return result
 
 
 def _ids(keys: int) -> set[bytes]:
