@@ -1,3 +1,13 @@
+-- The completion or release of a batch of claims, decided atomically on the
+-- Redis server (dedupcore/redis/store.py runs it with EVALSHA, one call per
+-- cluster slot).
+--
+-- KEYS: the records' hash names. ARGV: ttl_ms, new_state ('2' complete,
+-- '3' release), then token and result per key. Every key is checked before
+-- anything is written; a refusal is the error 'DCNOTCLAIMED <index>',
+-- 'DCSTALE <index> <current token>' or 'DCDONE <index>' (a completed claim
+-- cannot be released). A key already completed with the same token is left
+-- as it is, so a retried completion is a no-op. The reply is the key count.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])

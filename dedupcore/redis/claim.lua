@@ -1,3 +1,26 @@
+-- The claim of a batch of keys, decided atomically on the Redis server
+-- (dedupcore/redis/store.py runs it with EVALSHA, one call per cluster slot).
+--
+-- This is the one documented second implementation of the claim decision: it
+-- answers exactly as dedupcore/decision.py (the reference, whose table is in
+-- docs/engine.md) on the Redis server's clock. A lease taken over keeps the
+-- first claim's fingerprint and 'c' (created) unless the record had no
+-- fingerprint and the new claim gives one, which is then recorded; token,
+-- owner, lease and 'u' move. A RELEASED tombstone is replaced by a fresh record
+-- (its fingerprint, created = now, token + 1). A key repeated in a batch sees
+-- what its earlier copies did, so the fingerprint pass follows each key's first
+-- copy: a later copy with another fingerprint than the one the record has (or
+-- gets from the first copy) is a conflict for the whole batch. The only
+-- deliberate difference: an owner's re-claim renews its lease in the record and
+-- sets 'u' (the reference keeps the renewal in memory).
+--
+-- KEYS: the records' hash names. ARGV: lease_ms, owner ('' for none), ttl_ms,
+-- then '1' and one fingerprint per key ('' for none), or '0' and nothing more
+-- when the batch has no fingerprints. Every key is checked before anything is
+-- written: a fingerprint conflict is the error 'DCCONFLICT <index>'.
+-- The reply is flat: {codes, tokens, results}: one outcome digit per key (0 NEW,
+-- 1 DUPLICATE, 2 IN_PROGRESS, 3 takeover), the tokens joined by ',', and the
+-- stored result of each DUPLICATE in key order.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])

@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from dedupcore.retry import current_deadline
+from dedupcore.retry import current_deadline, deadline_scope
 
-__all__ = ["deadline_client"]
+__all__ = ["connect", "deadline_client"]
 
 #: TCP keepalive of the connections from_url makes: probes after 30 s idle, every
 #: 10 s, 3 unanswered ones end the connection (where the platform has the options).
@@ -167,3 +168,34 @@ def _with_deadline(connection_class: type[Any]) -> type[Any]:
     if issubclass(connection_class, _DeadlineConnection):
         return connection_class
     return type(f"Deadline{connection_class.__name__}", (_DeadlineConnection, connection_class), {})
+
+
+def connect(
+    url: str, timeout: float, *, cluster: bool = False, options: dict[str, Any] | None = None
+) -> Any:
+    """A client on ``url`` whose waits keep the current call's deadline, with TCP keepalive.
+
+    ``timeout`` caps each wait (connect, send, reply); ``options`` (any redis-py
+    client argument) win over these defaults. ``cluster``: the URL is one node
+    of a Redis Cluster, whose client reads the slot map here, under a deadline
+    of ``timeout``; a plain client sends nothing yet. redis-py's errors pass
+    through (the store says what they mean).
+    """
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "socket_keepalive": True,
+    }
+    if cluster:
+        # The cluster client gives each node's client its own connection pool.
+        tls = url.lower().startswith("rediss://")
+        kwargs["connection_class"] = _with_deadline(
+            redis.SSLConnection if tls else redis.Connection
+        )
+    else:
+        kwargs["socket_keepalive_options"] = _KEEPALIVE
+    kwargs.update(options or {})
+    with deadline_scope(timeout):  # a cluster client reads the slot map here
+        if cluster:
+            return RedisCluster.from_url(url, **kwargs)
+        return deadline_client(url, timeout, **kwargs)

@@ -65,7 +65,7 @@ sent: keys, namespace, owner, fingerprints, tokens, leases (at most
 :data:`~dedupcore.config.MAX_LEASE_SECONDS`), retention windows and the
 size settings are all checked. A reply refusing an argument anyway
 (``value is not an integer or out of range``, ``WRONGTYPE``, ...) is a
-:class:`~dedupcore.tiers.base.RequestRefusedError` (a ``ValueError``),
+:class:`~dedupcore.errors.RequestRefusedError` (a ``ValueError``),
 never an :class:`~dedupcore.errors.UnavailableError`.
 """
 
@@ -77,25 +77,14 @@ from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
-try:
-    import redis
-    from redis.cluster import RedisCluster
-    from redis.exceptions import (
-        AskError,
-        NoScriptError,
-        RedisClusterException,
-        RedisError,
-        ResponseError,
-        TryAgainError,
-    )
-except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
-    if exc.name != "redis":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.redis needs redis, which is not installed: pip install 'dedupcore[redis]'"
-    ) from exc
+from redis.exceptions import (
+    AskError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 import dedupcore.keys as _keys
 from dedupcore._core import shard_many
@@ -112,19 +101,23 @@ from dedupcore.api import (
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
-from dedupcore.errors import DedupError, StaleTokenError, UnavailableError
+from dedupcore.errors import (
+    DedupError,
+    RequestRefusedError,
+    StaleTokenError,
+    UnavailableError,
+)
 from dedupcore.record import State
-from dedupcore.redis.cluster import Routing
-from dedupcore.redis.connection import _KEEPALIVE, _with_deadline, deadline_client
+from dedupcore.redis.cluster import routing
+from dedupcore.redis.connection import connect
 from dedupcore.retry import deadline_scope, one_call
 from dedupcore.tiers.base import (
-    RequestRefusedError,
     check_limit,
     check_retention,
     check_timeout,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "RedisStore", "deadline_client"]
+__all__ = ["DEFAULT_TIMEOUT", "RedisStore"]
 
 #: Seconds :meth:`RedisStore.from_url` waits to connect and for each reply.
 DEFAULT_TIMEOUT = 5.0
@@ -136,27 +129,10 @@ def _script(name: str) -> str:
     return resources.files("dedupcore.redis").joinpath(name).read_text(encoding="utf-8")
 
 
-# The claim script is the one documented second implementation of the claim
-# decision: it answers exactly as dedupcore/decision.py (the reference, whose
-# table is in docs/engine.md) on the Redis server's clock. A lease taken over
-# keeps the first claim's fingerprint and ``c`` (created) unless the record had
-# no fingerprint and the new claim gives one, which is then recorded; token,
-# owner, lease and ``u`` move. A RELEASED tombstone is replaced by a fresh
-# record (its fingerprint, created = now, token + 1). A key repeated in a batch
-# sees what its earlier copies did, so the fingerprint pass follows each key's
-# first copy: a later copy with another fingerprint than the one the record has
-# (or gets from the first copy) is a conflict for the whole batch. The only
-# deliberate difference: an owner's re-claim renews its lease in the record and
-# sets ``u`` (the reference keeps the renewal in memory).
-#
-# ARGV: lease_ms, owner ('' for none), ttl_ms, then '1' and one fingerprint per key
-# ('' for none), or '0' and nothing more when the batch has no fingerprints.
-# The reply is flat: {codes, tokens, results}: one outcome digit per key (0 NEW,
-# 1 DUPLICATE, 2 IN_PROGRESS, 3 takeover), the tokens joined by ',', and the
-# stored result of each DUPLICATE in key order.
+#: The claim and the change of a batch, decided atomically on the server: their
+#: arguments, replies and how the claim follows dedupcore/decision.py are in the
+#: scripts' heads (dedupcore/redis/claim.lua, change.lua).
 _CLAIM = _script("claim.lua")
-
-# ARGV: ttl_ms, new_state ('2' complete / '3' release), then token, result per key.
 _CHANGE = _script("change.lua")
 
 _SAFE_POLICIES = ("noeviction",)
@@ -206,7 +182,7 @@ def _failure(exc: BaseException) -> DedupError:
     return _unavailable(exc)
 
 
-class RedisStore(Routing, ClaimAPI):
+class RedisStore(ClaimAPI):
     """A dedup store whose authority is a Redis server or cluster (see the module docstring).
 
     ``client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (bring
@@ -234,7 +210,8 @@ class RedisStore(Routing, ClaimAPI):
         self.max_result_bytes = check_limit("max_result_bytes", max_result_bytes, 16 << 20)
         self.buckets = check_limit("buckets", buckets, 16384)
         self.allow_eviction = bool(allow_eviction)
-        self.cluster = isinstance(client, RedisCluster)
+        self._route = routing(client)  # which server each call goes to (cluster.py)
+        self.cluster = self._route.cluster
         # Script objects only hash their source here; nothing is sent before the first call.
         self._claim = client.register_script(_CLAIM)
         self._change = client.register_script(_CHANGE)
@@ -286,7 +263,7 @@ class RedisStore(Routing, ClaimAPI):
     def _read_run_ids(self) -> dict[str, str]:
         """Each master's ``run_id`` (none where INFO is refused, as on some managed Redis)."""
         out: dict[str, str] = {}
-        for node, server in self._primaries():
+        for node, server in self._route.primaries():
             try:
                 info = server.info("server")
             except ResponseError:
@@ -349,27 +326,8 @@ class RedisStore(Routing, ClaimAPI):
         constructor.
         """
         wait = check_timeout(timeout)
-        kwargs: dict[str, Any] = {
-            "socket_timeout": wait,
-            "socket_connect_timeout": wait,
-            "socket_keepalive": True,
-        }
-        if cluster:
-            # The cluster client gives each node's client its own connection pool.
-            tls = url.lower().startswith("rediss://")
-            kwargs["connection_class"] = _with_deadline(
-                redis.SSLConnection if tls else redis.Connection
-            )
-        else:
-            kwargs["socket_keepalive_options"] = _KEEPALIVE
-        kwargs.update(client_options or {})
         try:
-            with deadline_scope(wait):  # a cluster client reads the slot map here
-                client: Any = (
-                    RedisCluster.from_url(url, **kwargs)
-                    if cluster
-                    else deadline_client(url, wait, **kwargs)
-                )
+            client = connect(url, wait, cluster=cluster, options=client_options)
         except _DOWN as exc:
             raise _failure(exc) from exc
         try:
@@ -391,7 +349,7 @@ class RedisStore(Routing, ClaimAPI):
     def _config_all(self, name: str) -> list[tuple[str, str | None]]:
         """The setting on every server (None where CONFIG is disabled, as on managed Redis)."""
         out: list[tuple[str, str | None]] = []
-        for node, server in self._servers():
+        for node, server in self._route.servers():
             try:
                 value = server.config_get(name)
             except ResponseError:
@@ -492,7 +450,7 @@ class RedisStore(Routing, ClaimAPI):
         todo = list(range(len(calls)))
         try:
             for attempt in range(3):
-                self._send(script.sha, calls, todo, out)
+                self._route.send(script.sha, calls, todo, out)
                 noscript = [i for i in todo if isinstance(out[i], NoScriptError)]
                 moved = [i for i in todo if isinstance(out[i], (AskError, TryAgainError))]
                 todo = sorted(noscript + moved)
@@ -503,8 +461,8 @@ class RedisStore(Routing, ClaimAPI):
                     # SCRIPT LOAD goes to every primary of a cluster.
                     self._check_restarts()
                     script.sha = self.client.script_load(script.script)
-                if moved and self.cluster:
-                    self._follow(out[i] for i in moved)
+                if moved:
+                    self._route.follow(out[i] for i in moved)
             for res in out:
                 if isinstance(res, ResponseError) and str(res).startswith("DC"):
                     continue
@@ -553,7 +511,7 @@ class RedisStore(Routing, ClaimAPI):
         self._ready()
         names = self._names(ns, raw)
         ttl = self._window_ms(namespace, lease_s)
-        groups = self._groups(names)
+        groups = self._route.groups(names)
         if len(groups) > 1:
             # Each script checks its own keys first; checking every group's
             # fingerprints up front keeps a conflict from claiming other groups.
@@ -639,7 +597,7 @@ class RedisStore(Routing, ClaimAPI):
         self._ready()
         names = self._names(ns, [p[1] for p in parsed])
         ttl = self._window_ms(namespace)
-        groups = self._groups(names)
+        groups = self._route.groups(names)
         if len(groups) > 1:
             # Each script is atomic for its slot; checking the whole batch
             # first keeps a caller's stale token from half-applying a batch.
@@ -736,7 +694,7 @@ class RedisStore(Routing, ClaimAPI):
         limit_ms = within * 1000.0
         found: list[bytes] = []
         try:
-            for _, server in self._primaries():
+            for _, server in self._route.primaries():
                 cursor = 0
                 while True:
                     # A scan is many calls: each step has a deadline of its own.
