@@ -444,7 +444,7 @@ class ShardedStore(ClaimAPI):
     claims the other shards made for the batch are released before the error
     is raised, so nothing stays claimed by a caller that never saw the claim.
 
-    **Why a seed of its own.** A :class:`~dedupcore.tiers.redis.RedisStore`
+    **Why a seed of its own.** A :class:`~dedupcore.redis.RedisStore`
     puts each key in a hash-tag bucket (a Redis Cluster slot) by
     ``jump_hash(hash64(namespace + b"\\0" + key, 0), buckets)``. Jump hashes
     of one 64-bit value into N and into 16 agree whenever the second is

@@ -9,7 +9,7 @@ A stack (:class:`dedupcore.stack.TieredStore`) is, from the top:
 - the **authority** (:class:`Authority`), the one exact tier where a NEW
   claim is created atomically and races are decided: the embedded
   :class:`~dedupcore.DedupStore` (LMDB), :class:`~dedupcore.tiers.sql.SqlStore`
-  or :class:`~dedupcore.tiers.redis.RedisStore`;
+  or :class:`~dedupcore.redis.RedisStore`;
 - an optional **cold archive** (:class:`~dedupcore.tiers.archive.ColdArchive`)
   of keys demoted from the authority.
 
