@@ -14,6 +14,7 @@ pytest.register_assert_rewrite("tests.support")
 pytest_plugins = [
     "tests.support.servers",
     "tests.support.daemon",
+    "tests.support.stores",
 ]
 
 # Correctness only: no per-example deadline (the machine is shared and timing drifts).

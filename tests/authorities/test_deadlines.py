@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -35,9 +36,8 @@ from dedupcore.record import State
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import redis_cluster, redis_server
-from tests.support.servers import require_server
-
-from .test_sql_store import MY_URL, PG_URL
+from tests.support.procs import call_in_thread
+from tests.support.servers import SERVERS, address, require_server
 
 NS = "deadline/test"
 TIMEOUT = 1.0
@@ -48,30 +48,11 @@ BOUND = 1.6
 DONE = [f"done{i}" for i in range(20)]
 
 
-def _in_thread(fn: Callable[[], Any], limit: float = 90.0) -> Any:
-    """``fn()`` in a thread; fails the test if it has not returned after ``limit`` s."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), "the call hung instead of failing"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 def _fails_within_the_deadline(call: Callable[[], Any]) -> float:
     """Runs ``call``, which must raise UnavailableError; returns the seconds it took."""
     start = time.monotonic()
     with pytest.raises(UnavailableError):
-        _in_thread(call)
+        call_in_thread(call)
     elapsed = time.monotonic() - start
     assert elapsed < BOUND, f"the call took {elapsed:.2f} s with timeout={TIMEOUT}"
     return elapsed
@@ -96,7 +77,7 @@ def _calls(store: Any) -> list[Callable[[], Any]]:
 
 def _serves_again(store: Any) -> None:
     """After the pause: nothing acknowledged comes back NEW, and new claims work."""
-    again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+    again = call_in_thread(lambda: store.claim_many(DONE, namespace=NS))
     assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
     # A claim cut off at its deadline may still have run: then it is held for its
     # owner, never NEW to anyone else.
@@ -149,7 +130,7 @@ def test_redis_cluster_calls_end_within_the_timeout_while_a_master_is_paused(
             _fails_within_the_deadline(lambda: store.get(key, namespace=NS))
         finally:
             node.resume()
-        again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+        again = call_in_thread(lambda: store.claim_many(DONE, namespace=NS))
         assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
         store.close()
 
@@ -172,7 +153,7 @@ def test_a_stack_skips_its_paused_redis_cache_within_the_cache_s_deadline(
             # The acknowledged keys pass the front filter and ask the cache first: it does
             # not answer, so it is skipped after its deadline and the authority answers.
             start = time.monotonic()
-            again = _in_thread(lambda: store.claim_many(DONE, namespace=NS))
+            again = call_in_thread(lambda: store.claim_many(DONE, namespace=NS))
             elapsed = time.monotonic() - start
             assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
             assert elapsed < BOUND, f"the stack took {elapsed:.2f} s with a paused cache"
@@ -265,8 +246,9 @@ class Blackhole:
 
 
 @contextlib.contextmanager
-def blackhole(port: int) -> Iterator[Blackhole]:
-    proxy = Blackhole(("127.0.0.1", port))
+def blackhole(server: str) -> Iterator[Blackhole]:
+    """A proxy in front of the shared ``server`` ("postgresql" or "mariadb")."""
+    proxy = Blackhole(address(server))
     try:
         yield proxy
     finally:
@@ -274,11 +256,14 @@ def blackhole(port: int) -> Iterator[Blackhole]:
 
 
 def _sql_store_behind_a_blackhole(
-    url: str, port: int, proxy: Blackhole, table: str, **options: Any
+    url: str, proxy: Blackhole, table: str, **options: Any
 ) -> SqlStore:
     with SqlStore.from_url(url, table=table) as setup:
         setup.init_schema()
-    proxied = url.replace(f"127.0.0.1:{port}", f"127.0.0.1:{proxy.port}")
+    parts = urlsplit(url)
+    user = parts.netloc.rpartition("@")[0]
+    here = f"127.0.0.1:{proxy.port}"
+    proxied = urlunsplit(parts._replace(netloc=f"{user}@{here}" if user else here))
     return SqlStore.from_url(proxied, table=table, timeout=TIMEOUT, **options)
 
 
@@ -288,18 +273,14 @@ def _drop_table(url: str, table: str) -> None:
         s._tx(lambda cur: cur.execute(f"DROP TABLE IF EXISTS {quoted}"))
 
 
-@pytest.mark.parametrize(
-    ("name", "url", "port"),
-    [("postgresql", PG_URL, 5432), ("mariadb", MY_URL, 3306)],
-)
-def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(
-    name: str, url: str, port: int
-) -> None:
-    require_server(name, port)
+@pytest.mark.parametrize("name", ["postgresql", "mariadb"])
+def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(name: str) -> None:
+    require_server(name)
+    url = getattr(SERVERS, name)
     table = f"deadline_{uuid.uuid4().hex[:12]}"
     try:
-        with blackhole(port) as proxy:
-            store = _sql_store_behind_a_blackhole(url, port, proxy, table)
+        with blackhole(name) as proxy:
+            store = _sql_store_behind_a_blackhole(url, proxy, table)
             _acknowledge(store)
             proxy.hold()
             try:
@@ -318,11 +299,11 @@ def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(
 
 def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
     """A deadlock retry's backoff and its new attempt share the call's deadline."""
-    require_server("postgresql", 5432)
+    require_server("postgresql")
     table = f"deadline_{uuid.uuid4().hex[:12]}"
     try:
-        with blackhole(5432) as proxy:
-            store = _sql_store_behind_a_blackhole(PG_URL, 5432, proxy, table, retries=100)
+        with blackhole("postgresql") as proxy:
+            store = _sql_store_behind_a_blackhole(SERVERS.postgresql, proxy, table, retries=100)
             _acknowledge(store)
             attempts = []
 
@@ -343,7 +324,7 @@ def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
             _serves_again(store)
             store.close()
     finally:
-        _drop_table(PG_URL, table)
+        _drop_table(SERVERS.postgresql, table)
 
 
 # -- SQLite: the busy wait for another writer's lock ---------------------------------------

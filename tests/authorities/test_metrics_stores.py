@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -28,20 +27,17 @@ from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
-from tests.conformance.conftest import take_over
 from tests.support.cluster import free_port
-from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
-from tests.support.servers import require_server
-from tests.unit.test_metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value
-
-from .test_sql_store import PG_URL, Engine
-
-REDIS_DB = 14
+from tests.support.daemon import Lab
+from tests.support.metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value
+from tests.support.procs import PATIENCE, child_env, run_cli
+from tests.support.servers import SERVERS, connect_redis, require_server
+from tests.support.stores import SqlTable, take_over, unique_ns
 
 
 def _redis() -> redis.Redis:
-    require_server("redis", 6379)
-    return redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    require_server("redis")
+    return connect_redis("conformance")
 
 
 def _forget_prefix(client: redis.Redis, prefix: str) -> None:
@@ -61,8 +57,8 @@ def redis_store() -> Iterator[RedisStore]:
 
 @pytest.fixture
 def pg_store() -> Iterator[SqlStore]:
-    require_server("postgresql", 5432)
-    engine = Engine("postgresql", PG_URL, f"dedup_m_{uuid.uuid4().hex[:12]}")
+    require_server("postgresql")
+    engine = SqlTable("postgresql", SERVERS.postgresql, f"dedup_m_{uuid.uuid4().hex[:12]}")
     s = engine.store()
     s.init_schema()
     yield s
@@ -160,13 +156,8 @@ def test_the_daemon_serves_the_same_names_and_counts(lab: Lab) -> None:
 
 
 def _stats(socket: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", "stats", "--socket", socket, *args],
-        capture_output=True,
-        text=True,
-        env={**child_env(), "COLUMNS": "240"},  # rich tables: no wrapped cells
-        timeout=PATIENCE,
-    )
+    env = {**child_env(), "COLUMNS": "240"}  # rich tables: no wrapped cells
+    return run_cli("stats", "--socket", socket, *args, env=env)
 
 
 def test_dedupcore_stats_shows_rates(lab: Lab) -> None:

@@ -16,6 +16,7 @@ from dedupcore.record import State
 from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.redis import RedisStore
 from tests.support.cluster import free_port
+from tests.support.servers import SERVERS, connect_redis
 
 NS = "orders/billing"
 
@@ -167,7 +168,7 @@ def test_a_refused_request_is_a_value_error_not_unavailability(
     # A server setting that refuses every request alike is no bad input: unavailable.
     import redis
 
-    no_such_db = RedisStore(redis.Redis(host="127.0.0.1", port=6379, db=100_000))
+    no_such_db = RedisStore(redis.Redis.from_url(f"{SERVERS.redis}/100000"))
     with pytest.raises(UnavailableError, match="DB index"):
         no_such_db.claim("k", namespace=NS)
 
@@ -181,10 +182,8 @@ def test_unreachable_redis_is_unavailable_never_new() -> None:
         store.claim("k", namespace=NS)
 
 
-def _race(db: int, keys: list[str], seed: int, queue: Any) -> None:
-    import redis
-
-    store = RedisStore(redis.Redis(host="127.0.0.1", port=6379, db=db))
+def _race(suite: str, keys: list[str], seed: int, queue: Any) -> None:
+    store = RedisStore(connect_redis(suite))
     order = keys[:]
     random.Random(seed).shuffle(order)
     new = []
@@ -201,7 +200,9 @@ def test_processes_racing_on_the_same_keys_get_one_new_each(redis_client: Any) -
     keys = [f"k{i}" for i in range(20000)]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(12, keys, seed, queue)) for seed in range(4)]
+    procs = [
+        ctx.Process(target=_race, args=("authorities", keys, seed, queue)) for seed in range(4)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in procs]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,42 +20,31 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.ids import IdGenerator, time_of
-from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
-from tests.support.servers import require_server
-
-from .test_sql_partitions import MY_URL, PG_URL, Engine
+from tests.support.daemon import Lab
+from tests.support.procs import PATIENCE, run_cli
+from tests.support.servers import SERVERS, require_server
+from tests.support.stores import SqlTable, unique_ns
 
 SPANS = {"day": 86400, "hour": 3600}
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=PATIENCE,
-        check=False,
-    )
-
-
 @pytest.fixture
-def postgres() -> Iterator[Engine]:
-    require_server("postgresql", 5432)
-    eng = Engine("postgresql", PG_URL, f"dc_srv_{uuid.uuid4().hex[:12]}")
+def postgres() -> Iterator[SqlTable]:
+    require_server("postgresql")
+    eng = SqlTable("postgresql", SERVERS.postgresql, f"dc_srv_{uuid.uuid4().hex[:12]}")
     yield eng
     eng.drop()
 
 
 @pytest.fixture
-def mariadb() -> Iterator[Engine]:
-    require_server("mariadb", 3306)
-    eng = Engine("mysql", MY_URL, f"dc_srv_{uuid.uuid4().hex[:12]}")
+def mariadb() -> Iterator[SqlTable]:
+    require_server("mariadb")
+    eng = SqlTable("mysql", SERVERS.mariadb, f"dc_srv_{uuid.uuid4().hex[:12]}")
     yield eng
     eng.drop()
 
 
-def partition_bounds(engine: Engine) -> list[tuple[int, int]]:
+def partition_bounds(engine: SqlTable) -> list[tuple[int, int]]:
     """(start, end) of each partition of the table, from the catalog, in order."""
     if engine.name == "postgresql":
         [(strategy, column)] = engine.execute(
@@ -90,7 +77,7 @@ def partition_bounds(engine: Engine) -> list[tuple[int, int]]:
     return bounds
 
 
-def assert_partitioned(engine: Engine, span: int) -> list[tuple[int, int]]:
+def assert_partitioned(engine: SqlTable, span: int) -> list[tuple[int, int]]:
     bounds = partition_bounds(engine)
     assert len(bounds) >= 3, bounds
     for start, end in bounds:
@@ -100,7 +87,7 @@ def assert_partitioned(engine: Engine, span: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def claim_ids_through(lab: Lab, engine: Engine, serve_args: list[str], span: int) -> None:
+def claim_ids_through(lab: Lab, engine: SqlTable, serve_args: list[str], span: int) -> None:
     """Claims time-ordered ids through a daemon; each row lands in its id's partition."""
     daemon = lab.daemon(*serve_args)
     ns = unique_ns("parts")
@@ -130,11 +117,11 @@ def claim_ids_through(lab: Lab, engine: Engine, serve_args: list[str], span: int
 
 
 def test_postgresql_hour_partitions_from_the_settings_file(
-    lab: Lab, postgres: Engine, tmp_path: Path
+    lab: Lab, postgres: SqlTable, tmp_path: Path
 ) -> None:
     config = tmp_path / "serve.toml"
     config.write_text(
-        f'authority = ["{PG_URL}"]\n'
+        f'authority = ["{SERVERS.postgresql}"]\n'
         f'table = "{postgres.table}"\n'
         'partition = "hour"\n'
         'partition_tolerance = "2m"\n'
@@ -142,7 +129,7 @@ def test_postgresql_hour_partitions_from_the_settings_file(
         "[retention]\n"
         'exact_window = "3h"\n'
     )
-    init = _cli("sql", "init", "--config", str(config))
+    init = run_cli("sql", "init", "--config", str(config))
     assert init.returncode == 0, init.stderr
     assert f"dedup table '{postgres.table}' ready on postgresql" in init.stdout
     assert "partitioned by hour" in init.stdout
@@ -153,15 +140,17 @@ def test_postgresql_hour_partitions_from_the_settings_file(
     claim_ids_through(lab, postgres, ["--config", str(config)], SPANS["hour"])
 
 
-def test_mariadb_day_partitions_from_the_command_line(lab: Lab, mariadb: Engine) -> None:
+def test_mariadb_day_partitions_from_the_command_line(lab: Lab, mariadb: SqlTable) -> None:
     table_options = ["--table", mariadb.table, "--partition", "day"]
-    init = _cli("sql", "init", "--url", MY_URL, *table_options, "--partitions-ahead", "4")
+    init = run_cli(
+        "sql", "init", "--url", SERVERS.mariadb, *table_options, "--partitions-ahead", "4"
+    )
     assert init.returncode == 0, init.stderr
     assert "partitioned by day" in init.stdout
     bounds = assert_partitioned(mariadb, SPANS["day"])
     assert bounds[-1][0] >= time.time() // 86400 * 86400 + 4 * 86400 - 1  # 4 ahead
     assert mariadb.execute(f"SELECT span FROM `{mariadb.table}_parts`") == [(86400,)]
-    serve = ["--authority", MY_URL, *table_options, "--partition-tolerance", "10m"]
+    serve = ["--authority", SERVERS.mariadb, *table_options, "--partition-tolerance", "10m"]
     claim_ids_through(lab, mariadb, serve, SPANS["day"])
 
 
@@ -173,5 +162,5 @@ def test_a_partition_setting_is_for_a_sql_authority_only(lab: Lab) -> None:
     assert "partition: only a SQL authority" in out and "Traceback" not in out, out
     rc, out = lab.serve_expecting_refusal("--partition-tolerance", "5m", "--print-config")
     assert rc == 1 and "partition_tolerance: set with no partition" in out, out
-    bad = _cli("sql", "init", "--url", MY_URL, "--partition", "week")
+    bad = run_cli("sql", "init", "--url", SERVERS.mariadb, "--partition", "week")
     assert bad.returncode == 1 and "partition: must be one of day, hour" in bad.stderr

@@ -11,7 +11,6 @@ import datetime
 import multiprocessing
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,89 +22,42 @@ from dedupcore.ids import pack
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.archive import ColdArchive
 from dedupcore.tiers.sql import PartitionDroppedError, SqlStore
-from tests.support.servers import require_server
+from tests.support.fakes import FakeClock
+from tests.support.servers import SERVERS, require_server
+from tests.support.stores import SqlTable
 
 NS = "orders/billing"
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-MY_URL = "mysql://root@127.0.0.1:3306/test"
 DAY = 86400
 T0 = 1_764_547_200  # 2025-12-01T00:00:00Z, a day boundary
 WINDOW = Retention(exact_window=2 * DAY)
 
 
-class Clock:
-    """The store's clock, moved by the test."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@dataclass
-class Engine:
-    name: str
-    url: str
-    table: str
-
-    def store(self, clock: Clock, **options: Any) -> SqlStore:
-        opts: dict[str, Any] = {
-            "table": self.table,
-            "partition": "day",
-            "retention": WINDOW,
-            "clock": clock,
-            **options,
-        }
-        return SqlStore.from_url(self.url, **opts)
-
-    def execute(self, sql: str) -> list[Any]:
-        if self.name == "postgresql":
-            import psycopg
-
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                cur = conn.execute(sql)
-                return list(cur.fetchall()) if cur.description else []
-        import pymysql
-
-        conn = pymysql.connect(
-            host="127.0.0.1", port=3306, user="root", database="test", autocommit=True
-        )
-        try:
-            with conn.cursor() as cur:
-                cur.execute(sql)
-                return list(cur.fetchall())
-        finally:
-            conn.close()
-
-    def drop(self) -> None:
-        q = '"' if self.name == "postgresql" else "`"
-        for suffix in ("", "_parts", "_edge"):
-            tail = " CASCADE" if self.name == "postgresql" else ""
-            self.execute(f"DROP TABLE IF EXISTS {q}{self.table}{suffix}{q}{tail}")
+def partitioned(engine: SqlTable, clock: FakeClock, **options: Any) -> SqlStore:
+    """A store on ``engine``'s table, partitioned by day, on the test's clock and window."""
+    return engine.store(**{"partition": "day", "retention": WINDOW, "clock": clock, **options})
 
 
 @pytest.fixture(params=("postgresql", "mysql"))
-def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+def engine(request: pytest.FixtureRequest) -> Iterator[SqlTable]:
     table = f"dedup_p_{uuid.uuid4().hex[:12]}"
     if request.param == "postgresql":
-        require_server("postgresql", 5432)
-        eng = Engine("postgresql", PG_URL, table)
+        require_server("postgresql")
+        eng = SqlTable("postgresql", SERVERS.postgresql, table)
     else:
-        require_server("mariadb", 3306)
-        eng = Engine("mysql", MY_URL, table)
+        require_server("mariadb")
+        eng = SqlTable("mysql", SERVERS.mariadb, table)
     yield eng
     eng.drop()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock(T0 + DAY / 2)
+def clock() -> FakeClock:
+    return FakeClock(T0 + DAY / 2)
 
 
 @pytest.fixture
-def store(engine: Engine, clock: Clock) -> Iterator[SqlStore]:
-    with engine.store(clock) as s:
+def store(engine: SqlTable, clock: FakeClock) -> Iterator[SqlStore]:
+    with partitioned(engine, clock) as s:
         s.init_schema()
         yield s
 
@@ -118,12 +70,12 @@ def test_init_creates_the_window_back_and_partitions_ahead(store: SqlStore) -> N
     assert store.partitions() == [T0 + i * DAY for i in range(-2, 4)]
 
 
-def test_redelivery_on_a_later_day_stays_duplicate(store: SqlStore, clock: Clock) -> None:
+def test_redelivery_on_a_later_day_stays_duplicate(store: SqlStore, clock: FakeClock) -> None:
     event = T0 + 3600
     c = store.claim("m1", namespace=NS, event_time=event)
     assert (c.outcome, c.token) == (Outcome.NEW, 1)
     store.complete("m1", c.token, namespace=NS, result={"ok": 1})
-    clock.t = T0 + DAY + 7200  # redelivered the next day: same event time, same partition
+    clock.now = T0 + DAY + 7200  # redelivered the next day: same event time, same partition
     again = store.claim("m1", namespace=NS, event_time=event)
     assert (again.outcome, again.token, again.result) == (Outcome.DUPLICATE, 1, {"ok": 1})
     # An aware datetime is the same event time.
@@ -133,12 +85,12 @@ def test_redelivery_on_a_later_day_stays_duplicate(store: SqlStore, clock: Clock
     assert rec is not None and rec.result == {"ok": 1}
 
 
-def test_the_time_inside_an_id_places_the_key(store: SqlStore, clock: Clock) -> None:
+def test_the_time_inside_an_id_places_the_key(store: SqlStore, clock: FakeClock) -> None:
     key = pack(1, (T0 + DAY - 5) * 1000, 0, 7)  # 5 s before a boundary
     c = store.claim(key, namespace=NS)
     assert c.outcome is Outcome.NEW
     store.complete(key, c.token, namespace=NS)
-    clock.t = T0 + 2 * DAY
+    clock.now = T0 + 2 * DAY
     assert store.claim(key, namespace=NS).outcome is Outcome.DUPLICATE
     # Its text form is the same id, hence the same time (a different key, though).
     assert store.claim(key.hex(), namespace=NS).outcome is Outcome.NEW
@@ -170,9 +122,9 @@ def test_producer_retry_across_a_boundary_within_tolerance(store: SqlStore) -> N
     assert (dup.outcome, dup.result) == (Outcome.DUPLICATE, 3)
 
 
-def test_hour_partitions_and_a_sweep(engine: Engine, clock: Clock) -> None:
+def test_hour_partitions_and_a_sweep(engine: SqlTable, clock: FakeClock) -> None:
     hour = 3600
-    with engine.store(clock, partition="hour", partition_tolerance=60) as s:
+    with partitioned(engine, clock, partition="hour", partition_tolerance=60) as s:
         s.init_schema()
         # The window (2 days) plus the tolerance back, 3 hours ahead.
         assert s.partitions()[0] == T0 - 2 * DAY + 11 * hour
@@ -186,8 +138,8 @@ def test_hour_partitions_and_a_sweep(engine: Engine, clock: Clock) -> None:
         assert s.claim("h1", namespace=NS, event_time=boundary + 20).outcome is (Outcome.DUPLICATE)
         # 100 s apart across the boundary: past the 60 s tolerance, another message.
         assert s.claim("h1", namespace=NS, event_time=boundary + 80).outcome is Outcome.NEW
-        clock.t = T0 + 3 * DAY
-        assert s.sweep(clock.t) == 2  # the two rows of h1 went with their hours
+        clock.now = T0 + 3 * DAY
+        assert s.sweep(clock.now) == 2  # the two rows of h1 went with their hours
         assert s.horizon() == T0 + DAY - hour  # floor(3 d - 2 d - 60 s) in hours
         with pytest.raises(PartitionDroppedError):
             s.claim("h2", namespace=NS, event_time=T0 + DAY - hour - 1)
@@ -235,7 +187,9 @@ def test_mostly_duplicate_batches_across_a_boundary(store: SqlStore) -> None:
     assert [c.outcome for c in mixed] == [Outcome.DUPLICATE] * 20 + [Outcome.NEW]
 
 
-def test_takeover_release_and_stale_tokens_in_a_partition(engine: Engine, store: SqlStore) -> None:
+def test_takeover_release_and_stale_tokens_in_a_partition(
+    engine: SqlTable, store: SqlStore
+) -> None:
     c = store.claim("t1", namespace=NS, event_time=T0 + 50)
     assert store.claim("t1", namespace=NS, event_time=T0 + 50).outcome is Outcome.IN_PROGRESS
     # The lease runs out: moved an hour back on the server.
@@ -251,7 +205,7 @@ def test_takeover_release_and_stale_tokens_in_a_partition(engine: Engine, store:
 
 
 def test_drop_copies_processed_keys_first_and_refuses_old_event_times(
-    engine: Engine, store: SqlStore, clock: Clock
+    engine: SqlTable, store: SqlStore, clock: FakeClock
 ) -> None:
     old = store.claim_many(["o1", "o2", "o3"], namespace=NS, event_times=[T0 - DAY + 5] * 3)
     store.complete_many([("o1", old[0].token), ("o2", old[1].token)], namespace=NS)  # o3 open
@@ -264,10 +218,10 @@ def test_drop_copies_processed_keys_first_and_refuses_old_event_times(
         seen.append((namespace, sorted(keys), store_partitions()))
 
     def store_partitions() -> list[int]:
-        with engine.store(clock) as other:
+        with partitioned(engine, clock) as other:
             return other.partitions()
 
-    clock.t = T0 + 3 * DAY + 3600  # T0 - 1 day is now past 2 days + 300 s
+    clock.now = T0 + 3 * DAY + 3600  # T0 - 1 day is now past 2 days + 300 s
     assert store.drop_partitions(before_delete=copy) == 3  # the rows of the dropped partitions
     # The days ahead were made, T0 - 2 d (empty) went; T0 - 1 d was there during its copy.
     assert seen == [(NS, [b"o1", b"o2"], [T0 + i * DAY for i in range(-1, 7)])]
@@ -283,10 +237,12 @@ def test_drop_copies_processed_keys_first_and_refuses_old_event_times(
     assert len(seen) == 1
 
 
-def test_a_failed_copy_keeps_the_partition_for_the_next_drop(store: SqlStore, clock: Clock) -> None:
+def test_a_failed_copy_keeps_the_partition_for_the_next_drop(
+    store: SqlStore, clock: FakeClock
+) -> None:
     c = store.claim("f1", namespace=NS, event_time=T0 - DAY + 5)
     store.complete("f1", c.token, namespace=NS)
-    clock.t = T0 + 3 * DAY
+    clock.now = T0 + 3 * DAY
 
     def fail(namespace: str, keys: list[bytes]) -> None:
         raise OSError("archive disk full")
@@ -303,16 +259,16 @@ def test_a_failed_copy_keeps_the_partition_for_the_next_drop(store: SqlStore, cl
     assert T0 - DAY not in store.partitions()
 
 
-def test_a_stack_with_an_archive_answers_dropped_keys(engine: Engine, clock: Clock) -> None:
-    authority = engine.store(clock)
+def test_a_stack_with_an_archive_answers_dropped_keys(engine: SqlTable, clock: FakeClock) -> None:
+    authority = partitioned(engine, clock)
     authority.init_schema()
     retention = Retention(exact_window=2 * DAY, cold_window=30 * DAY)
     stack = TieredStore(authority, archive=ColdArchive(None, [30 * DAY]), retention=retention)
     key = pack(1, (T0 - DAY + 60) * 1000, 0, 1)
     c = stack.claim(key, namespace=NS)
     stack.complete(key, c.token, namespace=NS)
-    clock.t = T0 + 3 * DAY
-    assert stack.sweep(now=clock.t) == 1  # copied into the archive, partition dropped
+    clock.now = T0 + 3 * DAY
+    assert stack.sweep(now=clock.now) == 1  # copied into the archive, partition dropped
     hit = stack.claim(key, namespace=NS)
     assert (hit.outcome, hit.exact) == (Outcome.DUPLICATE, False)
     other = pack(1, (T0 - DAY + 60) * 1000, 1, 1)  # same time, never claimed
@@ -321,7 +277,7 @@ def test_a_stack_with_an_archive_answers_dropped_keys(engine: Engine, clock: Clo
     stack.close()
 
 
-def test_bad_arguments_raise(engine: Engine, clock: Clock, store: SqlStore) -> None:
+def test_bad_arguments_raise(engine: SqlTable, clock: FakeClock, store: SqlStore) -> None:
     for bad, exc in (
         ({"partition": "week"}, ValueError),
         ({"partition_tolerance": -1}, ValueError),
@@ -332,7 +288,7 @@ def test_bad_arguments_raise(engine: Engine, clock: Clock, store: SqlStore) -> N
         ({"clock": 3}, TypeError),
     ):
         with pytest.raises(exc):
-            engine.store(clock, **bad)
+            partitioned(engine, clock, **bad)
     with pytest.raises(ValueError, match="not partitioned"):
         SqlStore.from_url("sqlite:///unused.db", partition="day")
     for value, exc in (
@@ -365,18 +321,27 @@ def test_bad_arguments_raise(engine: Engine, clock: Clock, store: SqlStore) -> N
     assert store.get("x", namespace=NS) is None  # nothing was claimed
 
 
-def test_a_store_with_another_span_or_kind_is_refused(engine: Engine, clock: Clock) -> None:
-    with engine.store(clock) as s:
+def test_a_store_with_another_span_or_kind_is_refused(engine: SqlTable, clock: FakeClock) -> None:
+    with partitioned(engine, clock) as s:
         s.init_schema()
-    with engine.store(clock, partition="hour") as s, pytest.raises(SchemaError, match="86400"):
+    with (
+        partitioned(engine, clock, partition="hour") as s,
+        pytest.raises(SchemaError, match="86400"),
+    ):
         s.init_schema()
-    with engine.store(clock, partition=None) as s, pytest.raises(SchemaError, match="exists with"):
+    with (
+        partitioned(engine, clock, partition=None) as s,
+        pytest.raises(SchemaError, match="exists with"),
+    ):
         s.init_schema()
     flat = f"{engine.table}_flat"
     with SqlStore.from_url(engine.url, table=flat) as s:
         s.init_schema()
     try:
-        with engine.store(clock, table=flat) as s, pytest.raises(SchemaError, match="without"):
+        with (
+            partitioned(engine, clock, table=flat) as s,
+            pytest.raises(SchemaError, match="without"),
+        ):
             s.init_schema()
     finally:
         engine.execute(f"DROP TABLE IF EXISTS {flat}")
@@ -384,7 +349,7 @@ def test_a_store_with_another_span_or_kind_is_refused(engine: Engine, clock: Clo
         engine.execute(f"DROP TABLE IF EXISTS {flat}_edge")
 
 
-def test_an_unpartitioned_table_ignores_event_times(engine: Engine, clock: Clock) -> None:
+def test_an_unpartitioned_table_ignores_event_times(engine: SqlTable, clock: FakeClock) -> None:
     with SqlStore.from_url(engine.url, table=engine.table) as s:
         s.init_schema()
         c = s.claim("u1", namespace=NS, event_time=T0)
@@ -419,8 +384,10 @@ def _claimer(
     store.close()
 
 
-def test_processes_across_a_boundary_get_one_new_per_key(engine: Engine, clock: Clock) -> None:
-    with engine.store(clock) as s:
+def test_processes_across_a_boundary_get_one_new_per_key(
+    engine: SqlTable, clock: FakeClock
+) -> None:
+    with partitioned(engine, clock) as s:
         s.init_schema()
     boundary = T0 + DAY
     keys = [f"x{i}" for i in range(1500)]
@@ -432,7 +399,7 @@ def test_processes_across_a_boundary_get_one_new_per_key(engine: Engine, clock: 
     procs = [
         ctx.Process(
             target=_claimer,
-            args=(engine.url, engine.table, order, side, clock.t, start, q),
+            args=(engine.url, engine.table, order, side, clock.now, start, q),
         )
         for order, side in ((keys, sides[0]), (keys[::-1], sides[1]))
     ]
@@ -445,20 +412,22 @@ def test_processes_across_a_boundary_get_one_new_per_key(engine: Engine, clock: 
     assert [e for _, e in results] == [[], []]
     winners = [k for new, _ in results for k in new]
     assert sorted(winners) == sorted(keys)  # exactly one NEW per key
-    with engine.store(clock) as s:
+    with partitioned(engine, clock) as s:
         got = s.claim_many(keys, namespace=NS, event_times=sides[1])
         assert {c.outcome for c in got} == {Outcome.DUPLICATE}
 
 
-def test_dropping_while_another_process_claims_loses_nothing(engine: Engine, clock: Clock) -> None:
-    with engine.store(clock) as s:
+def test_dropping_while_another_process_claims_loses_nothing(
+    engine: SqlTable, clock: FakeClock
+) -> None:
+    with partitioned(engine, clock) as s:
         s.init_schema()
         # Old partitions full of processed keys, to be dropped.
         for day in (-2, -1):
             ks = [f"old{day}-{i}" for i in range(500)]
             claims = s.claim_many(ks, namespace=NS, event_times=[T0 + day * DAY + 60.0] * 500)
             s.complete_many([(c.key, c.token) for c in claims], namespace=NS)
-    clock.t = T0 + 2 * DAY + 600  # T0 - 2 d and T0 - 1 d are past the window
+    clock.now = T0 + 2 * DAY + 600  # T0 - 2 d and T0 - 1 d are past the window
     # Live keys: a third just after the new horizon (their lookups reach into the
     # partition being dropped), the rest in the middle of a live day.
     keys = [f"live{i}" for i in range(1500)]
@@ -467,11 +436,11 @@ def test_dropping_while_another_process_claims_loses_nothing(engine: Engine, clo
     q = ctx.Queue()
     start = ctx.Barrier(2)
     proc = ctx.Process(
-        target=_claimer, args=(engine.url, engine.table, keys, times, clock.t, start, q)
+        target=_claimer, args=(engine.url, engine.table, keys, times, clock.now, start, q)
     )
     proc.start()
     copied: list[bytes] = []
-    with engine.store(clock) as dropper:
+    with partitioned(engine, clock) as dropper:
         start.wait(60)  # the claimer is connected and about to start
         dropped = dropper.drop_partitions(before_delete=lambda ns, ks: copied.extend(ks), limit=100)
     new, errors = q.get(timeout=300)
@@ -480,7 +449,7 @@ def test_dropping_while_another_process_claims_loses_nothing(engine: Engine, clo
     assert errors == []
     assert dropped == 1000 and len(copied) == 1000
     assert sorted(new) == sorted(keys)
-    with engine.store(clock) as s:
+    with partitioned(engine, clock) as s:
         assert s.horizon() == T0
         got = s.claim_many(keys, namespace=NS, event_times=times)
         assert {c.outcome for c in got} == {Outcome.DUPLICATE}

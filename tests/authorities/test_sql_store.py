@@ -1,9 +1,9 @@
 """SqlStore against the machine's PostgreSQL and MariaDB, and SQLite: semantics, races, faults.
 
 Every test gets a table of its own (a random name, dropped afterwards), so
-runs do not see each other's keys. PostgreSQL (127.0.0.1:5432, user
-postgres, database test) and MariaDB (127.0.0.1:3306, root, database test)
-skip their tests when they do not answer, and fail them under CI=true.
+runs do not see each other's keys. PostgreSQL and MariaDB (the shared servers of
+tests/support/servers.py) skip their tests when they do not answer, and fail
+them under CI=true.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import multiprocessing
 import random
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,152 +25,27 @@ from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, Unavai
 from dedupcore.record import State
 from dedupcore.tiers.base import RequestRefusedError
 from dedupcore.tiers.sql import SqlStore
-from tests.support.servers import require_server
+from tests.support.servers import SERVERS, require_server
+from tests.support.stores import Counting, SqlTable, counting_store, sql_table
 
 NS = "orders/billing"
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-MY_URL = "mysql://root@127.0.0.1:3306/test"
 ENGINES = ("postgresql", "mysql", "sqlite")
 
 
-@dataclass
-class Engine:
-    """One database under test: its URL, a fresh table, raw connections and a way to kill them."""
-
-    name: str
-    url: str
-    table: str
-
-    def connect(self) -> Any:
-        """A raw driver connection (not through SqlStore)."""
-        if self.name == "postgresql":
-            import psycopg
-
-            return psycopg.connect(self.url, autocommit=True)
-        if self.name == "mysql":
-            import pymysql
-
-            return pymysql.connect(
-                host="127.0.0.1", port=3306, user="root", database="test", autocommit=True
-            )
-        return sqlite3.connect(self.url[len("sqlite:///") :], isolation_level=None)
-
-    def store(self, **options: Any) -> SqlStore:
-        return SqlStore.from_url(self.url, **{"table": self.table, **options})
-
-    def execute(self, sql: str, params: Any = ()) -> list[Any]:
-        conn = self.connect()
-        try:
-            cur = conn.cursor()
-            cur.execute(sql, params)
-            rows = list(cur.fetchall()) if cur.description else []
-            cur.close()
-            return rows
-        finally:
-            conn.close()
-
-    def kill(self, conn: Any) -> None:
-        """Ends a connection from the server side (SQLite: closes it)."""
-        if self.name == "postgresql":
-            pid = conn.info.backend_pid
-            # The timeout form waits until the backend has exited.
-            assert self.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)) == [(True,)]
-        elif self.name == "mysql":
-            cid = conn.thread_id()
-            self.execute(f"KILL CONNECTION {int(cid)}")
-            for _ in range(100):
-                alive = self.execute(
-                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", (cid,)
-                )
-                if alive[0][0] == 0:
-                    break
-                time.sleep(0.05)
-        else:
-            conn.close()
-
-
-def _engine(name: str, tmp_path: Path) -> Engine:
-    table = f"dedup_t_{uuid.uuid4().hex[:12]}"
-    if name == "postgresql":
-        require_server("postgresql", 5432)
-        return Engine(name, PG_URL, table)
-    if name == "mysql":
-        require_server("mariadb", 3306)
-        return Engine(name, MY_URL, table)
-    return Engine(name, f"sqlite:///{tmp_path / 'dedup.db'}", table)
-
-
 @pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlTable]:
     """An engine with a fresh dedup table, dropped afterwards."""
-    eng = _engine(request.param, tmp_path)
+    eng = sql_table(request.param, tmp_path)
     with eng.store() as s:
         s.init_schema()
     yield eng
-    if eng.name != "sqlite":
-        eng.execute(f"DROP TABLE IF EXISTS {eng.table}")
+    eng.drop()
 
 
 @pytest.fixture
-def store(engine: Engine) -> Iterator[SqlStore]:
+def store(engine: SqlTable) -> Iterator[SqlStore]:
     with engine.store() as s:
         yield s
-
-
-class _Cursor:
-    def __init__(self, cur: Any, log: list[str]) -> None:
-        self._cur = cur
-        self._log = log
-
-    def execute(self, sql: str, params: Any = None) -> Any:
-        self._log.append(" ".join(sql.split())[:60])
-        return self._cur.execute(sql, params) if params is not None else self._cur.execute(sql)
-
-    def executemany(self, sql: str, params: Any) -> Any:
-        self._log.append(" ".join(sql.split())[:60])
-        return self._cur.executemany(sql, params)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cur, name)
-
-    def __enter__(self) -> _Cursor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._cur.close()
-
-
-class _Counting:
-    """A connection proxy that records every statement its cursors run."""
-
-    def __init__(self, conn: Any) -> None:
-        object.__setattr__(self, "_conn", conn)
-        object.__setattr__(self, "statements", [])
-
-    def cursor(self) -> _Cursor:
-        return _Cursor(self._conn.cursor(), self.statements)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._conn, name, value)
-
-
-def _counting_store(engine: Engine) -> tuple[SqlStore, list[_Counting]]:
-    import importlib
-
-    sql = importlib.import_module("dedupcore.tiers.sql")
-    _, factory = sql._factory(engine.url, {})
-    conns: list[_Counting] = []
-
-    def connect() -> _Counting:
-        conns.append(_Counting(factory()))
-        return conns[-1]
-
-    store = SqlStore(connect, dialect=engine.name, table=engine.table)
-    store.server_version()  # the store connects on its first call; tests count from here
-    return store, conns
 
 
 # -- semantics -----------------------------------------------------------------------
@@ -324,7 +197,7 @@ def test_mixed_batch(store: SqlStore) -> None:
     ]
 
 
-def test_results_up_to_the_limit(engine: Engine) -> None:
+def test_results_up_to_the_limit(engine: SqlTable) -> None:
     with engine.store(max_result_bytes=70_000) as store:
         big = b"r" * 65_000
         c = store.claim("k", namespace=NS)
@@ -338,14 +211,14 @@ def test_results_up_to_the_limit(engine: Engine) -> None:
         assert store.get("k2", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
 
 
-def _kinds(conn: _Counting) -> list[str]:
+def _kinds(conn: Counting) -> list[str]:
     kinds = [s.split()[0] for s in conn.statements if not s.startswith("BEGIN")]
     del conn.statements[:]
     return kinds
 
 
-def test_one_insert_per_batch(engine: Engine) -> None:
-    store, conns = _counting_store(engine)
+def test_one_insert_per_batch(engine: SqlTable) -> None:
+    store, conns = counting_store(engine)
     keys = [f"k{i}" for i in range(1000)]
     del conns[0].statements[:]
     store.claim_many(keys, namespace=NS)
@@ -368,8 +241,8 @@ def test_one_insert_per_batch(engine: Engine) -> None:
     store.close()
 
 
-def test_mostly_duplicate_batches_are_read_first(engine: Engine) -> None:
-    store, conns = _counting_store(engine)
+def test_mostly_duplicate_batches_are_read_first(engine: SqlTable) -> None:
+    store, conns = counting_store(engine)
     keys = [f"k{i}".encode() for i in range(1000)]
     fps = [b"fp"] * len(keys)
     claims = store.claim_many(keys, namespace=NS, fingerprints=fps)
@@ -410,9 +283,9 @@ def test_mostly_duplicate_batches_are_read_first(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("engine", ["postgresql"], indirect=True)  # only PostgreSQL reads first
-def test_read_first_races_with_purge(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_first_races_with_purge(engine: SqlTable, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the unlocked read saw may be gone by the write transaction (purge deleted it)."""
-    store, conns = _counting_store(engine)
+    store, conns = counting_store(engine)
     keys = [f"k{i}".encode() for i in range(10)]
     claims = store.claim_many(keys, namespace=NS)
     store.complete_many(
@@ -447,7 +320,7 @@ def test_read_first_races_with_purge(engine: Engine, monkeypatch: pytest.MonkeyP
     store.close()
 
 
-def test_purge_deletes_rows_past_their_window(engine: Engine) -> None:
+def test_purge_deletes_rows_past_their_window(engine: SqlTable) -> None:
     short = Retention(exact_window=0.3)
     with engine.store(namespaces={"short": short}) as store:
         for key in ("done", "busy", "gone"):
@@ -477,7 +350,7 @@ def test_purge_deletes_rows_past_their_window(engine: Engine) -> None:
             store.purge(limit=0)
 
 
-def test_purge_in_bounded_batches(engine: Engine) -> None:
+def test_purge_in_bounded_batches(engine: SqlTable) -> None:
     with engine.store(retention=Retention(exact_window=0.2)) as store:
         keys = [f"k{i}" for i in range(25)]
         store.claim_many(keys, namespace=NS)
@@ -486,7 +359,7 @@ def test_purge_in_bounded_batches(engine: Engine) -> None:
         assert [store.purge(limit=10) for _ in range(4)] == [10, 10, 5, 0]
 
 
-def test_purge_copies_processed_keys_before_deleting(engine: Engine) -> None:
+def test_purge_copies_processed_keys_before_deleting(engine: SqlTable) -> None:
     with engine.store(retention=Retention(exact_window=0.3)) as store:
         done = {ns: [f"{ns}-{i}".encode() for i in range(12)] for ns in ("a", "b")}
         for ns, keys in done.items():
@@ -536,7 +409,7 @@ def test_purge_copies_processed_keys_before_deleting(engine: Engine) -> None:
             store.purge(before_delete="not callable")  # type: ignore[arg-type]
 
 
-def test_init_schema_is_idempotent_and_stats(store: SqlStore, engine: Engine) -> None:
+def test_init_schema_is_idempotent_and_stats(store: SqlStore, engine: SqlTable) -> None:
     store.init_schema()
     store.claim("k", namespace=NS)
     store.claim("k", namespace=NS)
@@ -550,8 +423,8 @@ def test_init_schema_is_idempotent_and_stats(store: SqlStore, engine: Engine) ->
 # -- bad input ----------------------------------------------------------------------
 
 
-def test_bad_input_raises_before_any_sql(engine: Engine) -> None:
-    store, conns = _counting_store(engine)
+def test_bad_input_raises_before_any_sql(engine: SqlTable) -> None:
+    store, conns = counting_store(engine)
     statements = conns[0].statements
     del statements[:]
     for key, error in ((b"", ValueError), (b"x" * 513, ValueError), (5, TypeError)):
@@ -640,7 +513,7 @@ def test_bad_settings_are_refused_before_connecting() -> None:
 
 
 def test_mariadb_timeouts_are_defaults_that_the_url_overrides() -> None:
-    require_server("mariadb", 3306)
+    require_server("mariadb")
 
     def waits(store: SqlStore) -> tuple[float, float, float]:
         store.server_version()  # connects
@@ -651,10 +524,10 @@ def test_mariadb_timeouts_are_defaults_that_the_url_overrides() -> None:
         store.close()
         return out
 
-    assert waits(SqlStore.from_url(MY_URL)) == (5.0, 5.0, 5.0)
-    assert waits(SqlStore.from_url(MY_URL, timeout=1.5)) == (1.5, 1.5, 1.5)
-    assert waits(SqlStore.from_url(MY_URL + "?read_timeout=7", timeout=1)) == (1, 7.0, 1)
-    own = SqlStore.from_url(MY_URL, connect_args={"write_timeout": 9})
+    assert waits(SqlStore.from_url(SERVERS.mariadb)) == (5.0, 5.0, 5.0)
+    assert waits(SqlStore.from_url(SERVERS.mariadb, timeout=1.5)) == (1.5, 1.5, 1.5)
+    assert waits(SqlStore.from_url(SERVERS.mariadb + "?read_timeout=7", timeout=1)) == (1, 7.0, 1)
+    own = SqlStore.from_url(SERVERS.mariadb, connect_args={"write_timeout": 9})
     assert waits(own) == (5.0, 5.0, 9)
 
 
@@ -686,7 +559,7 @@ def test_a_refused_request_is_a_value_error_not_unavailability(store: SqlStore) 
 
 
 def test_durability_is_told_on_first_connect(
-    engine: Engine, caplog: pytest.LogCaptureFixture
+    engine: SqlTable, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="dedupcore"), engine.store() as store:
         assert caplog.records == []  # nothing is sent before the first call
@@ -715,7 +588,7 @@ def test_sqlite_without_sync_warns_on_first_connect(
     store.close()
 
 
-def test_bad_configuration(engine: Engine) -> None:
+def test_bad_configuration(engine: SqlTable) -> None:
     if engine.name == "mysql":
         with pytest.raises(ValueError, match="at most 512 bytes"):
             engine.store(max_key_bytes=1024)
@@ -751,7 +624,7 @@ def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
 # -- faults -------------------------------------------------------------------------
 
 
-def test_connection_dropped_between_claim_and_complete(engine: Engine) -> None:
+def test_connection_dropped_between_claim_and_complete(engine: SqlTable) -> None:
     import importlib
 
     sql = importlib.import_module("dedupcore.tiers.sql")
@@ -804,7 +677,7 @@ def _race(url: str, table: str, keys: list[str], seed: int, start: Any, queue: A
     store.close()
 
 
-def test_processes_racing_on_the_same_keys_get_one_new_each(engine: Engine) -> None:
+def test_processes_racing_on_the_same_keys_get_one_new_each(engine: SqlTable) -> None:
     keys = [f"k{i}" for i in range(5000)]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -830,7 +703,7 @@ def test_processes_racing_on_the_same_keys_get_one_new_each(engine: Engine) -> N
         assert all(c.token == 1 for c in store.claim_many(keys, namespace=NS))
 
 
-def test_missing_table_is_a_setup_error_not_unavailability(engine: Engine) -> None:
+def test_missing_table_is_a_setup_error_not_unavailability(engine: SqlTable) -> None:
     with SqlStore.from_url(engine.url, table=f"{engine.table}_absent") as store:
         for call in (
             lambda: store.claim("k", namespace=NS),

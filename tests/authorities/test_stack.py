@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,7 +26,6 @@ import redis
 from dedupcore import hash64, shard_many
 from dedupcore._core import jump_hash
 from dedupcore.api import ClaimAPI, KeyRecord, Outcome
-from dedupcore.client import Client
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.factory import open_store
@@ -38,18 +35,19 @@ from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import free_port, redis_server
-from tests.support.servers import require_server
-
-from .test_sql_store import MY_URL, PG_URL, Engine, _counting_store
+from tests.support.daemon import Lab
+from tests.support.procs import run_cli
+from tests.support.servers import SERVERS, connect_redis, redis_url, require_server
+from tests.support.stores import SqlTable, counting_store
 
 NS = "orders/billing"
-REDIS_DB = 15
+REDIS_URL = redis_url("stack")
 
 
 @pytest.fixture
 def rdb() -> Iterator[redis.Redis]:
-    require_server("redis", 6379)
-    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    require_server("redis")
+    client = connect_redis("stack")
     client.flushdb()
     yield client
     client.flushdb()
@@ -58,15 +56,15 @@ def rdb() -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def pg_table() -> Iterator[str]:
-    require_server("postgresql", 5432)
+    require_server("postgresql")
     table = f"stack_{uuid.uuid4().hex[:10]}"
     yield table
-    with SqlStore.from_url(PG_URL, table=table) as s:
+    with SqlStore.from_url(SERVERS.postgresql, table=table) as s:
         s._drop()
 
 
 def _pg(table: str) -> SqlStore:
-    s = SqlStore.from_url(PG_URL, table=table)
+    s = SqlStore.from_url(SERVERS.postgresql, table=table)
     s.init_schema()
     return s
 
@@ -75,7 +73,7 @@ def _pg(table: str) -> SqlStore:
 
 
 def test_fresh_keys_through_the_front_read_no_tier(rdb: redis.Redis, pg_table: str) -> None:
-    authority, conns = _counting_store(Engine("postgresql", PG_URL, pg_table))
+    authority, conns = counting_store(SqlTable("postgresql", SERVERS.postgresql, pg_table))
     authority.init_schema()
     store = TieredStore(authority, cache=RedisCache(rdb))
     keys = [f"order-{i}" for i in range(2000)]
@@ -443,14 +441,12 @@ def test_open_store_by_url(tmp_path: Path, rdb: redis.Redis, pg_table: str) -> N
     embedded = open_store(tmp_path / "data")
     assert isinstance(embedded, DedupStore)
     embedded.close()
-    stack = open_store(PG_URL, cache=f"redis://127.0.0.1:6379/{REDIS_DB}", table=pg_table)
+    stack = open_store(SERVERS.postgresql, cache=REDIS_URL, table=pg_table)
     assert isinstance(stack, TieredStore) and isinstance(stack.authority, SqlStore)
     assert isinstance(stack.cache, RedisCache) and stack.front is not None
     stack.close()
     sqlite = f"sqlite:///{tmp_path}/a.db"
-    sharded = open_store(
-        [f"redis://127.0.0.1:6379/{REDIS_DB}", sqlite], init_schema=True, archive=tmp_path / "c"
-    )
+    sharded = open_store([REDIS_URL, sqlite], init_schema=True, archive=tmp_path / "c")
     assert isinstance(sharded, ShardedStore) and len(sharded.shards) == 2
     assert all(isinstance(s, TieredStore) for s in sharded.shards)
     assert sharded.claim("k", namespace=NS).outcome is Outcome.NEW
@@ -462,12 +458,12 @@ def test_open_store_without_a_tier_to_add_returns_the_authority(
     tmp_path: Path, rdb: redis.Redis, pg_table: str
 ) -> None:
     """No cache and no archive: no stack (a front filter alone saves no authority call)."""
-    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    url = REDIS_URL
     for front in (None, True, False):
         plain = open_store(url, front=front)
         assert type(plain) is RedisStore
         plain.close()
-    sql = open_store(PG_URL, table=pg_table, init_schema=True)
+    sql = open_store(SERVERS.postgresql, table=pg_table, init_schema=True)
     assert type(sql) is SqlStore and sql.claim("k", namespace=NS).outcome is Outcome.NEW
     sql.close()
     sharded = open_store([url, f"sqlite:///{tmp_path}/s.db"], init_schema=True)
@@ -571,75 +567,40 @@ def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
 # -- CLI and daemon ----------------------------------------------------------------------
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def test_sql_init_command(tmp_path: Path, pg_table: str) -> None:
     for _ in range(2):  # idempotent
-        out = _cli("sql", "init", "--url", PG_URL, "--table", pg_table)
+        out = run_cli("sql", "init", "--url", SERVERS.postgresql, "--table", pg_table)
         assert out.returncode == 0, out.stderr
         assert f"dedup table {pg_table!r} ready on postgresql" in out.stdout
-    with SqlStore.from_url(PG_URL, table=pg_table) as s:
+    with SqlStore.from_url(SERVERS.postgresql, table=pg_table) as s:
         assert s.claim("k", namespace=NS).outcome is Outcome.NEW
-    bad = _cli("sql", "init", "--url", f"postgresql://postgres@127.0.0.1:{free_port()}/test")
+    bad = run_cli("sql", "init", "--url", f"postgresql://postgres@127.0.0.1:{free_port()}/test")
     assert bad.returncode == 1 and "cannot connect" in bad.stderr
-    bad = _cli("sql", "init", "--url", "sqlite:///x.db", "--table", "no-such;table")
+    bad = run_cli("sql", "init", "--url", "sqlite:///x.db", "--table", "no-such;table")
     assert bad.returncode == 1 and "SQL identifier" in bad.stderr
 
 
-def test_daemon_serves_a_stack_by_url(tmp_path: Path, rdb: redis.Redis) -> None:
+def test_daemon_serves_a_stack_by_url(tmp_path: Path, rdb: redis.Redis, lab: Lab) -> None:
     db = tmp_path / "auth.db"
-    assert _cli("sql", "init", "--url", f"sqlite:///{db}").returncode == 0
-    sock = tmp_path / "run" / "d.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dedupcore",
-            "serve",
-            "--socket",
-            str(sock),
-            "--authority",
-            f"sqlite:///{db}",
-            "--cache",
-            f"redis://127.0.0.1:6379/{REDIS_DB}",
-            "--archive",
-            str(tmp_path / "cold"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    assert run_cli("sql", "init", "--url", f"sqlite:///{db}").returncode == 0
+    daemon = lab.daemon(
+        *("--authority", f"sqlite:///{db}", "--cache", REDIS_URL),
+        *("--archive", str(tmp_path / "cold")),
     )
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the daemon did not start"
-            time.sleep(0.05)
-        client = Client(str(sock), timeout=30)
+    with daemon.client(timeout=30) as client:
         c = client.claim("k", namespace=NS)
         assert c.outcome is Outcome.NEW
         client.complete("k", c.token, namespace=NS, result="r")
         assert client.claim("k", namespace=NS).result == "r"
         st = client.stats()
         assert st["counts"]["cache_hits"] == 1 and "authority" in st
-        client.close()
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
+    assert daemon.stop() == 0, daemon.log_text()
     with SqlStore.from_url(f"sqlite:///{db}") as s:
         assert s.claim("k", namespace=NS).outcome is Outcome.DUPLICATE
 
 
 def test_daemon_refuses_a_bad_authority_url(tmp_path: Path) -> None:
-    out = _cli("serve", "--socket", str(tmp_path / "s.sock"), "--authority", "ftp://x")
+    out = run_cli("serve", "--socket", str(tmp_path / "s.sock"), "--authority", "ftp://x")
     assert out.returncode == 1 and "unknown store URL scheme 'ftp'" in out.stderr
 
 
@@ -668,11 +629,11 @@ def test_eight_processes_racing_see_one_new_per_key(
     """Each authority and stack: 8 processes, the same 3000 keys, one NEW per key overall."""
     sqlite = f"sqlite:///{tmp_path}/race.db"
     if stack == "redis":
-        spec: dict[str, Any] = {"authority": f"redis://127.0.0.1:6379/{REDIS_DB}"}
+        spec: dict[str, Any] = {"authority": REDIS_URL}
     elif stack == "mysql":
-        require_server("mariadb", 3306)
-        spec = {"authority": MY_URL, "table": pg_table}
-        SqlStore.from_url(MY_URL, table=pg_table).init_schema()
+        require_server("mariadb")
+        spec = {"authority": SERVERS.mariadb, "table": pg_table}
+        SqlStore.from_url(SERVERS.mariadb, table=pg_table).init_schema()
     elif stack == "sqlite":
         spec = {"authority": sqlite}
         SqlStore.from_url(sqlite).init_schema()
@@ -680,16 +641,16 @@ def test_eight_processes_racing_see_one_new_per_key(
         # The table is made once; each process opens the stack by URL.
         _pg(pg_table).close()
         spec = {
-            "authority": PG_URL,
-            "cache": f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "authority": SERVERS.postgresql,
+            "cache": REDIS_URL,
             "table": pg_table,
         }
     elif stack == "sharded-redis":
-        spec = {"authority": [f"redis://127.0.0.1:6379/{REDIS_DB}", "redis://127.0.0.1:6379/13"]}
+        spec = {"authority": [REDIS_URL, redis_url("integrations")]}
     else:
         _pg(pg_table).close()
         SqlStore.from_url(sqlite, table=pg_table).init_schema()
-        spec = {"authority": [PG_URL, sqlite], "table": pg_table}
+        spec = {"authority": [SERVERS.postgresql, sqlite], "table": pg_table}
     keys = [f"race-{i}" for i in range(3000)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -705,7 +666,7 @@ def test_eight_processes_racing_see_one_new_per_key(
         assert p.exitcode == 0
     assert sorted(won) == sorted(keys)  # every key NEW exactly once over all processes
     if stack == "sharded-redis":
-        redis.Redis(host="127.0.0.1", port=6379, db=13).flushdb()
+        connect_redis("integrations").flushdb()
     if stack == "mysql":
-        with SqlStore.from_url(MY_URL, table=pg_table) as s:
+        with SqlStore.from_url(SERVERS.mariadb, table=pg_table) as s:
             s._drop()

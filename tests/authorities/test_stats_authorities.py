@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,23 @@ import pytest
 
 from dedupcore.api import Outcome
 from dedupcore.metrics import store_figures
-from tests.support.daemon import PATIENCE, Lab, child_env, unique_ns
-from tests.support.servers import require_server
+from tests.support.daemon import Lab
+from tests.support.procs import PATIENCE, child_env, run_cli
+from tests.support.servers import (
+    SERVERS,
+    connect_redis,
+    reachable,
+    redis_url,
+    require_server,
+    sql_connect,
+)
+from tests.support.stores import unique_ns
 
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-MY_URL = "mysql://root@127.0.0.1:3306/test"
-REDIS_DB = 15
-REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
-SERVERS = {"redis": 6379, "postgresql": 5432, "mariadb": 3306}
+REDIS_URL = redis_url("stack")
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", *argv],
-        capture_output=True,
-        text=True,
-        env={**child_env(), "COLUMNS": "400"},  # rich tables: no wrapped cells
-        timeout=PATIENCE,
-        check=False,
-    )
+    return run_cli(*argv, env={**child_env(), "COLUMNS": "400"})  # rich tables: no wrapped cells
 
 
 #: (servers it needs, SQL URLs to initialise, the serve options given the test's
@@ -48,15 +45,15 @@ CASES: dict[str, Case] = {
     "redis": (("redis",), (), lambda d: ["--authority", REDIS_URL], "redis, 1 server", None),
     "postgresql": (
         ("postgresql",),
-        (PG_URL,),
-        lambda d: ["--authority", PG_URL],
+        (SERVERS.postgresql,),
+        lambda d: ["--authority", SERVERS.postgresql],
         "postgresql table dedup",
         "",
     ),
     "mariadb": (
         ("mariadb",),
-        (MY_URL,),
-        lambda d: ["--authority", MY_URL],
+        (SERVERS.mariadb,),
+        lambda d: ["--authority", SERVERS.mariadb],
         "mysql table dedup",
         "",
     ),
@@ -69,15 +66,22 @@ CASES: dict[str, Case] = {
     ),
     "stacked": (
         ("postgresql", "redis"),
-        (PG_URL,),
-        lambda d: ["--authority", PG_URL, "--cache", REDIS_URL, "--archive", str(d / "cold")],
+        (SERVERS.postgresql,),
+        lambda d: [
+            "--authority",
+            SERVERS.postgresql,
+            "--cache",
+            REDIS_URL,
+            "--archive",
+            str(d / "cold"),
+        ],
         "stack: postgresql table dedup + cache + archive + front filter",
         NS,
     ),
     "sharded": (
         ("redis", "mariadb"),
-        (MY_URL,),
-        lambda d: ["--authority", REDIS_URL, "--authority", MY_URL],
+        (SERVERS.mariadb,),
+        lambda d: ["--authority", REDIS_URL, "--authority", SERVERS.mariadb],
         "2 shards: redis, 1 server, mysql table dedup",
         NS,
     ),
@@ -103,35 +107,21 @@ def ns() -> Iterator[str]:
     """A namespace of this test alone; its keys are removed from the servers after."""
     name = unique_ns("stats")
     yield name
-    if require_reachable("redis"):
-        import redis
-
-        r = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    if reachable("redis"):
+        r = connect_redis("stack")
         for key in r.scan_iter(match=f"dc*{name}*"):
             r.delete(key)
         r.close()
-    if require_reachable("postgresql"):
+    if reachable("postgresql"):
         import psycopg
 
-        with psycopg.connect(PG_URL) as conn:
+        with psycopg.connect(SERVERS.postgresql) as conn:
             conn.execute("DELETE FROM dedup WHERE namespace = %s", (name,))
-    if require_reachable("mariadb"):
-        import pymysql
-
-        conn = pymysql.connect(host="127.0.0.1", user="root", database="test", autocommit=True)
+    if reachable("mariadb"):
+        conn = sql_connect("mysql", autocommit=True)
         with conn.cursor() as cur:
             cur.execute("DELETE FROM dedup WHERE namespace = %s", (name,))
         conn.close()
-
-
-def require_reachable(name: str) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", SERVERS[name]), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def _claims(st: dict[str, Any], ns: str, where: str | None) -> dict[str, int]:
@@ -144,7 +134,7 @@ def _claims(st: dict[str, Any], ns: str, where: str | None) -> dict[str, int]:
 def test_stats_tables_and_json_on_each_store(case: str, lab: Lab, ns: str) -> None:
     servers, sql_urls, options, kind, where = CASES[case]
     for server in servers:
-        require_server(server, SERVERS[server])
+        require_server(server)
     home = lab.tmpdir()
     for url in sql_urls:
         init = _cli("sql", "init", "--url", url.format(d=home))

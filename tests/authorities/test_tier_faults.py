@@ -34,8 +34,10 @@ from dedupcore.tiers.cache import RedisCache
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import RedisServer, free_port, redis_server
+from tests.support.procs import call_in_thread
+from tests.support.stores import SqlTable, counting_store, sql_table
 
-from .test_sql_store import NS, Engine, _engine
+NS = "orders/billing"
 
 # -- Redis -------------------------------------------------------------------------
 
@@ -50,25 +52,6 @@ def _client(server: RedisServer, timeout: float = 2.0) -> Any:
         socket_connect_timeout=timeout,
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1),
     )
-
-
-def _in_thread(fn: Any, limit: float = 60.0) -> Any:
-    """``fn()`` in a thread; fails the test if it has not returned after ``limit`` s (a hang)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), "the call hung instead of failing"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def test_redis_paused_past_the_socket_timeout_fails_closed(tmp_path: Path) -> None:
@@ -86,11 +69,11 @@ def test_redis_paused_past_the_socket_timeout_fails_closed(tmp_path: Path) -> No
                 lambda: store.get("done0", namespace=NS),
             ):
                 with pytest.raises(UnavailableError):
-                    _in_thread(call)
+                    call_in_thread(call)
         finally:
             server.resume()
         # The store answers again on the same client; nothing acknowledged was lost.
-        again = _in_thread(lambda: store.claim_many(done, namespace=NS))
+        again = call_in_thread(lambda: store.claim_many(done, namespace=NS))
         assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
         # A timed-out claim may still reach the server after SIGCONT: then it is held
         # for its owner, never NEW to anyone else.
@@ -119,7 +102,7 @@ def test_redis_from_url_has_timeouts_so_a_paused_server_fails_closed(tmp_path: P
                 lambda: store.get("before", namespace=NS),
             ):
                 with pytest.raises(UnavailableError):
-                    _in_thread(call, limit=30)  # returns: ~2 x 0.5 s, never a hang
+                    call_in_thread(call, limit=30)  # returns: ~2 x 0.5 s, never a hang
         finally:
             server.resume()
         store.complete("before", 1, namespace=NS)
@@ -152,7 +135,7 @@ def test_redis_store_opens_while_its_server_is_down(tmp_path: Path) -> None:
         store = open_store(f"redis://127.0.0.1:{server.port}/0", timeout=1)
         assert isinstance(store, RedisStore)
         with pytest.raises(UnavailableError):
-            _in_thread(lambda: store.claim("k", namespace=NS))
+            call_in_thread(lambda: store.claim("k", namespace=NS))
         server.start()
         c = store.claim("k", namespace=NS)
         assert c.outcome is Outcome.NEW
@@ -232,8 +215,8 @@ def _stopped_server_is_unavailable(store: RedisStore) -> None:
         lambda: store.expiring(NS, within=60),
     ):
         with pytest.raises(UnavailableError):
-            _in_thread(call)
-    assert "unavailable" in _in_thread(store.stats)  # metrics do not raise
+            call_in_thread(call)
+    assert "unavailable" in call_in_thread(store.stats)  # metrics do not raise
 
 
 def test_redis_stopped_without_persistence_loses_what_durability_says(tmp_path: Path) -> None:
@@ -513,12 +496,12 @@ def test_postgresql_paused_fails_closed_within_the_timeout(private_pg: PrivatePo
             lambda: store.get("before", namespace=NS),
         ):
             with pytest.raises(UnavailableError):
-                _in_thread(call, limit=60)
+                call_in_thread(call, limit=60)
         assert store.stats()["cut_connections"] == 1
         # A store opened now opens at once (nothing is sent) and fails closed.
         late = SqlStore.from_url(url, table="paused", timeout=1)
         with pytest.raises(UnavailableError):
-            _in_thread(lambda: late.claim("late", namespace=NS), limit=60)
+            call_in_thread(lambda: late.claim("late", namespace=NS), limit=60)
     finally:
         private_pg.resume(pids)
     store.complete("before", 1, namespace=NS)
@@ -553,13 +536,12 @@ def test_postgresql_timeouts_are_defaults_that_the_url_overrides(
 
 
 def test_mariadb_over_long_key_is_refused_before_any_sql(tmp_path: Path) -> None:
-    from .test_sql_store import _counting_store
 
-    engine = _engine("mysql", tmp_path)
+    engine = sql_table("mysql", tmp_path)
     with engine.store() as s:
         s.init_schema()
     try:
-        store, conns = _counting_store(engine)
+        store, conns = counting_store(engine)
         del conns[0].statements[:]
         # 256 two-byte characters fill the VARBINARY(512) column exactly; one more does not.
         with pytest.raises(ValueError, match=r"514 bytes.*max_key_bytes=512"):
@@ -594,9 +576,9 @@ def test_completion_survives_a_dropped_connection(
 
     if name == "postgresql":  # the private server: the shared one may be out of connections
         pg: PrivatePostgres = request.getfixturevalue("private_pg")
-        engine = Engine(name, pg.url, f"dedup_t_{uuid.uuid4().hex[:12]}")
+        engine = SqlTable(name, pg.url, f"dedup_t_{uuid.uuid4().hex[:12]}")
     else:
-        engine = _engine(name, tmp_path)
+        engine = sql_table(name, tmp_path)
     with engine.store() as s:
         s.init_schema()
     sql = importlib.import_module("dedupcore.tiers.sql")

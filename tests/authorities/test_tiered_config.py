@@ -9,8 +9,6 @@ with the file's windows.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,37 +20,32 @@ from dedupcore.api import Outcome
 from dedupcore.record import State
 from dedupcore.tiers.sql import SqlStore
 from tests.support.daemon import Lab
-from tests.support.servers import require_server
+from tests.support.procs import run_cli
+from tests.support.servers import connect_redis, redis_url, require_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERED = ROOT / "docs" / "tiered.toml"
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-REDIS_DB = 10
+#: The authority docs/tiered.toml names (the daemon takes it from the file).
+AUTHORITY = "postgresql://postgres@127.0.0.1:5432/test"
 HOUR = 3600
 
 
 @pytest.fixture
 def rdb() -> Iterator[redis.Redis]:
-    require_server("redis", 6379)
-    require_server("postgresql", 5432)
-    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
+    require_server("redis")
+    require_server("postgresql")
+    client = connect_redis("tiered_config")
     client.flushdb()
     yield client
     client.flushdb()
     client.close()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", *args], capture_output=True, text=True, timeout=60
-    )
-
-
 def test_the_file_names_every_tier_and_window() -> None:
-    out = _cli("serve", "--config", str(TIERED), "--print-config")
+    out = run_cli("serve", "--config", str(TIERED), "--print-config")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert 'authority = ["postgresql://postgres@127.0.0.1:5432/test"]' in text
+    assert f'authority = ["{AUTHORITY}"]' in text
     assert 'cache = "redis://127.0.0.1:6379/0"' in text
     for line in ("hot_window = 86400", "exact_window = 604800", "cold_window = 2592000"):
         assert line in text, text
@@ -61,7 +54,7 @@ def test_the_file_names_every_tier_and_window() -> None:
 def test_a_completed_key_lives_in_every_tier_with_the_files_windows(
     tmp_path: Path, rdb: redis.Redis, lab: Lab
 ) -> None:
-    assert _cli("sql", "init", "--url", PG_URL).returncode == 0
+    assert run_cli("sql", "init", "--url", AUTHORITY).returncode == 0
     ns = f"tiered/{uuid.uuid4().hex[:8]}"
     # The file names the authority; the harness's --data is unused beside it.
     daemon = lab.daemon(
@@ -70,7 +63,7 @@ def test_a_completed_key_lives_in_every_tier_with_the_files_windows(
         "--archive",
         str(tmp_path / "cold"),
         "--cache",
-        f"redis://127.0.0.1:6379/{REDIS_DB}",
+        redis_url("tiered_config"),
     )
     with daemon.client(timeout=30) as client:
         c = client.claim("order-1", namespace=ns)
@@ -86,7 +79,7 @@ def test_a_completed_key_lives_in_every_tier_with_the_files_windows(
     assert 23 * HOUR < ttl <= 24 * HOUR, ttl
     assert stats["counts"]["cache_hits"] == 1
     # exact: PostgreSQL, the authority the file names, holds the record
-    with SqlStore.from_url(PG_URL) as authority:
+    with SqlStore.from_url(AUTHORITY) as authority:
         rec = authority.get("order-1", namespace=ns)
         assert rec is not None and rec.state is State.PROCESSED
     assert daemon.stop() == 0, daemon.log_text()

@@ -17,9 +17,10 @@ from dedupcore.store import DedupStore
 from dedupcore.tiers.redis import RedisStore
 from dedupcore.writebehind import WriteBehindStore
 from tests.support.cluster import free_port
+from tests.support.servers import redis_url
 
 NS = "orders/billing"
-URL = "redis://127.0.0.1:6379/12"
+URL = redis_url("authorities")
 NEVER = 3600.0
 
 
@@ -116,7 +117,7 @@ def test_embedded_local_table_answers_after_a_restart(
 
 
 def test_redis_down_claims_answered_locally_push_fails(tmp_path: Path) -> None:
-    down = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/12", timeout=0.5)
+    down = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
     s = WriteBehindStore(down, flush_interval=NEVER)
     try:
         assert s.claim("k", namespace=NS).outcome is Outcome.NEW

@@ -21,8 +21,7 @@ from dedupcore.client import Client
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore
-
-from .conftest import SERVER_APIS
+from tests.support.stores import SERVER_APIS
 
 RESULTS = [
     pytest.param(b"\x00\xffbytes", id="bytes"),

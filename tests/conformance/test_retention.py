@@ -34,10 +34,8 @@ from dedupcore.record import State
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.sql import SqlStore
-from tests.authorities.test_sql_store import MY_URL, PG_URL
-from tests.support.servers import require_server
-
-from .conftest import wait_until
+from tests.support.procs import wait_until
+from tests.support.servers import SERVERS, require_server
 
 WINDOW = 1.0
 DAY = 86400.0
@@ -122,11 +120,11 @@ def retained(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Retaine
         return
     engine = kind.split("_", 1)[1]
     if engine == "postgresql":
-        require_server("postgresql", 5432)
-        url = PG_URL
+        require_server("postgresql")
+        url = SERVERS.postgresql
     elif engine == "mysql":
-        require_server("mariadb", 3306)
-        url = MY_URL
+        require_server("mariadb")
+        url = SERVERS.mariadb
     else:
         url = "sqlite:///{tmp}/retain.db"
     yield from _sql(url, tmp_path, archive=kind.startswith("tiered"))

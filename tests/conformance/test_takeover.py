@@ -18,8 +18,8 @@ from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.stack import ShardedStore
-
-from .conftest import take_over, wait_until
+from tests.support.procs import wait_until
+from tests.support.stores import take_over
 
 LEASE = 0.2
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from dedupcore.cli import _parser
-from tests.support.daemon import ROOT
+from tests.support.procs import ROOT
 
 PACKAGE = ROOT / "dedupcore"
 #: A command line quoted in a message: `dedupcore serve --data ...`.

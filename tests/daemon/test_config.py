@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,34 +16,17 @@ from dedupcore.factory import open_store
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.sql import SqlStore
-from tests.support.daemon import ROOT, child_env
+from tests.support.daemon import serve_args
+from tests.support.procs import ROOT, child_env, run_cli
 
 EXAMPLE = ROOT / "docs" / "dedupcore.toml"
 DAY = 86400.0
-
-
-def serve_args(*argv: str) -> argparse.Namespace:
-    """The parsed ``dedupcore serve ARGV``, as the command gives it to the settings."""
-    from dedupcore.cli import _parser
-
-    return _parser().parse_args(["serve", *argv])
 
 
 def write(tmp_path: Path, text: str, name: str = "serve.toml") -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dedupcore", *argv],
-        capture_output=True,
-        text=True,
-        env=env or child_env(),
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dedupcore import aio
 from dedupcore.api import Outcome
 from dedupcore.client import Client
-from tests.support.daemon import PATIENCE, Daemon, Lab, child_env, unique_ns
+from tests.support.daemon import Daemon, Lab
+from tests.support.procs import PATIENCE, child_env, run_cli
+from tests.support.stores import unique_ns
 
 
 @pytest.fixture
@@ -49,13 +49,6 @@ def test_aio_client_without_a_path_uses_DEDUPCORE_SOCKET(
 
 def test_stats_without_socket_uses_DEDUPCORE_SOCKET(daemon: Daemon) -> None:
     env = {**child_env(), "DEDUPCORE_SOCKET": str(daemon.socket)}
-    out = subprocess.run(
-        [sys.executable, "-m", "dedupcore", "stats", "--json", "--interval", "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=PATIENCE,
-        check=False,
-    )
+    out = run_cli("stats", "--json", "--interval", "0", env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["daemon"]["requests"] >= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.support.daemon import Lab
+from tests.support.servers import redis_url
 
 
 def _durability_lines(log: str) -> list[dict[str, object]]:
@@ -36,6 +37,6 @@ def test_a_store_that_can_lose_acknowledged_keys_is_a_warning(lab: Lab) -> None:
 
 
 def test_a_redis_authority_without_persistence_is_a_warning(lab: Lab) -> None:
-    d = lab.daemon("--authority", "redis://127.0.0.1:6379/11")
+    d = lab.daemon("--authority", redis_url("durability_report"))
     lines = _durability_lines(d.log_text())
     assert lines and lines[0]["level"] == "WARNING", d.log_text()

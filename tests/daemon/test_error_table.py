@@ -12,8 +12,7 @@ from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Status
 from dedupcore.store import StoreLockedError
 from dedupcore.wal import WalFailedError
-
-from .test_faults import read_frame
+from tests.support.daemon import read_frame
 
 ERROR_CLASSES = (
     errors.DedupError,

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,30 +25,20 @@ from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, DaemonServer
 from dedupcore.store import DedupStore
-from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
+from tests.support.daemon import (
+    Daemon,
+    Lab,
+    connect,
+    daemon_stats,
+    read_frame,
+    read_until_eof,
+    serving,
+)
+from tests.support.procs import PATIENCE, wait_until
+from tests.support.stores import unique_ns
 
-from .test_faults import read_frame, read_until_eof, wait_until
-from .test_limits import RESULT, connect, daemon_stats
-
-
-@contextlib.contextmanager
-def _serving(store: DedupStore, **options: Any) -> Iterator[tuple[DaemonServer, Path]]:
-    """A DaemonServer over ``store`` on its own loop thread: (server, socket path).
-    Stops it, closes the store and removes the socket's directory afterwards."""
-    home = Path(tempfile.mkdtemp(prefix="dc", dir="/tmp"))
-    server = DaemonServer(store, home / "d.sock", **options)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve_forever(),))
-    thread.start()
-    try:
-        wait_until(lambda: (home / "d.sock").exists(), "the socket")
-        yield server, home / "d.sock"
-    finally:
-        loop.call_soon_threadsafe(server.stop)
-        thread.join(PATIENCE)
-        loop.close()
-        store.close()
-        shutil.rmtree(home, ignore_errors=True)
+#: A 60 kB result.
+RESULT = b"r" * 60_000
 
 
 def _store_stats(daemon: Daemon) -> dict[str, Any]:
@@ -390,7 +378,7 @@ def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
     store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]
     ns = unique_ns("stuck")
     with contextlib.ExitStack() as stack:
-        server, sock = stack.enter_context(_serving(store, request_timeout=0.5))
+        server, sock = stack.enter_context(serving(store, request_timeout=0.5))
         stack.callback(gate.set)  # before the server stops: the commit thread may wait on it
         s = stack.enter_context(connect(sock))
         s.sendall(_claim(1, ns, ["k"]))
@@ -425,7 +413,7 @@ def test_frames_already_read_are_served_without_a_deadline_each(
 
     monkeypatch.setattr(server_mod, "_within", counting)
     ns = unique_ns("burst")
-    with _serving(DedupStore.open(tmp_path / "data")) as (_server, sock), connect(sock) as s:
+    with serving(DedupStore.open(tmp_path / "data")) as (_server, sock), connect(sock) as s:
         s.sendall(protocol.encode_request(1, Op.PING, {}))
         assert protocol.decode_response(read_frame(s)) == (1, Status.OK, "pong")
         before = deadlines
@@ -481,7 +469,7 @@ def test_pipelined_small_requests_in_one_write_are_all_answered_without_a_task_e
     pings = set(range(0, n, 10))
     frames = [_ping(i) if i in pings else _claim(i, ns, [f"k{i}"]) for i in range(n)]
     store = DedupStore.open(tmp_path / "data", durability=durability)
-    with _serving(store) as (server, sock), connect(sock) as s:
+    with serving(store) as (server, sock), connect(sock) as s:
         s.sendall(b"".join(frames))
         replies = [protocol.decode_response(read_frame(s)) for _ in range(n)]
         at_once = server.counters["answered_at_once"]
@@ -504,7 +492,7 @@ def test_a_frame_sent_a_byte_at_a_time_is_reassembled(tmp_path: Path) -> None:
     several reads, a body that comes a byte at a time."""
     ns = unique_ns("bytes")
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
-    with _serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
+    with serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
         conn = _only_connection(server)
         frame = _claim(7, ns, ["k"])
         # The first bytes one read each: the daemon holds each before the next comes.
@@ -529,7 +517,7 @@ def test_a_header_read_first_reserves_the_body_which_is_served_when_it_comes(
 ) -> None:
     ns = unique_ns("header")
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
-    with _serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
+    with serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
         frame = _claim(3, ns, ["k"])
         s.sendall(frame[:4])
         # The body's bytes are taken from the shared budget once the header is read.
@@ -546,7 +534,7 @@ def test_a_partial_frame_is_cut_off_after_the_request_timeout(tmp_path: Path) ->
     without a reply and gives its bytes back; another connection is not disturbed."""
     store = DedupStore.open(tmp_path / "data")
     with (
-        _serving(store, request_timeout=0.3) as (server, sock),
+        serving(store, request_timeout=0.3) as (server, sock),
         connect(sock) as stalled,
         connect(sock) as other,
     ):
@@ -567,7 +555,7 @@ def test_a_connection_is_closed_after_the_idle_timeout_with_nothing_in_flight(
     lowered once both are served: a wait for a request starting from then on gets
     it, so nothing here depends on how fast the test runs.)"""
     store = DedupStore.open(tmp_path / "data")
-    with _serving(store, idle_timeout=PATIENCE) as (server, sock), connect(sock) as served:
+    with serving(store, idle_timeout=PATIENCE) as (server, sock), connect(sock) as served:
         served.sendall(_ping(1))
         assert protocol.decode_response(read_frame(served)) == (1, Status.OK, "pong")
         server.idle_timeout = 0.3
@@ -601,7 +589,7 @@ def test_no_timer_is_set_per_request(
     monkeypatch.setattr(asyncio.BaseEventLoop, "call_at", counting)
     ns = unique_ns("timers")
     store = DedupStore.open(tmp_path / "data", durability=durability)
-    with _serving(store) as (_server, sock), connect(sock) as s:
+    with serving(store) as (_server, sock), connect(sock) as s:
         # The first request arms the timer for its deadline (the idle one, or a
         # commit's, earlier); those after it only move deadlines later.
         s.sendall(_claim(0, ns, ["first"]))
@@ -630,7 +618,7 @@ def test_max_in_flight_stops_reading_until_a_reply_is_written(tmp_path: Path) ->
     store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]  # the thread commits
     ns = unique_ns("slots")
     with contextlib.ExitStack() as stack:
-        server, sock = stack.enter_context(_serving(store, max_in_flight=2))
+        server, sock = stack.enter_context(serving(store, max_in_flight=2))
         stack.callback(gate.set)
         s = stack.enter_context(connect(sock))
         s.sendall(b"".join(_claim(i, ns, [f"k{i}"]) for i in range(6)))
@@ -663,7 +651,7 @@ def test_a_peer_that_stops_reading_is_paused_then_disconnected_or_served(
     _done_key(store, ns, RESULT)
     timeout = PATIENCE if reads_later else 0.5
     with (
-        _serving(store, max_unsent=64 << 10, write_timeout=timeout) as (server, sock),
+        serving(store, max_unsent=64 << 10, write_timeout=timeout) as (server, sock),
         connect(sock) as s,
     ):
         before = server.counters["requests"]
@@ -702,7 +690,7 @@ def _first_frame_held(
     big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (900 << 10)})
     other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (200 << 10)})
     with (
-        _serving(store, max_frame=limit, max_buffered=limit, request_timeout=PATIENCE) as (
+        serving(store, max_frame=limit, max_buffered=limit, request_timeout=PATIENCE) as (
             server,
             sock,
         ),
@@ -758,7 +746,7 @@ def test_a_bad_header_is_answered_then_the_connection_closes_after_its_replies(
     """A frame header the stream cannot recover from: the requests before it are
     answered, then the error (as request 0), then the connection is closed."""
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
-    with _serving(store) as (server, sock), connect(sock) as s:
+    with serving(store) as (server, sock), connect(sock) as s:
         s.sendall(_ping(1) + b"\x00\x00\x00\x00" + _ping(2))
         assert protocol.decode_response(read_frame(s)) == (1, Status.OK, "pong")
         rid, status, payload = protocol.decode_response(read_frame(s))

@@ -12,11 +12,8 @@ import resource
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -25,61 +22,19 @@ from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op
 from dedupcore.errors import UnavailableError
-from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
-
-NOBODY = 65534
-HEADER = struct.Struct(">I")
-
-
-def assert_serves(daemon: Daemon) -> None:
-    """A fresh client (in a fresh thread, so on a fresh connection) is answered."""
-    failures: list[BaseException] = []
-
-    def check() -> None:
-        try:
-            with Client(daemon.socket, timeout=PATIENCE) as c:
-                assert c.ping()
-                ns = unique_ns("ok")
-                claim = c.claim("k", namespace=ns)
-                assert claim.outcome is Outcome.NEW
-                c.complete("k", claim.token, namespace=ns, result=b"r")
-                assert c.claim("k", namespace=ns).result == b"r"
-        except BaseException as exc:
-            failures.append(exc)
-
-    t = threading.Thread(target=check)
-    t.start()
-    t.join()
-    assert not failures, failures
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = PATIENCE) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def open_connection(path: Path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # A blocking connect waits while the daemon's accept backlog is full (a
-    # non-blocking one fails with EAGAIN on a Unix socket).
-    s.connect(str(path))
-    s.settimeout(PATIENCE)
-    return s
-
-
-def read_until_eof(s: socket.socket) -> bytes:
-    data = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
+from tests.support.daemon import (
+    HEADER,
+    Daemon,
+    Lab,
+    assert_serves,
+    open_connection,
+    ping_from_child,
+    read_frame,
+    read_until_eof,
+    refused,
+)
+from tests.support.procs import NOBODY, PATIENCE, run_as, wait_until
+from tests.support.stores import unique_ns
 
 
 def connections_open(daemon: Daemon) -> int:
@@ -94,18 +49,6 @@ def connections_open(daemon: Daemon) -> int:
     _, status, payload = protocol.decode_response(data)
     assert status is protocol.Status.OK, payload
     return int(payload["daemon"]["connections_open"])
-
-
-def read_frame(s: socket.socket) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "connection closed"
-            buf += chunk
-        return buf
-
-    return exact(HEADER.unpack(exact(4))[0])
 
 
 # -- slow, idle and killed clients ----------------------------------------------------------
@@ -267,52 +210,6 @@ def test_a_client_killed_mid_request_leaves_the_daemon_serving(lab: Lab) -> None
 # -- socket security ------------------------------------------------------------------------
 
 
-def run_as(uid: int, gid: int, fn: Callable[[], str]) -> str:
-    """Runs ``fn`` in a forked child with the given uid/gid; returns what it reports."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            message = fn()
-        except BaseException as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            code = 1
-        try:
-            os.write(w, message.encode(errors="replace")[:4000])
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks = []
-    with os.fdopen(r, "rb") as fh:
-        chunks.append(fh.read())
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the child running as another user hung")
-        time.sleep(0.05)
-    return b"".join(chunks).decode()
-
-
-def ping_from_child(path: Path) -> Callable[[], str]:
-    def ping() -> str:
-        with Client(path, timeout=30.0, retries=1) as c:
-            ns = unique_ns("other-user")
-            claim = c.claim("k", namespace=ns)
-            return f"pong {c.ping()} {claim.outcome.value}"
-
-    return ping
-
-
 def open_up_for_others(daemon: Daemon) -> None:
     """Lets any user reach the socket through the file system (as root we may).
 
@@ -386,13 +283,6 @@ def test_a_user_who_may_not_open_the_socket_gets_unavailable(lab: Lab) -> None:
     os.chmod(daemon.home, 0o711)
     report = run_as(NOBODY, NOBODY, ping_from_child(daemon.socket))
     assert report.startswith("UnavailableError"), report
-
-
-def refused(lab: Lab, *args: str) -> str:
-    rc, out = lab.serve_expecting_refusal(*args)
-    assert rc != 0, out
-    assert "Traceback" not in out, out
-    return out
 
 
 def test_a_symlink_socket_path_is_refused(lab: Lab) -> None:

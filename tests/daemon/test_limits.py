@@ -12,7 +12,6 @@ import resource
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +19,12 @@ import pytest
 
 from dedupcore import errors
 from dedupcore.api import Outcome
-from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.daemon.server import EXIT_STORE_FAILED
-from tests.support.daemon import PATIENCE, Daemon, Lab, unique_ns
-
-from .test_faults import (
-    assert_serves,
-    read_frame,
-    wait_until,
-)
+from tests.support.daemon import Daemon, Lab, assert_serves, connect, daemon_stats, read_frame
+from tests.support.procs import PATIENCE, wait_until
+from tests.support.stores import unique_ns
 
 RESULT = b"r" * 60_000
 
@@ -41,28 +35,6 @@ def configured(lab: Lab, **settings: Any) -> Daemon:
     config = home / "serve.toml"
     config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
     return lab.daemon("--config", str(config))
-
-
-def daemon_stats(daemon: Daemon) -> dict[str, Any]:
-    with Client(daemon.socket, timeout=PATIENCE) as c:
-        figures: dict[str, Any] = c.stats()["daemon"]
-        return figures
-
-
-def connect(path: Path) -> socket.socket:
-    """A connection; retried (within PATIENCE) while the daemon's accept backlog is full."""
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(PATIENCE)
-        try:
-            s.connect(str(path))
-            return s
-        except BlockingIOError:
-            s.close()
-            if time.monotonic() > deadline:
-                raise AssertionError("the daemon accepts no connection") from None
-            time.sleep(0.01)
 
 
 def rss_bytes(pid: int) -> int:
@@ -212,27 +184,14 @@ def test_sigterm_does_not_wait_on_a_peer_that_takes_no_reply(lab: Lab) -> None:
 # -- descriptors and a failed store --------------------------------------------------------
 
 
-class LimitedDaemon(Daemon):
-    """A daemon started with this open-file limit (set in its process before the exec)."""
-
-    def __init__(self, home: Path, nofile: tuple[int, int]) -> None:
-        super().__init__(home, home / "data", home / "s" / "d.sock", [])
-        self.nofile = nofile
-
-    def command(self) -> list[str]:
-        soft, hard = self.nofile
-        prelude = (
-            "import os, resource, sys; "
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
-            "os.execv(sys.executable, sys.argv[1:])"
-        )
-        return [sys.executable, "-c", prelude, *super().command()]
-
-
 def limited_daemon(lab: Lab, soft: int, hard: int) -> Daemon:
-    daemon = LimitedDaemon(lab.tmpdir(), (soft, hard))
-    lab.daemons.append(daemon)
-    return daemon.start()
+    """A daemon started with this open-file limit (set in its process before the exec)."""
+    prelude = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
+    return lab.daemon(prefix=[sys.executable, "-c", prelude])
 
 
 def open_files_limit(pid: int) -> tuple[int, int]:

@@ -10,9 +10,8 @@ import urllib.request
 import pytest
 
 from dedupcore.cli.config import SettingsError, load
-from tests.support.daemon import PATIENCE, Lab
-
-from .test_config import serve_args, write
+from tests.support.daemon import Lab, serve_args
+from tests.support.procs import PATIENCE
 
 pytest.importorskip("prometheus_client")
 
@@ -79,7 +78,8 @@ def test_metrics_served_on_the_address_given(lab: Lab, host: str) -> None:
 def test_the_settings_file_sets_the_host_and_any_address_reaches_loopback(lab: Lab) -> None:
     home = lab.tmpdir()
     port = free_port("0.0.0.0")
-    config = write(home, f'metrics_port = {port}\nmetrics_host = "0.0.0.0"\n', "m.toml")
+    config = home / "m.toml"
+    config.write_text(f'metrics_port = {port}\nmetrics_host = "0.0.0.0"\n')
     daemon = lab.daemon("--config", str(config))
     assert "dedupcore_in_flight" in scrape("127.0.0.1", port)
     assert "dedupcore_in_flight" in scrape("127.0.0.3", port)

@@ -18,7 +18,9 @@ from dedupcore.api import Outcome
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
-from tests.support.daemon import PATIENCE, Lab, unique_ns
+from tests.support.daemon import Lab
+from tests.support.procs import PATIENCE
+from tests.support.stores import unique_ns
 
 HEADER = struct.Struct(">I")
 

@@ -30,7 +30,8 @@ from dedupcore.errors import (
     UnavailableError,
 )
 from dedupcore.record import State
-from tests.support.daemon import Daemon, unique_ns
+from tests.support.daemon import Daemon
+from tests.support.stores import unique_ns
 
 HEADER = struct.Struct(">I")
 

@@ -21,9 +21,9 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon.server import DaemonServer, inherited_socket
-from tests.support.daemon import PATIENCE, Daemon, Lab, child_env, unique_ns
-
-from .test_faults import NOBODY, ping_from_child, run_as
+from tests.support.daemon import Daemon, Lab, ping_from_child
+from tests.support.procs import NOBODY, PATIENCE, child_env, run_as
+from tests.support.stores import unique_ns
 
 #: What systemd does before it runs the service: the socket on descriptor 3, LISTEN_PID
 #: the pid of the process that execs the service, LISTEN_FDS the number of sockets.
@@ -57,34 +57,35 @@ class Activation:
         #: A --socket path of its own, for a daemon that is not activated.
         self.unused = self.home / "unused" / "d.sock"
 
+    def wrapper(self, listen_pid: str = "self", fd3: int | str | None = None) -> list[str]:
+        """The command that puts ``fd3`` (default: the listener) on descriptor 3 and sets
+        LISTEN_PID before it execs the daemon (``"devnull"``: a file, not a socket)."""
+        source = self.listener.fileno() if fd3 is None else fd3
+        return [sys.executable, "-c", WRAPPER, str(source), listen_pid]
+
     def command(
         self, socket_path: Path, listen_pid: str = "self", fd3: int | str | None = None
     ) -> list[str]:
-        """The wrapper that puts ``fd3`` (default: the listener) on descriptor 3, then
-        execs ``dedupcore serve --socket socket_path`` (``"devnull"``: a file, not a socket)."""
-        source = self.listener.fileno() if fd3 is None else fd3
-        serve = [
-            *Daemon(self.home, self.home / "data", socket_path, []).command(),
-            "--log-level",
-            "DEBUG",
-        ]
-        return [sys.executable, "-c", WRAPPER, str(source), listen_pid, *serve]
+        """``dedupcore serve --socket socket_path`` through the wrapper."""
+        daemon = Daemon(
+            self.home,
+            self.home / "data",
+            socket_path,
+            ["--log-level", "DEBUG"],
+            prefix=self.wrapper(listen_pid, fd3),
+        )
+        return daemon.command()
 
     def start(self, *, socket_path: Path, listen_pid: str = "self") -> Daemon:
         """A daemon started through the wrapper with ``--socket socket_path``."""
-        d = self.lab.daemon(data=self.home / "data", socket=socket_path, start=False)
-        with open(d.log, "ab") as log:
-            d.proc = subprocess.Popen(
-                self.command(socket_path, listen_pid),
-                pass_fds=(self.listener.fileno(),),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env(),
-                cwd=self.home,
-            )
-        d.wait_ready()
-        return d
+        return self.lab.daemon(
+            "--log-level",
+            "DEBUG",
+            data=self.home / "data",
+            socket=socket_path,
+            prefix=self.wrapper(listen_pid),
+            pass_fds=(self.listener.fileno(),),
+        )
 
     def close(self) -> None:
         self.listener.close()

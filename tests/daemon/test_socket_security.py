@@ -6,53 +6,12 @@ from __future__ import annotations
 
 import grp
 import os
-import signal
-import time
-from collections.abc import Callable
 
 from dedupcore.daemon.server import peer_admitted
-from tests.support.daemon import PATIENCE, Lab
-
-from .test_faults import (
-    NOBODY,
-    assert_serves,
-    ping_from_child,
-    refused,
-)
+from tests.support.daemon import Lab, assert_serves, ping_from_child, refused
+from tests.support.procs import NOBODY, run_as
 
 # -- group members -------------------------------------------------------------------------
-
-
-def run_as(uid: int, gid: int, groups: list[int], fn: Callable[[], str]) -> str:
-    """Runs ``fn`` in a forked child with these uid, primary gid and supplementary groups."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            message = fn()
-        except BaseException as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            code = 1
-        try:
-            os.write(w, message.encode(errors="replace")[:4000])
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        report = fh.read()
-    deadline = time.monotonic() + PATIENCE
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the child running as another user hung")
-        time.sleep(0.05)
-    return report.decode()
 
 
 def test_a_member_through_a_supplementary_group_is_admitted(lab: Lab) -> None:
@@ -61,12 +20,12 @@ def test_a_member_through_a_supplementary_group_is_admitted(lab: Lab) -> None:
     member = grp.getgrnam("nogroup").gr_gid
     primary = grp.getgrnam("daemon").gr_gid
     assert primary != member
-    report = run_as(NOBODY, primary, [member], ping_from_child(daemon.socket))
+    report = run_as(NOBODY, primary, ping_from_child(daemon.socket), groups=[member])
     assert report == "pong True new", report
     # Without the group the same user is refused.
     os.chmod(daemon.socket, 0o666)
     os.chmod(daemon.socket.parent, 0o755)
-    report = run_as(NOBODY, primary, [], ping_from_child(daemon.socket))
+    report = run_as(NOBODY, primary, ping_from_child(daemon.socket))
     assert report.startswith("UnavailableError"), report
 
 

@@ -25,9 +25,9 @@ from dedupcore.stack import ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.base import failure_of
 from dedupcore.writebehind import MemoryTable, WriteBehindStore
-from tests.support.daemon import PATIENCE, unique_ns
-
-from .test_fastpath import _serving
+from tests.support.daemon import serving
+from tests.support.procs import PATIENCE
+from tests.support.stores import unique_ns
 
 #: No checkpoint while a test runs: every write goes to the log first.
 QUIET = {"checkpoint_records": 10**9, "checkpoint_interval": 1e9}
@@ -66,7 +66,7 @@ def test_an_instrumented_store_answers_ordinary_errors_and_keeps_serving(
 ) -> None:
     store = instrument(DedupStore.open(tmp_path / "data", **QUIET), _fresh_metrics())
     assert store.failed is None
-    with _serving(store) as (server, path), Client(path, timeout=PATIENCE) as c:
+    with serving(store) as (server, path), Client(path, timeout=PATIENCE) as c:
         ns = unique_ns("instrumented")
         first = c.claim("k", namespace=ns, fingerprint=b"a")
         assert first.outcome is Outcome.NEW
@@ -104,7 +104,7 @@ def test_a_wrapped_store_that_fails_stops_the_daemon(
     build: Callable[[Path], ClaimAPI],
 ) -> None:
     store = build(tmp_path)
-    with _serving(store) as (server, path), Client(path, timeout=PATIENCE, retries=0) as c:
+    with serving(store) as (server, path), Client(path, timeout=PATIENCE, retries=0) as c:
         ns = unique_ns("wrapped")
         kept = c.claim_many([f"kept-{i}" for i in range(8)], namespace=ns)
         assert all(k.outcome is Outcome.NEW for k in kept)

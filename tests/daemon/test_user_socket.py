@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dedupcore import aio
 from dedupcore.client import DEFAULT_SOCKET, Client, default_socket
-from tests.support.daemon import PATIENCE, ROOT, Daemon, Lab, child_env, unique_ns
-
-from .test_faults import NOBODY, run_as
+from tests.support.daemon import Daemon, Lab
+from tests.support.procs import NOBODY, PATIENCE, ROOT, child_env, run_as, run_cli
+from tests.support.stores import unique_ns
 
 SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
@@ -46,21 +44,19 @@ def owned_by_nobody(path: Path, mode: int = 0o700) -> Path:
     return path
 
 
-class NobodyDaemon(Daemon):
-    """``dedupcore serve`` run as nobody with no --socket: it picks its default.
+def nobody_daemon(lab: Lab, home: Path, runtime: Path | None) -> Daemon:
+    """``dedupcore serve`` run as nobody (through setpriv) with no --socket: it picks its
+    default, where the returned daemon expects it.
 
     The test (root) may connect too (--allow-uid 0), so the launcher's readiness
     check works unchanged.
     """
-
-    def __init__(self, home: Path, runtime: Path | None) -> None:
-        expected = runtime / "dedupcore" / "dedupcore.sock" if runtime else Path(DEFAULT_SOCKET)
-        super().__init__(home, home / "data", expected, ["--allow-uid", "0"])
-        self.runtime = runtime
-
-    def command(self) -> list[str]:
-        serve = [sys.executable, "-m", "dedupcore", "serve", "--data", str(self.data)]
-        return [*SETPRIV, *serve, *self.args]
+    expected = runtime / "dedupcore" / "dedupcore.sock" if runtime else Path(DEFAULT_SOCKET)
+    daemon = Daemon(
+        home, home / "data", expected, ["--allow-uid", "0"], prefix=SETPRIV, socket_arg=False
+    )
+    lab.daemons.append(daemon)
+    return daemon.start()
 
 
 def nobody_home(lab: Lab) -> Path:
@@ -101,9 +97,7 @@ def test_a_user_serves_and_is_found_in_its_runtime_directory(
     runtime = owned_by_nobody(home / "run")
     for name, value in nobody_env(runtime).items():  # what the launcher passes on
         monkeypatch.setenv(name, value)
-    daemon = NobodyDaemon(home, runtime)
-    lab.daemons.append(daemon)
-    daemon.start()
+    nobody_daemon(lab, home, runtime)
     sock = runtime / "dedupcore" / "dedupcore.sock"
     assert sock.is_socket() and os.stat(sock).st_uid == NOBODY
     assert os.stat(sock.parent).st_uid == NOBODY
@@ -123,14 +117,8 @@ def test_a_user_serves_and_is_found_in_its_runtime_directory(
         return f"{path} {first} {asyncio.run(again())}"
 
     assert run_as(NOBODY, NOBODY, clients) == f"{sock} new in_progress"
-    stats = subprocess.run(
-        [*SETPRIV, sys.executable, "-m", "dedupcore", "stats", "--json", "--interval", "0"],
-        capture_output=True,
-        text=True,
-        env=nobody_env(runtime),
-        cwd=ROOT,
-        timeout=PATIENCE,
-        check=False,
+    stats = run_cli(
+        "stats", "--json", "--interval", "0", prefix=SETPRIV, env=nobody_env(runtime), cwd=ROOT
     )
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["namespaces"][ns]["new"] == 1
@@ -140,15 +128,8 @@ def test_a_user_without_a_runtime_directory_is_told_what_to_do(lab: Lab) -> None
     system_dir = Path(DEFAULT_SOCKET).parent
     there = system_dir.exists()  # made by a root daemon on the default path, or not
     home = nobody_home(lab)
-    out = subprocess.run(
-        [*SETPRIV, sys.executable, "-m", "dedupcore", "serve", "--data", str(home / "data")],
-        capture_output=True,
-        text=True,
-        env=nobody_env(None),
-        cwd=home,
-        stdin=subprocess.DEVNULL,
-        timeout=PATIENCE,
-        check=False,
+    out = run_cli(
+        "serve", "--data", str(home / "data"), prefix=SETPRIV, env=nobody_env(None), cwd=home
     )
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr

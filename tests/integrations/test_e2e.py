@@ -43,9 +43,7 @@ from typing import Any
 import pytest
 
 from dedupcore.patterns.table import ensure_table
-from tests.support.servers import require_server
-
-from .conftest import AMQP_URL, NATS_URL, PG_URL, pg_connect, uid
+from tests.support.servers import SERVERS, pg_connect, require_server, uid
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = Path(__file__).with_name("e2e_consumer.py")
@@ -267,7 +265,7 @@ def run_scenario(
     config = dict(
         config,
         mode=figures.mode,
-        pg_url=PG_URL,
+        pg_url=SERVERS.postgresql,
         accounts=business.accounts,
         changelog=business.changelog,
         dedup_table=business.dedup,
@@ -366,23 +364,23 @@ def rabbit_counts(queue: str) -> tuple[int, int] | None:
 
 @pytest.fixture
 def rabbit_queue() -> Iterator[str]:
-    require_server("rabbitmq", 5672)
+    require_server("rabbitmq")
     import pika
 
     q = uid("e2e_q")
-    conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
     conn.channel().queue_declare(q)
     conn.close()
     yield q
     with contextlib.suppress(Exception):
-        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
         conn.channel().queue_delete(q)
         conn.close()
 
 
 @pytest.mark.parametrize("mode", ["dedup", "plain"])
 def test_rabbitmq_transfers_exactly_once(mode: str, rabbit_queue: str, tmp_path: Path) -> None:
-    require_server("postgresql", 5432)
+    require_server("postgresql")
     import pika
 
     transfers = Transfers.make(MESSAGES, RETRY_FRACTION, seed=1)
@@ -390,7 +388,7 @@ def test_rabbitmq_transfers_exactly_once(mode: str, rabbit_queue: str, tmp_path:
     business = Business()
 
     def publish() -> None:
-        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
         ch = conn.channel()
         ch.confirm_delivery()  # basic_publish returns once the broker confirmed (raises if not)
         for tid, attempt in transfers.publishes:
@@ -409,7 +407,7 @@ def test_rabbitmq_transfers_exactly_once(mode: str, rabbit_queue: str, tmp_path:
 
     def drained() -> bool:
         # Cheap check first (ready messages), then the broker's own count of unacked ones.
-        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
         ready = conn.channel().queue_declare(rabbit_queue, passive=True).method.message_count
         conn.close()
         return ready == 0 and rabbit_counts(rabbit_queue) in ((0, 0), None)
@@ -419,14 +417,14 @@ def test_rabbitmq_transfers_exactly_once(mode: str, rabbit_queue: str, tmp_path:
             figures=figures,
             business=business,
             transfers=transfers,
-            config={"broker": "rabbitmq", "amqp_url": AMQP_URL, "queue": rabbit_queue},
+            config={"broker": "rabbitmq", "amqp_url": SERVERS.rabbitmq, "queue": rabbit_queue},
             publish=publish,
             drained=drained,
             tmp_path=tmp_path,
         )
         assert figures.published == len(transfers.publishes)
         # All consumers are gone: anything they had not acked would be ready again now.
-        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
         assert conn.channel().queue_declare(rabbit_queue, passive=True).method.message_count == 0
         conn.close()
         assert figures.chaos_kills > 0 and figures.self_kills_between_commit_and_ack > 0
@@ -459,7 +457,7 @@ class Nats:
         import nats
         from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
-        nc = await nats.connect(NATS_URL)
+        nc = await nats.connect(SERVERS.nats)
         js = nc.jetstream()
         await js.add_stream(
             StreamConfig(name=self.stream, subjects=[self.subject], storage=StorageType.MEMORY)
@@ -514,7 +512,7 @@ class Nats:
 
 @pytest.fixture
 def jetstream() -> Iterator[Nats]:
-    require_server("nats", 4222)
+    require_server("nats")
     n = Nats()
     yield n
     n.close()
@@ -522,7 +520,7 @@ def jetstream() -> Iterator[Nats]:
 
 @pytest.mark.parametrize("mode", ["dedup", "plain"])
 def test_jetstream_transfers_exactly_once(mode: str, jetstream: Nats, tmp_path: Path) -> None:
-    require_server("postgresql", 5432)
+    require_server("postgresql")
     transfers = Transfers.make(MESSAGES, RETRY_FRACTION, seed=2)
     figures = Figures("nats", mode, messages=MESSAGES)
     business = Business()
@@ -533,7 +531,7 @@ def test_jetstream_transfers_exactly_once(mode: str, jetstream: Nats, tmp_path: 
             transfers=transfers,
             config={
                 "broker": "nats",
-                "nats_url": NATS_URL,
+                "nats_url": SERVERS.nats,
                 "stream": jetstream.stream,
                 "subject": jetstream.subject,
                 "durable": jetstream.durable,

@@ -1,4 +1,4 @@
-"""KafkaDedupLoop against the stand-in consumer (no Kafka broker runs here; see kafka_standin)."""
+"""KafkaDedupLoop against the stand-in consumer of tests/support/fakes.py (no broker runs here)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from dedupcore.api import Outcome
 from dedupcore.integrations.kafka import KafkaDedupLoop, MissingKeyError
 from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable
 from dedupcore.record import State
-
-from .conftest import FirstBlocks
-from .kafka_standin import Cluster, Record, StandInConsumer
+from tests.support.fakes import FirstBlocks, KafkaCluster, Record, StandInConsumer
 
 NS = "payments/ledger"
 TOPIC = "payments"
@@ -73,7 +71,7 @@ class Handler:
 
 
 def make(
-    cluster: Cluster, store: Any, handler: Any, **kw: Any
+    cluster: KafkaCluster, store: Any, handler: Any, **kw: Any
 ) -> tuple[KafkaDedupLoop, StandInConsumer]:
     consumer = StandInConsumer(cluster)
     kw.setdefault("key", body_key)
@@ -93,7 +91,7 @@ def drain(loop: KafkaDedupLoop, rounds: int = 20) -> None:
 
 @pytest.mark.parametrize("kind", ["embedded", "daemon", "redis"])
 def test_batch_claims_once_completes_then_commits(kind: str, store_factory: Any) -> None:
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for i, k in enumerate(["a", "b", "a", "c", "b"]):
         cluster.produce(TOPIC, i % 2, rec(k))
     log: list[str] = []
@@ -117,7 +115,7 @@ def test_batch_claims_once_completes_then_commits(kind: str, store_factory: Any)
 
 def test_kill_between_completion_and_commit_replays_as_duplicates(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "abcd":
         cluster.produce(TOPIC, 0, rec(k))
     handler = Handler()
@@ -142,7 +140,7 @@ def test_kill_between_completion_and_commit_replays_as_duplicates(store_factory:
 
 def test_failure_stops_the_partition_releases_and_retries_in_order(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in ["p0-a", "p0-bad", "p0-c", "p0-d"]:
         cluster.produce(TOPIC, 0, rec(k))
     for k in ["p1-a", "p1-b"]:
@@ -171,7 +169,7 @@ def test_in_progress_pauses_the_partition_until_the_other_owner_is_done(
 ) -> None:
     store = store_factory("embedded")
     other = store.claim("x", namespace=NS, lease=120.0, owner="another-consumer")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in ["w", "x", "y"]:
         cluster.produce(TOPIC, 0, rec(k))
     handler = Handler()
@@ -192,7 +190,7 @@ def test_in_progress_pauses_the_partition_until_the_other_owner_is_done(
 def test_revoked_partitions_release_in_flight_claims(store_factory: Any) -> None:
     """An interrupted batch leaves claims in flight; the revoke settles them."""
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "abcde":
         cluster.produce(TOPIC, 0, rec(k))
     handled: list[str] = []
@@ -228,7 +226,7 @@ def test_revoked_partitions_release_in_flight_claims(store_factory: Any) -> None
 
 def test_lost_partitions_release_but_do_not_commit(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "abc":
         cluster.produce(TOPIC, 0, rec(k))
 
@@ -250,7 +248,7 @@ def test_lost_partitions_release_but_do_not_commit(store_factory: Any) -> None:
 
 def test_close_settles_in_flight_claims(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "ab":
         cluster.produce(TOPIC, 0, rec(k))
 
@@ -270,7 +268,7 @@ def test_close_settles_in_flight_claims(store_factory: Any) -> None:
 
 def test_missing_key_raises_after_committing_what_came_before(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     cluster.produce(TOPIC, 0, rec("a"))
     cluster.produce(TOPIC, 0, Record(b"not json"))
     cluster.produce(TOPIC, 0, rec("c"))
@@ -286,7 +284,7 @@ def test_missing_key_raises_after_committing_what_came_before(store_factory: Any
 
 def test_on_invalid_is_the_dead_letter_path(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     cluster.produce(TOPIC, 0, rec("a"))
     cluster.produce(TOPIC, 0, Record(b"not json"))
     cluster.produce(TOPIC, 0, rec("k" * 600))  # longer than the store's max_key_bytes
@@ -307,7 +305,7 @@ def test_on_invalid_is_the_dead_letter_path(store_factory: Any) -> None:
 
 def test_key_falls_back_to_header_record_key_then_offset(store_factory: Any) -> None:
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     cluster.produce(TOPIC, 0, Record(b"{}", headers=[("x-id", b"hdr")]))
     cluster.produce(TOPIC, 0, Record(b"{}", key=b"rk"))
     cluster.produce(TOPIC, 0, Record(b"{}"))
@@ -323,7 +321,7 @@ def test_table_mode_on_sqlite(tmp_path: Path) -> None:
     conn.execute("CREATE TABLE ledger (k TEXT)")
     conn.commit()
     table = TransactionalTable(conn)
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in ["a", "boom", "a", "b"]:
         cluster.produce(TOPIC, 0, rec(k))
     calls: list[str] = []
@@ -378,7 +376,7 @@ def test_stop_finishes_the_message_in_flight_and_starts_nothing_after(
     once, the rest of the batch is not run; after a restart that replays everything, the
     finished message is a DUPLICATE and only the others run."""
     store = store_factory(kind)
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "abc":
         cluster.produce(TOPIC, 0, rec(k))
     cluster.produce(TOPIC, 1, rec("d"))
@@ -418,7 +416,7 @@ def test_stop_from_the_loop_thread_does_not_wait(store_factory: Any) -> None:
     """The handler (or a signal handler on the loop's thread) asks for the stop: the
     message finishes and run() returns after it."""
     store = store_factory("embedded")
-    cluster = Cluster()
+    cluster = KafkaCluster()
     for k in "abc":
         cluster.produce(TOPIC, 0, rec(k))
     seen: list[bool] = []

@@ -2,7 +2,8 @@
 
 ``./dev test`` starts one (Tansu, in memory, on 127.0.0.1:9092: scripts/services.sh)
 and points these tests at it through ``DEDUPCORE_KAFKA_BOOTSTRAP=host:port``; any
-other Kafka-protocol broker can be given the same way. Like every server of the
+other Kafka-protocol broker can be given the same way (or ``--kafka-bootstrap``,
+tests/support/servers.py). Like every server of the
 suite, an unreachable broker skips them outside CI and fails them in CI.
 Each test uses its own topic and consumer groups (uuid names).
 """
@@ -10,7 +11,6 @@ Each test uses its own topic and consumer groups (uuid names).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
@@ -23,27 +23,23 @@ import pytest
 from dedupcore import DedupStore
 from dedupcore.integrations.kafka import BatchReport, KafkaDedupLoop
 from dedupcore.record import State
-from tests.support.servers import require_server
+from tests.support.fakes import FirstBlocks
+from tests.support.servers import SERVERS, require_server
 
-from .conftest import FirstBlocks
-
-BOOTSTRAP = os.environ.get("DEDUPCORE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 NS = "payments/ledger"
 PATIENCE = 60.0
 
 
 @pytest.fixture(autouse=True)
 def _broker() -> None:
-    host, _, port = BOOTSTRAP.rpartition(":")
-    if host in ("127.0.0.1", "localhost"):
-        require_server("kafka", int(port))
+    require_server("kafka")
 
 
 @pytest.fixture
 def topic() -> Iterator[str]:
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
+    admin = AdminClient({"bootstrap.servers": SERVERS.kafka})
     name = f"dc_{uuid.uuid4().hex[:16]}"
     admin.create_topics([NewTopic(name, num_partitions=2, replication_factor=1)])[name].result(
         PATIENCE
@@ -55,7 +51,7 @@ def topic() -> Iterator[str]:
 def produce(topic: str, keys: list[str]) -> None:
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": BOOTSTRAP})
+    p = Producer({"bootstrap.servers": SERVERS.kafka})
     for i, k in enumerate(keys):
         p.produce(topic, json.dumps({"id": k}).encode(), partition=i % 2)
     assert p.flush(PATIENCE) == 0
@@ -66,7 +62,7 @@ def make(topic: str, group: str, store: Any, handler: Any) -> KafkaDedupLoop:
 
     consumer = Consumer(
         {
-            "bootstrap.servers": BOOTSTRAP,
+            "bootstrap.servers": SERVERS.kafka,
             "group.id": group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",

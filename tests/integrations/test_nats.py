@@ -20,9 +20,8 @@ from dedupcore.api import Outcome
 from dedupcore.integrations.nats import JetStreamConsumer
 from dedupcore.integrations.rabbitmq import Delivery, TransactionalTable, Verdict
 from dedupcore.record import State
-from tests.support.servers import require_server
-
-from .conftest import NATS_URL, FirstBlocks, uid
+from tests.support.fakes import FirstBlocks, Recorder
+from tests.support.servers import SERVERS, require_server, uid
 
 NS = "transfers/ledger"
 PATIENCE = 60.0
@@ -58,7 +57,7 @@ async def stream(**consumer_config: Any) -> AsyncIterator[Stream]:
     import nats
     from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
-    nc = await nats.connect(NATS_URL)
+    nc = await nats.connect(SERVERS.nats)
     js = nc.jetstream()
     u = uid("dc")
     s = Stream(nc, js, u.upper(), f"dc.{u}", f"c_{u}")
@@ -92,24 +91,9 @@ async def run_until(
         await task
 
 
-class Recorder:
-    def __init__(self, fail: int = 0) -> None:
-        self.calls: list[Delivery] = []
-        self.fail = fail
-
-    def __call__(self, d: Delivery) -> None:
-        self.calls.append(d)
-        if len(self.calls) <= self.fail:
-            raise RuntimeError("handler failure")
-
-    @property
-    def keys(self) -> list[Any]:
-        return [d.key for d in self.calls]
-
-
 @pytest.fixture(autouse=True)
 def _nats() -> None:
-    require_server("nats", 4222)
+    require_server("nats")
 
 
 @pytest.mark.parametrize("kind", ["embedded", "daemon", "redis"])

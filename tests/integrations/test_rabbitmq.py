@@ -25,10 +25,11 @@ from dedupcore.integrations.rabbitmq import (
     Verdict,
 )
 from dedupcore.record import State
-from tests.support.servers import require_server
+from tests.support.fakes import FirstBlocks, Recorder
+from tests.support.servers import SERVERS, require_server, uid
 
-from .conftest import AMQP_URL, STORE_KINDS, FirstBlocks, uid
-
+#: The rows of the store matrix (tests/support/stores.py) these tests run against.
+STORE_KINDS = ("embedded", "daemon", "sql", "redis")
 NS = "transfers/ledger"
 PATIENCE = 60.0
 
@@ -54,23 +55,6 @@ def pump(ch: Any, until: Callable[[], bool], timeout: float = PATIENCE) -> None:
 
 def ready(ch: Any, queue: str) -> int:
     return int(ch.queue_declare(queue, passive=True).method.message_count)
-
-
-class Recorder:
-    """A handler that records its calls and can fail its first ``fail`` calls."""
-
-    def __init__(self, fail: int = 0) -> None:
-        self.calls: list[Delivery] = []
-        self.fail = fail
-
-    def __call__(self, d: Delivery) -> None:
-        self.calls.append(d)
-        if len(self.calls) <= self.fail:
-            raise RuntimeError("handler failure")
-
-    @property
-    def keys(self) -> list[Any]:
-        return [d.key for d in self.calls]
 
 
 @pytest.mark.parametrize("kind", STORE_KINDS)
@@ -276,7 +260,7 @@ async def aio_ready(queue: str) -> int:
     """
     import aio_pika
 
-    conn = await aio_pika.connect(AMQP_URL)
+    conn = await aio_pika.connect(SERVERS.rabbitmq)
     try:
         ch = await conn.channel()
         declared = await ch.declare_queue(queue, passive=True)
@@ -303,7 +287,7 @@ async def _aio_run(
 ) -> AsyncDedupConsumer:
     import aio_pika
 
-    conn = await aio_pika.connect_robust(AMQP_URL)
+    conn = await aio_pika.connect_robust(SERVERS.rabbitmq)
     try:
         ch = await conn.channel()
         await ch.set_qos(prefetch_count=10)
@@ -330,7 +314,7 @@ async def _aio_run(
 
 def test_aio_pika_concurrent_copies_of_a_key_run_once(store_factory: Any) -> None:
     """Ten copies of one key arrive at once (prefetch 10): the handler runs once."""
-    require_server("rabbitmq", 5672)
+    require_server("rabbitmq")
     store = store_factory("embedded")
     calls: list[Any] = []
 
@@ -352,7 +336,7 @@ def test_aio_pika_concurrent_copies_of_a_key_run_once(store_factory: Any) -> Non
 
 
 def test_aio_pika_with_the_async_daemon_client_and_failures(store_factory: Any) -> None:
-    require_server("rabbitmq", 5672)
+    require_server("rabbitmq")
     from dedupcore import aio
 
     sync_client = store_factory("daemon")
@@ -433,7 +417,7 @@ def test_pika_stop_from_another_thread_finishes_the_message_in_flight(
     errors: list[BaseException] = []
 
     def consume() -> None:  # a connection of its own: pika objects stay on their thread
-        conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        conn = pika.BlockingConnection(pika.URLParameters(SERVERS.rabbitmq))
         try:
             ch = conn.channel()
             ch.basic_qos(prefetch_count=10)  # b and c wait in pika's buffer meanwhile
@@ -503,7 +487,7 @@ def test_pika_stop_from_a_signal_handler(channel: Any, store_factory: Any) -> No
 
 def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> None:
     """stop() from a worker thread while the handler awaits an event."""
-    require_server("rabbitmq", 5672)
+    require_server("rabbitmq")
     import aio_pika
 
     store = store_factory("embedded")
@@ -511,7 +495,7 @@ def test_aio_pika_stop_finishes_the_message_in_flight(store_factory: Any) -> Non
     handler, calls = blocking.handle_async, blocking.calls
 
     async def main() -> None:
-        conn = await aio_pika.connect_robust(AMQP_URL)
+        conn = await aio_pika.connect_robust(SERVERS.rabbitmq)
         try:
             ch = await conn.channel()
             await ch.set_qos(prefetch_count=1)
@@ -577,14 +561,14 @@ def test_pika_stop_nacks_a_held_message_at_once(channel: Any, store_factory: Any
 
 
 def test_aio_pika_stop_nacks_a_held_message_at_once(store_factory: Any) -> None:
-    require_server("rabbitmq", 5672)
+    require_server("rabbitmq")
     import aio_pika
 
     store = store_factory("embedded")
     store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
 
     async def main() -> None:
-        conn = await aio_pika.connect_robust(AMQP_URL)
+        conn = await aio_pika.connect_robust(SERVERS.rabbitmq)
         try:
             ch = await conn.channel()
             q = await ch.declare_queue(f"dc_aio_{uuid.uuid4().hex[:16]}", auto_delete=False)
@@ -633,7 +617,7 @@ def test_pika_select_connection_stop_from_another_thread(channel: Any, store_fac
     def run() -> None:
         try:
             conn = pika.SelectConnection(
-                pika.URLParameters(AMQP_URL),
+                pika.URLParameters(SERVERS.rabbitmq),
                 on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
                 on_close_callback=lambda c, reason: c.ioloop.stop(),
             )

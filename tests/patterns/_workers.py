@@ -9,14 +9,10 @@ from typing import Any
 
 def connect(engine: str, sqlite_path: str) -> Any:
     """A transactional DB-API connection of its own."""
-    if engine == "postgresql":
-        import psycopg
+    if engine != "sqlite":
+        from tests.support.servers import sql_connect
 
-        return psycopg.connect("postgresql://postgres@127.0.0.1:5432/test")
-    if engine == "mysql":
-        import pymysql
-
-        return pymysql.connect(host="127.0.0.1", port=3306, user="root", database="test")
+        return sql_connect(engine)
     import sqlite3
 
     conn = sqlite3.connect(sqlite_path, timeout=60.0)

@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import require_server
+from tests.support.servers import require_server, sql_connect, sqlalchemy_url
 
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-MY_ARGS: dict[str, Any] = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}
 ENGINES = ("postgresql", "mysql", "sqlite")
 #: Engines with plain DB-API connections, then SQLAlchemy Connections over the same drivers.
 ALL_KINDS = (*ENGINES, "sa-postgresql", "sa-mysql", "sa-sqlite")
@@ -53,14 +51,8 @@ class DB:
 
     def raw_connect(self, *, autocommit: bool = False) -> Any:
         """A DB-API connection (not tracked)."""
-        if self.engine == "postgresql":
-            import psycopg
-
-            return psycopg.connect(PG_URL, autocommit=autocommit)
-        if self.engine == "mysql":
-            import pymysql
-
-            return pymysql.connect(**MY_ARGS, autocommit=autocommit)
+        if self.engine != "sqlite":
+            return sql_connect(self.engine, autocommit=autocommit)
         return sqlite3.connect(
             self.sqlite_path,
             timeout=30.0,
@@ -186,21 +178,18 @@ def sa_engine(engine: str, sqlite_path: str) -> Any:
             poolclass=sqlalchemy.pool.NullPool,
         )
     if engine not in _sa_engines:
-        url = (
-            "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-            if engine == "postgresql"
-            else "mysql+pymysql://root@127.0.0.1:3306/test"
+        _sa_engines[engine] = sqlalchemy.create_engine(
+            sqlalchemy_url(engine), poolclass=sqlalchemy.pool.NullPool
         )
-        _sa_engines[engine] = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     return _sa_engines[engine]
 
 
 def _make(kind: str, tmp_path: Path) -> DB:
     engine = kind.removeprefix("sa-")
     if engine == "postgresql":
-        require_server("postgresql", 5432)
+        require_server("postgresql")
     elif engine == "mysql":
-        require_server("mariadb", 3306)
+        require_server("mariadb")
     return DB(kind, str(tmp_path / "patterns.db"))
 
 

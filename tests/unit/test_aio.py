@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,82 +23,13 @@ from dedupcore.api import (
 from dedupcore.client import Client as SyncClient
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Daemon:
-    """A ``python -m dedupcore serve`` subprocess on a short socket path."""
-
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="dc")
-        self.data = os.path.join(self.dir, "data")
-        self.socket = os.path.join(self.dir, "s", "d.sock")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "dedupcore", "serve"),
-                *("--data", self.data, "--socket", self.socket, "--log-level", "WARNING"),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {err}")
-            try:
-                with SyncClient(self.socket, timeout=5, retries=0) as c:
-                    if c.ping():
-                        return
-            except UnavailableError:
-                time.sleep(0.05)
-        raise RuntimeError("daemon did not come up")
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = Daemon()
-    d.start()
-    yield d
-    d.stop()
-    shutil.rmtree(d.dir, ignore_errors=True)
+from tests.support.daemon import Daemon, Lab
 
 
 @pytest.fixture
-def own_daemon() -> Iterator[Daemon]:
-    """A daemon this test may stop, kill and restart."""
-    d = Daemon()
-    d.start()
-    yield d
-    d.stop()
-    shutil.rmtree(d.dir, ignore_errors=True)
+def own_daemon(lab: Lab) -> Daemon:
+    """A daemon this test may stop, kill and restart (the module's is ``daemon``)."""
+    return lab.daemon()
 
 
 _ns_counter = iter(range(1_000_000))

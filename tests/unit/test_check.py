@@ -16,7 +16,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,8 @@ from dedupcore.fuse import FUSE_HEADER_SIZE
 from dedupcore.ring import BloomRing
 from dedupcore.store import DedupStore, Outcome
 from dedupcore.wal import HEADER_SIZE as WAL_HEADER_SIZE
-from tests.support.daemon import Lab, child_env
+from tests.support import procs
+from tests.support.daemon import Lab
 
 NS = "check/ns"
 PER_SLICE = 300
@@ -306,13 +306,7 @@ def test_a_deleted_log_with_unchecked_records_is_found(store_dir: Path, tmp_path
 
 def test_the_exit_code_of_the_command(store_dir: Path) -> None:
     flip(store_dir / "slices" / "00000002.bloom", HEADER_SIZE + 1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dedupcore", "check", str(store_dir)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-    )
+    proc = procs.run_cli("check", str(store_dir))
     assert proc.returncode == 1, proc.stderr
     assert "DAMAGED" in proc.stdout and "00000002.bloom" in proc.stdout
 
@@ -369,13 +363,7 @@ def test_check_of_a_store_served_by_a_live_daemon(tmp_path: Path) -> None:
             assert {c.outcome for c in first} == {Outcome.NEW}
             client.complete_many([(c.key, c.token, 1) for c in first], namespace=NS)
             before = sorted(os.listdir(d.data))
-            proc = subprocess.run(
-                [sys.executable, "-m", "dedupcore", "check", str(d.data), "--json"],
-                capture_output=True,
-                text=True,
-                env=child_env(),
-                timeout=120,
-            )
+            proc = procs.run_cli("check", str(d.data), "--json")
             assert proc.returncode == 0, proc.stdout + proc.stderr
             report = json.loads(proc.stdout)
             assert report["owner"] == d.pid

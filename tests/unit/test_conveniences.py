@@ -33,16 +33,9 @@ from dedupcore.api import (
 from dedupcore.errors import ConflictError
 from dedupcore.store import DedupStore
 from dedupcore.writebehind import MemoryTable
+from tests.support.fakes import FakeClock
 
 NS = "orders/billing"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Counting(MemoryTable):

@@ -23,20 +23,7 @@ from dedupcore.retry import (
     deadline_scope,
     one_call,
 )
-
-
-class FakeClock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.now += seconds
+from tests.support.fakes import FakeClock
 
 
 @pytest.fixture

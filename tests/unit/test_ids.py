@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -12,19 +11,10 @@ from hypothesis import strategies as st
 
 from dedupcore import ids
 from dedupcore.ids import IdGenerator, IdParts
+from tests.support.fakes import FakeClock
 
-
-class FakeClock:
-    """A wall clock in ms that the test moves by hand."""
-
-    def __init__(self, readings: Iterator[int] | None = None, start: int = 1_700_000_000_000):
-        self.now = start
-        self.readings = readings
-
-    def __call__(self) -> int:
-        if self.readings is not None:
-            return next(self.readings)
-        return self.now
+#: A wall clock reading in ms, where the fake clocks start.
+START_MS = 1_700_000_000_000
 
 
 regions = st.integers(0, ids.MAX_REGION)
@@ -101,7 +91,7 @@ def test_ids_strictly_increase_whatever_the_clock_does(region: int, steps: list[
     for s in steps:
         t = max(0, t + s)
         readings.append(t)
-    gen = IdGenerator(region, node=7, clock=FakeClock(iter(readings)))
+    gen = IdGenerator(region, node=7, clock=FakeClock(readings=iter(readings)))
     issued = [gen.next() for _ in readings]
     assert issued == sorted(issued) and len(set(issued)) == len(issued)
     high = 0
@@ -127,7 +117,7 @@ def test_bounds_hold_with_a_small_sequence_limit(limit: int, steps: list[int]) -
     for s in steps:
         t += s
         readings.append(t)
-    gen = IdGenerator(1, node=1, clock=FakeClock(iter(readings)), sequence_limit=limit)
+    gen = IdGenerator(1, node=1, clock=FakeClock(readings=iter(readings)), sequence_limit=limit)
     issued = [ids.parse(gen.next_bytes()) for _ in readings]
     pairs = [(p.time_ms, p.sequence) for p in issued]
     assert pairs == sorted(set(pairs))
@@ -163,7 +153,7 @@ def test_threads_with_a_clock_that_keeps_stepping_back() -> None:
 
 
 def test_backward_step_continues_from_the_last_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(START_MS)
     gen = IdGenerator(3, node=1, clock=clock)
     t0 = clock.now
     first = gen.next()
@@ -179,7 +169,7 @@ def test_backward_step_continues_from_the_last_time() -> None:
 
 
 def test_sequence_overflow_moves_to_the_next_millisecond() -> None:
-    clock = FakeClock()
+    clock = FakeClock(START_MS)
     gen = IdGenerator(1, node=1, clock=clock, sequence_limit=3)
     t0 = clock.now
     got = [ids.parse(gen.next()) for _ in range(9)]
@@ -194,7 +184,7 @@ def test_sequence_overflow_moves_to_the_next_millisecond() -> None:
 
 
 def test_regions_never_collide_and_sort_apart() -> None:
-    clock = FakeClock()
+    clock = FakeClock(START_MS)
     a = IdGenerator(1, node=5, clock=clock)
     b = IdGenerator(2, node=5, clock=clock)  # same node, same clock: only the region differs
     xs = [a.next() for _ in range(100)]
@@ -205,7 +195,7 @@ def test_regions_never_collide_and_sort_apart() -> None:
 
 
 def test_many_threads_issue_no_duplicates() -> None:
-    gen = IdGenerator(9, clock=FakeClock())  # a frozen clock: everything is in one ms
+    gen = IdGenerator(9, clock=FakeClock(START_MS))  # a frozen clock: everything is in one ms
     per_thread, n_threads = 2000, 8
     results: list[list[str]] = [[] for _ in range(n_threads)]
     barrier = threading.Barrier(n_threads)
@@ -247,7 +237,7 @@ def _child_ids(gen: IdGenerator, q: multiprocessing.Queue[object]) -> None:
 def test_fork_draws_a_new_random_node_and_refuses_a_fixed_one() -> None:
     ctx = multiprocessing.get_context("fork")
     for fixed in (False, True):
-        gen = IdGenerator(4, node=11 if fixed else None, clock=FakeClock())
+        gen = IdGenerator(4, node=11 if fixed else None, clock=FakeClock(START_MS))
         parent_node = gen.node
         gen.next()
         q: multiprocessing.Queue[object] = ctx.Queue()

@@ -32,6 +32,7 @@ import dedupcore.store.store as store_module
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
+from tests.support.fakes import FakeClock
 
 NS = "model/ns"
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -43,16 +44,6 @@ RESULTS = [None, b"bin", "text", 42, [1, "x"], {"a": [True, None]}]
 TOKEN_CHOICES = ["current"] * 5 + ["stale", "next", "any"]
 
 PROCESSING, PROCESSED, RELEASED = State.PROCESSING, State.PROCESSED, State.RELEASED
-
-
-class FakeClock:
-    """The monotonic clock the store reads (through its module's ``time``)."""
-
-    def __init__(self) -> None:
-        self.now = 10_000.0
-
-    def monotonic(self) -> float:
-        return self.now
 
 
 def _fake_time_module(clock: FakeClock) -> types.SimpleNamespace:
@@ -87,7 +78,7 @@ def _owner(owner: str | None) -> bytes | None:
 class StoreModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = FakeClock(10_000.0)
         self._real_time = store_module.time
         store_module.time = _fake_time_module(self.clock)  # type: ignore[assignment]
         # On tmpfs where there is one: the model checks semantics, not the disk, and

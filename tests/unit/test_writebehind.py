@@ -14,17 +14,10 @@ from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
 from dedupcore.writebehind import Conflict, MemoryTable, WriteBehindStore
+from tests.support.fakes import FakeClock
 
 NS = "orders/billing"
 NEVER = 3600.0  # a flush interval no test reaches: pushes happen only when the test says
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Switchable(ClaimAPI):
@@ -171,7 +164,7 @@ def test_after_the_flush_the_authority_answers_in_progress_then_duplicate(
 
 
 def test_the_window_is_measured(authority: MemoryTable) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     with WriteBehindStore(authority, flush_interval=NEVER, clock=clock) as s:
         s.claim("x", namespace=NS)
         clock.now += 1.0

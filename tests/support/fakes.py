@@ -1,21 +1,115 @@
-"""A stand-in for ``confluent_kafka.Consumer``: the method shapes KafkaDedupLoop uses, in memory.
+"""Fakes of the tests: a clock that moves when told, handlers that record or block, and a
+stand-in for ``confluent_kafka.Consumer``.
 
-No Kafka broker runs here. The stand-in keeps per-partition logs, committed
-offsets, positions, paused partitions and pending rebalances; rebalance
-callbacks run inside ``consume`` (and ``close``), as librdkafka runs them
-inside ``poll``/``consume``. Messages have the methods of
-``confluent_kafka.Message``; partitions are real ``confluent_kafka.TopicPartition``.
+The Kafka stand-in keeps per-partition logs, committed offsets, positions, paused
+partitions and pending rebalances in memory (no broker runs); rebalance callbacks run
+inside ``consume`` (and ``close``), as librdkafka runs them inside ``poll``/``consume``.
+Messages have the methods of ``confluent_kafka.Message``; partitions are real
+``confluent_kafka.TopicPartition`` (imported when first used, so the other fakes need
+no Kafka client).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import KafkaException, TopicPartition
+if TYPE_CHECKING:
+    from confluent_kafka import TopicPartition
+
+# -- time ---------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """A clock that moves only when the test moves it.
+
+    Calling it (or :meth:`monotonic`) reads ``now``, or the next of ``readings`` when
+    those are given; :meth:`sleep` moves it forward; a test may also set ``now``.
+    """
+
+    def __init__(self, now: float = 100.0, readings: Iterator[Any] | None = None) -> None:
+        self.now = now
+        self.readings = readings
+
+    def __call__(self) -> Any:
+        if self.readings is not None:
+            return next(self.readings)
+        return self.now
+
+    def monotonic(self) -> Any:
+        return self()
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+# -- handlers -------------------------------------------------------------------------------
+
+
+class Recorder:
+    """A handler that records its calls and can fail its first ``fail`` calls."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.calls: list[Any] = []
+        self.fail = fail
+
+    def __call__(self, d: Any) -> None:
+        self.calls.append(d)
+        if len(self.calls) <= self.fail:
+            raise RuntimeError("handler failure")
+
+    @property
+    def keys(self) -> list[Any]:
+        return [d.key for d in self.calls]
+
+
+class FirstBlocks:
+    """A handler that records the keys it gets and blocks in the first call of ``key``.
+
+    ``started`` is set when that call begins; it returns once ``release`` is
+    set. ``__call__`` is the plain handler, ``handle_async`` the ``async
+    def`` one (it waits in a worker thread, so the event loop goes on).
+    """
+
+    def __init__(self, key: str = "a", patience: float = 60.0) -> None:
+        self.key = key
+        self.patience = patience
+        self.calls: list[Any] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def _first(self, d: Any) -> bool:
+        self.calls.append(d.key)
+        first = d.key == self.key and self.calls.count(self.key) == 1
+        if first:
+            self.started.set()
+        return first
+
+    def __call__(self, d: Any) -> None:
+        if self._first(d):
+            assert self.release.wait(self.patience)
+
+    async def handle_async(self, d: Any) -> None:
+        if self._first(d):
+            assert await asyncio.to_thread(self.release.wait, self.patience)
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, self.patience)
+
+
+# -- a Kafka consumer -----------------------------------------------------------------------
 
 TP = tuple[str, int]
+
+
+def _kafka() -> Any:
+    import confluent_kafka
+
+    return confluent_kafka
 
 
 @dataclass
@@ -57,7 +151,7 @@ class Message:
 
 
 @dataclass
-class Cluster:
+class KafkaCluster:
     """The broker side: topic partitions' logs and the group's committed offsets."""
 
     logs: dict[TP, list[Record]] = field(default_factory=dict)
@@ -77,7 +171,7 @@ class StandInConsumer:
     rebalances that the next ``consume`` (or ``close``) delivers.
     """
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: KafkaCluster) -> None:
         self.cluster = cluster
         self.assigned: set[TP] = set()
         self.position: dict[TP, int] = {}
@@ -125,7 +219,7 @@ class StandInConsumer:
         for p in offsets:
             tp = (p.topic, p.partition)
             if tp not in self.assigned:
-                raise KafkaException(f"partition {tp} is not assigned")
+                raise _kafka().KafkaException(f"partition {tp} is not assigned")
             done[tp] = p.offset
         self.calls.append("commit")
         self.commits.append(done)
@@ -134,7 +228,7 @@ class StandInConsumer:
     def seek(self, partition: TopicPartition) -> None:
         tp = (partition.topic, partition.partition)
         if tp not in self.assigned:
-            raise KafkaException(f"partition {tp} is not assigned")
+            raise _kafka().KafkaException(f"partition {tp} is not assigned")
         self.position[tp] = partition.offset
 
     def pause(self, partitions: list[TopicPartition]) -> None:
@@ -163,7 +257,7 @@ class StandInConsumer:
     def _rebalance(self) -> None:
         while self.events:
             kind, tps = self.events.pop(0)
-            parts = [TopicPartition(t, p) for t, p in tps]
+            parts = [_kafka().TopicPartition(t, p) for t, p in tps]
             cb = self.callbacks.get(kind)
             if kind == "assign":
                 for tp in tps:
