@@ -33,7 +33,7 @@ from dedupcore.api import Outcome
 from dedupcore.errors import UnavailableError
 from dedupcore.factory import open_store
 from dedupcore.record import State
-from dedupcore.tiers.redis import RedisStore
+from dedupcore.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import redis_cluster, redis_server
 from tests.support.procs import call_in_thread

@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.metrics import GAUGES, Metrics, instrument, metric_names
+from dedupcore.redis import RedisStore
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
-from dedupcore.tiers.redis import RedisStore
 from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import free_port
 from tests.support.daemon import Lab

@@ -17,7 +17,7 @@ from dedupcore.api import Outcome
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError, UnavailableError
 from dedupcore.record import State
-from dedupcore.tiers.redis import RedisStore
+from dedupcore.redis import RedisStore
 from tests.support.cluster import Cluster, free_port, redis_cluster
 
 NS = "orders/billing"

@@ -13,8 +13,8 @@ from dedupcore.api import Outcome
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.redis import RedisStore
 from dedupcore.tiers.base import RequestRefusedError
-from dedupcore.tiers.redis import RedisStore
 from tests.support.cluster import free_port
 from tests.support.servers import SERVERS, connect_redis
 

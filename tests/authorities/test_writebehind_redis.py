@@ -13,8 +13,8 @@ import pytest
 from dedupcore.api import Outcome
 from dedupcore.errors import UnavailableError
 from dedupcore.record import State
+from dedupcore.redis import RedisStore
 from dedupcore.store import DedupStore
-from dedupcore.tiers.redis import RedisStore
 from dedupcore.writebehind import WriteBehindStore
 from tests.support.cluster import free_port
 from tests.support.servers import redis_url
