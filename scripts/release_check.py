@@ -90,11 +90,11 @@ import importlib.util
 assert importlib.util.find_spec("redis") is None, "redis is installed without the extra"
 from dedupcore.errors import MissingExtraError
 try:
-    import dedupcore.tiers.redis
+    import dedupcore.redis
 except MissingExtraError as exc:
     assert "pip install 'dedupcore[redis]'" in str(exc), exc
 else:
-    raise AssertionError("dedupcore.tiers.redis imported without redis")
+    raise AssertionError("dedupcore.redis imported without redis")
 """
 
 #: Run in the copy of the tests, with it first on sys.path as pytest puts it.
