@@ -188,8 +188,8 @@ class StateMachine:
         q, p = c.q, c.ph
         cols = ", ".join(q(col) for col in self._columns[1:])
         sql = f"SELECT {cols} FROM {q(self.table)} WHERE {q(self.id_column)} = {p}"
-        if lock and c.dialect == "mysql":
-            sql += " LOCK IN SHARE MODE"  # the latest committed row, not the snapshot's
+        if lock:
+            sql += c.dialect.read_latest  # the latest committed row, not the snapshot's
         _, rows = c.execute(sql, [id])
         return rows[0] if rows else None
 

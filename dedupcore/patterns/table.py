@@ -145,50 +145,6 @@ def _check_table(table: object) -> str:
     return name
 
 
-def _schema(c: Conn, table: str) -> list[str]:
-    t, idx = c.q(table), c.q(table + "_created")
-    if c.dialect == "postgresql":
-        return [
-            f"""CREATE TABLE IF NOT EXISTS {t} (
-                namespace text COLLATE "C" NOT NULL,
-                "key" bytea NOT NULL,
-                created timestamptz NOT NULL DEFAULT now(),
-                result bytea,
-                PRIMARY KEY (namespace, "key")
-            )""",
-            f"CREATE INDEX IF NOT EXISTS {idx} ON {t} (created)",
-        ]
-    if c.dialect == "mysql":
-        return [
-            f"""CREATE TABLE IF NOT EXISTS {t} (
-                namespace VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
-                `key` VARBINARY({MAX_KEY_BYTES}) NOT NULL,
-                created DATETIME(6) NOT NULL,
-                result LONGBLOB NULL,
-                PRIMARY KEY (namespace, `key`),
-                KEY {idx} (created)
-            ) ENGINE=InnoDB"""
-        ]
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {t} (
-            namespace TEXT NOT NULL,
-            "key" BLOB NOT NULL,
-            created REAL NOT NULL,
-            result BLOB,
-            PRIMARY KEY (namespace, "key")
-        ) WITHOUT ROWID""",
-        f"CREATE INDEX IF NOT EXISTS {idx} ON {t} (created)",
-    ]
-
-
-def _now(c: Conn) -> str:
-    if c.dialect == "postgresql":
-        return "now()"
-    if c.dialect == "mysql":
-        return "UTC_TIMESTAMP(6)"
-    return "((julianday('now') - 2440587.5) * 86400.0)"
-
-
 def ensure_table(conn: Any, table: str = DEFAULT_TABLE) -> None:
     """Creates the dedup table (and its ``created`` index) if it does not exist; commits.
 
@@ -199,7 +155,7 @@ def ensure_table(conn: Any, table: str = DEFAULT_TABLE) -> None:
     c = Conn(conn)
     for attempt in range(2):
         try:
-            create, *indexes = _schema(c, table)
+            create, *indexes = c.dialect.consumed_schema(table, MAX_KEY_BYTES)
             c.execute(create)
             _check_schema(c, table)  # an older table of that name that is not a dedup table
             for statement in indexes:
@@ -255,43 +211,39 @@ def _claim(c: Conn, table: str, cons: Consumption, front: Any) -> None:
     ns, key = cons.namespace, cons.key
     q, p = c.q, c.ph
     t, k = q(table), q("key")
-    c.sqlite_begin()  # wait for the writer lock now (see Conn.sqlite_begin)
+    c.begin_write()  # wait for the writer lock now (see Conn.begin_write)
     select = f"SELECT result FROM {t} WHERE namespace = {p} AND {k} = {p}"
-    if front is not None and _front_contains(front, _front_key(ns, key)):
-        cons.statements.append("select")
-        _, rows = c.execute(select, [ns, key])
-        if rows:
-            cons.outcome = Outcome.DUPLICATE
-            cons.result = unpack_result(None if rows[0][0] is None else bytes(rows[0][0]))
-            return
-    insert = f"INSERT INTO {t} (namespace, {k}, created) VALUES ({p}, {p}, {_now(c)})"
-    if c.dialect == "mysql":
-        # A locking read sees the row committed by the winner even under REPEATABLE READ.
-        select += " LOCK IN SHARE MODE"
+    if (
+        front is not None
+        and _front_contains(front, _front_key(ns, key))
+        and _found(c, select, cons)
+    ):
+        return
+    insert = f"INSERT INTO {t} (namespace, {k}, created) VALUES ({p}, {p}, {c.dialect.utc_now})"
+    # A locking read where it takes one to see the row committed by the winner (InnoDB's
+    # REPEATABLE READ).
+    select += c.dialect.read_latest
     for _ in range(3):
         cons.statements.append("insert")
-        if c.dialect == "mysql":
-            try:
-                c.execute(insert, [ns, key])
-                inserted = True
-            except Exception as exc:
-                if not is_unique_violation(exc):
-                    raise
-                inserted = False  # the primary key is the table's only unique index
-        else:
-            count, _ = c.execute(f"{insert} ON CONFLICT (namespace, {k}) DO NOTHING", [ns, key])
-            inserted = count == 1
-        if inserted:
+        # (The primary key is the table's only unique index.)
+        if c.insert_if_absent(insert, [ns, key], ["namespace", "key"]):
             cons.outcome = Outcome.NEW
             return
-        cons.statements.append("select")
-        _, rows = c.execute(select, [ns, key])
-        if rows:
-            cons.outcome = Outcome.DUPLICATE
-            cons.result = unpack_result(None if rows[0][0] is None else bytes(rows[0][0]))
+        if _found(c, select, cons):
             return
         # The row was deleted between the two statements (retention): insert again.
     raise RuntimeError(f"key {key!r} of {ns!r} kept vanishing between INSERT and SELECT")
+
+
+def _found(c: Conn, select: str, cons: Consumption) -> bool:
+    """Reads the key's row: DUPLICATE with its stored result, or False when there is none."""
+    cons.statements.append("select")
+    _, rows = c.execute(select, [cons.namespace, cons.key])
+    if not rows:
+        return False
+    cons.outcome = Outcome.DUPLICATE
+    cons.result = unpack_result(None if rows[0][0] is None else bytes(rows[0][0]))
+    return True
 
 
 @contextmanager

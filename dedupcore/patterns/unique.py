@@ -57,27 +57,18 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dedupcore.api import Outcome
 from dedupcore.errors import SchemaError
-from dedupcore.sql.dialects import (
-    detect_dialect,
-    driver_error,
-    is_unique_violation,
-    on_conflict_do_nothing,
-    placeholder,
-    quote,
-)
+from dedupcore.sql.dialects import Dialect, dialect_of, is_unique_violation
 
 __all__ = ["SchemaError", "forget_schema", "insert_once", "is_unique_violation"]
 
 #: SQL identifiers accepted for tables and columns (no quoting games, no schema prefix).
 IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
-
-_MYSQL_DUP_KEY_RE = re.compile(r"for key '(.*)'\Z", re.S)
 
 
 def check_identifier(name: object, what: str) -> str:
@@ -100,28 +91,31 @@ class Conn:
 
     Statements are written with the driver's placeholder (:attr:`ph`); with
     SQLAlchemy they go through ``exec_driver_sql`` so that SQLAlchemy's own
-    transaction bookkeeping sees them.
+    transaction bookkeeping sees them. What differs between the engines is
+    asked of :attr:`dialect` (:mod:`dedupcore.sql.dialects`).
     """
 
     __slots__ = ("dialect", "ph", "raw", "sa")
 
     def __init__(self, conn: Any) -> None:
+        if isinstance(conn, str):
+            raise ValueError("cannot tell the SQL dialect of a str: pass a connection, not a URL")
         self.sa: Any = None
         if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "exec_driver_sql"):
             self.sa = conn
             self.raw: Any = conn.connection.dbapi_connection
         else:
             self.raw = conn
-        self.dialect = detect_dialect(self.raw)
-        self.ph = placeholder(self.dialect)
+        self.dialect: Dialect = dialect_of(self.raw)
+        self.ph = self.dialect.ph
 
     @property
     def kind(self) -> str:
         """What the connection is, for messages and cache keys."""
-        return f"{'sqlalchemy+' if self.sa is not None else ''}{self.dialect}"
+        return f"{'sqlalchemy+' if self.sa is not None else ''}{self.dialect.name}"
 
     def q(self, ident: str) -> str:
-        return quote(self.dialect, ident)
+        return self.dialect.q(ident)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> tuple[int, list[tuple[Any, ...]]]:
         """Runs one statement: ``(rowcount, rows)`` (rows empty for statements without any)."""
@@ -152,53 +146,64 @@ class Conn:
 
         May start a SQLAlchemy transaction (nothing is written).
         """
-        raw = self.raw
+        raw, d = self.raw, self.dialect
         if self.sa is not None:
             level = self.sa.get_execution_options().get("isolation_level")
             if level == "AUTOCOMMIT":
                 return "SQLAlchemy execution option isolation_level='AUTOCOMMIT'"
-        if self.dialect == "postgresql":
-            if raw.autocommit:
-                return "psycopg connection autocommit=True"
-            return None
-        if self.dialect == "mysql":
-            if raw.get_autocommit():
-                return (
-                    "PyMySQL connection autocommit (connect(autocommit=True) or autocommit(True))"
-                )
-            return None
-        if getattr(raw, "autocommit", None) is True:  # Python 3.12+
-            return "sqlite3 connection autocommit=True"
-        if raw.isolation_level is None:
+        setting = d.autocommit_of(raw)
+        if setting is not None:
+            return setting
+        manual = d.manual_begin(raw)  # the driver leaves BEGIN to the caller
+        if manual is not None:
             if self.sa is not None and not self.sa.in_transaction():
                 self.sa.begin()  # SQLAlchemy "begin" event recipes emit BEGIN here
-            if not raw.in_transaction:
-                what = (
-                    "SQLAlchemy isolation_level='AUTOCOMMIT'"
-                    if self.sa is not None
-                    else "sqlite3 connection isolation_level=None"
-                )
+            if not d.in_transaction(raw):
+                what = "SQLAlchemy isolation_level='AUTOCOMMIT'" if self.sa is not None else manual
                 return f"{what} (autocommit) without an open transaction"
         return None
 
-    def sqlite_begin(self) -> None:
-        """SQLite: opens the transaction with ``BEGIN IMMEDIATE`` if none is open.
+    def begin_write(self) -> None:
+        """Takes the writer lock now where the driver would take it late (SQLite).
 
         sqlite3 opens a *deferred* transaction before the first write; one that
         has read anything (even the schema) and then finds the writer lock
         taken fails at once with "database is locked" instead of waiting out
-        the busy timeout. Taking the writer lock first makes a second writer
+        the busy timeout. ``BEGIN IMMEDIATE`` first makes a second writer
         wait. Autocommit connections (each statement its own transaction) and
         connections with a transaction already open are left alone.
         """
-        raw = self.raw
-        if (
-            self.dialect == "sqlite"
-            and not raw.in_transaction
-            and raw.isolation_level is not None
-            and getattr(raw, "autocommit", None) is not True
-        ):
-            self.execute("BEGIN IMMEDIATE")
+        begin = self.dialect.immediate_begin(self.raw)
+        if begin is not None:
+            self.execute(begin)
+
+    def insert_if_absent(
+        self,
+        insert: str,
+        values: Sequence[Any],
+        unique: Sequence[str],
+        ours: Callable[[BaseException], bool] = lambda exc: True,
+    ) -> bool:
+        """Runs ``insert`` (an INSERT of one row); False when the row's ``unique`` key existed.
+
+        With ``ON CONFLICT (unique) DO NOTHING`` where the engine has it (no
+        error, so the transaction stays usable); else a plain INSERT whose
+        duplicate-key error is the answer when ``ours(exc)`` (it names the
+        ``unique`` key's index; InnoDB rolls back only the failed statement).
+        Every other error propagates.
+        """
+        d = self.dialect
+        if d.supports_on_conflict:
+            self.begin_write()
+            count, _ = self.execute(f"{insert} {d.on_conflict_do_nothing(unique)}", values)
+            return count == 1
+        try:
+            self.execute(insert, values)
+        except Exception as exc:
+            if is_unique_violation(exc) and ours(exc):
+                return False
+            raise
+        return True
 
 
 # -- the catalog ------------------------------------------------------------------------
@@ -253,69 +258,12 @@ def table_info(c: Conn, table: str) -> TableInfo:
 
 
 def _lookup(c: Conn, table: str) -> TableInfo:
-    if c.dialect == "postgresql":
-        _, rows = c.execute(
-            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-            "AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-            [c.q(table)],
-        )
-        columns = tuple(str(r[0]) for r in rows)
-        _, rows = c.execute(
-            "SELECT ci.relname, ARRAY(SELECT a.attname FROM unnest(i.indkey::int2[]) "
-            "WITH ORDINALITY AS k(attnum, n) JOIN pg_attribute a ON a.attrelid = i.indrelid "
-            "AND a.attnum = k.attnum WHERE k.n <= i.indnkeyatts ORDER BY k.n) "
-            "FROM pg_index i JOIN pg_class ci ON ci.oid = i.indexrelid "
-            "WHERE i.indrelid = to_regclass(%s) AND i.indisunique AND i.indisvalid "
-            "AND i.indpred IS NULL AND i.indexprs IS NULL",
-            [c.q(table)],
-        )
-        unique = tuple((str(name), tuple(cols)) for name, cols in rows)
-        fold = False
-    elif c.dialect == "mysql":
-        _, rows = c.execute(
-            "SELECT COLUMN_NAME FROM information_schema.COLUMNS "
-            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
-            [table],
-        )
-        columns = tuple(str(r[0]) for r in rows)
-        _, rows = c.execute(
-            "SELECT INDEX_NAME, COLUMN_NAME, SUB_PART FROM information_schema.STATISTICS "
-            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s AND NON_UNIQUE = 0 "
-            "ORDER BY INDEX_NAME, SEQ_IN_INDEX",
-            [table],
-        )
-        indexes: dict[str, list[str | None]] = {}
-        for name, col, sub_part in rows:
-            # A prefix index (SUB_PART) is unique on a prefix only; an expression has no column.
-            indexes.setdefault(str(name), []).append(
-                None if sub_part is not None or col is None else str(col)
-            )
-        unique = tuple(
-            (name, tuple(c for c in cols if c is not None))
-            for name, cols in indexes.items()
-            if None not in cols
-        )
-        fold = True
-    else:
-        _, rows = c.execute("SELECT name, pk FROM pragma_table_info(?) ORDER BY cid", [table])
-        columns = tuple(str(r[0]) for r in rows)
-        pk = tuple(str(name) for name, n in sorted(rows, key=lambda r: r[1]) if n)
-        _, rows = c.execute('SELECT name, "unique", partial FROM pragma_index_list(?)', [table])
-        found: list[tuple[str, tuple[str, ...]]] = [("PRIMARY KEY", pk)] if pk else []
-        for name, is_unique, partial in rows:
-            if not is_unique or partial:
-                continue
-            _, cols = c.execute("SELECT name FROM pragma_index_info(?) ORDER BY seqno", [name])
-            if any(col[0] is None for col in cols):
-                continue  # an expression
-            found.append((str(name), tuple(str(col[0]) for col in cols)))
-        unique = tuple(found)
-        fold = True
+    columns, unique = c.dialect.catalog(c.execute, table)
     if not columns:
         raise SchemaError(
             f"table {table!r} does not exist (or is not visible) on this {c.kind} connection"
         )
-    return TableInfo(columns, unique, fold)
+    return TableInfo(columns, unique, c.dialect.folds_names)
 
 
 def require_columns(c: Conn, table: str, info: TableInfo, names: Sequence[str]) -> None:
@@ -379,29 +327,9 @@ def insert_once(conn: Any, table: str, row: Mapping[str, Any], unique: Sequence[
         f"INSERT INTO {q(table)} ({', '.join(q(col) for col in cols)}) "
         f"VALUES ({', '.join([ph] * len(cols))})"
     )
-    if c.dialect != "mysql":
-        c.sqlite_begin()
-        count, _ = c.execute(f"{sql} {on_conflict_do_nothing(c.dialect, ucols)}", values)
-        return Outcome.NEW if count == 1 else Outcome.DUPLICATE
-    try:
-        c.execute(sql, values)
-    except Exception as exc:
-        if is_unique_violation(exc) and _mysql_dup_key(exc, table) in {
-            info.norm(i) for i in indexes
-        }:
-            return Outcome.DUPLICATE  # InnoDB rolled back only this statement
-        raise
-    return Outcome.NEW
+    names = {info.norm(i) for i in indexes}
 
+    def ours(exc: BaseException) -> bool:  # the error names one of the key's indexes
+        return c.dialect.duplicate_key_index(exc, table) in names
 
-def _mysql_dup_key(exc: BaseException, table: str) -> str | None:
-    """The index a MariaDB/MySQL duplicate-key error names (MySQL 8 writes ``table.index``)."""
-    exc = driver_error(exc)
-    args: tuple[Any, ...] = exc.args
-    match = _MYSQL_DUP_KEY_RE.search(str(args[1])) if len(args) > 1 else None
-    if match is None:
-        return None
-    name = match.group(1)
-    if name.lower().startswith(table.lower() + "."):
-        name = name[len(table) + 1 :]
-    return name.lower()
+    return Outcome.NEW if c.insert_if_absent(sql, values, ucols, ours) else Outcome.DUPLICATE

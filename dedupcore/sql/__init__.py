@@ -8,7 +8,7 @@ partitions by event time are in :mod:`dedupcore.sql.partitions`
 """
 
 from dedupcore.errors import PartitionDroppedError
-from dedupcore.sql.dialects import DEFAULT_TIMEOUT, detect_dialect
+from dedupcore.sql.dialects import DEFAULT_TIMEOUT, Dialect, dialect_of
 from dedupcore.sql.partitions import DEFAULT_TOLERANCE, PARTITION_SPANS, check_event_time, id_time
 from dedupcore.sql.store import SqlStore
 
@@ -16,9 +16,10 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TOLERANCE",
     "PARTITION_SPANS",
+    "Dialect",
     "PartitionDroppedError",
     "SqlStore",
     "check_event_time",
-    "detect_dialect",
+    "dialect_of",
     "id_time",
 ]

@@ -1,4 +1,8 @@
-"""The watchdog that cuts a SQL connection at its call's deadline, and connects within one."""
+"""The watchdog that cuts a SQL connection still waiting at its call's deadline.
+
+docs/timeouts.md: psycopg has no wait limit of its own, and a server that
+stopped never runs its statement_timeout, so a thread shuts the socket down.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+
+__all__ = ["Watchdog"]
 
 
-class _Watchdog:
+class Watchdog:
     """Cuts the connection of a transaction still waiting at its deadline.
 
     psycopg waits for a reply without a timeout of its own, and the server's
@@ -19,7 +24,7 @@ class _Watchdog:
     or on a host that froze while its kernel still acknowledges packets, so
     TCP keepalive does not notice either). A thread that shuts the socket
     down at the deadline wakes the waiting call, which then fails as a lost
-    connection (:class:`UnavailableError`); the next call connects again.
+    connection (:class:`~dedupcore.errors.UnavailableError`); the next call connects again.
     The deadline is the call's (docs/timeouts.md), or ``limit`` seconds
     after the transaction started if that comes first. The thread sleeps
     until the deadline of the transaction it watches, and ends after a
@@ -86,42 +91,3 @@ class _Watchdog:
                     finally:
                         cut.close()  # the duplicate only; the driver owns the socket
                 self._fd = None
-
-
-def _connect_within(factory: Callable[[], Any], wait: float) -> Any:
-    """``factory()``, given up after ``wait`` seconds (``TimeoutError``).
-
-    The drivers' own connect timeouts are whole seconds (libpq: 2 at
-    least), so the connect runs in a thread of its own that the call stops
-    waiting for at its deadline; a connection that arrives after that is
-    closed at once.
-    """
-    lock = threading.Lock()
-    done = threading.Event()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            conn = factory()
-        except BaseException as exc:
-            box["error"] = exc
-        else:
-            with lock:
-                if box.get("abandoned"):
-                    with contextlib.suppress(Exception):  # a broken connection may fail to close
-                        conn.close()
-                    return
-                box["conn"] = conn
-        done.set()
-
-    if wait <= 0:
-        raise TimeoutError("the call's deadline passed before connecting")
-    threading.Thread(target=run, name="dedupcore-sql-connect", daemon=True).start()
-    if not done.wait(wait):
-        with lock:
-            if "conn" not in box and "error" not in box:
-                box["abandoned"] = True
-                raise TimeoutError(f"no connection within the call's deadline ({wait:.3f} s)")
-    if "error" in box:
-        raise box["error"]
-    return box["conn"]

@@ -7,6 +7,7 @@ The names of this module still import from here, with a
 import random  # noqa: F401 (reached through this module by older code: sql.random)
 import time  # noqa: F401 (likewise: sql.time)
 import warnings
+from typing import Any
 
 from dedupcore.sql import (
     DEFAULT_TIMEOUT,
@@ -15,12 +16,12 @@ from dedupcore.sql import (
     PartitionDroppedError,
     SqlStore,
     check_event_time,
-    detect_dialect,
+    dialect_of,
     id_time,
 )
-from dedupcore.sql.dialects import _DIALECTS
-from dedupcore.sql.dialects import connect_url as _factory  # noqa: F401 (private, reached by older code)
-from dedupcore.sql.watchdog import _connect_within  # noqa: F401 (likewise)
+from dedupcore.sql.dialects import SQLiteDialect as _SQLite  # noqa: F401 (private, older code)
+from dedupcore.sql.dialects import connect_url as _factory  # noqa: F401 (likewise)
+from dedupcore.sql.transactions import connect_within as _connect_within  # noqa: F401
 
 warnings.warn(
     "dedupcore.tiers.sql moved to dedupcore.sql (import SqlStore and the other names from "
@@ -28,9 +29,6 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
-
-#: Private names that older code reached inside this module.
-_SQLite = _DIALECTS["sqlite"]
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -42,3 +40,8 @@ __all__ = [
     "detect_dialect",
     "id_time",
 ]
+
+
+def detect_dialect(conn: Any) -> str:
+    """The engine's name of a DB-API connection: ``dedupcore.sql.dialect_of(conn).name``."""
+    return dialect_of(conn).name

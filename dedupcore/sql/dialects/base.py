@@ -1,55 +1,61 @@
-"""The SQL dialect interface: what differs between the engines, and the helpers they share."""
+"""The dialect interface: every SQL text and driver difference between the engines.
+
+Every module that sends SQL (the store, its transactions, partitions and
+retention, and the patterns in :mod:`dedupcore.patterns`) asks a
+:class:`Dialect` object instead of comparing engine names, as SQLAlchemy's
+dialects are asked: ``d.ph`` is the driver's parameter marker, ``d.q(name)``
+quotes an identifier, what an engine can do is an attribute
+(``supports_on_conflict``, ``partitions``, ``read_first``, ...) and every
+statement that differs is a method. One subclass per engine:
+
+- :mod:`~dedupcore.sql.dialects.postgresql`: PostgreSQL through psycopg 3;
+- :mod:`~dedupcore.sql.dialects.mysql`: MariaDB/MySQL through PyMySQL;
+- :mod:`~dedupcore.sql.dialects.sqlite`: SQLite through sqlite3.
+
+:func:`dedupcore.sql.dialects.dialect_of` gives the dialect of a connection,
+a URL or a name. The methods here that are not abstract are the SQL the
+engines share; a subclass overrides what its engine does otherwise.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dedupcore.errors import SchemaError
 from dedupcore.record import State
 
-#: The engines, by the names every module uses.
-DIALECTS = ("postgresql", "mysql", "sqlite")
+__all__ = [
+    "CHUNK",
+    "DEFAULT_TIMEOUT",
+    "Catalog",
+    "Dialect",
+    "NewRows",
+    "RowUpdate",
+    "Run",
+    "SetList",
+    "driver_error",
+]
 
-#: Seconds :func:`connect_url` gives a connect and a statement by default.
+#: Seconds a connection by URL gives a connect and a statement by default.
 DEFAULT_TIMEOUT = 5.0
+#: Rows per statement where the statement carries one set of parameters per row.
+CHUNK = 1000
+PROCESSING, PROCESSED, RELEASED = int(State.PROCESSING), int(State.PROCESSED), int(State.RELEASED)
 
-# sqlite3 extended result codes (Python 3.11+ exposes them as exc.sqlite_errorcode).
-_SQLITE_CONSTRAINT_PRIMARYKEY = 1555
-_SQLITE_CONSTRAINT_UNIQUE = 2067
-#: MariaDB/MySQL: ER_DUP_ENTRY and ER_DUP_ENTRY_WITH_KEY_NAME.
-MYSQL_DUP_ENTRY = (1062, 1586)
-
-
-def detect_dialect(conn: Any) -> str:
-    """``"postgresql"``, ``"mysql"`` or ``"sqlite"`` from a DB-API connection's driver."""
-    module = type(conn).__module__.split(".")[0]
-    found = {"psycopg": "postgresql", "pymysql": "mysql", "sqlite3": "sqlite"}.get(module)
-    if found is None:
-        raise ValueError(
-            f"cannot tell the SQL dialect of a {type(conn).__module__}.{type(conn).__name__} "
-            "connection; pass dialect='postgresql', 'mysql' or 'sqlite'"
-        )
-    return found
-
-
-def placeholder(dialect: str) -> str:
-    """The driver's parameter marker: ``?`` for sqlite3, ``%s`` for psycopg and PyMySQL."""
-    return "?" if dialect == "sqlite" else "%s"
-
-
-def quote(dialect: str, ident: str) -> str:
-    """``ident`` quoted as an identifier (backticks on MariaDB/MySQL, double quotes else)."""
-    return f"`{ident}`" if dialect == "mysql" else f'"{ident}"'
-
-
-def on_conflict_do_nothing(dialect: str, columns: Sequence[str]) -> str:
-    """``ON CONFLICT (columns) DO NOTHING``: PostgreSQL and SQLite only."""
-    if dialect == "mysql":
-        raise ValueError("MariaDB/MySQL has no ON CONFLICT (columns) clause")
-    return f"ON CONFLICT ({', '.join(quote(dialect, c) for c in columns)}) DO NOTHING"
+#: A primary key's columns; the dedup table's (unpartitioned).
+Key = Sequence[str]
+KEY: Key = ("namespace", "key")
+#: The SET list of a batched UPDATE: ``(column, i)`` takes the i-th value of each row,
+#: ``(column, str)`` is SQL.
+SetList = list[tuple[str, "int | str"]]
+#: Runs one statement: ``(rowcount, rows)`` (the patterns' connections, any driver).
+Run = Callable[[str, Sequence[Any]], tuple[int, list[tuple[Any, ...]]]]
+#: A table's columns and its unique indexes ``(name, columns)``.
+Catalog = tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]]
+#: The rows of a lookup: ``(key, [part,] state, token, owner, fingerprint, result[, live])``.
+Rows = list[tuple[Any, ...]]
 
 
 def driver_error(exc: BaseException) -> BaseException:
@@ -61,77 +67,136 @@ def driver_error(exc: BaseException) -> BaseException:
     return exc
 
 
-def is_unique_violation(exc: BaseException) -> bool:
-    """True only for a duplicate-key error of psycopg, PyMySQL or sqlite3 (or SQLAlchemy's wrap).
+@dataclass(frozen=True, slots=True)
+class NewRows:
+    """The rows a claim creates: PROCESSING, token 1, one owner and lease, a nonce."""
 
-    NOT NULL, foreign key and check violations, and every other error, are False.
-    """
-    exc = driver_error(exc)
-    module = type(exc).__module__.split(".")[0]
-    if module == "psycopg":
-        return getattr(exc, "sqlstate", None) == "23505"
-    if module == "pymysql":
-        import pymysql
-
-        args: tuple[Any, ...] = exc.args
-        dup = bool(args) and args[0] in MYSQL_DUP_ENTRY
-        return isinstance(exc, pymysql.err.IntegrityError) and dup
-    if isinstance(exc, sqlite3.IntegrityError):
-        code = getattr(exc, "sqlite_errorcode", None)
-        if code is not None:
-            return code in (_SQLITE_CONSTRAINT_UNIQUE, _SQLITE_CONSTRAINT_PRIMARYKEY)
-        return str(exc).startswith("UNIQUE constraint failed")  # Python < 3.11
-    return False
+    table: str
+    namespace: str
+    keys: list[bytes]
+    fingerprints: list[bytes | None]
+    owner: bytes | None
+    lease: float
+    nonce: bytes
+    #: Each key's partition (a partitioned table), else None.
+    parts: list[int] | None = None
 
 
-#: Rows per statement where the statement carries one set of parameters per row.
-_CHUNK = 1000
-_PROCESSING, _PROCESSED, _RELEASED = (
-    int(State.PROCESSING),
-    int(State.PROCESSED),
-    int(State.RELEASED),
-)
+@dataclass(frozen=True, slots=True)
+class RowUpdate:
+    """One batched UPDATE of locked rows: ``sets`` for each row ``[key, (part,) v0, v1, ..]``."""
 
-#: ``before_delete(namespace, keys)`` of :meth:`SqlStore.purge`.
-BeforeDelete = Callable[[str, list[bytes]], None]
-
-# SET list of a batched UPDATE: (column, i) takes the i-th per-row value, (column, str) is SQL.
-_SetList = list[tuple[str, "int | str"]]
+    sets: SetList
+    #: The SQL types of ``v0, v1, ..`` (``bigint``, ``bytea``).
+    types: list[str]
+    rows: list[list[Any]]
+    #: Whether each row carries its partition after its key.
+    parted: bool = False
 
 
-# -- dialects --------------------------------------------------------------------
+class Dialect:
+    """What one engine and its driver do differently (see the module docstring)."""
 
-
-class _Dialect:
-    """What differs between the engines: SQL text, session setup, error classes."""
-
+    #: The engine's name: ``"postgresql"``, ``"mysql"`` or ``"sqlite"``.
     name = ""
-    ph = "%s"  # the driver's placeholder (dialect.placeholder)
+    #: The top-level module of the DB-API driver (how a connection's dialect is told).
+    driver = ""
+    #: The URL schemes of :meth:`connector`.
+    schemes: tuple[str, ...] = ()
+    #: The driver's parameter marker.
+    ph = "%s"
+    #: The longest key the dedup table's key column holds.
     max_key_bytes = 512
 
-    def q(self, ident: str) -> str:
-        return quote(self.name, ident)
+    # -- text -----------------------------------------------------------------------
 
-    @property
-    def now(self) -> str:
+    def q(self, ident: str) -> str:
+        """``ident`` quoted as an identifier."""
+        return f'"{ident}"'
+
+    #: The server's time in the store's sessions.
+    now = ""
+    #: The server's time in UTC in any session (the patterns' connections are the caller's).
+    utc_now = ""
+
+    #: The server's time at the statement (not at the transaction's start, where they
+    #: differ: the transaction may have waited for locks).
+    write_now = ""
+
+    def shift(self, time: str, sign: str, seconds: float) -> str:
+        """The time ``time`` plus (``sign`` ``+``) or minus (``-``) ``seconds``."""
         raise NotImplementedError
 
     def lease_until(self, lease: float) -> str:
-        raise NotImplementedError
+        """The end of a lease of ``lease`` seconds from now, on the server's clock."""
+        return self.shift(self.write_now, "+", lease)
+
+    def ago(self, seconds: float) -> str:
+        """The server's time ``seconds`` ago."""
+        return self.shift(self.now, "-", seconds)
 
     def epoch(self, column: str) -> str:
+        """A time column as unix seconds."""
         raise NotImplementedError
+
+    #: Whether ``INSERT .. ON CONFLICT (columns) DO NOTHING`` exists.
+    supports_on_conflict = True
+
+    def on_conflict_do_nothing(self, columns: Sequence[str]) -> str:
+        """``ON CONFLICT (columns) DO NOTHING`` (ValueError where the engine has none)."""
+        if not self.supports_on_conflict:
+            raise ValueError(f"{self.name} has no ON CONFLICT (columns) clause")
+        return f"ON CONFLICT ({', '.join(self.q(c) for c in columns)}) DO NOTHING"
+
+    def if_absent(self, columns: Sequence[str]) -> str:
+        """The tail of an INSERT into a table whose only unique key is ``columns``: no error
+        and no change where the row exists."""
+        return self.on_conflict_do_nothing(columns)
+
+    #: What a SELECT appends to read the newest committed row, not the transaction's
+    #: snapshot (InnoDB's REPEATABLE READ); the other engines read it anyway.
+    read_latest = ""
+
+    # -- the driver -----------------------------------------------------------------
+
+    def connector(
+        self, url: str, connect_args: dict[str, Any], timeout: float
+    ) -> Callable[[], Any]:
+        """A factory of connections to ``url``: each call opens one (nothing is opened here).
+
+        ``timeout`` caps the driver's waits where the URL and ``connect_args``
+        set none (see ``SqlStore.from_url``).
+        """
+        raise NotImplementedError
+
+    #: Whether a connect is local (no network to wait for: no connect thread).
+    connects_locally = False
 
     def error_classes(self) -> tuple[type[BaseException], ...]:
+        """The driver's errors (what a transaction turns into the store's errors)."""
         raise NotImplementedError
 
+    def is_duplicate_key(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (the driver's own, unwrapped) is a duplicate-key error, and no other."""
+        return False
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (also wrapped by SQLAlchemy) is this driver's duplicate-key error."""
+        return self.is_duplicate_key(driver_error(exc))
+
+    def duplicate_key_index(self, exc: BaseException, table: str) -> str | None:
+        """The index a duplicate-key error names, lower-cased, where the engine says it."""
+        return None
+
     def is_transient(self, exc: BaseException) -> bool:
+        """A deadlock or serialization failure: the transaction was rolled back; retry it."""
         return False
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return False
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
+        """Whether the connection is lost (it is dropped, and the next call connects)."""
         return False
 
     def is_refused(self, exc: BaseException) -> bool:
@@ -149,23 +214,105 @@ class _Dialect:
         """The connection's socket, for the watchdog that cuts it at a call's deadline."""
         return None
 
-    def durability(self, cur: Any) -> tuple[int, str]:
-        """What a committed claim survives: a level (see ``durability_report``) and words."""
-        raise NotImplementedError
-
     def prepare(self, conn: Any) -> None:
         """Session setup of a new connection (transactions, time zone, isolation)."""
 
     def begin(self, cur: Any, write: bool) -> None:
         """Starts the transaction (drivers that begin implicitly do nothing)."""
 
+    #: Statements run once, outside a transaction, before the dedup table is created.
+    database_setup: tuple[str, ...] = ()
+
+    # -- a caller's connection (the patterns) ---------------------------------------------
+
+    def autocommit_of(self, raw: Any) -> str | None:
+        """The driver setting that puts the DB-API connection ``raw`` in autocommit, or None."""
+        return None
+
+    def manual_begin(self, raw: Any) -> str | None:
+        """The setting with which the driver leaves BEGIN to the caller, or None.
+
+        Such a connection commits every statement by itself unless a
+        transaction is open (:meth:`in_transaction`).
+        """
+        return None
+
+    def in_transaction(self, raw: Any) -> bool:
+        """Whether the DB-API connection has a transaction open."""
+        raise NotImplementedError
+
+    def immediate_begin(self, raw: Any) -> str | None:
+        """The statement that takes the write lock before the first write, when the
+        driver would open a transaction that takes it late (SQLite); else None."""
+        return None
+
+    #: Whether the catalog's names are case-insensitive.
+    folds_names = False
+
+    def catalog(self, run: Run, table: str) -> Catalog:
+        """A table's columns and unique indexes ``(name, columns)`` as the catalog reports.
+
+        Only indexes over plain columns, without ``WHERE`` or expressions; no
+        columns when the table does not exist.
+        """
+        raise NotImplementedError
+
+    def consumed_schema(self, table: str, key_bytes: int) -> list[str]:
+        """The transactional dedup table (:mod:`dedupcore.patterns.table`) and its index."""
+        raise NotImplementedError
+
+    # -- the dedup table ---------------------------------------------------------------
+
+    #: The dedup table's column types (:meth:`dedup_table`): the namespace, the key and
+    #: other bytes, small and big integers, times; what follows the table's definition.
+    namespace_type = "TEXT"
+    bytes_type = "BLOB"
+    small_int = big_int = "INTEGER"
+    time_type = "REAL"
+    table_options = ""
+
     def schema(self, table: str) -> list[str]:
+        """The dedup table and its index."""
+        return [
+            self.dedup_table(table, part=False),
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_updated')} ON {self.q(table)} (updated)",
+        ]
+
+    def dedup_table(self, table: str, part: bool) -> str:
+        """The dedup table; with a ``part`` column and RANGE partitions of it when ``part``."""
+        b, t = self.bytes_type, self.time_type
+        part_col = f"\n                part {self.big_int} NOT NULL," if part else ""
+        return f"""CREATE TABLE IF NOT EXISTS {self.q(table)} (
+                namespace {self.namespace_type} NOT NULL,
+                "key" {b} NOT NULL,{part_col}
+                state {self.small_int} NOT NULL CHECK (state IN (1, 2, 3)),
+                token {self.big_int} NOT NULL CHECK (token > 0),
+                owner {b},
+                fingerprint {b},
+                result {b},
+                lease_until {t},
+                created {t} NOT NULL,
+                updated {t} NOT NULL,
+                PRIMARY KEY (namespace, "key"{", part" if part else ""})
+            ){" PARTITION BY RANGE (part)" if part else self.table_options}"""
+
+    def durability(self, cur: Any) -> tuple[int, str]:
+        """What a committed claim survives: a level (see ``durability_report``) and words."""
         raise NotImplementedError
 
     def server_version(self, cur: Any) -> str:
         raise NotImplementedError
 
-    # -- statements ---------------------------------------------------------------
+    for_update = " FOR UPDATE"
+    #: Whether a batch that is mostly DUPLICATE is read without locks first.
+    read_first = False
+    #: Whether a read-only call runs without a transaction (one round trip, no COMMIT).
+    autocommit_reads = False
+    #: Whether :meth:`insert_fresh` can insert ``plain``: fail on any existing key.
+    plain_insert = False
+    #: Whether the rows a claim creates carry its nonce (in ``result``): the engine
+    #: cannot return the rows an INSERT actually created.
+    marks_created = False
 
     def insert_fresh(
         self,
@@ -178,9 +325,48 @@ class _Dialect:
         lease: float,
         nonce: bytes,
         parts: list[int] | None = None,
+        *,
+        plain: bool = False,
     ) -> set[bytes] | None:
-        """Creates the rows that do not exist; the keys created, or None if unknown."""
-        raise NotImplementedError
+        """Creates the rows that do not exist; the keys created, or None if unknown.
+
+        ``plain`` (where :attr:`plain_insert`): a plain INSERT of every row,
+        which raises a duplicate-key error if any exists.
+        """
+        if plain and not self.plain_insert:
+            raise ValueError(f"{self.name} inserts a claim's rows if absent only")
+        return self.insert(cur, NewRows(table, ns, keys, fps, owner, lease, nonce, parts), plain)
+
+    def insert(self, cur: Any, new: NewRows, plain: bool) -> set[bytes] | None:
+        """:meth:`insert_fresh`: multi-row VALUES, :data:`CHUNK` rows a statement."""
+        assert not plain
+        if new.parts is not None and not self.partitions:
+            raise ValueError(f"{self.name} tables are not partitioned")
+        nonce, part = self.marks_created, new.parts is not None
+        cols = ["namespace", "key", *(["part"] if part else []), "state", "token", "owner"]
+        cols += ["fingerprint", *(["result"] if nonce else []), "lease_until", "created"]
+        ph = self.ph
+        row = (
+            f"({ph}, {ph}, {f'{ph}, ' if part else ''}{PROCESSING}, 1, {ph}, {ph}, "
+            f"{f'{ph}, ' if nonce else ''}{self.lease_until(new.lease)}, {self.now}, {self.now})"
+        )
+        into = f"INSERT INTO {self.q(new.table)} ({', '.join(self.q(c) for c in cols)}, updated)"
+        parts = new.parts or [0] * len(new.keys)  # (only sent with a part column)
+        created: set[bytes] | None = None if nonce else set()
+        for i in range(0, len(new.keys), CHUNK):
+            params: list[Any] = []
+            for j in range(i, min(i + CHUNK, len(new.keys))):
+                params += (new.namespace, new.keys[j], *([parts[j]] if part else []))
+                params += (new.owner, new.fingerprints[j], *([new.nonce] if nonce else []))
+            count = min(i + CHUNK, len(new.keys)) - i
+            cur.execute(
+                f"{into} VALUES {', '.join([row] * count)} {self.if_absent(KEY)}"
+                + ("" if created is None else f" RETURNING {self.q('key')}"),
+                params,
+            )
+            if created is not None:
+                created.update(bytes(r[0]) for r in cur.fetchall())
+        return created  # None: the SELECT .. FOR UPDATE tells them by the nonce
 
     def select_rows(
         self,
@@ -190,181 +376,85 @@ class _Dialect:
         keys: list[bytes],
         parts: tuple[int, int | None] | None = None,
         lock: bool = True,
-    ) -> list[tuple[Any, ...]]:
+    ) -> Rows:
         """``(key, state, token, owner, fingerprint, result, live)`` of existing keys, locked.
 
         ``parts=(lo, hi)`` (a partitioned table): the keys' rows in partitions
         ``lo`` .. ``hi`` (None: every one from ``lo``), with ``part`` after ``key``;
         ``lock=False`` reads them without locking them.
         """
-        t, k, p = self.q(table), self.q("key"), self.ph
-        part, where, order = _part_range(parts, k)
-        out: list[tuple[Any, ...]] = []
-        for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i : i + _CHUNK]
-            cur.execute(
-                f"SELECT {k}, {part}state, token, owner, fingerprint, result, "
-                f"lease_until > {self.now} FROM {t} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}){where}{order}"
-                + (self.for_update if lock else ""),
-                [ns, *chunk],
-            )
-            out += cur.fetchall()
-        return out
+        part, where, order = part_range(parts, self.q("key"))
+        cols = f"{part}state, token, owner, fingerprint, result, lease_until > {self.now}"
+        if parts is not None:
+            return self.select_parted(cur, cols, table, ns, keys, where, lock)
+        return self._select_in(cur, cols, table, ns, keys, f"{order}{self._lock(lock)}")
 
-    for_update = " FOR UPDATE"
+    def select_parted(
+        self, cur: Any, cols: str, table: str, ns: str, keys: list[bytes], where: str, lock: bool
+    ) -> Rows:
+        """:meth:`select_rows` in partitions: ``cols`` of the keys' rows that match ``where``."""
+        return self._select_in(cur, cols, table, ns, keys, f"{where}{self._lock(lock)}")
 
-    #: Whether a batch that is mostly DUPLICATE is read without locks first.
-    read_first = False
-    #: Whether a read-only call runs without a transaction (one round trip, no COMMIT).
-    autocommit_reads = False
-    #: Whether :meth:`insert_all` exists (a plain INSERT that fails on any existing key).
-    plain_insert = False
+    def _lock(self, lock: bool) -> str:
+        return self.for_update if lock else ""
 
-    def insert_all(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        fps: list[bytes | None],
-        owner: bytes | None,
-        lease: float,
-        parts: list[int] | None = None,
-    ) -> None:
-        """Creates every row; raises (see :meth:`is_unique_violation`) if any exists."""
-        raise NotImplementedError
-
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        return is_unique_violation(exc)
-
-    def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> list[tuple[Any, ...]]:
+    def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> Rows:
         """``(key, state, token, owner, fingerprint, result)`` of existing keys, not locked."""
-        t, k, p = self.q(table), self.q("key"), self.ph
-        out: list[tuple[Any, ...]] = []
-        for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i : i + _CHUNK]
+        return self._select_in(cur, "state, token, owner, fingerprint, result", table, ns, keys)
+
+    def _select_in(
+        self, cur: Any, cols: str, table: str, ns: str, keys: list[bytes], tail: str = ""
+    ) -> Rows:
+        """``SELECT key, cols`` of the keys' rows, :data:`CHUNK` keys a statement."""
+        out: Rows = []
+        for among, chunk in self._in_list(keys):
             cur.execute(
-                f"SELECT {k}, state, token, owner, fingerprint, result FROM {t} "
-                f"WHERE namespace = {p} AND {k} IN ({', '.join([p] * len(chunk))})",
+                f"SELECT {self.q('key')}, {cols} FROM {self.q(table)} "
+                f"WHERE namespace = {self.ph} AND {among}{tail}",
                 [ns, *chunk],
             )
             out += cur.fetchall()
         return out
 
-    def update_rows(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        sets: _SetList,
-        types: list[str],
-        rows: list[list[Any]],
-        parted: bool = False,
-    ) -> None:
-        """``UPDATE .. SET sets`` for each row ``[key, v0, v1, ..]`` (keys already locked)."""
+    def _in_list(self, keys: list[bytes]) -> Iterator[tuple[str, list[bytes]]]:
+        """``key IN (..)`` for :data:`CHUNK` keys at a time, with those keys."""
+        for i in range(0, len(keys), CHUNK):
+            chunk = keys[i : i + CHUNK]
+            yield f"{self.q('key')} IN ({', '.join([self.ph] * len(chunk))})", chunk
+
+    def update_rows(self, cur: Any, table: str, ns: str, update: RowUpdate) -> None:
+        """``UPDATE .. SET`` each row of ``update`` (its keys already locked)."""
         raise NotImplementedError
 
-    def set_clause(self, sets: _SetList, value: Callable[[int], str]) -> str:
+    def set_clause(self, sets: SetList, value: Callable[[int], str]) -> str:
         return ", ".join(f"{col} = {value(e) if isinstance(e, int) else e}" for col, e in sets)
-
-    def purge(
-        self,
-        cur: Any,
-        table: str,
-        ns: str | None,
-        skip: list[str],
-        window: float,
-        limit: int,
-        before_delete: BeforeDelete | None = None,
-    ) -> tuple[int, int]:
-        """Tombstones abandoned claims, then deletes finished rows; ``(tombstoned, deleted)``.
-
-        The conditions are in the outer ``WHERE`` too, so a row claimed again
-        while the statement waited for its lock is re-checked and left alone.
-        With ``before_delete`` the rows are first selected and locked, the
-        callback gets each namespace's PROCESSED keys, and then exactly those
-        rows are deleted (see :meth:`SqlStore.purge`).
-        """
-        p, t = self.ph, self.q(table)
-        scope: list[str] = []
-        params: list[Any] = []
-        if ns is not None:
-            scope.append(f"namespace = {p}")
-            params.append(ns)
-        elif skip:
-            scope.append(f"namespace NOT IN ({', '.join([p] * len(skip))})")
-            params += skip
-        old = f"updated < {self.ago(window)}"
-        abandoned = " AND ".join(
-            [*scope, old, f"state = {_PROCESSING}", f"lease_until < {self.now}"]
-        )
-        cur.execute(
-            self.limited(
-                f"UPDATE {t} SET state = {_RELEASED}, result = NULL, updated = {self.now}",
-                table,
-                abandoned,
-                limit,
-            ),
-            params * self.where_repeats,
-        )
-        tombstoned = int(cur.rowcount)
-        done = f"state IN ({_PROCESSED}, {_RELEASED})"
-        finished = " AND ".join([*scope, old, done])
-        if before_delete is None:
-            cur.execute(
-                self.limited(f"DELETE FROM {t}", table, finished, limit),
-                params * self.where_repeats,
-            )
-            return tombstoned, int(cur.rowcount)
-        k = self.q("key")
-        cur.execute(
-            f"SELECT namespace, {k}, state FROM {t} WHERE {finished} "
-            f"ORDER BY updated LIMIT {int(limit)}{self.for_update}",
-            params,
-        )
-        chosen: dict[str, tuple[list[bytes], list[bytes]]] = {}
-        for name, key, state in cur.fetchall():
-            rows, processed = chosen.setdefault(str(name), ([], []))
-            rows.append(bytes(key))
-            if int(state) == _PROCESSED:
-                processed.append(bytes(key))
-        for name, (_, processed) in sorted(chosen.items()):
-            if processed:
-                before_delete(name, processed)  # raises: the transaction is rolled back
-        deleted = 0
-        for name, (rows, _) in sorted(chosen.items()):
-            deleted += self.delete_keys(cur, table, name, rows, f"{old} AND {done}")
-        return tombstoned, deleted
 
     def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
         """Deletes the rows of ``keys`` (already locked) that still match ``where``."""
-        p, k = self.ph, self.q("key")
         deleted = 0
-        for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i : i + _CHUNK]
+        for among, chunk in self._in_list(keys):
             cur.execute(
-                f"DELETE FROM {self.q(table)} WHERE namespace = {p} "
-                f"AND {k} IN ({', '.join([p] * len(chunk))}) AND {where}",
+                f"DELETE FROM {self.q(table)} WHERE namespace = {self.ph} AND {among} AND {where}",
                 [ns, *chunk],
             )
             deleted += int(cur.rowcount)
         return deleted
 
+    #: How many times :meth:`limited` writes ``where`` (its parameters go that often).
     where_repeats = 2
 
-    def limited(self, verb: str, table: str, where: str, limit: int) -> str:
-        """``verb`` on at most ``limit`` rows matching ``where`` (re-checked per row)."""
-        k = self.q("key")
+    def limited(self, verb: str, table: str, where: str, limit: int, key: Key = KEY) -> str:
+        """``verb`` on at most ``limit`` rows matching ``where`` (re-checked per row).
+
+        ``key``: the table's primary key columns.
+        """
+        cols = ", ".join(self.q(c) for c in key)
         return (
-            f"{verb} WHERE (namespace, {k}) IN (SELECT namespace, {k} FROM {self.q(table)} "
+            f"{verb} WHERE ({cols}) IN (SELECT {cols} FROM {self.q(table)} "
             f"WHERE {where} LIMIT {int(limit)}) AND {where}"
         )
 
-    def ago(self, seconds: float) -> str:
-        raise NotImplementedError
-
-    # -- partitions by event time (docs/sql-partitions.md) --------------------------
+    # -- partitions by event time (docs/sql-partitions.md) ------------------------------
 
     #: Whether the engine can keep the table in RANGE partitions of ``part``.
     partitions = False
@@ -380,8 +470,13 @@ class _Dialect:
     def is_partitioned(self, cur: Any, table: str) -> bool:
         raise NotImplementedError
 
+    def missing_parts(self, have: list[int], horizon: int, top: int, span: int) -> list[int]:
+        """The starts of the partitions to create so that every one to ``top`` exists."""
+        present = set(have)
+        return [s for s in range(horizon, top + 1, span) if s not in present]
+
     def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
-        """Creates the partitions starting at ``starts`` (after the last one on MariaDB)."""
+        """Creates the partitions starting at ``starts``."""
         raise NotImplementedError
 
     def part_drop(self, cur: Any, table: str, start: int) -> None:
@@ -400,7 +495,7 @@ class _Dialect:
         raise NotImplementedError
 
 
-def _part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, str, str]:
+def part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, str, str]:
     """The ``part`` column, the condition and the ORDER BY of a lookup in partitions.
 
     A partitioned lookup has no ORDER BY (which would merge the partitions'
@@ -414,20 +509,21 @@ def _part_range(parts: tuple[int, int | None] | None, key: str) -> tuple[str, st
     return "part, ", f" AND part >= {int(lo)}{upper}", ""
 
 
-def _part_name(table: str, start: int) -> str:
+def part_name(table: str, start: int) -> str:
     """The name of the partition that starts at ``start`` (unix seconds)."""
     return f"{table}_p{int(start)}"
 
 
-def _part_start(table: str, name: str) -> int:
+def part_start(table: str, name: str) -> int:
+    """The start of the partition ``name`` (SchemaError for one dedupcore did not make)."""
     prefix = f"{table}_p"
     if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
         raise SchemaError(f"partition {name!r} of table {table!r} is not one dedupcore made")
     return int(name[len(prefix) :])
 
 
-def _lock_id(table: str) -> int:
-    """The advisory lock key of a table's partition horizon (PostgreSQL)."""
-    return int.from_bytes(
-        hashlib.blake2b(table.encode(), digest_size=8).digest(), "big", signed=True
-    )
+def horizon_of(row: tuple[Any, ...] | None, table: str) -> int:
+    """The horizon from the partition table's row (SchemaError when it has none)."""
+    if row is None:
+        raise SchemaError(f"the partition table {table}_parts has no row: run init_schema()")
+    return int(row[0])

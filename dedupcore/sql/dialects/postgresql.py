@@ -1,47 +1,72 @@
-"""The postgresql dialect of the SQL authority."""
+"""PostgreSQL through psycopg 3: arrays sent in binary, advisory locks, declarative partitions."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
-from dedupcore.errors import SchemaError
 from dedupcore.sql.dialects.base import (
-    _PROCESSING,
-    _Dialect,
-    _lock_id,
-    _part_name,
-    _part_range,
-    _part_start,
-    _SetList,
+    PROCESSING,
+    Catalog,
+    Dialect,
+    NewRows,
+    Rows,
+    RowUpdate,
+    Run,
+    horizon_of,
+    part_name,
+    part_start,
 )
-from dedupcore.sql.dialects.base import on_conflict_do_nothing as _do_nothing
+
+__all__ = ["PostgresDialect"]
 
 
-class _Postgres(_Dialect):
+class PostgresDialect(Dialect):
+    """PostgreSQL (psycopg 3): ``postgresql://`` and ``postgres://`` URLs."""
+
     name = "postgresql"
+    driver = "psycopg"
+    schemes = ("postgresql", "postgres")
     max_key_bytes = 2048  # a btree index entry holds at most ~2.7 kB
     read_first = True
     autocommit_reads = True
     plain_insert = True
+    partitions = True
+    now = "now()"
+    utc_now = "now()"
+    namespace_type, bytes_type, small_int, big_int = (
+        'text COLLATE "C"',
+        "bytea",
+        "smallint",
+        "bigint",
+    )
+    time_type = "timestamptz"
 
-    @property
-    def now(self) -> str:
-        return "now()"
+    write_now = "clock_timestamp()"
 
-    def lease_until(self, lease: float) -> str:
-        # The clock at the write, not the transaction's start (it may have waited for locks).
-        return f"clock_timestamp() + make_interval(secs => {lease:.6f})"
-
-    def ago(self, seconds: float) -> str:
-        return f"now() - make_interval(secs => {seconds:.6f})"
+    def shift(self, time: str, sign: str, seconds: float) -> str:
+        return f"{time} {sign} make_interval(secs => {seconds:.6f})"
 
     def epoch(self, column: str) -> str:
         return f"extract(epoch from {column})"
+
+    # -- the driver -----------------------------------------------------------------------
+
+    def connector(
+        self, url: str, connect_args: dict[str, Any], timeout: float
+    ) -> Callable[[], Any]:
+        return functools.partial(_connect, url, {**_defaults(url, timeout), **connect_args})
 
     def error_classes(self) -> tuple[type[BaseException], ...]:
         import psycopg
 
         return (psycopg.Error,)
+
+    def is_duplicate_key(self, exc: BaseException) -> bool:
+        module = type(exc).__module__.split(".")[0]
+        return module == self.driver and getattr(exc, "sqlstate", None) == "23505"
 
     def is_missing_table(self, exc: BaseException) -> bool:
         import psycopg.errors
@@ -63,12 +88,54 @@ class _Postgres(_Dialect):
         return isinstance(exc, (psycopg.DataError, psycopg.IntegrityError))
 
     def socket_of(self, conn: Any) -> int | None:
-        # psycopg waits for a reply without a timeout of its own (see _Watchdog).
+        # psycopg waits for a reply without a timeout of its own (see the watchdog).
         fd: int = conn.fileno()
         return fd
 
     # No arm(): libpq has no client-side wait limit; the watchdog is the deadline, and
     # statement_timeout (from_url) the server's own.
+
+    def prepare(self, conn: Any) -> None:
+        import psycopg
+
+        conn.autocommit = False
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+
+    def autocommit_of(self, raw: Any) -> str | None:
+        return "psycopg connection autocommit=True" if raw.autocommit else None
+
+    def catalog(self, run: Run, table: str) -> Catalog:
+        _, rows = run(
+            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+            "AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            [self.q(table)],
+        )
+        columns = tuple(str(r[0]) for r in rows)
+        _, rows = run(
+            "SELECT ci.relname, ARRAY(SELECT a.attname FROM unnest(i.indkey::int2[]) "
+            "WITH ORDINALITY AS k(attnum, n) JOIN pg_attribute a ON a.attrelid = i.indrelid "
+            "AND a.attnum = k.attnum WHERE k.n <= i.indnkeyatts ORDER BY k.n) "
+            "FROM pg_index i JOIN pg_class ci ON ci.oid = i.indexrelid "
+            "WHERE i.indrelid = to_regclass(%s) AND i.indisunique AND i.indisvalid "
+            "AND i.indpred IS NULL AND i.indexprs IS NULL",
+            [self.q(table)],
+        )
+        return columns, tuple((str(name), tuple(cols)) for name, cols in rows)
+
+    def consumed_schema(self, table: str, key_bytes: int) -> list[str]:
+        t = self.q(table)
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+                namespace text COLLATE "C" NOT NULL,
+                "key" bytea NOT NULL,
+                created timestamptz NOT NULL DEFAULT now(),
+                result bytea,
+                PRIMARY KEY (namespace, "key")
+            )""",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_created')} ON {t} (created)",
+        ]
+
+    # -- the dedup table ----------------------------------------------------------------
 
     def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')")
@@ -86,92 +153,22 @@ class _Postgres(_Dialect):
             )
         return 3, f"fsync on, synchronous_commit {commit}: survives a crash and a power loss"
 
-    def prepare(self, conn: Any) -> None:
-        import psycopg
-
-        conn.autocommit = False
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-
     def server_version(self, cur: Any) -> str:
         cur.execute("SHOW server_version")
         return f"PostgreSQL {cur.fetchone()[0]}"
 
-    def schema(self, table: str) -> list[str]:
-        t = self.q(table)
-        return [
-            f"""CREATE TABLE IF NOT EXISTS {t} (
-                namespace text COLLATE "C" NOT NULL,
-                "key" bytea NOT NULL,
-                state smallint NOT NULL CHECK (state IN (1, 2, 3)),
-                token bigint NOT NULL CHECK (token > 0),
-                owner bytea,
-                fingerprint bytea,
-                result bytea,
-                lease_until timestamptz,
-                created timestamptz NOT NULL,
-                updated timestamptz NOT NULL,
-                PRIMARY KEY (namespace, "key")
-            )""",
-            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_updated')} ON {t} (updated)",
-        ]
+    def insert(self, cur: Any, new: NewRows, plain: bool) -> set[bytes] | None:
+        """One INSERT over ``unnest`` of arrays, any batch size.
 
-    def insert_fresh(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        fps: list[bytes | None],
-        owner: bytes | None,
-        lease: float,
-        nonce: bytes,
-        parts: list[int] | None = None,
-    ) -> set[bytes] | None:
-        target = ["namespace", "key", *(["part"] if parts is not None else [])]
-        self._insert(
-            cur,
-            table,
-            ns,
-            keys,
-            fps,
-            owner,
-            lease,
-            f'{_do_nothing(self.name, target)} RETURNING "key"',
-            parts,
-        )
-        return {bytes(r[0]) for r in cur.fetchall()}
-
-    def insert_all(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        fps: list[bytes | None],
-        owner: bytes | None,
-        lease: float,
-        parts: list[int] | None = None,
-    ) -> None:
-        # No speculative insertion: about 40 % less server time than ON CONFLICT.
-        self._insert(cur, table, ns, keys, fps, owner, lease, "", parts)
-
-    def _insert(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        fps: list[bytes | None],
-        owner: bytes | None,
-        lease: float,
-        tail: str,
-        parts: list[int] | None = None,
-    ) -> None:
+        ``plain``: no ``ON CONFLICT`` (no speculative insertion: about 40 %
+        less server time); otherwise the keys created are returned.
+        """
         # The arrays go in binary (bytea in text needs escaping per element); a batch
         # without fingerprints sends no array of NULLs.
-        with_fps = any(f is not None for f in fps)
+        parts = new.parts
+        with_fps = any(f is not None for f in new.fingerprints)
         cols, arrays = ["k"], ["%b::bytea[]"]
-        params: list[Any] = [ns, owner, keys]
+        params: list[Any] = [new.namespace, new.owner, new.keys]
         if parts is not None:
             cols.append("p")
             arrays.append("%s::bigint[]")
@@ -179,110 +176,89 @@ class _Postgres(_Dialect):
         if with_fps:
             cols.append("f")
             arrays.append("%b::bytea[]")
-            params.append(fps)
+            params.append(new.fingerprints)
+        target = ["namespace", "key", *(["part"] if parts is not None else [])]
+        tail = "" if plain else f'{self.on_conflict_do_nothing(target)} RETURNING "key"'
         cur.execute(
-            f'INSERT INTO {self.q(table)} (namespace, "key", '
+            f'INSERT INTO {self.q(new.table)} (namespace, "key", '
             f"{'part, ' if parts is not None else ''}state, token, owner, fingerprint, "
             "lease_until, created, updated) "
-            f"SELECT %s::text, u.k, {'u.p, ' if parts is not None else ''}{_PROCESSING}, 1, "
-            f"%s::bytea, {'u.f' if with_fps else 'NULL::bytea'}, {self.lease_until(lease)}, "
+            f"SELECT %s::text, u.k, {'u.p, ' if parts is not None else ''}{PROCESSING}, 1, "
+            f"%s::bytea, {'u.f' if with_fps else 'NULL::bytea'}, {self.lease_until(new.lease)}, "
             f"now(), now() FROM unnest({', '.join(arrays)}) AS u({', '.join(cols)}) "
             f"ORDER BY u.k {tail}",
             params,
         )
+        return set(new.keys) if plain else {bytes(r[0]) for r in cur.fetchall()}
 
-    def read_rows(self, cur: Any, table: str, ns: str, keys: list[bytes]) -> list[tuple[Any, ...]]:
+    def _select_in(
+        self, cur: Any, cols: str, table: str, ns: str, keys: list[bytes], tail: str = ""
+    ) -> Rows:
+        # The keys as one array (in binary), any batch size in one statement.
         cur.execute(
-            f'SELECT "key", state, token, owner, fingerprint, result FROM {self.q(table)} '
-            'WHERE namespace = %s AND "key" = ANY(%b::bytea[])',
+            f'SELECT "key", {cols} FROM {self.q(table)} '
+            f'WHERE namespace = %s AND "key" = ANY(%b::bytea[]){tail}',
             [ns, keys],
         )
-        rows: list[tuple[Any, ...]] = cur.fetchall()
+        rows: Rows = cur.fetchall()
         return rows
 
-    def select_rows(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        parts: tuple[int, int | None] | None = None,
-        lock: bool = True,
-    ) -> list[tuple[Any, ...]]:
-        cols = "state, token, owner, fingerprint, result, lease_until > now()"
-        if parts is None:
-            cur.execute(
-                f'SELECT "key", {cols} FROM {self.q(table)} WHERE namespace = %s '
-                'AND "key" = ANY(%b::bytea[]) ORDER BY "key" FOR UPDATE',
-                [ns, keys],
-            )
-        else:
-            # One index probe per key and partition (a lateral join on key = u.k): with
-            # "key" = ANY(..) on the second index column, PostgreSQL (before 17) plans a
-            # scan of the namespace's rows in each partition whose statistics are not
-            # gathered yet (a new one). Keys in order, then partitions: one lock order.
-            _, where, _ = _part_range(parts, '"key"')
-            cur.execute(
-                f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
-                f"part, {cols} FROM {self.q(table)} WHERE namespace = %s "
-                # (OFFSET 0 keeps an unlocked subquery from being flattened into a join.)
-                f'AND "key" = u.k{where}{" FOR UPDATE" if lock else " OFFSET 0"}) AS x',
-                [sorted(keys), ns],
-            )
-        rows: list[tuple[Any, ...]] = cur.fetchall()
+    def select_parted(
+        self, cur: Any, cols: str, table: str, ns: str, keys: list[bytes], where: str, lock: bool
+    ) -> Rows:
+        # One index probe per key and partition (a lateral join on key = u.k): with
+        # "key" = ANY(..) on the second index column, PostgreSQL (before 17) plans a
+        # scan of the namespace's rows in each partition whose statistics are not
+        # gathered yet (a new one). Keys in order, then partitions: one lock order.
+        cur.execute(
+            f'SELECT x.* FROM unnest(%b::bytea[]) AS u(k) CROSS JOIN LATERAL (SELECT "key", '
+            f"{cols} FROM {self.q(table)} WHERE namespace = %s "
+            # (OFFSET 0 keeps an unlocked subquery from being flattened into a join.)
+            f'AND "key" = u.k{where}{" FOR UPDATE" if lock else " OFFSET 0"}) AS x',
+            [sorted(keys), ns],
+        )
+        rows: Rows = cur.fetchall()
         return rows
 
-    def update_rows(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        sets: _SetList,
-        types: list[str],
-        rows: list[list[Any]],
-        parted: bool = False,
-    ) -> None:
+    def update_rows(self, cur: Any, table: str, ns: str, update: RowUpdate) -> None:
+        parted = update.parted
         lead = ["bytea", "bigint"] if parted else ["bytea"]
-        cols = ["k", *(["p"] if parted else []), *(f"v{i}" for i in range(len(types)))]
-        arrays = ", ".join(f"%{'b' if ty == 'bytea' else 's'}::{ty}[]" for ty in [*lead, *types])
-        set_sql = self.set_clause(sets, lambda i: f"u.v{i}")
+        cols = ["k", *(["p"] if parted else []), *(f"v{i}" for i in range(len(update.types)))]
+        arrays = ", ".join(
+            f"%{'b' if ty == 'bytea' else 's'}::{ty}[]" for ty in [*lead, *update.types]
+        )
+        set_sql = self.set_clause(update.sets, lambda i: f"u.v{i}")
         cur.execute(
             f"UPDATE {self.q(table)} AS d SET {set_sql} FROM unnest({arrays}) "
             f'AS u({", ".join(cols)}) WHERE d.namespace = %s AND d."key" = u.k'
             + (" AND d.part = u.p" if parted else ""),
-            [*([r[j] for r in rows] for j in range(len(cols))), ns],
+            [*([r[j] for r in update.rows] for j in range(len(cols))), ns],
         )
 
-    partitions = True
+    def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
+        cur.execute(
+            f'DELETE FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]) '
+            f"AND {where}",
+            [ns, keys],
+        )
+        return int(cur.rowcount)
+
+    # -- partitions by event time (docs/sql-partitions.md) ------------------------------
 
     def part_schema(self, table: str, first: int, span: int) -> list[str]:
-        t = self.q(table)
+        meta, edge = self.q(table + "_parts"), self.q(table + "_edge")
         return [
-            f"""CREATE TABLE IF NOT EXISTS {t} (
-                namespace text COLLATE "C" NOT NULL,
-                "key" bytea NOT NULL,
-                part bigint NOT NULL,
-                state smallint NOT NULL CHECK (state IN (1, 2, 3)),
-                token bigint NOT NULL CHECK (token > 0),
-                owner bytea,
-                fingerprint bytea,
-                result bytea,
-                lease_until timestamptz,
-                created timestamptz NOT NULL,
-                updated timestamptz NOT NULL,
-                PRIMARY KEY (namespace, "key", part)
-            ) PARTITION BY RANGE (part)""",
-            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_parts")} (
+            self.dedup_table(table, part=True),
+            f"""CREATE TABLE IF NOT EXISTS {meta} (
                 id int PRIMARY KEY, span bigint NOT NULL, horizon bigint NOT NULL)""",
-            f"INSERT INTO {self.q(table + '_parts')} VALUES (1, {int(span)}, {int(first)}) "
-            f"{_do_nothing(self.name, ['id'])}",
-            f"""CREATE TABLE IF NOT EXISTS {self.q(table + "_edge")} (
+            f"INSERT INTO {meta} VALUES (1, {int(span)}, {int(first)}) "
+            f"{self.on_conflict_do_nothing(['id'])}",
+            f"""CREATE TABLE IF NOT EXISTS {edge} (
                 namespace text COLLATE "C" NOT NULL,
                 "key" bytea NOT NULL,
                 boundary bigint NOT NULL,
                 PRIMARY KEY (namespace, "key", boundary))""",
-            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_edge_b')} "
-            f"ON {self.q(table + '_edge')} (boundary)",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_edge_b')} ON {edge} (boundary)",
         ]
 
     def part_list(self, cur: Any, table: str) -> list[int]:
@@ -291,7 +267,7 @@ class _Postgres(_Dialect):
             "WHERE i.inhparent = to_regclass(%s)",
             [self.q(table)],
         )
-        return sorted(_part_start(table, str(r[0])) for r in cur.fetchall())
+        return sorted(part_start(table, str(r[0])) for r in cur.fetchall())
 
     def is_partitioned(self, cur: Any, table: str) -> bool:
         cur.execute(
@@ -303,15 +279,15 @@ class _Postgres(_Dialect):
     def part_create(self, cur: Any, table: str, starts: list[int], span: int) -> None:
         for start in starts:
             cur.execute(
-                f"CREATE TABLE IF NOT EXISTS {self.q(_part_name(table, start))} PARTITION OF "
+                f"CREATE TABLE IF NOT EXISTS {self.q(part_name(table, start))} PARTITION OF "
                 f"{self.q(table)} FOR VALUES FROM ({int(start)}) TO ({int(start + span)})"
             )
 
     def part_drop(self, cur: Any, table: str, start: int) -> None:
-        cur.execute(f"DROP TABLE IF EXISTS {self.q(_part_name(table, start))}")
+        cur.execute(f"DROP TABLE IF EXISTS {self.q(part_name(table, start))}")
 
     def part_from(self, table: str, start: int) -> str:
-        return self.q(_part_name(table, start))
+        return self.q(part_name(table, start))
 
     def part_guard(self, cur: Any, table: str, exclusive: bool) -> int:
         # An advisory lock lives in memory only (a row lock FOR SHARE would write the
@@ -324,10 +300,7 @@ class _Postgres(_Dialect):
             f"SELECT horizon FROM {self.q(table + '_parts')} WHERE id = 1"
         )
         cur.nextset()
-        row = cur.fetchone()
-        if row is None:
-            raise SchemaError(f"the partition table {table}_parts has no row: run init_schema()")
-        return int(row[0])
+        return horizon_of(cur.fetchone(), table)
 
     def lock_edges(self, cur: Any, table: str, ns: str, edges: list[tuple[bytes, int]]) -> None:
         cur.execute(
@@ -338,10 +311,37 @@ class _Postgres(_Dialect):
             [ns, [k for k, _ in edges], [b for _, b in edges]],
         )
 
-    def delete_keys(self, cur: Any, table: str, ns: str, keys: list[bytes], where: str) -> int:
-        cur.execute(
-            f'DELETE FROM {self.q(table)} WHERE namespace = %s AND "key" = ANY(%b::bytea[]) '
-            f"AND {where}",
-            [ns, keys],
-        )
-        return int(cur.rowcount)
+
+def _connect(url: str, args: dict[str, Any]) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, **args)
+
+
+def _lock_id(table: str) -> int:
+    """The advisory lock key of a table's partition horizon."""
+    return int.from_bytes(
+        hashlib.blake2b(table.encode(), digest_size=8).digest(), "big", signed=True
+    )
+
+
+def _defaults(url: str, timeout: float) -> dict[str, Any]:
+    """Connect timeout, TCP keepalive and statement_timeout, where the URL sets none."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url)
+    except Exception as exc:  # psycopg.ProgrammingError: not a connection string
+        raise ValueError(f"bad PostgreSQL URL: {exc}") from None
+    out: dict[str, Any] = {
+        "connect_timeout": max(2, round(timeout)),  # libpq waits whole seconds, 2 at least
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }
+    out = {k: v for k, v in out.items() if k not in given}
+    options = str(given.get("options") or "")
+    if "statement_timeout" not in options:
+        out["options"] = f"{options} -c statement_timeout={round(timeout * 1000)}".strip()
+    return out

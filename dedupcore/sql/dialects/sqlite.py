@@ -1,55 +1,164 @@
-"""The sqlite dialect of the SQL authority."""
+"""SQLite through sqlite3: one writer at a time (``BEGIN IMMEDIATE``), times as unix seconds."""
 
 from __future__ import annotations
 
+import functools
+import sqlite3
+from collections.abc import Callable
 from typing import Any
 
-from dedupcore.sql.dialects.base import (
-    _CHUNK,
-    _PROCESSING,
-    _Dialect,
-    _SetList,
-)
-from dedupcore.sql.dialects.base import on_conflict_do_nothing as _do_nothing
+from dedupcore.sql.dialects.base import Catalog, Dialect, RowUpdate, Run
+
+__all__ = ["SQLiteDialect"]
+
+# sqlite3 extended result codes (Python 3.11+ exposes them as exc.sqlite_errorcode).
+_SQLITE_CONSTRAINT_PRIMARYKEY = 1555
+_SQLITE_CONSTRAINT_UNIQUE = 2067
+#: Unix seconds, from the Julian day.
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
 
-class _SQLite(_Dialect):
+class SQLiteDialect(Dialect):
+    """SQLite (sqlite3): ``sqlite:///relative/path.db`` and ``sqlite:////absolute/path.db``."""
+
     name = "sqlite"
+    driver = "sqlite3"
+    schemes = ("sqlite",)
     ph = "?"
     max_key_bytes = 65536
     for_update = ""  # BEGIN IMMEDIATE holds the database's write lock
+    connects_locally = True  # a file: nothing to wait for but its lock
+    # WAL: readers do not block the writer (a no-op for :memory: databases).
+    database_setup = ("PRAGMA journal_mode = WAL",)
+    folds_names = True
+    now = _NOW
+    utc_now = _NOW
+    namespace_type, bytes_type, small_int, big_int, time_type = (
+        "TEXT",
+        "BLOB",
+        *["INTEGER"] * 2,
+        "REAL",
+    )
+    table_options = " WITHOUT ROWID"
 
-    @property
-    def now(self) -> str:
-        return "((julianday('now') - 2440587.5) * 86400.0)"
+    write_now = _NOW
 
-    def lease_until(self, lease: float) -> str:
-        return f"({self.now} + {lease:.6f})"
-
-    def ago(self, seconds: float) -> str:
-        return f"({self.now} - {seconds:.6f})"
+    def shift(self, time: str, sign: str, seconds: float) -> str:
+        return f"({time} {sign} {seconds:.6f})"
 
     def epoch(self, column: str) -> str:
         return column
 
-    def error_classes(self) -> tuple[type[BaseException], ...]:
-        import sqlite3
+    # -- the driver -----------------------------------------------------------------------
 
+    def connector(
+        self, url: str, connect_args: dict[str, Any], timeout: float
+    ) -> Callable[[], Any]:
+        if not url.startswith("sqlite:///"):
+            raise ValueError(
+                f"sqlite URLs are sqlite:///relative/path.db or sqlite:////absolute/path.db, "
+                f"got {url!r}"
+            )
+        path = url[len("sqlite:///") :]
+        if not path:
+            raise ValueError("sqlite URL has no path")
+        args = {"timeout": 30.0, "check_same_thread": False, **connect_args}
+        return functools.partial(sqlite3.connect, path, **args)
+
+    def error_classes(self) -> tuple[type[BaseException], ...]:
         return (sqlite3.Error,)
+
+    def is_duplicate_key(self, exc: BaseException) -> bool:
+        if not isinstance(exc, sqlite3.IntegrityError):
+            return False
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None:
+            return code in (_SQLITE_CONSTRAINT_UNIQUE, _SQLITE_CONSTRAINT_PRIMARYKEY)
+        return str(exc).startswith("UNIQUE constraint failed")  # Python < 3.11
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return "no such table" in str(exc)
 
     def is_broken(self, conn: Any, exc: BaseException) -> bool:
-        import sqlite3
-
         # "Cannot operate on a closed database."
         return isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc)
 
     def is_refused(self, exc: BaseException) -> bool:
-        import sqlite3
-
         return isinstance(exc, (sqlite3.DataError, sqlite3.IntegrityError))
+
+    def prepare(self, conn: Any) -> None:
+        conn.isolation_level = None  # explicit BEGIN IMMEDIATE / COMMIT
+        cur = conn.cursor()
+        try:
+            cur.execute("PRAGMA busy_timeout")
+            if not cur.fetchone()[0]:
+                cur.execute("PRAGMA busy_timeout = 30000")
+        finally:
+            cur.close()
+
+    def arm(self, conn: Any, wait: float) -> None:
+        # The busy wait for another writer's lock: the time left, in whole milliseconds.
+        conn.execute(f"PRAGMA busy_timeout = {max(1, int(wait * 1000))}")
+
+    def begin(self, cur: Any, write: bool) -> None:
+        if write:
+            cur.execute("BEGIN IMMEDIATE")
+
+    # -- a caller's connection (the patterns) ---------------------------------------------
+
+    def autocommit_of(self, raw: Any) -> str | None:
+        if getattr(raw, "autocommit", None) is True:  # Python 3.12+
+            return "sqlite3 connection autocommit=True"
+        return None
+
+    def manual_begin(self, raw: Any) -> str | None:
+        return "sqlite3 connection isolation_level=None" if raw.isolation_level is None else None
+
+    def in_transaction(self, raw: Any) -> bool:
+        return bool(raw.in_transaction)
+
+    def immediate_begin(self, raw: Any) -> str | None:
+        # sqlite3 opens a *deferred* transaction before the first write; one that has
+        # read anything (even the schema) and then finds the writer lock taken fails at
+        # once with "database is locked" instead of waiting out the busy timeout.
+        # Autocommit connections and open transactions are left alone.
+        if (
+            not raw.in_transaction
+            and raw.isolation_level is not None
+            and getattr(raw, "autocommit", None) is not True
+        ):
+            return "BEGIN IMMEDIATE"
+        return None
+
+    def catalog(self, run: Run, table: str) -> Catalog:
+        _, rows = run("SELECT name, pk FROM pragma_table_info(?) ORDER BY cid", [table])
+        columns = tuple(str(r[0]) for r in rows)
+        pk = tuple(str(name) for name, n in sorted(rows, key=lambda r: r[1]) if n)
+        _, rows = run('SELECT name, "unique", partial FROM pragma_index_list(?)', [table])
+        found: list[tuple[str, tuple[str, ...]]] = [("PRIMARY KEY", pk)] if pk else []
+        for name, is_unique, partial in rows:
+            if not is_unique or partial:
+                continue
+            _, cols = run("SELECT name FROM pragma_index_info(?) ORDER BY seqno", [name])
+            if any(col[0] is None for col in cols):
+                continue  # an expression
+            found.append((str(name), tuple(str(col[0]) for col in cols)))
+        return columns, tuple(found)
+
+    def consumed_schema(self, table: str, key_bytes: int) -> list[str]:
+        t = self.q(table)
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+            namespace TEXT NOT NULL,
+            "key" BLOB NOT NULL,
+            created REAL NOT NULL,
+            result BLOB,
+            PRIMARY KEY (namespace, "key")
+        ) WITHOUT ROWID""",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_created')} ON {t} (created)",
+        ]
+
+    # -- the dedup table ----------------------------------------------------------------
 
     def durability(self, cur: Any) -> tuple[int, str]:
         cur.execute("PRAGMA synchronous")
@@ -70,91 +179,17 @@ class _SQLite(_Dialect):
             "corrupt committed claims",
         )
 
-    def prepare(self, conn: Any) -> None:
-        conn.isolation_level = None  # explicit BEGIN IMMEDIATE / COMMIT
-        cur = conn.cursor()
-        try:
-            cur.execute("PRAGMA busy_timeout")
-            if not cur.fetchone()[0]:
-                cur.execute("PRAGMA busy_timeout = 30000")
-        finally:
-            cur.close()
-
-    def arm(self, conn: Any, wait: float) -> None:
-        # The busy wait for another writer's lock: the time left, in whole milliseconds.
-        conn.execute(f"PRAGMA busy_timeout = {max(1, int(wait * 1000))}")
-
-    def begin(self, cur: Any, write: bool) -> None:
-        if write:
-            cur.execute("BEGIN IMMEDIATE")
-
     def server_version(self, cur: Any) -> str:
         cur.execute("SELECT sqlite_version()")
         return f"SQLite {cur.fetchone()[0]}"
 
-    def schema(self, table: str) -> list[str]:
-        t = self.q(table)
-        return [
-            f"""CREATE TABLE IF NOT EXISTS {t} (
-                namespace TEXT NOT NULL,
-                "key" BLOB NOT NULL,
-                state INTEGER NOT NULL CHECK (state IN (1, 2, 3)),
-                token INTEGER NOT NULL CHECK (token > 0),
-                owner BLOB,
-                fingerprint BLOB,
-                result BLOB,
-                lease_until REAL,
-                created REAL NOT NULL,
-                updated REAL NOT NULL,
-                PRIMARY KEY (namespace, "key")
-            ) WITHOUT ROWID""",
-            f"CREATE INDEX IF NOT EXISTS {self.q(table + '_updated')} ON {t} (updated)",
-        ]
-
-    def insert_fresh(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        keys: list[bytes],
-        fps: list[bytes | None],
-        owner: bytes | None,
-        lease: float,
-        nonce: bytes,
-        parts: list[int] | None = None,
-    ) -> set[bytes] | None:
-        assert parts is None, "SQLite tables are not partitioned"
-        row = f"(?, ?, {_PROCESSING}, 1, ?, ?, {self.lease_until(lease)}, {self.now}, {self.now})"
-        created: set[bytes] = set()
-        for i in range(0, len(keys), _CHUNK):
-            params: list[Any] = []
-            for k, fp in zip(keys[i : i + _CHUNK], fps[i : i + _CHUNK], strict=True):
-                params += (ns, k, owner, fp)
-            cur.execute(
-                f'INSERT INTO {self.q(table)} (namespace, "key", state, token, owner, '
-                "fingerprint, lease_until, created, updated) VALUES "
-                + ", ".join([row] * (len(params) // 4))
-                + f' {_do_nothing(self.name, ["namespace", "key"])} RETURNING "key"',
-                params,
-            )
-            created.update(bytes(r[0]) for r in cur.fetchall())
-        return created
-
-    def update_rows(
-        self,
-        cur: Any,
-        table: str,
-        ns: str,
-        sets: _SetList,
-        types: list[str],
-        rows: list[list[Any]],
-        parted: bool = False,
-    ) -> None:
-        assert not parted, "SQLite tables are not partitioned"
-        order = [e for _, e in sets if isinstance(e, int)]
+    def update_rows(self, cur: Any, table: str, ns: str, update: RowUpdate) -> None:
+        if update.parted:
+            raise ValueError("SQLite tables are not partitioned")
+        order = [e for _, e in update.sets if isinstance(e, int)]
         assert order == sorted(order), "per-row values must appear in order"
         cur.executemany(
-            f"UPDATE {self.q(table)} SET {self.set_clause(sets, lambda i: '?')} "
+            f"UPDATE {self.q(table)} SET {self.set_clause(update.sets, lambda i: '?')} "
             'WHERE namespace = ? AND "key" = ?',
-            [[*r[1:], ns, r[0]] for r in rows],
+            [[*r[1:], ns, r[0]] for r in update.rows],
         )
