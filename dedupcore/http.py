@@ -91,7 +91,16 @@ from dedupcore.api import Outcome, pack_result, result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.keys import check_namespace
 
-__all__ = ["DEFAULT_RETRY_STATUSES", "IdempotencyMiddleware"]
+__all__ = [
+    "DEFAULT_RETRY_STATUSES",
+    "IdempotencyMiddleware",
+    "fingerprint",
+    "parse_key",
+    "problem",
+    "response_record",
+    "result_limit",
+    "stored_response",
+]
 
 log = logging.getLogger("dedupcore")
 
@@ -148,13 +157,74 @@ def parse_key(raw: bytes) -> str:
     return text
 
 
-def _result_limit(store: object) -> int:
+def result_limit(store: object) -> int:
+    """The largest result ``store`` keeps (its ``max_result_bytes``), else 64 KiB."""
     config = getattr(store, "config", None)
     for owner in (config, store):
         limit = getattr(owner, "max_result_bytes", None)
         if isinstance(limit, int) and not isinstance(limit, bool):
             return limit
     return DEFAULT_RESULT_LIMIT
+
+
+def fingerprint(method: str, path: bytes, query: bytes, body: bytes) -> bytes:
+    """The request's fingerprint: SHA-256 over method, path, query string and body."""
+    h = hashlib.sha256()
+    for part in (method.upper().encode(), path, query):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    h.update(body)
+    return h.digest()
+
+
+def response_record(
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, limit: int
+) -> list[Any]:
+    """What the store keeps of a response: all of it, or a note if it is over ``limit``."""
+    result = [_RESPONSE, status, [list(h) for h in headers], body]
+    try:
+        pack_result(result, limit)
+    except ValueError:
+        return not_replayable(
+            f"the response was larger than the {limit} bytes the store keeps per response",
+            status,
+        )
+    return result
+
+
+def not_replayable(why: str, status: int) -> list[Any]:
+    """The record of a response that happened but cannot be sent again, and why."""
+    return [_NOT_REPLAYABLE, why, status]
+
+
+def stored_response(stored: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes] | str:
+    """The recorded response (status, headers, body), or why there is none to replay."""
+    if (
+        isinstance(stored, list)
+        and len(stored) == 4
+        and stored[0] == _RESPONSE
+        and isinstance(stored[1], int)
+        and isinstance(stored[3], bytes)
+    ):
+        return stored[1], [(bytes(n), bytes(v)) for n, v in stored[2]], stored[3]
+    if isinstance(stored, list) and len(stored) >= 2 and stored[0] == _NOT_REPLAYABLE:
+        return str(stored[1])
+    return "the store holds no response for it (past the exact window, or not recorded)"
+
+
+def problem(
+    status: int, title: str, detail: str, *, retry_after: int | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """An RFC 9457 problem document: status, headers, body."""
+    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
+    payload = body.encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return status, headers, payload
 
 
 class IdempotencyMiddleware:
@@ -203,7 +273,7 @@ class IdempotencyMiddleware:
         self.max_body_bytes = max_body_bytes
         self.lease = lease
         if max_response_bytes is None:
-            max_response_bytes = _result_limit(store)
+            max_response_bytes = result_limit(store)
         if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int):
             raise TypeError(
                 f"max_response_bytes must be an int, not {type(max_response_bytes).__name__}"
@@ -315,13 +385,8 @@ class IdempotencyMiddleware:
 
     @staticmethod
     def _fingerprint(scope: Scope, body: bytes) -> bytes:
-        h = hashlib.sha256()
         path = scope.get("raw_path") or (scope.get("root_path", "") + scope["path"]).encode()
-        for part in (scope["method"].upper().encode(), path, scope.get("query_string", b"")):
-            h.update(len(part).to_bytes(8, "big"))
-            h.update(part)
-        h.update(body)
-        return h.digest()
+        return fingerprint(scope["method"], path, scope.get("query_string", b""), body)
 
     async def _handle(
         self, scope: Scope, receive: Receive, send: Send, key: str, body: bytes
@@ -369,22 +434,14 @@ class IdempotencyMiddleware:
         await _Exchange(self, scope, receive, send, dkey, claim.token, body).run()
 
     async def _replay(self, send: Send, stored: Any) -> None:
-        if (
-            isinstance(stored, list)
-            and len(stored) == 4
-            and stored[0] == _RESPONSE
-            and isinstance(stored[1], int)
-            and isinstance(stored[3], bytes)
-        ):
-            headers = [(bytes(n), bytes(v)) for n, v in stored[2]]
+        found = stored_response(stored)
+        if not isinstance(found, str):
+            status, headers, body = found
             headers.append((self.replay_header, b"true"))
-            await send({"type": "http.response.start", "status": stored[1], "headers": headers})
-            await send({"type": "http.response.body", "body": stored[3], "more_body": False})
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        if isinstance(stored, list) and len(stored) >= 2 and stored[0] == _NOT_REPLAYABLE:
-            why = str(stored[1])
-        else:
-            why = "the store holds no response for it (past the exact window, or not recorded)"
+        why = found
         await _problem(
             send,
             422,
@@ -502,13 +559,11 @@ class _Exchange:
         status = self.status if self.status is not None else 500
         result: list[Any]
         if self.unstorable is None:
-            result = [_RESPONSE, status, [list(h) for h in self.headers], b"".join(self.chunks)]
-            try:
-                pack_result(result, self.mw.max_response_bytes)
-            except ValueError:
-                result = [_NOT_REPLAYABLE, self.too_large(), status]
+            result = response_record(
+                status, self.headers, b"".join(self.chunks), self.mw.max_response_bytes
+            )
         else:
-            result = [_NOT_REPLAYABLE, self.unstorable, status]
+            result = not_replayable(self.unstorable, status)
         self.chunks = []
         try:
             try:
@@ -519,7 +574,7 @@ class _Exchange:
                 if not result_refused(exc) or result[0] != _RESPONSE:
                     raise
                 # The store's own limit (a daemon's) is below the one assumed here.
-                note = [_NOT_REPLAYABLE, f"the store refused to keep it ({exc})", status]
+                note = not_replayable(f"the store refused to keep it ({exc})", status)
                 await self.mw._store(
                     "complete", self.key, self.token, namespace=self.mw.namespace, result=note
                 )
@@ -540,14 +595,7 @@ class _Exchange:
 async def _problem(
     send: Send, status: int, title: str, detail: str, *, retry_after: int | None = None
 ) -> None:
-    """An RFC 9457 problem document."""
-    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
-    payload = body.encode()
-    headers = [
-        (b"content-type", b"application/problem+json"),
-        (b"content-length", str(len(payload)).encode()),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
+    """Sends an RFC 9457 problem document (:func:`problem`)."""
+    status, headers, payload = problem(status, title, detail, retry_after=retry_after)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
