@@ -39,7 +39,7 @@ def _open_authority(target: Any, options: dict[str, Any]) -> ClaimAPI:
 
         return RedisStore.from_url(target, **options)
     if target.startswith(_SQL_SCHEMES):
-        from dedupcore.tiers.sql import SqlStore
+        from dedupcore.sql import SqlStore
 
         return SqlStore.from_url(target, **options)
     if "://" in target and not target.startswith("file://"):
@@ -81,7 +81,7 @@ def open_store(
     ``archive`` the authority itself is returned (a front filter alone saves
     nothing, since every key it passes still goes to the authority). A SQL
     authority returned alone keeps its retention through its own
-    :meth:`~dedupcore.tiers.sql.SqlStore.sweep`.
+    :meth:`~dedupcore.sql.SqlStore.sweep`.
     """
     if isinstance(authority, (list, tuple)):
         if not authority:

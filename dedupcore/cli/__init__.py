@@ -214,7 +214,7 @@ def _sql_init(args: argparse.Namespace) -> int:
     the table, partition and retention settings of the options, environment and file."""
     from dedupcore.cli import config
     from dedupcore.errors import DedupError
-    from dedupcore.tiers.sql import SqlStore
+    from dedupcore.sql import SqlStore
 
     try:
         settings = config.load(args)

@@ -36,7 +36,7 @@ from dedupcore.config import DURABILITY_MODES, Retention, StoreConfig, check_lea
 from dedupcore.daemon.server import DaemonServer
 from dedupcore.errors import SettingsError
 from dedupcore.keys import check_namespace
-from dedupcore.tiers.sql import PARTITION_SPANS
+from dedupcore.sql.partitions import PARTITION_SPANS
 
 __all__ = ["Settings", "SettingsError", "load", "parse_duration", "to_toml"]
 

@@ -8,7 +8,7 @@ A stack (:class:`dedupcore.stack.TieredStore`) is, from the top:
   PROCESSED records and is written through after the authority has them;
 - the **authority** (:class:`Authority`), the one exact tier where a NEW
   claim is created atomically and races are decided: the embedded
-  :class:`~dedupcore.DedupStore` (LMDB), :class:`~dedupcore.tiers.sql.SqlStore`
+  :class:`~dedupcore.DedupStore` (LMDB), :class:`~dedupcore.sql.SqlStore`
   or :class:`~dedupcore.redis.RedisStore`;
 - an optional **cold archive** (:class:`~dedupcore.tiers.archive.ColdArchive`)
   of keys demoted from the authority.

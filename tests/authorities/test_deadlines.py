@@ -34,7 +34,7 @@ from dedupcore.errors import UnavailableError
 from dedupcore.factory import open_store
 from dedupcore.record import State
 from dedupcore.redis import RedisStore
-from dedupcore.tiers.sql import SqlStore
+from dedupcore.sql import SqlStore
 from tests.support.cluster import redis_cluster, redis_server
 from tests.support.procs import call_in_thread
 from tests.support.servers import SERVERS, address, require_server

@@ -24,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.metrics import GAUGES, Metrics, instrument, metric_names
 from dedupcore.redis import RedisStore
+from dedupcore.sql import SqlStore
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
-from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import free_port
 from tests.support.daemon import Lab
 from tests.support.metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value

@@ -19,9 +19,9 @@ from dedupcore.api import Outcome
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, SchemaError, StaleTokenError
 from dedupcore.ids import pack
+from dedupcore.sql import PartitionDroppedError, SqlStore
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.archive import ColdArchive
-from dedupcore.tiers.sql import PartitionDroppedError, SqlStore
 from tests.support.fakes import FakeClock
 from tests.support.servers import SERVERS, require_server
 from tests.support.stores import SqlTable

@@ -23,8 +23,8 @@ from dedupcore.api import Outcome
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, SchemaError, StaleTokenError, UnavailableError
 from dedupcore.record import State
+from dedupcore.sql import SqlStore
 from dedupcore.tiers.base import RequestRefusedError
-from dedupcore.tiers.sql import SqlStore
 from tests.support.servers import SERVERS, require_server
 from tests.support.stores import Counting, SqlTable, counting_store, sql_table
 

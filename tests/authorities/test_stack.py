@@ -30,10 +30,10 @@ from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.factory import open_store
 from dedupcore.redis import RedisStore
+from dedupcore.sql import SqlStore
 from dedupcore.stack import SHARD_SEED, ShardedStore, TieredStore
 from dedupcore.store import DedupStore
 from dedupcore.tiers.cache import RedisCache
-from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import free_port, redis_server
 from tests.support.daemon import Lab
 from tests.support.procs import run_cli

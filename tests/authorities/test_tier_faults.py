@@ -30,9 +30,9 @@ from dedupcore.errors import DedupError, UnavailableError
 from dedupcore.factory import open_store
 from dedupcore.record import State
 from dedupcore.redis import RedisStore
+from dedupcore.sql import SqlStore
 from dedupcore.stack import TieredStore
 from dedupcore.tiers.cache import RedisCache
-from dedupcore.tiers.sql import SqlStore
 from tests.support.cluster import RedisServer, free_port, redis_server
 from tests.support.procs import call_in_thread
 from tests.support.stores import SqlTable, counting_store, sql_table

@@ -18,7 +18,7 @@ import redis
 
 from dedupcore.api import Outcome
 from dedupcore.record import State
-from dedupcore.tiers.sql import SqlStore
+from dedupcore.sql import SqlStore
 from tests.support.daemon import Lab
 from tests.support.procs import run_cli
 from tests.support.servers import connect_redis, redis_url, require_server

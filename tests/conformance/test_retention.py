@@ -31,9 +31,9 @@ import pytest
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.config import Retention
 from dedupcore.record import State
+from dedupcore.sql import SqlStore
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
-from dedupcore.tiers.sql import SqlStore
 from tests.support.procs import wait_until
 from tests.support.servers import SERVERS, require_server
 

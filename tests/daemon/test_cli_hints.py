@@ -67,7 +67,7 @@ HINTS = list(suggested_command_lines())
 def test_the_hints_are_found() -> None:
     # The data-directory hint of a format-1 directory opened read-only is one of them.
     assert any(w.startswith("dedupcore/migrate.py") for w, _ in HINTS), HINTS
-    assert any(w.startswith("dedupcore/tiers/sql.py") for w, _ in HINTS), HINTS
+    assert any(w.startswith("dedupcore/sql/") for w, _ in HINTS), HINTS
 
 
 def _parses(argv: list[str]) -> bool:

@@ -13,9 +13,9 @@ from dedupcore.cli import main
 from dedupcore.cli.config import Settings, SettingsError, load, parse_duration, to_toml
 from dedupcore.config import Retention
 from dedupcore.factory import open_store
+from dedupcore.sql import SqlStore
 from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
-from dedupcore.tiers.sql import SqlStore
 from tests.support.daemon import serve_args
 from tests.support.procs import ROOT, child_env, run_cli
 

@@ -268,7 +268,7 @@ def test_every_wait_of_a_connection_gets_the_time_left(redis_hooks: Any, clock: 
 
 
 def test_a_connect_is_given_up_at_the_deadline_and_closed_when_it_arrives() -> None:
-    from dedupcore.tiers.sql import _connect_within
+    from dedupcore.sql.transactions import connect_within as _connect_within
 
     release = threading.Event()
     closed = threading.Event()
@@ -358,7 +358,7 @@ def test_a_sql_call_with_no_time_left_fails_before_it_sends_anything(
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), 1e39])
 def test_a_sql_store_refuses_a_bad_timeout_before_connecting(bad: float) -> None:
-    from dedupcore.tiers.sql import SqlStore
+    from dedupcore.sql import SqlStore
 
     def never() -> Any:
         raise AssertionError("nothing may connect")

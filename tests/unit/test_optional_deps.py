@@ -172,7 +172,7 @@ def test_package_store_daemon_and_cli_work_without_the_redis_extra(tmp_path: Pat
         import dedupcore.cli
         import dedupcore.factory
         import dedupcore.stack
-        import dedupcore.tiers.sql
+        import dedupcore.sql
         from dedupcore import Client, DedupStore, open_store
 
         tmp = sys.argv[1]
