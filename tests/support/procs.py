@@ -10,6 +10,7 @@ collects what the child wrote whole before it died.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 #: The checkout (or, for an installed package's test run, the copy of the tests).
@@ -61,6 +63,16 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
+
+
+def load_script(path: Path) -> ModuleType:
+    """The module of a child program beside the tests (``store_child.py``): the test
+    imports the names it shares with the child (keys, expected results) from it."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_until(

@@ -8,13 +8,9 @@ DUPLICATE with its result after the parent reopens the directory.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import queue
 import random
-import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -25,82 +21,42 @@ from pathlib import Path
 
 import pytest
 
-import dedupcore
 from dedupcore import keys as dkeys
 from dedupcore.errors import DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
+from tests.support.procs import LineProcess, load_script
 
 CHILD = Path(__file__).with_name("store_child.py")
-_spec = importlib.util.spec_from_file_location("store_child", CHILD)
-assert _spec is not None and _spec.loader is not None
-store_child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(store_child)
+store_child = load_script(CHILD)
 batch_keys: Callable[[int], list[bytes]] = store_child.batch_keys
 result_for: Callable[[bytes], list[object]] = store_child.result_for
 NS: str = store_child.NS
 
 WAL_HEADER = 32
-ROOT = str(Path(dedupcore.__file__).resolve().parent.parent)
 
 
 # ---------------------------------------------------------------- helpers ---
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _pump(stream: object, out: queue.Queue[str | None]) -> None:
-    for raw in stream:  # type: ignore[attr-defined]
-        out.put(raw.decode())
-    out.put(None)
-
-
-class Child:
-    """A running store_child.py whose stdout lines arrive on a queue."""
+class Child(LineProcess):
+    """A running store_child.py; ``seen`` keeps the whole lines it wrote, in order."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=_env(),
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.reader = threading.Thread(target=_pump, args=(self.proc.stdout, self.lines))
-        self.reader.daemon = True
-        self.reader.start()
-        self.seen: list[str] = []  # complete lines, in order
+        super().__init__([sys.executable, str(CHILD), *args], name="store_child.py")
+        self.seen: list[str] = []
 
     def next(self, timeout: float = 60.0) -> str:
-        line = self.lines.get(timeout=timeout)
+        line = self.next_raw(timeout)
         if line is None or not line.endswith("\n"):
-            self.proc.kill()
-            self.proc.wait(30)
-            err = self.proc.stderr.read().decode()  # type: ignore[union-attr]
-            raise AssertionError(f"child ended early ({self.proc.returncode}): {err}")
+            self.kill()
+            raise AssertionError(f"child ended early ({self.proc.returncode}): {self.stderr()}")
         self.seen.append(line.strip())
         return line.strip()
 
-    def kill(self) -> None:
-        """SIGKILL, then collect every complete line it wrote before dying."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)
-        self.reader.join(60)
-        while (line := self.lines.get_nowait()) is not None:
-            if line.endswith("\n"):  # written whole, so printed after the ack
-                self.seen.append(line.strip())
-        assert self.proc.returncode == -signal.SIGKILL, self.proc.stderr.read()  # type: ignore[union-attr]
-        self.proc.stderr.close()  # type: ignore[union-attr]
-        self.proc.stdout.close()  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(60)
+    def kill_here(self) -> None:
+        """SIGKILL now; every line it wrote whole before dying joins ``seen``."""
+        self.seen += self.sigkill()
 
     def acked(self) -> list[int]:
         return [int(line.split()[1]) for line in self.seen if line.startswith("ACK ")]
@@ -108,11 +64,8 @@ class Child:
 
 @contextmanager
 def child(*args: str) -> Iterator[Child]:
-    c = Child(*args)
-    try:
+    with Child(*args) as c:
         yield c
-    finally:
-        c.close()
 
 
 def check_acknowledged(store: DedupStore, batches: list[int]) -> None:
@@ -205,7 +158,7 @@ def test_sigkill_at_random_points_and_inside_checkpoints_loses_no_acknowledged_k
                 while len(c.acked()) < target:
                     c.next()
                 time.sleep(rng.random() * 0.02)  # land anywhere in the loop
-            c.kill()
+            c.kill_here()
         if stall:
             # The checkpoint sleeps 30 s in the stalled phase: the kill was inside it.
             after = c.seen[c.seen.index(f"CKPT {stall}") :]
@@ -248,7 +201,7 @@ def _held_run(path: Path, *, batches: int, lease: float, manual: int = 0) -> tup
         assert c.next() == "READY"
         while not c.seen[-1].startswith("HELD"):
             c.next()
-        c.kill()
+        c.kill_here()
     assert c.acked() == list(range(batches))
     _, held, token = c.seen[-1].split()
     return int(held), int(token)

@@ -9,7 +9,6 @@ opened in a child process, so that a crash fails the test instead of the test ru
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import random
 import shutil
@@ -25,30 +24,20 @@ from typing import Any
 
 import pytest
 
-import dedupcore
 from dedupcore.config import Retention
 from dedupcore.errors import CorruptFileError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
+from tests.support.procs import LineProcess, child_env, load_script
 
 CHILD = Path(__file__).with_name("store_child.py")
-_spec = importlib.util.spec_from_file_location("store_child", CHILD)
-assert _spec is not None and _spec.loader is not None
-store_child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(store_child)
+store_child = load_script(CHILD)
 batch_keys: Callable[[int], list[bytes]] = store_child.batch_keys
 result_for: Callable[[bytes], list[object]] = store_child.result_for
 CHILD_NS: str = store_child.NS
 
 NS = "faults/ns"
-ROOT = str(Path(dedupcore.__file__).resolve().parent.parent)
 NO_AUTO_CHECKPOINT = {"checkpoint_records": 10**9, "checkpoint_interval": 1e9}
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def done_keys(store: DedupStore, keys: list[str], ns: str = NS) -> None:
@@ -280,7 +269,7 @@ def test_map_growth_while_other_threads_claim_keys_from_lmdb(tmp_path: Path) -> 
         [sys.executable, str(CHILD), str(tmp_path), "mapgrow", "5"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         timeout=300,
     )
     assert proc.returncode == 0, f"child died with {proc.returncode}: {proc.stderr[-2000:]}"
@@ -312,7 +301,7 @@ def _open_in_child(path: Path, nkeys: int) -> str:
         [sys.executable, "-c", OPEN_AND_CLAIM, str(path), str(nkeys), NS],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         timeout=120,
     )
     if proc.returncode < 0:
@@ -365,21 +354,11 @@ def crashed_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     in the log, batch 5 claimed (not completed); the front on disk is the checkpoint's."""
     path = tmp_path_factory.mktemp("crashed") / "data"
     args = [str(CHILD), str(path), "0", "--manual-checkpoint", "3", "--hold-after", "5"]
-    proc = subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()
-    )
-    assert proc.stdout is not None
-    lines = []
-    try:
-        for raw in proc.stdout:
-            lines.append(raw.decode().strip())
-            if lines[-1].startswith("HELD"):
-                break
-    finally:
-        proc.kill()
-        proc.wait(60)
-    assert lines[-1].startswith("HELD 5"), (lines, proc.stderr.read())  # type: ignore[union-attr]
-    return path, int(lines[-1].split()[2])
+    with LineProcess([sys.executable, *args], name="store_child.py") as child:
+        held = child.expect("HELD")
+        child.sigkill()
+    assert held.startswith("5 "), held
+    return path, int(held.split()[1])
 
 
 def _damage_front(front: Path, damage: str) -> None:

@@ -18,10 +18,7 @@ DIR BATCHES [segment]``.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -79,37 +76,22 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-import dedupcore  # noqa: E402
 from dedupcore.errors import CorruptFileError  # noqa: E402
 from dedupcore.store import DedupStore, Outcome  # noqa: E402
 from dedupcore.tiers.lmdb import LmdbTier  # noqa: E402
-
-ROOT = str(Path(dedupcore.__file__).resolve().parent.parent)
+from tests.support.procs import LineProcess  # noqa: E402
 
 
 def _run_child_and_kill(path: Path, batches: int, mode: str = "") -> list[int]:
     """Runs the child until DONE, SIGKILLs it; returns the acknowledged batches."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    args = [sys.executable, __file__, str(path), str(batches)] + ([mode] if mode else [])
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    argv = [sys.executable, __file__, str(path), str(batches)] + ([mode] if mode else [])
     acked: list[int] = []
-    try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode().strip()
+    with LineProcess(argv, name="the child") as child:
+        while (line := child.next_line()) != "DONE":
+            assert line is not None, f"child ended early: {child.stderr()}"
             if line.startswith("ACK "):
                 acked.append(int(line.split()[1]))
-            if line == "DONE":
-                break
-        else:
-            raise AssertionError(f"child ended early: {proc.stderr.read().decode()}")  # type: ignore[union-attr]
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(60)
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
-    assert proc.returncode == -signal.SIGKILL
+        child.sigkill()
     return acked
 
 

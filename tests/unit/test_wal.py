@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import errno
-import importlib.util
 import logging
 import os
-import queue
 import random
 import shutil
-import signal
 import stat
 import struct
 import subprocess
@@ -33,13 +30,11 @@ from dedupcore.wal import (
     WalFailedError,
     WriteAheadLog,
 )
+from tests.support.procs import LineProcess, load_script
 
 HEADER_SIZE = 32
 CHILD = Path(__file__).with_name("wal_child.py")
-_spec = importlib.util.spec_from_file_location("wal_child", CHILD)
-assert _spec is not None and _spec.loader is not None
-wal_child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(wal_child)
+wal_child = load_script(CHILD)
 payload_for: Callable[[int], bytes] = wal_child.payload_for
 
 Records = list[tuple[int, bytes]]
@@ -812,51 +807,27 @@ def test_sync_none_skips_fdatasync_but_rotation_and_close_sync(
 # ------------------------------------------------------------ real crash ---
 
 
-def _read_lines(stream: object, out: queue.Queue[str | None]) -> None:
-    for raw in stream:  # type: ignore[attr-defined]
-        out.put(raw.decode())
-    out.put(None)
-
-
 def test_sigkill_during_appends_loses_no_acknowledged_record(tmp_path: Path) -> None:
     """A child appends in a loop and prints each acknowledged LSN; SIGKILL; reopen; check."""
     path = tmp_path / "log"
-    env = dict(os.environ)
-    root = str(Path(dedupcore.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     rng = random.Random(10)
     acked = 0
     total_rounds = 6
     for round_no in range(total_rounds):
         mode = "fdatasync" if round_no % 2 == 0 else "none"  # both survive a process crash
-        proc = subprocess.Popen(
-            [sys.executable, str(CHILD), str(path), mode, str(round_no)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-        reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
-        reader.start()
-        try:
-            ready = lines.get(timeout=60)
-            assert ready is not None and ready.startswith("ready"), proc.stderr.read()
+        argv = [sys.executable, str(CHILD), str(path), mode, str(round_no)]
+        with LineProcess(argv, name="wal_child.py") as child:
+            ready = child.next_line(60)
+            assert ready is not None and ready.startswith("ready"), child.stderr()
             assert int(ready.split()[1]) >= acked  # the child's reopen kept every ack
             for _ in range(rng.randint(20, 150)):
-                line = lines.get(timeout=60)
-                assert line is not None, proc.stderr.read()  # type: ignore[union-attr]
+                line = child.next_line(60)
+                assert line is not None, child.stderr()
                 acked = max(acked, int(line))
             time.sleep(rng.random() * 0.01)  # land the kill anywhere in the loop
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(60)
-        reader.join(60)
-        while (line := lines.get_nowait()) is not None:
-            if line.endswith("\n"):  # printed after append returned: acknowledged
+            # Every line printed whole was printed after append returned: acknowledged.
+            for line in child.sigkill():
                 acked = max(acked, int(line))
-        assert proc.returncode == -signal.SIGKILL
-        proc.stderr.close()  # type: ignore[union-attr]
         got = replay(path)
         assert [lsn for lsn, _ in got] == list(range(1, len(got) + 1))
         assert len(got) >= acked
