@@ -166,14 +166,15 @@ class MySQLDialect(Dialect):
     def arm(self, conn: Any, wait: float) -> None:
         # PyMySQL sets its socket's timeout to these before every read and write; the
         # connection's own values (read_timeout=, write_timeout=) stay the caps.
-        caps = getattr(conn, "_dedupcore_caps", None)
-        if caps is None:
+        try:
+            caps = conn._dedupcore_caps
+        except AttributeError:  # the first transaction: its own values are the caps
             caps = conn._dedupcore_caps = (conn._read_timeout, conn._write_timeout)
         conn._read_timeout = wait if caps[0] is None else min(wait, caps[0])
         conn._write_timeout = wait if caps[1] is None else min(wait, caps[1])
 
     def socket_of(self, conn: Any) -> int | None:
-        sock = getattr(conn, "_sock", None)
+        sock = conn._sock  # None once closed
         return None if sock is None else int(sock.fileno())
 
     def prepare(self, conn: Any) -> None:
