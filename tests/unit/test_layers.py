@@ -68,7 +68,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.daemon.*",
         "dedupcore.client",
         "dedupcore.aio",
-        "dedupcore.http",
+        "dedupcore.http.*",
         "dedupcore.integrations.*",
     ),
     # the face: the command line and the package's re-exports

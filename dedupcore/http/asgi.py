@@ -1,85 +1,9 @@
-"""``IdempotencyMiddleware``: the IETF ``Idempotency-Key`` header for any ASGI app.
-
-Wrap an ASGI application (Starlette, FastAPI, or plain ASGI) so that a client
-may retry a POST or PATCH safely (draft-ietf-httpapi-idempotency-key-header)::
-
-    app = IdempotencyMiddleware(app, dedupcore.Client(socket), required=True)
-
-A request whose method is in ``methods`` and that carries the header is
-handled like this:
-
-1. The key is the header's value: 1..255 printable ASCII characters
-   (0x20-0x7E), bare or as a quoted structured-field string (``"abc"``).
-   A malformed or repeated header is answered 400; a missing one is 400
-   when ``required`` is set and otherwise passes through untouched.
-2. The request body is read in full, at most ``max_body_bytes`` (413 above
-   it, checked against Content-Length first). The request's fingerprint is
-   SHA-256 over method, path, query string and body; any body is accepted as
-   bytes, JSON or not.
-3. The key is claimed in ``namespace`` with that fingerprint:
-
-   - NEW: the app runs and its response streams to the client as usual. The
-     final body chunk is held back until the response is recorded, so a
-     client that has seen the end of the response always gets it replayed.
-     A client that went away meanwhile does not stop this: the response is
-     recorded and a later retry gets it.
-   - DUPLICATE: the recorded response (status, headers, body) is sent again
-     with ``Idempotent-Replayed: true`` added; the app does not run.
-   - IN_PROGRESS: 409 with ``Retry-After: 1`` -- the first request is still
-     running.
-   - ConflictError (the key was used with another method/path/query/body):
-     422.
-   - The store cannot decide (UnavailableError): 503 with ``Retry-After``;
-     the app does not run (fail closed).
-
-What is recorded:
-
-- 2xx, 3xx and 4xx responses are recorded and replayed, as the draft says
-  (a 4xx is the outcome of that request; a retry with the same payload would
-  get the same answer), except 408, 425 and 429 (``retry_statuses``), which
-  ask the client to try again: like a 5xx, they release the key.
-- A 5xx response, or an exception from the app, releases the key: a retry
-  runs the app again.
-- A response too large for the store's result limit (``max_response_bytes``,
-  by default the store's ``max_result_bytes``, 64 KiB, minus a few bytes of
-  framing) is sent to the first client, and the key is completed *without*
-  a replayable response: the request's effect happened and must not happen
-  again, and a wrong or truncated replay must never be sent. Retries get 422
-  with a problem document saying the response cannot be replayed. The same
-  holds for a response with HTTP trailers. Keep idempotent responses small
-  (return an id and a status URL), or raise the store's limit.
-
-Retention: a key is remembered for the store's exact window of
-``namespace`` (7 days by default for ``DedupStore``, ``RedisStore`` and the
-daemon); a retry after that runs the request again. Clients must not reuse
-keys, and should not retry after the window (the draft's "expiry"). The
-draft defines no header for it, so none is sent; document the window to your
-clients. With ``DedupStore`` or ``RedisStore`` also give the namespace
-``Retention(cold_window=0)``: a key found only in the cold Bloom archive has
-no response to replay and is answered 422.
-
-Leases: the app must answer within the claim ``lease`` (the store's default,
-30 s, when None); after it a retry may take the key over and run the app a
-second time. If the store cannot record the response at the end (it became
-unavailable), the response is still sent and the key stays claimed until its
-lease ends; a retry after that runs the app again.
-
-Keys are shared by every client unless ``key_scope`` maps the request's ASGI
-scope to a client identity (an authenticated user or API key id): the dedup
-key is then a hash of that identity and the header's value, so one client's
-key never replays another client's response.
-
-Store calls of a sync store (``DedupStore``, ``Client``, ``RedisStore``) run
-in worker threads (``anyio.to_thread``); ``dedupcore.aio.Client`` is awaited
-directly. Calls that record or release a claim are shielded from
-cancellation.
-"""
+"""``IdempotencyMiddleware``: the ``Idempotency-Key`` header for any ASGI app (docs/http.md)."""
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import logging
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any
@@ -87,20 +11,21 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from dedupcore.api import Outcome, pack_result, result_refused
+from dedupcore.api import Outcome, result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.http.protocol import (
+    DEFAULT_RETRY_STATUSES,
+    ENVELOPE_SLACK,
+    RESPONSE,
+    fingerprint,
+    not_replayable,
+    parse_key,
+    problem,
+    response_record,
+    result_limit,
+    stored_response,
+)
 from dedupcore.keys import check_namespace
-
-__all__ = [
-    "DEFAULT_RETRY_STATUSES",
-    "IdempotencyMiddleware",
-    "fingerprint",
-    "parse_key",
-    "problem",
-    "response_record",
-    "result_limit",
-    "stored_response",
-]
 
 log = logging.getLogger("dedupcore")
 
@@ -110,15 +35,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
-DEFAULT_RETRY_STATUSES = frozenset({408, 425, 429})
-MAX_KEY_CHARS = 255
-DEFAULT_RESULT_LIMIT = 65536
-
-# Recorded results: [1, status, [[name, value], ...], body] or [0, why, status].
-_RESPONSE = 1
-_NOT_REPLAYABLE = 0
-_ENVELOPE_SLACK = 64  # msgpack framing around the body, checked exactly before storing
 # Server extensions that would let a response bypass ``send`` wrapping.
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
 
@@ -129,102 +45,6 @@ class _BadRequest(Exception):
         self.status = status
         self.title = title
         self.detail = detail
-
-
-def parse_key(raw: bytes) -> str:
-    """The idempotency key of a header value (bare, or a quoted sf-string); ValueError if bad."""
-    text = raw.decode("latin-1").strip(" \t")
-    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
-        inner, out, i = text[1:-1], [], 0
-        while i < len(inner):
-            c = inner[i]
-            if c == "\\":
-                if i + 1 == len(inner) or inner[i + 1] not in '"\\':
-                    raise ValueError("bad escape in the quoted key")
-                out.append(inner[i + 1])
-                i += 2
-                continue
-            if c == '"':
-                raise ValueError("unescaped quote inside the quoted key")
-            out.append(c)
-            i += 1
-        text = "".join(out)
-    if not 1 <= len(text) <= MAX_KEY_CHARS:
-        raise ValueError(f"the key must be 1..{MAX_KEY_CHARS} characters, got {len(text)}")
-    bad = next((c for c in text if not " " <= c <= "~"), None)
-    if bad is not None:
-        raise ValueError(f"the key must be printable ASCII, it holds {bad!r}")
-    return text
-
-
-def result_limit(store: object) -> int:
-    """The largest result ``store`` keeps (its ``max_result_bytes``), else 64 KiB."""
-    config = getattr(store, "config", None)
-    for owner in (config, store):
-        limit = getattr(owner, "max_result_bytes", None)
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit
-    return DEFAULT_RESULT_LIMIT
-
-
-def fingerprint(method: str, path: bytes, query: bytes, body: bytes) -> bytes:
-    """The request's fingerprint: SHA-256 over method, path, query string and body."""
-    h = hashlib.sha256()
-    for part in (method.upper().encode(), path, query):
-        h.update(len(part).to_bytes(8, "big"))
-        h.update(part)
-    h.update(body)
-    return h.digest()
-
-
-def response_record(
-    status: int, headers: list[tuple[bytes, bytes]], body: bytes, limit: int
-) -> list[Any]:
-    """What the store keeps of a response: all of it, or a note if it is over ``limit``."""
-    result = [_RESPONSE, status, [list(h) for h in headers], body]
-    try:
-        pack_result(result, limit)
-    except ValueError:
-        return not_replayable(
-            f"the response was larger than the {limit} bytes the store keeps per response",
-            status,
-        )
-    return result
-
-
-def not_replayable(why: str, status: int) -> list[Any]:
-    """The record of a response that happened but cannot be sent again, and why."""
-    return [_NOT_REPLAYABLE, why, status]
-
-
-def stored_response(stored: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes] | str:
-    """The recorded response (status, headers, body), or why there is none to replay."""
-    if (
-        isinstance(stored, list)
-        and len(stored) == 4
-        and stored[0] == _RESPONSE
-        and isinstance(stored[1], int)
-        and isinstance(stored[3], bytes)
-    ):
-        return stored[1], [(bytes(n), bytes(v)) for n, v in stored[2]], stored[3]
-    if isinstance(stored, list) and len(stored) >= 2 and stored[0] == _NOT_REPLAYABLE:
-        return str(stored[1])
-    return "the store holds no response for it (past the exact window, or not recorded)"
-
-
-def problem(
-    status: int, title: str, detail: str, *, retry_after: int | None = None
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """An RFC 9457 problem document: status, headers, body."""
-    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
-    payload = body.encode()
-    headers = [
-        (b"content-type", b"application/problem+json"),
-        (b"content-length", str(len(payload)).encode()),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return status, headers, payload
 
 
 class IdempotencyMiddleware:
@@ -278,9 +98,9 @@ class IdempotencyMiddleware:
             raise TypeError(
                 f"max_response_bytes must be an int, not {type(max_response_bytes).__name__}"
             )
-        if max_response_bytes <= _ENVELOPE_SLACK:
+        if max_response_bytes <= ENVELOPE_SLACK:
             raise ValueError(
-                f"max_response_bytes must be > {_ENVELOPE_SLACK}, got {max_response_bytes}"
+                f"max_response_bytes must be > {ENVELOPE_SLACK}, got {max_response_bytes}"
             )
         self.max_response_bytes = max_response_bytes
         self.retry_statuses = frozenset(retry_statuses)
@@ -511,7 +331,7 @@ class _Exchange:
             chunk = bytes(message.get("body", b""))
             if self.unstorable is None and self.storing():
                 self.size += len(chunk)
-                if self.size + _ENVELOPE_SLACK > self.mw.max_response_bytes:
+                if self.size + ENVELOPE_SLACK > self.mw.max_response_bytes:
                     self.unstorable = self.too_large()
                     self.chunks = []
                 else:
@@ -571,7 +391,7 @@ class _Exchange:
                     "complete", self.key, self.token, namespace=self.mw.namespace, result=result
                 )
             except (TypeError, ValueError) as exc:
-                if not result_refused(exc) or result[0] != _RESPONSE:
+                if not result_refused(exc) or result[0] != RESPONSE:
                     raise
                 # The store's own limit (a daemon's) is below the one assumed here.
                 note = not_replayable(f"the store refused to keep it ({exc})", status)

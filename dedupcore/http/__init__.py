@@ -1,0 +1,102 @@
+"""``IdempotencyMiddleware``: the IETF ``Idempotency-Key`` header for any ASGI app.
+
+Wrap an ASGI application (Starlette, FastAPI, or plain ASGI) so that a client
+may retry a POST or PATCH safely (draft-ietf-httpapi-idempotency-key-header)::
+
+    app = IdempotencyMiddleware(app, dedupcore.Client(socket), required=True)
+
+A request whose method is in ``methods`` and that carries the header is
+handled like this:
+
+1. The key is the header's value: 1..255 printable ASCII characters
+   (0x20-0x7E), bare or as a quoted structured-field string (``"abc"``).
+   A malformed or repeated header is answered 400; a missing one is 400
+   when ``required`` is set and otherwise passes through untouched.
+2. The request body is read in full, at most ``max_body_bytes`` (413 above
+   it, checked against Content-Length first). The request's fingerprint is
+   SHA-256 over method, path, query string and body; any body is accepted as
+   bytes, JSON or not.
+3. The key is claimed in ``namespace`` with that fingerprint:
+
+   - NEW: the app runs and its response streams to the client as usual. The
+     final body chunk is held back until the response is recorded, so a
+     client that has seen the end of the response always gets it replayed.
+     A client that went away meanwhile does not stop this: the response is
+     recorded and a later retry gets it.
+   - DUPLICATE: the recorded response (status, headers, body) is sent again
+     with ``Idempotent-Replayed: true`` added; the app does not run.
+   - IN_PROGRESS: 409 with ``Retry-After: 1`` -- the first request is still
+     running.
+   - ConflictError (the key was used with another method/path/query/body):
+     422.
+   - The store cannot decide (UnavailableError): 503 with ``Retry-After``;
+     the app does not run (fail closed).
+
+What is recorded:
+
+- 2xx, 3xx and 4xx responses are recorded and replayed, as the draft says
+  (a 4xx is the outcome of that request; a retry with the same payload would
+  get the same answer), except 408, 425 and 429 (``retry_statuses``), which
+  ask the client to try again: like a 5xx, they release the key.
+- A 5xx response, or an exception from the app, releases the key: a retry
+  runs the app again.
+- A response too large for the store's result limit (``max_response_bytes``,
+  by default the store's ``max_result_bytes``, 64 KiB, minus a few bytes of
+  framing) is sent to the first client, and the key is completed *without*
+  a replayable response: the request's effect happened and must not happen
+  again, and a wrong or truncated replay must never be sent. Retries get 422
+  with a problem document saying the response cannot be replayed. The same
+  holds for a response with HTTP trailers. Keep idempotent responses small
+  (return an id and a status URL), or raise the store's limit.
+
+Retention: a key is remembered for the store's exact window of
+``namespace`` (7 days by default for ``DedupStore``, ``RedisStore`` and the
+daemon); a retry after that runs the request again. Clients must not reuse
+keys, and should not retry after the window (the draft's "expiry"). The
+draft defines no header for it, so none is sent; document the window to your
+clients. With ``DedupStore`` or ``RedisStore`` also give the namespace
+``Retention(cold_window=0)``: a key found only in the cold Bloom archive has
+no response to replay and is answered 422.
+
+Leases: the app must answer within the claim ``lease`` (the store's default,
+30 s, when None); after it a retry may take the key over and run the app a
+second time. If the store cannot record the response at the end (it became
+unavailable), the response is still sent and the key stays claimed until its
+lease ends; a retry after that runs the app again.
+
+Keys are shared by every client unless ``key_scope`` maps the request's ASGI
+scope to a client identity (an authenticated user or API key id): the dedup
+key is then a hash of that identity and the header's value, so one client's
+key never replays another client's response.
+
+Store calls of a sync store (``DedupStore``, ``Client``, ``RedisStore``) run
+in worker threads (``anyio.to_thread``); ``dedupcore.aio.Client`` is awaited
+directly. Calls that record or release a claim are shielded from
+cancellation.
+"""
+
+from __future__ import annotations
+
+from dedupcore.http.asgi import IdempotencyMiddleware
+from dedupcore.http.protocol import (
+    DEFAULT_RETRY_STATUSES,
+    fingerprint,
+    not_replayable,
+    parse_key,
+    problem,
+    response_record,
+    result_limit,
+    stored_response,
+)
+
+__all__ = [
+    "DEFAULT_RETRY_STATUSES",
+    "IdempotencyMiddleware",
+    "fingerprint",
+    "not_replayable",
+    "parse_key",
+    "problem",
+    "response_record",
+    "result_limit",
+    "stored_response",
+]
