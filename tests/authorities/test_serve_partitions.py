@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,24 +21,22 @@ from dedupcore.api import Outcome
 from dedupcore.ids import IdGenerator, time_of
 from tests.support.daemon import Lab
 from tests.support.procs import PATIENCE, run_cli
-from tests.support.servers import SERVERS, require_server
-from tests.support.stores import SqlTable, unique_ns
+from tests.support.servers import SERVERS
+from tests.support.stores import SqlTable, sql_table, unique_ns
 
 SPANS = {"day": 86400, "hour": 3600}
 
 
 @pytest.fixture
-def postgres() -> Iterator[SqlTable]:
-    require_server("postgresql")
-    eng = SqlTable("postgresql", SERVERS.postgresql, f"dc_srv_{uuid.uuid4().hex[:12]}")
+def postgres(tmp_path: Path) -> Iterator[SqlTable]:
+    eng = sql_table("postgresql", tmp_path, prefix="dc_srv")
     yield eng
     eng.drop()
 
 
 @pytest.fixture
-def mariadb() -> Iterator[SqlTable]:
-    require_server("mariadb")
-    eng = SqlTable("mysql", SERVERS.mariadb, f"dc_srv_{uuid.uuid4().hex[:12]}")
+def mariadb(tmp_path: Path) -> Iterator[SqlTable]:
+    eng = sql_table("mysql", tmp_path, prefix="dc_srv")
     yield eng
     eng.drop()
 

@@ -625,17 +625,7 @@ def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
 
 
 def test_connection_dropped_between_claim_and_complete(engine: SqlTable) -> None:
-    import importlib
-
-    sql = importlib.import_module("dedupcore.tiers.sql")
-    _, factory = sql._factory(engine.url, {})
-    conns: list[Any] = []
-
-    def connect() -> Any:
-        conns.append(factory())
-        return conns[-1]
-
-    store = SqlStore(connect, table=engine.table)
+    store, conns = engine.tracked_store()
     c = store.claim("k", namespace=NS)
     engine.kill(conns[-1])
     with pytest.raises(UnavailableError):

@@ -37,7 +37,7 @@ from dedupcore.tiers.cache import RedisCache
 from tests.support.cluster import free_port, redis_server
 from tests.support.daemon import Lab
 from tests.support.procs import run_cli
-from tests.support.servers import SERVERS, connect_redis, redis_url, require_server
+from tests.support.servers import SERVERS, connect_redis, flushed_redis, redis_url, require_server
 from tests.support.stores import SqlTable, counting_store
 
 NS = "orders/billing"
@@ -46,12 +46,7 @@ REDIS_URL = redis_url("stack")
 
 @pytest.fixture
 def rdb() -> Iterator[redis.Redis]:
-    require_server("redis")
-    client = connect_redis("stack")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    yield from flushed_redis("stack")
 
 
 @pytest.fixture

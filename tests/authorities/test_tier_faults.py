@@ -572,7 +572,6 @@ def test_completion_survives_a_dropped_connection(
     name: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """Extends test_sql_store's dropped-connection test: the same store retries and wins."""
-    import importlib
 
     if name == "postgresql":  # the private server: the shared one may be out of connections
         pg: PrivatePostgres = request.getfixturevalue("private_pg")
@@ -581,16 +580,8 @@ def test_completion_survives_a_dropped_connection(
         engine = sql_table(name, tmp_path)
     with engine.store() as s:
         s.init_schema()
-    sql = importlib.import_module("dedupcore.tiers.sql")
-    _, factory = sql._factory(engine.url, {})
-    conns: list[Any] = []
-
-    def connect() -> Any:
-        conns.append(factory())
-        return conns[-1]
-
     try:
-        store = SqlStore(connect, table=engine.table)
+        store, conns = engine.tracked_store()
         keys = [f"k{i}" for i in range(20)]
         claims = store.claim_many(keys, namespace=NS)
         engine.kill(conns[-1])  # dropped between claim and complete

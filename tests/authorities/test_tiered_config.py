@@ -21,7 +21,7 @@ from dedupcore.record import State
 from dedupcore.sql import SqlStore
 from tests.support.daemon import Lab
 from tests.support.procs import run_cli
-from tests.support.servers import connect_redis, redis_url, require_server
+from tests.support.servers import flushed_redis, redis_url, require_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERED = ROOT / "docs" / "tiered.toml"
@@ -32,13 +32,8 @@ HOUR = 3600
 
 @pytest.fixture
 def rdb() -> Iterator[redis.Redis]:
-    require_server("redis")
     require_server("postgresql")
-    client = connect_redis("tiered_config")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    yield from flushed_redis("tiered_config")
 
 
 def test_the_file_names_every_tier_and_window() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import require_server, sql_connect, sqlalchemy_url
+from tests.support.servers import require_server, run_statement, sql_connect, sqlalchemy_url
 
 ENGINES = ("postgresql", "mysql", "sqlite")
 #: Engines with plain DB-API connections, then SQLAlchemy Connections over the same drivers.
@@ -70,11 +70,7 @@ class DB:
         """Runs one statement on its own autocommit connection."""
         conn = self.raw_connect(autocommit=True)
         try:
-            cur = conn.cursor()
-            cur.execute(sql, params)
-            rows = list(cur.fetchall()) if cur.description else []
-            cur.close()
-            return rows
+            return run_statement(conn, sql, params)
         finally:
             conn.close()
 
@@ -101,12 +97,7 @@ class DB:
                 conn.exec_driver_sql(sql, tuple(params)) if params else conn.exec_driver_sql(sql)
             )
             return [tuple(r) for r in result.fetchall()] if result.returns_rows else []
-        cur = conn.cursor()
-        try:
-            cur.execute(sql, params)
-            return list(cur.fetchall()) if cur.description else []
-        finally:
-            cur.close()
+        return run_statement(conn, sql, params)
 
     def dbapi(self, conn: Any) -> Any:
         return conn.connection.dbapi_connection if self.sa else conn

@@ -175,6 +175,16 @@ def sql_connect(engine: str, *, autocommit: bool = False, url: str | None = None
     return pymysql.connect(**mariadb_args(url), autocommit=autocommit)
 
 
+def run_statement(conn: Any, sql: str, params: Any = ()) -> list[Any]:
+    """Runs one statement on a DB-API connection: its rows (none for a statement without)."""
+    cur = conn.cursor()
+    try:
+        cur.execute(sql, params)
+        return list(cur.fetchall()) if cur.description else []
+    finally:
+        cur.close()
+
+
 def pg_connect(url: str | None = None, *, patience: float = 120.0, **kwargs: Any) -> Any:
     """``psycopg.connect``, retried while the server is out of connection slots.
 
@@ -228,15 +238,20 @@ def require_server(name: str, port: int | None = None) -> None:
 # -- fixtures ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def redis_client() -> Iterator[Any]:
-    """A redis-py client on the database of tests/authorities, flushed before and after."""
+def flushed_redis(suite: str) -> Iterator[Any]:
+    """A fixture's body: a client on the database of ``suite``, flushed before and after."""
     require_server("redis")
-    client = connect_redis("authorities")
+    client = connect_redis(suite)
     client.flushdb()
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def redis_client() -> Iterator[Any]:
+    """A redis-py client on the database of tests/authorities, flushed before and after."""
+    yield from flushed_redis("authorities")
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ from tests.support.servers import (
     connect_redis,
     redis_url,
     require_server,
+    run_statement,
     sql_connect,
     sql_url,
     uid,
@@ -292,13 +293,10 @@ class SqlTable:
         return SqlStore.from_url(self.url, **{"table": self.table, **options})
 
     def execute(self, sql: str, params: Any = ()) -> list[Any]:
+        """One statement on a connection of its own (autocommit): its rows."""
         conn = self.connect()
         try:
-            cur = conn.cursor()
-            cur.execute(sql, params)
-            rows = list(cur.fetchall()) if cur.description else []
-            cur.close()
-            return rows
+            return run_statement(conn, sql, params)
         finally:
             conn.close()
 
@@ -320,6 +318,28 @@ class SqlTable:
                 time.sleep(0.05)
         else:
             conn.close()
+
+    def recording(self, wrap: Callable[[Any], Any] = lambda conn: conn) -> tuple[Any, list[Any]]:
+        """A connect function for ``SqlStore(connect, ...)`` that keeps every connection it
+        opens (``wrap``-ped) in the returned list, in order."""
+        from dedupcore.sql.dialects import connect_url
+
+        _, factory = connect_url(self.url, {})
+        conns: list[Any] = []
+
+        def connect() -> Any:
+            conns.append(wrap(factory()))
+            return conns[-1]
+
+        return connect, conns
+
+    def tracked_store(self) -> tuple[Any, list[Any]]:
+        """A SqlStore on this table and the connections it opens, in order (a test kills
+        one from the server's side with :meth:`kill`)."""
+        from dedupcore.sql import SqlStore
+
+        connect, conns = self.recording()
+        return SqlStore(connect, table=self.table), conns
 
     def drop(self) -> None:
         """Drops the table and a partitioned table's companions (SQLite: nothing to do)."""
@@ -384,15 +404,8 @@ class Counting:
 def counting_store(table: SqlTable) -> tuple[Any, list[Counting]]:
     """A SqlStore on ``table`` whose connections record their statements (the list)."""
     from dedupcore.sql import SqlStore
-    from dedupcore.sql.dialects import connect_url
 
-    _, factory = connect_url(table.url, {})
-    conns: list[Counting] = []
-
-    def connect() -> Counting:
-        conns.append(Counting(factory()))
-        return conns[-1]
-
+    connect, conns = table.recording(Counting)
     store = SqlStore(connect, dialect=table.name, table=table.table)
     store.server_version()  # the store connects on its first call; tests count from here
     return store, conns
