@@ -347,7 +347,7 @@ class Transactions:
             raise UnavailableError(
                 f"SQL authority ({name}): gave up after {self.policy.attempts} retries"
             )
-        # random.random looked up now: the jitter is the module's (tests fix it).
+        # random.random looked up at each call: a source fixed on the module applies.
         backoff = self.policy.delay(attempt - 1, random.random)
         if deadline is None:
             return backoff

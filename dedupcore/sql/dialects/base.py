@@ -2,9 +2,9 @@
 
 Every module that sends SQL (the store, its transactions, partitions and
 retention, and the patterns in :mod:`dedupcore.patterns`) asks a
-:class:`Dialect` object instead of comparing engine names, as SQLAlchemy's
-dialects are asked: ``d.ph`` is the driver's parameter marker, ``d.q(name)``
-quotes an identifier, what an engine can do is an attribute
+:class:`Dialect` object instead of comparing engine names: ``d.ph`` is the
+driver's parameter marker, ``d.q(name)`` quotes an identifier, what an
+engine can do is an attribute
 (``supports_on_conflict``, ``partitions``, ``read_first``, ...) and every
 statement that differs is a method. One subclass per engine:
 
