@@ -54,8 +54,7 @@ def pg_table() -> Iterator[str]:
     require_server("postgresql")
     table = f"stack_{uuid.uuid4().hex[:10]}"
     yield table
-    with SqlStore.from_url(SERVERS.postgresql, table=table) as s:
-        s._drop()
+    SqlTable("postgresql", SERVERS.postgresql, table).drop()
 
 
 def _pg(table: str) -> SqlStore:
@@ -663,5 +662,4 @@ def test_eight_processes_racing_see_one_new_per_key(
     if stack == "sharded-redis":
         connect_redis("integrations").flushdb()
     if stack == "mysql":
-        with SqlStore.from_url(SERVERS.mariadb, table=pg_table) as s:
-            s._drop()
+        SqlTable("mysql", SERVERS.mariadb, pg_table).drop()

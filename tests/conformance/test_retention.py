@@ -36,6 +36,7 @@ from dedupcore.stack import TieredStore
 from dedupcore.store import DedupStore
 from tests.support.procs import wait_until
 from tests.support.servers import SERVERS, require_server
+from tests.support.stores import SqlTable
 
 WINDOW = 1.0
 DAY = 86400.0
@@ -78,8 +79,9 @@ def _swept_until_gone(
 
 
 def _sql(url: str, tmp: Path, *, archive: bool) -> Iterator[Retained]:
+    authority_url = url.format(tmp=tmp)
     authority = SqlStore.from_url(
-        url.format(tmp=tmp),
+        authority_url,
         table=f"retain_{uuid.uuid4().hex[:10]}",
         retention=Retention(exact_window=WINDOW),
     )
@@ -95,8 +97,8 @@ def _sql(url: str, tmp: Path, *, archive: bool) -> Iterator[Retained]:
         else:
             yield Retained(authority, _swept_until_gone(authority, authority.sweep), cold=False)
     finally:
-        authority._drop()
         authority.close()
+        SqlTable.of(authority_url, authority.table).drop()
 
 
 @pytest.fixture(

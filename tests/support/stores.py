@@ -171,35 +171,36 @@ class Stores:
 
     def sql(self, engine: str, **options: Any) -> Any:
         """A SqlStore on a fresh table of ``engine`` ("postgresql", "mysql" or "sqlite")."""
-        store = self._sql(engine, **options)
-        self._later(lambda: _drop_and_close(store))
+        store, table = self._sql(engine, **options)
+        self._later(lambda: _close_and_drop(store, table))
         return store
 
-    def _sql(self, engine: str, **options: Any) -> Any:
-        from dedupcore.sql import SqlStore
-
+    def _sql(self, engine: str, **options: Any) -> tuple[Any, SqlTable]:
         if engine == "sqlite":
             url = f"sqlite:///{self.home / uid('sqlite')}.db"
         else:
             require_server("postgresql" if engine == "postgresql" else "mariadb")
             url = sql_url(engine)
-        store = SqlStore.from_url(url, **{"table": uid("dc_t"), **options})
+        table = SqlTable(engine, url, options.pop("table", uid("dc_t")))
+        store = table.store(**options)
         store.init_schema()
-        return store
+        return store, table
 
     def tiered(self, **options: Any) -> Any:
         require_server("redis")
         from dedupcore.stack import TieredStore
         from dedupcore.tiers.cache import RedisCache
 
-        authority = self._sql("postgresql")
+        authority, table = self._sql("postgresql")
         prefix = uid("dc_cache")
         cache = RedisCache(connect_redis(self.redis_suite), prefix=prefix)
         stack = TieredStore(authority, cache=cache, archive=self.home / uid("cold"), **options)
 
         def cleanup() -> None:
-            authority._drop()
-            self._forget(prefix, stack)
+            try:
+                self._forget(prefix, stack)  # closes the stack, its authority and cache
+            finally:
+                table.drop()
 
         self._later(cleanup)
         return stack
@@ -241,11 +242,11 @@ class Stores:
         self.close()
 
 
-def _drop_and_close(store: Any) -> None:
+def _close_and_drop(store: Any, table: SqlTable) -> None:
     try:
-        store._drop()
-    finally:
         store.close()
+    finally:
+        table.drop()
 
 
 def take_over(api: Any, key: str, ns: str, **options: Any) -> Any:
@@ -280,6 +281,12 @@ class SqlTable:
     name: str  # the engine: "postgresql", "mysql" or "sqlite"
     url: str
     table: str
+
+    @classmethod
+    def of(cls, url: str, table: str) -> SqlTable:
+        """The table ``table`` at a SQL URL (the engine is the URL's scheme)."""
+        scheme = url.split(":", 1)[0].split("+", 1)[0]
+        return cls("mysql" if scheme == "mysql" else scheme, url, table)
 
     def connect(self) -> Any:
         """A raw driver connection in autocommit (not through SqlStore)."""
