@@ -1,0 +1,639 @@
+"""Django: the ``Idempotency-Key`` header for every view, or for the views you choose.
+
+The semantics are those of the ASGI middleware (:mod:`dedupcore.http`,
+docs/http.md), and the shared pieces come from there: the key's syntax
+(:func:`~dedupcore.http.parse_key`), the request fingerprint (method, path,
+query string, body), the problem documents and what is recorded of a
+response. Two ways in (docs/django.md)::
+
+    # settings.py: every POST and PATCH with the header, on the store DEDUPCORE_STORE makes
+    MIDDLEWARE = [..., "dedupcore.integrations.django.idempotency_middleware"]
+    DEDUPCORE_STORE = "myproject.stores.dedup_store"      # a callable that returns a store
+    DEDUPCORE_IDEMPOTENCY = {"required": True}            # keywords of idempotent_view
+
+    # views.py: one view
+    @idempotent_view(store=store, required=True)
+    def create_order(request): ...
+
+A request whose method is in ``methods`` and that carries the header:
+
+- the key is checked (400 if malformed, or if the header is missing and
+  ``required``); a bare key may not hold a comma, since a server joins two
+  headers with one (quote it as a structured-field string);
+- the body is read, at most ``max_body_bytes`` (413 above it);
+- the key is claimed in ``namespace``, scoped to the client (below), with the
+  request's fingerprint: NEW runs the view and records its response; a
+  DUPLICATE replays the recorded status, headers and body with
+  ``Idempotent-Replayed: true`` (cookies and the headers in
+  ``replay_drop_headers`` are never replayed: they belong to the first
+  response's client); IN_PROGRESS is 409 with ``Retry-After: 1``; the same
+  key with another method, path, query or body is 422; a store that cannot
+  decide is 503 and the view does not run.
+- 5xx, 408, 425 and 429 responses and exceptions release the key (a retry
+  runs the view again); a streaming response, or one larger than
+  ``max_response_bytes``, is sent once and retries get 422 (the effect
+  happened; its response cannot be sent again).
+
+Keys belong to a client. By default the dedup key is the header's value
+scoped to the authenticated user (``request.user``, which needs Django's
+``AuthenticationMiddleware`` before this one), else to a hash of the
+``Authorization`` header; a request with neither gets 400 unless
+``key_scope(request)`` names the client (return ``""`` to share keys between
+all clients: only for endpoints where any client may see any response).
+Logs name a key by a hash of it, never the key itself.
+
+The middleware is sync and async capable: under ASGI it awaits the view and
+runs store calls in threads (a ``dedupcore.aio.Client`` is awaited directly);
+under WSGI it calls them in the request's thread. Under ASGI a client that
+goes away does not cancel a request that holds a key: the view runs to its
+end and its response is recorded for the client's retry, as with the ASGI
+middleware.
+"""
+
+from __future__ import annotations
+
+try:
+    import django  # noqa: F401  (checked here, before the imports from it below)
+except ModuleNotFoundError as exc:  # Django comes with the [django] extra
+    if exc.name != "django":
+        raise
+    from dedupcore.errors import MissingExtraError
+
+    raise MissingExtraError(
+        "dedupcore.integrations.django needs Django, which is not installed: "
+        "pip install 'dedupcore[django]'"
+    ) from exc
+
+import asyncio
+import functools
+import hashlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.utils.decorators import sync_and_async_middleware
+from django.utils.module_loading import import_string
+
+from dedupcore.api import Outcome, result_refused
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.http import (
+    DEFAULT_RETRY_STATUSES,
+    fingerprint,
+    not_replayable,
+    parse_key,
+    problem,
+    response_record,
+    result_limit,
+    stored_response,
+)
+from dedupcore.keys import check_namespace
+
+__all__ = [
+    "DEFAULT_REPLAY_DROP_HEADERS",
+    "Idempotency",
+    "idempotency_middleware",
+    "idempotent_view",
+    "store_from_settings",
+]
+
+log = logging.getLogger("dedupcore.integrations.django")
+
+#: Response headers a replay never carries: they hold the first client's credentials.
+DEFAULT_REPLAY_DROP_HEADERS = frozenset(
+    {"set-cookie", "authorization", "proxy-authorization", "www-authenticate"}
+)
+
+View = Callable[..., Any]
+KeyScope = Callable[[HttpRequest], str | bytes | None]
+
+# Responses that are not recorded, so retries get 422 instead of a replay.
+_STREAMING = "the response was streamed (a streaming response is not recorded)"
+# Tasks of requests whose client went away, kept until they have recorded their response.
+_BACKGROUND: set[asyncio.Future[Any]] = set()
+
+
+class _NotForUs(Exception):
+    """The request does not take part (no header, not required): the view just runs."""
+
+
+@dataclass
+class _StoreCall:
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _Scope:
+    request: HttpRequest
+
+
+@dataclass
+class _View:
+    request: HttpRequest
+
+
+_Step = _StoreCall | _Scope | _View
+_Exchange = Generator[_Step, Any, HttpResponseBase]
+
+
+def _problem(status: int, title: str, detail: str, retry_after: int | None = None) -> HttpResponse:
+    status, headers, body = problem(status, title, detail, retry_after=retry_after)
+    response = HttpResponse(body, status=status)
+    for name, value in headers:
+        response[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+class _BadRequest(Exception):
+    def __init__(self, response: HttpResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _bad(status: int, title: str, detail: str) -> _BadRequest:
+    return _BadRequest(_problem(status, title, detail))
+
+
+def key_tag(dedup_key: str) -> str:
+    """How logs name a key: the first 12 hex digits of its SHA-256, never the key."""
+    return hashlib.sha256(dedup_key.encode()).hexdigest()[:12]
+
+
+def client_scope(request: HttpRequest) -> str | None:
+    """The default client identity: the authenticated user, else the Authorization header.
+
+    ``request.user`` is set by Django's ``AuthenticationMiddleware``; the
+    header's value is hashed (SHA-256), never kept. None: no credentials.
+    """
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        return f"user:{user.pk}"
+    authorization = request.META.get("HTTP_AUTHORIZATION")
+    if authorization:
+        return "authorization:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
+    return None
+
+
+class Idempotency:
+    """The ``Idempotency-Key`` handling of a middleware or of decorated views.
+
+    ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
+    ``RedisStore``, ...), a ``dedupcore.aio.Client`` (async views and ASGI
+    only), or None for the store ``DEDUPCORE_STORE`` makes
+    (:func:`store_from_settings`). The keywords are those of
+    :func:`idempotent_view`; their defaults are the ASGI middleware's.
+    """
+
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        namespace: str = "http",
+        header: str = "Idempotency-Key",
+        methods: Collection[str] = ("POST", "PATCH"),
+        required: bool = False,
+        max_body_bytes: int = 1 << 20,
+        lease: float | None = None,
+        max_response_bytes: int | None = None,
+        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        key_scope: KeyScope | str | None = None,
+        replay_header: str = "Idempotent-Replayed",
+        replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+    ) -> None:
+        if store is not None:
+            _check_store(store)
+        for name, value in (("header", header), ("replay_header", replay_header)):
+            if not isinstance(value, str) or not value or not value.isascii():
+                raise ValueError(f"{name} must be a non-empty ASCII name, got {value!r}")
+        for name, number in (
+            ("max_body_bytes", max_body_bytes),
+            ("max_response_bytes", max_response_bytes),
+        ):
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int)):
+                raise TypeError(f"{name} must be an int, not {type(number).__name__}")
+            if number is not None and number <= 0:
+                raise ValueError(f"{name} must be > 0, got {number}")
+        if isinstance(key_scope, str):
+            key_scope = import_string(key_scope)
+        if key_scope is not None and not callable(key_scope):
+            raise TypeError(f"key_scope must be callable, not {type(key_scope).__name__}")
+        self._store = store
+        self._store_lock = threading.Lock()
+        self.namespace = check_namespace(namespace).decode()
+        self.header = header
+        self.meta_name = "HTTP_" + header.upper().replace("-", "_")
+        self.methods = frozenset(m.upper() for m in methods)
+        self.required = required
+        self.max_body_bytes = max_body_bytes
+        self.lease = lease
+        self._max_response_bytes = max_response_bytes
+        self.retry_statuses = frozenset(retry_statuses)
+        self.key_scope: KeyScope | None = key_scope
+        self.replay_header = replay_header
+        self.replay_drop_headers = frozenset(h.lower() for h in replay_drop_headers)
+
+    # -- the store -----------------------------------------------------------------------
+
+    @property
+    def store(self) -> Any:
+        """The store; made by ``DEDUPCORE_STORE`` on first use when none was given."""
+        if self._store is None:
+            with self._store_lock:
+                if self._store is None:
+                    self._store = store_from_settings()
+        return self._store
+
+    @property
+    def max_response_bytes(self) -> int:
+        if self._max_response_bytes is None:
+            self._max_response_bytes = result_limit(self.store)
+        return self._max_response_bytes
+
+    def _is_async_store(self) -> bool:
+        return iscoroutinefunction(self.store.claim)
+
+    # -- the exchange, written once for both drivers ------------------------------------
+
+    def applies(self, request: HttpRequest) -> bool:
+        """Whether ``request`` takes part: its method is one of ``methods``."""
+        return (request.method or "").upper() in self.methods
+
+    def _key(self, request: HttpRequest) -> str:
+        raw = request.META.get(self.meta_name)
+        if raw is None:
+            if self.required:
+                raise _bad(
+                    400,
+                    "Idempotency-Key is missing",
+                    f"{request.method} requests to this endpoint need an {self.header} header",
+                )
+            raise _NotForUs
+        if "," in raw and not raw.strip(" \t").startswith('"'):
+            raise _bad(
+                400,
+                "Invalid Idempotency-Key",
+                f"the request has more than one {self.header} header, or a bare key with a "
+                "comma; send one key (quote it to use a comma)",
+            )
+        try:
+            return parse_key(raw.encode("latin-1"))
+        except ValueError as exc:
+            raise _bad(400, "Invalid Idempotency-Key", str(exc)) from None
+
+    def _body(self, request: HttpRequest) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.META.get("CONTENT_LENGTH") or "0"
+        try:
+            size = int(declared)
+        except ValueError:
+            raise _bad(400, "Bad Content-Length", "not a number") from None
+        body: bytes = request.body if size <= limit else b""
+        size = max(size, len(body))
+        if size > limit:
+            raise _bad(
+                413,
+                "Request body too large",
+                f"the body is {size} bytes; requests with an idempotency key may have at "
+                f"most {limit}",
+            )
+        return body
+
+    def _dedup_key(self, request: HttpRequest, key: str, who: str | bytes | None) -> str:
+        if who is None:
+            raise _bad(
+                400,
+                "Idempotency-Key needs credentials",
+                "idempotency keys belong to a client, and this request carries no credentials "
+                "to tell whose key it is; authenticate",
+            )
+        if who in ("", b""):
+            return key  # shared by every client: key_scope said so
+        who_b = who.encode() if isinstance(who, str) else bytes(who)
+        digest = hashlib.sha256(who_b + b"\x00" + key.encode("ascii")).hexdigest()
+        return f"scoped:{digest}"
+
+    def identity(self, request: HttpRequest) -> str | bytes | None:
+        """The client ``request`` comes from: ``key_scope(request)``, else :func:`client_scope`."""
+        if self.key_scope is not None:
+            return self.key_scope(request)
+        return client_scope(request)
+
+    def exchange(self, request: HttpRequest) -> _Exchange:
+        """One request, as steps a driver runs (store calls, the client's identity, the view)."""
+        try:
+            key = self._key(request)
+            body = self._body(request)
+            who = yield _Scope(request)
+            dkey = self._dedup_key(request, key, who)
+        except _NotForUs:
+            response: HttpResponseBase = yield _View(request)
+            return response
+        except _BadRequest as bad:
+            return bad.response
+        path = request.path.encode("utf-8", "surrogatepass")
+        query = request.META.get("QUERY_STRING", "").encode("utf-8", "surrogatepass")
+        try:
+            claim = yield _StoreCall(
+                "claim",
+                (dkey,),
+                {
+                    "namespace": self.namespace,
+                    "lease": self.lease,
+                    "fingerprint": fingerprint(request.method or "", path, query, body),
+                },
+            )
+        except ConflictError:
+            return _problem(
+                422,
+                "Idempotency-Key reused",
+                "this key was already used for a different request (method, path, query or "
+                "body); use a new key for a new request",
+            )
+        except UnavailableError as exc:
+            log.error("idempotency store unavailable (key %s): %s", key_tag(dkey), exc)
+            return _problem(
+                503,
+                "Idempotency store unavailable",
+                "the request was not processed; retry later",
+                retry_after=5,
+            )
+        if claim.outcome is Outcome.IN_PROGRESS:
+            return _problem(
+                409,
+                "Request in progress",
+                "a request with this idempotency key is still being processed; retry later",
+                retry_after=1,
+            )
+        if claim.outcome is Outcome.DUPLICATE:
+            return self._replay(claim.result if claim.exact else None)
+        try:
+            response = yield _View(request)
+        except BaseException:
+            yield from self._release(dkey, claim.token)
+            raise
+        yield from self._settle(response, dkey, claim.token)
+        return response
+
+    def _replay(self, stored: Any) -> HttpResponse:
+        found = stored_response(stored)
+        if isinstance(found, str):
+            return _problem(
+                422,
+                "Response not replayable",
+                "a request with this idempotency key was already processed, but its response "
+                f"cannot be sent again: {found}",
+            )
+        status, headers, body = found
+        response = HttpResponse(body, status=status)
+        del response["Content-Type"]  # the recorded headers say what it was
+        for name, value in headers:
+            if name.lower().decode("latin-1") not in self.replay_drop_headers:
+                response[name.decode("latin-1")] = value.decode("latin-1")
+        response[self.replay_header] = "true"
+        return response
+
+    def _release(self, dkey: str, token: int) -> Generator[_Step, Any, None]:
+        try:
+            yield _StoreCall("release", (dkey, token), {"namespace": self.namespace})
+        except StaleTokenError:
+            log.warning(
+                "could not release idempotency key %s: its lease was taken over", key_tag(dkey)
+            )
+        except Exception:
+            log.exception("could not release idempotency key %s", key_tag(dkey))
+
+    def _settle(
+        self, response: HttpResponseBase, dkey: str, token: int
+    ) -> Generator[_Step, Any, None]:
+        """Records the response (or releases the key) before it goes to the client."""
+        status = response.status_code
+        if status >= 500 or status in self.retry_statuses:
+            yield from self._release(dkey, token)
+            return
+        if response.streaming:
+            result = not_replayable(_STREAMING, status)
+        else:
+            headers = [
+                (name.encode("latin-1"), value.encode("latin-1"))
+                for name, value in response.items()
+                if name.lower() not in self.replay_drop_headers
+            ]
+            content: bytes = response.content
+            result = response_record(status, headers, content, self.max_response_bytes)
+        namespace = self.namespace
+        try:
+            try:
+                yield _StoreCall(
+                    "complete", (dkey, token), {"namespace": namespace, "result": result}
+                )
+            except (TypeError, ValueError) as exc:
+                if not result_refused(exc) or isinstance(stored_response(result), str):
+                    raise
+                # The store's own limit (a daemon's) is below the one assumed here.
+                note = not_replayable(f"the store refused to keep it ({exc})", status)
+                yield _StoreCall(
+                    "complete", (dkey, token), {"namespace": namespace, "result": note}
+                )
+        except StaleTokenError:
+            log.error(
+                "idempotency key %s: the lease ran out before the response was recorded; "
+                "another attempt may have run the request again (raise lease=)",
+                key_tag(dkey),
+            )
+        except Exception:
+            log.exception(
+                "idempotency key %s: the response could not be recorded; the key stays "
+                "claimed until its lease ends",
+                key_tag(dkey),
+            )
+
+    # -- the drivers ------------------------------------------------------------------------
+
+    def handle(self, request: HttpRequest, view: View, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``view(request, *args, **kwargs)`` under the key (sync views, WSGI)."""
+        if not self.applies(request) or getattr(request, "idempotency", None) is not None:
+            return view(request, *args, **kwargs)
+        request.idempotency = self
+        if self._is_async_store():
+            raise TypeError(
+                "a dedupcore.aio.Client needs an async view or an ASGI server; give a sync "
+                "store (dedupcore.Client) to sync views under WSGI"
+            )
+        steps = self.exchange(request)
+        sent: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(error) if error is not None else steps.send(sent)
+            except StopIteration as stop:
+                return stop.value
+            sent, error = None, None
+            try:
+                if isinstance(step, _StoreCall):
+                    sent = getattr(self.store, step.method)(*step.args, **step.kwargs)
+                elif isinstance(step, _Scope):
+                    sent = self.identity(step.request)
+                else:
+                    sent = view(step.request, *args, **kwargs)
+            except BaseException as exc:
+                error = exc
+
+    async def ahandle(
+        self, request: HttpRequest, view: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Awaits ``view(request, *args, **kwargs)`` under the key (async views, ASGI).
+
+        Once the request takes part it runs to its end even if the client goes
+        away (Django then cancels the request): its response is recorded for
+        the client's retry.
+        """
+        if not self.applies(request) or getattr(request, "idempotency", None) is not None:
+            return await view(request, *args, **kwargs)
+        request.idempotency = self
+        task = asyncio.ensure_future(self._adrive(request, view, args, kwargs))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        return await asyncio.shield(task)
+
+    async def _adrive(
+        self,
+        request: HttpRequest,
+        view: Callable[..., Awaitable[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        steps = self.exchange(request)
+        sent: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(error) if error is not None else steps.send(sent)
+            except StopIteration as stop:
+                return stop.value
+            sent, error = None, None
+            try:
+                if isinstance(step, _StoreCall):
+                    fn = getattr(self.store, step.method)
+                    if self._is_async_store():
+                        sent = await fn(*step.args, **step.kwargs)
+                    else:
+                        call = functools.partial(fn, *step.args, **step.kwargs)
+                        sent = await sync_to_async(call, thread_sensitive=False)()
+                elif isinstance(step, _Scope):
+                    # key_scope and request.user may read the database: a sync context.
+                    sent = await sync_to_async(self.identity)(step.request)
+                else:
+                    sent = await view(step.request, *args, **kwargs)
+            except BaseException as exc:
+                error = exc
+
+
+def _check_store(store: Any) -> None:
+    for name in ("claim", "complete", "release"):
+        if not callable(getattr(store, name, None)):
+            raise TypeError(
+                "store must have claim/complete/release (a dedupcore store or client), "
+                f"not {type(store).__name__}"
+            )
+
+
+#: DEDUPCORE_STORE's value -> the store its callable made (once per process).
+_settings_stores: dict[str, Any] = {}
+_settings_lock = threading.Lock()
+
+
+def store_from_settings() -> Any:
+    """The store ``DEDUPCORE_STORE`` makes: the dotted path of a callable that returns one.
+
+    It is called once per process, on first use, and the store is shared by
+    the middleware and every decorated view that was given no store.
+    """
+    path = getattr(settings, "DEDUPCORE_STORE", None)
+    if not isinstance(path, str) or not path:
+        raise ImproperlyConfigured(
+            "set DEDUPCORE_STORE to the dotted path of a callable that returns a "
+            "dedupcore store (docs/django.md), or give the decorator store="
+        )
+    with _settings_lock:
+        if path not in _settings_stores:
+            store = import_string(path)()
+            _check_store(store)
+            _settings_stores[path] = store
+        return _settings_stores[path]
+
+
+def _options_from_settings() -> dict[str, Any]:
+    options = getattr(settings, "DEDUPCORE_IDEMPOTENCY", None) or {}
+    if not isinstance(options, Mapping):
+        raise ImproperlyConfigured(
+            f"DEDUPCORE_IDEMPOTENCY must be a dict of idempotent_view's keywords, "
+            f"not {type(options).__name__}"
+        )
+    if "store" in options:
+        raise ImproperlyConfigured("the middleware's store is DEDUPCORE_STORE, not a keyword")
+    return dict(options)
+
+
+@sync_and_async_middleware  # type: ignore[untyped-decorator]
+def idempotency_middleware(get_response: View) -> View:
+    """Django middleware: the ``Idempotency-Key`` header for every view (module docstring).
+
+    The store is ``DEDUPCORE_STORE``'s, the options ``DEDUPCORE_IDEMPOTENCY``'s
+    (a dict of :func:`idempotent_view`'s keywords). Put it after
+    ``AuthenticationMiddleware`` (keys are scoped to ``request.user``) and
+    after ``CsrfViewMiddleware`` (a refused request takes no key).
+    """
+    try:
+        guard = Idempotency(**_options_from_settings())
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"DEDUPCORE_IDEMPOTENCY: {exc}") from exc
+
+    if iscoroutinefunction(get_response):
+
+        async def middleware(request: HttpRequest) -> Any:
+            return await guard.ahandle(request, get_response)
+
+        return middleware
+
+    def sync_middleware(request: HttpRequest) -> Any:
+        return guard.handle(request, get_response)
+
+    return sync_middleware
+
+
+def idempotent_view(view: View | None = None, *, store: Any = None, **options: Any) -> Any:
+    """Decorates one view (sync or async) with the ``Idempotency-Key`` handling.
+
+    ``@idempotent_view`` or ``@idempotent_view(store=..., required=True, ...)``;
+    the keywords and defaults are the middleware's (module docstring). With no
+    ``store`` the view uses ``DEDUPCORE_STORE``'s. A request the middleware
+    already handles passes straight to the view. For a class-based view, use
+    ``method_decorator(idempotent_view(...), name="dispatch")``.
+    """
+    guard = Idempotency(store, **options)
+
+    def decorate(fn: View) -> View:
+        if iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+                return await guard.ahandle(request, fn, *args, **kwargs)
+
+            return markcoroutinefunction(async_view)
+
+        @functools.wraps(fn)
+        def sync_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            return guard.handle(request, fn, *args, **kwargs)
+
+        return sync_view
+
+    if view is not None:
+        return decorate(view)
+    return decorate
