@@ -33,7 +33,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.keys",
         "dedupcore.record",
         "dedupcore.decision",
-        "dedupcore.api",
+        "dedupcore.api.*",
         "dedupcore.ids",
         "dedupcore.retry",
         "dedupcore._platform",
