@@ -1,17 +1,24 @@
-"""``IdempotencyMiddleware``: the IETF ``Idempotency-Key`` header for any ASGI app.
+"""The IETF ``Idempotency-Key`` header for ASGI apps, whole or per route (docs/http.md).
 
 Wrap an ASGI application (Starlette, FastAPI, or plain ASGI) so that a client
 may retry a POST or PATCH safely (draft-ietf-httpapi-idempotency-key-header)::
 
     app = IdempotencyMiddleware(app, dedupcore.Client(socket), required=True)
 
-A request whose method is in ``methods`` and that carries the header is
-handled like this:
+or apply the same handling to some routes only: ``Idempotency(store,
+...).endpoint(fn)`` for a Starlette endpoint, ``Depends(Idempotent(store,
+...))`` on the routes of an ``IdempotentRoute`` router for FastAPI
+(``dedupcore.http.fastapi``). A request whose method is in ``methods`` and
+that carries the header is handled like this:
 
 1. The key is the header's value: 1..255 printable ASCII characters
    (0x20-0x7E), bare or as a quoted structured-field string (``"abc"``).
    A malformed or repeated header is answered 400; a missing one is 400
    when ``required`` is set and otherwise passes through untouched.
+   The key belongs to the client that sent it: the store key is a hash of
+   the client's identity and the key (``scoped_key``). The identity is
+   ``key_scope(scope)``, by default the SHA-256 of the ``Authorization``
+   header; a request without one is answered 400.
 2. The request body is read in full, at most ``max_body_bytes`` (413 above
    it, checked against Content-Length first). The request's fingerprint is
    SHA-256 over method, path, query string and body; any body is accepted as
@@ -25,6 +32,9 @@ handled like this:
      recorded and a later retry gets it.
    - DUPLICATE: the recorded response (status, headers, body) is sent again
      with ``Idempotent-Replayed: true`` added; the app does not run.
+     Headers that carry one client's credentials or session
+     (``replay_drop_headers``: ``Set-Cookie``, ``Authorization``, ...) are
+     neither recorded nor replayed.
    - IN_PROGRESS: 409 with ``Retry-After: 1`` -- the first request is still
      running.
    - ConflictError (the key was used with another method/path/query/body):
@@ -64,10 +74,9 @@ second time. If the store cannot record the response at the end (it became
 unavailable), the response is still sent and the key stays claimed until its
 lease ends; a retry after that runs the app again.
 
-Keys are shared by every client unless ``key_scope`` maps the request's ASGI
-scope to a client identity (an authenticated user or API key id): the dedup
-key is then a hash of that identity and the header's value, so one client's
-key never replays another client's response.
+Logs name a key by the first 12 hex digits of its scoped hash (``key_ref``),
+never as sent. Problem documents have ``type: about:blank`` unless
+``problem_base_url`` links each problem to your API's documentation.
 
 Store calls of a sync store (``DedupStore``, ``Client``, ``RedisStore``) run
 in worker threads (``anyio.to_thread``); ``dedupcore.aio.Client`` is awaited
@@ -77,26 +86,43 @@ cancellation.
 
 from __future__ import annotations
 
-from dedupcore.http.asgi import IdempotencyMiddleware
+from dedupcore.http.asgi import Idempotency, IdempotencyMiddleware
 from dedupcore.http.protocol import (
+    DEFAULT_REPLAY_DROP_HEADERS,
     DEFAULT_RETRY_STATUSES,
+    PROBLEMS,
+    credentials_identity,
     fingerprint,
+    header_names,
+    key_ref,
     not_replayable,
     parse_key,
     problem,
+    problem_types,
     response_record,
     result_limit,
+    scoped_key,
     stored_response,
+    without_headers,
 )
 
 __all__ = [
+    "DEFAULT_REPLAY_DROP_HEADERS",
     "DEFAULT_RETRY_STATUSES",
+    "PROBLEMS",
+    "Idempotency",
     "IdempotencyMiddleware",
+    "credentials_identity",
     "fingerprint",
+    "header_names",
+    "key_ref",
     "not_replayable",
     "parse_key",
     "problem",
+    "problem_types",
     "response_record",
     "result_limit",
+    "scoped_key",
     "stored_response",
+    "without_headers",
 ]

@@ -1,12 +1,20 @@
-"""``IdempotencyMiddleware``: the ``Idempotency-Key`` header for any ASGI app (docs/http.md)."""
+"""The ``Idempotency-Key`` header over ASGI: for a whole app, or per route (docs/http.md).
+
+:class:`Idempotency` holds the options and makes the one decision for a
+request (:meth:`Idempotency.begin`): pass it through, answer it without the
+app (a problem or a replay: :class:`Answer`), or run the app once and record
+its response (:class:`Exchange`). :class:`IdempotencyMiddleware` applies it to
+a whole ASGI app; :meth:`Idempotency.endpoint` to one Starlette endpoint;
+``dedupcore.http.fastapi`` to FastAPI routes. All three share this code.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Collection, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
+from typing import Any, ClassVar
 
 import anyio
 import anyio.to_thread
@@ -14,16 +22,24 @@ import anyio.to_thread
 from dedupcore.api import Outcome, result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.http.protocol import (
+    DEFAULT_REPLAY_DROP_HEADERS,
     DEFAULT_RETRY_STATUSES,
     ENVELOPE_SLACK,
+    PROBLEMS,
     RESPONSE,
+    credentials_identity,
     fingerprint,
+    header_names,
+    key_ref,
     not_replayable,
     parse_key,
     problem,
+    problem_types,
     response_record,
     result_limit,
+    scoped_key,
     stored_response,
+    without_headers,
 )
 from dedupcore.keys import check_namespace
 
@@ -34,31 +50,58 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+#: ``key_scope(scope)``: the client identity a key belongs to; None when it has none.
+KeyScope = Callable[[Scope], str | bytes | None]
 
 # Server extensions that would let a response bypass ``send`` wrapping.
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, title: str, detail: str) -> None:
+class _Rejected(Exception):
+    """The request is answered with the problem ``slug`` (:data:`PROBLEMS`)."""
+
+    def __init__(self, slug: str, detail: str) -> None:
         super().__init__(detail)
-        self.status = status
-        self.title = title
+        self.slug = slug
         self.detail = detail
 
 
-class IdempotencyMiddleware:
-    """ASGI middleware for the ``Idempotency-Key`` header (see the module docstring).
+class Answer:
+    """A response the middleware sends itself (a problem or a replay); the app does not run."""
+
+    #: The client went away before its request was read: nothing is sent.
+    GONE: ClassVar[Answer]
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self is Answer.GONE:
+            return
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+Answer.GONE = Answer(0, [], b"")
+
+
+class Idempotency:
+    """The ``Idempotency-Key`` handling of an app or of some of its routes (docs/http.md).
 
     ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
-    ``RedisStore``, ...) or a ``dedupcore.aio.Client``. ``key_scope(scope)``
-    optionally returns the client identity keys are scoped to (str, bytes or
-    None for "unscoped").
+    ``RedisStore``, ...) or a ``dedupcore.aio.Client``. Keys belong to a client:
+    ``key_scope(scope)`` returns its identity (str or bytes; None when the
+    request has none, answered 400). Without ``key_scope`` the identity is the
+    SHA-256 of the request's ``Authorization`` header
+    (:func:`~dedupcore.http.protocol.credentials_identity`); ``key_scope=lambda
+    scope: ""`` shares every key between all clients (unsafe: a client that
+    sends another's key and body gets that client's response).
     """
 
     def __init__(
         self,
-        app: ASGIApp,
         store: Any,
         *,
         namespace: str = "http",
@@ -69,8 +112,10 @@ class IdempotencyMiddleware:
         lease: float | None = None,
         max_response_bytes: int | None = None,
         retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
-        key_scope: Callable[[Scope], str | bytes | None] | None = None,
+        key_scope: KeyScope | None = None,
         replay_header: str = "Idempotent-Replayed",
+        replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+        problem_base_url: str | Mapping[str, str] | None = None,
     ) -> None:
         for name in ("claim", "complete", "release"):
             if not callable(getattr(store, name, None)):
@@ -84,7 +129,10 @@ class IdempotencyMiddleware:
             raise TypeError(f"max_body_bytes must be an int, not {type(max_body_bytes).__name__}")
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
-        self.app = app
+        if key_scope is not None and not callable(key_scope):
+            raise TypeError(
+                f"key_scope must be a callable of the ASGI scope, not {type(key_scope).__name__}"
+            )
         self.store = store
         self.namespace = check_namespace(namespace).decode()
         self.header = header.lower().encode("ascii")
@@ -106,11 +154,33 @@ class IdempotencyMiddleware:
         self.retry_statuses = frozenset(retry_statuses)
         self.key_scope = key_scope
         self.replay_header = replay_header.lower().encode("ascii")
+        self.replay_drop_headers = header_names(replay_drop_headers)
+        self.problem_types = problem_types(problem_base_url)
         self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
+        self._told_no_identity = False
+
+    # -- where it applies -----------------------------------------------------------------
+
+    def wrap(self, app: ASGIApp) -> IdempotencyMiddleware:
+        """``app`` behind this handling (the middleware, sharing these options)."""
+        return IdempotencyMiddleware(app, self)
+
+    def endpoint(self, fn: Callable[..., Any]) -> IdempotencyMiddleware:
+        """A Starlette endpoint ``fn(request) -> response`` behind this handling.
+
+        Use as a decorator, or ``Route("/orders", idem.endpoint(create_order),
+        methods=["POST"])``: the route serves an ASGI app that runs ``fn`` as
+        Starlette would.
+        """
+        from starlette.routing import request_response
+
+        wrapped = self.wrap(request_response(fn))
+        functools.update_wrapper(wrapped, fn)  # the route's name is the function's
+        return wrapped
 
     # -- store calls ----------------------------------------------------------------
 
-    async def _store(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call_store(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One store call, shielded so that a claim taken or recorded is never lost halfway."""
         fn = getattr(self.store, method)
         with anyio.CancelScope(shield=True):
@@ -118,45 +188,83 @@ class IdempotencyMiddleware:
                 return await fn(*args, **kwargs)
             return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
-    # -- ASGI ---------------------------------------------------------------------------
+    # -- the decision -----------------------------------------------------------------
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def begin(self, scope: Scope, receive: Receive) -> Answer | Exchange | None:
+        """What to do with a request: None (pass it to the app), an Answer, or an Exchange.
+
+        Reads the request's body when it carries a key; the Exchange hands it
+        to the app again (:meth:`Exchange.receive`).
+        """
         if scope.get("type") != "http" or scope.get("method", "").upper() not in self.methods:
-            await self.app(scope, receive, send)
-            return
+            return None
         try:
             raw = self._header(scope)
             if raw is None:
                 if self.required:
-                    raise _BadRequest(
-                        400,
-                        "Idempotency-Key is missing",
+                    raise _Rejected(
+                        "missing-key",
                         f"{scope['method']} requests to this endpoint need an "
                         f"{self.header.decode()} header",
                     )
-                await self.app(scope, receive, send)
-                return
+                return None
             try:
                 key = parse_key(raw)
             except ValueError as exc:
-                raise _BadRequest(400, "Invalid Idempotency-Key", str(exc)) from None
+                raise _Rejected("invalid-key", str(exc)) from None
+            identity = self._identity(scope)
             body = await self._read_body(scope, receive)
             if body is None:
-                return  # the client went away before sending its body: nothing happened
-        except _BadRequest as bad:
-            await _problem(send, bad.status, bad.title, bad.detail)
-            return
-        await self._handle(scope, receive, send, key, body)
+                return Answer.GONE  # the client went away before sending its body
+        except _Rejected as rejected:
+            return self.problem(rejected.slug, rejected.detail)
+        return await self._claim(scope, receive, scoped_key(identity, key), body)
+
+    def problem(self, slug: str, detail: str, *, retry_after: int | None = None) -> Answer:
+        """The problem document ``slug`` (:data:`~dedupcore.http.protocol.PROBLEMS`)."""
+        status, title = PROBLEMS[slug]
+        return Answer(
+            *problem(
+                status, title, detail, retry_after=retry_after, type_uri=self.problem_types[slug]
+            )
+        )
 
     def _header(self, scope: Scope) -> bytes | None:
         values = [v for k, v in scope.get("headers", ()) if k.lower() == self.header]
         if len(values) > 1:
-            raise _BadRequest(
-                400,
-                "Invalid Idempotency-Key",
+            raise _Rejected(
+                "invalid-key",
                 f"the request has {len(values)} {self.header.decode()} headers; send one",
             )
         return values[0] if values else None
+
+    def _identity(self, scope: Scope) -> str | bytes:
+        found: str | bytes | None
+        if self.key_scope is None:
+            found = credentials_identity(
+                v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"
+            )
+            how = "without credentials (an Authorization header)"
+        else:
+            found = self.key_scope(scope)
+            how = "for which key_scope found no client identity"
+        if found is None:
+            if not self._told_no_identity:
+                self._told_no_identity = True
+                log.warning(
+                    "a request with an idempotency key came %s and was answered 400; keys "
+                    "belong to a client: pass key_scope= to say who the client is "
+                    "(docs/http.md, 'Whose key')",
+                    how,
+                )
+            raise _Rejected(
+                "no-client-identity",
+                "idempotency keys belong to a client, and this request does not say which "
+                "client sent it; send your credentials with it",
+            )
+        if not isinstance(found, (str, bytes)):
+            raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
+        return found
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -165,11 +273,10 @@ class IdempotencyMiddleware:
                 try:
                     declared = int(v)
                 except ValueError:
-                    raise _BadRequest(400, "Bad Content-Length", "not a number") from None
+                    raise _Rejected("bad-content-length", "not a number") from None
                 if declared > limit:
-                    raise _BadRequest(
-                        413,
-                        "Request body too large",
+                    raise _Rejected(
+                        "body-too-large",
                         f"the body is {declared} bytes; requests with an idempotency key "
                         f"may have at most {limit}",
                     )
@@ -184,114 +291,115 @@ class IdempotencyMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _BadRequest(
-                    413,
-                    "Request body too large",
+                raise _Rejected(
+                    "body-too-large",
                     f"requests with an idempotency key may have at most {limit} bytes of body",
                 )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _dedup_key(self, scope: Scope, key: str) -> str:
-        if self.key_scope is None:
-            return key
-        who = self.key_scope(scope)
-        if who is None:
-            return key
-        who_b = who.encode() if isinstance(who, str) else bytes(who)
-        digest = hashlib.sha256(who_b + b"\x00" + key.encode("ascii")).hexdigest()
-        return f"scoped:{digest}"
-
     @staticmethod
     def _fingerprint(scope: Scope, body: bytes) -> bytes:
         path = scope.get("raw_path") or (scope.get("root_path", "") + scope["path"]).encode()
         return fingerprint(scope["method"], path, scope.get("query_string", b""), body)
 
-    async def _handle(
-        self, scope: Scope, receive: Receive, send: Send, key: str, body: bytes
-    ) -> None:
-        dkey = self._dedup_key(scope, key)
+    async def _claim(
+        self, scope: Scope, receive: Receive, key: str, body: bytes
+    ) -> Answer | Exchange:
         try:
-            claim = await self._store(
+            claim = await self.call_store(
                 "claim",
-                dkey,
+                key,
                 namespace=self.namespace,
                 lease=self.lease,
                 fingerprint=self._fingerprint(scope, body),
             )
         except ConflictError:
-            await _problem(
-                send,
-                422,
-                "Idempotency-Key reused",
+            return self.problem(
+                "key-reused",
                 "this key was already used for a different request (method, path, query or "
                 "body); use a new key for a new request",
             )
-            return
         except UnavailableError as exc:
-            log.error("idempotency store unavailable: %s", exc)
-            await _problem(
-                send,
-                503,
-                "Idempotency store unavailable",
-                "the request was not processed; retry later",
-                retry_after=5,
+            log.error("idempotency store unavailable (key %s): %s", key_ref(key), exc)
+            return self.problem(
+                "store-unavailable", "the request was not processed; retry later", retry_after=5
             )
-            return
         if claim.outcome is Outcome.IN_PROGRESS:
-            await _problem(
-                send,
-                409,
-                "Request in progress",
+            return self.problem(
+                "in-progress",
                 "a request with this idempotency key is still being processed; retry later",
                 retry_after=1,
             )
-            return
         if claim.outcome is Outcome.DUPLICATE:
-            await self._replay(send, claim.result if claim.exact else None)
-            return
-        await _Exchange(self, scope, receive, send, dkey, claim.token, body).run()
+            return self._replay(claim.result if claim.exact else None)
+        return Exchange(self, scope, receive, key, claim.token, body)
 
-    async def _replay(self, send: Send, stored: Any) -> None:
+    def _replay(self, stored: Any) -> Answer:
         found = stored_response(stored)
-        if not isinstance(found, str):
-            status, headers, body = found
-            headers.append((self.replay_header, b"true"))
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        why = found
-        await _problem(
-            send,
-            422,
-            "Response not replayable",
-            "a request with this idempotency key was already processed, but its response "
-            f"cannot be sent again: {why}",
-        )
+        if isinstance(found, str):
+            return self.problem(
+                "not-replayable",
+                "a request with this idempotency key was already processed, but its response "
+                f"cannot be sent again: {found}",
+            )
+        status, headers, body = found
+        headers = without_headers(headers, self.replay_drop_headers)
+        headers.append((self.replay_header, b"true"))
+        return Answer(status, headers, body)
 
 
-class _Exchange:
+class IdempotencyMiddleware:
+    """ASGI middleware for the ``Idempotency-Key`` header (docs/http.md).
+
+    ``IdempotencyMiddleware(app, store, **options)`` with the options of
+    :class:`Idempotency`, or ``IdempotencyMiddleware(app, idempotency)`` to
+    share one :class:`Idempotency` (for instance as a Starlette route's
+    ``middleware=[Middleware(IdempotencyMiddleware, idempotency)]``).
+    """
+
+    def __init__(self, app: ASGIApp, store: Any, **options: Any) -> None:
+        self.app = app
+        if isinstance(store, Idempotency):
+            if options:
+                raise TypeError(
+                    f"options go to Idempotency(...), not next to one: {sorted(options)}"
+                )
+            self.idempotency = store
+        else:
+            self.idempotency = Idempotency(store, **options)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        step = await self.idempotency.begin(scope, receive)
+        if step is None:
+            await self.app(scope, receive, send)
+        elif isinstance(step, Exchange):
+            await step.run(self.app, send)
+        else:
+            await step(scope, receive, send)
+
+
+class Exchange:
     """One NEW request: runs the app, records or releases, forwards the response."""
 
     def __init__(
         self,
-        mw: IdempotencyMiddleware,
+        idempotency: Idempotency,
         scope: Scope,
         receive: Receive,
-        send: Send,
         key: str,
         token: int,
         body: bytes,
     ) -> None:
-        self.mw = mw
+        self.idempotency = idempotency
         extensions = scope.get("extensions")
         if extensions and any(e in extensions for e in _HIDDEN_EXTENSIONS):
             extensions = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
             scope = dict(scope, extensions=extensions)
         self.scope = scope
         self.receive_outer = receive
-        self.send_outer = send
+        self.send_outer: Send | None = None
         self.key = key
         self.token = token
         self.body: bytes | None = body
@@ -304,13 +412,14 @@ class _Exchange:
         self.client_gone = False
 
     async def receive(self) -> Message:
+        """The request's body (read already), then what the client sends next."""
         if self.body is not None:
             body, self.body = self.body, None
             return {"type": "http.request", "body": body, "more_body": False}
         return await self.receive_outer()
 
     async def forward(self, message: Message) -> None:
-        if self.client_gone:
+        if self.client_gone or self.send_outer is None:
             return
         try:
             await self.send_outer(message)
@@ -331,7 +440,7 @@ class _Exchange:
             chunk = bytes(message.get("body", b""))
             if self.unstorable is None and self.storing():
                 self.size += len(chunk)
-                if self.size + ENVELOPE_SLACK > self.mw.max_response_bytes:
+                if self.size + ENVELOPE_SLACK > self.idempotency.max_response_bytes:
                     self.unstorable = self.too_large()
                     self.chunks = []
                 else:
@@ -342,17 +451,19 @@ class _Exchange:
 
     def storing(self) -> bool:
         status = self.status or 500
-        return status < 500 and status not in self.mw.retry_statuses
+        return status < 500 and status not in self.idempotency.retry_statuses
 
     def too_large(self) -> str:
         return (
-            f"the response was larger than the {self.mw.max_response_bytes} bytes the store "
-            "keeps per response"
+            f"the response was larger than the {self.idempotency.max_response_bytes} bytes "
+            "the store keeps per response"
         )
 
-    async def run(self) -> None:
+    async def run(self, app: ASGIApp, send: Send) -> None:
+        """Runs ``app`` (or a framework's response object) with its response going to ``send``."""
+        self.send_outer = send
         try:
-            await self.mw.app(self.scope, self.receive, self.send)
+            await app(self.scope, self.receive, self.send)
         except BaseException:
             if not self.settled:
                 await self.release()
@@ -362,13 +473,17 @@ class _Exchange:
             await self.release()
 
     async def release(self) -> None:
+        """Gives the key up (a failed attempt): a retry runs the request again."""
         self.settled = True
+        idem = self.idempotency
         try:
-            await self.mw._store("release", self.key, self.token, namespace=self.mw.namespace)
+            await idem.call_store("release", self.key, self.token, namespace=idem.namespace)
         except StaleTokenError:
-            log.warning("could not release idempotency key %r: its lease was taken over", self.key)
+            log.warning(
+                "could not release idempotency key %s: its lease was taken over", key_ref(self.key)
+            )
         except Exception:
-            log.exception("could not release idempotency key %r", self.key)
+            log.exception("could not release idempotency key %s", key_ref(self.key))
 
     async def settle(self) -> None:
         """Records (or releases) the response before its last chunk goes out."""
@@ -376,46 +491,39 @@ class _Exchange:
             await self.release()
             return
         self.settled = True
+        idem = self.idempotency
         status = self.status if self.status is not None else 500
         result: list[Any]
         if self.unstorable is None:
+            headers = without_headers(self.headers, idem.replay_drop_headers)
             result = response_record(
-                status, self.headers, b"".join(self.chunks), self.mw.max_response_bytes
+                status, headers, b"".join(self.chunks), idem.max_response_bytes
             )
         else:
             result = not_replayable(self.unstorable, status)
         self.chunks = []
         try:
             try:
-                await self.mw._store(
-                    "complete", self.key, self.token, namespace=self.mw.namespace, result=result
+                await idem.call_store(
+                    "complete", self.key, self.token, namespace=idem.namespace, result=result
                 )
             except (TypeError, ValueError) as exc:
                 if not result_refused(exc) or result[0] != RESPONSE:
                     raise
                 # The store's own limit (a daemon's) is below the one assumed here.
                 note = not_replayable(f"the store refused to keep it ({exc})", status)
-                await self.mw._store(
-                    "complete", self.key, self.token, namespace=self.mw.namespace, result=note
+                await idem.call_store(
+                    "complete", self.key, self.token, namespace=idem.namespace, result=note
                 )
         except StaleTokenError:
             log.error(
-                "idempotency key %r: the lease ran out before the response was recorded; "
+                "idempotency key %s: the lease ran out before the response was recorded; "
                 "another attempt may have run the request again (raise lease=)",
-                self.key,
+                key_ref(self.key),
             )
         except Exception:
             log.exception(
-                "idempotency key %r: the response could not be recorded; the key stays "
+                "idempotency key %s: the response could not be recorded; the key stays "
                 "claimed until its lease ends",
-                self.key,
+                key_ref(self.key),
             )
-
-
-async def _problem(
-    send: Send, status: int, title: str, detail: str, *, retry_after: int | None = None
-) -> None:
-    """Sends an RFC 9457 problem document (:func:`problem`)."""
-    status, headers, payload = problem(status, title, detail, retry_after=retry_after)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -1,15 +1,17 @@
 """What the ``Idempotency-Key`` header means and what is stored for a response.
 
 The pieces every HTTP integration shares, whatever the framework: the key's
-syntax, the request's fingerprint, the record of a response and its replay,
-and the problem documents (RFC 9457). The ASGI middleware is in
-:mod:`dedupcore.http.asgi`; docs/http.md describes the behaviour.
+syntax, the client a key belongs to, the request's fingerprint, the record of
+a response and its replay, the name a key has in logs, and the problem
+documents (RFC 9457). The ASGI middleware is in :mod:`dedupcore.http.asgi`;
+docs/http.md describes the behaviour.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from dedupcore.api import pack_result
@@ -23,6 +25,35 @@ DEFAULT_RESULT_LIMIT = 65536
 RESPONSE = 1
 NOT_REPLAYABLE = 0
 ENVELOPE_SLACK = 64  # msgpack framing around the body, checked exactly before storing
+
+#: Response headers that carry one client's credentials or session: never recorded, never
+#: replayed (the first response still carries them).
+DEFAULT_REPLAY_DROP_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "set-cookie2",
+        "authorization",
+        "proxy-authorization",
+        "authentication-info",
+        "proxy-authentication-info",
+    }
+)
+
+#: The problems the middleware answers itself: slug -> (status, title). The slug is the
+#: fragment of its section in docs/http.md and the tail of its ``type`` link.
+PROBLEMS: dict[str, tuple[int, str]] = {
+    "missing-key": (400, "Idempotency-Key is missing"),
+    "invalid-key": (400, "Invalid Idempotency-Key"),
+    "no-client-identity": (400, "Idempotency-Key needs a client identity"),
+    "bad-content-length": (400, "Bad Content-Length"),
+    "body-too-large": (413, "Request body too large"),
+    "in-progress": (409, "Request in progress"),
+    "key-reused": (422, "Idempotency-Key reused"),
+    "not-replayable": (422, "Response not replayable"),
+    "store-unavailable": (503, "Idempotency store unavailable"),
+}
+
+_SCOPED = "scoped:"
 
 
 def parse_key(raw: bytes) -> str:
@@ -107,10 +138,15 @@ def stored_response(stored: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 def problem(
-    status: int, title: str, detail: str, *, retry_after: int | None = None
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    retry_after: int | None = None,
+    type_uri: str = "about:blank",
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """An RFC 9457 problem document: status, headers, body."""
-    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
+    body = json.dumps({"type": type_uri, "title": title, "status": status, "detail": detail})
     payload = body.encode()
     headers = [
         (b"content-type", b"application/problem+json"),
@@ -119,3 +155,78 @@ def problem(
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
     return status, headers, payload
+
+
+def problem_types(spec: str | Mapping[str, str] | None) -> dict[str, str]:
+    """The ``type`` of each problem in :data:`PROBLEMS` (``problem_base_url=``).
+
+    None: ``about:blank`` for all. A string: that prefix followed by the slug
+    (``"https://example.com/docs/idempotency#"`` gives
+    ``https://example.com/docs/idempotency#in-progress``). A mapping: a link per
+    slug; a slug it leaves out keeps ``about:blank``.
+    """
+    if spec is None:
+        return dict.fromkeys(PROBLEMS, "about:blank")
+    if isinstance(spec, str):
+        if not spec or not spec.isascii() or any(c in spec for c in ' "<>'):
+            raise ValueError(f"problem_base_url must be an ASCII URI prefix, got {spec!r}")
+        return {slug: spec + slug for slug in PROBLEMS}
+    unknown = sorted(set(spec) - set(PROBLEMS))
+    if unknown:
+        raise ValueError(f"unknown problems {unknown}; the problems are {sorted(PROBLEMS)}")
+    return {slug: spec.get(slug, "about:blank") for slug in PROBLEMS}
+
+
+def header_names(names: Collection[str]) -> frozenset[bytes]:
+    """Header names as the lower-case bytes ASGI uses; ValueError for a bad name."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError("give a collection of header names, not one string")
+    out = set()
+    for name in names:
+        if not isinstance(name, str) or not name or not name.isascii() or " " in name:
+            raise ValueError(f"a header name must be a non-empty ASCII token, got {name!r}")
+        out.add(name.lower().encode("ascii"))
+    return frozenset(out)
+
+
+def without_headers(
+    headers: Iterable[tuple[bytes, bytes]], drop: Collection[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` minus those named in ``drop`` (lower-case names, :func:`header_names`)."""
+    return [(n, v) for n, v in headers if n.lower() not in drop]
+
+
+def credentials_identity(authorization: Iterable[bytes]) -> str | None:
+    """The default client identity: the SHA-256 of the request's ``Authorization`` value.
+
+    ``authorization`` holds the values of the request's ``Authorization``
+    headers (normally one; several are joined with ``", "``). The identity is
+    ``"authorization:"`` and the hex SHA-256 of the value, byte for byte, or
+    None when there is none (the request has no credentials).
+    """
+    values = [bytes(v) for v in authorization]
+    if not values:
+        return None
+    return "authorization:" + hashlib.sha256(b", ".join(values)).hexdigest()
+
+
+def scoped_key(identity: str | bytes, key: str) -> str:
+    """The store key of idempotency ``key`` sent by client ``identity``.
+
+    ``"scoped:"`` and the hex SHA-256 of the identity, a NUL byte and the key:
+    the same key from two clients is two store keys, and neither the key nor
+    the identity is stored or logged as sent. An identity of ``""`` or ``b""``
+    shares keys between all clients.
+    """
+    who = identity.encode() if isinstance(identity, str) else bytes(identity)
+    return _SCOPED + hashlib.sha256(who + b"\x00" + key.encode("ascii")).hexdigest()
+
+
+def key_ref(dedup_key: str) -> str:
+    """How logs name a key: the first 12 hex digits of its scoped hash (:func:`scoped_key`).
+
+    The store key of that request starts with ``scoped:`` and these digits.
+    """
+    if dedup_key.startswith(_SCOPED):
+        return dedup_key[len(_SCOPED) : len(_SCOPED) + 12]
+    return hashlib.sha256(dedup_key.encode()).hexdigest()[:12]

@@ -10,10 +10,8 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,61 +21,7 @@ import pytest
 from dedupcore import DedupStore
 from dedupcore.http import IdempotencyMiddleware, parse_key
 
-from .http_apps import PATIENCE, Effects, serve
-
-MAX_BODY = 64 * 1024
-#: (framework, store) pairs every server test runs against.
-CONFIGS = ("starlette-embedded", "fastapi-daemon", "starlette-aio")
-#: Headers a server sets per response, not part of what the app answered.
-PER_RESPONSE = {"date", "server", "idempotent-replayed"}
-
-
-@dataclass
-class Site:
-    url: str
-    effects: Effects
-    store: Any
-    namespace: str
-
-    def client(self, **options: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=PATIENCE, **options)
-
-
-@pytest.fixture(scope="module", params=CONFIGS)
-def site(request: pytest.FixtureRequest) -> Iterator[Site]:
-    kind, store_kind = request.param.split("-")
-    home = Path(tempfile.mkdtemp(prefix="dcidem"))
-    effects = Effects(home / "effects.sqlite")
-    ns = f"http/{uuid.uuid4().hex}"
-    store: Any
-    if store_kind == "embedded":
-        store = DedupStore.open(home / "store")
-    elif store_kind == "daemon":
-        store = request.getfixturevalue("daemon").client()
-    else:
-        from dedupcore import aio
-
-        store = aio.Client(request.getfixturevalue("daemon").socket)
-    try:
-        with serve(kind, store, effects, namespace=ns, max_body_bytes=MAX_BODY) as server:
-            yield Site(server.url, effects, store, ns)
-    finally:
-        if store_kind != "aio":
-            store.close()
-
-
-def new_key() -> str:
-    return uuid.uuid4().hex
-
-
-def app_view(r: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]:
-    """What the app answered: status, headers (minus per-response ones), body."""
-    headers = sorted((k, v) for k, v in r.headers.multi_items() if k not in PER_RESPONSE)
-    return r.status_code, headers, r.content
-
-
-def is_replay(r: httpx.Response) -> bool:
-    return r.headers.get("idempotent-replayed") == "true"
+from .http_apps import ALICE, MAX_BODY, PATIENCE, Effects, Site, app_view, is_replay, new_key, serve
 
 
 def test_retries_while_running_get_409_then_the_first_response(site: Site) -> None:
@@ -200,6 +144,7 @@ def test_lost_response_is_replayed_to_the_retry(site: Site) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) as sock:
         sock.sendall(
             b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+            b"Authorization: " + ALICE["Authorization"].encode() + b"\r\n"
             b"X-Gate: " + gate.encode() + b"\r\nX-Tag: " + tag.encode() + b"\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
@@ -305,7 +250,7 @@ def test_required_key(tmp_path: Path) -> None:
     with (
         DedupStore.open(tmp_path / "store") as store,
         serve("fastapi", store, effects, required=True) as server,
-        httpx.Client(base_url=server.url, timeout=PATIENCE) as http,
+        httpx.Client(base_url=server.url, timeout=PATIENCE, headers=ALICE) as http,
     ):
         r = http.post("/orders", content=b"p", headers={"X-Tag": "req"})
         assert r.status_code == 400
@@ -328,10 +273,19 @@ def test_keys_scoped_per_client(tmp_path: Path) -> None:
         serve("starlette", store, effects, key_scope=who) as server,
         httpx.Client(base_url=server.url, timeout=PATIENCE) as http,
     ):
+        answers = []
         for user in ("alice", "bob", "alice"):
             h = {"Idempotency-Key": "k1", "X-Tag": "scoped", "X-User": user}
-            http.post("/orders", content=b"p", headers=h)
+            answers.append(http.post("/orders", content=b"p", headers=h))
+        # No identity (key_scope says None): refused, not shared with anyone.
+        anonymous = http.post("/orders", content=b"p", headers={"Idempotency-Key": "k1"})
+    assert [r.status_code for r in answers] == [201, 201, 201]
+    assert [is_replay(r) for r in answers] == [False, False, True]
+    assert app_view(answers[2]) == app_view(answers[0])
+    assert anonymous.status_code == 400
+    assert anonymous.json()["title"] == "Idempotency-Key needs a client identity"
     assert len(effects.rows("scoped")) == 2
+    assert len(effects.rows("orders")) == 0
 
 
 def test_parse_key_and_arguments() -> None:
@@ -354,4 +308,4 @@ def test_parse_key_and_arguments() -> None:
             IdempotencyMiddleware(app, store, max_response_bytes=10)
         with pytest.raises(ValueError, match="namespace"):
             IdempotencyMiddleware(app, store, namespace="bad ns")
-        assert IdempotencyMiddleware(app, store).max_response_bytes == 65536
+        assert IdempotencyMiddleware(app, store).idempotency.max_response_bytes == 65536
