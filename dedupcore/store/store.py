@@ -238,6 +238,18 @@ class DedupStore(Maintenance, ClaimAPI):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def durability(self) -> str:
+        """What an acknowledged claim survives, from ``config.durability``."""
+        if self.config.durability == "durable":
+            return (
+                "durable: the write-ahead log is fdatasynced before each answer: survives a "
+                "process crash and a power loss"
+            )
+        return (
+            "power-loss-unsafe: survives a process crash; a power loss or an OS crash can "
+            "lose the last acknowledged claims"
+        )
+
     def __repr__(self) -> str:
         return f"<DedupStore {str(self.path)!r}{' readonly' if self.readonly else ''}>"
 

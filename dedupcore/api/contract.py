@@ -1,0 +1,439 @@
+"""The claim contract: :class:`ClaimAPI` and its asyncio twin :class:`AsyncClaimAPI`.
+
+Every public call is written here once (docs/architecture.md, "The
+contract"): it builds the batch (:mod:`dedupcore.api.batches`, every argument
+checked once) and hands it to the backend's primitives, ``_claim_batch``,
+``_change_batch`` and ``_get_record``, with ``stats()``. The single-key forms,
+``processing()``, the ``idempotent`` decorator, ``with`` and ``close`` come
+with it; a backend also declares its :class:`~dedupcore.api.batches.Limits`
+and its ``durability()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Sequence,
+)
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import dedupcore.keys as _keys
+from dedupcore.api.answers import Claim, KeyRecord, Outcome
+from dedupcore.api.batches import (
+    DEFAULT_LIMITS,
+    ChangeBatch,
+    ClaimBatch,
+    Limits,
+    result_refused,
+)
+from dedupcore.api.conveniences import (
+    DuplicateCache,
+    _answer,
+    _bypassed,
+    _decorated_key,
+    _fingerprints,
+    _release_lost,
+)
+from dedupcore.errors import StaleTokenError
+
+__all__ = ["UNKNOWN_DURABILITY", "AsyncClaimAPI", "ClaimAPI"]
+
+#: ``durability()`` of a front end that cannot tell what an acknowledged claim survives.
+UNKNOWN_DURABILITY = "unknown: this store does not report what an acknowledged claim survives"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S", bound="ClaimAPI")
+
+
+class ClaimAPI(ABC):
+    """The claim calls, written once over a backend's primitives.
+
+    A backend implements ``_claim_batch``, ``_change_batch``, ``_get_record``
+    and ``stats``, and declares ``limits`` and ``durability()``; the public
+    calls check their arguments once into a :class:`ClaimBatch` or
+    :class:`ChangeBatch` and hand it over (docs/architecture.md, "The
+    contract"). Single-key calls, ``processing()`` and ``idempotent`` follow.
+    """
+
+    #: What the store accepts (keys, results, batches); a backend sets its own.
+    limits: Limits = DEFAULT_LIMITS
+
+    def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace.
+
+        A key repeated in the batch is NEW once; its later copies are
+        IN_PROGRESS (or NEW with the same token for an ``owner``). A bad
+        argument or a fingerprint conflict raises before anything is claimed.
+        """
+        batch = ClaimBatch(
+            keys,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=fingerprints,
+            limits=self.limits,
+        )
+        return self._claim_batch(batch)
+
+    def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims: ``(key, token)`` or ``(key, token, result)``.
+
+        Every item is checked first; a stale token or bad input raises before
+        anything is completed.
+        """
+        self._change_batch(
+            ChangeBatch(items, namespace=namespace, completing=True, limits=self.limits)
+        )
+
+    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
+        """Releases many claims of one namespace."""
+        self._change_batch(
+            ChangeBatch(items, namespace=namespace, completing=False, limits=self.limits)
+        )
+
+    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it (None if the store holds nothing)."""
+        ns = _keys.check_namespace(namespace)
+        return self._get_record(ns, _keys.check_key(key, self.limits.max_key_bytes))
+
+    # -- the backend's primitives ------------------------------------------------
+
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        """Decides a checked claim batch: one Claim per key, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _claim_batch")
+
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes (``batch.completing``) or releases a checked batch, all or nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _change_batch")
+
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        """The record of a checked namespace and key, or None."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _get_record")
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters and figures."""
+
+    @property
+    def failed(self) -> BaseException | None:
+        """None while the store serves; the error that stopped it otherwise (the
+        daemon exits for a restart when it sees one, docs/daemon.md)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+        """Releases the front end's resources (files, connections)."""
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def durability(self) -> str:
+        """What an acknowledged claim or completion survives, in words.
+
+        Remote authorities read it from their server's settings, the embedded
+        store from its config, and stacks report their authority's (a sharded
+        store its weakest shard's); a front end that cannot tell says so.
+        """
+        return UNKNOWN_DURABILITY
+
+    def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Claim:
+        """Claims a key before acting on it; see :class:`Outcome`.
+
+        A NEW claim must be completed or released before its lease (default
+        ``config.lease`` seconds) runs out. The same ``owner`` claiming again
+        gets its own claim back. A different ``fingerprint`` than the one the
+        key was first claimed with raises :class:`ConflictError`.
+        """
+        return self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=_fingerprints(fingerprint),
+        )[0]
+
+    def complete(self, key: bytes | str, token: int, *, namespace: str, result: Any = None) -> None:
+        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
+        self.complete_many([(key, token, result)], namespace=namespace)
+
+    def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
+        """Gives a claimed key back so that a redelivery can run the work again."""
+        self.release_many([(key, token)], namespace=namespace)
+
+    # -- conveniences ----------------------------------------------------------
+
+    @contextmanager
+    def processing(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> Iterator[Claim]:
+        """Claims ``key`` for a ``with`` block: completes on success, releases on exception.
+
+        Act only when ``claim.outcome is Outcome.NEW``; set ``claim.result`` to
+        store a result with the completion. Exceptions are re-raised. A result
+        that cannot be stored (too large, not msgpack-serializable) raises its
+        TypeError/ValueError after the key was completed without it: the work
+        is not done twice. With a :class:`DuplicateCache`, a key it holds is
+        answered DUPLICATE from it without asking the store, and the store's
+        DUPLICATE answers are added to it.
+        """
+        if cache is not None:
+            hit = cache.get(key, namespace=namespace, fingerprint=fingerprint)
+            if hit is not None:
+                yield hit
+                return
+        c = self.claim(key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint)
+        if c.outcome is not Outcome.NEW:
+            if cache is not None:
+                cache.put(c, fingerprint=fingerprint)
+            yield c
+            return
+        try:
+            yield c
+        except BaseException:
+            try:
+                self.release(key, c.token, namespace=namespace)
+            except StaleTokenError:
+                _release_lost(key)
+            raise
+        try:
+            self.complete(key, c.token, namespace=namespace, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if not result_refused(exc):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            # Record the key as processed without its result, so that a
+            # redelivery does not do the work a second time; tell the caller.
+            self.complete(key, c.token, namespace=namespace)
+            raise
+
+    def idempotent(
+        self,
+        *,
+        namespace: str,
+        key: Callable[..., bytes | str] | str,
+        lease: float | None = None,
+        payload: str | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator: runs the function once per key; duplicates get the stored result.
+
+        ``key`` maps the call's arguments to the dedup key, or is a path into
+        the payload (see :func:`key_path`: ``"order.id"``,
+        ``"Records[0].messageId"``); the payload is the function's first
+        argument, or the argument named ``payload``. While another owner holds
+        the key, calls raise :class:`InProgressError`. ``cache``: a
+        :class:`DuplicateCache` answering recent duplicates without a round
+        trip. With the environment variable ``DEDUPCORE_DISABLED=1`` the
+        function runs on every call and nothing is claimed (logged once).
+        ``async def`` functions are refused (TypeError): decorate them with
+        an :class:`AsyncClaimAPI` such as :class:`dedupcore.aio.Client`.
+        """
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            key_of = _decorated_key(fn, key, payload, want_async=False)
+
+            @functools.wraps(fn)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                if _bypassed():
+                    return fn(*args, **kwargs)
+                k = key_of(*args, **kwargs)
+                with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
+                    if c.outcome is Outcome.NEW:
+                        c.result = fn(*args, **kwargs)
+                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
+
+            return wrapper
+
+        return decorate
+
+
+class AsyncClaimAPI(ABC):
+    """:class:`ClaimAPI` for asyncio front ends: the same methods as coroutines.
+
+    A front end implements ``claim_many``, ``complete_many``,
+    ``release_many``, ``get`` and ``stats`` as coroutines; the single-key
+    forms, ``processing()`` (an ``async with`` block) and the ``idempotent``
+    decorator (of ``async def`` functions, with the same key paths,
+    :class:`DuplicateCache` and ``DEDUPCORE_DISABLED`` switch) come from
+    here, sharing their checks and decisions with :class:`ClaimAPI`.
+    """
+
+    @abstractmethod
+    async def claim_many(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprints: Sequence[bytes | None] | None = None,
+    ) -> list[Claim]:
+        """Claims a batch of keys of one namespace."""
+
+    @abstractmethod
+    async def complete_many(
+        self,
+        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        *,
+        namespace: str,
+    ) -> None:
+        """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
+
+    @abstractmethod
+    async def release_many(
+        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
+    ) -> None:
+        """Releases many claims."""
+
+    @abstractmethod
+    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+        """The key's record without claiming it."""
+
+    @abstractmethod
+    async def stats(self) -> dict[str, Any]:
+        """Counters and figures."""
+
+    async def aclose(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+        """Releases the front end's resources (connections)."""
+
+    async def claim(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+    ) -> Claim:
+        """Claims a key before acting on it (see :meth:`ClaimAPI.claim`)."""
+        claims = await self.claim_many(
+            [key],
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=_fingerprints(fingerprint),
+        )
+        return claims[0]
+
+    async def complete(
+        self, key: bytes | str, token: int, *, namespace: str, result: Any = None
+    ) -> None:
+        """Marks a claimed key processed, storing ``result`` (msgpack-serializable)."""
+        await self.complete_many([(key, token, result)], namespace=namespace)
+
+    async def release(self, key: bytes | str, token: int, *, namespace: str) -> None:
+        """Gives a claimed key back so that a redelivery can run the work again."""
+        await self.release_many([(key, token)], namespace=namespace)
+
+    # -- conveniences ----------------------------------------------------------
+
+    @asynccontextmanager
+    async def processing(
+        self,
+        key: bytes | str,
+        *,
+        namespace: str,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        fingerprint: bytes | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> AsyncIterator[Claim]:
+        """Claims ``key`` for an ``async with`` block (see :meth:`ClaimAPI.processing`)."""
+        if cache is not None:
+            hit = cache.get(key, namespace=namespace, fingerprint=fingerprint)
+            if hit is not None:
+                yield hit
+                return
+        c = await self.claim(
+            key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
+        )
+        if c.outcome is not Outcome.NEW:
+            if cache is not None:
+                cache.put(c, fingerprint=fingerprint)
+            yield c
+            return
+        try:
+            yield c
+        except BaseException:
+            try:
+                await self.release(key, c.token, namespace=namespace)
+            except StaleTokenError:
+                _release_lost(key)
+            raise
+        try:
+            await self.complete(key, c.token, namespace=namespace, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if not result_refused(exc):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            await self.complete(key, c.token, namespace=namespace)
+            raise
+
+    def idempotent(
+        self,
+        *,
+        namespace: str,
+        key: Callable[..., bytes | str] | str,
+        lease: float | None = None,
+        payload: str | None = None,
+        cache: DuplicateCache | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
+        """Decorator for ``async def``: runs it once per key (see :meth:`ClaimAPI.idempotent`).
+
+        The same arguments, key paths, cache and ``DEDUPCORE_DISABLED``
+        switch as the sync decorator; a plain function is refused (TypeError).
+        """
+
+        def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+            key_of = _decorated_key(fn, key, payload, want_async=True)
+
+            @functools.wraps(fn)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                if _bypassed():
+                    return await fn(*args, **kwargs)
+                k = key_of(*args, **kwargs)
+                async with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
+                    if c.outcome is Outcome.NEW:
+                        c.result = await fn(*args, **kwargs)
+                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
+
+            return wrapper
+
+        return decorate

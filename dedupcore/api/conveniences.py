@@ -1,0 +1,342 @@
+"""The conveniences over the claim calls, written once for the sync and the async API.
+
+Key paths (:func:`key_path`), the ``DEDUPCORE_DISABLED`` switch, the
+:class:`DuplicateCache`, and the decisions of ``processing()`` and the
+``idempotent`` decorator: :class:`~dedupcore.api.contract.ClaimAPI` and
+:class:`~dedupcore.api.contract.AsyncClaimAPI` drive the same steps, one with
+calls and one with awaits (docs/conveniences.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dedupcore.api.answers import Claim, Outcome
+from dedupcore.api.batches import pack_result, unpack_result
+from dedupcore.errors import InProgressError, KeyPathError
+
+__all__ = ["DISABLE_ENV", "DuplicateCache", "idempotency_disabled", "key_path"]
+
+log = logging.getLogger("dedupcore")
+
+_PATH_TOKEN = re.compile(r'\.?(?:"((?:[^"\\]|\\.)*)"|([^.\[\]"]+))|\[(-?\d+)\]')
+
+
+def _parse_path(path: str) -> list[str | int]:
+    if not isinstance(path, str) or not path:
+        raise ValueError("a key path must be a non-empty str such as 'order.id'")
+    steps: list[str | int] = []
+    pos = 0
+    while pos < len(path):
+        m = _PATH_TOKEN.match(path, pos)
+        quoted, name, index = m.groups() if m is not None else (None, None, None)
+        dotted = m is not None and m.group(0).startswith(".")
+        if m is None or (dotted and pos == 0) or (index is None and pos > 0 and not dotted):
+            raise ValueError(f"cannot parse key path {path!r} at offset {pos}")
+        if index is not None:
+            steps.append(int(index))
+        elif quoted is not None:
+            steps.append(re.sub(r"\\(.)", r"\1", quoted))
+        else:
+            steps.append(str(name))
+        pos = m.end()
+    return steps
+
+
+def _step(value: Any, step: str | int) -> Any:
+    if isinstance(value, (str, bytes, bytearray)):
+        # A JSON document inside the payload (an HTTP or queue message body).
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise LookupError("a string that is not a JSON document") from None
+    if isinstance(step, int):
+        if not isinstance(value, Sequence) or isinstance(value, (str, bytes, bytearray)):
+            raise LookupError(f"not a list: {type(value).__name__}")
+        return value[step]
+    if isinstance(value, Mapping):
+        return value[step]
+    if value is None or isinstance(value, (int, float, bool, list, tuple)):
+        raise LookupError(f"no field {step!r} in a {type(value).__name__}")
+    return getattr(value, step)
+
+
+def _key_value(found: Any, path: str) -> bytes | str:
+    if isinstance(found, (str, bytes)) and found:
+        return found
+    if isinstance(found, int) and not isinstance(found, bool):
+        return str(found)
+    if found is None or found == "" or found == b"":
+        raise KeyPathError(f"key path {path!r} found an empty value: no key to dedup on")
+    # A sub-document (or a float, a bool): its canonical JSON, hashed, so that
+    # equal documents give the same key however their maps are ordered.
+    try:
+        canonical = json.dumps(found, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise KeyPathError(f"key path {path!r} found a value that is not JSON: {exc}") from None
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def key_path(path: str) -> Callable[[Any], bytes | str]:
+    """A function taking a payload to the dedup key found at ``path``.
+
+    ``path`` is dotted names and list indexes: ``"order.id"``,
+    ``"Records[0].messageId"``, ``"items[-1].sku"``, ``'headers."Idempotency-Key"'``
+    (a quoted name may hold any character; ``\\"`` and ``\\\\`` inside it are
+    a quote and a backslash). Names look up mappings, then attributes
+    (dataclasses, objects); a string met before the end of the path is parsed
+    as JSON (a message body). The value found is the key if it is a non-empty
+    str or bytes, its decimal text if an int, and otherwise (a map, a list, a
+    float, a bool) ``"sha256:"`` and the hex SHA-256 of its canonical JSON
+    (sorted keys). A missing field or an empty value raises
+    :class:`KeyPathError`; a malformed path raises ValueError here.
+    """
+    steps = _parse_path(path)
+
+    def extract(payload: Any) -> bytes | str:
+        value = payload
+        for i, step in enumerate(steps):
+            try:
+                value = _step(value, step)
+            except (LookupError, AttributeError, TypeError) as exc:
+                where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps[: i + 1])
+                raise KeyPathError(
+                    f"key path {path!r}: nothing at {where.lstrip('.')!r} ({exc})"
+                ) from None
+        return _key_value(value, path)
+
+    return extract
+
+
+#: The environment variable that turns the ``idempotent`` decorator off (for tests).
+DISABLE_ENV = "DEDUPCORE_DISABLED"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_disabled_logged = threading.Event()
+
+
+def idempotency_disabled() -> bool:
+    """Whether ``DEDUPCORE_DISABLED`` is set to 1/true/yes/on (read at every call)."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in _TRUE
+
+
+def _log_disabled_once() -> None:
+    if not _disabled_logged.is_set():
+        _disabled_logged.set()
+        log.warning(
+            "idempotency is disabled (%s is set): functions decorated with idempotent() run "
+            "on every call, duplicates included",
+            DISABLE_ENV,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    packed: bytes | None
+    token: int
+    exact: bool
+    expires: float
+
+
+class DuplicateCache:
+    """Recent DUPLICATE answers, kept in this process: a hot duplicate costs no round trip.
+
+    Bounded (``maxsize`` entries, least recently used dropped first) and
+    each entry expires ``ttl`` seconds after the answer it copies (on
+    ``clock``, monotonic by default). Only DUPLICATE answers are kept: a
+    processed key's record does not change, whereas NEW and IN_PROGRESS are
+    the authority's to decide each time. An entry is keyed by namespace, key
+    and fingerprint, so another request under the same key still reaches the
+    store (and its fingerprint check). What it can get wrong: for up to
+    ``ttl`` seconds after the store forgets a key (its retention ran out),
+    a cached DUPLICATE is still answered. Results are stored encoded, so each
+    hit returns a fresh copy. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        maxsize: int = 10_000,
+        ttl: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
+        self.maxsize = maxsize
+        self.ttl = float(ttl)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, bytes, bytes | None], _Cached] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    @staticmethod
+    def _index(namespace: str, key: bytes | str, fingerprint: bytes | None) -> Any:
+        return (namespace, key.encode() if isinstance(key, str) else bytes(key), fingerprint)
+
+    def get(
+        self, key: bytes | str, *, namespace: str, fingerprint: bytes | None = None
+    ) -> Claim | None:
+        """The cached DUPLICATE claim of the key, or None."""
+        idx = self._index(namespace, key, fingerprint)
+        now = self._clock()
+        with self._lock:
+            hit = self._entries.get(idx)
+            if hit is not None and hit.expires <= now:
+                del self._entries[idx]
+                hit = None
+            if hit is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(idx)
+            self.hits += 1
+        return Claim(
+            key,
+            namespace,
+            Outcome.DUPLICATE,
+            hit.token,
+            unpack_result(hit.packed),
+            exact=hit.exact,
+        )
+
+    def put(self, claim: Claim, *, fingerprint: bytes | None = None) -> bool:
+        """Keeps a DUPLICATE answer (anything else is ignored); True if it was kept."""
+        if claim.outcome is not Outcome.DUPLICATE:
+            return False
+        try:
+            packed = None if claim.result is None else pack_result(claim.result, 1 << 62)
+        except TypeError:
+            return False  # a result this process cannot copy: not cached
+        idx = self._index(claim.namespace, claim.key, fingerprint)
+        entry = _Cached(packed, claim.token, claim.exact, self._clock() + self.ttl)
+        with self._lock:
+            self._entries[idx] = entry
+            self._entries.move_to_end(idx)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+                self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        """Forgets every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict[str, int]:
+        """Entries, hits, misses and evictions."""
+        with self._lock:
+            return {
+                "size": len(self._entries),
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+            }
+
+
+# -- what the sync and the async claim API share ------------------------------------
+
+
+def _fingerprints(fingerprint: bytes | None) -> list[bytes | None] | None:
+    """The ``fingerprints`` of a one-key batch."""
+    return None if fingerprint is None else [fingerprint]
+
+
+def _release_lost(key: bytes | str) -> None:
+    log.warning("could not release %r: its lease was taken over", key)
+
+
+def _bypassed() -> bool:
+    """Whether the decorator runs the function without claiming (``DEDUPCORE_DISABLED``)."""
+    if idempotency_disabled():
+        _log_disabled_once()
+        return True
+    return False
+
+
+def _decorated_key(
+    fn: Callable[..., Any],
+    key: Callable[..., bytes | str] | str,
+    payload: str | None,
+    *,
+    want_async: bool,
+) -> Callable[..., bytes | str]:
+    """The key function of ``fn`` decorated by ``idempotent``, its arguments checked.
+
+    ``want_async``: the decorator of an async front end takes ``async def``
+    functions only, a sync one plain functions only (a coroutine object is
+    not a result that can be stored).
+    """
+    if not callable(fn):
+        raise TypeError(f"idempotent decorates a function, not {type(fn).__name__}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    if want_async and not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"an async front end's idempotent decorates async def; {name} is not")
+    if not want_async and inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{name} is async def: decorate it with the idempotent of dedupcore.aio.Client "
+            "(or another AsyncClaimAPI)"
+        )
+    if callable(key):
+        if payload is not None:
+            raise TypeError("payload= is for a key path; here key is a function")
+        return key
+    return _payload_key(fn, key_path(key), payload)
+
+
+def _answer(c: Claim, key: bytes | str, namespace: str) -> Any:
+    """What a decorated call returns: the claim's result (the function's own for a NEW
+    claim, the stored one for a DUPLICATE); InProgressError while another owner holds it."""
+    if c.outcome is Outcome.IN_PROGRESS:
+        raise InProgressError(
+            f"key {key!r} in namespace {namespace!r} is being processed by another "
+            "owner; retry later"
+        )
+    return c.result
+
+
+def _payload_key(
+    fn: Callable[..., Any], extract: Callable[[Any], bytes | str], payload: str | None
+) -> Callable[..., bytes | str]:
+    """The key function of a decorated ``fn``: ``extract`` applied to its payload argument."""
+    try:
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature (some builtins)
+        sig = None
+    params = list(sig.parameters.values()) if sig is not None else []
+    if payload is not None and sig is not None and payload not in sig.parameters:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"{name} has no argument named {payload!r} (payload=)")
+    name = payload if payload is not None else (params[0].name if params else None)
+
+    def key_of(*args: Any, **kwargs: Any) -> bytes | str:
+        if sig is None or name is None:
+            if not args:
+                raise TypeError("the payload is the first positional argument; none was given")
+            return extract(args[0])
+        bound = sig.bind(*args, **kwargs)
+        if name not in bound.arguments:
+            raise TypeError(f"the payload argument {name!r} was not given")
+        value = bound.arguments[name]
+        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            if not value:
+                raise TypeError("the payload is the first positional argument; none was given")
+            value = value[0]
+        return extract(value)
+
+    return key_of
