@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from dedupcore._checks import checked_int
+
 __all__ = [
     "ID_BYTES",
     "ID_TEXT_LENGTH",
@@ -72,20 +74,12 @@ def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _check_field(name: str, value: object, limit: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if not 0 <= value <= limit:
-        raise ValueError(f"{name} must be in 0..{limit}, got {value}")
-    return value
-
-
 def pack(region: int, time_ms: int, sequence: int, node: int) -> bytes:
     """The 16 bytes of an id made of these fields (each checked against its width)."""
-    _check_field("region", region, MAX_REGION)
-    _check_field("time_ms", time_ms, MAX_TIME_MS)
-    _check_field("sequence", sequence, MAX_SEQUENCE)
-    _check_field("node", node, MAX_NODE)
+    checked_int("region", region, 0, MAX_REGION)
+    checked_int("time_ms", time_ms, 0, MAX_TIME_MS)
+    checked_int("sequence", sequence, 0, MAX_SEQUENCE)
+    checked_int("node", node, 0, MAX_NODE)
     value = (region << 112) | (time_ms << 64) | (sequence << 32) | node
     return value.to_bytes(ID_BYTES, "big")
 
@@ -168,11 +162,11 @@ class IdGenerator:
         clock: Callable[[], int] | None = None,
         sequence_limit: int = MAX_SEQUENCE,
     ) -> None:
-        self.region = _check_field("region", region, MAX_REGION)
+        self.region = checked_int("region", region, 0, MAX_REGION)
         self._fixed_node = node is not None
-        self._node = _check_field("node", node, MAX_NODE) if node is not None else _random_node()
+        self._node = checked_int("node", node, 0, MAX_NODE) if node is not None else _random_node()
         self._clock = clock or _wall_ms
-        if _check_field("sequence_limit", sequence_limit, MAX_SEQUENCE) < 1:
+        if checked_int("sequence_limit", sequence_limit, 0, MAX_SEQUENCE) < 1:
             raise ValueError("sequence_limit must be at least 1")
         self.sequence_limit = sequence_limit
         self._lock = threading.Lock()

@@ -10,18 +10,12 @@ each call goes to), ``connection`` (clients whose waits keep the call's
 deadline) and the Lua scripts ``claim.lua`` and ``change.lua``.
 """
 
-try:
-    import redis  # noqa: F401  (checked here, before any module of the package uses it)
-except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
-    if exc.name != "redis":
-        raise
-    from dedupcore.errors import MissingExtraError
+from dedupcore._checks import require_extra
 
-    raise MissingExtraError(
-        "dedupcore.redis needs redis, which is not installed: pip install 'dedupcore[redis]'"
-    ) from exc
+# Checked here, before any module of the package uses redis-py (the [redis] extra).
+require_extra("redis", "redis", "dedupcore.redis")
 
-from dedupcore.redis.connection import deadline_client
-from dedupcore.redis.store import DEFAULT_TIMEOUT, RedisStore
+from dedupcore.redis.connection import deadline_client  # noqa: E402
+from dedupcore.redis.store import DEFAULT_TIMEOUT, RedisStore  # noqa: E402
 
 __all__ = ["DEFAULT_TIMEOUT", "RedisStore", "deadline_client"]

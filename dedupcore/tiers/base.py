@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import dedupcore.keys as _keys
+from dedupcore._checks import checked_int
 from dedupcore.api import Claim, KeyRecord
 from dedupcore.config import Retention
 from dedupcore.errors import RequestRefusedError
@@ -122,11 +123,7 @@ def check_retention(
 
 def check_limit(name: str, value: object, limit: int) -> int:
     """A size setting: an int in 1..limit (TypeError/ValueError otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if not 1 <= value <= limit:
-        raise ValueError(f"{name} must be in 1..{limit}, got {value}")
-    return value
+    return checked_int(name, value, 1, limit)
 
 
 def check_timeout(timeout: object, name: str = "timeout") -> float:

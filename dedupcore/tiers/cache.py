@@ -19,20 +19,14 @@ from typing import Any
 
 import msgpack
 
-try:
-    from redis.exceptions import RedisError
-except ModuleNotFoundError as exc:  # redis-py comes with the [redis] extra
-    if exc.name != "redis":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.tiers.cache needs redis, which is not installed: pip install 'dedupcore[redis]'"
-    ) from exc
-
 import dedupcore.keys as _keys
+from dedupcore._checks import require_extra
 from dedupcore.retry import one_call
 from dedupcore.tiers.base import Cached, CacheTier, check_timeout
+
+require_extra("redis", "redis", "dedupcore.tiers.cache")  # redis-py: the [redis] extra
+
+from redis.exceptions import RedisError  # noqa: E402  (after the check that names the extra)
 
 __all__ = ["RedisCache"]
 

@@ -37,6 +37,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.ids",
         "dedupcore.retry",
         "dedupcore._platform",
+        "dedupcore._checks",
     ),
     # files of their own: the shared file helpers, Bloom filters and rings, the write-ahead log
     1: (

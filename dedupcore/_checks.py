@@ -1,0 +1,41 @@
+"""Checks that modules of every layer share: an int argument in a range, an optional dependency.
+
+Both raise what the public API documents: ``TypeError``/``ValueError`` naming
+the argument (docs/api.md), and :class:`~dedupcore.errors.MissingExtraError`
+naming the extra to install (docs/compatibility.md, "Installing").
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from dedupcore.errors import MissingExtraError
+
+__all__ = ["checked_int", "require_extra"]
+
+
+def checked_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` if it is an int in ``low..high``, else TypeError (a bool too) or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def require_extra(module: str, extra: str, needed_by: str) -> ModuleType:
+    """Imports the optional dependency ``module``; MissingExtraError naming ``extra`` if absent.
+
+    Only the absence of ``module`` itself is turned into MissingExtraError
+    (``needed_by`` names the part of dedupcore that needs it); an import that
+    fails inside an installed ``module`` raises as it is.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise MissingExtraError(
+            f"{needed_by} needs {module}, which is not installed: pip install 'dedupcore[{extra}]'"
+        ) from exc
