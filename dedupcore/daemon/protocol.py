@@ -146,6 +146,14 @@ def _unpack(body: bytes) -> Any:
         raise FrameError(f"frame body is not valid msgpack: {exc}") from None
 
 
+def _three_fields(body: bytes, layout: str) -> list[Any]:
+    """The three fields of a request or response body; FrameError saying ``layout`` otherwise."""
+    msg = _unpack(body)
+    if not isinstance(msg, list) or len(msg) != 3:
+        raise FrameError(layout)
+    return msg
+
+
 def packed_len(obj: Any) -> int:
     """Bytes ``obj`` takes in a message."""
     return len(_pack(obj))
@@ -161,10 +169,7 @@ def encode_request(request_id: int, op: Op, args: dict[str, Any]) -> bytes:
 
 def decode_request(body: bytes) -> Request:
     """A request from a frame body; FrameError naming what is wrong."""
-    msg = _unpack(body)
-    if not isinstance(msg, list) or len(msg) != 3:
-        raise FrameError("a request is [request_id, op, args]")
-    request_id, op, args = msg
+    request_id, op, args = _three_fields(body, "a request is [request_id, op, args]")
     if isinstance(request_id, bool) or not isinstance(request_id, int):
         raise FrameError(f"request_id must be an unsigned integer, got {type(request_id).__name__}")
     if not 0 <= request_id <= MAX_REQUEST_ID:
@@ -213,10 +218,7 @@ def error_from_payload(payload: Any) -> BaseException:
 
 def decode_response(body: bytes) -> tuple[int, Status, Any]:
     """(request_id, status, payload) from a frame body."""
-    msg = _unpack(body)
-    if not isinstance(msg, list) or len(msg) != 3:
-        raise FrameError("a response is [request_id, status, payload]")
-    request_id, status, payload = msg
+    request_id, status, payload = _three_fields(body, "a response is [request_id, status, payload]")
     if isinstance(request_id, bool) or not isinstance(request_id, int):
         raise FrameError(f"response request_id must be an integer, got {request_id!r:.40}")
     try:

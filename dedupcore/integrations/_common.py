@@ -187,6 +187,18 @@ class TransactionalTable:
 Store = Union[ClaimAPI, TransactionalTable]  # noqa: UP007 (a runtime alias on 3.10)
 
 _STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
+# What a claim raises when it gives no answer: the store's errors, and a refused key
+# (too long, of a bad type, a fingerprint conflict).
+_CLAIM_ERRORS = (*_STORE_ERRORS, TypeError, ValueError)
+
+
+def _claim_failed(key: bytes | str, exc: Exception) -> Verdict:
+    """The verdict of a claim that raised: retried later, or refused if the key is at fault."""
+    if isinstance(exc, _STORE_ERRORS):
+        log.warning("claim of %r failed, retrying later: %s", key, exc)
+        return Verdict.RETRY
+    log.error("message with key %.80r refused: %s", key, exc)
+    return Verdict.INVALID
 
 
 def _log_taken_over(key: bytes | str) -> None:
@@ -252,12 +264,8 @@ class _Gate:
         key = delivery.key
         try:
             c = self.store.claim(key, namespace=self.namespace, lease=self.lease, owner=self.owner)
-        except _STORE_ERRORS as exc:
-            log.warning("claim of %r failed, retrying later: %s", key, exc)
-            return Verdict.RETRY
-        except (TypeError, ValueError) as exc:  # key too long, bad type, fingerprint conflict
-            log.error("message with key %.80r refused: %s", key, exc)
-            return Verdict.INVALID
+        except _CLAIM_ERRORS as exc:
+            return _claim_failed(key, exc)
         delivery.outcome = c.outcome
         if c.outcome is Outcome.IN_PROGRESS:
             return Verdict.RETRY
@@ -364,12 +372,8 @@ class _AsyncGate(_Gate):
             c = await self._call(
                 "claim", key, namespace=self.namespace, lease=self.lease, owner=self.owner
             )
-        except _STORE_ERRORS as exc:
-            log.warning("claim of %r failed, retrying later: %s", key, exc)
-            return Verdict.RETRY
-        except (TypeError, ValueError) as exc:  # key too long, bad type, fingerprint conflict
-            log.error("message with key %.80r refused: %s", key, exc)
-            return Verdict.INVALID
+        except _CLAIM_ERRORS as exc:
+            return _claim_failed(key, exc)
         delivery.outcome = c.outcome
         if c.outcome is Outcome.IN_PROGRESS:
             return Verdict.RETRY
@@ -538,6 +542,33 @@ class _Consumer(_Stoppable, Generic[G]):
         self.retry_delay = retry_delay
         self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
         self._stop = _StopControl()
+
+    def _delivery(
+        self,
+        body: bytes,
+        headers: Mapping[str, Any],
+        message_id: str | None,
+        *,
+        redelivered: bool,
+        raw: Any,
+        refusal: str,
+    ) -> Delivery | None:
+        """The delivery of one message, or None when it has no key (logged after ``refusal``,
+        what becomes of the message)."""
+        try:
+            k = derive_key(body, headers, message_id, key=self.key, key_header=self.key_header)
+        except MissingKeyError as exc:
+            log.error("%s: %s", refusal, exc)
+            return None
+        return Delivery(
+            body=body,
+            headers=headers,
+            key=k,
+            namespace=self.namespace,
+            message_id=message_id,
+            redelivered=redelivered,
+            raw=raw,
+        )
 
 
 class _AsyncStop:

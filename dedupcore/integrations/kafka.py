@@ -433,6 +433,28 @@ class KafkaDedupLoop(_Stoppable):
             return True
         return False
 
+    def _each(
+        self,
+        items: list[_Item],
+        stopped: dict[TP, int],
+        report: BatchReport,
+        run: Callable[[_Item], None],
+    ) -> MissingKeyError | None:
+        """Runs ``run`` on the batch's items in order, except those left for later (see
+        :meth:`_skip`) and the keyless ones (see :meth:`_invalid`); the error of the first
+        keyless message that stopped its partition."""
+        invalid: MissingKeyError | None = None
+        for i in items:
+            if self._skip(i, stopped):
+                report.retried += 1
+            elif i.key is not None:
+                run(i)
+            elif self._invalid(i, stopped, report):
+                self._finish(i)
+            else:
+                invalid = invalid or i.error
+        return invalid
+
     def _finish(self, item: _Item) -> None:
         with self._lock:
             if item.tp not in self._revoked:
@@ -468,17 +490,9 @@ class KafkaDedupLoop(_Stoppable):
                 if c.outcome is Outcome.NEW:
                     self._unhandled.setdefault(i.tp, {})[i.key] = c.token
         state: dict[bytes | str, bool] = {}  # key -> finished (True) or not
-        invalid: MissingKeyError | None = None
-        for i in items:
-            if self._skip(i, stopped):
-                report.retried += 1
-                continue
-            if i.key is None:
-                if not self._invalid(i, stopped, report):
-                    invalid = invalid or i.error
-                    continue
-                self._finish(i)
-                continue
+
+        def run(i: _Item) -> None:
+            assert i.key is not None  # see _each
             if i.key in state:  # a later copy of a key of this batch
                 if state[i.key]:
                     report.duplicate += 1
@@ -486,24 +500,24 @@ class KafkaDedupLoop(_Stoppable):
                 else:
                     stopped[i.tp] = i.offset
                     report.retried += 1
-                continue
+                return
             c = by_key[i.key]
             if c.outcome is Outcome.DUPLICATE:
                 state[i.key] = True
                 report.duplicate += 1
                 self._finish(i)
-                continue
+                return
             if c.outcome is Outcome.IN_PROGRESS:
                 state[i.key] = False
                 stopped[i.tp] = i.offset
                 report.retried += 1
-                continue
+                return
             with self._lock:
                 token = self._unhandled.get(first_tp[i.key], {}).pop(i.key, None)
             if token is None:  # released by a rebalance meanwhile
                 state[i.key] = False
                 report.retried += 1
-                continue
+                return
             d = self._delivery(i)
             d.claim = c
             d.outcome = Outcome.NEW
@@ -518,12 +532,14 @@ class KafkaDedupLoop(_Stoppable):
                 stopped[i.tp] = i.offset
                 report.retried += 1
                 report.failed += 1
-                continue
+                return
             with self._lock:
                 self._handled.setdefault(i.tp, []).append((i.key, token))
             state[i.key] = True
             report.new += 1
             self._finish(i)
+
+        invalid = self._each(items, stopped, report, run)
         # NEW claims of messages that were not run (their partition stopped) go back.
         with self._lock:
             leftover = [
@@ -558,33 +574,26 @@ class KafkaDedupLoop(_Stoppable):
     def _run_table(
         self, items: list[_Item], stopped: dict[TP, int], report: BatchReport
     ) -> MissingKeyError | None:
-        assert isinstance(self.store, TransactionalTable)
-        invalid: MissingKeyError | None = None
-        for i in items:
-            if self._skip(i, stopped):
-                report.retried += 1
-                continue
-            if i.key is None:
-                if not self._invalid(i, stopped, report):
-                    invalid = invalid or i.error
-                    continue
-                self._finish(i)
-                continue
+        table = self.store
+        assert isinstance(table, TransactionalTable)
+
+        def run(i: _Item) -> None:
             d = self._delivery(i)
             try:
-                outcome = self.store.run(d, self.handler)
+                outcome = table.run(d, self.handler)
             except Exception:
                 log.exception("handler or dedup transaction failed on key %r; rolled back", i.key)
                 stopped[i.tp] = i.offset
                 report.retried += 1
                 report.failed += 1
-                continue
+                return
             if outcome is Outcome.NEW:
                 report.new += 1
             else:
                 report.duplicate += 1
             self._finish(i)
-        return invalid
+
+        return self._each(items, stopped, report, run)
 
     # -- store and consumer calls ------------------------------------------------------
 

@@ -72,7 +72,6 @@ from dedupcore.integrations._common import (
     _AsyncGate,
     _AsyncStop,
     _Consumer,
-    derive_key,
 )
 from dedupcore.retry import RetryPolicy
 
@@ -135,25 +134,19 @@ class JetStreamConsumer(_AsyncStop, _Consumer[_AsyncGate]):
     async def handle(self, msg: Any) -> Verdict:
         """The decision for one message, without replying to it."""
         headers: Mapping[str, Any] = msg.headers or {}
-        body = bytes(msg.data)
-        message_id = headers.get(MSG_ID_HEADER)
-        try:
-            k = derive_key(body, headers, message_id, key=self.key, key_header=self.key_header)
-        except MissingKeyError as exc:
-            log.error("terminating message on %s: %s", msg.subject, exc)
-            return Verdict.INVALID
         redelivered = False
         with contextlib.suppress(Exception):  # a plain NATS message has no JetStream metadata
             redelivered = msg.metadata.num_delivered > 1
-        delivery = Delivery(
-            body=body,
-            headers=headers,
-            key=k,
-            namespace=self.namespace,
-            message_id=message_id,
+        delivery = self._delivery(
+            bytes(msg.data),
+            headers,
+            headers.get(MSG_ID_HEADER),
             redelivered=redelivered,
             raw=msg,
+            refusal=f"terminating message on {msg.subject}",
         )
+        if delivery is None:
+            return Verdict.INVALID
         return await self._gate.adecide(delivery)
 
     async def process(self, msg: Any) -> Verdict:

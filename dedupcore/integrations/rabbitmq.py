@@ -285,22 +285,16 @@ class DedupConsumer(_Consumer[_Gate]):
 
     def handle(self, channel: Any, method: Any, properties: Any, body: bytes) -> Verdict:
         """The decision for one delivery, without acking it."""
-        headers = _pika_headers(properties)
-        message_id = getattr(properties, "message_id", None)
-        try:
-            k = derive_key(body, headers, message_id, key=self.key, key_header=self.key_header)
-        except MissingKeyError as exc:
-            log.error("rejecting message (delivery tag %s): %s", method.delivery_tag, exc)
-            return Verdict.INVALID
-        delivery = Delivery(
-            body=body,
-            headers=headers,
-            key=k,
-            namespace=self.namespace,
-            message_id=message_id,
+        delivery = self._delivery(
+            body,
+            _pika_headers(properties),
+            getattr(properties, "message_id", None),
             redelivered=bool(getattr(method, "redelivered", False)),
             raw=(channel, method, properties),
+            refusal=f"rejecting message (delivery tag {method.delivery_tag})",
         )
+        if delivery is None:
+            return Verdict.INVALID
         return self._gate.decide(delivery)
 
     def _nack_later(self, channel: Any, tag: int) -> None:
@@ -446,24 +440,16 @@ class AsyncDedupConsumer(_AsyncStop, _Consumer[_AsyncGate]):
 
     async def handle(self, message: Any) -> Verdict:
         """The decision for one delivery, without acking it."""
-        headers = message.headers if isinstance(message.headers, Mapping) else {}
-        body = bytes(message.body)
-        try:
-            k = derive_key(
-                body, headers, message.message_id, key=self.key, key_header=self.key_header
-            )
-        except MissingKeyError as exc:
-            log.error("rejecting message (delivery tag %s): %s", message.delivery_tag, exc)
-            return Verdict.INVALID
-        delivery = Delivery(
-            body=body,
-            headers=headers,
-            key=k,
-            namespace=self.namespace,
-            message_id=message.message_id,
+        delivery = self._delivery(
+            bytes(message.body),
+            message.headers if isinstance(message.headers, Mapping) else {},
+            message.message_id,
             redelivered=bool(message.redelivered),
             raw=message,
+            refusal=f"rejecting message (delivery tag {message.delivery_tag})",
         )
+        if delivery is None:
+            return Verdict.INVALID
         return await self._gate.adecide(delivery)
 
     async def _nack_later(self, message: Any) -> None:
