@@ -1,10 +1,10 @@
 """Django: the ``Idempotency-Key`` header for every view, or for the views you choose.
 
-The semantics are those of the ASGI middleware (:mod:`dedupcore.http`,
-docs/http.md), and the shared pieces come from there: the key's syntax
-(:func:`~dedupcore.http.parse_key`), the request fingerprint (method, path,
-query string, body), the problem documents and what is recorded of a
-response. Two ways in (docs/django.md)::
+The semantics are those of the ASGI middleware (docs/http.md), and what
+they share is written once in :mod:`dedupcore.http.protocol`: the key's
+syntax, the client a key belongs to, the request's fingerprint (method, path,
+query string, body), the record of a response and its replay, the name a key
+has in logs and the problem documents. Two ways in (docs/django.md)::
 
     # settings.py: every POST and PATCH with the header, on the store DEDUPCORE_STORE makes
     MIDDLEWARE = [..., "dedupcore.integrations.django.idempotency_middleware"]
@@ -34,13 +34,16 @@ A request whose method is in ``methods`` and that carries the header:
   ``max_response_bytes``, is sent once and retries get 422 (the effect
   happened; its response cannot be sent again).
 
-Keys belong to a client. By default the dedup key is the header's value
-scoped to the authenticated user (``request.user``, which needs Django's
-``AuthenticationMiddleware`` before this one), else to a hash of the
-``Authorization`` header; a request with neither gets 400 unless
-``key_scope(request)`` names the client (return ``""`` to share keys between
-all clients: only for endpoints where any client may see any response).
-Logs name a key by a hash of it, never the key itself.
+Keys belong to a client: the store key is a hash of the client's identity
+and the key (``scoped_key``). The identity is ``key_scope(request)``, by
+default the authenticated user (``request.user``: put Django's
+``AuthenticationMiddleware`` before this one), else the SHA-256 of the
+``Authorization`` header; a request with neither is answered 400.
+``key_scope=lambda request: ""`` shares every key between all clients
+(unsafe: a client that sends another's key and body gets that client's
+response). Logs name a key by the first 12 hex digits of its scoped hash,
+never as sent; ``problem_base_url`` links each problem document to your
+API's documentation (``type``, otherwise ``about:blank``).
 
 The middleware is sync and async capable: under ASGI it awaits the view and
 runs store calls in threads (a ``dedupcore.aio.Client`` is awaited directly);
@@ -52,62 +55,56 @@ middleware.
 
 from __future__ import annotations
 
-try:
-    import django  # noqa: F401  (checked here, before the imports from it below)
-except ModuleNotFoundError as exc:  # Django comes with the [django] extra
-    if exc.name != "django":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.integrations.django needs Django, which is not installed: "
-        "pip install 'dedupcore[django]'"
-    ) from exc
-
 import asyncio
 import functools
-import hashlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.utils.decorators import sync_and_async_middleware
-from django.utils.module_loading import import_string
-
+from dedupcore._checks import require_extra
 from dedupcore.api import Outcome, result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.http import (
+from dedupcore.http.protocol import (
+    DEFAULT_REPLAY_DROP_HEADERS,
     DEFAULT_RETRY_STATUSES,
+    PROBLEMS,
+    credentials_identity,
     fingerprint,
+    header_names,
+    key_ref,
     not_replayable,
     parse_key,
     problem,
+    problem_types,
     response_record,
     result_limit,
+    scoped_key,
     stored_response,
+    without_headers,
 )
 from dedupcore.keys import check_namespace
 
+# Checked here, before the imports from Django below (the [django] extra).
+require_extra("django", "django", "dedupcore.integrations.django")
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.exceptions import ImproperlyConfigured  # noqa: E402
+from django.http import HttpRequest, HttpResponse, HttpResponseBase  # noqa: E402
+from django.utils.decorators import sync_and_async_middleware  # noqa: E402
+from django.utils.module_loading import import_string  # noqa: E402
+
 __all__ = [
-    "DEFAULT_REPLAY_DROP_HEADERS",
     "Idempotency",
+    "client_identity",
     "idempotency_middleware",
     "idempotent_view",
     "store_from_settings",
 ]
 
 log = logging.getLogger("dedupcore.integrations.django")
-
-#: Response headers a replay never carries: they hold the first client's credentials.
-DEFAULT_REPLAY_DROP_HEADERS = frozenset(
-    {"set-cookie", "authorization", "proxy-authorization", "www-authenticate"}
-)
 
 View = Callable[..., Any]
 KeyScope = Callable[[HttpRequest], str | bytes | None]
@@ -143,42 +140,37 @@ _Step = _StoreCall | _Scope | _View
 _Exchange = Generator[_Step, Any, HttpResponseBase]
 
 
-def _problem(status: int, title: str, detail: str, retry_after: int | None = None) -> HttpResponse:
-    status, headers, body = problem(status, title, detail, retry_after=retry_after)
+def _response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> HttpResponse:
     response = HttpResponse(body, status=status)
+    del response["Content-Type"]  # the headers given say what it is
     for name, value in headers:
         response[name.decode("latin-1")] = value.decode("latin-1")
     return response
 
 
-class _BadRequest(Exception):
-    def __init__(self, response: HttpResponse) -> None:
-        super().__init__(response.status_code)
-        self.response = response
+class _Rejected(Exception):
+    """The request is answered with the problem ``slug`` (``PROBLEMS`` of dedupcore.http)."""
+
+    def __init__(self, slug: str, detail: str) -> None:
+        super().__init__(detail)
+        self.slug = slug
+        self.detail = detail
 
 
-def _bad(status: int, title: str, detail: str) -> _BadRequest:
-    return _BadRequest(_problem(status, title, detail))
+def client_identity(request: HttpRequest) -> str | None:
+    """The default client identity: the authenticated user, else the credentials sent.
 
-
-def key_tag(dedup_key: str) -> str:
-    """How logs name a key: the first 12 hex digits of its SHA-256, never the key."""
-    return hashlib.sha256(dedup_key.encode()).hexdigest()[:12]
-
-
-def client_scope(request: HttpRequest) -> str | None:
-    """The default client identity: the authenticated user, else the Authorization header.
-
-    ``request.user`` is set by Django's ``AuthenticationMiddleware``; the
-    header's value is hashed (SHA-256), never kept. None: no credentials.
+    ``"user:"`` and ``request.user.pk`` when Django's ``AuthenticationMiddleware``
+    (before this one) found a user; else the SHA-256 of the ``Authorization``
+    header, as over ASGI (``credentials_identity`` of dedupcore.http); None when
+    the request has neither.
     """
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated:
         return f"user:{user.pk}"
     authorization = request.META.get("HTTP_AUTHORIZATION")
-    if authorization:
-        return "authorization:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()
-    return None
+    values = [] if authorization is None else [authorization.encode("latin-1")]
+    return credentials_identity(values)
 
 
 class Idempotency:
@@ -206,6 +198,7 @@ class Idempotency:
         key_scope: KeyScope | str | None = None,
         replay_header: str = "Idempotent-Replayed",
         replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+        problem_base_url: str | Mapping[str, str] | None = None,
     ) -> None:
         if store is not None:
             _check_store(store)
@@ -237,7 +230,9 @@ class Idempotency:
         self.retry_statuses = frozenset(retry_statuses)
         self.key_scope: KeyScope | None = key_scope
         self.replay_header = replay_header
-        self.replay_drop_headers = frozenset(h.lower() for h in replay_drop_headers)
+        self.replay_drop_headers = header_names(replay_drop_headers)
+        self.problem_types = problem_types(problem_base_url)
+        self._told_no_identity = False
 
     # -- the store -----------------------------------------------------------------------
 
@@ -269,23 +264,21 @@ class Idempotency:
         raw = request.META.get(self.meta_name)
         if raw is None:
             if self.required:
-                raise _bad(
-                    400,
-                    "Idempotency-Key is missing",
+                raise _Rejected(
+                    "missing-key",
                     f"{request.method} requests to this endpoint need an {self.header} header",
                 )
             raise _NotForUs
         if "," in raw and not raw.strip(" \t").startswith('"'):
-            raise _bad(
-                400,
-                "Invalid Idempotency-Key",
+            raise _Rejected(
+                "invalid-key",
                 f"the request has more than one {self.header} header, or a bare key with a "
                 "comma; send one key (quote it to use a comma)",
             )
         try:
             return parse_key(raw.encode("latin-1"))
         except ValueError as exc:
-            raise _bad(400, "Invalid Idempotency-Key", str(exc)) from None
+            raise _Rejected("invalid-key", str(exc)) from None
 
     def _body(self, request: HttpRequest) -> bytes:
         limit = self.max_body_bytes
@@ -293,50 +286,63 @@ class Idempotency:
         try:
             size = int(declared)
         except ValueError:
-            raise _bad(400, "Bad Content-Length", "not a number") from None
+            raise _Rejected("bad-content-length", "not a number") from None
         body: bytes = request.body if size <= limit else b""
         size = max(size, len(body))
         if size > limit:
-            raise _bad(
-                413,
-                "Request body too large",
+            raise _Rejected(
+                "body-too-large",
                 f"the body is {size} bytes; requests with an idempotency key may have at "
                 f"most {limit}",
             )
         return body
 
-    def _dedup_key(self, request: HttpRequest, key: str, who: str | bytes | None) -> str:
-        if who is None:
-            raise _bad(
-                400,
-                "Idempotency-Key needs credentials",
-                "idempotency keys belong to a client, and this request carries no credentials "
-                "to tell whose key it is; authenticate",
+    def identity(self, request: HttpRequest) -> str | bytes:
+        """Who sent ``request``: ``key_scope(request)``, else :func:`client_identity`."""
+        found: str | bytes | None
+        if self.key_scope is None:
+            found = client_identity(request)
+            how = "without credentials (no authenticated user, no Authorization header)"
+        else:
+            found = self.key_scope(request)
+            how = "for which key_scope found no client identity"
+        if found is None:
+            if not self._told_no_identity:
+                self._told_no_identity = True
+                log.warning(
+                    "a request with an idempotency key came %s and was answered 400; keys "
+                    "belong to a client: pass key_scope= to say who the client is "
+                    "(docs/django.md)",
+                    how,
+                )
+            raise _Rejected(
+                "no-client-identity",
+                "idempotency keys belong to a client, and this request does not say which "
+                "client sent it; send your credentials with it",
             )
-        if who in ("", b""):
-            return key  # shared by every client: key_scope said so
-        who_b = who.encode() if isinstance(who, str) else bytes(who)
-        digest = hashlib.sha256(who_b + b"\x00" + key.encode("ascii")).hexdigest()
-        return f"scoped:{digest}"
+        if not isinstance(found, (str, bytes)):
+            raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
+        return found
 
-    def identity(self, request: HttpRequest) -> str | bytes | None:
-        """The client ``request`` comes from: ``key_scope(request)``, else :func:`client_scope`."""
-        if self.key_scope is not None:
-            return self.key_scope(request)
-        return client_scope(request)
+    def problem(self, slug: str, detail: str, *, retry_after: int | None = None) -> HttpResponse:
+        """The problem document ``slug`` (``PROBLEMS`` of dedupcore.http) as a response."""
+        status, title = PROBLEMS[slug]
+        type_uri = self.problem_types[slug]
+        return _response(
+            *problem(status, title, detail, retry_after=retry_after, type_uri=type_uri)
+        )
 
     def exchange(self, request: HttpRequest) -> _Exchange:
         """One request, as steps a driver runs (store calls, the client's identity, the view)."""
         try:
             key = self._key(request)
             body = self._body(request)
-            who = yield _Scope(request)
-            dkey = self._dedup_key(request, key, who)
+            dkey = scoped_key((yield _Scope(request)), key)
         except _NotForUs:
             response: HttpResponseBase = yield _View(request)
             return response
-        except _BadRequest as bad:
-            return bad.response
+        except _Rejected as rejected:
+            return self.problem(rejected.slug, rejected.detail)
         path = request.path.encode("utf-8", "surrogatepass")
         query = request.META.get("QUERY_STRING", "").encode("utf-8", "surrogatepass")
         try:
@@ -350,24 +356,19 @@ class Idempotency:
                 },
             )
         except ConflictError:
-            return _problem(
-                422,
-                "Idempotency-Key reused",
+            return self.problem(
+                "key-reused",
                 "this key was already used for a different request (method, path, query or "
                 "body); use a new key for a new request",
             )
         except UnavailableError as exc:
-            log.error("idempotency store unavailable (key %s): %s", key_tag(dkey), exc)
-            return _problem(
-                503,
-                "Idempotency store unavailable",
-                "the request was not processed; retry later",
-                retry_after=5,
+            log.error("idempotency store unavailable (key %s): %s", key_ref(dkey), exc)
+            return self.problem(
+                "store-unavailable", "the request was not processed; retry later", retry_after=5
             )
         if claim.outcome is Outcome.IN_PROGRESS:
-            return _problem(
-                409,
-                "Request in progress",
+            return self.problem(
+                "in-progress",
                 "a request with this idempotency key is still being processed; retry later",
                 retry_after=1,
             )
@@ -384,30 +385,25 @@ class Idempotency:
     def _replay(self, stored: Any) -> HttpResponse:
         found = stored_response(stored)
         if isinstance(found, str):
-            return _problem(
-                422,
-                "Response not replayable",
+            return self.problem(
+                "not-replayable",
                 "a request with this idempotency key was already processed, but its response "
                 f"cannot be sent again: {found}",
             )
         status, headers, body = found
-        response = HttpResponse(body, status=status)
-        del response["Content-Type"]  # the recorded headers say what it was
-        for name, value in headers:
-            if name.lower().decode("latin-1") not in self.replay_drop_headers:
-                response[name.decode("latin-1")] = value.decode("latin-1")
-        response[self.replay_header] = "true"
-        return response
+        headers = without_headers(headers, self.replay_drop_headers)
+        headers.append((self.replay_header.encode("ascii"), b"true"))
+        return _response(status, headers, body)
 
     def _release(self, dkey: str, token: int) -> Generator[_Step, Any, None]:
         try:
             yield _StoreCall("release", (dkey, token), {"namespace": self.namespace})
         except StaleTokenError:
             log.warning(
-                "could not release idempotency key %s: its lease was taken over", key_tag(dkey)
+                "could not release idempotency key %s: its lease was taken over", key_ref(dkey)
             )
         except Exception:
-            log.exception("could not release idempotency key %s", key_tag(dkey))
+            log.exception("could not release idempotency key %s", key_ref(dkey))
 
     def _settle(
         self, response: HttpResponseBase, dkey: str, token: int
@@ -420,11 +416,10 @@ class Idempotency:
         if response.streaming:
             result = not_replayable(_STREAMING, status)
         else:
-            headers = [
-                (name.encode("latin-1"), value.encode("latin-1"))
-                for name, value in response.items()
-                if name.lower() not in self.replay_drop_headers
-            ]
+            headers = without_headers(
+                ((n.encode("latin-1"), v.encode("latin-1")) for n, v in response.items()),
+                self.replay_drop_headers,
+            )
             content: bytes = response.content
             result = response_record(status, headers, content, self.max_response_bytes)
         namespace = self.namespace
@@ -445,13 +440,13 @@ class Idempotency:
             log.error(
                 "idempotency key %s: the lease ran out before the response was recorded; "
                 "another attempt may have run the request again (raise lease=)",
-                key_tag(dkey),
+                key_ref(dkey),
             )
         except Exception:
             log.exception(
                 "idempotency key %s: the response could not be recorded; the key stays "
                 "claimed until its lease ends",
-                key_tag(dkey),
+                key_ref(dkey),
             )
 
     # -- the drivers ------------------------------------------------------------------------

@@ -26,32 +26,35 @@ from pathlib import Path
 from typing import Any
 
 import django
+import httpx
 import pytest
 from django.conf import settings
-
-from tests.integrations.django_app import settings as app_settings
-
-if not settings.configured:
-    settings.configure(**{k: v for k, v in vars(app_settings).items() if k.isupper()})
-    django.setup()
-
-import httpx
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
 from dedupcore import Client as DaemonClient
 from dedupcore import aio
+from dedupcore.http.protocol import credentials_identity, key_ref, scoped_key
 from dedupcore.integrations.django import (
     Idempotency,
     idempotent_view,
     store_from_settings,
 )
+from tests.integrations.django_app import settings as app_settings
 from tests.support.daemon import Daemon
 from tests.support.procs import PATIENCE, ROOT, child_env, wait_until
 
-#: Headers a server or Django sets per response, not part of what the view answered.
-PER_RESPONSE = {"date", "server", "idempotent-replayed", "set-cookie", "content-length"}
+#: The test project's settings (tests/integrations/django_app/settings.py).
+APP_SETTINGS = {k: v for k, v in vars(app_settings).items() if k.isupper()}
+if not settings.configured:
+    settings.configure(**APP_SETTINGS)
+    django.setup()
+
+#: Headers a server or Django sets per response, not part of what the view answered, and
+#: those that carry the first client's credentials (never replayed; tested apart).
+PER_RESPONSE = {"date", "server", "idempotent-replayed", "content-length"}
+CREDENTIALS = {"set-cookie", "authentication-info"}
 
 
 @dataclass
@@ -84,6 +87,14 @@ class Home:
         (self.gates / f"{gate}.open").touch()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def project() -> Iterator[None]:
+    """The test project's settings, also where something else configured Django first."""
+    overrides = {k: v for k, v in APP_SETTINGS.items() if k != "DATABASES"}  # none are used
+    with override_settings(**overrides):
+        yield
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     root = tmp_path_factory.mktemp("django")
@@ -108,7 +119,8 @@ def alice(key: str, tag: str, **extra: str) -> dict[str, str]:
 
 
 def view_of(status: int, headers: Any, content: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-    kept = sorted((k.lower(), v) for k, v in headers.items() if k.lower() not in PER_RESPONSE)
+    skip = PER_RESPONSE | CREDENTIALS
+    kept = sorted((k.lower(), v) for k, v in headers.items() if k.lower() not in skip)
     return status, kept, content
 
 
@@ -134,6 +146,7 @@ def test_the_first_response_is_replayed_without_its_cookies(home: Home) -> None:
     assert again.status_code == 201 and replayed(again)
     assert seen(again) == seen(first)
     assert "session" not in again.cookies and "Set-Cookie" not in again
+    assert "Authentication-Info" in first and "Authentication-Info" not in again
     assert [nonce for nonce, _ in home.rows(tag)] == [first.json()["nonce"]]
 
 
@@ -168,7 +181,7 @@ def test_a_request_without_credentials_is_400_unless_key_scope_says_whose(home: 
     headers = {"Idempotency-Key": key, "X-Tag": tag}
     r = http.post("/orders", b"x", "text/plain", headers=headers)
     assert r.status_code == 400 and r["Content-Type"] == "application/problem+json"
-    assert r.json()["title"] == "Idempotency-Key needs credentials"
+    assert r.json()["title"] == "Idempotency-Key needs a client identity"
     assert home.rows(tag) == []
     shared = {"namespace": f"shared-{key}", "key_scope": lambda request: ""}
     with override_settings(DEDUPCORE_IDEMPOTENCY=shared):
@@ -338,7 +351,8 @@ def test_the_async_path_replays_and_scopes_like_the_sync_one(home: Home, path: s
 
     first, again, other, other_body = asyncio.run(run())
     assert first.status_code == 201 and not replayed(first)
-    assert replayed(again) and seen(again) == seen(first) and "Set-Cookie" not in again
+    assert replayed(again) and seen(again) == seen(first)
+    assert not CREDENTIALS & {k.lower() for k in again.headers}
     assert other.status_code == 201 and not replayed(other)
     assert other_body.status_code == 422
     assert len(home.rows(tag)) == 2
@@ -438,7 +452,33 @@ def test_logs_name_a_key_by_its_hash(home: Home, tmp_path: Path, caplog: Any) ->
     decorated = idempotent_view(lambda request: HttpResponse(b""), store=nowhere)
     with caplog.at_level("INFO", logger="dedupcore"):
         decorated(RequestFactory().post("/x", b"x", "text/plain", headers=alice(key, "l")))
-    assert caplog.records and key not in caplog.text
+    ref = key_ref(scoped_key(credentials_identity([b"Bearer alice"]), key))
+    assert f"(key {ref})" in caplog.text and key not in caplog.text
+
+
+def test_problems_link_to_the_documentation_when_asked(home: Home) -> None:
+    base = "https://api.example.com/docs/idempotency#"
+    key, tag = new_key(), new_key()
+    with override_settings(DEDUPCORE_IDEMPOTENCY={"problem_base_url": base}):
+        http = Client()
+        bad = http.post("/orders", b"x", "text/plain", headers=alice("", tag))
+        http.post("/orders", b"x", "text/plain", headers=alice(key, tag))
+        reused = http.post("/orders", b"y", "text/plain", headers=alice(key, tag))
+    assert bad.json()["type"] == base + "invalid-key"
+    assert reused.json()["type"] == base + "key-reused"
+    plain = Client().post("/orders", b"x", "text/plain", headers=alice("", tag))
+    assert plain.json()["type"] == "about:blank"
+
+
+def test_replay_drop_headers_is_configurable(home: Home) -> None:
+    key, tag = new_key(), new_key()
+    options = {"replay_drop_headers": ["set-cookie", "x-order-nonce"]}
+    with override_settings(DEDUPCORE_IDEMPOTENCY=options):
+        http = Client()
+        first = http.post("/orders", b"x", "text/plain", headers=alice(key, tag))
+        again = http.post("/orders", b"x", "text/plain", headers=alice(key, tag))
+    assert "X-Order-Nonce" in first and "X-Order-Nonce" not in again
+    assert replayed(again) and "Authentication-Info" in again  # not in this list
 
 
 # -- settings ---------------------------------------------------------------------------
@@ -569,7 +609,7 @@ def test_concurrent_retries_on_a_real_server_run_the_view_once(server: Server, v
     assert len({r.json()["nonce"] for r in done}) <= 1
     with server.client() as http:
         again = http.post(server.path(view), content=body, headers=alice(key, tag))
-    assert replayed(again) and "set-cookie" not in again.headers
+    assert replayed(again) and not CREDENTIALS & set(again.headers)
     assert again.json()["nonce"] == server.home.rows(tag)[0][0]
 
 

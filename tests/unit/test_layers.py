@@ -77,6 +77,11 @@ LAYERS: dict[int, tuple[str, ...]] = {
 }
 
 
+#: Modules that need a framework of an extra (Django): nothing in the package imports them,
+#: so ``import dedupcore`` and the other integrations work without it.
+FRAMEWORK_MODULES = ("dedupcore.integrations.django",)
+
+
 @dataclass(frozen=True)
 class Arrow:
     """``source`` imports ``target`` at ``source_file:line``; ``eager`` if at import time."""
@@ -281,6 +286,19 @@ def test_the_clients_load_neither_the_store_nor_its_log(
         m for m in reached if m.split(".")[:2] in (["dedupcore", "store"], ["dedupcore", "wal"])
     )
     assert not loaded, loaded
+
+
+def test_no_module_imports_a_framework_integration(
+    package: tuple[dict[str, Path | None], list[Arrow]],
+) -> None:
+    modules, found = package
+    assert set(FRAMEWORK_MODULES) <= set(modules)
+    bad = [
+        f"{a.source} imports {a.target}, line {a.line}"
+        for a in found
+        if a.target in FRAMEWORK_MODULES
+    ]
+    assert not bad, bad
 
 
 def test_the_check_finds_an_upward_import_and_a_cycle(tmp_path: Path) -> None:

@@ -60,6 +60,7 @@ def created(request: HttpRequest, row: int, nonce: str) -> JsonResponse:
     response["X-Order-Nonce"] = nonce
     response["Location"] = f"/orders/{row}"
     response.set_cookie("session", nonce)  # the first client's: never replayed
+    response["Authentication-Info"] = f'nextnonce="{nonce}"'  # nor this
     return response
 
 
