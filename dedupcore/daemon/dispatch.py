@@ -3,9 +3,9 @@
 :class:`Dispatcher` runs PING, CLAIM_MANY, COMPLETE_MANY, RELEASE_MANY and GET
 on the store the daemon serves. Every store is served by :meth:`Dispatcher.call`
 in the daemon's thread pool; its reply is kept within the frame limit by the
-store itself when it declares ``bounds_replies``, else by reading the stored
-results of the batch's keys first (:class:`Gate`). A store that declares it
-decides without waiting for its log (:class:`Abilities`, the embedded store)
+store itself when it is a :class:`~dedupcore.api.deferred.DeferredStore`, else
+by reading the stored results of the batch's keys first (:class:`Gate`). Such a
+store decides without waiting for its log (:class:`Abilities`, the embedded store)
 has its claims, completions and releases decided on the event loop
 (:meth:`Dispatcher.decide_sync`, :meth:`Dispatcher.decide`, a large claim batch
 in slices) and only the wait for the log handed to the group commit
@@ -21,7 +21,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dedupcore.api import check_fingerprints
+from dedupcore.api import ChangeBatch, ClaimAPI, ClaimBatch, check_fingerprints
+from dedupcore.api.deferred import (
+    FORM_CHECK,
+    FORM_CLAIMS,
+    FORM_COLUMNS,
+    Admit,
+    DeferredStore,
+    bounded_reply,
+)
 from dedupcore.daemon import protocol
 from dedupcore.daemon.admission import SmallRequests, within
 from dedupcore.daemon.commit import Committer
@@ -63,44 +71,25 @@ DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
 @dataclass(frozen=True)
 class Abilities:
-    """What a store declares it can do for the daemon, read once from its public
-    attributes (a store that declares nothing is served the ordinary way).
+    """What the daemon reads of its store once, from what the store declares.
 
-    ``bounds_replies``: ``claim_many`` takes ``reply_limit=`` and refuses a batch whose
-    answer would pass it before anything changes (no reading ahead). ``defers_durability``:
-    ``claim_many_deferred``, ``complete_many_deferred`` and ``release_many_deferred``
-    answer without waiting for the log, ``wait_durable(lsn)`` waits, ``commit_bytes()``
-    says how much the next commit writes. ``unsynced_commits``: a commit is a write to
-    the OS, no ``fdatasync`` (``config.durability`` is ``"power-loss-unsafe"``).
-    ``max_result_bytes``: the largest result it keeps, when it says (itself or its
-    ``config``).
+    ``decides_on_loop``: the store is a :class:`~dedupcore.api.deferred.DeferredStore`
+    (claims, completions and releases decided now, the log's commit waited for
+    later, the reply bounded before anything changes). ``unsynced_commits``: a
+    commit is a write to the OS, no ``fdatasync``. ``max_result_bytes``: the
+    largest result it keeps (its ``limits``).
     """
 
-    bounds_replies: bool = False
-    defers_durability: bool = False
+    decides_on_loop: bool = False
     unsynced_commits: bool = False
     max_result_bytes: int | None = None
 
-    @property
-    def decides_on_loop(self) -> bool:
-        """Whether claims, completions and releases are decided on the event loop."""
-        return self.bounds_replies and self.defers_durability
-
     @classmethod
     def of(cls, store: object) -> Abilities:
-        config = getattr(store, "config", None)
-        limit = None
-        for holder in (store, config):
-            value = getattr(holder, "max_result_bytes", None)
-            if isinstance(value, int) and value > 0:
-                limit = value
-                break
-        return cls(
-            bounds_replies=bool(getattr(store, "bounds_replies", False)),
-            defers_durability=bool(getattr(store, "defers_durability", False)),
-            unsynced_commits=getattr(config, "durability", "durable") == "power-loss-unsafe",
-            max_result_bytes=limit,
-        )
+        limit = store.limits.max_result_bytes if isinstance(store, ClaimAPI) else None
+        if isinstance(store, DeferredStore):
+            return cls(True, store.unsynced_commits, limit)
+        return cls(max_result_bytes=limit)
 
 
 class Gate:
@@ -230,33 +219,33 @@ class Dispatcher:
                 and args.get("fps") is None
             ):
                 # The plain claim (what the clients send for claim()): its arguments
-                # need no checking.
-                options = {"namespace": ns, "lease": None, "owner": None, "fingerprints": None}
+                # need no checking of their types here.
+                options = {"namespace": ns}
             else:
                 _arg(args, "ns", str)  # checked first, as for every op
                 keys = _arg(args, "keys", list)
                 options = _claim_options(args)
-            if args.get(protocol.COLUMNS_ARG):
-                part, lsn = store.claim_columns_deferred(
-                    keys,
-                    **options,
-                    reply_limit=self.max_frame - REPLY_FIXED,
-                    row_bytes=ROW_FIXED + 8,
-                )
-                return protocol.columns_payload(part), self.commit(lsn, gather)
-            claims, lsn = store.claim_many_deferred(
-                keys,
-                **options,
-                reply_limit=self.max_frame - REPLY_FIXED,
-                row_bytes=ROW_FIXED + 8,
-            )
-            return [protocol.claim_row(c) for c in claims], self.commit(lsn, gather)
+            batch = ClaimBatch(keys, limits=store.limits, **options)
+            form = FORM_COLUMNS if args.get(protocol.COLUMNS_ARG) else FORM_CLAIMS
+            answer, lsn = store.claim_deferred(batch, form=form, admit=self.reply_bound(batch))
+            if form == FORM_COLUMNS:
+                return protocol.columns_payload(answer), self.commit(lsn, gather)
+            return [protocol.claim_row(c) for c in answer], self.commit(lsn, gather)
         ns = _arg(args, "ns", str)
-        if op is Op.COMPLETE_MANY:
-            lsn = store.complete_many_deferred(_arg(args, "items", list), namespace=ns)
-        else:
-            lsn = store.release_many_deferred(_arg(args, "items", list), namespace=ns)
-        return None, self.commit(lsn, gather)
+        change = ChangeBatch(
+            _arg(args, "items", list),
+            namespace=ns,
+            completing=op is Op.COMPLETE_MANY,
+            limits=store.limits,
+        )
+        return None, self.commit(store.change_deferred(change), gather)
+
+    def reply_bound(self, batch: ClaimBatch, limit: int | None = None) -> Admit:
+        """What refuses a claim batch whose reply would pass the frame (or ``limit``
+        bytes of stored results)."""
+        if limit is None:
+            return bounded_reply(len(batch), self.max_frame - REPLY_FIXED, ROW_FIXED + 8)
+        return bounded_reply(len(batch), limit, 0)
 
     async def claim_sliced(
         self, keys: list[Any], options: dict[str, Any], columns: bool
@@ -288,30 +277,31 @@ class Dispatcher:
         self.counters["sliced_batches"] += 1
         budget = self.max_frame - rows_bytes
         held: list[int] = []  # bytes of stored results each slice's answer carries
+        batches: list[ClaimBatch] = []
         for part, part_fps in zip(slices, fp_slices, strict=True):
             async with self._turn():
-                held.append(
-                    store.check_claim_many(
-                        part, **options, fingerprints=part_fps, reply_limit=budget - sum(held)
-                    )
+                batch = ClaimBatch(part, fingerprints=part_fps, limits=store.limits, **options)
+                size, _ = store.claim_deferred(
+                    batch, form=FORM_CHECK, admit=self.reply_bound(batch, budget - sum(held))
                 )
+                held.append(size)
+                batches.append(batch)
         rows: list[list[Any]] = []
         cols = protocol.ClaimColumns()
         lsn = 0
-        for i, (part, part_fps) in enumerate(zip(slices, fp_slices, strict=True)):
+        for i, batch in enumerate(batches):
             # Later slices keep the room the checked answers of the others need.
             room = budget - sum(held[:i]) - sum(held[i + 1 :])
             async with self._turn():
+                answer, part_lsn = store.claim_deferred(
+                    batch,
+                    form=FORM_COLUMNS if columns else FORM_CLAIMS,
+                    admit=self.reply_bound(batch, room),
+                )
                 if columns:
-                    answers, part_lsn = store.claim_columns_deferred(
-                        part, **options, fingerprints=part_fps, reply_limit=room
-                    )
-                    cols.add_columns(answers)
+                    cols.add_columns(answer)
                 else:
-                    claims, part_lsn = store.claim_many_deferred(
-                        part, **options, fingerprints=part_fps, reply_limit=room
-                    )
-                    rows.extend(protocol.claim_row(c) for c in claims)
+                    rows.extend(protocol.claim_row(c) for c in answer)
                 self.counters["batch_slices"] += 1
                 lsn = max(lsn, part_lsn)
         return (cols.payload() if columns else rows), lsn
@@ -340,16 +330,13 @@ class Dispatcher:
             keys = _arg(args, "keys", list)
             options = _claim_options(args)
             fixed = REPLY_FIXED + ROW_FIXED * len(keys)
-            if self.abilities.bounds_replies:
-                # The embedded store sizes the answer after deciding and before
-                # applying anything: no read-ahead, no gate.
-                bounded: Any = self.store
-                claims = bounded.claim_many(
-                    keys,
-                    **options,
-                    reply_limit=self.max_frame - REPLY_FIXED,
-                    row_bytes=ROW_FIXED + 8,
-                )
+            if self.abilities.decides_on_loop:
+                # The store sizes the answer after deciding and before applying
+                # anything: no read-ahead, no gate.
+                deferred: Any = self.store
+                batch = ClaimBatch(keys, limits=deferred.limits, **options)
+                claims, lsn = deferred.claim_deferred(batch, admit=self.reply_bound(batch))
+                deferred.wait_durable(lsn)
             elif fixed + len(keys) * (self._max_result + 8) <= self.max_frame:
                 claims = self.store.claim_many(keys, **options)
             else:

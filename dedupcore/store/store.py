@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,22 +23,21 @@ import dedupcore._engine as _engine
 import dedupcore.keys as _keys
 from dedupcore._engine import FORM_CHECK, FORM_CLAIMS, FORM_COLUMNS
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
+    Limits,
     Outcome,
-    change_items,
-    check_fingerprints,
-    check_owner,
     fingerprint_conflict,
     namespace_counts,
-    pack_result,
     unpack_result,
 )
-from dedupcore.config import Retention, StoreConfig, check_lease, policies
+from dedupcore.api.deferred import Admit, ReplyColumns, bounded_reply
+from dedupcore.config import Retention, StoreConfig, policies
 from dedupcore.decision import stale_token_error
 from dedupcore.errors import (
-    BatchTooLargeError,
     CorruptFileError,
     DedupError,
 )
@@ -54,10 +53,6 @@ from dedupcore.wal import WriteAheadLog
 __all__ = ["LOG_HEAD_FILE", "DedupStore", "ReplyColumns"]  # dedupcore.store has the public names
 
 log = logging.getLogger("dedupcore.store")
-
-#: A claim batch's answers in columns (:meth:`DedupStore.claim_columns_deferred`):
-#: outcomes, tokens, result indexes, results, cold indexes, takeover indexes.
-ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
 
 #: The write-ahead log's head file (dedupcore/wal/segments.py, "The head file"): outside wal/,
 #: so that a log deleted whole or cut short by a segment is refused at open.
@@ -81,11 +76,8 @@ class _Stats:
 class DedupStore(Maintenance, ClaimAPI):
     """An embedded dedup store over one data directory (see :mod:`dedupcore.store`)."""
 
-    #: claim_many takes reply_limit= and refuses a batch whose answer would pass it
-    #: before anything changes (the daemon relies on it instead of reading ahead).
+    #: Kept for their readers: the daemon asks ``isinstance(store, DeferredStore)``.
     bounds_replies = True
-    #: claim_many_deferred / complete_many_deferred / release_many_deferred answer
-    #: without waiting for the log; wait_durable(lsn) waits (the daemon's fast path).
     defers_durability = True
 
     # -- opening and closing -------------------------------------------------
@@ -95,6 +87,9 @@ class DedupStore(Maintenance, ClaimAPI):
     ) -> None:
         self.path = Path(path)
         self.config = config
+        self.limits = Limits(
+            max_key_bytes=config.max_key_bytes, max_result_bytes=config.max_result_bytes
+        )
         self.readonly = readonly
         self._pid = os.getpid()
         self._forks = _forks  # a child of a fork sees more (and refuses to serve)
@@ -232,12 +227,6 @@ class DedupStore(Maintenance, ClaimAPI):
             self._lmdb.close()
             self._release_lock()
 
-    def __enter__(self) -> DedupStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def durability(self) -> str:
         """What an acknowledged claim survives, from ``config.durability``."""
         if self.config.durability == "durable":
@@ -274,6 +263,11 @@ class DedupStore(Maintenance, ClaimAPI):
         slice_id = self._lmdb.newest_slice_id
         save_front(self._front, self.path / "front", lsn, slice_id)
         self._front_slice = slice_id
+
+    @property
+    def unsynced_commits(self) -> bool:
+        """Whether a commit writes the log to the OS without a sync (power-loss-unsafe)."""
+        return self.config.durability == "power-loss-unsafe"
 
     @property
     def failed(self) -> BaseException | None:
@@ -388,130 +382,35 @@ class DedupStore(Maintenance, ClaimAPI):
 
     # -- claims ----------------------------------------------------------------
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-        reply_limit: int | None = None,
-        row_bytes: int = 0,
-    ) -> list[Claim]:
-        """Claims a batch of keys of one namespace; one log write and one sync for all.
-
-        A key repeated in the batch is NEW once; its later copies are
-        IN_PROGRESS (or NEW with the same token for an ``owner``). A bad key or
-        a fingerprint conflict raises before anything is claimed. With
-        ``reply_limit``, a batch whose answers would carry more than that many
-        bytes (``row_bytes`` per key plus the stored results of its
-        duplicates) raises BatchTooLargeError, also before anything changes:
-        the daemon passes its frame limit.
-        """
-        claims: list[Claim]
-        claims, _, lsn = self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CLAIMS
-        )
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        """Claims a checked batch; one log write and one sync for all."""
+        claims, lsn = self.claim_deferred(batch)
         self._sync(lsn)
-        return claims
+        return claims  # type: ignore[no-any-return]
 
-    def claim_many_deferred(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-        reply_limit: int | None = None,
-        row_bytes: int = 0,
-    ) -> tuple[list[Claim], int]:
-        """:meth:`claim_many` without waiting for durability: (claims, lsn).
+    def claim_deferred(
+        self, batch: ClaimBatch, *, form: int = FORM_CLAIMS, admit: Admit | None = None
+    ) -> tuple[Any, int]:
+        """Decides a checked claim batch without waiting for durability: (answer, lsn).
 
-        The answer may NOT be passed on before :meth:`wait_durable` ``(lsn)``
-        has returned: it can depend on records (this batch's, or the ones
-        its duplicates were answered from) that a crash could still take
-        back. ``lsn`` is 0 when everything the answer depends on is durable
-        already. The daemon uses this split to decide on its event loop and
-        wait for many requests' commit in one place (docs/daemon.md).
+        The answer is in ``form`` (:class:`~dedupcore.api.deferred.DeferredStore`):
+        Claims, the reply's columns, or for FORM_CHECK the bytes of the stored
+        results it would carry, with nothing applied. ``admit`` is called with
+        those bytes after deciding and before anything changes; what it raises
+        refuses the batch unchanged (the daemon bounds its reply so). The
+        answer may NOT be passed on before :meth:`wait_durable` ``(lsn)``
+        returned: it can depend on records (this batch's, or the ones its
+        duplicates were answered from) that a crash could still take back;
+        ``lsn`` is 0 when all of it is durable already (docs/daemon.md).
         """
-        claims, _, lsn = self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CLAIMS
-        )
-        return claims, lsn
-
-    def claim_columns_deferred(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-        reply_limit: int | None = None,
-        row_bytes: int = 0,
-    ) -> tuple[ReplyColumns, int]:
-        """:meth:`claim_many_deferred` answered in columns, with no object per key.
-
-        The columns are ``(outcomes, tokens, result_index, results, cold_index,
-        takeover_index)``: one byte per key (0 NEW, 1 DUPLICATE, 2 IN_PROGRESS),
-        one native-endian unsigned 64-bit token per key, then the indexes (and
-        values) of the stored results, of the answers that are not exact and of
-        the takeovers. The daemon sends them as its reply (docs/daemon.md).
-        """
-        columns, _, lsn = self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_COLUMNS
-        )
-        return columns, lsn
-
-    def check_claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-        reply_limit: int | None = None,
-        row_bytes: int = 0,
-    ) -> int:
-        """Decides a claim batch as :meth:`claim_many` would and applies nothing.
-
-        Raises what claiming the batch now would raise (a bad key, a fingerprint
-        conflict, BatchTooLargeError); else returns the bytes of the duplicates'
-        stored results its answer would carry. The daemon checks the slices of a
-        large batch so before claiming any of them (docs/daemon.md).
-        """
-        return self._claim_many(
-            keys, namespace, lease, owner, fingerprints, reply_limit, row_bytes, FORM_CHECK
-        )[1]
-
-    def _claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        namespace: str,
-        lease: float | None,
-        owner: bytes | str | None,
-        fingerprints: Sequence[bytes | None] | None,
-        reply_limit: int | None,
-        row_bytes: int,
-        form: int,
-    ) -> tuple[Any, int, int]:
-        """Decides a claim batch: (answers in ``form``, bytes of the duplicates'
-        stored results, the LSN to wait for; 0 for FORM_CHECK, which applies nothing)."""
         self._check_usable(write=True)
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace)
-        max_key = self.config.max_key_bytes
-        joined = _digests_of(ns, key_list, max_key)
-        lease_s = self.config.lease if lease is None else check_lease(lease)
-        owner_b = check_owner(owner)
-        fps = None if fingerprints is None else check_fingerprints(fingerprints, len(key_list))
-        ns_name = ns.decode()
+        key_list = batch.keys
+        ns_name = batch.namespace
         if not key_list:
-            return ((b"", b"", [], [], [], []) if form == FORM_COLUMNS else []), 0, 0
-        ns_id = self._ns_id(ns)
+            return _empty_answer(form), 0
+        lease_s = self.config.lease if batch.lease is None else batch.lease
+        ns_id = self._ns_id(batch.ns)
+        joined = batch.digests
         table = self._table
         self._lock_for_batch()
         try:
@@ -534,8 +433,8 @@ class DedupStore(Maintenance, ClaimAPI):
                 ns_name,
                 ns_id,
                 lease_s,
-                owner_b,
-                fps,
+                batch.owner,
+                batch.fingerprints,
                 cold,
                 now_w,
                 now_m,
@@ -546,15 +445,14 @@ class DedupStore(Maintenance, ClaimAPI):
             )
             if claims is None:
                 raise fingerprint_conflict(key_list[conflict], ns_name)
-            if reply_limit is not None and row_bytes * len(key_list) + counts[5] > reply_limit:
-                table.discard()
-                raise BatchTooLargeError(
-                    f"the answer to a claim of these {len(key_list)} keys would be "
-                    f"{row_bytes * len(key_list) + counts[5]} bytes, over {reply_limit} (the "
-                    "duplicates' stored results included); nothing was claimed: split the batch"
-                )
+            if admit is not None:
+                try:
+                    admit(counts[5])
+                except BaseException:
+                    table.discard()
+                    raise
             if form == FORM_CHECK:
-                return [], counts[5], 0
+                return counts[5], 0
             # Only now, with every key of the batch checked, does anything change.
             last = self._log(payloads, counts[4])
             n_new, n_dup, n_busy, takeovers, _, _ = counts
@@ -569,40 +467,98 @@ class DedupStore(Maintenance, ClaimAPI):
                 self._stats.takeovers += takeovers
         finally:
             self._lock.release()
-        return claims, counts[5], self._pending_lsn(max(last, depends))
+        return claims, self._pending_lsn(max(last, depends))
 
-    def complete_many(
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        self._sync(self.change_deferred(batch))
+
+    def change_deferred(self, batch: ChangeBatch) -> int:
+        """Completes or releases a checked batch without waiting: the LSN to pass to
+        :meth:`wait_durable` before acknowledging (0: nothing to wait for). A stale
+        token raises before anything changes."""
+        self._check_usable(write=True)
+        if not batch.keys:
+            return 0
+        joined = batch.digests
+        self._ns_id(batch.ns)
+        state = State.PROCESSED if batch.completing else State.RELEASED
+        self._lock_for_batch()
+        try:
+            self._check_usable(write=True)
+            now_w = time.time()
+            self._fetch(joined)
+            bad, kind, current, depends, payloads, n = self._table.change(
+                joined, batch.tokens, batch.results, int(state), now_w
+            )
+            if bad >= 0:
+                raise stale_token_error(
+                    kind, batch.keys[bad], batch.tokens[bad], current, batch.namespace
+                )
+            last = self._log(payloads, n)
+        finally:
+            self._lock.release()
+        return self._pending_lsn(max(last, depends))
+
+    # -- the daemon's calls of before DeferredStore (kept for their callers) ------
+
+    def claim_many(
         self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
+        keys: Iterable[bytes | str],
         *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims of one namespace: ``(key, token)`` or ``(key, token, result)``.
+        reply_limit: int | None = None,
+        row_bytes: int = 0,
+        **options: Any,
+    ) -> list[Claim]:
+        """:meth:`ClaimAPI.claim_many`; with ``reply_limit``, a batch whose answer would
+        carry more than that many bytes (``row_bytes`` per key plus the stored results
+        of its duplicates) raises BatchTooLargeError before anything changes."""
+        if reply_limit is None:
+            return super().claim_many(keys, **options)
+        claims, lsn = self._claim_old(keys, FORM_CLAIMS, reply_limit, row_bytes, options)
+        self._sync(lsn)
+        return claims  # type: ignore[no-any-return]
 
-        Every item is checked first; a stale token or bad input raises before
-        anything is completed.
-        """
-        self._change_many(items, namespace, State.PROCESSED)
+    def claim_many_deferred(
+        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
+    ) -> tuple[list[Claim], int]:
+        """:meth:`claim_deferred` of a batch made of ``claim_many``'s arguments."""
+        return self._claim_old(keys, FORM_CLAIMS, reply_limit, 0, options)
 
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases many claims of one namespace."""
-        self._change_many(items, namespace, State.RELEASED)
+    def claim_columns_deferred(
+        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
+    ) -> tuple[ReplyColumns, int]:
+        """:meth:`claim_deferred` in columns, of ``claim_many``'s arguments."""
+        return self._claim_old(keys, FORM_COLUMNS, reply_limit, 0, options)
 
-    def complete_many_deferred(
+    def check_claim_many(
+        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
+    ) -> int:
+        """:meth:`claim_deferred` with FORM_CHECK, of ``claim_many``'s arguments."""
+        return self._claim_old(keys, FORM_CHECK, reply_limit, 0, options)[0]  # type: ignore[no-any-return]
+
+    def complete_many_deferred(self, items: Iterable[Any], *, namespace: str) -> int:
+        """:meth:`change_deferred` of ``complete_many``'s arguments."""
+        return self.change_deferred(
+            ChangeBatch(items, namespace=namespace, completing=True, limits=self.limits)
+        )
+
+    def release_many_deferred(self, items: Iterable[Any], *, namespace: str) -> int:
+        """:meth:`change_deferred` of ``release_many``'s arguments."""
+        return self.change_deferred(
+            ChangeBatch(items, namespace=namespace, completing=False, limits=self.limits)
+        )
+
+    def _claim_old(
         self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> int:
-        """:meth:`complete_many` without waiting: returns the LSN to pass to
-        :meth:`wait_durable` before acknowledging (0: nothing to wait for)."""
-        return self._change_many_deferred(items, namespace, State.PROCESSED)
-
-    def release_many_deferred(
-        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
-    ) -> int:
-        """:meth:`release_many` without waiting (see :meth:`complete_many_deferred`)."""
-        return self._change_many_deferred(items, namespace, State.RELEASED)
+        keys: Iterable[bytes | str],
+        form: int,
+        reply_limit: int | None,
+        row_bytes: int,
+        options: dict[str, Any],
+    ) -> tuple[Any, int]:
+        batch = ClaimBatch(keys, limits=self.limits, **options)
+        admit = None if reply_limit is None else bounded_reply(len(batch), reply_limit, row_bytes)
+        return self.claim_deferred(batch, form=form, admit=admit)
 
     def wait_durable(self, lsn: int) -> None:
         """Returns once the log is durable through ``lsn`` (a deferred call's LSN).
@@ -623,47 +579,6 @@ class DedupStore(Maintenance, ClaimAPI):
             return 0
         return lsn
 
-    def _change_many(self, items: Iterable[Any], namespace: str, state: State) -> None:
-        self._sync(self._change_many_deferred(items, namespace, state))
-
-    def _change_many_deferred(self, items: Iterable[Any], namespace: str, state: State) -> int:
-        self._check_usable(write=True)
-        ns = _keys.check_namespace(namespace)
-        ns_name = ns.decode()
-        item_list = items if type(items) is list else list(items)
-        completing = state is State.PROCESSED
-        keys, tokens, given, bad = _engine.split_items(item_list, completing)
-        if bad >= 0:  # the Python check names what is wrong (or takes int subclasses)
-            parsed = change_items(item_list, with_results=completing)
-            keys = [p[0] for p in parsed]
-            tokens = [p[1] for p in parsed]
-            given = [p[2] for p in parsed] if completing else None
-        assert keys is not None and tokens is not None
-        if not keys:
-            return 0
-        max_result = self.config.max_result_bytes
-        joined = _digests_of(ns, keys, self.config.max_key_bytes)
-        self._ns_id(ns)
-        results = (
-            [None if r is None else pack_result(r, max_result) for r in given]
-            if given is not None
-            else None
-        )
-        self._lock_for_batch()
-        try:
-            self._check_usable(write=True)
-            now_w = time.time()
-            self._fetch(joined)
-            bad, kind, current, depends, payloads, n = self._table.change(
-                joined, tokens, results, int(state), now_w
-            )
-            if bad >= 0:
-                raise stale_token_error(kind, keys[bad], tokens[bad], current, ns_name)
-            last = self._log(payloads, n)
-        finally:
-            self._lock.release()
-        return self._pending_lsn(max(last, depends))
-
     def _lock_for_batch(self) -> None:
         """Takes the store lock for a batch; when a checkpoint's eviction holds it,
         says so first: the eviction then pauses after its step (a lock let go and
@@ -672,11 +587,8 @@ class DedupStore(Maintenance, ClaimAPI):
             self._lock_wanted = True
             self._lock.acquire()
 
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The key's record without claiming it (None if the store holds nothing)."""
+    def _get_record(self, ns: bytes, raw: bytes) -> KeyRecord | None:
         self._check_usable()
-        ns = _keys.check_namespace(namespace)
-        raw = _keys.check_key(key, self.config.max_key_bytes)
         d = _keys.digest(ns, raw)
         ns_id = self._ns_ids.get(ns, -1)
         with self._lock:
@@ -783,14 +695,11 @@ _OUTCOMES = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
 _NEW, _DUPLICATE, _IN_PROGRESS = (o.value for o in _OUTCOMES)  # the counters' keys
 
 
-def _digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:
-    """Concatenated record digests of checked keys (natively; a key the native path
-    refuses is checked again in Python, which names what is wrong)."""
-    joined, bad = _engine.digest_keys(ns, keys, max_key_bytes, _keys.DIGEST_SEED_HI)
-    if bad < 0:
-        return joined
-    raw = [_keys.check_key(k, max_key_bytes) for k in keys]  # raises for a bad key
-    return b"".join(_keys.digests(ns, raw))  # bytearray and memoryview keys are fine
+def _empty_answer(form: int) -> Any:
+    """The answer to an empty claim batch in ``form`` (new lists each time)."""
+    if form == FORM_COLUMNS:
+        return (b"", b"", [], [], [], [])
+    return 0 if form == FORM_CHECK else []
 
 
 def _unpack_stored(raw: bytes | None) -> Any:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from dedupcore.api.batches import digests_of as _digests_of
 from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, InProgressError, Outcome, StoreLockedError
-from dedupcore.store.store import _digests_of
 
 NS = "orders/billing"
 

@@ -1,0 +1,80 @@
+"""What a store declares so that the daemon decides its batches on the event loop.
+
+A :class:`DeferredStore` decides a checked batch without waiting for its log
+and says which log position the answer waits for; the daemon hands that wait
+to its group commit (docs/daemon.md). The daemon asks ``isinstance(store,
+DeferredStore)``; a store that is not one is served by its blocking calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from dedupcore._engine import FORM_CHECK, FORM_CLAIMS, FORM_COLUMNS
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits
+from dedupcore.errors import BatchTooLargeError
+
+__all__ = [
+    "FORM_CHECK",
+    "FORM_CLAIMS",
+    "FORM_COLUMNS",
+    "Admit",
+    "DeferredStore",
+    "ReplyColumns",
+    "bounded_reply",
+]
+
+#: A claim batch's answers in columns (``form=FORM_COLUMNS``): outcomes, tokens,
+#: result indexes, results, cold indexes, takeover indexes.
+ReplyColumns = tuple[bytes, bytes, list[int], list[Any], list[int], list[int]]
+
+#: Called with the bytes of the stored results a decided claim batch's answer
+#: carries, before anything is applied; raising refuses the batch unchanged.
+Admit = Callable[[int], None]
+
+
+@runtime_checkable
+class DeferredStore(Protocol):
+    """A store whose batches are decided now and made durable later.
+
+    ``claim_deferred(batch, form=, admit=)`` answers ``(answer, lsn)``: the
+    answer in ``form`` (FORM_CLAIMS: a list of Claims; FORM_COLUMNS:
+    :data:`ReplyColumns`; FORM_CHECK: the bytes of the stored results it
+    would carry, nothing applied, lsn 0). ``change_deferred(batch)`` answers
+    the lsn of a completion or release. No answer may be passed on before
+    ``wait_durable(lsn)`` returned (lsn 0: nothing to wait for).
+    ``commit_bytes()`` is what the next commit would write;
+    ``unsynced_commits`` is True where a commit writes to the OS without a sync.
+    """
+
+    limits: Limits
+
+    @property
+    def unsynced_commits(self) -> bool: ...
+
+    def claim_deferred(
+        self, batch: ClaimBatch, *, form: int = FORM_CLAIMS, admit: Admit | None = None
+    ) -> tuple[Any, int]: ...
+
+    def change_deferred(self, batch: ChangeBatch) -> int: ...
+
+    def wait_durable(self, lsn: int) -> None: ...
+
+    def commit_bytes(self) -> int: ...
+
+
+def bounded_reply(keys: int, reply_limit: int, row_bytes: int) -> Admit:
+    """An ``admit`` refusing a claim of ``keys`` keys whose answer passes ``reply_limit``
+    bytes: ``row_bytes`` per key plus the stored results it carries."""
+
+    def admit(result_bytes: int) -> None:
+        size = row_bytes * keys + result_bytes
+        if size > reply_limit:
+            raise BatchTooLargeError(
+                f"the answer to a claim of these {keys} keys would be {size} bytes, over "
+                f"{reply_limit} (the duplicates' stored results included); nothing was "
+                "claimed: split the batch"
+            )
+
+    return admit
