@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -89,15 +88,14 @@ from redis.exceptions import (
 import dedupcore.keys as _keys
 from dedupcore._core import shard_many
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
+    Limits,
     Outcome,
-    change_items,
-    check_fingerprints,
-    check_owner,
     fingerprint_conflict,
-    pack_result,
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
@@ -484,28 +482,26 @@ class RedisStore(ClaimAPI):
 
     # -- the claim API -----------------------------------------------------------
 
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The keys' and results' limits it was opened with."""
+        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
+
     @one_call
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         """Claims a batch; one script call per cluster slot (see the module docstring).
 
         When a server of a cluster cannot answer, the batch raises
         :class:`UnavailableError`; the calls that other servers did answer
         stay claimed (an ``owner`` gets them back on retry).
         """
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace)
-        raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
-        lease_s = self.lease if lease is None else check_lease(lease)
-        owner_b = check_owner(owner) or b""
-        fps = check_fingerprints(fingerprints, len(raw))
+        key_list = batch.keys
+        namespace = batch.namespace
+        ns = batch.ns
+        raw = batch.raw
+        lease_s = self.lease if batch.lease is None else batch.lease
+        owner_b = batch.owner or b""
+        fps = batch.fingerprint_list()
         if not raw:
             return []
         self._ready()
@@ -581,16 +577,19 @@ class RedisStore(ClaimAPI):
             f"{words[2]} (a stale owner whose lease was taken over)"
         )
 
-    def _change_many(self, items: Iterable[Any], namespace: str, state: State) -> None:
-        ns = _keys.check_namespace(namespace)
+    @one_call
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes or releases a batch; a retried completion with the same token is a
+        no-op, a release leaves a tombstone that keeps the token growing."""
+        namespace = batch.namespace
+        ns = batch.ns
+        state = State.PROCESSED if batch.completing else State.RELEASED
+        results = batch.results or [None] * len(batch)
         parsed = [
-            (
-                key,
-                _keys.check_key(key, self.max_key_bytes),
-                token,
-                pack_result(result, self.max_result_bytes) or b"",
+            (key, raw, token, result or b"")
+            for key, raw, token, result in zip(
+                batch.keys, batch.raw, batch.tokens, results, strict=True
             )
-            for key, token, result in change_items(items, with_results=state is State.PROCESSED)
         ]
         if not parsed:
             return
@@ -631,25 +630,8 @@ class RedisStore(ClaimAPI):
                 )
 
     @one_call
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims; a retried completion with the same token is a no-op."""
-        self._change_many(items, namespace, State.PROCESSED)
-
-    @one_call
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases many claims (a tombstone keeps the token growing)."""
-        self._change_many(items, namespace, State.RELEASED)
-
-    @one_call
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The key's record without claiming it."""
-        ns = _keys.check_namespace(namespace)
-        name = self._names(ns, [_keys.check_key(key, self.max_key_bytes)])[0]
+    def _get_record(self, ns: bytes, raw: bytes) -> KeyRecord | None:
+        name = self._names(ns, [raw])[0]
         self._ready()
         try:
             s, t, o, f, r, c, u = self.client.hmget(name, "s", "t", "o", "f", "r", "c", "u")
