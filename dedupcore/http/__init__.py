@@ -92,20 +92,13 @@ from dedupcore.http.protocol import (
     DEFAULT_RETRY_STATUSES,
     PROBLEMS,
     credentials_identity,
-    fingerprint,
-    header_names,
     key_ref,
-    not_replayable,
     parse_key,
-    problem,
-    problem_types,
-    response_record,
-    result_limit,
     scoped_key,
-    stored_response,
-    without_headers,
 )
 
+# The building blocks other frameworks' integrations share (the fingerprint, the
+# recorded response, the problem documents, ...) are in dedupcore.http.protocol.
 __all__ = [
     "DEFAULT_REPLAY_DROP_HEADERS",
     "DEFAULT_RETRY_STATUSES",
@@ -113,16 +106,7 @@ __all__ = [
     "Idempotency",
     "IdempotencyMiddleware",
     "credentials_identity",
-    "fingerprint",
-    "header_names",
     "key_ref",
-    "not_replayable",
     "parse_key",
-    "problem",
-    "problem_types",
-    "response_record",
-    "result_limit",
     "scoped_key",
-    "stored_response",
-    "without_headers",
 ]

@@ -159,6 +159,15 @@ class Idempotency:
         self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
         self._told_no_identity = False
 
+    @classmethod
+    def of(cls, store: Any, **options: Any) -> Idempotency:
+        """``store`` itself if it is an Idempotency (no options then), else a new one."""
+        if not isinstance(store, Idempotency):
+            return cls(store, **options)
+        if options:
+            raise TypeError(f"options go to Idempotency(...), not next to one: {sorted(options)}")
+        return store
+
     # -- where it applies -----------------------------------------------------------------
 
     def wrap(self, app: ASGIApp) -> IdempotencyMiddleware:
@@ -220,7 +229,7 @@ class Idempotency:
             return self.problem(rejected.slug, rejected.detail)
         return await self._claim(scope, receive, scoped_key(identity, key), body)
 
-    def problem(self, slug: str, detail: str, *, retry_after: int | None = None) -> Answer:
+    def problem(self, slug: str, detail: str, retry_after: int | None = None) -> Answer:
         """The problem document ``slug`` (:data:`~dedupcore.http.protocol.PROBLEMS`)."""
         status, title = PROBLEMS[slug]
         return Answer(
@@ -361,14 +370,7 @@ class IdempotencyMiddleware:
 
     def __init__(self, app: ASGIApp, store: Any, **options: Any) -> None:
         self.app = app
-        if isinstance(store, Idempotency):
-            if options:
-                raise TypeError(
-                    f"options go to Idempotency(...), not next to one: {sorted(options)}"
-                )
-            self.idempotency = store
-        else:
-            self.idempotency = Idempotency(store, **options)
+        self.idempotency = Idempotency.of(store, **options)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         step = await self.idempotency.begin(scope, receive)

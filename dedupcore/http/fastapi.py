@@ -54,14 +54,7 @@ class Idempotent:
     """
 
     def __init__(self, store: Any, **options: Any) -> None:
-        if isinstance(store, Idempotency):
-            if options:
-                raise TypeError(
-                    f"options go to Idempotency(...), not next to one: {sorted(options)}"
-                )
-            self.idempotency = store
-        else:
-            self.idempotency = Idempotency(store, **options)
+        self.idempotency = Idempotency.of(store, **options)
 
     async def __call__(self, request: Request) -> None:
         if request.scope.get(SCOPE_KEY) is not self:

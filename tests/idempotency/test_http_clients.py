@@ -24,9 +24,9 @@ from dedupcore.http import (
     IdempotencyMiddleware,
     credentials_identity,
     key_ref,
-    problem_types,
     scoped_key,
 )
+from dedupcore.http.protocol import problem_types
 
 from .http_apps import (
     ALICE,
