@@ -135,16 +135,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-import dedupcore.keys as _keys
 import dedupcore.sql.retention as _retention
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
-    change_items,
-    check_fingerprints,
-    check_owner,
-    pack_result,
+    Limits,
     unpack_result,
 )
 from dedupcore.config import Retention, check_lease
@@ -446,13 +444,12 @@ class SqlStore(ClaimAPI):
         """Closes the connection (a later call opens a new one)."""
         self._session.close()
 
-    def __enter__(self) -> SqlStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- the claim API --------------------------------------------------------------
+
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The keys' and results' limits it was opened with."""
+        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
 
     @one_call
     def claim_many(
@@ -476,23 +473,36 @@ class SqlStore(ClaimAPI):
         key's time is ``key_time(key)``. An unpartitioned table checks and
         ignores them. See docs/sql-partitions.md.
         """
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace).decode()
-        raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
-        lease_s = self.lease if lease is None else check_lease(lease)
-        owner_b = check_owner(owner)
-        fps = check_fingerprints(fingerprints, len(raw))
-        times = check_event_times(key_list, event_times)
+        batch = ClaimBatch(
+            keys,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            fingerprints=fingerprints,
+            limits=self.limits,
+        )
+        return self._claim_at(batch, check_event_times(batch.keys, event_times))
+
+    @one_call
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        return self._claim_at(batch, None)
+
+    def _claim_at(self, batch: ClaimBatch, times: list[Any] | None) -> list[Claim]:
+        """Claims a checked batch at its keys' event times (None: ``key_time``)."""
+        key_list = batch.keys
         parts = self._parts
         if parts is not None and times is None:
             times = parts.key_times(key_list)
-        if not raw:
+        if not key_list:
             return []
-        batch = Batch(key_list, raw, fps, ns, owner_b, lease_s)
+        lease_s = self.lease if batch.lease is None else batch.lease
+        rows = Batch(
+            key_list, batch.raw, batch.fingerprint_list(), batch.namespace, batch.owner, lease_s
+        )
         if parts is None:
-            return claim_flat(self._session, self.table, batch, self._habits)
+            return claim_flat(self._session, self.table, rows, self._habits)
         assert times is not None
-        return parts.claim(batch, times, self._habits)
+        return parts.claim(rows, times, self._habits)
 
     def claim(
         self,
@@ -514,45 +524,24 @@ class SqlStore(ClaimAPI):
             event_times=None if event_time is None else [event_time],
         )[0]
 
-    def _change_many(self, items: Iterable[Any], namespace: str, state: int) -> None:
-        ns = _keys.check_namespace(namespace).decode()
-        parsed = [
-            (
-                key,
-                _keys.check_key(key, self.max_key_bytes),
-                token,
-                pack_result(result, self.max_result_bytes),
-            )
-            for key, token, result in change_items(items, with_results=state == PROCESSED)
-        ]
-        if not parsed:
+    @one_call
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes or releases a batch in one transaction (a retried completion is a
+        no-op; a stale token rolls the whole batch back; a release leaves a tombstone
+        that keeps the token growing)."""
+        if not batch.keys:
             return
+        ns = batch.namespace
+        state = PROCESSED if batch.completing else RELEASED
+        results = batch.results or [None] * len(batch)
+        parsed = list(zip(batch.keys, batch.raw, batch.tokens, results, strict=True))
         d, parted = self._dialect, self._parts is not None
         self._tx(lambda cur: change(d, cur, self.table, ns, parsed, state, parted))
 
     @one_call
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims in one transaction; a retried completion is a no-op.
-
-        Every item is checked first; a stale token rolls the whole batch back.
-        """
-        self._change_many(items, namespace, PROCESSED)
-
-    @one_call
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases many claims (a tombstone keeps the token growing)."""
-        self._change_many(items, namespace, RELEASED)
-
-    @one_call
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The key's record without claiming it (None if the table holds nothing)."""
-        ns = _keys.check_namespace(namespace).decode()
-        raw = _keys.check_key(key, self.max_key_bytes)
+    def _get_record(self, ns_b: bytes, raw: bytes) -> KeyRecord | None:
+        """The key's record (None if the table holds nothing)."""
+        ns = ns_b.decode()
         d = self._dialect
         p, k = d.ph, d.q("key")
         # A partitioned table: the processed row if any, else the newest.
