@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
 from typing import Any
 
+import dedupcore._engine as _engine
 import dedupcore.decision as decision
 import dedupcore.keys as _keys
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
+    Limits,
     Outcome,
-    change_items,
-    check_fingerprints,
-    check_owner,
     fingerprint_conflict,
     namespace_counts,
-    pack_result,
     unpack_result,
 )
 from dedupcore.config import check_lease
@@ -68,31 +67,25 @@ class MemoryTable(ClaimAPI):
     def _ns_id(self, ns: bytes) -> int:
         return self._ns_ids.setdefault(ns, len(self._ns_ids) + 1)
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The keys' and results' limits it was made with."""
+        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
+
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         """Claims a batch of keys of one namespace (all or nothing on a fingerprint conflict)."""
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace)
-        raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
-        lease_s = self.lease if lease is None else check_lease(lease)
-        owner_b = check_owner(owner)
-        fps = check_fingerprints(fingerprints, len(raw))
-        digests = _keys.digests(ns, raw) if raw else []
+        key_list = batch.keys
+        namespace = batch.namespace
+        digests = _engine.split_digests(batch.digests) if key_list else []
+        lease_s = self.lease if batch.lease is None else batch.lease
         with self._lock:
             plan = decision.decide_claim(
                 self._recs.get,
                 digests,
-                ns_id=self._ns_id(ns),
+                ns_id=self._ns_id(batch.ns),
                 lease=lease_s,
-                owner=owner_b,
-                fingerprints=None if fingerprints is None else fps,
+                owner=batch.owner,
+                fingerprints=batch.fingerprints,
                 cold=None,
                 now_w=time.time(),
                 now_m=time.monotonic(),
@@ -119,47 +112,30 @@ class MemoryTable(ClaimAPI):
                 )
         return out
 
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims; a stale token anywhere raises before anything changes."""
-        self._change(items, namespace, State.PROCESSED)
-
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases many claims; a stale token anywhere raises before anything changes."""
-        self._change(items, namespace, State.RELEASED)
-
-    def _change(self, items: Iterable[Any], namespace: str, state: State) -> None:
-        ns = _keys.check_namespace(namespace)
-        parsed = change_items(items, with_results=state is State.PROCESSED)
-        raw = [_keys.check_key(k, self.max_key_bytes) for k, _t, _r in parsed]
-        results = [pack_result(r, self.max_result_bytes) for _k, _t, r in parsed]
-        if not parsed:
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes or releases a batch; a stale token anywhere raises before anything
+        changes."""
+        if not batch.keys:
             return
-        digests = _keys.digests(ns, raw)
         with self._lock:
             plan = decision.decide_change(
                 self._recs.get,
-                digests,
-                [t for _k, t, _r in parsed],
-                results,
-                state=state,
+                _engine.split_digests(batch.digests),
+                batch.tokens,
+                batch.results or [None] * len(batch),
+                state=State.PROCESSED if batch.completing else State.RELEASED,
                 now_w=time.time(),
             )
             if plan.error is not None:
                 i, kind, current = plan.error
                 raise decision.stale_token_error(
-                    kind, parsed[i][0], parsed[i][1], current, namespace
+                    kind, batch.keys[i], batch.tokens[i], current, batch.namespace
                 )
             self._recs.update(plan.logged)
 
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The key's record, or None."""
-        ns = _keys.check_namespace(namespace)
-        d = _keys.digest(ns, _keys.check_key(key, self.max_key_bytes))
+        d = _keys.digest(ns, key)
         with self._lock:
             r = self._recs.get(d)
         if r is None:

@@ -47,18 +47,19 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import dedupcore.keys as _keys
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
+    Limits,
     Outcome,
-    change_items,
-    check_fingerprints,
     result_refused,
 )
 from dedupcore.errors import ConflictError, StaleTokenError
@@ -188,27 +189,27 @@ class WriteBehindStore(ClaimAPI):
 
     # -- answering from the local table ---------------------------------------
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The local table's: every call is answered there first."""
+        return self.local.limits
+
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         """Claims from the local table; NEW keys are queued for the authority."""
-        key_list = list(keys)
-        fps = check_fingerprints(fingerprints, len(key_list))
+        fps = batch.fingerprint_list()
         with self._lock:
             self._check_open()
             claims = self.local.claim_many(
-                key_list, namespace=namespace, lease=lease, owner=owner, fingerprints=fingerprints
+                batch.keys,
+                namespace=batch.namespace,
+                lease=batch.lease,
+                owner=batch.owner,
+                fingerprints=batch.fingerprints,
             )
             now = self._clock()
             for c, fp in zip(claims, fps, strict=True):
                 if c.outcome is Outcome.NEW:
-                    self._claimed(c, lease, owner, fp, now)
+                    self._claimed(c, batch.lease, batch.owner, fp, now)
             if len(self._dirty) >= self.flush_keys:
                 self._wake.notify_all()
         return claims
@@ -238,26 +239,18 @@ class WriteBehindStore(ClaimAPI):
         )
         self._dirty[idx] = None
 
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes in the local table; the completion is queued for the authority."""
-        parsed = change_items(items, with_results=True)
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes or releases in the local table; the change is queued for the authority."""
+        parsed = batch.items()
         with self._lock:
             self._check_open()
-            self.local.complete_many(parsed, namespace=namespace)
-            self._changed(parsed, namespace, State.PROCESSED)
-
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases in the local table; the release is queued for the authority."""
-        parsed = change_items(items, with_results=False)
-        with self._lock:
-            self._check_open()
-            self.local.release_many([(k, t) for k, t, _r in parsed], namespace=namespace)
-            self._changed(parsed, namespace, State.RELEASED)
+            if batch.completing:
+                self.local.complete_many(parsed, namespace=batch.namespace)
+            else:
+                self.local.release_many([(k, t) for k, t, _r in parsed], namespace=batch.namespace)
+            self._changed(
+                parsed, batch.namespace, State.PROCESSED if batch.completing else State.RELEASED
+            )
 
     def _changed(self, parsed: list[tuple[Any, int, Any]], namespace: str, state: State) -> None:
         for key, token, result in parsed:
@@ -272,8 +265,9 @@ class WriteBehindStore(ClaimAPI):
         if len(self._dirty) >= self.flush_keys:
             self._wake.notify_all()
 
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The local record of the key, or the authority's if the local table has none."""
+        namespace = ns.decode()
         rec = self.local.get(key, namespace=namespace)
         if rec is not None:
             return rec
@@ -568,9 +562,3 @@ class WriteBehindStore(ClaimAPI):
         finally:
             if self._owns_local:
                 self.local.close()
-
-    def __enter__(self) -> WriteBehindStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

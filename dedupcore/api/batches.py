@@ -173,7 +173,29 @@ def digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:
     return b"".join(_keys.digests(ns, raw))  # bytearray and memoryview keys are fine
 
 
-class ClaimBatch:
+class _Batch:
+    """What both batches hold: the namespace, the keys and their digests."""
+
+    __slots__ = ("_raw", "digests", "keys", "namespace", "ns")
+
+    _raw: list[bytes] | None
+    digests: bytes
+    keys: list[Any]
+    namespace: str
+    ns: bytes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def raw(self) -> list[bytes]:
+        """The keys as bytes (str as UTF-8), in the batch's order."""
+        if self._raw is None:
+            self._raw = [_keys.check_key(k, 1 << 62) for k in self.keys]
+        return self._raw
+
+
+class ClaimBatch(_Batch):
     """The arguments of ``claim_many``, checked once, in this order.
 
     The namespace (``ns``: its bytes), the keys (natively: ``digests`` holds
@@ -183,7 +205,7 @@ class ClaimBatch:
     the keys as bytes, made on first use by a backend that sends them.
     """
 
-    __slots__ = ("_raw", "digests", "fingerprints", "keys", "lease", "namespace", "ns", "owner")
+    __slots__ = ("fingerprints", "lease", "owner")
 
     def __init__(
         self,
@@ -197,42 +219,33 @@ class ClaimBatch:
     ) -> None:
         key_list = list(keys)
         self.ns = _keys.check_namespace(namespace)
-        self.namespace: str = self.ns.decode()
-        self.keys: list[Any] = key_list
+        self.namespace = self.ns.decode()
+        self.keys = key_list
         self.digests = digests_of(self.ns, key_list, limits.max_key_bytes)
         self.lease = None if lease is None else check_lease(lease)
         self.owner = check_owner(owner)
         self.fingerprints = (
             None if fingerprints is None else check_fingerprints(fingerprints, len(key_list))
         )
-        self._raw: list[bytes] | None = None
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def raw(self) -> list[bytes]:
-        """The keys as bytes (str as UTF-8), in the batch's order."""
-        if self._raw is None:
-            self._raw = [_keys.check_key(k, 1 << 62) for k in self.keys]
-        return self._raw
+        self._raw = None
 
     def fingerprint_list(self) -> list[bytes | None]:
         """One fingerprint or None per key."""
         return [None] * len(self.keys) if self.fingerprints is None else self.fingerprints
 
 
-class ChangeBatch:
+class ChangeBatch(_Batch):
     """The arguments of ``complete_many`` (``completing``) or ``release_many``, checked once.
 
     The namespace, the items' shapes and tokens (natively where they are
     plain, else by :func:`change_items`, which names what is wrong), the keys
     (``digests`` as in :class:`ClaimBatch`) and, when completing, the results
-    packed (``results``: msgpack bytes or None per key; None when releasing).
-    An empty batch has no key to check.
+    packed (``results``: msgpack bytes or None per key; None when releasing)
+    and as given (``values``, for a store that passes them on). An empty
+    batch has no key to check.
     """
 
-    __slots__ = ("_raw", "completing", "digests", "keys", "namespace", "ns", "results", "tokens")
+    __slots__ = ("completing", "results", "tokens", "values")
 
     def __init__(
         self,
@@ -243,7 +256,7 @@ class ChangeBatch:
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.ns = _keys.check_namespace(namespace)
-        self.namespace: str = self.ns.decode()
+        self.namespace = self.ns.decode()
         self.completing = completing
         item_list = items if type(items) is list else list(items)
         keys, tokens, given, bad = _engine.split_items(item_list, completing)
@@ -253,9 +266,10 @@ class ChangeBatch:
             tokens = [p[1] for p in parsed]
             given = [p[2] for p in parsed] if completing else None
         assert keys is not None and tokens is not None
-        self.keys: list[Any] = keys
+        self.keys = keys
         self.tokens: list[int] = tokens
-        self._raw: list[bytes] | None = None
+        self.values: list[Any] | None = given if completing else None
+        self._raw = None
         if not keys:
             self.digests = b""
             self.results: list[bytes | None] | None = [] if completing else None
@@ -268,12 +282,7 @@ class ChangeBatch:
             else None
         )
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def raw(self) -> list[bytes]:
-        """The keys as bytes (str as UTF-8), in the batch's order."""
-        if self._raw is None:
-            self._raw = [_keys.check_key(k, 1 << 62) for k in self.keys]
-        return self._raw
+    def items(self) -> list[tuple[Any, int, Any]]:
+        """``(key, token, result as given)`` per item (None when releasing)."""
+        values = self.values if self.values is not None else [None] * len(self.keys)
+        return list(zip(self.keys, self.tokens, values, strict=True))
