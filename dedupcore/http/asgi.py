@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.to_thread
 
-from dedupcore.api import Outcome, result_refused
+from dedupcore.api import result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.http.protocol import (
     DEFAULT_REPLAY_DROP_HEADERS,
@@ -27,6 +27,10 @@ from dedupcore.http.protocol import (
     ENVELOPE_SLACK,
     PROBLEMS,
     RESPONSE,
+    Refusal,
+    Replay,
+    claim_answer,
+    claim_refused,
     credentials_identity,
     fingerprint,
     header_names,
@@ -38,7 +42,6 @@ from dedupcore.http.protocol import (
     response_record,
     result_limit,
     scoped_key,
-    stored_response,
     without_headers,
 )
 from dedupcore.keys import check_namespace
@@ -324,39 +327,17 @@ class Idempotency:
                 lease=self.lease,
                 fingerprint=self._fingerprint(scope, body),
             )
-        except ConflictError:
-            return self.problem(
-                "key-reused",
-                "this key was already used for a different request (method, path, query or "
-                "body); use a new key for a new request",
-            )
-        except UnavailableError as exc:
-            log.error("idempotency store unavailable (key %s): %s", key_ref(key), exc)
-            return self.problem(
-                "store-unavailable", "the request was not processed; retry later", retry_after=5
-            )
-        if claim.outcome is Outcome.IN_PROGRESS:
-            return self.problem(
-                "in-progress",
-                "a request with this idempotency key is still being processed; retry later",
-                retry_after=1,
-            )
-        if claim.outcome is Outcome.DUPLICATE:
-            return self._replay(claim.result if claim.exact else None)
-        return Exchange(self, scope, receive, key, claim.token, body)
-
-    def _replay(self, stored: Any) -> Answer:
-        found = stored_response(stored)
-        if isinstance(found, str):
-            return self.problem(
-                "not-replayable",
-                "a request with this idempotency key was already processed, but its response "
-                f"cannot be sent again: {found}",
-            )
-        status, headers, body = found
-        headers = without_headers(headers, self.replay_drop_headers)
-        headers.append((self.replay_header, b"true"))
-        return Answer(status, headers, body)
+        except (ConflictError, UnavailableError) as exc:
+            if isinstance(exc, UnavailableError):
+                log.error("idempotency store unavailable (key %s): %s", key_ref(key), exc)
+            answer: Refusal | Replay | None = claim_refused(exc)
+        else:
+            answer = claim_answer(claim, self.replay_drop_headers, self.replay_header)
+        if answer is None:
+            return Exchange(self, scope, receive, key, claim.token, body)
+        if isinstance(answer, Refusal):
+            return self.problem(answer.slug, answer.detail, retry_after=answer.retry_after)
+        return Answer(*answer)
 
 
 class IdempotencyMiddleware:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from dedupcore.api import pack_result
+from dedupcore.api import Claim, Outcome, pack_result
+from dedupcore.errors import ConflictError, UnavailableError
 
 #: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
 DEFAULT_RETRY_STATUSES = frozenset({408, 425, 429})
@@ -54,6 +55,19 @@ PROBLEMS: dict[str, tuple[int, str]] = {
 }
 
 _SCOPED = "scoped:"
+
+
+class Refusal(NamedTuple):
+    """An answer sent without running the app: the problem ``slug`` (:data:`PROBLEMS`), its
+    detail and its ``Retry-After`` seconds (None: no header)."""
+
+    slug: str
+    detail: str
+    retry_after: int | None = None
+
+
+#: A response to send again: status, headers, body.
+Replay = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 def parse_key(raw: bytes) -> str:
@@ -230,3 +244,40 @@ def key_ref(dedup_key: str) -> str:
     if dedup_key.startswith(_SCOPED):
         return dedup_key[len(_SCOPED) : len(_SCOPED) + 12]
     return hashlib.sha256(dedup_key.encode()).hexdigest()[:12]
+
+
+def claim_refused(error: ConflictError | UnavailableError) -> Refusal:
+    """The answer to a claim that raised: 422 for a key used by another request, 503 (with
+    ``Retry-After``: the app did not run) when the store could not decide."""
+    if isinstance(error, ConflictError):
+        return Refusal(
+            "key-reused",
+            "this key was already used for a different request (method, path, query or "
+            "body); use a new key for a new request",
+        )
+    return Refusal("store-unavailable", "the request was not processed; retry later", 5)
+
+
+def claim_answer(
+    claim: Claim, drop: Collection[bytes], replay_header: bytes
+) -> Refusal | Replay | None:
+    """What a claim's outcome says to send: None for NEW (run the app), 409 while another
+    request holds the key, or for a DUPLICATE the recorded response (less the headers in
+    ``drop``, with ``replay_header: true``), or 422 when it cannot be sent again."""
+    if claim.outcome is Outcome.IN_PROGRESS:
+        return Refusal(
+            "in-progress",
+            "a request with this idempotency key is still being processed; retry later",
+            1,
+        )
+    if claim.outcome is not Outcome.DUPLICATE:
+        return None
+    found = stored_response(claim.result if claim.exact else None)
+    if isinstance(found, str):
+        return Refusal(
+            "not-replayable",
+            "a request with this idempotency key was already processed, but its response "
+            f"cannot be sent again: {found}",
+        )
+    status, headers, body = found
+    return status, [*without_headers(headers, drop), (replay_header, b"true")], body

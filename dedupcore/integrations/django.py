@@ -64,12 +64,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedupcore._checks import require_extra
-from dedupcore.api import Outcome, result_refused
+from dedupcore.api import result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.http.protocol import (
     DEFAULT_REPLAY_DROP_HEADERS,
     DEFAULT_RETRY_STATUSES,
     PROBLEMS,
+    Refusal,
+    Replay,
+    claim_answer,
+    claim_refused,
     credentials_identity,
     fingerprint,
     header_names,
@@ -230,6 +234,7 @@ class Idempotency:
         self.retry_statuses = frozenset(retry_statuses)
         self.key_scope: KeyScope | None = key_scope
         self.replay_header = replay_header
+        self.replay_header_bytes = replay_header.encode("ascii")
         self.replay_drop_headers = header_names(replay_drop_headers)
         self.problem_types = problem_types(problem_base_url)
         self._told_no_identity = False
@@ -355,25 +360,16 @@ class Idempotency:
                     "fingerprint": fingerprint(request.method or "", path, query, body),
                 },
             )
-        except ConflictError:
-            return self.problem(
-                "key-reused",
-                "this key was already used for a different request (method, path, query or "
-                "body); use a new key for a new request",
-            )
-        except UnavailableError as exc:
-            log.error("idempotency store unavailable (key %s): %s", key_ref(dkey), exc)
-            return self.problem(
-                "store-unavailable", "the request was not processed; retry later", retry_after=5
-            )
-        if claim.outcome is Outcome.IN_PROGRESS:
-            return self.problem(
-                "in-progress",
-                "a request with this idempotency key is still being processed; retry later",
-                retry_after=1,
-            )
-        if claim.outcome is Outcome.DUPLICATE:
-            return self._replay(claim.result if claim.exact else None)
+        except (ConflictError, UnavailableError) as exc:
+            if isinstance(exc, UnavailableError):
+                log.error("idempotency store unavailable (key %s): %s", key_ref(dkey), exc)
+            answer: Refusal | Replay | None = claim_refused(exc)
+        else:
+            answer = claim_answer(claim, self.replay_drop_headers, self.replay_header_bytes)
+        if isinstance(answer, Refusal):
+            return self.problem(answer.slug, answer.detail, retry_after=answer.retry_after)
+        if answer is not None:
+            return _response(*answer)
         try:
             response = yield _View(request)
         except BaseException:
@@ -381,19 +377,6 @@ class Idempotency:
             raise
         yield from self._settle(response, dkey, claim.token)
         return response
-
-    def _replay(self, stored: Any) -> HttpResponse:
-        found = stored_response(stored)
-        if isinstance(found, str):
-            return self.problem(
-                "not-replayable",
-                "a request with this idempotency key was already processed, but its response "
-                f"cannot be sent again: {found}",
-            )
-        status, headers, body = found
-        headers = without_headers(headers, self.replay_drop_headers)
-        headers.append((self.replay_header.encode("ascii"), b"true"))
-        return _response(status, headers, body)
 
     def _release(self, dkey: str, token: int) -> Generator[_Step, Any, None]:
         try:
