@@ -23,9 +23,14 @@ from tests.support.stores import CONFORMANCE, Stores
 
 
 @pytest.fixture
-def stores(tmp_path: Path, daemon: Daemon) -> Iterator[Stores]:
-    """This test's stores ("daemon": clients of the module's daemon)."""
-    with Stores(tmp_path, "conformance", daemon=lambda: daemon) as s:
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stores]:
+    """This test's stores ("daemon": clients of the module's daemon, started on first use)."""
+
+    def daemon() -> Daemon:
+        shared: Daemon = request.getfixturevalue("daemon")
+        return shared
+
+    with Stores(tmp_path, "conformance", daemon=daemon) as s:
         yield s
 
 
