@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -38,19 +38,19 @@ from typing import Any, TypeVar, cast
 import dedupcore.keys as _keys
 from dedupcore._core import hash64, hash64_many, jump_hash, shard_many
 from dedupcore.api import (
+    ChangeBatch,
     Claim,
     ClaimAPI,
+    ClaimBatch,
     KeyRecord,
+    Limits,
     Outcome,
-    change_items,
-    check_fingerprints,
-    check_owner,
     fingerprint_conflict,
     namespace_counts,
     pack_result,
     unpack_result,
 )
-from dedupcore.config import Retention, check_lease, policies
+from dedupcore.config import Retention, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.ring import BloomRing
@@ -143,12 +143,6 @@ class TieredStore(ClaimAPI):
         self._cache_down_until = 0.0
         self._closed = False
 
-    def __enter__(self) -> TieredStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         parts = [f"authority={type(self.authority).__name__}"]
         if self.cache is not None:
@@ -239,24 +233,21 @@ class TieredStore(ClaimAPI):
 
     # -- the claim API -------------------------------------------------------------
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """Its keys' limit; results as the authority keeps them (the cache keeps what fits)."""
+        authority = self.authority
+        kept = authority.limits.max_result_bytes if isinstance(authority, ClaimAPI) else 16 << 20
+        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=kept)
+
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         """Claims a batch of keys; see the module docstring for the order of the tiers."""
         self._check_open()
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace)
-        raw = [_keys.check_key(k, self.max_key_bytes) for k in key_list]
-        fps = check_fingerprints(fingerprints, len(raw))
-        check_owner(owner)
-        if lease is not None:
-            check_lease(lease)
+        key_list = batch.keys
+        namespace = batch.namespace
+        ns = batch.ns
+        raw = batch.raw
+        fps = batch.fingerprint_list()
         n = len(raw)
         if not n:
             return []
@@ -306,9 +297,9 @@ class TieredStore(ClaimAPI):
             decided = self.authority.claim_many(
                 [key_list[i] for i in rest],
                 namespace=namespace,
-                lease=lease,
-                owner=owner,
-                fingerprints=None if fingerprints is None else [fps[i] for i in rest],
+                lease=batch.lease,
+                owner=batch.owner,
+                fingerprints=None if batch.fingerprints is None else [fps[i] for i in rest],
             )
             if len(decided) != len(rest):
                 raise DedupError(f"authority answered {len(decided)} claims for {len(rest)} keys")
@@ -329,15 +320,23 @@ class TieredStore(ClaimAPI):
             self._outcomes[(namespace, c.outcome.value)] += 1
         return claims
 
-    def complete_many(self, items: Iterable[Any], *, namespace: str) -> None:
-        """Completes at the authority, then writes the PROCESSED records through to the cache."""
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes at the authority, then writes the PROCESSED records through to the
+        cache; releases at the authority (the cache never holds a claim that can be
+        released)."""
         self._check_open()
-        checked = change_items(items, with_results=True)
-        ns = _keys.check_namespace(namespace)
+        ns, namespace = batch.ns, batch.namespace
+        if not batch.completing:
+            self.authority.release_many(
+                list(zip(batch.keys, batch.tokens, strict=True)), namespace=namespace
+            )
+            for k in batch.raw:
+                self._forget(ns, k)
+            return
+        checked = batch.items()
         self.authority.complete_many(checked, namespace=namespace)
         entries: list[tuple[bytes, Cached]] = []
-        for key, token, result in checked:
-            k = _keys.check_key(key, self.max_key_bytes)
+        for k, (_key, token, result) in zip(batch.raw, checked, strict=True):
             fp = self._forget(ns, k)
             if self.cache is not None:
                 entry = self._cache_entry(k, token, result, fp)
@@ -345,21 +344,11 @@ class TieredStore(ClaimAPI):
                     entries.append(entry)
         self._write_through(ns, namespace, entries)
 
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases at the authority (the cache never holds a claim that can be released)."""
-        self._check_open()
-        checked = change_items(items, with_results=False)
-        ns = _keys.check_namespace(namespace)
-        self.authority.release_many([(k, t) for k, t, _ in checked], namespace=namespace)
-        for key, _token, _ in checked:
-            self._forget(ns, _keys.check_key(key, self.max_key_bytes))
-
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
+    def _get_record(self, ns: bytes, k: bytes) -> KeyRecord | None:
         """The authority's record, or an inexact PROCESSED record from the cold archive."""
         self._check_open()
-        ns = _keys.check_namespace(namespace)
-        k = _keys.check_key(key, self.max_key_bytes)
-        rec = self.authority.get(key, namespace=namespace)
+        namespace = ns.decode()
+        rec = self.authority.get(k, namespace=namespace)
         if rec is not None or self.archive is None:
             return rec
         hashes = _keys.key_hashes(ns, [k])
@@ -472,12 +461,6 @@ class ShardedStore(ClaimAPI):
         self._outcomes: Counter[tuple[str, str]] = Counter()
         self._closed = False
 
-    def __enter__(self) -> ShardedStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"ShardedStore({len(self.shards)} shards)"
 
@@ -515,15 +498,16 @@ class ShardedStore(ClaimAPI):
 
     def shard_of(self, key: bytes | str, *, namespace: str) -> int:
         """The index of the shard that holds ``key``."""
-        joined = (
-            _keys.check_namespace(namespace) + b"\x00" + _keys.check_key(key, self.max_key_bytes)
-        )
+        ns = _keys.check_namespace(namespace)
+        return self._shard(ns + b"\x00" + _keys.check_key(key, self.max_key_bytes))
+
+    def _shard(self, joined: bytes) -> int:
         return int(jump_hash(hash64(joined, SHARD_SEED), len(self.shards)))
 
-    def _route(self, ns: bytes, keys: Sequence[Any]) -> dict[int, list[int]]:
-        """Positions of the batch's keys, grouped by shard."""
+    def _route(self, ns: bytes, raw: list[bytes]) -> dict[int, list[int]]:
+        """Positions of a batch's checked keys, grouped by shard."""
         prefix = ns + b"\x00"
-        joined = [prefix + _keys.check_key(k, self.max_key_bytes) for k in keys]
+        joined = [prefix + k for k in raw]
         groups: dict[int, list[int]] = {}
         if not joined:
             return groups
@@ -550,24 +534,21 @@ class ShardedStore(ClaimAPI):
                 out[s] = exc
         return out
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
-        key_list = list(keys)
-        ns = _keys.check_namespace(namespace)
-        fps = check_fingerprints(fingerprints, len(key_list))
-        check_owner(owner)
-        if lease is not None:
-            check_lease(lease)
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """Its keys' limit (the routing); results as the most lenient shard keeps them
+        (each shard checks its own)."""
+        kept = max(s.limits.max_result_bytes for s in self.shards)
+        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=kept)
+
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        key_list = batch.keys
+        namespace = batch.namespace
+        fps = batch.fingerprint_list()
+        lease, owner, fingerprints = batch.lease, batch.owner, batch.fingerprints
         if not key_list:
             return []
-        groups = self._route(ns, key_list)
+        groups = self._route(batch.ns, batch.raw)
 
         def call(s: int, idx: list[int]) -> Callable[[], list[Claim]]:
             shard = self.shards[s]
@@ -603,10 +584,12 @@ class ShardedStore(ClaimAPI):
                 self._outcomes[(namespace, c.outcome.value)] += 1
         return [c for c in out if c is not None]
 
-    def _change(self, items: Iterable[Any], namespace: str, *, complete: bool) -> None:
-        checked = change_items(items, with_results=complete)
-        ns = _keys.check_namespace(namespace)
-        groups = self._route(ns, [k for k, _, _ in checked])
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """Completes or releases on each shard; a shard's error is raised after the
+        others applied theirs."""
+        checked = batch.items()
+        namespace, complete = batch.namespace, batch.completing
+        groups = self._route(batch.ns, batch.raw)
 
         def call(s: int, idx: list[int]) -> Callable[[], None]:
             shard = self.shards[s]
@@ -621,16 +604,8 @@ class ShardedStore(ClaimAPI):
         if failed:
             raise _first(failed)
 
-    def complete_many(self, items: Iterable[Any], *, namespace: str) -> None:
-        """Completes on each shard; a shard's error is raised after the others applied theirs."""
-        self._change(items, namespace, complete=True)
-
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases on each shard; a shard's error is raised after the others applied theirs."""
-        self._change(items, namespace, complete=False)
-
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        return self.shards[self.shard_of(key, namespace=namespace)].get(key, namespace=namespace)
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        return self.shards[self._shard(ns + b"\x00" + key)].get(key, namespace=ns.decode())
 
     def stats(self) -> dict[str, Any]:
         """Claims per namespace through this store, and each shard's own figures."""
