@@ -15,6 +15,7 @@ import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -31,8 +32,8 @@ from tests.support.cluster import free_port
 from tests.support.daemon import Lab
 from tests.support.metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value
 from tests.support.procs import PATIENCE, child_env, run_cli
-from tests.support.servers import SERVERS, connect_redis, require_server
-from tests.support.stores import SqlTable, take_over, unique_ns
+from tests.support.servers import connect_redis, require_server
+from tests.support.stores import Stores, take_over, unique_ns
 
 
 def _redis() -> redis.Redis:
@@ -46,24 +47,21 @@ def _forget_prefix(client: redis.Redis, prefix: str) -> None:
 
 
 @pytest.fixture
-def redis_store() -> Iterator[RedisStore]:
-    client = _redis()
-    prefix = f"metrics{uuid.uuid4().hex[:12]}"
-    s = RedisStore(client, prefix=prefix)
-    yield s
-    _forget_prefix(client, prefix)
-    s.close()
+def stores(tmp_path: Path) -> Iterator[Stores]:
+    with Stores(tmp_path, "conformance") as s:
+        yield s
 
 
 @pytest.fixture
-def pg_store() -> Iterator[SqlStore]:
-    require_server("postgresql")
-    engine = SqlTable("postgresql", SERVERS.postgresql, f"dedup_m_{uuid.uuid4().hex[:12]}")
-    s = engine.store()
-    s.init_schema()
-    yield s
-    s.close()
-    engine.execute(f"DROP TABLE IF EXISTS {engine.table}")
+def redis_store(stores: Stores) -> RedisStore:
+    store: RedisStore = stores.open("redis")
+    return store
+
+
+@pytest.fixture
+def pg_store(stores: Stores) -> SqlStore:
+    store: SqlStore = stores.open("postgresql")
+    return store
 
 
 @pytest.mark.parametrize("which", ["redis_store", "pg_store"])
