@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
+from dedupcore.api import Claim, ClaimAPI, KeyRecord, Limits, Outcome
+from dedupcore.api.deferred import DEFERRED_MEMBERS
 from dedupcore.errors import ConflictError, MissingExtraError
 from dedupcore.tiers.base import failure_of
 
@@ -418,9 +419,9 @@ class InstrumentedStore(ClaimAPI):
     the store's own. ``close()`` closes the store and stops reading its stats.
     """
 
-    #: The daemon's fast path (deferred commits, bounded replies) would call the
-    #: store's own methods past the counters: served by a daemon, this takes the
-    #: ordinary path.
+    #: The daemon's fast path (a DeferredStore's calls) would call the store's own
+    #: methods past the counters: served by a daemon, this takes the ordinary path
+    #: (its attributes forward to the store but for DEFERRED_MEMBERS).
     defers_durability = False
     bounds_replies = False
 
@@ -439,18 +440,19 @@ class InstrumentedStore(ClaimAPI):
     def __getattr__(self, name: str) -> Any:
         if name == "store":  # not yet set (unpickling, a failed __init__)
             raise AttributeError(name)
+        if name in DEFERRED_MEMBERS:  # the counters would be passed by
+            raise AttributeError(f"{type(self).__name__} does not forward {name}")
         return getattr(self.store, name)
+
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The store's."""
+        return self.store.limits
 
     @property
     def failed(self) -> BaseException | None:
         """The wrapped store's failure (see :func:`~dedupcore.tiers.base.failure_of`)."""
         return failure_of(self.store)
-
-    def __enter__(self) -> InstrumentedStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         index = (id(metric), *labels)

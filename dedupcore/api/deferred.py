@@ -16,6 +16,7 @@ from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits
 from dedupcore.errors import BatchTooLargeError
 
 __all__ = [
+    "DEFERRED_MEMBERS",
     "FORM_CHECK",
     "FORM_CLAIMS",
     "FORM_COLUMNS",
@@ -62,6 +63,14 @@ class DeferredStore(Protocol):
     def wait_durable(self, lsn: int) -> None: ...
 
     def commit_bytes(self) -> int: ...
+
+
+#: The members a DeferredStore has beyond the claim API: a wrapper that forwards
+#: unknown attributes to the store inside it refuses these, so that it is not
+#: taken for a DeferredStore and passed by (dedupcore/metrics.py).
+DEFERRED_MEMBERS = frozenset(
+    {"claim_deferred", "change_deferred", "wait_durable", "commit_bytes", "unsynced_commits"}
+)
 
 
 def bounded_reply(keys: int, reply_limit: int, row_bytes: int) -> Admit:
