@@ -27,6 +27,7 @@ from dedupcore.http.protocol import (
     ENVELOPE_SLACK,
     PROBLEMS,
     RESPONSE,
+    ClientCheck,
     Refusal,
     Replay,
     claim_answer,
@@ -160,7 +161,7 @@ class Idempotency:
         self.replay_drop_headers = header_names(replay_drop_headers)
         self.problem_types = problem_types(problem_base_url)
         self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
-        self._told_no_identity = False
+        self._check_client = ClientCheck("docs/http.md, 'Whose key'")
 
     @classmethod
     def of(cls, store: Any, **options: Any) -> Idempotency:
@@ -260,23 +261,10 @@ class Idempotency:
         else:
             found = self.key_scope(scope)
             how = "for which key_scope found no client identity"
-        if found is None:
-            if not self._told_no_identity:
-                self._told_no_identity = True
-                log.warning(
-                    "a request with an idempotency key came %s and was answered 400; keys "
-                    "belong to a client: pass key_scope= to say who the client is "
-                    "(docs/http.md, 'Whose key')",
-                    how,
-                )
-            raise _Rejected(
-                "no-client-identity",
-                "idempotency keys belong to a client, and this request does not say which "
-                "client sent it; send your credentials with it",
-            )
-        if not isinstance(found, (str, bytes)):
-            raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
-        return found
+        checked = self._check_client(found, how)
+        if isinstance(checked, Refusal):
+            raise _Rejected(checked.slug, checked.detail)
+        return checked
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes

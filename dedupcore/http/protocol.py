@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -56,6 +57,8 @@ PROBLEMS: dict[str, tuple[int, str]] = {
 
 _SCOPED = "scoped:"
 
+log = logging.getLogger("dedupcore")
+
 
 class Refusal(NamedTuple):
     """An answer sent without running the app: the problem ``slug`` (:data:`PROBLEMS`), its
@@ -68,6 +71,36 @@ class Refusal(NamedTuple):
 
 #: A response to send again: status, headers, body.
 Replay = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class ClientCheck:
+    """Checks the identity found for a request's client; warns once when there is none."""
+
+    def __init__(self, docs: str) -> None:
+        #: Where the warning sends the reader ("docs/http.md, 'Whose key'").
+        self.docs = docs
+        self.warned = False
+
+    def __call__(self, found: object, how: str) -> str | bytes | Refusal:
+        """``found`` when it is a str or bytes; for None, the 400 refusal (and, the first
+        time, a warning that the request came ``how``); TypeError for anything else."""
+        if found is None:
+            if not self.warned:
+                self.warned = True
+                log.warning(
+                    "a request with an idempotency key came %s and was answered 400; keys "
+                    "belong to a client: pass key_scope= to say who the client is (%s)",
+                    how,
+                    self.docs,
+                )
+            return Refusal(
+                "no-client-identity",
+                "idempotency keys belong to a client, and this request does not say which "
+                "client sent it; send your credentials with it",
+            )
+        if not isinstance(found, (str, bytes)):
+            raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
+        return found
 
 
 def parse_key(raw: bytes) -> str:

@@ -59,7 +59,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Collection, Generator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ from dedupcore.http.protocol import (
     DEFAULT_REPLAY_DROP_HEADERS,
     DEFAULT_RETRY_STATUSES,
     PROBLEMS,
+    ClientCheck,
     Refusal,
     Replay,
     claim_answer,
@@ -144,6 +145,45 @@ _Step = _StoreCall | _Scope | _View
 _Exchange = Generator[_Step, Any, HttpResponseBase]
 
 
+class _Steps:
+    """Runs an exchange: each step's result, or its exception, goes back into it.
+
+    The sync and the async handling iterate over the steps and :meth:`settle`
+    each one in their own way; :attr:`response` is the exchange's answer.
+    """
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self.exchange = exchange
+        self.sent: Any = None
+        self.error: BaseException | None = None
+        self.response: Any = None
+
+    def __iter__(self) -> Iterator[_Step]:
+        while True:
+            try:
+                if self.error is not None:
+                    step = self.exchange.throw(self.error)
+                else:
+                    step = self.exchange.send(self.sent)
+            except StopIteration as stop:
+                self.response = stop.value
+                return
+            self.sent, self.error = None, None
+            yield step
+
+    def settle(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self.sent = fn(*args)
+        except BaseException as exc:  # goes back into the exchange (at its yield)
+            self.error = exc
+
+    async def asettle(self, pending: Awaitable[Any]) -> None:
+        try:
+            self.sent = await pending
+        except BaseException as exc:  # goes back into the exchange (at its yield)
+            self.error = exc
+
+
 def _response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> HttpResponse:
     response = HttpResponse(body, status=status)
     del response["Content-Type"]  # the headers given say what it is
@@ -157,8 +197,7 @@ class _Rejected(Exception):
 
     def __init__(self, slug: str, detail: str) -> None:
         super().__init__(detail)
-        self.slug = slug
-        self.detail = detail
+        self.refusal = Refusal(slug, detail)
 
 
 def client_identity(request: HttpRequest) -> str | None:
@@ -237,7 +276,7 @@ class Idempotency:
         self.replay_header_bytes = replay_header.encode("ascii")
         self.replay_drop_headers = header_names(replay_drop_headers)
         self.problem_types = problem_types(problem_base_url)
-        self._told_no_identity = False
+        self._check_client = ClientCheck("docs/django.md, 'Whose key'")
 
     # -- the store -----------------------------------------------------------------------
 
@@ -311,25 +350,12 @@ class Idempotency:
         else:
             found = self.key_scope(request)
             how = "for which key_scope found no client identity"
-        if found is None:
-            if not self._told_no_identity:
-                self._told_no_identity = True
-                log.warning(
-                    "a request with an idempotency key came %s and was answered 400; keys "
-                    "belong to a client: pass key_scope= to say who the client is "
-                    "(docs/django.md)",
-                    how,
-                )
-            raise _Rejected(
-                "no-client-identity",
-                "idempotency keys belong to a client, and this request does not say which "
-                "client sent it; send your credentials with it",
-            )
-        if not isinstance(found, (str, bytes)):
-            raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
-        return found
+        checked = self._check_client(found, how)
+        if isinstance(checked, Refusal):
+            raise _Rejected(checked.slug, checked.detail)
+        return checked
 
-    def problem(self, slug: str, detail: str, *, retry_after: int | None = None) -> HttpResponse:
+    def problem(self, slug: str, detail: str, retry_after: int | None = None) -> HttpResponse:
         """The problem document ``slug`` (``PROBLEMS`` of dedupcore.http) as a response."""
         status, title = PROBLEMS[slug]
         type_uri = self.problem_types[slug]
@@ -347,7 +373,7 @@ class Idempotency:
             response: HttpResponseBase = yield _View(request)
             return response
         except _Rejected as rejected:
-            return self.problem(rejected.slug, rejected.detail)
+            return self.problem(*rejected.refusal)
         path = request.path.encode("utf-8", "surrogatepass")
         query = request.META.get("QUERY_STRING", "").encode("utf-8", "surrogatepass")
         try:
@@ -367,7 +393,7 @@ class Idempotency:
         else:
             answer = claim_answer(claim, self.replay_drop_headers, self.replay_header_bytes)
         if isinstance(answer, Refusal):
-            return self.problem(answer.slug, answer.detail, retry_after=answer.retry_after)
+            return self.problem(*answer)
         if answer is not None:
             return _response(*answer)
         try:
@@ -444,24 +470,17 @@ class Idempotency:
                 "a dedupcore.aio.Client needs an async view or an ASGI server; give a sync "
                 "store (dedupcore.Client) to sync views under WSGI"
             )
-        steps = self.exchange(request)
-        sent: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(sent)
-            except StopIteration as stop:
-                return stop.value
-            sent, error = None, None
-            try:
-                if isinstance(step, _StoreCall):
-                    sent = getattr(self.store, step.method)(*step.args, **step.kwargs)
-                elif isinstance(step, _Scope):
-                    sent = self.identity(step.request)
-                else:
-                    sent = view(step.request, *args, **kwargs)
-            except BaseException as exc:
-                error = exc
+        steps = _Steps(self.exchange(request))
+        for step in steps:
+            steps.settle(self._run, step, lambda r: view(r, *args, **kwargs))
+        return steps.response
+
+    def _run(self, step: _Step, view: View) -> Any:
+        if isinstance(step, _StoreCall):
+            return getattr(self.store, step.method)(*step.args, **step.kwargs)
+        if isinstance(step, _Scope):
+            return self.identity(step.request)
+        return view(step.request)
 
     async def ahandle(
         self, request: HttpRequest, view: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
@@ -475,42 +494,28 @@ class Idempotency:
         if not self.applies(request) or getattr(request, "idempotency", None) is not None:
             return await view(request, *args, **kwargs)
         request.idempotency = self
-        task = asyncio.ensure_future(self._adrive(request, view, args, kwargs))
+        exchange = self.exchange(request)
+        task = asyncio.ensure_future(self._adrive(exchange, lambda r: view(r, *args, **kwargs)))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
         return await asyncio.shield(task)
 
-    async def _adrive(
-        self,
-        request: HttpRequest,
-        view: Callable[..., Awaitable[Any]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        steps = self.exchange(request)
-        sent: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(sent)
-            except StopIteration as stop:
-                return stop.value
-            sent, error = None, None
-            try:
-                if isinstance(step, _StoreCall):
-                    fn = getattr(self.store, step.method)
-                    if self._is_async_store():
-                        sent = await fn(*step.args, **step.kwargs)
-                    else:
-                        call = functools.partial(fn, *step.args, **step.kwargs)
-                        sent = await sync_to_async(call, thread_sensitive=False)()
-                elif isinstance(step, _Scope):
-                    # key_scope and request.user may read the database: a sync context.
-                    sent = await sync_to_async(self.identity)(step.request)
-                else:
-                    sent = await view(step.request, *args, **kwargs)
-            except BaseException as exc:
-                error = exc
+    async def _adrive(self, exchange: _Exchange, view: Callable[..., Awaitable[Any]]) -> Any:
+        steps = _Steps(exchange)
+        for step in steps:
+            await steps.asettle(self._arun(step, view))
+        return steps.response
+
+    async def _arun(self, step: _Step, view: Callable[..., Awaitable[Any]]) -> Any:
+        if isinstance(step, _StoreCall):
+            call = functools.partial(getattr(self.store, step.method), *step.args, **step.kwargs)
+            if self._is_async_store():
+                return await call()
+            return await sync_to_async(call, thread_sensitive=False)()
+        if isinstance(step, _Scope):
+            # key_scope and request.user may read the database: a sync context.
+            return await sync_to_async(self.identity)(step.request)
+        return await view(step.request)
 
 
 def _check_store(store: Any) -> None:

@@ -175,11 +175,18 @@ def test_two_clients_with_one_key_get_their_own_executions(home: Home) -> None:
     assert replayed(u2) and u2.json() == u.json()
 
 
-def test_a_request_without_credentials_is_400_unless_key_scope_says_whose(home: Home) -> None:
+def test_a_request_without_credentials_is_400_unless_key_scope_says_whose(
+    home: Home, caplog: Any
+) -> None:
     key, tag = new_key(), new_key()
     http = Client()
     headers = {"Idempotency-Key": key, "X-Tag": tag}
-    r = http.post("/orders", b"x", "text/plain", headers=headers)
+    with caplog.at_level("WARNING", logger="dedupcore"):
+        r = http.post("/orders", b"x", "text/plain", headers=headers)
+        again = http.post("/orders", b"x", "text/plain", headers=headers)
+    told = [m for m in caplog.messages if "pass key_scope=" in m]
+    assert len(told) == 1 and "docs/django.md" in told[0]  # once, saying where to read
+    assert again.status_code == 400
     assert r.status_code == 400 and r["Content-Type"] == "application/problem+json"
     assert r.json()["title"] == "Idempotency-Key needs a client identity"
     assert home.rows(tag) == []
