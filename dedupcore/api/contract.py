@@ -32,17 +32,16 @@ from dedupcore.api.batches import (
     ChangeBatch,
     ClaimBatch,
     Limits,
-    result_refused,
 )
 from dedupcore.api.conveniences import (
     DuplicateCache,
+    Processing,
+    Step,
     _answer,
     _bypassed,
     _decorated_key,
     _fingerprints,
-    _release_lost,
 )
-from dedupcore.errors import StaleTokenError
 
 __all__ = ["UNKNOWN_DURABILITY", "AsyncClaimAPI", "ClaimAPI"]
 
@@ -215,34 +214,46 @@ class ClaimAPI(ABC):
         answered DUPLICATE from it without asking the store, and the store's
         DUPLICATE answers are added to it.
         """
-        if cache is not None:
-            hit = cache.get(key, namespace=namespace, fingerprint=fingerprint)
-            if hit is not None:
-                yield hit
-                return
-        c = self.claim(key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint)
-        if c.outcome is not Outcome.NEW:
-            if cache is not None:
-                cache.put(c, fingerprint=fingerprint)
-            yield c
-            return
-        try:
-            yield c
-        except BaseException:
+        steps = Processing(key, namespace, fingerprint, cache).steps()
+        step = next(steps)
+        while True:
             try:
-                self.release(key, c.token, namespace=namespace)
-            except StaleTokenError:
-                _release_lost(key)
-            raise
-        try:
-            self.complete(key, c.token, namespace=namespace, result=c.result)
-        except (TypeError, ValueError) as exc:
-            if not result_refused(exc):
-                raise  # the store's own answer (e.g. the lease was taken over)
-            # Record the key as processed without its result, so that a
-            # redelivery does not do the work a second time; tell the caller.
-            self.complete(key, c.token, namespace=namespace)
-            raise
+                if step.give is not None:
+                    try:
+                        yield step.give
+                    except BaseException as exc:
+                        step = steps.throw(exc)
+                        continue
+                    step = next(steps)
+                    continue
+                try:
+                    done = self._do(step, key, namespace, lease, owner, fingerprint)
+                except BaseException as exc:
+                    step = steps.throw(exc)
+                    continue
+                step = steps.send(done)
+            except StopIteration:
+                return
+
+    def _do(
+        self,
+        step: Step,
+        key: bytes | str,
+        namespace: str,
+        lease: float | None,
+        owner: bytes | str | None,
+        fingerprint: bytes | None,
+    ) -> Claim | None:
+        """Runs a step of :meth:`processing`: a claim, a completion or a release."""
+        if step.call == "claim":
+            return self.claim(
+                key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
+            )
+        if step.call == "complete":
+            self.complete(key, step.token, namespace=namespace, result=step.result)
+        else:
+            self.release(key, step.token, namespace=namespace)
+        return None
 
     def idempotent(
         self,
@@ -377,34 +388,46 @@ class AsyncClaimAPI(ABC):
         cache: DuplicateCache | None = None,
     ) -> AsyncIterator[Claim]:
         """Claims ``key`` for an ``async with`` block (see :meth:`ClaimAPI.processing`)."""
-        if cache is not None:
-            hit = cache.get(key, namespace=namespace, fingerprint=fingerprint)
-            if hit is not None:
-                yield hit
-                return
-        c = await self.claim(
-            key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
-        )
-        if c.outcome is not Outcome.NEW:
-            if cache is not None:
-                cache.put(c, fingerprint=fingerprint)
-            yield c
-            return
-        try:
-            yield c
-        except BaseException:
+        steps = Processing(key, namespace, fingerprint, cache).steps()
+        step = next(steps)
+        while True:
             try:
-                await self.release(key, c.token, namespace=namespace)
-            except StaleTokenError:
-                _release_lost(key)
-            raise
-        try:
-            await self.complete(key, c.token, namespace=namespace, result=c.result)
-        except (TypeError, ValueError) as exc:
-            if not result_refused(exc):
-                raise  # the store's own answer (e.g. the lease was taken over)
-            await self.complete(key, c.token, namespace=namespace)
-            raise
+                if step.give is not None:
+                    try:
+                        yield step.give
+                    except BaseException as exc:
+                        step = steps.throw(exc)
+                        continue
+                    step = next(steps)
+                    continue
+                try:
+                    done = await self._do(step, key, namespace, lease, owner, fingerprint)
+                except BaseException as exc:
+                    step = steps.throw(exc)
+                    continue
+                step = steps.send(done)
+            except StopIteration:
+                return
+
+    async def _do(
+        self,
+        step: Step,
+        key: bytes | str,
+        namespace: str,
+        lease: float | None,
+        owner: bytes | str | None,
+        fingerprint: bytes | None,
+    ) -> Claim | None:
+        """Runs a step of :meth:`processing`: a claim, a completion or a release."""
+        if step.call == "claim":
+            return await self.claim(
+                key, namespace=namespace, lease=lease, owner=owner, fingerprint=fingerprint
+            )
+        if step.call == "complete":
+            await self.complete(key, step.token, namespace=namespace, result=step.result)
+        else:
+            await self.release(key, step.token, namespace=namespace)
+        return None
 
     def idempotent(
         self,

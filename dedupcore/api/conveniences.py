@@ -18,13 +18,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dedupcore.api.answers import Claim, Outcome
-from dedupcore.api.batches import pack_result, unpack_result
-from dedupcore.errors import InProgressError, KeyPathError
+from dedupcore.api.batches import pack_result, result_refused, unpack_result
+from dedupcore.errors import InProgressError, KeyPathError, StaleTokenError
 
 __all__ = ["DISABLE_ENV", "DuplicateCache", "idempotency_disabled", "key_path"]
 
@@ -297,6 +297,75 @@ def _decorated_key(
             raise TypeError("payload= is for a key path; here key is a function")
         return key
     return _payload_key(fn, key_path(key), payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What :class:`Processing` asks its driver for: ``give`` a claim to the block, or
+    ``call`` the store ("claim", "complete" with ``token`` and ``result``, "release")."""
+
+    give: Claim | None = None
+    call: str = ""
+    token: int = 0
+    result: Any = None
+
+
+class Processing:
+    """The decisions of ``processing()``, written once for the sync and the async API.
+
+    :meth:`steps` yields :class:`Step` s; a driver (``ClaimAPI.processing``,
+    ``AsyncClaimAPI.processing``) runs each with calls or awaits, sends back
+    the claim a "claim" step gave, and throws into it what the block or a
+    call raised. A cached DUPLICATE is given without asking the store; a
+    claim other than NEW is given as it is (and cached when DUPLICATE); a
+    NEW claim is completed after the block, with its ``result``, or released
+    if the block raised; a result the store refuses is completed without it
+    and its error raised (the work is not done twice).
+    """
+
+    def __init__(
+        self,
+        key: bytes | str,
+        namespace: str,
+        fingerprint: bytes | None,
+        cache: DuplicateCache | None,
+    ) -> None:
+        self.key = key
+        self.namespace = namespace
+        self.fingerprint = fingerprint
+        self.cache = cache
+
+    def steps(self) -> Generator[Step, Claim | None, None]:
+        cache = self.cache
+        if cache is not None:
+            hit = cache.get(self.key, namespace=self.namespace, fingerprint=self.fingerprint)
+            if hit is not None:
+                yield Step(give=hit)
+                return
+        c = yield Step(call="claim")
+        assert c is not None
+        if c.outcome is not Outcome.NEW:
+            if cache is not None:
+                cache.put(c, fingerprint=self.fingerprint)
+            yield Step(give=c)
+            return
+        try:
+            yield Step(give=c)
+        except BaseException:
+            try:
+                yield Step(call="release", token=c.token)
+            except StaleTokenError:
+                _release_lost(self.key)
+            raise
+        try:
+            yield Step(call="complete", token=c.token, result=c.result)
+        except (TypeError, ValueError) as exc:
+            if not result_refused(exc):
+                raise  # the store's own answer (e.g. the lease was taken over)
+            # Record the key as processed without its result, so that a
+            # redelivery does not do the work a second time; tell the caller.
+            yield Step(call="complete", token=c.token)
+            raise
 
 
 def _answer(c: Claim, key: bytes | str, namespace: str) -> Any:
