@@ -120,10 +120,6 @@ _STREAMING = "the response was streamed (a streaming response is not recorded)"
 _BACKGROUND: set[asyncio.Future[Any]] = set()
 
 
-class _NotForUs(Exception):
-    """The request does not take part (no header, not required): the view just runs."""
-
-
 @dataclass
 class _StoreCall:
     method: str
@@ -301,18 +297,19 @@ class Idempotency:
     # -- the exchange, written once for both drivers ------------------------------------
 
     def applies(self, request: HttpRequest) -> bool:
-        """Whether ``request`` takes part: its method is one of ``methods``."""
-        return (request.method or "").upper() in self.methods
+        """Whether ``request`` takes part: its method is one of ``methods``, and it has the
+        header or must have it (``required``). Other requests go to the view untouched."""
+        if (request.method or "").upper() not in self.methods:
+            return False
+        return self.required or self.meta_name in request.META
 
     def _key(self, request: HttpRequest) -> str:
         raw = request.META.get(self.meta_name)
-        if raw is None:
-            if self.required:
-                raise _Rejected(
-                    "missing-key",
-                    f"{request.method} requests to this endpoint need an {self.header} header",
-                )
-            raise _NotForUs
+        if raw is None:  # and required (see applies)
+            raise _Rejected(
+                "missing-key",
+                f"{request.method} requests to this endpoint need an {self.header} header",
+            )
         if "," in raw and not raw.strip(" \t").startswith('"'):
             raise _Rejected(
                 "invalid-key",
@@ -363,15 +360,13 @@ class Idempotency:
             *problem(status, title, detail, retry_after=retry_after, type_uri=type_uri)
         )
 
-    def exchange(self, request: HttpRequest) -> _Exchange:
-        """One request, as steps a driver runs (store calls, the client's identity, the view)."""
+    def _exchange(self, request: HttpRequest) -> _Exchange:
+        """One request that takes part, as steps for a driver to run: store calls, finding
+        the client's identity, the view."""
         try:
             key = self._key(request)
             body = self._body(request)
             dkey = scoped_key((yield _Scope(request)), key)
-        except _NotForUs:
-            response: HttpResponseBase = yield _View(request)
-            return response
         except _Rejected as rejected:
             return self.problem(*rejected.refusal)
         path = request.path.encode("utf-8", "surrogatepass")
@@ -397,7 +392,7 @@ class Idempotency:
         if answer is not None:
             return _response(*answer)
         try:
-            response = yield _View(request)
+            response: HttpResponseBase = yield _View(request)
         except BaseException:
             yield from self._release(dkey, claim.token)
             raise
@@ -470,7 +465,7 @@ class Idempotency:
                 "a dedupcore.aio.Client needs an async view or an ASGI server; give a sync "
                 "store (dedupcore.Client) to sync views under WSGI"
             )
-        steps = _Steps(self.exchange(request))
+        steps = _Steps(self._exchange(request))
         for step in steps:
             steps.settle(self._run, step, lambda r: view(r, *args, **kwargs))
         return steps.response
@@ -494,7 +489,7 @@ class Idempotency:
         if not self.applies(request) or getattr(request, "idempotency", None) is not None:
             return await view(request, *args, **kwargs)
         request.idempotency = self
-        exchange = self.exchange(request)
+        exchange = self._exchange(request)
         task = asyncio.ensure_future(self._adrive(exchange, lambda r: view(r, *args, **kwargs)))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)

@@ -681,3 +681,36 @@ def test_a_client_that_goes_away_gets_the_response_on_its_retry(server: Server, 
     assert len(rows) == 1
     assert retry.status_code == 201 and replayed(retry)
     assert retry.json()["nonce"] == rows[0][0]
+
+
+def test_without_django_the_module_names_the_extra(tmp_path: Path) -> None:
+    """In a process where Django cannot be imported: MissingExtraError with the pip line,
+    and the rest of the package (the ASGI middleware among it) still imports."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('django', 'asgiref'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import dedupcore, dedupcore.integrations, dedupcore.http\n"
+        "from dedupcore.errors import MissingExtraError\n"
+        "try:\n"
+        "    import dedupcore.integrations.django\n"
+        "except MissingExtraError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == (
+        "dedupcore.integrations.django needs django, which is not installed: "
+        "pip install 'dedupcore[django]'"
+    )
