@@ -216,8 +216,8 @@ class Idempotency:
     """The ``Idempotency-Key`` handling of a middleware or of decorated views.
 
     ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
-    ``RedisStore``, ...), a ``dedupcore.aio.Client`` (async views and ASGI
-    only), or None for the store ``DEDUPCORE_STORE`` makes
+    ``RedisStore``, ...), a ``dedupcore.aio.Client`` (for the middleware under
+    ASGI and decorated async views), or None for the store ``DEDUPCORE_STORE`` makes
     (:func:`store_from_settings`). The keywords are those of
     :func:`idempotent_view`; their defaults are the ASGI middleware's.
     """
@@ -462,8 +462,8 @@ class Idempotency:
         request.idempotency = self
         if self._is_async_store():
             raise TypeError(
-                "a dedupcore.aio.Client needs an async view or an ASGI server; give a sync "
-                "store (dedupcore.Client) to sync views under WSGI"
+                "a dedupcore.aio.Client is awaited: it serves the middleware under ASGI and "
+                "decorated async views; give this one a sync store (dedupcore.Client)"
             )
         steps = _Steps(self._exchange(request))
         for step in steps:

@@ -391,6 +391,14 @@ def test_an_aio_client_is_awaited_by_async_views(daemon: Daemon) -> None:
     assert replayed(again) and again.content == b"made" and ran == [1]
 
 
+def test_a_sync_view_refuses_an_aio_client(tmp_path: Path) -> None:
+    store = aio.Client(tmp_path / "unused.sock")
+    decorated = idempotent_view(lambda request: HttpResponse(b"made"), store=store)
+    request = RequestFactory().post("/x", b"x", "text/plain", headers=alice(new_key(), "a"))
+    with pytest.raises(TypeError, match="sync store"):
+        decorated(request)
+
+
 # -- the decorator --------------------------------------------------------------------------
 
 
