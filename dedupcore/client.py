@@ -147,12 +147,6 @@ class Client(ClientBase, ClaimAPI):
     def __repr__(self) -> str:
         return f"<dedupcore.Client {self.path!r}>"
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Closes this thread's connection; other threads' close when they end."""
         self._closed = True

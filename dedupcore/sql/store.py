@@ -456,11 +456,8 @@ class SqlStore(ClaimAPI):
         self,
         keys: Iterable[bytes | str],
         *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
         event_times: Sequence[float | datetime.datetime] | None = None,
+        **options: Any,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace in one transaction.
 
@@ -473,14 +470,7 @@ class SqlStore(ClaimAPI):
         key's time is ``key_time(key)``. An unpartitioned table checks and
         ignores them. See docs/sql-partitions.md.
         """
-        batch = ClaimBatch(
-            keys,
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
-            fingerprints=fingerprints,
-            limits=self.limits,
-        )
+        batch = ClaimBatch(keys, limits=self.limits, **options)
         return self._claim_at(batch, check_event_times(batch.keys, event_times))
 
     @one_call
