@@ -14,18 +14,15 @@ from typing import Any
 import dedupcore._engine as _engine
 import dedupcore.decision as decision
 import dedupcore.keys as _keys
-from dedupcore.api import (
+from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
+from dedupcore.api.batches import (
     ChangeBatch,
-    Claim,
-    ClaimAPI,
     ClaimBatch,
-    KeyRecord,
     Limits,
-    Outcome,
     fingerprint_conflict,
-    namespace_counts,
     unpack_result,
 )
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import check_lease
 from dedupcore.record import State
 

@@ -37,19 +37,16 @@ from typing import Any, TypeVar, cast
 
 import dedupcore.keys as _keys
 from dedupcore._core import hash64, hash64_many, jump_hash, shard_many
-from dedupcore.api import (
+from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
+from dedupcore.api.batches import (
     ChangeBatch,
-    Claim,
-    ClaimAPI,
     ClaimBatch,
-    KeyRecord,
     Limits,
-    Outcome,
     fingerprint_conflict,
-    namespace_counts,
     pack_result,
     unpack_result,
 )
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import Retention, policies
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State

@@ -52,16 +52,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import dedupcore.keys as _keys
-from dedupcore.api import (
-    ChangeBatch,
-    Claim,
-    ClaimAPI,
-    ClaimBatch,
-    KeyRecord,
-    Limits,
-    Outcome,
-    result_refused,
-)
+from dedupcore.api.answers import Claim, KeyRecord, Outcome
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits, result_refused
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.memory import MemoryTable  # its home; still exported here
 from dedupcore.record import State

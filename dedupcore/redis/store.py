@@ -87,17 +87,15 @@ from redis.exceptions import (
 
 import dedupcore.keys as _keys
 from dedupcore._core import shard_many
-from dedupcore.api import (
+from dedupcore.api.answers import Claim, KeyRecord, Outcome
+from dedupcore.api.batches import (
     ChangeBatch,
-    Claim,
-    ClaimAPI,
     ClaimBatch,
-    KeyRecord,
     Limits,
-    Outcome,
     fingerprint_conflict,
     unpack_result,
 )
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import (
     DedupError,

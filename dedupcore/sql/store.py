@@ -136,15 +136,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import dedupcore.sql.retention as _retention
-from dedupcore.api import (
-    ChangeBatch,
-    Claim,
-    ClaimAPI,
-    ClaimBatch,
-    KeyRecord,
-    Limits,
-    unpack_result,
-)
+from dedupcore.api.answers import Claim, KeyRecord
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits, unpack_result
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import SchemaError
 from dedupcore.record import State

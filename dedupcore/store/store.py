@@ -22,18 +22,15 @@ from typing import Any
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
 from dedupcore._engine import FORM_CHECK, FORM_CLAIMS, FORM_COLUMNS
-from dedupcore.api import (
+from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
+from dedupcore.api.batches import (
     ChangeBatch,
-    Claim,
-    ClaimAPI,
     ClaimBatch,
-    KeyRecord,
     Limits,
-    Outcome,
     fingerprint_conflict,
-    namespace_counts,
     unpack_result,
 )
+from dedupcore.api.contract import ClaimAPI
 from dedupcore.api.deferred import Admit, ReplyColumns, bounded_reply
 from dedupcore.config import Retention, StoreConfig, policies
 from dedupcore.decision import stale_token_error
