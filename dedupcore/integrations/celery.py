@@ -92,7 +92,7 @@ from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
 from dedupcore.patterns.unique import Conn, check_identifier, table_info
 from dedupcore.retry import DEFAULT_RETRY
 
-__all__ = ["IdempotentTask", "TaskDedup"]
+__all__ = ["IdempotentTask", "TaskDedup", "close_stores"]
 
 log = logging.getLogger("dedupcore.integrations.celery")
 
@@ -185,8 +185,12 @@ def _drop_connection(factory: Callable[[], Any], table: str) -> None:
             found[1].close()
 
 
-def _close_all(**_: Any) -> None:
-    """Closes the stores this process made (a pool process that exits)."""
+def close_stores() -> None:
+    """Closes the stores this process made for its tasks, and this thread's connections.
+
+    A worker's pool process does it when it exits; a process that ran tasks
+    through ``apply()`` (a test, a script) calls it when it is done.
+    """
     pid = os.getpid()
     with _lock:
         mine = [store for made_by, store in _stores.values() if made_by == pid]
@@ -194,9 +198,15 @@ def _close_all(**_: Any) -> None:
     for store in mine:
         with contextlib.suppress(Exception):
             store.close()
+    for factory, table in list(_connections()):
+        _drop_connection(factory, table)
 
 
-worker_process_shutdown.connect(_close_all, weak=False)
+def _on_process_shutdown(**_: Any) -> None:
+    close_stores()
+
+
+worker_process_shutdown.connect(_on_process_shutdown, weak=False)
 
 
 @contextlib.contextmanager

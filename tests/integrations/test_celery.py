@@ -34,7 +34,7 @@ celery = pytest.importorskip("celery")
 
 from dedupcore import DedupStore  # noqa: E402
 from dedupcore.errors import InProgressError  # noqa: E402
-from dedupcore.integrations.celery import IdempotentTask  # noqa: E402
+from dedupcore.integrations.celery import IdempotentTask, close_stores  # noqa: E402
 from dedupcore.patterns.table import ensure_table  # noqa: E402
 from tests.support.procs import ROOT, LineProcess, child_env  # noqa: E402
 from tests.support.servers import (  # noqa: E402
@@ -388,10 +388,14 @@ def test_options_that_cannot_work_are_refused_when_the_task_is_made(
 
 
 def test_apply_claims_and_a_plain_call_does_not(app: Any, tmp_path: Path) -> None:
-    store = DedupStore.open(tmp_path / "s")
+    made: list[DedupStore] = []
     ran: list[str] = []
 
-    @app.task(base=IdempotentTask, bind=True, dedup_store=lambda: store, dedup_key="id")
+    def factory() -> DedupStore:
+        made.append(DedupStore.open(tmp_path / "s"))
+        return made[-1]
+
+    @app.task(base=IdempotentTask, bind=True, dedup_store=factory, dedup_key="id")
     def once(self: Any, item: dict[str, Any]) -> str:
         ran.append(item["id"])
         if not self.request.called_directly:
@@ -401,18 +405,21 @@ def test_apply_claims_and_a_plain_call_does_not(app: Any, tmp_path: Path) -> Non
     try:
         assert once.apply(args=[{"id": "a"}]).get() == "done a"
         assert once.apply(args=[{"id": "a"}]).get() == "done a"  # DUPLICATE: stored result
-        assert ran == ["a"]
+        assert ran == ["a"] and len(made) == 1  # one store for the process
         assert once({"id": "a"}) == "done a" and ran == ["a", "a"]  # a function call
         # Held by another owner: eager mode cannot re-send itself, it says so.
-        held = store.claim("b", namespace=once.name, owner="elsewhere")
+        held = made[0].claim("b", namespace=once.name, owner="elsewhere")
         with pytest.raises(InProgressError):
             once.apply(args=[{"id": "b"}], throw=True)
-        store.release("b", held.token, namespace=once.name)
+        made[0].release("b", held.token, namespace=once.name)
         assert once.apply(args=[{"id": "b"}]).get() == "done b"
         with pytest.raises(RuntimeError, match="only there while"):
             _ = once.dedup
+        close_stores()  # the next task opens the store again
+        assert once.apply(args=[{"id": "b"}]).get() == "done b"
+        assert len(made) == 2 and ran == ["a", "a", "b"]
     finally:
-        store.close()
+        close_stores()
 
 
 def test_without_celery_the_module_names_the_extra(tmp_path: Path) -> None:
