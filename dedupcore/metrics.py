@@ -559,6 +559,9 @@ class InstrumentedStore(ClaimAPI):
     def durability(self) -> str:
         return self.store.durability()
 
+    def durability_report(self) -> tuple[int, str]:
+        return self.store.durability_report()
+
     def close(self) -> None:
         """Closes the store; its stats are no longer read."""
         self.metrics.unwatch(self.store)

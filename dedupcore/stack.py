@@ -164,9 +164,9 @@ class TieredStore(ClaimAPI):
 
     def durability(self) -> str:
         """The authority's: the cache and the archive only ever repeat what it acknowledged."""
-        return self._durability_report()[1]
+        return self.durability_report()[1]
 
-    def _durability_report(self) -> tuple[int, str]:
+    def durability_report(self) -> tuple[int, str]:
         return durability_report(self.authority)
 
     @property
@@ -483,9 +483,9 @@ class ShardedStore(ClaimAPI):
 
     def durability(self) -> str:
         """The weakest shard's (each key lives on one shard), naming it."""
-        return self._durability_report()[1]
+        return self.durability_report()[1]
 
-    def _durability_report(self) -> tuple[int, str]:
+    def durability_report(self) -> tuple[int, str]:
         reports = [durability_report(s) for s in self.shards]
         level, said = min(reports, key=lambda r: r[0])
         if len(self.shards) == 1:

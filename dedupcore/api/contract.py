@@ -159,6 +159,16 @@ class ClaimAPI(ABC):
         """
         return UNKNOWN_DURABILITY
 
+    def durability_report(self) -> tuple[int, str]:
+        """How much :meth:`durability` promises, and its words.
+
+        The level orders stores by what an acknowledged claim survives: 3 a
+        crash and a power loss, 2 a process crash (a power loss can lose the
+        last moments), 1 less than that, 0 a crash or restart can lose every
+        record, -1 unknown (assume the worst; this default).
+        """
+        return -1, self.durability()
+
     def claim(
         self,
         key: bytes | str,

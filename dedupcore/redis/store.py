@@ -360,9 +360,9 @@ class RedisStore(ClaimAPI):
 
         On a cluster this is the weakest node's answer (a key lives on one node).
         """
-        return self._durability_report()[1]
+        return self.durability_report()[1]
 
-    def _durability_report(self) -> tuple[int, str]:
+    def durability_report(self) -> tuple[int, str]:
         """See :func:`~dedupcore.tiers.base.durability_report`."""
         try:
             with deadline_scope(self.timeout):

@@ -397,9 +397,9 @@ class SqlStore(ClaimAPI):
 
     def durability(self) -> str:
         """What a committed claim survives, from the database server's settings."""
-        return self._durability_report()[1]
+        return self.durability_report()[1]
 
-    def _durability_report(self) -> tuple[int, str]:
+    def durability_report(self) -> tuple[int, str]:
         """See :func:`~dedupcore.tiers.base.durability_report`."""
         return self._tx(self._dialect.durability, write=False)
 

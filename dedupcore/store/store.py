@@ -226,12 +226,16 @@ class DedupStore(Maintenance, ClaimAPI):
 
     def durability(self) -> str:
         """What an acknowledged claim survives, from ``config.durability``."""
+        return self.durability_report()[1]
+
+    def durability_report(self) -> tuple[int, str]:
+        """See :meth:`ClaimAPI.durability_report`: 3 when durable, else 2."""
         if self.config.durability == "durable":
-            return (
+            return 3, (
                 "durable: the write-ahead log is fdatasynced before each answer: survives a "
                 "process crash and a power loss"
             )
-        return (
+        return 2, (
             "power-loss-unsafe: survives a process crash; a power loss or an OS crash can "
             "lose the last acknowledged claims"
         )

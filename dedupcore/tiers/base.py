@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import dedupcore.keys as _keys
 from dedupcore._checks import checked_int
-from dedupcore.api import Claim, KeyRecord
+from dedupcore.api import Claim, ClaimAPI, KeyRecord
 from dedupcore.config import Retention
 from dedupcore.errors import RequestRefusedError
 
@@ -66,12 +66,11 @@ def durability_report(store: Any) -> tuple[int, str]:
     The level orders stores by what an acknowledged claim survives: 3 a
     crash and a power loss, 2 a process crash (a power loss can lose the
     last moments), 1 less than that, 0 a crash or restart can lose every
-    record, -1 unknown (assume the worst). Stores that know it give
-    ``_durability_report()``; the embedded store's follows its config.
+    record, -1 unknown (assume the worst). A claim store declares it
+    (:meth:`~dedupcore.api.ClaimAPI.durability_report`).
     """
-    report = getattr(store, "_durability_report", None)
-    if callable(report):
-        level, said = report()
+    if isinstance(store, ClaimAPI):
+        level, said = store.durability_report()
         return int(level), str(said)
     said = store.durability() if callable(getattr(store, "durability", None)) else "unknown"
     mode = getattr(getattr(store, "config", None), "durability", None)
