@@ -6,12 +6,13 @@ that stops forwarding (a blackhole), since stopping the shared servers
 would break other tests. SQLite: another connection holding the write lock.
 
 Each store gets ``timeout=1.0``. A call started while the server does not
-answer must raise :class:`UnavailableError` well before twice the timeout
-(what one retry or a doubled wait used to take): the bound asserted is
-1.6 s, a margin that a loaded machine does not reach but the old waits of
-2 s and more always passed. No lower bound is asserted. After the server
-answers again the store serves, and no key acknowledged before the pause
-comes back NEW.
+answer must raise :class:`UnavailableError`, and no wait inside it (a
+connect, a send, a reply, the watchdog's cut, a retry) may have been given
+more than was left of the call's deadline when it was given: a retry or a
+reconnect with a fresh full timeout fails that. What is asserted is the time
+each wait was given (:class:`Waits`), never how long the call took, so a
+loaded machine cannot fail it. After the server answers again the store
+serves, and no key acknowledged before the pause comes back NEW.
 """
 
 from __future__ import annotations
@@ -34,28 +35,180 @@ from dedupcore.errors import UnavailableError
 from dedupcore.factory import open_store
 from dedupcore.record import State
 from dedupcore.redis import RedisStore
-from dedupcore.sql import SqlStore
+from dedupcore.retry import RETRY_FLOOR, Deadline, current_deadline
+from dedupcore.sql import SqlStore, transactions
+from dedupcore.sql.dialects.mysql import MySQLDialect
+from dedupcore.sql.dialects.sqlite import SQLiteDialect
+from dedupcore.sql.watchdog import Watchdog
 from tests.support.cluster import redis_cluster, redis_server
 from tests.support.procs import call_in_thread
 from tests.support.servers import SERVERS, address, require_server
 
 NS = "deadline/test"
 TIMEOUT = 1.0
-#: The asserted upper bound of a failed call: timeout * 1.1 plus a generous margin for
-#: a loaded machine, and still well under the 2 x timeout that a retry with a fresh
-#: full timeout (or a doubled wait) takes.
-BOUND = 1.6
+#: The hot cache's own deadline (``RedisCache.from_url``'s default).
+CACHE_TIMEOUT = 0.5
 DONE = [f"done{i}" for i in range(20)]
 
+# -- what each wait of a call was given ----------------------------------------------------
 
-def _fails_within_the_deadline(call: Callable[[], Any]) -> float:
-    """Runs ``call``, which must raise UnavailableError; returns the seconds it took."""
-    start = time.monotonic()
+
+class Waits:
+    """Records, for each wait of a call, the time it was given and when it was given.
+
+    Every wait a store's drivers are given inside a call is recorded in the thread
+    that waits: each blocking operation on a Python socket (redis-py, PyMySQL) with
+    the socket's timeout, the connect of a SQL store (``connect_within``), the
+    driver's own waits set by ``Dialect.arm`` (PyMySQL, SQLite's busy wait), the
+    watchdog's cut time (psycopg) and each retry's decision (``Deadline.retry_wait``).
+    ``since[thread]`` is the end of the thread's previous recorded step: a wait is
+    computed after it, so what was left of the call's deadline when the wait was
+    given is at least ``at - since``. Checking ``given <= at - since`` needs no clock
+    margin: it holds on any load, and it fails for a retry or reconnect that is given a
+    fresh full timeout after an earlier wait of the same call.
+    """
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        #: (timeout, when it ends) of each deadline taken, as it was taken
+        self.deadlines: list[tuple[float, float]] = []
+        #: (what, seconds given or None for no limit, the end of the step before it)
+        self.given: list[tuple[str, float | None, float]] = []
+        #: (cut time the watchdog was given)
+        self.cuts: list[float] = []
+        #: (sleep allowed or None, the end of the step before it)
+        self.retries: list[tuple[float | None, float]] = []
+        self.since: dict[int, float] = {}
+
+    def reset(self) -> None:
+        self.start = time.monotonic()
+        self.deadlines.clear()
+        self.given.clear()
+        self.cuts.clear()
+        self.retries.clear()
+        self.since.clear()
+
+    def before(self) -> float:
+        return self.since.get(threading.get_ident(), self.start)
+
+    def stepped(self) -> None:
+        self.since[threading.get_ident()] = time.monotonic()
+
+    def check(self, timeout: float = TIMEOUT, only: str | tuple[str, ...] = "") -> None:
+        """Asserts that no wait of the call was given more than was left of its deadline
+        (the first one of ``timeout`` seconds it took), and that no retry started with
+        less than the retry floor left. ``only``: the waits whose name starts with it (a
+        SQL store's sockets keep the timeout armed for the whole transaction)."""
+        mine = [at for t, at in self.deadlines if t == timeout]
+        assert mine, f"the call took no deadline of {timeout} s"
+        at = min(mine)  # a later one (a fresh timeout) never extends the call
+        given_ = [g for g in self.given if g[0].startswith(only)]
+        assert given_ or self.cuts, "no wait of the call was seen"
+        for what, given, since in given_:
+            left = at - since
+            assert given is not None, f"{what} was given no time limit ({left:.3f} s were left)"
+            assert given <= left + EPS, f"{what} was given {given:.3f} s, {left:.3f} s were left"
+        for until in self.cuts:
+            assert until <= at, f"the watchdog cuts {until - at:.3f} s after the deadline"
+        for wait, since in self.retries:
+            if wait is not None:  # the retry starts after ``wait``: the floor is left then
+                room = at - since - timeout * RETRY_FLOOR
+                assert wait <= room + EPS, "a retry started with less than the floor left"
+
+
+#: Float rounding of a socket's timeout (kept in whole nanoseconds), not a clock margin.
+EPS = 1e-6
+
+_SOCKET_WAITS = ("connect", "sendall", "send", "recv", "recv_into")
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> Waits:
+    spy = Waits()
+    deadline_init = Deadline.__init__
+
+    def init(self: Deadline, *args: Any, **kwargs: Any) -> None:
+        deadline_init(self, *args, **kwargs)
+        spy.deadlines.append((self.timeout, self.at))  # as taken: nothing may move it later
+
+    monkeypatch.setattr(Deadline, "__init__", init)
+
+    retry_wait = Deadline.retry_wait
+
+    def spied_retry_wait(self: Deadline, backoff: float) -> float | None:
+        since = spy.before()
+        wait = retry_wait(self, backoff)
+        spy.retries.append((wait, since))
+        spy.stepped()
+        return wait
+
+    monkeypatch.setattr(Deadline, "retry_wait", spied_retry_wait)
+
+    def socket_wait(name: str) -> Callable[..., Any]:
+        real = getattr(socket.socket, name)
+
+        def wait(sock: socket.socket, *args: Any, **kwargs: Any) -> Any:
+            if current_deadline() is None:  # not a call's thread (the proxy, a connect thread)
+                return real(sock, *args, **kwargs)
+            given = sock.gettimeout()
+            if given != 0.0:  # 0: a poll that does not wait
+                spy.given.append((f"socket.{name}", given, spy.before()))
+            try:
+                return real(sock, *args, **kwargs)
+            finally:
+                spy.stepped()
+
+        return wait
+
+    for name in _SOCKET_WAITS:
+        monkeypatch.setattr(socket.socket, name, socket_wait(name))
+
+    connect = transactions.connect_within
+
+    def spied_connect(factory: Callable[[], Any], wait: float) -> Any:
+        spy.given.append(("the SQL connect", wait, spy.before()))
+        try:
+            return connect(factory, wait)
+        finally:
+            spy.stepped()
+
+    monkeypatch.setattr(transactions, "connect_within", spied_connect)
+
+    for dialect in (MySQLDialect, SQLiteDialect):
+        arm = dialect.arm
+
+        def spied_arm(self: Any, conn: Any, wait: float, arm: Any = arm) -> None:
+            spy.given.append((f"{type(self).__name__}.arm", wait, spy.before()))
+            arm(self, conn, wait)
+            spy.stepped()
+
+        monkeypatch.setattr(dialect, "arm", spied_arm)
+
+    guard = Watchdog.guard
+
+    def spied_guard(self: Watchdog, fd: int | None, until: float | None = None) -> Any:
+        if until is not None and fd is not None:
+            spy.cuts.append(until)
+        return guard(self, fd, until)
+
+    monkeypatch.setattr(Watchdog, "guard", spied_guard)
+    return spy
+
+
+#: The waits of a SQL store: PyMySQL's socket timeouts are armed once a transaction
+#: (``Dialect.arm``), and the watchdog cuts what is still waiting at the deadline.
+SQL_WAITS = ("the SQL connect", "MySQLDialect.arm", "SQLiteDialect.arm")
+
+
+def _fails_within_the_deadline(
+    waits: Waits, call: Callable[[], Any], only: str | tuple[str, ...] = ""
+) -> None:
+    """Runs ``call``, which must raise UnavailableError after giving no wait more than
+    was left of its deadline (``only``: the waits checked, see :meth:`Waits.check`)."""
+    waits.reset()
     with pytest.raises(UnavailableError):
         call_in_thread(call)
-    elapsed = time.monotonic() - start
-    assert elapsed < BOUND, f"the call took {elapsed:.2f} s with timeout={TIMEOUT}"
-    return elapsed
+    waits.check(only=only)
 
 
 def _acknowledge(store: Any) -> None:
@@ -92,17 +245,19 @@ def _serves_again(store: Any) -> None:
 # -- Redis -------------------------------------------------------------------------------
 
 
-def test_redis_calls_end_within_the_timeout_while_the_server_is_paused(tmp_path: Path) -> None:
+def test_redis_calls_end_within_the_timeout_while_the_server_is_paused(
+    tmp_path: Path, waits: Waits
+) -> None:
     with redis_server(tmp_path) as server:
         store = RedisStore.from_url(f"redis://127.0.0.1:{server.port}/0", timeout=TIMEOUT)
         _acknowledge(store)
         server.pause()
         try:
             for call in _calls(store):
-                _fails_within_the_deadline(call)
+                _fails_within_the_deadline(waits, call)
             # A call that has to connect anew: the connect and the handshake share it.
             store.client.connection_pool.disconnect()
-            _fails_within_the_deadline(_calls(store)[0])
+            _fails_within_the_deadline(waits, _calls(store)[0])
         finally:
             server.resume()
         _serves_again(store)
@@ -110,7 +265,7 @@ def test_redis_calls_end_within_the_timeout_while_the_server_is_paused(tmp_path:
 
 
 def test_redis_cluster_calls_end_within_the_timeout_while_a_master_is_paused(
-    tmp_path: Path,
+    tmp_path: Path, waits: Waits
 ) -> None:
     with redis_cluster(tmp_path, 3) as cluster:
         url = f"redis://127.0.0.1:{cluster.ports[0]}/0"
@@ -125,9 +280,9 @@ def test_redis_cluster_calls_end_within_the_timeout_while_a_master_is_paused(
         node = next(n for n in cluster.nodes if n.port == port_of[key])
         node.pause()
         try:
-            _fails_within_the_deadline(lambda: store.claim(key, namespace=NS))
-            _fails_within_the_deadline(lambda: store.claim_many(DONE, namespace=NS))
-            _fails_within_the_deadline(lambda: store.get(key, namespace=NS))
+            _fails_within_the_deadline(waits, lambda: store.claim(key, namespace=NS))
+            _fails_within_the_deadline(waits, lambda: store.claim_many(DONE, namespace=NS))
+            _fails_within_the_deadline(waits, lambda: store.get(key, namespace=NS))
         finally:
             node.resume()
         again = call_in_thread(lambda: store.claim_many(DONE, namespace=NS))
@@ -136,7 +291,7 @@ def test_redis_cluster_calls_end_within_the_timeout_while_a_master_is_paused(
 
 
 def test_a_stack_skips_its_paused_redis_cache_within_the_cache_s_deadline(
-    tmp_path: Path,
+    tmp_path: Path, waits: Waits
 ) -> None:
     """The hot cache of a stack is one call with its own deadline (0.5 s by default)."""
     with redis_server(tmp_path / "cache") as server:
@@ -152,11 +307,11 @@ def test_a_stack_skips_its_paused_redis_cache_within_the_cache_s_deadline(
         try:
             # The acknowledged keys pass the front filter and ask the cache first: it does
             # not answer, so it is skipped after its deadline and the authority answers.
-            start = time.monotonic()
+            waits.reset()
             again = call_in_thread(lambda: store.claim_many(DONE, namespace=NS))
-            elapsed = time.monotonic() - start
             assert {(c.outcome, c.result) for c in again} == {(Outcome.DUPLICATE, "r")}
-            assert elapsed < BOUND, f"the stack took {elapsed:.2f} s with a paused cache"
+            # The cache's waits (its sockets) kept the cache's deadline.
+            waits.check(CACHE_TIMEOUT, only="socket.")
         finally:
             server.resume()
         _serves_again(store)
@@ -274,7 +429,9 @@ def _drop_table(url: str, table: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["postgresql", "mariadb"])
-def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(name: str) -> None:
+def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(
+    name: str, waits: Waits
+) -> None:
     require_server(name)
     url = getattr(SERVERS, name)
     table = f"deadline_{uuid.uuid4().hex[:12]}"
@@ -287,7 +444,7 @@ def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(name:
                 # The first call waits on the open connection, which is cut at the
                 # deadline; the later ones must connect anew, within the deadline too.
                 for call in _calls(store):
-                    _fails_within_the_deadline(call)
+                    _fails_within_the_deadline(waits, call, SQL_WAITS)
                 assert store.stats()["cut_connections"] >= 1
             finally:
                 proxy.release()
@@ -297,7 +454,7 @@ def test_sql_calls_end_within_the_timeout_while_the_server_does_not_answer(name:
         _drop_table(url, table)
 
 
-def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
+def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call(waits: Waits) -> None:
     """A deadlock retry's backoff and its new attempt share the call's deadline."""
     require_server("postgresql")
     table = f"deadline_{uuid.uuid4().hex[:12]}"
@@ -317,7 +474,7 @@ def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
                 )
 
             try:
-                _fails_within_the_deadline(lambda: store._tx(body))
+                _fails_within_the_deadline(waits, lambda: store._tx(body), SQL_WAITS)
             finally:
                 proxy.release()
             assert len(attempts) == 3
@@ -330,7 +487,7 @@ def test_sql_deadlock_retries_stay_within_the_deadline_of_the_call() -> None:
 # -- SQLite: the busy wait for another writer's lock ---------------------------------------
 
 
-def test_sqlite_busy_wait_ends_within_the_timeout(tmp_path: Path) -> None:
+def test_sqlite_busy_wait_ends_within_the_timeout(tmp_path: Path, waits: Waits) -> None:
     path = tmp_path / "dedup.db"
     store = SqlStore.from_url(f"sqlite:///{path}", timeout=TIMEOUT)
     store.init_schema()
@@ -338,8 +495,8 @@ def test_sqlite_busy_wait_ends_within_the_timeout(tmp_path: Path) -> None:
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")  # another writer holds the lock
     try:
-        _fails_within_the_deadline(lambda: store.claim("paused", namespace=NS, owner="w"))
-        _fails_within_the_deadline(lambda: store.complete("done0", 1, namespace=NS))
+        _fails_within_the_deadline(waits, lambda: store.claim("paused", namespace=NS, owner="w"))
+        _fails_within_the_deadline(waits, lambda: store.complete("done0", 1, namespace=NS))
     finally:
         other.execute("ROLLBACK")
         other.close()
