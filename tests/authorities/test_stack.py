@@ -37,7 +37,14 @@ from dedupcore.tiers.cache import RedisCache
 from tests.support.cluster import free_port, redis_server
 from tests.support.daemon import Lab
 from tests.support.procs import run_cli
-from tests.support.servers import SERVERS, connect_redis, flushed_redis, redis_url, require_server
+from tests.support.servers import (
+    SERVERS,
+    connect_redis,
+    flushed_redis,
+    redis_url,
+    require_server,
+    uid,
+)
 from tests.support.stores import SqlTable, counting_store
 
 NS = "orders/billing"
@@ -614,14 +621,25 @@ def _race_worker(spec: dict[str, Any], keys: list[str], out: Any) -> None:
     out.put(won)
 
 
+def _delete_prefix(client: redis.Redis, prefix: str) -> None:
+    """Deletes the keys of the stores with ``prefix`` (``<prefix>:...``)."""
+    for name in client.scan_iter(match=f"{prefix}:*", count=1000):
+        client.delete(name)
+
+
 @pytest.mark.parametrize(
     "stack", ["redis", "mysql", "sqlite", "pg+redis-cache", "sharded-redis", "sharded-pg+sqlite"]
 )
 def test_eight_processes_racing_see_one_new_per_key(
     stack: str, rdb: redis.Redis, pg_table: str, tmp_path: Path
 ) -> None:
-    """Each authority and stack: 8 processes, the same 3000 keys, one NEW per key overall."""
+    """Each authority and stack: 8 processes, the same 3000 keys, one NEW per key overall.
+
+    Each case starts from nothing of an earlier run: the stack's Redis database is
+    flushed (``rdb``), tables are new (``pg_table``), SQLite is in ``tmp_path``.
+    """
     sqlite = f"sqlite:///{tmp_path}/race.db"
+    second = connect_redis("integrations")
     if stack == "redis":
         spec: dict[str, Any] = {"authority": REDIS_URL}
     elif stack == "mysql":
@@ -640,7 +658,11 @@ def test_eight_processes_racing_see_one_new_per_key(
             "table": pg_table,
         }
     elif stack == "sharded-redis":
-        spec = {"authority": [REDIS_URL, redis_url("integrations")]}
+        # The second shard is in the database that tests/integrations share: this run's
+        # keys get a prefix of their own, deleted before the race and after it.
+        prefix = uid("race")
+        spec = {"authority": [REDIS_URL, redis_url("integrations")], "prefix": prefix}
+        _delete_prefix(second, prefix)
     else:
         _pg(pg_table).close()
         SqlStore.from_url(sqlite, table=pg_table).init_schema()
@@ -652,14 +674,21 @@ def test_eight_processes_racing_see_one_new_per_key(
     for n in range(8):
         mine = keys[n * 100 :] + keys[: n * 100]  # each starts elsewhere, all overlap
         procs.append(ctx.Process(target=_race_worker, args=(spec, mine, out)))
-    for p in procs:
-        p.start()
-    won = [k for _ in procs for k in out.get(timeout=240)]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert sorted(won) == sorted(keys)  # every key NEW exactly once over all processes
-    if stack == "sharded-redis":
-        connect_redis("integrations").flushdb()
-    if stack == "mysql":
-        SqlTable("mysql", SERVERS.mariadb, pg_table).drop()
+    try:
+        for p in procs:
+            p.start()
+        won = [k for _ in procs for k in out.get(timeout=240)]
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        assert sorted(won) == sorted(keys)  # every key NEW exactly once over all processes
+    finally:
+        for p in procs:
+            if p.is_alive():  # a failed run: nothing may write after the cleanup
+                p.kill()
+                p.join(60)
+        if stack == "sharded-redis":
+            _delete_prefix(second, spec["prefix"])
+        if stack == "mysql":
+            SqlTable("mysql", SERVERS.mariadb, pg_table).drop()
+        second.close()
