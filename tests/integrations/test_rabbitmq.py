@@ -77,7 +77,7 @@ def test_new_then_duplicate_acked_without_handler(
 
 
 def test_in_progress_is_nacked_after_the_delay_and_redelivered(
-    channel: Any, store_factory: Any
+    channel: Any, store_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = store_factory("embedded")
     other = store.claim("x", namespace=NS, lease=120.0, owner="someone-else")
@@ -85,21 +85,36 @@ def test_in_progress_is_nacked_after_the_delay_and_redelivered(
     q = channel.declare()
     handler = Recorder()
     consumer = DedupConsumer(store, handler, namespace=NS, key=body_key, retry_delay=0.3)
-    seen: list[tuple[float, bool, Verdict]] = []
+    seen: list[tuple[bool, Verdict]] = []
+    # The order of what happens, not how long it took: the nack is held on the
+    # connection's timer for retry_delay, and the redelivery comes after it fires.
+    events: list[str] = []
     decide = consumer.handle
+    schedule = channel.connection.call_later
+
+    def held(delay: float, nack: Callable[[], None]) -> Any:
+        def fire() -> None:
+            events.append("nacked")
+            nack()
+
+        events.append(f"held {delay}")
+        return schedule(delay, fire)
+
+    monkeypatch.setattr(channel.connection, "call_later", held)
 
     def spy(ch: Any, method: Any, props: Any, body: bytes) -> Verdict:
+        events.append("delivered")
         v = decide(ch, method, props, body)
-        seen.append((time.monotonic(), bool(method.redelivered), v))
+        seen.append((bool(method.redelivered), v))
         return v
 
     consumer.handle = spy  # type: ignore[method-assign]
     consumer.consume(channel, q)
     publish(channel, q, {"id": "x"})
     pump(channel, lambda: len(seen) >= 2)
-    assert [v for _, _, v in seen[:2]] == [Verdict.RETRY, Verdict.RETRY]
-    assert seen[1][1] is True  # requeued by the nack, not a new message
-    assert seen[1][0] - seen[0][0] >= 0.3  # held for the delay before the nack
+    assert [v for _, v in seen[:2]] == [Verdict.RETRY, Verdict.RETRY]
+    assert seen[1][0] is True  # requeued by the nack, not a new message
+    assert events[:4] == ["delivered", "held 0.3", "nacked", "delivered"]
     assert handler.calls == []
     # The other owner finishes: the next redelivery is a DUPLICATE, acked without the handler.
     store.complete("x", other.token, namespace=NS)
