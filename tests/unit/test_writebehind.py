@@ -6,10 +6,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from dedupcore import writebehind
 from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.record import State
@@ -356,24 +358,52 @@ def test_an_unreachable_authority_keeps_the_queue(authority: MemoryTable) -> Non
         s.close()
 
 
+class _RecordedWaits:
+    """The background thread's condition, recording (authority calls so far, wait given)."""
+
+    def __init__(self, cond: threading.Condition, flaky: Switchable) -> None:
+        self.cond = cond
+        self.flaky = flaky
+        self.waits: list[tuple[int, float | None]] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append((self.flaky.calls, timeout))
+        return self.cond.wait(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cond, name)
+
+
 def test_background_retries_an_unreachable_authority_without_spinning(
-    authority: MemoryTable,
+    authority: MemoryTable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The pause after a failed push is read off what the thread waits for, on a clock
+    # that stands still until the test moves it: no timing, whatever the load.
+    clock = FakeClock()
+    monkeypatch.setattr(writebehind, "time", SimpleNamespace(monotonic=clock, time=time.time))
     flaky = Switchable(authority)
     flaky.down = True
-    start = time.monotonic()
     s = WriteBehindStore(flaky, flush_interval=0.001, flush_keys=1)
+    recorded = _RecordedWaits(s._wake, flaky)
+    s._wake = recorded  # type: ignore[assignment]
     try:
         s.claim("k", namespace=NS)  # one waiting key reaches flush_keys: a push starts now
-        deadline = time.monotonic() + 60
-        while s.stats()["write_behind"]["push_errors"] < 1 and time.monotonic() < deadline:
+        guard = time.monotonic() + 60  # only a guard against a hang
+        while not any(calls >= 1 for calls, _ in recorded.waits):  # failed, now pausing
+            assert time.monotonic() < guard, "no failed push"
             time.sleep(0.005)
-        time.sleep(0.2)
-        calls, elapsed = flaky.calls, time.monotonic() - start
-        # Failed pushes are at least a second apart, though a key stays queued.
-        assert 1 <= calls <= 1 + int(elapsed)
+        assert s.stats()["write_behind"]["push_errors"] == 1
+        # Failed pushes are at least a second apart, though a key stays queued: until the
+        # clock has moved a second, the thread only waits, and for that second.
+        after = [wait for calls, wait in recorded.waits if calls >= 1]
+        assert after and all(wait == 1.0 for wait in after), after
+        assert flaky.calls == 1
         flaky.down = False
-        while state_at(authority, "k") is None and time.monotonic() < deadline:
+        with s._lock:
+            clock.now += 1.0
+            recorded.notify_all()
+        while state_at(authority, "k") is None:
+            assert time.monotonic() < guard, "not retried"
             time.sleep(0.01)
         assert state_at(authority, "k") is State.PROCESSING  # retried once it answers
     finally:
