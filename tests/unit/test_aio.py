@@ -385,6 +385,7 @@ def test_timeout_then_reply_lost_then_reconnect_after_restart(own_daemon: Daemon
         first = await c.claim("durable", namespace=ns)
         await c.complete("durable", first.token, namespace=ns, result="kept")
         conn = c._conn
+        assert conn is not None
 
         # What leaves the client is counted, not how long it waited: a claim is sent once
         # and given up after one wait of ``timeout`` (never resent, never retried).
