@@ -396,7 +396,7 @@ def test_timeout_then_reply_lost_then_reconnect_after_restart(own_daemon: Daemon
             frames.append(bytes(data))
             write(data)
 
-        conn.writer.write = counting  # type: ignore[method-assign]
+        conn.writer.write = counting  # type: ignore[method-assign,assignment]
         d.signal(signal.SIGSTOP)
         try:
             with pytest.raises(UnavailableError, match=r"no reply within 0\.5 s"):
