@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -469,21 +469,12 @@ class InstrumentedStore(ClaimAPI):
             time.perf_counter() - started
         )
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    def claim_many(self, keys: Iterable[bytes | str], **options: Any) -> list[Claim]:
         """The store's ``claim_many``; counts each answer by outcome, and takeovers."""
+        namespace: Any = options.get("namespace")
         started = time.perf_counter()
         try:
-            claims = self.store.claim_many(
-                keys, namespace=namespace, lease=lease, owner=owner, fingerprints=fingerprints
-            )
+            claims = self.store.claim_many(keys, **options)
         except Exception as exc:
             self._took("claim", started)
             self._count_error("claim", exc)

@@ -492,20 +492,16 @@ class SqlStore(ClaimAPI):
         self,
         key: bytes | str,
         *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprint: bytes | None = None,
         event_time: float | datetime.datetime | None = None,
+        fingerprint: bytes | None = None,
+        **options: Any,
     ) -> Claim:
         """:meth:`ClaimAPI.claim <dedupcore.api.ClaimAPI.claim>` with the key's ``event_time``."""
         return self.claim_many(
             [key],
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
             fingerprints=None if fingerprint is None else [fingerprint],
             event_times=None if event_time is None else [event_time],
+            **options,
         )[0]
 
     @one_call
