@@ -1,12 +1,14 @@
-"""The claim API every front end shares: DedupStore, Client, and the daemon's answers.
+"""The claim API every store shares (docs/architecture.md, "The contract").
 
-:class:`ClaimAPI` holds what is the same whatever carries the batch calls:
-single-key forms, ``processing()`` and the ``idempotent`` decorator. A front
-end implements ``claim_many``, ``complete_many``, ``release_many``, ``get``
-and ``stats``. :class:`AsyncClaimAPI` is its asyncio twin (for
-:class:`dedupcore.aio.Client`): the same conveniences as coroutines, built on
-the same helpers (argument checks, key paths, the disable switch, the
-duplicate cache), so the two cannot drift apart.
+:class:`ClaimAPI` (``contract.py``) writes the public calls once: each
+checks its arguments into a :class:`ClaimBatch` or :class:`ChangeBatch`
+(``batches.py``) and hands it to the store's primitives (``_claim_batch``,
+``_change_batch``, ``_get_record``, with ``stats``); the single-key forms,
+``processing()`` and the ``idempotent`` decorator come with it.
+:class:`AsyncClaimAPI` is its asyncio twin (for :class:`dedupcore.aio.Client`),
+sharing the decisions of ``conveniences.py``. ``answers.py`` holds what a
+claim answers; ``deferred.py`` what the daemon asks of a store it decides on
+its event loop. Every name is importable from here.
 """
 
 from __future__ import annotations
