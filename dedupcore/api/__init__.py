@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
 from dedupcore.api.batches import (
+    MAX_FINGERPRINT_BYTES,
+    MAX_OWNER_BYTES,
     MAX_TOKEN,
     ChangeBatch,
     ClaimBatch,
@@ -45,6 +47,8 @@ from dedupcore.errors import InProgressError, KeyPathError
 
 __all__ = [
     "DISABLE_ENV",
+    "MAX_FINGERPRINT_BYTES",
+    "MAX_OWNER_BYTES",
     "MAX_TOKEN",
     "AsyncClaimAPI",
     "ChangeBatch",
