@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Sequence
 from typing import Any
 
-from dedupcore.api import AsyncClaimAPI, Claim, KeyRecord
+from dedupcore.api import AsyncClaimAPI, ChangeBatch, Claim, ClaimBatch, KeyRecord
 from dedupcore.client import DEFAULT_SOCKET, ClientBase, default_socket
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
@@ -242,43 +241,17 @@ class Client(ClientBase, AsyncClaimAPI):
         """True if the daemon answers."""
         return bool(await self._call(Op.PING, {}) == "pong")
 
-    async def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
-        """Claims a batch of keys of one namespace (see :meth:`DedupStore.claim_many`)."""
-        keys_ = protocol.key_list(keys)
-        args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
+    async def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        keys, args = self._claim_request(batch)
         rows = await self._call(Op.CLAIM_MANY, args)
-        return protocol.claims_from_reply(keys_, namespace, rows)
+        return protocol.claims_from_reply(keys, batch.namespace, rows)
 
-    async def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
-        items_ = protocol.items_arg(items, with_results=True)
-        await self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": items_})
+    async def _change_batch(self, batch: ChangeBatch) -> None:
+        await self._call(*self._change_request(batch))
 
-    async def release_many(
-        self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
-    ) -> None:
-        """Releases many claims."""
-        items_ = protocol.items_arg(items, with_results=False)
-        await self._call(Op.RELEASE_MANY, {"ns": namespace, "items": items_})
-
-    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The key's record without claiming it."""
-        if not isinstance(key, (bytes, str)):
-            key = protocol.key_list([key])[0]
-        return protocol.record_from_map(await self._call(Op.GET, {"ns": namespace, "key": key}))
+    async def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        reply = await self._call(Op.GET, {"ns": ns.decode(), "key": key})
+        return protocol.record_from_map(reply)
 
     async def stats(self) -> dict[str, Any]:
         """The daemon's store figures plus its own counters."""

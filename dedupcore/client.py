@@ -23,10 +23,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from dedupcore.api import Claim, ClaimAPI, KeyRecord
+from dedupcore.api import ChangeBatch, Claim, ClaimAPI, ClaimBatch, KeyRecord, Limits
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
@@ -119,8 +119,31 @@ class ClientBase:
         self._closed = False
         self._open()
 
+    #: The client checks what every store checks (types, tokens, owners, fingerprints,
+    #: msgpack results) within the largest limits a daemon can be configured with; the
+    #: daemon checks keys and results against its store's own (docs/daemon.md).
+    limits = Limits(max_key_bytes=64 << 10, max_result_bytes=16 << 20)
+
     def _open(self) -> None:
         """Sets up the client's own connection state (no connection is made yet)."""
+
+    @staticmethod
+    def _claim_request(batch: ClaimBatch) -> tuple[list[Any], dict[str, Any]]:
+        """The keys as sent, and the args of the batch's CLAIM_MANY request."""
+        keys = protocol.key_list(batch.keys)
+        args = protocol.claim_args(
+            batch.namespace, keys, batch.lease, batch.owner, batch.fingerprints
+        )
+        return keys, args
+
+    @staticmethod
+    def _change_request(batch: ChangeBatch) -> tuple[Op, dict[str, Any]]:
+        """The op and args of a checked COMPLETE_MANY or RELEASE_MANY."""
+        if batch.completing:
+            items = [[k, t, v] for k, t, v in batch.items()]
+            return Op.COMPLETE_MANY, {"ns": batch.namespace, "items": items}
+        items = [[k, t] for k, t in zip(batch.keys, batch.tokens, strict=True)]
+        return Op.RELEASE_MANY, {"ns": batch.namespace, "items": items}
 
     def _request(self, op: Op, args: dict[str, Any]) -> tuple[int, bytes]:
         """A new request id and the request's frame; UnavailableError once the client is
@@ -231,41 +254,15 @@ class Client(ClientBase, ClaimAPI):
         """True if the daemon answers."""
         return bool(self._call(Op.PING, {}) == "pong")
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
-        """Claims a batch of keys of one namespace (see :meth:`DedupStore.claim_many`)."""
-        keys_ = protocol.key_list(keys)
-        args = protocol.claim_args(namespace, keys_, lease, owner, fingerprints)
-        rows = self._call(Op.CLAIM_MANY, args)
-        return protocol.claims_from_reply(keys_, namespace, rows)
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        keys, args = self._claim_request(batch)
+        return protocol.claims_from_reply(keys, batch.namespace, self._call(Op.CLAIM_MANY, args))
 
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """Completes many claims (see :meth:`DedupStore.complete_many`)."""
-        items_ = protocol.items_arg(items, with_results=True)
-        self._call(Op.COMPLETE_MANY, {"ns": namespace, "items": items_})
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        self._call(*self._change_request(batch))
 
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """Releases many claims (see :meth:`DedupStore.release_many`)."""
-        items_ = protocol.items_arg(items, with_results=False)
-        self._call(Op.RELEASE_MANY, {"ns": namespace, "items": items_})
-
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The key's record without claiming it."""
-        if not isinstance(key, (bytes, str)):
-            key = protocol.key_list([key])[0]
-        return protocol.record_from_map(self._call(Op.GET, {"ns": namespace, "key": key}))
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        return protocol.record_from_map(self._call(Op.GET, {"ns": ns.decode(), "key": key}))
 
     def stats(self) -> dict[str, Any]:
         """The daemon's store figures plus its own counters."""

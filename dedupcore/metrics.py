@@ -20,11 +20,11 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dedupcore.api import Claim, ClaimAPI, KeyRecord, Limits, Outcome
+from dedupcore.api import ChangeBatch, Claim, ClaimAPI, ClaimBatch, KeyRecord, Limits, Outcome
 from dedupcore.api.deferred import DEFERRED_MEMBERS
 from dedupcore.errors import ConflictError, MissingExtraError
 from dedupcore.tiers.base import failure_of
@@ -419,12 +419,6 @@ class InstrumentedStore(ClaimAPI):
     the store's own. ``close()`` closes the store and stops reading its stats.
     """
 
-    #: The daemon's fast path (a DeferredStore's calls) would call the store's own
-    #: methods past the counters: served by a daemon, this takes the ordinary path
-    #: (its attributes forward to the store but for DEFERRED_MEMBERS).
-    defers_durability = False
-    bounds_replies = False
-
     def __init__(self, store: ClaimAPI, metrics: Metrics, region: str) -> None:
         self.store = store
         self.metrics = metrics
@@ -464,27 +458,33 @@ class InstrumentedStore(ClaimAPI):
     def _count_error(self, operation: str, exc: Exception) -> None:
         self._child(self.metrics.errors, operation, type(exc).__name__, self.region).inc()
 
+    def _refused(self, operation: str, exc: Exception) -> None:
+        """A call its arguments' check refused: counted as the store's own errors are,
+        with no time spent in the store."""
+        self._took(operation, time.perf_counter())
+        self._count_error(operation, exc)
+
     def _took(self, operation: str, started: float) -> None:
         self._child(self.metrics.seconds, operation, self.region).observe(
             time.perf_counter() - started
         )
 
-    def claim_many(self, keys: Iterable[bytes | str], **options: Any) -> list[Claim]:
-        """The store's ``claim_many``; counts each answer by outcome, and takeovers."""
-        namespace: Any = options.get("namespace")
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        """The store's decision of a checked batch; counts each answer by outcome, and
+        takeovers."""
         started = time.perf_counter()
         try:
-            claims = self.store.claim_many(keys, **options)
+            claims = self.store._claim_batch(batch)
         except Exception as exc:
             self._took("claim", started)
             self._count_error("claim", exc)
-            if isinstance(exc, ConflictError) and isinstance(namespace, str):
-                ns = self.metrics.namespace(namespace)
+            if isinstance(exc, ConflictError):
+                ns = self.metrics.namespace(batch.namespace)
                 self._child(self.metrics.claims, ns, CONFLICT, self.region).inc()
             raise
         self._took("claim", started)
         if claims:
-            ns = self.metrics.namespace(namespace)
+            ns = self.metrics.namespace(batch.namespace)
             new = dup = busy = takeovers = 0
             for c in claims:
                 if c.outcome is Outcome.NEW:
@@ -503,40 +503,31 @@ class InstrumentedStore(ClaimAPI):
                 self._child(self.metrics.takeovers, ns, self.region).inc(takeovers)
         return claims
 
-    def _change(self, operation: str, metric: Any, items: Iterable[Any], namespace: str) -> None:
-        batch = items if isinstance(items, (list, tuple)) else list(items)
+    def _change_batch(self, batch: ChangeBatch) -> None:
+        """The store's completion or release of a checked batch; counts its keys."""
+        operation, metric = (
+            ("complete", self.metrics.completes)
+            if batch.completing
+            else ("release", self.metrics.releases)
+        )
         started = time.perf_counter()
         try:
-            if operation == "complete":
-                self.store.complete_many(batch, namespace=namespace)
-            else:
-                self.store.release_many(batch, namespace=namespace)
+            self.store._change_batch(batch)
         except Exception as exc:
             self._took(operation, started)
             self._count_error(operation, exc)
             raise
         self._took(operation, started)
-        if batch:
-            self._child(metric, self.metrics.namespace(namespace), self.region).inc(len(batch))
+        if len(batch):
+            self._child(metric, self.metrics.namespace(batch.namespace), self.region).inc(
+                len(batch)
+            )
 
-    def complete_many(
-        self,
-        items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
-        *,
-        namespace: str,
-    ) -> None:
-        """The store's ``complete_many``; counts the completed keys."""
-        self._change("complete", self.metrics.completes, items, namespace)
-
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
-        """The store's ``release_many``; counts the released keys."""
-        self._change("release", self.metrics.releases, items, namespace)
-
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        """The store's ``get``, timed."""
+    def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        """The store's record, timed."""
         started = time.perf_counter()
         try:
-            return self.store.get(key, namespace=namespace)
+            return self.store._get_record(ns, key)
         except Exception as exc:
             self._count_error("get", exc)
             raise

@@ -107,8 +107,8 @@ class TieredStore(ClaimAPI):
     ) -> None:
         if not isinstance(authority, Authority):
             raise TypeError(
-                "authority must implement claim_many, complete_many, release_many, get, "
-                f"stats and close, not {type(authority).__name__}"
+                "authority must be a claim API (dedupcore.api.ClaimAPI), "
+                f"not {type(authority).__name__}"
             )
         if cache is not None and not isinstance(cache, CacheTier):
             raise TypeError(f"cache must be a CacheTier, not {type(cache).__name__}")

@@ -53,7 +53,56 @@ R = TypeVar("R")
 S = TypeVar("S", bound="ClaimAPI")
 
 
-class ClaimAPI(ABC):
+class _Checks:
+    """What both APIs do before a backend sees a call: check its arguments once."""
+
+    #: What the store accepts (keys, results, batches); a backend sets its own.
+    limits: Limits = DEFAULT_LIMITS
+
+    def _refused(self, operation: str, exc: Exception) -> None:
+        """Called with the error of a call whose arguments the checks refused, before it
+        is raised (``operation``: claim, complete, release or get); a wrapper that
+        counts errors overrides it (:class:`~dedupcore.metrics.InstrumentedStore`)."""
+
+    def _claims(
+        self,
+        keys: Iterable[bytes | str],
+        namespace: str,
+        lease: float | None,
+        owner: bytes | str | None,
+        fingerprints: Sequence[bytes | None] | None,
+    ) -> ClaimBatch:
+        try:
+            return ClaimBatch(
+                keys,
+                namespace=namespace,
+                lease=lease,
+                owner=owner,
+                fingerprints=fingerprints,
+                limits=self.limits,
+            )
+        except Exception as exc:
+            self._refused("claim", exc)
+            raise
+
+    def _changes(self, items: Iterable[Any], namespace: str, *, completing: bool) -> ChangeBatch:
+        try:
+            return ChangeBatch(
+                items, namespace=namespace, completing=completing, limits=self.limits
+            )
+        except Exception as exc:
+            self._refused("complete" if completing else "release", exc)
+            raise
+
+    def _key(self, key: bytes | str, namespace: str) -> tuple[bytes, bytes]:
+        try:
+            return _keys.check_namespace(namespace), _keys.check_key(key, self.limits.max_key_bytes)
+        except Exception as exc:
+            self._refused("get", exc)
+            raise
+
+
+class ClaimAPI(_Checks, ABC):
     """The claim calls, written once over a backend's primitives.
 
     A backend implements ``_claim_batch``, ``_change_batch``, ``_get_record``
@@ -62,9 +111,6 @@ class ClaimAPI(ABC):
     :class:`ChangeBatch` and hand it over (docs/architecture.md, "The
     contract"). Single-key calls, ``processing()`` and ``idempotent`` follow.
     """
-
-    #: What the store accepts (keys, results, batches); a backend sets its own.
-    limits: Limits = DEFAULT_LIMITS
 
     def claim_many(
         self,
@@ -81,15 +127,7 @@ class ClaimAPI(ABC):
         IN_PROGRESS (or NEW with the same token for an ``owner``). A bad
         argument or a fingerprint conflict raises before anything is claimed.
         """
-        batch = ClaimBatch(
-            keys,
-            namespace=namespace,
-            lease=lease,
-            owner=owner,
-            fingerprints=fingerprints,
-            limits=self.limits,
-        )
-        return self._claim_batch(batch)
+        return self._claim_batch(self._claims(keys, namespace, lease, owner, fingerprints))
 
     def complete_many(
         self,
@@ -102,20 +140,15 @@ class ClaimAPI(ABC):
         Every item is checked first; a stale token or bad input raises before
         anything is completed.
         """
-        self._change_batch(
-            ChangeBatch(items, namespace=namespace, completing=True, limits=self.limits)
-        )
+        self._change_batch(self._changes(items, namespace, completing=True))
 
     def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None:
         """Releases many claims of one namespace."""
-        self._change_batch(
-            ChangeBatch(items, namespace=namespace, completing=False, limits=self.limits)
-        )
+        self._change_batch(self._changes(items, namespace, completing=False))
 
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the store holds nothing)."""
-        ns = _keys.check_namespace(namespace)
-        return self._get_record(ns, _keys.check_key(key, self.limits.max_key_bytes))
+        return self._get_record(*self._key(key, namespace))
 
     # -- the backend's primitives ------------------------------------------------
 
@@ -141,7 +174,7 @@ class ClaimAPI(ABC):
         daemon exits for a restart when it sees one, docs/daemon.md)."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+    def close(self) -> None:
         """Releases the front end's resources (files, connections)."""
 
     def __enter__(self: S) -> S:
@@ -306,18 +339,19 @@ class ClaimAPI(ABC):
         return decorate
 
 
-class AsyncClaimAPI(ABC):
+class AsyncClaimAPI(_Checks, ABC):
     """:class:`ClaimAPI` for asyncio front ends: the same methods as coroutines.
 
-    A front end implements ``claim_many``, ``complete_many``,
-    ``release_many``, ``get`` and ``stats`` as coroutines; the single-key
-    forms, ``processing()`` (an ``async with`` block) and the ``idempotent``
+    A front end implements the primitives of :class:`ClaimAPI`
+    (``_claim_batch``, ``_change_batch``, ``_get_record``) and ``stats`` as
+    coroutines, and declares its ``limits``; the public calls check their
+    arguments into the same batches, and the single-key forms,
+    ``processing()`` (an ``async with`` block) and the ``idempotent``
     decorator (of ``async def`` functions, with the same key paths,
     :class:`DuplicateCache` and ``DEDUPCORE_DISABLED`` switch) come from
     here, sharing their checks and decisions with :class:`ClaimAPI`.
     """
 
-    @abstractmethod
     async def claim_many(
         self,
         keys: Iterable[bytes | str],
@@ -327,9 +361,9 @@ class AsyncClaimAPI(ABC):
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[Claim]:
-        """Claims a batch of keys of one namespace."""
+        """Claims a batch of keys of one namespace (see :meth:`ClaimAPI.claim_many`)."""
+        return await self._claim_batch(self._claims(keys, namespace, lease, owner, fingerprints))
 
-    @abstractmethod
     async def complete_many(
         self,
         items: Iterable[tuple[bytes | str, int] | tuple[bytes | str, int, Any]],
@@ -337,22 +371,34 @@ class AsyncClaimAPI(ABC):
         namespace: str,
     ) -> None:
         """Completes many claims: ``(key, token)`` or ``(key, token, result)``."""
+        await self._change_batch(self._changes(items, namespace, completing=True))
 
-    @abstractmethod
     async def release_many(
         self, items: Iterable[tuple[bytes | str, int]], *, namespace: str
     ) -> None:
         """Releases many claims."""
+        await self._change_batch(self._changes(items, namespace, completing=False))
 
-    @abstractmethod
     async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""
+        return await self._get_record(*self._key(key, namespace))
+
+    # -- the backend's primitives (see ClaimAPI) -----------------------------------
+
+    async def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _claim_batch")
+
+    async def _change_batch(self, batch: ChangeBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _change_batch")
+
+    async def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _get_record")
 
     @abstractmethod
     async def stats(self) -> dict[str, Any]:
         """Counters and figures."""
 
-    async def aclose(self) -> None:  # noqa: B027 - a front end without resources has nothing to close
+    async def aclose(self) -> None:
         """Releases the front end's resources (connections)."""
 
     async def claim(

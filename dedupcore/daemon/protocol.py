@@ -43,7 +43,7 @@ import msgpack
 
 import dedupcore._engine as _engine
 import dedupcore.errors as errors
-from dedupcore.api import Claim, KeyRecord, Outcome, change_items
+from dedupcore.api import Claim, KeyRecord, Outcome
 from dedupcore.config import check_lease
 from dedupcore.errors import FrameError
 from dedupcore.record import State
@@ -73,7 +73,6 @@ __all__ = [
     "encode_request",
     "encode_response",
     "error_from_payload",
-    "items_arg",
     "key_list",
     "packed_len",
     "record_from_map",
@@ -264,14 +263,6 @@ def claim_args(
     }
 
 
-def items_arg(items: Any, *, with_results: bool) -> list[list[Any]]:
-    """The ``items`` of a COMPLETE_MANY/RELEASE_MANY request, checked as the store checks them."""
-    return [
-        [key, token, result] if with_results else [key, token]
-        for key, token, result in change_items(items, with_results=with_results)
-    ]
-
-
 #: CLAIM_MANY argument by which a client asks for the reply in columns (see
 #: :class:`ClaimColumns`); a daemon that does not know it ignores it and sends rows.
 COLUMNS_ARG = "cols"
@@ -316,7 +307,7 @@ class ClaimColumns:
 
     def add_columns(self, part: ReplyColumns) -> None:
         """Appends the columns of one slice as the store decided them
-        (:meth:`DedupStore.claim_columns_deferred`): no object per key."""
+        (:meth:`DedupStore.claim_deferred` with ``form=FORM_COLUMNS``): no object per key."""
         outcomes, tokens, result_index, results, cold, takeovers = part
         base = len(self.outcomes)  # the slice's indexes continue the earlier slices'
         self.outcomes += outcomes

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from dedupcore.api.batches import (
     unpack_result,
 )
 from dedupcore.api.contract import ClaimAPI
-from dedupcore.api.deferred import Admit, ReplyColumns, bounded_reply
+from dedupcore.api.deferred import Admit, ReplyColumns
 from dedupcore.config import Retention, StoreConfig, policies
 from dedupcore.decision import stale_token_error
 from dedupcore.errors import (
@@ -72,10 +71,6 @@ class _Stats:
 
 class DedupStore(Maintenance, ClaimAPI):
     """An embedded dedup store over one data directory (see :mod:`dedupcore.store`)."""
-
-    #: Kept for their readers: the daemon asks ``isinstance(store, DeferredStore)``.
-    bounds_replies = True
-    defers_durability = True
 
     # -- opening and closing -------------------------------------------------
 
@@ -499,67 +494,6 @@ class DedupStore(Maintenance, ClaimAPI):
         finally:
             self._lock.release()
         return self._pending_lsn(max(last, depends))
-
-    # -- the daemon's calls of before DeferredStore (kept for their callers) ------
-
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        reply_limit: int | None = None,
-        row_bytes: int = 0,
-        **options: Any,
-    ) -> list[Claim]:
-        """:meth:`ClaimAPI.claim_many`; with ``reply_limit``, a batch whose answer would
-        carry more than that many bytes (``row_bytes`` per key plus the stored results
-        of its duplicates) raises BatchTooLargeError before anything changes."""
-        if reply_limit is None:
-            return super().claim_many(keys, **options)
-        claims, lsn = self._claim_old(keys, FORM_CLAIMS, reply_limit, row_bytes, options)
-        self._sync(lsn)
-        return claims  # type: ignore[no-any-return]
-
-    def claim_many_deferred(
-        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
-    ) -> tuple[list[Claim], int]:
-        """:meth:`claim_deferred` of a batch made of ``claim_many``'s arguments."""
-        return self._claim_old(keys, FORM_CLAIMS, reply_limit, 0, options)
-
-    def claim_columns_deferred(
-        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
-    ) -> tuple[ReplyColumns, int]:
-        """:meth:`claim_deferred` in columns, of ``claim_many``'s arguments."""
-        return self._claim_old(keys, FORM_COLUMNS, reply_limit, 0, options)
-
-    def check_claim_many(
-        self, keys: Iterable[bytes | str], *, reply_limit: int | None = None, **options: Any
-    ) -> int:
-        """:meth:`claim_deferred` with FORM_CHECK, of ``claim_many``'s arguments."""
-        return self._claim_old(keys, FORM_CHECK, reply_limit, 0, options)[0]  # type: ignore[no-any-return]
-
-    def complete_many_deferred(self, items: Iterable[Any], *, namespace: str) -> int:
-        """:meth:`change_deferred` of ``complete_many``'s arguments."""
-        return self.change_deferred(
-            ChangeBatch(items, namespace=namespace, completing=True, limits=self.limits)
-        )
-
-    def release_many_deferred(self, items: Iterable[Any], *, namespace: str) -> int:
-        """:meth:`change_deferred` of ``release_many``'s arguments."""
-        return self.change_deferred(
-            ChangeBatch(items, namespace=namespace, completing=False, limits=self.limits)
-        )
-
-    def _claim_old(
-        self,
-        keys: Iterable[bytes | str],
-        form: int,
-        reply_limit: int | None,
-        row_bytes: int,
-        options: dict[str, Any],
-    ) -> tuple[Any, int]:
-        batch = ClaimBatch(keys, limits=self.limits, **options)
-        admit = None if reply_limit is None else bounded_reply(len(batch), reply_limit, row_bytes)
-        return self.claim_deferred(batch, form=form, admit=admit)
 
     def wait_durable(self, lsn: int) -> None:
         """Returns once the log is durable through ``lsn`` (a deferred call's LSN).

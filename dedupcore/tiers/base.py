@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import dedupcore.keys as _keys
 from dedupcore._checks import checked_int
-from dedupcore.api import Claim, ClaimAPI, KeyRecord
+from dedupcore.api import ClaimAPI
 from dedupcore.config import Retention
 from dedupcore.errors import RequestRefusedError
 
@@ -136,29 +136,8 @@ def check_timeout(timeout: object, name: str = "timeout") -> float:
     return float(timeout)
 
 
-@runtime_checkable
-class Authority(Protocol):
-    """An exact tier that decides claims: the claim API plus ``close``."""
-
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]: ...
-
-    def complete_many(self, items: Iterable[Any], *, namespace: str) -> None: ...
-
-    def release_many(self, items: Iterable[tuple[bytes | str, int]], *, namespace: str) -> None: ...
-
-    def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
+#: An exact tier that decides claims: any claim API (it has ``close``).
+Authority = ClaimAPI
 
 
 @dataclass(frozen=True, slots=True)

@@ -550,7 +550,7 @@ def test_open_store_unreachable_authority_is_unavailable(tmp_path: Path) -> None
 
 
 def test_stack_rejects_objects_that_are_not_tiers(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="authority must implement"):
+    with pytest.raises(TypeError, match="authority must be a claim API"):
         TieredStore(object())  # type: ignore[arg-type]
     with DedupStore.open(tmp_path / "d") as s:
         with pytest.raises(TypeError, match="cache must be a CacheTier"):

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,16 +348,24 @@ def test_sweep_releases_abandoned_claims(tmp_path: Path) -> None:
 
 
 def test_a_claim_whose_answer_would_pass_reply_limit_claims_nothing(store: DedupStore) -> None:
+    from dedupcore.api import ClaimBatch
+    from dedupcore.api.deferred import bounded_reply
     from dedupcore.errors import BatchTooLargeError
+
+    def claim_many(keys: list[str], reply_limit: int) -> list[Any]:
+        batch = ClaimBatch(keys, namespace=NS, limits=store.limits)
+        claims, lsn = store.claim_deferred(batch, admit=bounded_reply(3, reply_limit, 40))
+        store.wait_durable(lsn)
+        return claims  # type: ignore[no-any-return]
 
     for key in ("big1", "big2"):
         c = store.claim(key, namespace=NS)
         store.complete(key, c.token, namespace=NS, result=b"x" * 40_000)
     keys = ["fresh", "big1", "big2"]
     with pytest.raises(BatchTooLargeError, match="nothing was claimed"):
-        store.claim_many(keys, namespace=NS, reply_limit=80_000, row_bytes=40)
+        claim_many(keys, 80_000)
     assert store.get("fresh", namespace=NS) is None  # nothing applied
-    claims = store.claim_many(keys, namespace=NS, reply_limit=81_000, row_bytes=40)
+    claims = claim_many(keys, 81_000)
     assert [c.outcome for c in claims] == [Outcome.NEW, Outcome.DUPLICATE, Outcome.DUPLICATE]
 
 
