@@ -43,6 +43,7 @@ __all__ = [
     "Rec",
     "decide_change",
     "decide_claim",
+    "decide_extend",
     "stale_token_error",
 ]
 
@@ -177,11 +178,42 @@ def decide_change(
     return plan
 
 
+def decide_extend(
+    lookup: Callable[[bytes], Rec | None],
+    digests: Sequence[bytes],
+    tokens: Sequence[int],
+    *,
+    lease: float,
+    now_m: float,
+) -> ChangePlan:
+    """Decides an extension: every item's claim is renewed to ``now_m + lease``, or none.
+
+    A claim is renewed while its token is the key's current one and the key is
+    PROCESSING, its lease run out or not (nobody took it over); like an
+    owner's re-claim, the renewal is kept in memory only (docs/reliability.md,
+    "Heartbeats"). ``logged`` holds the renewed records; ``error`` the first
+    item that cannot be renewed (a completed key is ERR_COMPLETED).
+    """
+    plan = ChangePlan()
+    deadline = now_m + lease
+    for i, d in enumerate(digests):
+        r = plan.logged.get(d) or lookup(d)
+        if r is None or r.state is State.RELEASED:
+            return ChangePlan(error=(i, ERR_NOT_CLAIMED, 0 if r is None else r.token))
+        if r.token != tokens[i]:
+            return ChangePlan(error=(i, ERR_WRONG_TOKEN, r.token))
+        if r.state is State.PROCESSED:
+            return ChangePlan(error=(i, ERR_COMPLETED, r.token))
+        plan.logged[d] = dataclasses.replace(r, lease=lease, deadline=deadline)
+    return plan
+
+
 def stale_token_error(
-    kind: int, key: object, token: int, current: int, namespace: str
+    kind: int, key: object, token: int, current: int, namespace: str, action: str = "released"
 ) -> StaleTokenError:
-    """The one set of messages for a complete/release refused with ``kind``
-    (ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, ERR_COMPLETED)."""
+    """The one set of messages for a complete/release/extend refused with ``kind``
+    (ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, ERR_COMPLETED); ``action`` is what a
+    completed key cannot be ("released", "extended")."""
     if kind == ERR_NOT_CLAIMED:
         return StaleTokenError(
             f"key {key!r} in namespace {namespace!r} is not claimed (never claimed, "
@@ -192,4 +224,4 @@ def stale_token_error(
             f"token {token} of key {key!r} is not the key's current token "
             f"{current} (a stale owner whose lease was taken over, or a wrong token)"
         )
-    return StaleTokenError(f"key {key!r} was already completed; it cannot be released")
+    return StaleTokenError(f"key {key!r} was already completed; it cannot be {action}")

@@ -18,6 +18,7 @@ from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
 from dedupcore.api.batches import (
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
     fingerprint_conflict,
     unpack_result,
@@ -127,6 +128,26 @@ class MemoryTable(ClaimAPI):
                 i, kind, current = plan.error
                 raise decision.stale_token_error(
                     kind, batch.keys[i], batch.tokens[i], current, batch.namespace
+                )
+            self._recs.update(plan.logged)
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews a batch's leases on this process's monotonic clock; a stale token
+        anywhere raises before any is renewed."""
+        if not batch.keys:
+            return
+        with self._lock:
+            plan = decision.decide_extend(
+                self._recs.get,
+                _engine.split_digests(batch.digests),
+                batch.tokens,
+                lease=self.lease if batch.lease is None else batch.lease,
+                now_m=time.monotonic(),
+            )
+            if plan.error is not None:
+                i, kind, current = plan.error
+                raise decision.stale_token_error(
+                    kind, batch.keys[i], batch.tokens[i], current, batch.namespace, "extended"
                 )
             self._recs.update(plan.logged)
 

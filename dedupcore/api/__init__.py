@@ -20,6 +20,7 @@ from dedupcore.api.batches import (
     MAX_TOKEN,
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
     change_items,
     check_fingerprints,
@@ -33,6 +34,7 @@ from dedupcore.api.batches import (
 from dedupcore.api.contract import AsyncClaimAPI, ClaimAPI
 from dedupcore.api.conveniences import (
     DISABLE_ENV,
+    HEARTBEAT_LEASE,
     DuplicateCache,
     idempotency_disabled,
     key_path,
@@ -47,6 +49,7 @@ from dedupcore.errors import InProgressError, KeyPathError
 
 __all__ = [
     "DISABLE_ENV",
+    "HEARTBEAT_LEASE",
     "MAX_FINGERPRINT_BYTES",
     "MAX_OWNER_BYTES",
     "MAX_TOKEN",
@@ -56,6 +59,7 @@ __all__ = [
     "ClaimAPI",
     "ClaimBatch",
     "DuplicateCache",
+    "ExtendBatch",
     "InProgressError",
     "KeyPathError",
     "KeyRecord",

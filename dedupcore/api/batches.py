@@ -27,6 +27,7 @@ __all__ = [
     "MAX_TOKEN",
     "ChangeBatch",
     "ClaimBatch",
+    "ExtendBatch",
     "Limits",
     "change_items",
     "check_fingerprints",
@@ -286,3 +287,22 @@ class ChangeBatch(_Batch):
         """``(key, token, result as given)`` per item (None when releasing)."""
         values = self.values if self.values is not None else [None] * len(self.keys)
         return list(zip(self.keys, self.tokens, values, strict=True))
+
+
+class ExtendBatch(ChangeBatch):
+    """The arguments of ``extend_many``, checked once: ``(key, token)`` items as a
+    release's are, and the ``lease`` (None: the store's default) each claim gets
+    from now."""
+
+    __slots__ = ("lease",)
+
+    def __init__(
+        self,
+        items: Iterable[Any],
+        *,
+        namespace: str,
+        lease: float | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(items, namespace=namespace, completing=False, limits=limits)
+        self.lease = None if lease is None else check_lease(lease)

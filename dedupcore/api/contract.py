@@ -22,7 +22,13 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+    nullcontext,
+)
 from typing import Any, ParamSpec, TypeVar
 
 import dedupcore.keys as _keys
@@ -31,10 +37,14 @@ from dedupcore.api.batches import (
     DEFAULT_LIMITS,
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
 )
 from dedupcore.api.conveniences import (
+    HEARTBEAT_LEASE,
+    AsyncHeartbeat,
     DuplicateCache,
+    Heartbeat,
     Processing,
     Step,
     _answer,
@@ -94,6 +104,13 @@ class _Checks:
             self._refused("complete" if completing else "release", exc)
             raise
 
+    def _extensions(self, items: Iterable[Any], namespace: str, lease: float | None) -> ExtendBatch:
+        try:
+            return ExtendBatch(items, namespace=namespace, lease=lease, limits=self.limits)
+        except Exception as exc:
+            self._refused("extend", exc)
+            raise
+
     def _key(self, key: bytes | str, namespace: str) -> tuple[bytes, bytes]:
         try:
             return _keys.check_namespace(namespace), _keys.check_key(key, self.limits.max_key_bytes)
@@ -146,6 +163,23 @@ class ClaimAPI(_Checks, ABC):
         """Releases many claims of one namespace."""
         self._change_batch(self._changes(items, namespace, completing=False))
 
+    def extend_many(
+        self,
+        items: Iterable[tuple[bytes | str, int]],
+        *,
+        namespace: str,
+        lease: float | None = None,
+    ) -> None:
+        """Renews held claims: each ``(key, token)`` is held ``lease`` seconds from now
+        (default: the store's lease), counted on the clock its store counts leases on.
+
+        All or nothing: a token that no longer holds its key (completed,
+        released, taken over by another owner) raises :class:`StaleTokenError`
+        before any lease is renewed. A claim whose lease ran out is renewed as
+        long as nobody took it over (docs/reliability.md, "Heartbeats").
+        """
+        self._extend_batch(self._extensions(items, namespace, lease))
+
     def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it (None if the store holds nothing)."""
         return self._get_record(*self._key(key, namespace))
@@ -163,6 +197,10 @@ class ClaimAPI(_Checks, ABC):
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The record of a checked namespace and key, or None."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _get_record")
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews the leases of a checked batch, all or nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _extend_batch")
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:
@@ -234,6 +272,12 @@ class ClaimAPI(_Checks, ABC):
         """Gives a claimed key back so that a redelivery can run the work again."""
         self.release_many([(key, token)], namespace=namespace)
 
+    def extend(
+        self, key: bytes | str, token: int, *, namespace: str, lease: float | None = None
+    ) -> None:
+        """Renews a held claim's lease (see :meth:`extend_many`)."""
+        self.extend_many([(key, token)], namespace=namespace, lease=lease)
+
     # -- conveniences ----------------------------------------------------------
 
     @contextmanager
@@ -246,6 +290,7 @@ class ClaimAPI(_Checks, ABC):
         owner: bytes | str | None = None,
         fingerprint: bytes | None = None,
         cache: DuplicateCache | None = None,
+        heartbeat: bool = False,
     ) -> Iterator[Claim]:
         """Claims ``key`` for a ``with`` block: completes on success, releases on exception.
 
@@ -255,15 +300,21 @@ class ClaimAPI(_Checks, ABC):
         TypeError/ValueError after the key was completed without it: the work
         is not done twice. With a :class:`DuplicateCache`, a key it holds is
         answered DUPLICATE from it without asking the store, and the store's
-        DUPLICATE answers are added to it.
+        DUPLICATE answers are added to it. With ``heartbeat=True`` the claim
+        (of ``lease`` seconds, default :data:`HEARTBEAT_LEASE`) is renewed
+        every third of its lease while the block runs, so a long block keeps
+        its key and a stopped one loses it a lease after its last renewal.
         """
+        if heartbeat and lease is None:
+            lease = HEARTBEAT_LEASE
         steps = Processing(key, namespace, fingerprint, cache).steps()
         step = next(steps)
         while True:
             try:
                 if step.give is not None:
                     try:
-                        yield step.give
+                        with self._heartbeat(step.give, lease if heartbeat else None):
+                            yield step.give
                     except BaseException as exc:
                         step = steps.throw(exc)
                         continue
@@ -277,6 +328,16 @@ class ClaimAPI(_Checks, ABC):
                 step = steps.send(done)
             except StopIteration:
                 return
+
+    def _heartbeat(self, claim: Claim, lease: float | None) -> AbstractContextManager[Any]:
+        """The heartbeat of a NEW claim given to a block (``lease``: None for none)."""
+        if lease is None or claim.outcome is not Outcome.NEW:
+            return nullcontext()
+
+        def renew() -> None:
+            self.extend(claim.key, claim.token, namespace=claim.namespace, lease=lease)
+
+        return Heartbeat(claim, lease, renew)
 
     def _do(
         self,
@@ -379,6 +440,16 @@ class AsyncClaimAPI(_Checks, ABC):
         """Releases many claims."""
         await self._change_batch(self._changes(items, namespace, completing=False))
 
+    async def extend_many(
+        self,
+        items: Iterable[tuple[bytes | str, int]],
+        *,
+        namespace: str,
+        lease: float | None = None,
+    ) -> None:
+        """Renews held claims (see :meth:`ClaimAPI.extend_many`)."""
+        await self._extend_batch(self._extensions(items, namespace, lease))
+
     async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
         """The key's record without claiming it."""
         return await self._get_record(*self._key(key, namespace))
@@ -393,6 +464,9 @@ class AsyncClaimAPI(_Checks, ABC):
 
     async def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _get_record")
+
+    async def _extend_batch(self, batch: ExtendBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _extend_batch")
 
     @abstractmethod
     async def stats(self) -> dict[str, Any]:
@@ -430,6 +504,12 @@ class AsyncClaimAPI(_Checks, ABC):
         """Gives a claimed key back so that a redelivery can run the work again."""
         await self.release_many([(key, token)], namespace=namespace)
 
+    async def extend(
+        self, key: bytes | str, token: int, *, namespace: str, lease: float | None = None
+    ) -> None:
+        """Renews a held claim's lease (see :meth:`ClaimAPI.extend_many`)."""
+        await self.extend_many([(key, token)], namespace=namespace, lease=lease)
+
     # -- conveniences ----------------------------------------------------------
 
     @asynccontextmanager
@@ -442,15 +522,19 @@ class AsyncClaimAPI(_Checks, ABC):
         owner: bytes | str | None = None,
         fingerprint: bytes | None = None,
         cache: DuplicateCache | None = None,
+        heartbeat: bool = False,
     ) -> AsyncIterator[Claim]:
         """Claims ``key`` for an ``async with`` block (see :meth:`ClaimAPI.processing`)."""
+        if heartbeat and lease is None:
+            lease = HEARTBEAT_LEASE
         steps = Processing(key, namespace, fingerprint, cache).steps()
         step = next(steps)
         while True:
             try:
                 if step.give is not None:
                     try:
-                        yield step.give
+                        async with self._heartbeat(step.give, lease if heartbeat else None):
+                            yield step.give
                     except BaseException as exc:
                         step = steps.throw(exc)
                         continue
@@ -464,6 +548,16 @@ class AsyncClaimAPI(_Checks, ABC):
                 step = steps.send(done)
             except StopIteration:
                 return
+
+    def _heartbeat(self, claim: Claim, lease: float | None) -> AbstractAsyncContextManager[Any]:
+        """The heartbeat of a NEW claim given to a block (``lease``: None for none)."""
+        if lease is None or claim.outcome is not Outcome.NEW:
+            return nullcontext()
+
+        async def renew() -> None:
+            await self.extend(claim.key, claim.token, namespace=claim.namespace, lease=lease)
+
+        return AsyncHeartbeat(claim, lease, renew)
 
     async def _do(
         self,

@@ -9,6 +9,7 @@ calls and one with awaits (docs/conveniences.md).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 import json
@@ -18,7 +19,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,15 @@ from dedupcore.api.answers import Claim, Outcome
 from dedupcore.api.batches import pack_result, result_refused, unpack_result
 from dedupcore.errors import InProgressError, KeyPathError, StaleTokenError
 
-__all__ = ["DISABLE_ENV", "DuplicateCache", "idempotency_disabled", "key_path"]
+__all__ = [
+    "DISABLE_ENV",
+    "HEARTBEAT_LEASE",
+    "AsyncHeartbeat",
+    "DuplicateCache",
+    "Heartbeat",
+    "idempotency_disabled",
+    "key_path",
+]
 
 log = logging.getLogger("dedupcore")
 
@@ -297,6 +306,106 @@ def _decorated_key(
             raise TypeError("payload= is for a key path; here key is a function")
         return key
     return _payload_key(fn, key_path(key), payload)
+
+
+#: The lease of a claim under a heartbeat when none is given: renewed every third
+#: of it, a stopped owner's key is taken over this long after its last renewal.
+HEARTBEAT_LEASE = 30.0
+
+
+class _Beat:
+    """What both heartbeats share: the interval, and what a failed renewal means."""
+
+    def __init__(self, claim: Claim, lease: float) -> None:
+        self.claim = claim
+        self.interval = lease / 3
+        self.renewals = 0
+        #: Set when the claim was lost (completed, released or taken over): no more renewals.
+        self.lost: StaleTokenError | None = None
+
+    def _failed(self, exc: Exception) -> bool:
+        """Logs a failed renewal; True when the claim is lost and the beat stops."""
+        key, ns = self.claim.key, self.claim.namespace
+        if isinstance(exc, StaleTokenError):
+            self.lost = exc
+            log.warning("heartbeat of %r in %r stopped: the claim is lost (%s)", key, ns, exc)
+            return True
+        log.warning(
+            "heartbeat of %r in %r could not renew the lease (%s: %s); retrying in %.3g s",
+            key,
+            ns,
+            type(exc).__name__,
+            exc,
+            self.interval,
+        )
+        return False
+
+
+class Heartbeat(_Beat):
+    """Renews a NEW claim's lease every third of it, in a thread, while a block runs.
+
+    ``renew()`` extends the claim by ``lease``; a renewal that fails for a
+    while (the store unavailable) is retried at the next beat; a stale token
+    (the claim was taken over) stops the beat. Leaving the ``with`` block stops
+    it before the claim is completed or released (docs/conveniences.md,
+    "Heartbeats").
+    """
+
+    def __init__(self, claim: Claim, lease: float, renew: Callable[[], None]) -> None:
+        super().__init__(claim, lease)
+        self._renew = renew
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dedupcore-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._renew()
+            except Exception as exc:
+                if self._stop.is_set():
+                    return  # the block ended while the renewal was under way
+                if self._failed(exc):
+                    return
+            else:
+                self.renewals += 1
+
+
+class AsyncHeartbeat(_Beat):
+    """:class:`Heartbeat` as an asyncio task, for ``async with`` blocks."""
+
+    def __init__(self, claim: Claim, lease: float, renew: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(claim, lease)
+        self._renew = renew
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncHeartbeat:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        # The beat's own cancellation is returned, not raised; the caller's is raised.
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self._renew()
+            except Exception as exc:
+                if self._failed(exc):
+                    return
+            else:
+                self.renewals += 1
 
 
 @dataclass(frozen=True, slots=True)
