@@ -98,6 +98,15 @@ cdef extern from "dc_engine.h" nogil:
         int error_kind
         uint64_t current_token
         uint64_t n_writes
+    ctypedef struct dc_extend_io:
+        const unsigned char* digests
+        size_t n
+        const uint64_t* tokens
+        float lease
+        double now_m
+        int64_t error_index
+        int error_kind
+        uint64_t current_token
 
     int DC_PROCESSING, DC_PROCESSED, DC_RELEASED
     int DC_HAS_OWNER, DC_HAS_FP, DC_HAS_RESULT
@@ -131,6 +140,7 @@ cdef extern from "dc_engine.h" nogil:
     void dc_stage_free(dc_stage* s)
     dc_status dc_decide_claim(const dc_table* t, dc_stage* s, dc_claim_io* io)
     dc_status dc_decide_change(const dc_table* t, dc_stage* s, dc_change_io* io)
+    dc_status dc_decide_extend(const dc_table* t, dc_stage* s, dc_extend_io* io)
     dc_status dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
     uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
 
@@ -805,6 +815,45 @@ cdef class ClaimTable:
             free(toks)
             free(res)
             free(res_lens)
+
+    def extend(self, bytes digests, list tokens, float lease, double now_m):
+        """Decides a renewal batch and stages it: every claim held ``lease`` seconds
+        from ``now_m``, kept in memory (nothing to log; :meth:`apply` stores it).
+
+        Returns ``(error_index, error_kind, current_token)``: ``(-1, 0, 0)``, or on
+        an error (kind 1 not claimed, 2 wrong token, 3 already completed) the
+        first item that cannot be renewed, with nothing staged.
+        """
+        cdef size_t n, i
+        cdef const unsigned char* d = _digests_of(digests, &n)
+        if <size_t>len(tokens) != n:
+            raise ValueError("one token per digest")
+        cdef dc_extend_io io
+        cdef uint64_t* toks = <uint64_t*>malloc((n + 1) * sizeof(uint64_t))
+        cdef dc_status rc
+        try:
+            if toks == NULL:
+                raise MemoryError()
+            for i in range(n):
+                toks[i] = tokens[i]
+            io.digests = d
+            io.n = n
+            io.tokens = toks
+            io.lease = lease
+            io.now_m = now_m
+            self._begin(n)
+            with nogil:
+                rc = dc_decide_extend(&self.t, &self.stage, &io)
+            if rc == DC_ECONFLICT:
+                self.discard()
+                return io.error_index, io.error_kind, io.current_token
+            check_status(rc, f"a renewal batch of {n}")
+            return -1, 0, 0
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            free(toks)
 
     def apply(self, uint64_t lsn):
         """Stores the staged records with log position ``lsn`` (renewals keep theirs)."""

@@ -1112,6 +1112,14 @@ static dc_status dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io
 
 /* ---- the complete / release decision ------------------------------------- */
 
+/* Whether token holds r: 0 when r is PROCESSING with it, else why not
+ * (DC_ERR_NOT_CLAIMED, DC_ERR_WRONG_TOKEN, DC_ERR_COMPLETED). */
+static inline int dc_token_kind(const dc_rec *r, uint64_t token) {
+    if (!r || r->state == DC_RELEASED) return DC_ERR_NOT_CLAIMED;
+    if (r->token != token) return DC_ERR_WRONG_TOKEN;
+    return r->state == DC_PROCESSED ? DC_ERR_COMPLETED : 0;
+}
+
 typedef struct {
     const unsigned char *digests;
     size_t n;
@@ -1140,17 +1148,11 @@ static dc_status dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *
         uint64_t slot;
         dc_rec *staged = dc_stage_find(s, d, &slot);
         const dc_rec *r = staged ? staged : dc_find(t, d);
-        int kind = 0;
-        if (!r || r->state == DC_RELEASED)
-            kind = DC_ERR_NOT_CLAIMED;
-        else if (r->token != io->tokens[i])
-            kind = DC_ERR_WRONG_TOKEN;
-        else if (r->state == DC_PROCESSED) {
-            if (io->state == DC_PROCESSED) { /* a retried completion: already done */
-                if (!staged && r->lsn > io->depends) io->depends = r->lsn;
-                continue;
-            }
-            kind = DC_ERR_COMPLETED;
+        int kind = dc_token_kind(r, io->tokens[i]);
+        if (kind == DC_ERR_COMPLETED && io->state == DC_PROCESSED) {
+            /* a retried completion: already done */
+            if (!staged && r->lsn > io->depends) io->depends = r->lsn;
+            continue;
         }
         if (kind) {
             io->error_index = (int64_t)i;
@@ -1175,6 +1177,57 @@ static dc_status dc_decide_change(const dc_table *t, dc_stage *s, dc_change_io *
         dc_stage_put(s, staged, slot, &nr);
     }
     io->n_writes = s->n;
+    return DC_OK;
+}
+
+/* ---- the extend (lease renewal) decision ---------------------------------- */
+
+typedef struct {
+    const unsigned char *digests;
+    size_t n;
+    const uint64_t *tokens;
+    float lease;
+    double now_m;
+    int64_t error_index;
+    int error_kind;
+    uint64_t current_token;
+} dc_extend_io;
+
+/* Decides a renewal batch against the table, staging each claim with deadline
+ * now_m + lease (and that lease) as a renewal: kept in memory, not logged, as an
+ * owner's re-claim is (docs/reliability.md, "Heartbeats"). A claim is renewed
+ * while its token is the key's current one and the key is PROCESSING, its lease
+ * run out or not. DC_ECONFLICT at the first item that cannot be renewed (io's
+ * error_index, error_kind and current_token say which and why; nothing that
+ * matters is staged), DC_ENOMEM on allocation failure. */
+static dc_status dc_decide_extend(const dc_table *t, dc_stage *s, dc_extend_io *io) {
+    double deadline = io->now_m + (double)io->lease;
+    io->error_index = -1;
+    io->error_kind = 0;
+    for (size_t i = 0; i < io->n; i++) {
+        const unsigned char *d = io->digests + 16 * i;
+        uint64_t slot;
+        dc_rec *staged = dc_stage_find(s, d, &slot);
+        const dc_rec *r = staged ? staged : dc_find(t, d);
+        int kind = dc_token_kind(r, io->tokens[i]);
+        if (kind) {
+            io->error_index = (int64_t)i;
+            io->error_kind = kind;
+            io->current_token = r ? r->token : 0;
+            return DC_ECONFLICT;
+        }
+        if (staged) {
+            staged->deadline = deadline;
+            staged->lease = io->lease;
+            continue;
+        }
+        dc_rec renewed = *r;
+        renewed.deadline = deadline;
+        renewed.lease = io->lease;
+        renewed.renewal = 1;
+        dc_incref(renewed.extra);
+        dc_stage_put(s, NULL, slot, &renewed);
+    }
     return DC_OK;
 }
 

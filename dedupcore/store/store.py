@@ -25,6 +25,7 @@ from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
 from dedupcore.api.batches import (
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
     fingerprint_conflict,
     unpack_result,
@@ -494,6 +495,28 @@ class DedupStore(Maintenance, ClaimAPI):
         finally:
             self._lock.release()
         return self._pending_lsn(max(last, depends))
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews a checked batch's leases on this process's monotonic clock, all or
+        nothing. A renewal is kept in memory, as an owner's re-claim is: nothing is
+        logged, so there is no log to wait for (docs/reliability.md, "Heartbeats")."""
+        self._check_usable(write=True)
+        if not batch.keys:
+            return
+        joined = batch.digests
+        lease_s = self.config.lease if batch.lease is None else batch.lease
+        self._lock_for_batch()
+        try:
+            self._check_usable(write=True)
+            self._fetch(joined)
+            bad, kind, current = self._table.extend(joined, batch.tokens, lease_s, time.monotonic())
+            if bad >= 0:
+                raise stale_token_error(
+                    kind, batch.keys[bad], batch.tokens[bad], current, batch.namespace, "extended"
+                )
+            self._table.apply(0)  # renewals only: memory, nothing to log
+        finally:
+            self._lock.release()
 
     def wait_durable(self, lsn: int) -> None:
         """Returns once the log is durable through ``lsn`` (a deferred call's LSN).

@@ -88,6 +88,8 @@ class EngineVsReference(RuleBasedStateMachine):
         # Clean copies loaded while that eviction goes on: a pass leaves them.
         self.loaded_in_pass: set[bytes] = set()
         self.crowded = 0  # fresh keys claimed by crowd()
+        # digest -> the lease of its last logged record (a renewal's is in memory only)
+        self.logged_lease: dict[bytes, float] = {}
 
     @rule(
         idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=6),
@@ -180,11 +182,7 @@ class EngineVsReference(RuleBasedStateMachine):
     def change(self, idx, how, results, complete) -> None:
         ds = [DIGESTS[i] for i in idx]
         self._load(ds)
-        tokens = []
-        for d, h in zip(ds, how, strict=False):
-            r = self.model.get(d)
-            cur = r.token if r is not None else 1
-            tokens.append({"current": cur, "stale": max(cur - 1, 1), "wrong": cur + 5}[h])
+        tokens = self._tokens(ds, how)
         state = State.PROCESSED if complete else State.RELEASED
         res = results[: len(ds)] if complete else None
         plan = ref.decide_change(self.model.get, ds, tokens, res, state=state, now_w=self.now_w)
@@ -196,6 +194,28 @@ class EngineVsReference(RuleBasedStateMachine):
             return
         assert bad == -1 and n == len(plan.logged)
         self._commit(payloads, plan.logged, {})
+
+    @rule(
+        idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=4),
+        how=st.lists(
+            st.sampled_from(["current", "current", "stale", "wrong"]), min_size=4, max_size=4
+        ),
+        lease=st.sampled_from([0.5, 2.0, 30.0]),
+    )
+    def extend(self, idx, how, lease) -> None:
+        """A renewal: kept in memory only (nothing to log), all or nothing."""
+        ds = [DIGESTS[i] for i in idx]
+        self._load(ds)
+        tokens = self._tokens(ds, how)
+        plan = ref.decide_extend(self.model.get, ds, tokens, lease=lease, now_m=self.now_m)
+        pending = self.table.pending
+        bad, kind, current = self.table.extend(b"".join(ds), tokens, lease, self.now_m)
+        if plan.error is not None:
+            assert (bad, kind, current) == plan.error
+            return
+        assert bad == -1
+        self._commit([], {}, plan.logged)
+        assert self.table.pending == pending, "a renewal is not noted for a checkpoint"
 
     @precondition(lambda self: self.crowded < 1800)
     @rule()
@@ -309,7 +329,8 @@ class EngineVsReference(RuleBasedStateMachine):
             if lsn > self.ckpt:
                 table.replay(payload, lsn, self.now_m)
         self.table = table
-        # Deadlines restart from now; stored times are whole milliseconds.
+        # Deadlines restart from now with the logged lease (a renewal's is lost);
+        # stored times are whole milliseconds.
         self.model = {
             d: ref.Rec(
                 r.state,
@@ -317,8 +338,8 @@ class EngineVsReference(RuleBasedStateMachine):
                 r.token,
                 _ms(r.created),
                 _ms(r.updated),
-                r.lease,
-                self.now_m + r.lease if r.state is State.PROCESSING else 0.0,
+                self.logged_lease[d],
+                self.now_m + self.logged_lease[d] if r.state is State.PROCESSING else 0.0,
                 r.owner,
                 r.fingerprint,
                 r.result,
@@ -336,6 +357,16 @@ class EngineVsReference(RuleBasedStateMachine):
             self.history.extend((self.lsn, d) for d in logged)
         self.model.update(logged)
         self.model.update(renewed)
+        self.logged_lease.update((d, r.lease) for d, r in logged.items())
+
+    def _tokens(self, ds: list[bytes], how: list[str]) -> list[int]:
+        """Each key's current token, one below it or a wrong one, as ``how`` says."""
+        tokens = []
+        for d, h in zip(ds, how, strict=False):
+            r = self.model.get(d)
+            cur = r.token if r is not None else 1
+            tokens.append({"current": cur, "stale": max(cur - 1, 1), "wrong": cur + 5}[h])
+        return tokens
 
     def _load(self, ds: list[bytes]) -> None:
         missing = self.table.missing(b"".join(ds))
