@@ -40,10 +40,16 @@ from dedupcore.api.conveniences import (
     key_path,
 )
 from dedupcore.api.conveniences import (
+    _disabled_logged as _disabled_logged,
+)
+from dedupcore.api.decorator import (
     _decorated_key as _decorated_key,  # the Celery integration builds on it
 )
-from dedupcore.api.conveniences import (
-    _disabled_logged as _disabled_logged,
+from dedupcore.api.serializers import (
+    CustomSerializer,
+    DataclassSerializer,
+    PydanticSerializer,
+    Serializer,
 )
 from dedupcore.errors import InProgressError, KeyPathError
 
@@ -58,6 +64,8 @@ __all__ = [
     "Claim",
     "ClaimAPI",
     "ClaimBatch",
+    "CustomSerializer",
+    "DataclassSerializer",
     "DuplicateCache",
     "ExtendBatch",
     "InProgressError",
@@ -65,6 +73,8 @@ __all__ = [
     "KeyRecord",
     "Limits",
     "Outcome",
+    "PydanticSerializer",
+    "Serializer",
     "change_items",
     "check_fingerprints",
     "check_owner",

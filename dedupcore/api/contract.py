@@ -12,6 +12,7 @@ and its ``durability()``.
 from __future__ import annotations
 
 import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import (
     AsyncIterator,
@@ -47,11 +48,11 @@ from dedupcore.api.conveniences import (
     Heartbeat,
     Processing,
     Step,
-    _answer,
     _bypassed,
-    _decorated_key,
     _fingerprints,
 )
+from dedupcore.api.decorator import Decorated, KeySpec
+from dedupcore.api.serializers import Serializer
 
 __all__ = ["UNKNOWN_DURABILITY", "AsyncClaimAPI", "ClaimAPI"]
 
@@ -363,37 +364,68 @@ class ClaimAPI(_Checks, ABC):
         self,
         *,
         namespace: str,
-        key: Callable[..., bytes | str] | str,
+        key: KeySpec,
         lease: float | None = None,
         payload: str | None = None,
         cache: DuplicateCache | None = None,
+        serializer: Serializer | type[Any] | None = None,
+        on_duplicate: Callable[[Any, Claim], Any] | None = None,
+        validate: str | Sequence[str] | None = None,
+        heartbeat: bool = False,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorator: runs the function once per key; duplicates get the stored result.
 
         ``key`` maps the call's arguments to the dedup key, or is a path into
         the payload (see :func:`key_path`: ``"order.id"``,
-        ``"Records[0].messageId"``); the payload is the function's first
-        argument, or the argument named ``payload``. While another owner holds
-        the key, calls raise :class:`InProgressError`. ``cache``: a
-        :class:`DuplicateCache` answering recent duplicates without a round
-        trip. With the environment variable ``DEDUPCORE_DISABLED=1`` the
-        function runs on every call and nothing is claimed (logged once).
-        ``async def`` functions are refused (TypeError): decorate them with
-        an :class:`AsyncClaimAPI` such as :class:`dedupcore.aio.Client`.
+        ``"Records[0].messageId"``), or a tuple of paths whose values together
+        are the key; the payload is the function's first argument, or the
+        argument named ``payload``. While another owner holds the key, calls
+        raise :class:`InProgressError`. ``cache``: a :class:`DuplicateCache`
+        answering recent duplicates without a round trip. ``serializer``: how
+        a result msgpack cannot encode is stored and read back (a
+        :class:`~dedupcore.api.serializers.Serializer`, or a dataclass or
+        Pydantic model class): a duplicate gets the same type.
+        ``on_duplicate(result, claim)``: what a duplicate call returns
+        instead of the stored result. ``validate``: paths into the payload
+        whose values must be those of the first call; other values raise
+        :class:`ConflictError`. ``heartbeat``: renew the claim while the
+        function runs (see :meth:`processing`). With the environment variable
+        ``DEDUPCORE_DISABLED=1`` the function runs on every call and nothing
+        is claimed (logged once). ``async def`` functions are refused
+        (TypeError): decorate them with an :class:`AsyncClaimAPI` such as
+        :class:`dedupcore.aio.Client`.
         """
+        options: dict[str, Any] = {
+            "serializer": serializer,
+            "on_duplicate": on_duplicate,
+            "validate": validate,
+        }
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            key_of = _decorated_key(fn, key, payload, want_async=False)
+            d = Decorated(fn, key=key, payload=payload, want_async=False, **options)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 if _bypassed():
                     return fn(*args, **kwargs)
-                k = key_of(*args, **kwargs)
-                with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
+                k = d.key_of(*args, **kwargs)
+                fp = d.fingerprint(*args, **kwargs)
+                value: Any = None
+                refused = None
+                with self.processing(
+                    k,
+                    namespace=namespace,
+                    lease=lease,
+                    fingerprint=fp,
+                    cache=cache,
+                    heartbeat=heartbeat,
+                ) as c:
                     if c.outcome is Outcome.NEW:
-                        c.result = fn(*args, **kwargs)
-                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
+                        value = fn(*args, **kwargs)
+                        refused = d.keep(c, value)
+                if refused is not None:
+                    raise refused
+                return d.answer(c, k, namespace, value)  # type: ignore[no-any-return]
 
             return wrapper
 
@@ -583,29 +615,55 @@ class AsyncClaimAPI(_Checks, ABC):
         self,
         *,
         namespace: str,
-        key: Callable[..., bytes | str] | str,
+        key: KeySpec,
         lease: float | None = None,
         payload: str | None = None,
         cache: DuplicateCache | None = None,
+        serializer: Serializer | type[Any] | None = None,
+        on_duplicate: Callable[[Any, Claim], Any] | None = None,
+        validate: str | Sequence[str] | None = None,
+        heartbeat: bool = False,
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
         """Decorator for ``async def``: runs it once per key (see :meth:`ClaimAPI.idempotent`).
 
-        The same arguments, key paths, cache and ``DEDUPCORE_DISABLED``
-        switch as the sync decorator; a plain function is refused (TypeError).
+        The same arguments, key paths, cache, serializers, validation and
+        ``DEDUPCORE_DISABLED`` switch as the sync decorator; ``on_duplicate``
+        may be a coroutine function. A plain function is refused (TypeError).
         """
+        options: dict[str, Any] = {
+            "serializer": serializer,
+            "on_duplicate": on_duplicate,
+            "validate": validate,
+        }
 
         def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-            key_of = _decorated_key(fn, key, payload, want_async=True)
+            d = Decorated(fn, key=key, payload=payload, want_async=True, **options)
 
             @functools.wraps(fn)
             async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 if _bypassed():
                     return await fn(*args, **kwargs)
-                k = key_of(*args, **kwargs)
-                async with self.processing(k, namespace=namespace, lease=lease, cache=cache) as c:
+                k = d.key_of(*args, **kwargs)
+                fp = d.fingerprint(*args, **kwargs)
+                value: Any = None
+                refused = None
+                async with self.processing(
+                    k,
+                    namespace=namespace,
+                    lease=lease,
+                    fingerprint=fp,
+                    cache=cache,
+                    heartbeat=heartbeat,
+                ) as c:
                     if c.outcome is Outcome.NEW:
-                        c.result = await fn(*args, **kwargs)
-                    return _answer(c, k, namespace)  # type: ignore[no-any-return]
+                        value = await fn(*args, **kwargs)
+                        refused = d.keep(c, value)
+                if refused is not None:
+                    raise refused
+                answer = d.answer(c, k, namespace, value)
+                if c.outcome is not Outcome.NEW and inspect.isawaitable(answer):
+                    answer = await answer
+                return answer  # type: ignore[no-any-return]
 
             return wrapper
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import Any
 
 from dedupcore.api.answers import Claim, Outcome
 from dedupcore.api.batches import pack_result, result_refused, unpack_result
-from dedupcore.errors import InProgressError, KeyPathError, StaleTokenError
+from dedupcore.errors import KeyPathError, StaleTokenError
 
 __all__ = [
     "DISABLE_ENV",
@@ -111,9 +110,20 @@ def key_path(path: str) -> Callable[[Any], bytes | str]:
     (sorted keys). A missing field or an empty value raises
     :class:`KeyPathError`; a malformed path raises ValueError here.
     """
-    steps = _parse_path(path)
+    found = value_at(path)
 
     def extract(payload: Any) -> bytes | str:
+        return _key_value(found(payload), path)
+
+    return extract
+
+
+def value_at(path: str) -> Callable[[Any], Any]:
+    """A function taking a payload to the value at ``path`` as it is (see
+    :func:`key_path` for paths); a missing field raises :class:`KeyPathError`."""
+    steps = _parse_path(path)
+
+    def extract(payload: Any) -> Any:
         value = payload
         for i, step in enumerate(steps):
             try:
@@ -123,7 +133,7 @@ def key_path(path: str) -> Callable[[Any], bytes | str]:
                 raise KeyPathError(
                     f"key path {path!r}: nothing at {where.lstrip('.')!r} ({exc})"
                 ) from None
-        return _key_value(value, path)
+        return value
 
     return extract
 
@@ -276,36 +286,6 @@ def _bypassed() -> bool:
         _log_disabled_once()
         return True
     return False
-
-
-def _decorated_key(
-    fn: Callable[..., Any],
-    key: Callable[..., bytes | str] | str,
-    payload: str | None,
-    *,
-    want_async: bool,
-) -> Callable[..., bytes | str]:
-    """The key function of ``fn`` decorated by ``idempotent``, its arguments checked.
-
-    ``want_async``: the decorator of an async front end takes ``async def``
-    functions only, a sync one plain functions only (a coroutine object is
-    not a result that can be stored).
-    """
-    if not callable(fn):
-        raise TypeError(f"idempotent decorates a function, not {type(fn).__name__}")
-    name = getattr(fn, "__qualname__", repr(fn))
-    if want_async and not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"an async front end's idempotent decorates async def; {name} is not")
-    if not want_async and inspect.iscoroutinefunction(fn):
-        raise TypeError(
-            f"{name} is async def: decorate it with the idempotent of dedupcore.aio.Client "
-            "(or another AsyncClaimAPI)"
-        )
-    if callable(key):
-        if payload is not None:
-            raise TypeError("payload= is for a key path; here key is a function")
-        return key
-    return _payload_key(fn, key_path(key), payload)
 
 
 #: The lease of a claim under a heartbeat when none is given: renewed every third
@@ -475,46 +455,3 @@ class Processing:
             # redelivery does not do the work a second time; tell the caller.
             yield Step(call="complete", token=c.token)
             raise
-
-
-def _answer(c: Claim, key: bytes | str, namespace: str) -> Any:
-    """What a decorated call returns: the claim's result (the function's own for a NEW
-    claim, the stored one for a DUPLICATE); InProgressError while another owner holds it."""
-    if c.outcome is Outcome.IN_PROGRESS:
-        raise InProgressError(
-            f"key {key!r} in namespace {namespace!r} is being processed by another "
-            "owner; retry later"
-        )
-    return c.result
-
-
-def _payload_key(
-    fn: Callable[..., Any], extract: Callable[[Any], bytes | str], payload: str | None
-) -> Callable[..., bytes | str]:
-    """The key function of a decorated ``fn``: ``extract`` applied to its payload argument."""
-    try:
-        sig: inspect.Signature | None = inspect.signature(fn)
-    except (TypeError, ValueError):  # a callable without a signature (some builtins)
-        sig = None
-    params = list(sig.parameters.values()) if sig is not None else []
-    if payload is not None and sig is not None and payload not in sig.parameters:
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(f"{name} has no argument named {payload!r} (payload=)")
-    name = payload if payload is not None else (params[0].name if params else None)
-
-    def key_of(*args: Any, **kwargs: Any) -> bytes | str:
-        if sig is None or name is None:
-            if not args:
-                raise TypeError("the payload is the first positional argument; none was given")
-            return extract(args[0])
-        bound = sig.bind(*args, **kwargs)
-        if name not in bound.arguments:
-            raise TypeError(f"the payload argument {name!r} was not given")
-        value = bound.arguments[name]
-        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
-            if not value:
-                raise TypeError("the payload is the first positional argument; none was given")
-            value = value[0]
-        return extract(value)
-
-    return key_of

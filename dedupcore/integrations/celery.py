@@ -71,7 +71,7 @@ except ModuleNotFoundError as exc:  # celery comes with the [celery] extra
 
 import dedupcore.keys as _keys
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome, key_path, result_refused
-from dedupcore.api.conveniences import _decorated_key
+from dedupcore.api.decorator import _decorated_key
 from dedupcore.errors import InProgressError, SchemaError, StaleTokenError
 from dedupcore.factory import open_store
 from dedupcore.integrations._common import (

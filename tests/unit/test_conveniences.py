@@ -7,9 +7,8 @@ The decorator and ``processing`` cases run through both drivers, the sync
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,19 +19,18 @@ from hypothesis import strategies as st
 
 from dedupcore import api
 from dedupcore.api import (
-    AsyncClaimAPI,
     Claim,
-    ClaimAPI,
+    ClaimBatch,
     DuplicateCache,
     InProgressError,
     KeyPathError,
-    KeyRecord,
     Outcome,
     key_path,
 )
 from dedupcore.errors import ConflictError
 from dedupcore.store import DedupStore
 from dedupcore.writebehind import MemoryTable
+from tests.support.drivers import MODES, AsyncOver, Driver
 from tests.support.fakes import FakeClock
 
 NS = "orders/billing"
@@ -45,19 +43,9 @@ class Counting(MemoryTable):
         super().__init__()
         self.claims = 0
 
-    def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
+    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         self.claims += 1
-        return super().claim_many(
-            keys, namespace=namespace, lease=lease, owner=owner, fingerprints=fingerprints
-        )
+        return super()._claim_batch(batch)
 
 
 @pytest.fixture
@@ -176,88 +164,6 @@ def test_key_path_round_trip(steps: list[str | int], leaf: str) -> None:
 
 
 # -- the decorator, sync and async ---------------------------------------------------
-
-
-class AsyncOver(AsyncClaimAPI):
-    """An AsyncClaimAPI front end over a sync store (the async driver of the same cases)."""
-
-    def __init__(self, store: ClaimAPI) -> None:
-        self.store = store
-
-    async def claim_many(
-        self,
-        keys: Iterable[bytes | str],
-        *,
-        namespace: str,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        fingerprints: Sequence[bytes | None] | None = None,
-    ) -> list[Claim]:
-        await asyncio.sleep(0)  # a real suspension point, as a network client has
-        return self.store.claim_many(
-            keys, namespace=namespace, lease=lease, owner=owner, fingerprints=fingerprints
-        )
-
-    async def complete_many(self, items: Any, *, namespace: str) -> None:
-        self.store.complete_many(items, namespace=namespace)
-
-    async def release_many(self, items: Any, *, namespace: str) -> None:
-        self.store.release_many(items, namespace=namespace)
-
-    async def get(self, key: bytes | str, *, namespace: str) -> KeyRecord | None:
-        return self.store.get(key, namespace=namespace)
-
-    async def stats(self) -> dict[str, Any]:
-        return self.store.stats()
-
-
-class Driver:
-    """Runs one test case through the sync API or the async one, over the same store.
-
-    ``idempotent(**kw)(fn)`` decorates a plain ``fn`` (made ``async def`` for
-    the async API) and returns a plain function that runs the decorated call;
-    ``processing(key, **kw)`` enters and leaves a block and returns its claim.
-    """
-
-    def __init__(self, store: ClaimAPI, mode: str) -> None:
-        self.store = store
-        self.mode = mode
-        self.api: ClaimAPI | AsyncClaimAPI = store if mode == "sync" else AsyncOver(store)
-
-    def idempotent(self, **kw: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-            if isinstance(self.api, ClaimAPI):
-                return self.api.idempotent(**kw)(fn)
-
-            @functools.wraps(fn)
-            async def afn(*args: Any, **kwargs: Any) -> Any:
-                await asyncio.sleep(0)
-                return fn(*args, **kwargs)
-
-            decorated = self.api.idempotent(**kw)(afn)
-
-            @functools.wraps(fn)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                return asyncio.run(decorated(*args, **kwargs))
-
-            return call
-
-        return decorate
-
-    def processing(self, key: bytes | str, **kw: Any) -> Claim:
-        if isinstance(self.api, ClaimAPI):
-            with self.api.processing(key, **kw) as c:
-                return c
-        api = self.api
-
-        async def main() -> Claim:
-            async with api.processing(key, **kw) as c:
-                return c
-
-        return asyncio.run(main())
-
-
-MODES = ["sync", "async"]
 
 
 @pytest.fixture(params=MODES)
