@@ -91,6 +91,7 @@ from dedupcore.api.answers import Claim, KeyRecord, Outcome
 from dedupcore.api.batches import (
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
     fingerprint_conflict,
     unpack_result,
@@ -125,11 +126,12 @@ def _script(name: str) -> str:
     return resources.files("dedupcore.redis").joinpath(name).read_text(encoding="utf-8")
 
 
-#: The claim and the change of a batch, decided atomically on the server: their
-#: arguments, replies and how the claim follows dedupcore/decision.py are in the
-#: scripts' heads (dedupcore/redis/claim.lua, change.lua).
+#: The claim, the change and the renewal of a batch, decided atomically on the
+#: server: their arguments, replies and how the claim follows dedupcore/decision.py
+#: are in the scripts' heads (dedupcore/redis/claim.lua, change.lua, extend.lua).
 _CLAIM = _script("claim.lua")
 _CHANGE = _script("change.lua")
+_EXTEND = _script("extend.lua")
 
 _SAFE_POLICIES = ("noeviction",)
 #: Errors meaning "the server or cluster could not answer" (DC* replies are decisions).
@@ -211,6 +213,7 @@ class RedisStore(ClaimAPI):
         # Script objects only hash their source here; nothing is sent before the first call.
         self._claim = client.register_script(_CLAIM)
         self._change = client.register_script(_CHANGE)
+        self._extend = client.register_script(_EXTEND)
         self._checked = False
         self._check_lock = threading.Lock()
         self._run_ids: dict[str, str] = {}
@@ -555,7 +558,9 @@ class RedisStore(ClaimAPI):
             if s is not None and s != b"3" and f and f != fps[i]:
                 raise fingerprint_conflict(keys[i], namespace)
 
-    def _error(self, exc: ResponseError, keys: list[Any], namespace: str) -> Exception:
+    def _error(
+        self, exc: ResponseError, keys: list[Any], namespace: str, action: str = "released"
+    ) -> Exception:
         words = str(exc).split()
         if not words or not words[0].startswith("DC"):
             return _failure(exc)
@@ -569,7 +574,7 @@ class RedisStore(ClaimAPI):
                 "(never claimed, released, or expired from the store)"
             )
         if kind == "DCDONE":
-            return StaleTokenError(f"key {key!r} was already completed; it cannot be released")
+            return StaleTokenError(f"key {key!r} was already completed; it cannot be {action}")
         return StaleTokenError(
             f"token of key {key!r} is not the key's current token "
             f"{words[2]} (a stale owner whose lease was taken over)"
@@ -610,7 +615,12 @@ class RedisStore(ClaimAPI):
                 raise self._error(out, [parsed[i][0] for i in idx], namespace) from None
 
     def _precheck_change(
-        self, names: list[bytes], parsed: list[Any], namespace: str, state: State
+        self,
+        names: list[bytes],
+        parsed: list[Any],
+        namespace: str,
+        state: State,
+        action: str = "released",
     ) -> None:
         stored = self._pipeline(lambda pipe: [pipe.hmget(n, "s", "t") for n in names])
         for i, (s, t) in enumerate(stored):
@@ -624,8 +634,37 @@ class RedisStore(ClaimAPI):
             if kind is not None:
                 words = kind.split()
                 raise self._error(
-                    ResponseError(" ".join([words[0], "1", *words[2:]])), [parsed[i][0]], namespace
+                    ResponseError(" ".join([words[0], "1", *words[2:]])),
+                    [parsed[i][0]],
+                    namespace,
+                    action,
                 )
+
+    @one_call
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews a batch's leases on the Redis server's clock, all or nothing; one
+        script call per cluster slot (dedupcore/redis/extend.lua). Keys of a batch
+        in several slots are checked together first, as completions are; a claim
+        lost between that check and its slot's script refuses that slot only."""
+        if not batch.keys:
+            return
+        namespace = batch.namespace
+        lease_s = self.lease if batch.lease is None else batch.lease
+        parsed = list(zip(batch.keys, batch.raw, batch.tokens, strict=True))
+        self._ready()
+        names = self._names(batch.ns, batch.raw)
+        groups = self._route.groups(names)
+        if len(groups) > 1:
+            # A renewal refuses a completed claim, as a release does.
+            self._precheck_change(names, parsed, namespace, State.RELEASED, "extended")
+        head = [int(lease_s * 1000), self._window_ms(namespace, lease_s)]
+        calls = [
+            ([names[i] for i in idx], [*head, *[str(parsed[i][2]) for i in idx]]) for idx in groups
+        ]
+        for idx, out in zip(groups, self._run(self._extend, calls), strict=True):
+            if isinstance(out, ResponseError):
+                keys = [parsed[i][0] for i in idx]
+                raise self._error(out, keys, namespace, "extended") from None
 
     @one_call
     def _get_record(self, ns: bytes, raw: bytes) -> KeyRecord | None:

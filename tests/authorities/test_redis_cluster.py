@@ -95,6 +95,34 @@ def test_claim_complete_release_across_the_cluster(store: RedisStore, cluster: C
         store.complete("f0", 1, namespace=NS)
 
 
+def test_a_renewal_across_the_cluster_is_all_or_nothing(
+    store: RedisStore, cluster: Cluster, client: Any
+) -> None:
+    keys = [f"k{i}" for i in range(200)]
+    assert len(set(_owner_ports(cluster, store, keys).values())) == 3
+    claims = store.claim_many(keys, namespace=NS, lease=30.0)
+    names = store._names(NS.encode(), [k.encode() for k in keys])
+
+    def deadlines() -> list[int]:
+        return [int(client.hget(n, "d")) for n in names]
+
+    before = deadlines()
+    store.complete("k150", claims[150].token, namespace=NS)
+    items = [(c.key, c.token) for c in claims]
+    # The completed key on one master refuses the renewal on all of them.
+    with pytest.raises(StaleTokenError, match="cannot be extended"):
+        store.extend_many(items, namespace=NS, lease=600.0)
+    assert deadlines() == before
+    held = items[:150] + items[151:]
+    store.extend_many(held, namespace=NS, lease=600.0)
+    after = deadlines()
+    # Renewed on the servers' clocks: 600 s from now is past any 30 s deadline.
+    assert all(
+        a - b > 500_000 for i, (a, b) in enumerate(zip(after, before, strict=True)) if i != 150
+    )
+    assert all(client.pttl(n) > 500_000 for i, n in enumerate(names) if i != 150)
+
+
 def test_a_batch_spans_every_master_with_one_script_call_per_slot(
     store: RedisStore, cluster: Cluster
 ) -> None:
