@@ -57,13 +57,15 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.check",
         "dedupcore.memory",
     ),
-    # built from stores: stacks and shards, write-behind, opening by URL, patterns, metrics
+    # built from stores: stacks and shards, write-behind, opening by URL, patterns, metrics,
+    # tracing
     3: (
         "dedupcore.stack",
         "dedupcore.writebehind",
         "dedupcore.factory",
         "dedupcore.patterns.*",
         "dedupcore.metrics",
+        "dedupcore.tracing",
     ),
     # serving and using stores: the daemon, its clients, HTTP and broker integrations
     4: (
