@@ -48,7 +48,16 @@ from dedupcore.sql.dialects import Dialect
 from dedupcore.sql.dialects.base import PROCESSED, PROCESSING, RELEASED, RowUpdate, SetList
 from dedupcore.sql.transactions import Fallback, Retry, Transactions
 
-__all__ = ["Batch", "Habits", "Row", "change", "claim_flat", "decide", "insert_absent"]
+__all__ = [
+    "Batch",
+    "Habits",
+    "Row",
+    "change",
+    "claim_flat",
+    "decide",
+    "extend",
+    "insert_absent",
+]
 
 #: A namespace's batches are read first while the exponential average of their
 #: DUPLICATE share (weight of the newest batch ``SHARE_WEIGHT``) is above
@@ -365,25 +374,23 @@ def decide(
     return claims
 
 
-def change(
-    d: Dialect,
-    cur: Any,
-    table: str,
-    ns: str,
-    items: Sequence[tuple[Any, bytes, int, bytes | None]],
-    state: int,
-    parted: bool,
-) -> None:
-    """Completes (``state`` PROCESSED) or releases (RELEASED) ``items`` in one transaction.
+def _refusal(state: int, current: int, token: int) -> int:
+    """Why ``token`` does not hold a row of ``state`` and ``current`` token (0: it does)."""
+    if state == RELEASED:
+        return ERR_NOT_CLAIMED
+    if current != token:
+        return ERR_WRONG_TOKEN
+    return ERR_COMPLETED if state == PROCESSED else 0
 
-    ``items``: ``(key, key bytes, token, packed result)``. Every item is
-    checked against the locked rows first: a stale token raises and the
-    transaction is rolled back; a retried completion is a no-op.
-    """
-    completing = state == PROCESSED
-    unique = sorted({item[1] for item in items})
+
+def _locked(
+    d: Dialect, cur: Any, table: str, ns: str, wanted_tokens: list[tuple[bytes, int]], parted: bool
+) -> tuple[dict[bytes, tuple[int, int]], dict[bytes, int]]:
+    """The ``(state, token)`` of each key's row, locked (no entry: no row), and on a
+    partitioned table each key's partition. ``wanted_tokens``: ``(key bytes, token)``."""
+    unique = sorted({k for k, _ in wanted_tokens})
     wanted: dict[bytes, int] = {}
-    for _, k, token, _ in items:
+    for k, token in wanted_tokens:
         wanted.setdefault(k, token)
     current: dict[bytes, tuple[int, int]] = {}
     part_of: dict[bytes, int] = {}
@@ -400,17 +407,34 @@ def change(
         current = {
             bytes(k): (int(s), int(tok)) for k, s, tok, *_ in d.select_rows(cur, table, ns, unique)
         }
+    return current, part_of
+
+
+def change(
+    d: Dialect,
+    cur: Any,
+    table: str,
+    ns: str,
+    items: Sequence[tuple[Any, bytes, int, bytes | None]],
+    state: int,
+    parted: bool,
+) -> None:
+    """Completes (``state`` PROCESSED) or releases (RELEASED) ``items`` in one transaction.
+
+    ``items``: ``(key, key bytes, token, packed result)``. Every item is
+    checked against the locked rows first: a stale token raises and the
+    transaction is rolled back; a retried completion is a no-op.
+    """
+    completing = state == PROCESSED
+    current, part_of = _locked(d, cur, table, ns, [(k, token) for _, k, token, _ in items], parted)
     writes: dict[bytes, list[Any]] = {}
     for key, k, token, packed in items:
         s, tok = current.get(k, (RELEASED, 0))
-        if s == RELEASED:
-            raise stale_token_error(ERR_NOT_CLAIMED, key, token, tok, ns)
-        if tok != token:
-            raise stale_token_error(ERR_WRONG_TOKEN, key, token, tok, ns)
-        if s == PROCESSED:
-            if completing:
-                continue  # a retried completion: already done
-            raise stale_token_error(ERR_COMPLETED, key, token, tok, ns)
+        kind = _refusal(s, tok, token)
+        if kind == ERR_COMPLETED and completing:
+            continue  # a retried completion: already done
+        if kind:
+            raise stale_token_error(kind, key, token, tok, ns)
         current[k] = (state, tok)
         at = [k, part_of[k]] if parted else [k]
         writes[k] = [*at, packed] if completing else at
@@ -423,3 +447,33 @@ def change(
         sets = [("state", str(RELEASED)), ("result", "NULL"), ("updated", d.now)]
         types = []
     d.update_rows(cur, table, ns, RowUpdate(sets, types, list(writes.values()), parted))
+
+
+def extend(
+    d: Dialect,
+    cur: Any,
+    table: str,
+    ns: str,
+    items: Sequence[tuple[Any, bytes, int]],
+    lease: float,
+    parted: bool,
+) -> None:
+    """Renews the leases of ``items`` (``(key, key bytes, token)``) in one transaction:
+    each claim held ``lease`` seconds from now on the server's clock.
+
+    Every item is checked against the locked rows first: a token that does not
+    hold its key (not claimed, another token, completed) raises and the
+    transaction is rolled back. A claim whose lease ran out is renewed while
+    its token is the key's current one.
+    """
+    current, part_of = _locked(d, cur, table, ns, [(k, token) for _, k, token in items], parted)
+    renew: dict[bytes, list[Any]] = {}
+    for key, k, token in items:
+        s, tok = current.get(k, (RELEASED, 0))
+        kind = _refusal(s, tok, token)
+        if kind:
+            raise stale_token_error(kind, key, token, tok, ns, "extended")
+        renew[k] = [k, part_of[k]] if parted else [k]
+    if renew:
+        sets: SetList = [("lease_until", d.lease_until(lease))]
+        d.update_rows(cur, table, ns, RowUpdate(sets, [], list(renew.values()), parted))

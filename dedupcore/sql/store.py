@@ -137,13 +137,13 @@ from typing import Any, TypeVar
 
 import dedupcore.sql.retention as _retention
 from dedupcore.api.answers import Claim, KeyRecord
-from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits, unpack_result
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, ExtendBatch, Limits, unpack_result
 from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import SchemaError
 from dedupcore.record import State
 from dedupcore.retry import one_call
-from dedupcore.sql.claims import Batch, Habits, change, claim_flat
+from dedupcore.sql.claims import Batch, Habits, change, claim_flat, extend
 from dedupcore.sql.dialects import DEFAULT_TIMEOUT, DIALECTS, Dialect, connect_url, dialect_of
 from dedupcore.sql.dialects.base import PROCESSED, RELEASED
 from dedupcore.sql.partitions import (
@@ -517,6 +517,18 @@ class SqlStore(ClaimAPI):
         parsed = list(zip(batch.keys, batch.raw, batch.tokens, results, strict=True))
         d, parted = self._dialect, self._parts is not None
         self._tx(lambda cur: change(d, cur, self.table, ns, parsed, state, parted))
+
+    @one_call
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews a batch's leases in one transaction on the server's clock (a stale
+        token rolls the whole batch back)."""
+        if not batch.keys:
+            return
+        ns = batch.namespace
+        lease_s = self.lease if batch.lease is None else batch.lease
+        items = list(zip(batch.keys, batch.raw, batch.tokens, strict=True))
+        d, parted = self._dialect, self._parts is not None
+        self._tx(lambda cur: extend(d, cur, self.table, ns, items, lease_s, parted))
 
     @one_call
     def _get_record(self, ns_b: bytes, raw: bytes) -> KeyRecord | None:

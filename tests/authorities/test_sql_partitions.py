@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +169,23 @@ def test_beyond_tolerance_across_a_boundary_is_another_message(store: SqlStore) 
     assert store.claim("b2", namespace=NS, event_time=T0 + DAY - 1000).outcome is (
         Outcome.DUPLICATE
     )
+
+
+def test_a_renewal_finds_the_claim_in_progress_among_partitions(store: SqlStore) -> None:
+    boundary = T0 + DAY
+    c = store.claim("e1", namespace=NS, event_time=boundary - 400)
+    store.complete("e1", c.token, namespace=NS)
+    # Another message of the same key, in the next day's partition, with the same token.
+    other = store.claim("e1", namespace=NS, event_time=boundary + 400, lease=0.2, owner="a")
+    assert (other.outcome, other.token) == (Outcome.NEW, c.token)
+    time.sleep(0.5)  # the first lease runs out on the server's clock (not a synchronization)
+    store.extend("e1", other.token, namespace=NS, lease=600.0)
+    # Renewed in its own partition: a claim there finds it held, not run out.
+    busy = store.claim("e1", namespace=NS, event_time=boundary + 400, owner="b")
+    assert busy.outcome is Outcome.IN_PROGRESS
+    store.complete("e1", other.token, namespace=NS)
+    with pytest.raises(StaleTokenError, match="cannot be extended"):
+        store.extend("e1", other.token, namespace=NS)
 
 
 def test_mostly_duplicate_batches_across_a_boundary(store: SqlStore) -> None:
