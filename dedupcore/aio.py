@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from dedupcore.api import AsyncClaimAPI, ChangeBatch, Claim, ClaimBatch, KeyRecord
+from dedupcore.api import AsyncClaimAPI, ChangeBatch, Claim, ClaimBatch, ExtendBatch, KeyRecord
 from dedupcore.client import DEFAULT_SOCKET, ClientBase, default_socket
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
@@ -248,6 +248,9 @@ class Client(ClientBase, AsyncClaimAPI):
 
     async def _change_batch(self, batch: ChangeBatch) -> None:
         await self._call(*self._change_request(batch))
+
+    async def _extend_batch(self, batch: ExtendBatch) -> None:
+        await self._call(Op.EXTEND_MANY, self._extend_request(batch))
 
     async def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         reply = await self._call(Op.GET, {"ns": ns.decode(), "key": key})

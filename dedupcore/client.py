@@ -26,7 +26,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dedupcore.api import ChangeBatch, Claim, ClaimAPI, ClaimBatch, KeyRecord, Limits
+from dedupcore.api import (
+    ChangeBatch,
+    Claim,
+    ClaimAPI,
+    ClaimBatch,
+    ExtendBatch,
+    KeyRecord,
+    Limits,
+)
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
@@ -145,6 +153,15 @@ class ClientBase:
         items = [[k, t] for k, t in zip(batch.keys, batch.tokens, strict=True)]
         return Op.RELEASE_MANY, {"ns": batch.namespace, "items": items}
 
+    @staticmethod
+    def _extend_request(batch: ExtendBatch) -> dict[str, Any]:
+        """The args of a checked EXTEND_MANY."""
+        items = [[k, t] for k, t in zip(batch.keys, batch.tokens, strict=True)]
+        args: dict[str, Any] = {"ns": batch.namespace, "items": items}
+        if batch.lease is not None:
+            args["lease"] = batch.lease
+        return args
+
     def _request(self, op: Op, args: dict[str, Any]) -> tuple[int, bytes]:
         """A new request id and the request's frame; UnavailableError once the client is
         closed, ValueError for a request larger than a frame."""
@@ -260,6 +277,9 @@ class Client(ClientBase, ClaimAPI):
 
     def _change_batch(self, batch: ChangeBatch) -> None:
         self._call(*self._change_request(batch))
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        self._call(Op.EXTEND_MANY, self._extend_request(batch))
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         return protocol.record_from_map(self._call(Op.GET, {"ns": ns.decode(), "key": key}))

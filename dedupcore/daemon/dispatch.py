@@ -1,12 +1,12 @@
 """From a request's op and arguments to the store's call (docs/daemon.md).
 
-:class:`Dispatcher` runs PING, CLAIM_MANY, COMPLETE_MANY, RELEASE_MANY and GET
-on the store the daemon serves. Every store is served by :meth:`Dispatcher.call`
+:class:`Dispatcher` runs PING, CLAIM_MANY, COMPLETE_MANY, RELEASE_MANY, EXTEND_MANY
+and GET on the store the daemon serves. Every store is served by :meth:`Dispatcher.call`
 in the daemon's thread pool; its reply is kept within the frame limit by the
 store itself when it is a :class:`~dedupcore.api.deferred.DeferredStore`, else
 by reading the stored results of the batch's keys first (:class:`Gate`). Such a
 store decides without waiting for its log (:class:`Abilities`, the embedded store)
-has its claims, completions and releases decided on the event loop
+has its claims, completions, releases and renewals decided on the event loop
 (:meth:`Dispatcher.decide_sync`, :meth:`Dispatcher.decide`, a large claim batch
 in slices) and only the wait for the log handed to the group commit
 (:class:`~dedupcore.daemon.commit.Committer`).
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dedupcore.api import ChangeBatch, ClaimAPI, ClaimBatch, check_fingerprints
+from dedupcore.api import ChangeBatch, ClaimAPI, ClaimBatch, ExtendBatch, check_fingerprints
 from dedupcore.api.deferred import (
     FORM_CHECK,
     FORM_CLAIMS,
@@ -65,8 +65,9 @@ SMALL_FIRST_SECONDS = 0.005
 #: batches in flight is decided per pass of the event loop (they take turns), so a
 #: request of another connection waits behind at most one slice per pass.
 SLICE_KEYS = 1024
-#: Ops the embedded store decides on the event loop (then only the commit is waited for).
-DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
+#: Ops the embedded store decides on the event loop (then only the commit is waited
+#: for; a renewal is kept in memory and has none).
+DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.EXTEND_MANY})
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,9 @@ class Dispatcher:
             if form == FORM_COLUMNS:
                 return protocol.columns_payload(answer), self.commit(lsn, gather)
             return [protocol.claim_row(c) for c in answer], self.commit(lsn, gather)
+        if op is Op.EXTEND_MANY:
+            store._extend_batch(self.extension(args, store.limits))
+            return None, None  # in memory only: no commit to wait for
         ns = _arg(args, "ns", str)
         change = ChangeBatch(
             _arg(args, "items", list),
@@ -239,6 +243,14 @@ class Dispatcher:
             limits=store.limits,
         )
         return None, self.commit(store.change_deferred(change), gather)
+
+    @staticmethod
+    def extension(args: dict[str, Any], limits: Any) -> ExtendBatch:
+        """The checked batch of an EXTEND_MANY request."""
+        ns = _arg(args, "ns", str)
+        items = _arg(args, "items", list)
+        lease = _optional(args, "lease", (int, float))
+        return ExtendBatch(items, namespace=ns, lease=lease, limits=limits)
 
     def reply_bound(self, batch: ClaimBatch, limit: int | None = None) -> Admit:
         """What refuses a claim batch whose reply would pass the frame (or ``limit``
@@ -356,6 +368,10 @@ class Dispatcher:
             return None
         if op is Op.RELEASE_MANY:
             self.store.release_many(_arg(args, "items", list), namespace=ns)
+            return None
+        if op is Op.EXTEND_MANY:
+            lease = _optional(args, "lease", (int, float))
+            self.store.extend_many(_arg(args, "items", list), namespace=ns, lease=lease)
             return None
         if op is Op.GET:
             return protocol.record_map(

@@ -25,6 +25,8 @@ Ops and their ``args`` (a map) and results:
 - ``RELEASE_MANY`` (4): ``ns``, ``items``: ``[[key, token], ...]`` -> ``None``
 - ``GET`` (5): ``ns``, ``key`` -> a record map or ``None``
 - ``STATS`` (6): ``{}`` -> the store's ``stats()`` map plus ``daemon`` counters
+- ``EXTEND_MANY`` (7): ``ns``, ``items``: ``[[key, token], ...]``, ``lease``? (seconds;
+  absent or nil: the store's default) -> ``None``; every claim renewed, or none
 
 ``outcome`` is ``Outcome.value`` ("new", "duplicate", "in_progress").
 """
@@ -94,6 +96,7 @@ class Op(enum.IntEnum):
     RELEASE_MANY = 4
     GET = 5
     STATS = 6
+    EXTEND_MANY = 7
 
 
 class Status(enum.IntEnum):
@@ -228,8 +231,9 @@ def decode_response(body: bytes) -> tuple[int, Status, Any]:
 
 # -- op arguments and results, shared by the server and both clients ---------------
 
-#: Ops a client may send again after a lost reply: repeating them changes nothing.
-SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY})
+#: Ops a client may send again after a lost reply: repeating them changes nothing
+#: (a renewal sent twice renews the claim from the second one's now).
+SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY, Op.EXTEND_MANY})
 
 
 _PLAIN_KEYS = frozenset({bytes, str})

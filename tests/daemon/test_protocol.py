@@ -29,8 +29,9 @@ from dedupcore.errors import (
     StaleTokenError,
     UnavailableError,
 )
+from dedupcore.memory import MemoryTable
 from dedupcore.record import State
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, serving
 from tests.support.stores import unique_ns
 
 HEADER = struct.Struct(">I")
@@ -187,6 +188,38 @@ def test_every_op_round_trips_over_a_raw_socket(daemon: Daemon) -> None:
         assert rows[0][0] == "new"
         payload = error(r.call(12, Op.CLAIM_MANY, {"ns": ns, "keys": ["fp"], "fps": [b"g"]}), 12)
         assert payload["type"] == "ConflictError"
+
+
+def _extend_round_trips(path: Any) -> None:
+    ns = unique_ns()
+    with Raw(path) as r:
+        rows = ok(r.call(1, Op.CLAIM_MANY, {"ns": ns, "keys": ["a", "b"], "lease": 30.0}), 1)
+        assert [row[:2] for row in rows] == [["new", 1], ["new", 1]]
+        items = [["a", 1], [b"b", 1]]
+        assert ok(r.call(2, Op.EXTEND_MANY, {"ns": ns, "items": items, "lease": 600}), 2) is None
+        # The lease may be left out (the store's default), or nil.
+        assert ok(r.call(3, Op.EXTEND_MANY, {"ns": ns, "items": items}), 3) is None
+        assert ok(r.call(4, Op.EXTEND_MANY, {"ns": ns, "items": [], "lease": None}), 4) is None
+        assert ok(r.call(5, Op.COMPLETE_MANY, {"ns": ns, "items": [["b", 1]]}), 5) is None
+        payload = error(r.call(6, Op.EXTEND_MANY, {"ns": ns, "items": items}), 6)
+        assert payload["type"] == "StaleTokenError" and "extended" in payload["message"]
+        payload = error(r.call(7, Op.EXTEND_MANY, {"ns": ns, "items": [["a", 2]]}), 7)
+        assert payload["type"] == "StaleTokenError"
+        rec = ok(r.call(8, Op.GET, {"ns": ns, "key": "a"}), 8)
+        assert rec["state"] == int(State.PROCESSING) and rec["token"] == 1
+
+
+def test_extend_many_round_trips_over_a_raw_socket(daemon: Daemon) -> None:
+    """The embedded store's renewals, decided on the event loop."""
+    _extend_round_trips(daemon.socket)
+    assert_still_serving(daemon)
+
+
+def test_extend_many_round_trips_on_a_store_served_from_the_thread_pool() -> None:
+    """A store that does not decide on the loop (here the memory table) renews in the
+    daemon's thread pool."""
+    with serving(MemoryTable()) as (_server, path):
+        _extend_round_trips(path)
 
 
 def test_pipelined_requests_get_their_own_replies(daemon: Daemon) -> None:
@@ -581,6 +614,45 @@ BAD_REQUESTS = [
         [5, Op.RELEASE_MANY, {"ns": "n", "items": [["k", 1, "r"]]}],
         "TypeError",
         id="release-with-result",
+    ),
+    pytest.param([5, Op.EXTEND_MANY, {"items": [["k", 1]]}], "FrameError", id="extend-no-ns"),
+    pytest.param([5, Op.EXTEND_MANY, {"ns": "n"}], "FrameError", id="extend-no-items"),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": 5, "items": [["k", 1]]}], "TypeError", id="extend-ns-int"
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": "k"}], "TypeError", id="extend-items-str"
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k"]]}], "TypeError", id="extend-item-short"
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k", 1, "r"]]}],
+        "TypeError",
+        id="extend-with-result",
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k", "1"]]}],
+        "TypeError",
+        id="extend-token-str",
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [[5, 1]]}], "TypeError", id="extend-key-int"
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k", 1]], "lease": "30"}],
+        "TypeError",
+        id="extend-lease-str",
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k", 1]], "lease": 0}],
+        "ValueError",
+        id="extend-lease-zero",
+    ),
+    pytest.param(
+        [5, Op.EXTEND_MANY, {"ns": "n", "items": [["k", 1]], "lease": True}],
+        "TypeError",
+        id="extend-lease-bool",
     ),
     pytest.param([5, Op.GET, {"ns": "n", "key": 5}], "TypeError", id="get-key-int"),
     pytest.param([5, Op.GET, {"ns": "n", "key": [b"k"]}], "TypeError", id="get-key-list"),
