@@ -22,12 +22,23 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from dedupcore.api import ChangeBatch, Claim, ClaimAPI, ClaimBatch, KeyRecord, Limits, Outcome
+from dedupcore.api import (
+    ChangeBatch,
+    Claim,
+    ClaimAPI,
+    ClaimBatch,
+    ExtendBatch,
+    KeyRecord,
+    Limits,
+    Outcome,
+)
 from dedupcore.api.deferred import DEFERRED_MEMBERS
 from dedupcore.errors import ConflictError, MissingExtraError
 from dedupcore.tiers.base import failure_of
+
+T = TypeVar("T")
 
 __all__ = [
     "BUCKETS",
@@ -525,14 +536,22 @@ class InstrumentedStore(ClaimAPI):
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The store's record, timed."""
+        return self._timed("get", lambda: self.store._get_record(ns, key))
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """The store's renewal of a checked batch, timed as operation ``extend``."""
+        self._timed("extend", lambda: self.store._extend_batch(batch))
+
+    def _timed(self, operation: str, call: Callable[[], T]) -> T:
+        """``call()``, timed as ``operation``; what it raises is counted, then raised."""
         started = time.perf_counter()
         try:
-            return self.store._get_record(ns, key)
+            return call()
         except Exception as exc:
-            self._count_error("get", exc)
+            self._count_error(operation, exc)
             raise
         finally:
-            self._took("get", started)
+            self._took(operation, started)
 
     def stats(self) -> dict[str, Any]:
         """The store's own figures."""

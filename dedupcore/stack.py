@@ -41,6 +41,7 @@ from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
 from dedupcore.api.batches import (
     ChangeBatch,
     ClaimBatch,
+    ExtendBatch,
     Limits,
     fingerprint_conflict,
     pack_result,
@@ -341,6 +342,15 @@ class TieredStore(ClaimAPI):
                     entries.append(entry)
         self._write_through(ns, namespace, entries)
 
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews at the authority, which holds every claim (the tiers hold none)."""
+        self._check_open()
+        self.authority.extend_many(
+            list(zip(batch.keys, batch.tokens, strict=True)),
+            namespace=batch.namespace,
+            lease=batch.lease,
+        )
+
     def _get_record(self, ns: bytes, k: bytes) -> KeyRecord | None:
         """The authority's record, or an inexact PROCESSED record from the cold archive."""
         self._check_open()
@@ -531,6 +541,12 @@ class ShardedStore(ClaimAPI):
                 out[s] = exc
         return out
 
+    def _each_or_raise(self, calls: dict[int, Callable[[], None]]) -> None:
+        """:meth:`_each`, then the first failure raised (after every shard ran its call)."""
+        failed = [r for r in self._each(calls).values() if isinstance(r, BaseException)]
+        if failed:
+            raise _first(failed)
+
     @property
     def limits(self) -> Limits:  # type: ignore[override]
         """Its keys' limit (the routing); results as the most lenient shard keeps them
@@ -596,10 +612,21 @@ class ShardedStore(ClaimAPI):
             pairs = [(checked[i][0], checked[i][1]) for i in idx]
             return lambda: shard.release_many(pairs, namespace=namespace)
 
-        results = self._each({s: call(s, idx) for s, idx in groups.items()})
-        failed = [r for r in results.values() if isinstance(r, BaseException)]
-        if failed:
-            raise _first(failed)
+        self._each_or_raise({s: call(s, idx) for s, idx in groups.items()})
+
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews on each shard. Each shard's renewal is all or nothing, the batch is
+        not: a shard that refuses (a stale token) or fails raises after the other
+        shards renewed theirs, as a completion across shards does."""
+        namespace, lease = batch.namespace, batch.lease
+        groups = self._route(batch.ns, batch.raw)
+
+        def call(s: int, idx: list[int]) -> Callable[[], None]:
+            shard = self.shards[s]
+            pairs = [(batch.keys[i], batch.tokens[i]) for i in idx]
+            return lambda: shard.extend_many(pairs, namespace=namespace, lease=lease)
+
+        self._each_or_raise({s: call(s, idx) for s, idx in groups.items()})
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         return self.shards[self._shard(ns + b"\x00" + key)].get(key, namespace=ns.decode())

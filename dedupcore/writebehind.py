@@ -28,6 +28,10 @@ store pushes nothing more for it. A completion the authority refuses with a
 stale token (the authority lease ran out and another consumer took the key
 over) is a conflict too.
 
+A renewal (``extend``) renews the local claim at once and the authority's
+claim at the next push, with the same lease: between the two the authority
+counts the lease from the last claim or renewal it saw.
+
 **Where it is safe**: when no other consumer can see the same keys while
 they are in the window, e.g. one consumer per Kafka partition whose keys are
 only ever produced to that partition, fenced by its assignment, with a local
@@ -53,7 +57,7 @@ from typing import Any
 
 import dedupcore.keys as _keys
 from dedupcore.api.answers import Claim, KeyRecord, Outcome
-from dedupcore.api.batches import ChangeBatch, ClaimBatch, Limits, result_refused
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, ExtendBatch, Limits, result_refused
 from dedupcore.api.contract import ClaimAPI
 from dedupcore.errors import ConflictError, StaleTokenError
 from dedupcore.memory import MemoryTable  # its home; still exported here
@@ -74,9 +78,9 @@ class Conflict:
     ``kind``: ``"claimed"`` (the authority answered ``authority_outcome``,
     DUPLICATE or IN_PROGRESS, to the pushed claim), ``"fingerprint"`` (the
     authority holds the key with another fingerprint) or ``"lease_lost"``
-    (the authority's lease ran out before the completion was pushed, and
-    another consumer took the key over). ``window`` is how long the key was
-    NEW locally before the authority answered (seconds).
+    (the authority's lease ran out before the completion or a renewal was
+    pushed, and another consumer took the key over). ``window`` is how long
+    the key was NEW locally before the authority answered (seconds).
     """
 
     namespace: str
@@ -101,6 +105,7 @@ class _Entry:
     result: Any = None
     authority_token: int = 0  # 0: not claimed at the authority by this store
     version: int = 0
+    renew: bool = False  # renewed locally: the authority claim is to be renewed too
 
 
 class WriteBehindStore(ClaimAPI):
@@ -258,6 +263,27 @@ class WriteBehindStore(ClaimAPI):
         if len(self._dirty) >= self.flush_keys:
             self._wake.notify_all()
 
+    def _extend_batch(self, batch: ExtendBatch) -> None:
+        """Renews in the local table, which holds the claims. A claim already pushed is
+        renewed at the authority by the next push (with this ``lease``); one not yet
+        pushed is pushed with it."""
+        pairs = list(zip(batch.keys, batch.tokens, strict=True))
+        with self._lock:
+            self._check_open()
+            self.local.extend_many(pairs, namespace=batch.namespace, lease=batch.lease)
+            for key, token in pairs:
+                idx = (batch.namespace, _keys.check_key(key, _MAX_KEY_BYTES))
+                e = self._entries.get(idx)
+                if e is None or e.local_token != token or e.state is not State.PROCESSING:
+                    continue  # given up after a conflict: the authority claim is another's
+                if batch.lease is not None:
+                    e.lease = batch.lease
+                if e.authority_token:
+                    e.renew = True
+                    self._dirty[idx] = None
+            if len(self._dirty) >= self.flush_keys:
+                self._wake.notify_all()
+
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The local record of the key, or the authority's if the local table has none."""
         namespace = ns.decode()
@@ -338,6 +364,7 @@ class WriteBehindStore(ClaimAPI):
             groups.setdefault((e.namespace, e.lease, e.owner), []).append(e)
         for (namespace, lease, owner), entries in groups.items():
             self._push_claims(namespace, lease, owner, entries)
+        self._push_renewals(snap)
         # Completions and releases: of keys claimed at the authority before this
         # push, or just now (their state is read again: it may have changed).
         with self._lock:
@@ -403,6 +430,38 @@ class WriteBehindStore(ClaimAPI):
                     None if a is None else a.outcome,
                     window,
                 )
+
+    def _push_renewals(self, snap: list[tuple[_Entry, tuple[str, bytes], int, State, int]]) -> None:
+        """Renews at the authority the claims renewed locally since the last push."""
+        groups: dict[tuple[str, float | None], list[_Entry]] = {}
+        with self._lock:
+            for e, i, *_ in snap:
+                if self._entries.get(i) is e and e.renew and e.state is State.PROCESSING:
+                    e.renew = False
+                    groups.setdefault((e.namespace, e.lease), []).append(e)
+        for (namespace, lease), entries in groups.items():
+            try:
+                self._renew(namespace, lease, entries)
+            except Exception:
+                with self._lock:
+                    for e in entries:
+                        e.renew = True  # the failed push queues the key again
+                raise
+
+    def _renew(self, namespace: str, lease: float | None, entries: list[_Entry]) -> None:
+        try:
+            self.authority.extend_many(
+                [(e.key, e.authority_token) for e in entries], namespace=namespace, lease=lease
+            )
+            return
+        except StaleTokenError:
+            pass
+        for e in entries:  # find the keys the authority gave to someone else, one by one
+            try:
+                self.authority.extend(e.key, e.authority_token, namespace=namespace, lease=lease)
+            except StaleTokenError:
+                with self._lock:
+                    self._conflict(e, "lease_lost", None, 0.0)
 
     def _push_completions(
         self, namespace: str, group: list[tuple[_Entry, tuple[str, bytes], int, int]]

@@ -129,3 +129,41 @@ def test_redis_down_claims_answered_locally_push_fails(tmp_path: Path) -> None:
         with pytest.raises(UnavailableError):
             s.close()
         down.close()
+
+
+def _deadline(authority: RedisStore, key: str) -> int:
+    """The authority's deadline of ``key``'s claim (ms of the Redis server's clock)."""
+    (name,) = authority._names(NS.encode(), [key.encode()])
+    return int(authority.client.hget(name, "d"))
+
+
+def test_a_renewal_is_pushed_to_the_authority(
+    wb: WriteBehindStore, authority: RedisStore, second: RedisStore
+) -> None:
+    pushed = wb.claim("pushed", namespace=NS, lease=30.0)
+    wb.flush()
+    before = _deadline(authority, "pushed")
+    waiting = wb.claim("waiting", namespace=NS, lease=30.0)  # not pushed yet
+    wb.extend_many(
+        [("pushed", pushed.token), ("waiting", waiting.token)], namespace=NS, lease=NEVER
+    )
+    assert _deadline(authority, "pushed") == before  # not pushed yet
+    wb.flush()
+    # Renewed at the authority for the new lease, on its clock; the claim pushed
+    # after its renewal is pushed with the renewal's lease.
+    assert _deadline(authority, "pushed") - before > (NEVER - 60) * 1000
+    assert _deadline(authority, "waiting") - before > (NEVER - 60) * 1000
+    # A renewal of a claim lost at the authority is a conflict, and the key is given up.
+    lost = wb.claim("lost", namespace=NS, lease=30.0)
+    wb.flush()
+    (name,) = authority._names(NS.encode(), [b"lost"])
+    authority.client.hset(name, "d", 0)  # its authority lease ran out ...
+    assert second.claim("lost", namespace=NS).takeover  # ... and another consumer took it
+    wb.extend("lost", lost.token, namespace=NS, lease=NEVER)
+    wb.flush()
+    assert [(c.key, c.kind) for c in wb.conflicts] == [("lost", "lease_lost")]
+    wb.complete("lost", lost.token, namespace=NS)
+    wb.complete("pushed", pushed.token, namespace=NS)
+    wb.flush()
+    assert second.get("lost", namespace=NS).state is State.PROCESSING  # type: ignore[union-attr]
+    assert second.get("pushed", namespace=NS).state is State.PROCESSED  # type: ignore[union-attr]

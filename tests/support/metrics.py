@@ -18,13 +18,15 @@ EXPECTED_ERRORS = {
     ("complete", "StaleTokenError"): 1,
     ("complete", "ValueError"): 1,
     ("release", "StaleTokenError"): 1,
+    ("extend", "StaleTokenError"): 1,
 }
 #: Batch calls per operation (failed ones included): the histogram's ``_count``.
-EXPECTED_CALLS = {"claim": 7, "complete": 4, "release": 2}
+EXPECTED_CALLS = {"claim": 7, "complete": 4, "release": 2, "extend": 2}
 
 
 def run_script(api: ClaimAPI, ns: str) -> None:
-    """New, in-progress, complete, duplicate, release, re-claim, and five refused calls."""
+    """New, in-progress, complete, duplicate, release, re-claim, a renewal, and six refused
+    calls."""
     first = api.claim_many(["a", "b", "c"], namespace=ns, owner="w1")
     assert [c.outcome for c in first] == [Outcome.NEW] * 3
     assert api.claim("a", namespace=ns, owner="w2").outcome is Outcome.IN_PROGRESS
@@ -37,7 +39,11 @@ def run_script(api: ClaimAPI, ns: str) -> None:
     with pytest.raises(StaleTokenError):
         api.complete("c", first[2].token, namespace=ns)
     api.complete("c", again.token, namespace=ns)
-    assert api.claim("f", namespace=ns, fingerprint=b"x").outcome is Outcome.NEW
+    f = api.claim("f", namespace=ns, fingerprint=b"x")
+    assert f.outcome is Outcome.NEW
+    api.extend("f", f.token, namespace=ns, lease=60.0)
+    with pytest.raises(StaleTokenError):
+        api.extend("c", again.token, namespace=ns)  # a renewal after the completion
     with pytest.raises(ConflictError):
         api.claim("f", namespace=ns, fingerprint=b"y")
     with pytest.raises(StaleTokenError):
