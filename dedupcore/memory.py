@@ -60,6 +60,8 @@ class MemoryTable(ClaimAPI):
         self._recs: dict[bytes, decision.Rec] = {}
         self._ns_ids: dict[bytes, int] = {}
         self._lock = threading.Lock()
+        #: Notified when a key is completed or released: wakes ``claim(wait=)``.
+        self._changed = threading.Condition(self._lock)
         self._outcomes: dict[tuple[str, str], int] = {}
 
     def _ns_id(self, ns: bytes) -> int:
@@ -130,6 +132,21 @@ class MemoryTable(ClaimAPI):
                     kind, batch.keys[i], batch.tokens[i], current, batch.namespace
                 )
             self._recs.update(plan.logged)
+            self._changed.notify_all()
+
+    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        """Sleeps until a key of ``batch`` is completed or released, the first of their
+        leases runs out, or ``timeout`` passes; at once if one is no longer held."""
+        with self._lock:
+            now = time.monotonic()
+            wake = now + timeout
+            for d in _engine.split_digests(batch.digests):
+                r = self._recs.get(d)
+                if r is None or r.state is not State.PROCESSING:
+                    return
+                wake = min(wake, r.deadline)
+            if wake > now:
+                self._changed.wait(wake - now)
 
     def _extend_batch(self, batch: ExtendBatch) -> None:
         """Renews a batch's leases on this process's monotonic clock; a stale token

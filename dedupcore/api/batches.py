@@ -234,6 +234,23 @@ class ClaimBatch(_Batch):
         """One fingerprint or None per key."""
         return [None] * len(self.keys) if self.fingerprints is None else self.fingerprints
 
+    def subset(self, indexes: Sequence[int]) -> ClaimBatch:
+        """The batch of the keys at ``indexes``, with the same namespace, lease, owner
+        and fingerprints, checked already."""
+        sub = ClaimBatch.__new__(ClaimBatch)
+        sub.ns, sub.namespace, sub.lease, sub.owner = (
+            self.ns,
+            self.namespace,
+            self.lease,
+            self.owner,
+        )
+        sub.keys = [self.keys[i] for i in indexes]
+        sub.digests = b"".join(self.digests[16 * i : 16 * i + 16] for i in indexes)
+        fps = self.fingerprints
+        sub.fingerprints = None if fps is None else [fps[i] for i in indexes]
+        sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
+        return sub
+
 
 class ChangeBatch(_Batch):
     """The arguments of ``complete_many`` (``completing``) or ``release_many``, checked once.

@@ -11,8 +11,10 @@ and its ``durability()``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
+import time
 from abc import ABC, abstractmethod
 from collections.abc import (
     AsyncIterator,
@@ -53,6 +55,7 @@ from dedupcore.api.conveniences import (
 )
 from dedupcore.api.decorator import Decorated, KeySpec
 from dedupcore.api.serializers import Serializer
+from dedupcore.api.waiting import Waiting, backoff, check_wait
 
 __all__ = ["UNKNOWN_DURABILITY", "AsyncClaimAPI", "ClaimAPI"]
 
@@ -112,6 +115,13 @@ class _Checks:
             self._refused("extend", exc)
             raise
 
+    def _wait(self, wait: object) -> float:
+        try:
+            return check_wait(wait)
+        except Exception as exc:
+            self._refused("claim", exc)
+            raise
+
     def _key(self, key: bytes | str, namespace: str) -> tuple[bytes, bytes]:
         try:
             return _keys.check_namespace(namespace), _keys.check_key(key, self.limits.max_key_bytes)
@@ -138,14 +148,28 @@ class ClaimAPI(_Checks, ABC):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
+        wait: float | None = None,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace.
 
         A key repeated in the batch is NEW once; its later copies are
         IN_PROGRESS (or NEW with the same token for an ``owner``). A bad
         argument or a fingerprint conflict raises before anything is claimed.
+        ``wait``: seconds to wait on keys another owner holds, until each is
+        answered otherwise (DUPLICATE with the result once the owner
+        completed it, NEW once it was released or its lease ran out); still
+        IN_PROGRESS when the time is up.
         """
-        return self._claim_batch(self._claims(keys, namespace, lease, owner, fingerprints))
+        batch = self._claims(keys, namespace, lease, owner, fingerprints)
+        wait_s = None if wait is None else self._wait(wait)
+        claims = self._claim_batch(batch)
+        if not wait_s:
+            return claims
+        w = Waiting(batch, claims, wait_s)
+        while (sub := w.pending()) is not None:
+            self._wait_change(sub, w.left(), w.attempt)
+            w.answered(self._claim_batch(sub))
+        return w.claims
 
     def complete_many(
         self,
@@ -203,6 +227,12 @@ class ClaimAPI(_Checks, ABC):
         """Renews the leases of a checked batch, all or nothing."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _extend_batch")
 
+    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        """Returns when a key of ``batch`` may have changed, or after ``timeout`` seconds
+        (``attempt``: the rounds waited so far). This default polls: it sleeps a
+        backoff; a store that can tell when a key changes wakes sooner."""
+        time.sleep(backoff(attempt, timeout))
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters and figures."""
@@ -249,13 +279,16 @@ class ClaimAPI(_Checks, ABC):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprint: bytes | None = None,
+        wait: float | None = None,
     ) -> Claim:
         """Claims a key before acting on it; see :class:`Outcome`.
 
         A NEW claim must be completed or released before its lease (default
         ``config.lease`` seconds) runs out. The same ``owner`` claiming again
         gets its own claim back. A different ``fingerprint`` than the one the
-        key was first claimed with raises :class:`ConflictError`.
+        key was first claimed with raises :class:`ConflictError`. ``wait``:
+        while another owner holds the key, wait up to that many seconds for
+        its result (see :meth:`claim_many`).
         """
         return self.claim_many(
             [key],
@@ -263,6 +296,7 @@ class ClaimAPI(_Checks, ABC):
             lease=lease,
             owner=owner,
             fingerprints=_fingerprints(fingerprint),
+            wait=wait,
         )[0]
 
     def complete(self, key: bytes | str, token: int, *, namespace: str, result: Any = None) -> None:
@@ -453,9 +487,19 @@ class AsyncClaimAPI(_Checks, ABC):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
+        wait: float | None = None,
     ) -> list[Claim]:
         """Claims a batch of keys of one namespace (see :meth:`ClaimAPI.claim_many`)."""
-        return await self._claim_batch(self._claims(keys, namespace, lease, owner, fingerprints))
+        batch = self._claims(keys, namespace, lease, owner, fingerprints)
+        wait_s = None if wait is None else self._wait(wait)
+        claims = await self._claim_batch(batch)
+        if not wait_s:
+            return claims
+        w = Waiting(batch, claims, wait_s)
+        while (sub := w.pending()) is not None:
+            await self._wait_change(sub, w.left(), w.attempt)
+            w.answered(await self._claim_batch(sub))
+        return w.claims
 
     async def complete_many(
         self,
@@ -500,6 +544,9 @@ class AsyncClaimAPI(_Checks, ABC):
     async def _extend_batch(self, batch: ExtendBatch) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _extend_batch")
 
+    async def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        await asyncio.sleep(backoff(attempt, timeout))
+
     @abstractmethod
     async def stats(self) -> dict[str, Any]:
         """Counters and figures."""
@@ -515,6 +562,7 @@ class AsyncClaimAPI(_Checks, ABC):
         lease: float | None = None,
         owner: bytes | str | None = None,
         fingerprint: bytes | None = None,
+        wait: float | None = None,
     ) -> Claim:
         """Claims a key before acting on it (see :meth:`ClaimAPI.claim`)."""
         claims = await self.claim_many(
@@ -523,6 +571,7 @@ class AsyncClaimAPI(_Checks, ABC):
             lease=lease,
             owner=owner,
             fingerprints=_fingerprints(fingerprint),
+            wait=wait,
         )
         return claims[0]
 

@@ -445,7 +445,6 @@ class SqlStore(ClaimAPI):
         """The keys' and results' limits it was opened with."""
         return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
 
-    @one_call
     def claim_many(
         self,
         keys: Iterable[bytes | str],
@@ -462,8 +461,23 @@ class SqlStore(ClaimAPI):
         ``event_times`` (one per key: unix seconds or aware datetimes) place
         the keys of a partitioned table (``partition=``); without them each
         key's time is ``key_time(key)``. An unpartitioned table checks and
-        ignores them. See docs/sql-partitions.md.
+        ignores them. See docs/sql-partitions.md. ``wait`` (see
+        :meth:`ClaimAPI.claim_many`) is not taken with them.
         """
+        if event_times is None:
+            return super().claim_many(keys, **options)
+        if options.get("wait") is not None:
+            raise TypeError("wait= is not taken with event_times=: claim with one of them")
+        return self._claim_events(keys, event_times, options)
+
+    @one_call
+    def _claim_events(
+        self,
+        keys: Iterable[bytes | str],
+        event_times: Sequence[float | datetime.datetime],
+        options: dict[str, Any],
+    ) -> list[Claim]:
+        options.pop("wait", None)
         batch = ClaimBatch(keys, limits=self.limits, **options)
         return self._claim_at(batch, check_event_times(batch.keys, event_times))
 

@@ -88,6 +88,8 @@ class DedupStore(Maintenance, ClaimAPI):
         self._forks = _forks  # a child of a fork sees more (and refuses to serve)
         self._lock = threading.RLock()
         self._lock_wanted = False  # a batch waits for the lock (see _lock_for_batch)
+        # Notified when keys are completed or released: wakes claim(wait=) waiters.
+        self._changed = threading.Condition(self._lock)
         # Records in memory (the native engine's table): every PROCESSING
         # record whatever its age (lease deadlines live on this process's
         # monotonic clock, not on disk), every record logged since the last
@@ -492,9 +494,27 @@ class DedupStore(Maintenance, ClaimAPI):
                     kind, batch.keys[bad], batch.tokens[bad], current, batch.namespace
                 )
             last = self._log(payloads, n)
+            self._changed.notify_all()
         finally:
             self._lock.release()
         return self._pending_lsn(max(last, depends))
+
+    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        """Sleeps until a key of ``batch`` is completed or released, the first of their
+        leases runs out, or ``timeout`` passes; at once if one is no longer held. The
+        asker's claim that follows waits for the log as any claim does."""
+        self._check_usable()
+        with self._lock:
+            now = time.monotonic()
+            wake = now + timeout
+            self._fetch(batch.digests)
+            for d in _engine.split_digests(batch.digests):
+                r = self._table.get(d)
+                if r is None or r[0] != State.PROCESSING:
+                    return
+                wake = min(wake, r[10])
+            if wake > now:
+                self._changed.wait(wake - now)
 
     def _extend_batch(self, batch: ExtendBatch) -> None:
         """Renews a checked batch's leases on this process's monotonic clock, all or
