@@ -615,6 +615,32 @@ BAD_REQUESTS = [
         "TypeError",
         id="release-with-result",
     ),
+    pytest.param([5, Op.GET, {"ns": "n", "key": 5}], "TypeError", id="get-key-int"),
+    pytest.param([5, Op.GET, {"ns": "n", "key": [b"k"]}], "TypeError", id="get-key-list"),
+    pytest.param([5, Op.GET, {"ns": "n"}], "FrameError", id="get-no-key"),
+]
+
+
+@pytest.mark.parametrize(("message", "kind"), BAD_REQUESTS)
+def test_bad_request_gets_an_error_reply_and_the_connection_stays_usable(
+    daemon: Daemon, message: Any, kind: str
+) -> None:
+    # A message that decodes is answered under its id; one that does not, under id 0.
+    try:
+        protocol.decode_request(msgpack.packb(message))
+        request_id = 5
+    except FrameError:
+        request_id = 0
+    with Raw(daemon.socket) as r:
+        assert r.send(_framed(message))
+        payload = error(r.response(), request_id)
+        assert payload["type"] == kind, payload
+        assert ok(r.call(6, Op.PING, {}), 6) == "pong"
+    assert_still_serving(daemon)
+
+
+#: EXTEND_MANY requests that decode (op 7 is known) and are refused by their arguments.
+BAD_EXTENSIONS = [
     pytest.param([5, Op.EXTEND_MANY, {"items": [["k", 1]]}], "FrameError", id="extend-no-ns"),
     pytest.param([5, Op.EXTEND_MANY, {"ns": "n"}], "FrameError", id="extend-no-items"),
     pytest.param(
@@ -654,25 +680,16 @@ BAD_REQUESTS = [
         "TypeError",
         id="extend-lease-bool",
     ),
-    pytest.param([5, Op.GET, {"ns": "n", "key": 5}], "TypeError", id="get-key-int"),
-    pytest.param([5, Op.GET, {"ns": "n", "key": [b"k"]}], "TypeError", id="get-key-list"),
-    pytest.param([5, Op.GET, {"ns": "n"}], "FrameError", id="get-no-key"),
 ]
 
 
-@pytest.mark.parametrize(("message", "kind"), BAD_REQUESTS)
-def test_bad_request_gets_an_error_reply_and_the_connection_stays_usable(
+@pytest.mark.parametrize(("message", "kind"), BAD_EXTENSIONS)
+def test_a_bad_extend_many_gets_an_error_reply_under_its_id(
     daemon: Daemon, message: Any, kind: str
 ) -> None:
-    # A message that decodes is answered under its id; one that does not, under id 0.
-    try:
-        protocol.decode_request(msgpack.packb(message))
-        request_id = 5
-    except FrameError:
-        request_id = 0
     with Raw(daemon.socket) as r:
         assert r.send(_framed(message))
-        payload = error(r.response(), request_id)
+        payload = error(r.response(), 5)
         assert payload["type"] == kind, payload
         assert ok(r.call(6, Op.PING, {}), 6) == "pong"
     assert_still_serving(daemon)
@@ -703,17 +720,24 @@ def test_a_reply_too_large_for_a_frame_is_an_error_not_a_broken_stream(daemon: D
             c.complete_many(
                 [(x.key, x.token, big) for x in claims[start : start + 100]], namespace=ns
             )
+        args = protocol.claim_args(ns, keys, None, None, None)
         with pytest.raises(ValueError):
-            c.claim_many(keys, namespace=ns)  # ~18 MB of results in one reply
+            c._call(Op.CLAIM_MANY, args)  # ~18 MB of results in one reply
         assert c.ping()
         assert all(x.result == big for x in c.claim_many(keys[:100], namespace=ns))
+        # The client's claim_many sends such a batch again in halves.
+        assert all(x.result == big for x in c.claim_many(keys, namespace=ns))
 
 
 def test_a_request_over_the_frame_limit_is_refused_by_the_client(daemon: Daemon) -> None:
-    with daemon.client() as c:
+    ns = unique_ns()
+    with daemon.client(max_frame=64 << 10) as c:
+        (claim,) = c.claim_many(["k"], namespace=ns)
+        # One item larger than a frame cannot be split: refused before it is sent.
         with pytest.raises(ValueError, match="frame"):
-            c.claim_many([b"x" * 500] * 40_000, namespace="n")
+            c.complete("k", claim.token, namespace=ns, result=b"x" * (100 << 10))
         assert c.ping()
+        c.complete("k", claim.token, namespace=ns, result=b"fits")
 
 
 def test_protocol_errors_are_counted(daemon: Daemon) -> None:
