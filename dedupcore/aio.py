@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from dedupcore.api import AsyncClaimAPI, ChangeBatch, Claim, ClaimBatch, ExtendBatch, KeyRecord
@@ -242,15 +243,34 @@ class Client(ClientBase, AsyncClaimAPI):
         return bool(await self._call(Op.PING, {}) == "pong")
 
     async def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
-        keys, args = self._claim_request(batch)
-        rows = await self._call(Op.CLAIM_MANY, args)
-        return protocol.claims_from_reply(keys, batch.namespace, rows)
+        parts = self._parts(batch, claims=True)
+        while (part := parts.next()) is not None:
+            try:
+                keys, args = self._claim_request(part)
+                reply = await self._call(Op.CLAIM_MANY, args)
+            except Exception as exc:
+                parts.failed(exc)
+                continue
+            parts.done(protocol.claims_from_reply(keys, part.namespace, reply))
+        return parts.claims
 
     async def _change_batch(self, batch: ChangeBatch) -> None:
-        await self._call(*self._change_request(batch))
+        await self._send_parts(batch, self._change_request)
 
     async def _extend_batch(self, batch: ExtendBatch) -> None:
-        await self._call(Op.EXTEND_MANY, self._extend_request(batch))
+        await self._send_parts(batch, self._extend_request)
+
+    async def _send_parts(
+        self, batch: Any, request: Callable[[Any], tuple[Op, dict[str, Any]]]
+    ) -> None:
+        parts = self._parts(batch, claims=False)
+        while (part := parts.next()) is not None:
+            try:
+                await self._call(*request(part))
+            except Exception as exc:
+                parts.failed(exc)
+                continue
+            parts.done(None)
 
     async def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         reply = await self._call(Op.GET, {"ns": ns.decode(), "key": key})

@@ -18,12 +18,13 @@ gets its own claim back.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dedupcore.api import (
@@ -37,7 +38,7 @@ from dedupcore.api import (
 )
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.errors import UnavailableError
+from dedupcore.errors import BatchTooLargeError, PartialBatchError, UnavailableError
 from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = ["DEFAULT_SOCKET", "Client", "default_socket"]
@@ -99,6 +100,83 @@ class _Connection:
         return protocol.decode_response(self._read_exact(length))
 
 
+#: Bytes a key, token or fingerprint costs in a frame beyond its own (msgpack framing).
+_ITEM_OVERHEAD = 16
+
+
+class _Parts:
+    """A batch sent in frames of at most ``budget`` estimated bytes, in order.
+
+    :meth:`next` gives the next part (None when all were answered), :meth:`done`
+    takes its answer, :meth:`failed` its error: a part whose reply would pass
+    the daemon's frame (BatchTooLargeError, nothing of it applied) is sent
+    again as two halves; another error is raised as it is when nothing was
+    applied yet, else as a PartialBatchError naming what was (docs/daemon.md,
+    "Batches of any size").
+    """
+
+    def __init__(self, batch: Any, budget: int, *, claims: bool) -> None:
+        self.batch = batch
+        self.claims: list[Claim] = []
+        self.count = 0
+        self._claims = claims
+        self._queue = collections.deque(self._ranges(batch, budget))
+        self._current = range(0)
+
+    @staticmethod
+    def _ranges(batch: Any, budget: int) -> list[range]:
+        n = len(batch.keys)
+        results = getattr(batch, "results", None) or ()
+        fps = getattr(batch, "fingerprints", None) or ()
+        quick = 4 * sum(map(len, batch.keys)) + sum(map(len, filter(None, [*results, *fps])))
+        if quick + 2 * _ITEM_OVERHEAD * n <= budget:
+            return [range(n)]  # the usual case: one frame, no per-key work
+        sizes = [len(k) + _ITEM_OVERHEAD for k in batch.raw]
+        for extra in (results, fps):
+            for i, blob in enumerate(extra):
+                sizes[i] += len(blob) if blob else 0
+        out, start, held = [], 0, 0
+        for i, size in enumerate(sizes):
+            if held + size > budget and i > start:
+                out.append(range(start, i))
+                start, held = i, 0
+            held += size
+        out.append(range(start, n))
+        return out
+
+    def next(self) -> Any:
+        if not self._queue:
+            return None
+        self._current = self._queue.popleft()
+        whole = len(self._current) == len(self.batch.keys)
+        return self.batch if whole else self.batch.subset(self._current)
+
+    def done(self, answer: list[Claim] | None) -> None:
+        if answer is not None:
+            self.claims.extend(answer)
+        self.count += len(self._current)
+
+    def failed(self, exc: Exception) -> None:
+        part = self._current
+        if isinstance(exc, BatchTooLargeError) and len(part) > 1:
+            half = part.start + len(part) // 2
+            self._queue.extendleft([range(half, part.stop), range(part.start, half)])
+            return
+        if self.count == 0:
+            raise exc
+        total = len(self.batch.keys)
+        maybe = (
+            " (that part may or may not have been applied)"
+            if isinstance(exc, UnavailableError)
+            else ""
+        )
+        raise PartialBatchError(
+            f"the batch of {total} was sent in parts: its first {self.count} were applied "
+            f"(.applied), keys {part.start} to {total - 1} were not{maybe}: {exc}",
+            self.claims if self._claims else self.count,
+        ) from exc
+
+
 class ClientBase:
     """What the sync and the asyncio client share: where the daemon is, their limits,
     request ids and request frames (the transport is each client's own).
@@ -154,13 +232,18 @@ class ClientBase:
         return Op.RELEASE_MANY, {"ns": batch.namespace, "items": items}
 
     @staticmethod
-    def _extend_request(batch: ExtendBatch) -> dict[str, Any]:
-        """The args of a checked EXTEND_MANY."""
+    def _extend_request(batch: ExtendBatch) -> tuple[Op, dict[str, Any]]:
+        """The op and args of a checked EXTEND_MANY."""
         items = [[k, t] for k, t in zip(batch.keys, batch.tokens, strict=True)]
         args: dict[str, Any] = {"ns": batch.namespace, "items": items}
         if batch.lease is not None:
             args["lease"] = batch.lease
-        return args
+        return Op.EXTEND_MANY, args
+
+    def _parts(self, batch: Any, *, claims: bool) -> _Parts:
+        """The frames a batch is sent in: at most half a frame of keys and results each,
+        leaving room for the rest of the request and for the reply."""
+        return _Parts(batch, self.max_frame // 2, claims=claims)
 
     def _request(self, op: Op, args: dict[str, Any]) -> tuple[int, bytes]:
         """A new request id and the request's frame; UnavailableError once the client is
@@ -272,14 +355,32 @@ class Client(ClientBase, ClaimAPI):
         return bool(self._call(Op.PING, {}) == "pong")
 
     def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
-        keys, args = self._claim_request(batch)
-        return protocol.claims_from_reply(keys, batch.namespace, self._call(Op.CLAIM_MANY, args))
+        parts = self._parts(batch, claims=True)
+        while (part := parts.next()) is not None:
+            try:
+                keys, args = self._claim_request(part)
+                reply = self._call(Op.CLAIM_MANY, args)
+            except Exception as exc:
+                parts.failed(exc)
+                continue
+            parts.done(protocol.claims_from_reply(keys, part.namespace, reply))
+        return parts.claims
 
     def _change_batch(self, batch: ChangeBatch) -> None:
-        self._call(*self._change_request(batch))
+        self._send_parts(batch, self._change_request)
 
     def _extend_batch(self, batch: ExtendBatch) -> None:
-        self._call(Op.EXTEND_MANY, self._extend_request(batch))
+        self._send_parts(batch, self._extend_request)
+
+    def _send_parts(self, batch: Any, request: Callable[[Any], tuple[Op, dict[str, Any]]]) -> None:
+        parts = self._parts(batch, claims=False)
+        while (part := parts.next()) is not None:
+            try:
+                self._call(*request(part))
+            except Exception as exc:
+                parts.failed(exc)
+                continue
+            parts.done(None)
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         return protocol.record_from_map(self._call(Op.GET, {"ns": ns.decode(), "key": key}))

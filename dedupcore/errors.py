@@ -27,6 +27,7 @@ __all__ = [
     "MissingExtraError",
     "MissingKeyError",
     "NotADataDirectoryError",
+    "PartialBatchError",
     "PartitionDroppedError",
     "RequestRefusedError",
     "SchemaError",
@@ -79,6 +80,22 @@ class BatchTooLargeError(DedupError, ValueError):
 
     Split the batch into smaller ones.
     """
+
+
+class PartialBatchError(DedupError):
+    """A batch the client sent in several frames failed part way through.
+
+    ``applied`` holds what the daemon answered for the parts before the
+    failure: the :class:`~dedupcore.api.Claim` of each of the first
+    ``len(applied)`` keys of a claim, or the count of items completed,
+    released or renewed. The part that failed and every key after it were
+    not applied, except after an :class:`UnavailableError` (the cause), whose
+    part may or may not have been. The cause is ``__cause__``.
+    """
+
+    def __init__(self, message: str, applied: Any = None) -> None:
+        super().__init__(message)
+        self.applied = applied
 
 
 class MissingExtraError(DedupError, ImportError):

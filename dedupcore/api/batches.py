@@ -300,6 +300,20 @@ class ChangeBatch(_Batch):
             else None
         )
 
+    def subset(self, indexes: Sequence[int]) -> ChangeBatch:
+        """The batch of the items at ``indexes``, checked already."""
+        sub = self.__class__.__new__(self.__class__)
+        sub.ns, sub.namespace, sub.completing = self.ns, self.namespace, self.completing
+        sub.keys = [self.keys[i] for i in indexes]
+        sub.tokens = [self.tokens[i] for i in indexes]
+        sub.digests = b"".join(self.digests[16 * i : 16 * i + 16] for i in indexes)
+        sub.values = None if self.values is None else [self.values[i] for i in indexes]
+        sub.results = None if self.results is None else [self.results[i] for i in indexes]
+        sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
+        if isinstance(self, ExtendBatch) and isinstance(sub, ExtendBatch):
+            sub.lease = self.lease
+        return sub
+
     def items(self) -> list[tuple[Any, int, Any]]:
         """``(key, token, result as given)`` per item (None when releasing)."""
         values = self.values if self.values is not None else [None] * len(self.keys)

@@ -496,9 +496,13 @@ def test_unreachable_daemon(tmp_path: Path) -> None:
 def test_frame_limit_checked_before_sending(daemon: Daemon) -> None:
     async def main() -> None:
         async with aio.Client(daemon.socket, max_frame=1000) as c:
+            # One key larger than a frame cannot be split: refused before it is sent.
             with pytest.raises(ValueError, match="frame limit"):
-                await c.claim_many([f"{i:0100d}" for i in range(50)], namespace="ns")
+                await c.claim_many(["k" * 1100], namespace="ns")
             assert await c.ping()
+            # Many keys that together pass a frame are sent in parts.
+            claims = await c.claim_many([f"{i:0100d}" for i in range(50)], namespace=fresh_ns())
+            assert len(claims) == 50
 
     run(main())
 
