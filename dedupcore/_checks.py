@@ -15,12 +15,13 @@ from dedupcore.errors import MissingExtraError
 __all__ = ["checked_int", "require_extra"]
 
 
-def checked_int(name: str, value: object, low: int, high: int) -> int:
-    """``value`` if it is an int in ``low..high``, else TypeError (a bool too) or ValueError."""
+def checked_int(name: str, value: object, low: int, high: int, span: str = "") -> int:
+    """``value`` if it is an int in ``low..high``, else TypeError (a bool too) or ValueError
+    (naming the range as ``span`` when given, such as ``1..2**63-1``)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+        raise ValueError(f"{name} must be in {span or f'{low}..{high}'}, got {value}")
     return value
 
 

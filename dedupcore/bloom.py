@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import dedupcore._core as _core
+from dedupcore._checks import checked_int
 from dedupcore._files import FileHeader, atomic_write
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 
@@ -129,11 +130,7 @@ def check_error_rate(error_rate: object) -> float:
 
 def check_seed(seed: object) -> int:
     """A hash seed in 0..2**64-1 (TypeError, ValueError otherwise)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
-    return seed
+    return checked_int("seed", seed, 0, MAX_SEED, "0..2**64-1")
 
 
 @dataclass(frozen=True)

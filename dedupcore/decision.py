@@ -163,14 +163,12 @@ def decide_change(
     plan = ChangePlan()
     for i, d in enumerate(digests):
         r = plan.logged.get(d) or lookup(d)
-        if r is None or r.state is State.RELEASED:
-            return ChangePlan(error=(i, ERR_NOT_CLAIMED, 0 if r is None else r.token))
-        if r.token != tokens[i]:
-            return ChangePlan(error=(i, ERR_WRONG_TOKEN, r.token))
-        if r.state is State.PROCESSED:
-            if state is State.PROCESSED:
-                continue  # a retried completion: already done
-            return ChangePlan(error=(i, ERR_COMPLETED, r.token))
+        kind = _refusal(r, tokens[i])
+        if kind == ERR_COMPLETED and state is State.PROCESSED:
+            continue  # a retried completion: already done
+        if kind:
+            return ChangePlan(error=(i, kind, 0 if r is None else r.token))
+        assert r is not None
         result = results[i] if results is not None and state is State.PROCESSED else None
         plan.logged[d] = dataclasses.replace(
             r, state=state, updated=now_w, deadline=0.0, result=result
@@ -198,14 +196,22 @@ def decide_extend(
     deadline = now_m + lease
     for i, d in enumerate(digests):
         r = plan.logged.get(d) or lookup(d)
-        if r is None or r.state is State.RELEASED:
-            return ChangePlan(error=(i, ERR_NOT_CLAIMED, 0 if r is None else r.token))
-        if r.token != tokens[i]:
-            return ChangePlan(error=(i, ERR_WRONG_TOKEN, r.token))
-        if r.state is State.PROCESSED:
-            return ChangePlan(error=(i, ERR_COMPLETED, r.token))
+        kind = _refusal(r, tokens[i])
+        if kind:
+            return ChangePlan(error=(i, kind, 0 if r is None else r.token))
+        assert r is not None
         plan.logged[d] = dataclasses.replace(r, lease=lease, deadline=deadline)
     return plan
+
+
+def _refusal(r: Rec | None, token: int) -> int:
+    """Why ``token`` cannot change the record ``r`` (0: it can, the key is PROCESSING by
+    it): ERR_NOT_CLAIMED, ERR_WRONG_TOKEN, or ERR_COMPLETED."""
+    if r is None or r.state is State.RELEASED:
+        return ERR_NOT_CLAIMED
+    if r.token != token:
+        return ERR_WRONG_TOKEN
+    return ERR_COMPLETED if r.state is State.PROCESSED else 0
 
 
 def stale_token_error(

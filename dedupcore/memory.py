@@ -126,12 +126,7 @@ class MemoryTable(ClaimAPI):
                 state=State.PROCESSED if batch.completing else State.RELEASED,
                 now_w=time.time(),
             )
-            if plan.error is not None:
-                i, kind, current = plan.error
-                raise decision.stale_token_error(
-                    kind, batch.keys[i], batch.tokens[i], current, batch.namespace
-                )
-            self._recs.update(plan.logged)
+            self._apply(plan, batch, "released")
             self._changed.notify_all()
 
     def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
@@ -161,12 +156,16 @@ class MemoryTable(ClaimAPI):
                 lease=self.lease if batch.lease is None else batch.lease,
                 now_m=time.monotonic(),
             )
-            if plan.error is not None:
-                i, kind, current = plan.error
-                raise decision.stale_token_error(
-                    kind, batch.keys[i], batch.tokens[i], current, batch.namespace, "extended"
-                )
-            self._recs.update(plan.logged)
+            self._apply(plan, batch, "extended")
+
+    def _apply(self, plan: decision.ChangePlan, batch: ChangeBatch, action: str) -> None:
+        """A change or extension plan's records, or its refusal (the lock held)."""
+        if plan.error is not None:
+            i, kind, current = plan.error
+            raise decision.stale_token_error(
+                kind, batch.keys[i], batch.tokens[i], current, batch.namespace, action
+            )
+        self._recs.update(plan.logged)
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         """The key's record, or None."""

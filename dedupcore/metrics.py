@@ -31,12 +31,10 @@ from dedupcore.api import (
     ClaimBatch,
     ExtendBatch,
     KeyRecord,
-    Limits,
     Outcome,
 )
-from dedupcore.api.deferred import DEFERRED_MEMBERS
 from dedupcore.errors import ConflictError, MissingExtraError
-from dedupcore.tiers.base import failure_of
+from dedupcore.wrapper import StoreWrapper
 
 T = TypeVar("T")
 
@@ -423,7 +421,7 @@ def serve_daemon_metrics(
 # -- the instrumented store -------------------------------------------------------------
 
 
-class InstrumentedStore(ClaimAPI):
+class InstrumentedStore(StoreWrapper):
     """A store whose batch calls are counted and timed (see :func:`instrument`).
 
     Every other attribute (``sweep``, ``purge``, ``flush``, ``config``...) is
@@ -431,7 +429,7 @@ class InstrumentedStore(ClaimAPI):
     """
 
     def __init__(self, store: ClaimAPI, metrics: Metrics, region: str) -> None:
-        self.store = store
+        super().__init__(store)
         self.metrics = metrics
         self.region = region
         # The label children, looked up once per (name, labels): a batch call then
@@ -441,23 +439,6 @@ class InstrumentedStore(ClaimAPI):
 
     def __repr__(self) -> str:
         return f"InstrumentedStore({self.store!r}, region={self.region!r})"
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "store":  # not yet set (unpickling, a failed __init__)
-            raise AttributeError(name)
-        if name in DEFERRED_MEMBERS:  # the counters would be passed by
-            raise AttributeError(f"{type(self).__name__} does not forward {name}")
-        return getattr(self.store, name)
-
-    @property
-    def limits(self) -> Limits:  # type: ignore[override]
-        """The store's."""
-        return self.store.limits
-
-    @property
-    def failed(self) -> BaseException | None:
-        """The wrapped store's failure (see :func:`~dedupcore.tiers.base.failure_of`)."""
-        return failure_of(self.store)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         index = (id(metric), *labels)
@@ -552,16 +533,6 @@ class InstrumentedStore(ClaimAPI):
             raise
         finally:
             self._took(operation, started)
-
-    def stats(self) -> dict[str, Any]:
-        """The store's own figures."""
-        return self.store.stats()
-
-    def durability(self) -> str:
-        return self.store.durability()
-
-    def durability_report(self) -> tuple[int, str]:
-        return self.store.durability_report()
 
     def close(self) -> None:
         """Closes the store; its stats are no longer read."""

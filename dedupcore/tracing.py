@@ -27,12 +27,10 @@ from dedupcore.api import (
     ClaimBatch,
     ExtendBatch,
     KeyRecord,
-    Limits,
     Outcome,
 )
-from dedupcore.api.deferred import DEFERRED_MEMBERS
 from dedupcore.errors import MissingExtraError
-from dedupcore.tiers.base import failure_of
+from dedupcore.wrapper import StoreWrapper, Wrapping
 
 try:
     from opentelemetry import trace
@@ -56,26 +54,14 @@ _COUNTS = {
 }
 
 
-class _Spans:
+class _Spans(Wrapping):
     """What both traced fronts share: the tracer, the span of a call, its outcome
     attributes, and the store's own attributes."""
 
     def __init__(self, store: Any, tracer: Tracer) -> None:
-        self.store = store
+        super().__init__(store)
         self.tracer = tracer
-        #: The store's.
-        self.limits: Limits = store.limits
         self._system = type(store).__name__
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "store":  # not yet set (unpickling, a failed __init__)
-            raise AttributeError(name)
-        if name in DEFERRED_MEMBERS:  # the daemon's fast path would pass the spans by
-            raise AttributeError(f"{type(self).__name__} does not forward {name}")
-        return getattr(self.store, name)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.store!r})"
 
     @contextmanager
     def _span(self, operation: str, namespace: str, keys: int) -> Iterator[Span]:
@@ -117,7 +103,7 @@ class _Spans:
         return "complete" if batch.completing else "release"
 
 
-class TracedStore(_Spans, ClaimAPI):
+class TracedStore(_Spans, StoreWrapper):
     """A claim API whose calls are spans (see :func:`traced`); every other attribute
     is the store's own."""
 
@@ -140,23 +126,6 @@ class TracedStore(_Spans, ClaimAPI):
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         with self._span("get", ns.decode(), 1):
             return self.store._get_record(ns, key)
-
-    def stats(self) -> dict[str, Any]:
-        return self.store.stats()
-
-    @property
-    def failed(self) -> BaseException | None:
-        """The wrapped store's failure (see :func:`~dedupcore.tiers.base.failure_of`)."""
-        return failure_of(self.store)
-
-    def durability(self) -> str:
-        return self.store.durability()
-
-    def durability_report(self) -> tuple[int, str]:
-        return self.store.durability_report()
-
-    def close(self) -> None:
-        self.store.close()
 
 
 class TracedAsyncStore(_Spans, AsyncClaimAPI):

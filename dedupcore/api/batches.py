@@ -18,6 +18,7 @@ import msgpack
 
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
+from dedupcore._checks import checked_int
 from dedupcore.config import check_lease
 from dedupcore.errors import ConflictError, DedupError
 
@@ -45,11 +46,7 @@ MAX_TOKEN = (1 << 63) - 1
 
 def check_token(token: object) -> int:
     """A fencing token: an int in 1..MAX_TOKEN (TypeError/ValueError otherwise)."""
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise TypeError(f"token must be an int, not {type(token).__name__}")
-    if not 1 <= token <= MAX_TOKEN:
-        raise ValueError(f"token must be in 1..2**63-1, got {token}")
-    return token
+    return checked_int("token", token, 1, MAX_TOKEN, "1..2**63-1")
 
 
 MAX_OWNER_BYTES = 255

@@ -66,6 +66,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.patterns.*",
         "dedupcore.metrics",
         "dedupcore.tracing",
+        "dedupcore.wrapper",
     ),
     # serving and using stores: the daemon, its clients, HTTP and broker integrations
     4: (
