@@ -65,6 +65,38 @@ class WriteAheadLog:
         head: str | os.PathLike[str] | None = None,
         head_required: bool = False,
     ) -> None:
+        """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
+
+        ``sync="fdatasync"`` (default): an acknowledged append survives a
+        process crash and a power loss. ``sync="none"``: no ``fdatasync`` on
+        append; acknowledged appends survive a process crash but may be lost
+        on power loss or kernel crash (call ``sync(force=True)`` before a
+        checkpoint).
+        A segment is rotated once it holds ``segment_bytes`` or more (a batch
+        is never split, so a segment may exceed it by one batch).
+
+        Recovery cuts a torn tail of the last segment (dedupcore/wal/__init__.py,
+        "Recovery: torn tail versus damage"), so ``append`` right after ``open`` is safe with or
+        without a ``replay``. Damage to the last segment (an invalid header,
+        or invalid bytes followed by a valid record continuing the log)
+        raises :class:`CorruptFileError` and changes nothing.
+
+        ``readonly=True`` is for inspection (possibly while the owner process
+        appends): the directory must exist, nothing on disk is changed (a torn
+        tail is skipped, not cut), and only ``replay``, ``last_lsn``,
+        ``segments`` and ``close`` work.
+
+        ``must_exist=True`` says that records were logged here before (the
+        store passes it once a checkpoint was taken from this log): a missing
+        directory, or one without a segment, then raises
+        :class:`CorruptFileError` instead of starting an empty log.
+
+        ``head`` is the path of the log's head file, outside ``path``
+        (dedupcore/wal/segments.py, "The head file"): a log deleted whole or missing its
+        newest segment is then refused instead of opened short, and a log
+        closed clean may be deleted without loss. ``head_required``: a missing
+        head file is :class:`CorruptFileError` (the caller knows one was kept).
+        """
         if not isinstance(sync, str):
             raise TypeError(f"sync must be a str, not {type(sync).__name__}")
         if sync not in SYNC_MODES:
@@ -100,58 +132,10 @@ class WriteAheadLog:
         self._next_lsn = self._durable_lsn + 1
 
     @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        sync: SyncMode = "fdatasync",
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        readonly: bool = False,
-        must_exist: bool = False,
-        head: str | os.PathLike[str] | None = None,
-        head_required: bool = False,
-    ) -> WriteAheadLog:
-        """Opens (creating if needed) the log in directory ``path`` and recovers its tail.
-
-        ``sync="fdatasync"`` (default): an acknowledged append survives a
-        process crash and a power loss. ``sync="none"``: no ``fdatasync`` on
-        append; acknowledged appends survive a process crash but may be lost
-        on power loss or kernel crash (call ``sync(force=True)`` before a
-        checkpoint).
-        A segment is rotated once it holds ``segment_bytes`` or more (a batch
-        is never split, so a segment may exceed it by one batch).
-
-        Recovery cuts a torn tail of the last segment (dedupcore/wal/__init__.py,
-        "Recovery: torn tail versus damage"), so ``append`` right after ``open`` is safe with or
-        without a ``replay``. Damage to the last segment (an invalid header,
-        or invalid bytes followed by a valid record continuing the log)
-        raises :class:`CorruptFileError` and changes nothing.
-
-        ``readonly=True`` is for inspection (possibly while the owner process
-        appends): the directory must exist, nothing on disk is changed (a torn
-        tail is skipped, not cut), and only ``replay``, ``last_lsn``,
-        ``segments`` and ``close`` work.
-
-        ``must_exist=True`` says that records were logged here before (the
-        store passes it once a checkpoint was taken from this log): a missing
-        directory, or one without a segment, then raises
-        :class:`CorruptFileError` instead of starting an empty log.
-
-        ``head`` is the path of the log's head file, outside ``path``
-        (dedupcore/wal/segments.py, "The head file"): a log deleted whole or missing its
-        newest segment is then refused instead of opened short, and a log
-        closed clean may be deleted without loss. ``head_required``: a missing
-        head file is :class:`CorruptFileError` (the caller knows one was kept).
-        """
-        return cls(
-            path,
-            sync=sync,
-            segment_bytes=segment_bytes,
-            readonly=readonly,
-            must_exist=must_exist,
-            head=head,
-            head_required=head_required,
-        )
+    def open(cls, path: str | os.PathLike[str], **options: Any) -> WriteAheadLog:
+        """Opens (creating if needed) the log in directory ``path`` and recovers its tail;
+        ``options`` are those of the class (see ``__init__``)."""
+        return cls(path, **options)
 
     # -- appending -----------------------------------------------------------
 
