@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from importlib.metadata import version as _version
 from typing import Any
 
+from dedupcore._checks import require_extra
 from dedupcore.api import (
     AsyncClaimAPI,
     ChangeBatch,
@@ -29,16 +30,13 @@ from dedupcore.api import (
     KeyRecord,
     Outcome,
 )
-from dedupcore.errors import MissingExtraError
 from dedupcore.wrapper import StoreWrapper, Wrapping
 
-try:
-    from opentelemetry import trace
-    from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider
-except ModuleNotFoundError as exc:  # pragma: no cover - the otel extra is missing
-    raise MissingExtraError(
-        "dedupcore.tracing needs opentelemetry-api: pip install 'dedupcore[otel]'"
-    ) from exc
+# Checked here, before the imports from OpenTelemetry below (the [otel] extra).
+require_extra("opentelemetry", "otel", "dedupcore.tracing")
+
+from opentelemetry import trace  # noqa: E402
+from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider  # noqa: E402
 
 __all__ = ["TracedAsyncStore", "TracedStore", "traced"]
 

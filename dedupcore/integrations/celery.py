@@ -55,21 +55,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-try:
-    import celery
-    from celery.exceptions import Reject, Retry
-    from celery.signals import worker_process_shutdown
-except ModuleNotFoundError as exc:  # celery comes with the [celery] extra
-    if (exc.name or "").split(".")[0] != "celery":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.integrations.celery needs celery, which is not installed: "
-        "pip install 'dedupcore[celery]'"
-    ) from exc
-
 import dedupcore.keys as _keys
+from dedupcore._checks import require_extra
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome, key_path, result_refused
 from dedupcore.api.decorator import _decorated_key
 from dedupcore.errors import InProgressError, SchemaError, StaleTokenError
@@ -84,6 +71,13 @@ from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume, ensure
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
 from dedupcore.patterns.unique import Conn, check_identifier, table_info
 from dedupcore.retry import DEFAULT_RETRY
+
+# Checked here, before the imports from Celery below (the [celery] extra).
+require_extra("celery", "celery", "dedupcore.integrations.celery")
+
+import celery  # noqa: E402
+from celery.exceptions import Reject, Retry  # noqa: E402
+from celery.signals import worker_process_shutdown  # noqa: E402
 
 __all__ = ["IdempotentTask", "TaskDedup", "close_stores"]
 
