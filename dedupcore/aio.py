@@ -276,6 +276,18 @@ class Client(ClientBase, AsyncClaimAPI):
         reply = await self._call(Op.GET, {"ns": ns.decode(), "key": key})
         return protocol.record_from_map(reply)
 
+    async def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        """Asks the daemon to answer when a key of ``batch`` may have changed (WAIT); on
+        a poll hint or a failed WAIT, sleeps the default backoff."""
+        args = self._wait_request(batch, timeout)
+        if args is not None:
+            try:
+                if self._waited(await self._call(Op.WAIT, args)):
+                    return
+            except Exception as exc:
+                self._wait_failed(exc)
+        await super()._wait_change(batch, timeout, attempt)
+
     async def stats(self) -> dict[str, Any]:
         """The daemon's store figures plus its own counters."""
         result: dict[str, Any] = await self._call(Op.STATS, {})

@@ -38,7 +38,12 @@ from dedupcore.api import (
 )
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
-from dedupcore.errors import BatchTooLargeError, PartialBatchError, UnavailableError
+from dedupcore.errors import (
+    BatchTooLargeError,
+    FrameError,
+    PartialBatchError,
+    UnavailableError,
+)
 from dedupcore.retry import RetryPolicy, policy_from_args
 
 __all__ = ["DEFAULT_SOCKET", "Client", "default_socket"]
@@ -203,6 +208,8 @@ class ClientBase:
         self.max_frame = max_frame
         self._ids = itertools.count(1)
         self._closed = False
+        #: False once the daemon answered that it does not know WAIT (an older one).
+        self._waits = True
         self._open()
 
     #: The client checks what every store checks (types, tokens, owners, fingerprints,
@@ -239,6 +246,35 @@ class ClientBase:
         if batch.lease is not None:
             args["lease"] = batch.lease
         return Op.EXTEND_MANY, args
+
+    #: A WAIT lasts at most this share of the client's ``timeout``: its answer comes
+    #: well before the client gives up on the reply.
+    WAIT_SHARE = 0.8
+
+    def _wait_request(self, batch: ClaimBatch, timeout: float) -> dict[str, Any] | None:
+        """The args of a WAIT on ``batch``'s keys for ``timeout`` seconds at most; None when
+        this daemon does not know WAIT (the client polls)."""
+        if not self._waits:
+            return None
+        return {
+            "ns": batch.namespace,
+            "keys": protocol.key_list(batch.keys),
+            "timeout": min(timeout, self.timeout * self.WAIT_SHARE),
+        }
+
+    def _waited(self, reply: Any) -> bool:
+        """Whether a WAIT's answer ends the wait ("woken", "timeout"); False for "poll":
+        the daemon does not wake this waiter, and the client asks again after a backoff."""
+        return reply in (protocol.WOKEN, protocol.TIMED_OUT)
+
+    def _wait_failed(self, exc: Exception) -> None:
+        """A WAIT that failed: an unreachable daemon raises (the claim would too); any
+        other error (a daemon that does not know WAIT, a request over a frame) is
+        waited out with the default backoff."""
+        if isinstance(exc, UnavailableError):
+            raise exc
+        if isinstance(exc, FrameError):
+            self._waits = False
 
     def _parts(self, batch: Any, *, claims: bool) -> _Parts:
         """The frames a batch is sent in: at most half a frame of keys and results each,
@@ -384,6 +420,18 @@ class Client(ClientBase, ClaimAPI):
 
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         return protocol.record_from_map(self._call(Op.GET, {"ns": ns.decode(), "key": key}))
+
+    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+        """Asks the daemon to answer when a key of ``batch`` may have changed (WAIT); on
+        a poll hint or a failed WAIT, sleeps the default backoff."""
+        args = self._wait_request(batch, timeout)
+        if args is not None:
+            try:
+                if self._waited(self._call(Op.WAIT, args)):
+                    return
+            except Exception as exc:
+                self._wait_failed(exc)
+        super()._wait_change(batch, timeout, attempt)
 
     def stats(self) -> dict[str, Any]:
         """The daemon's store figures plus its own counters."""

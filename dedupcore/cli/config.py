@@ -185,6 +185,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "max_buffered": lambda v: _count(v, 1),
     "fd_reserve": lambda v: _count(v, 0),
     "drain_timeout": _positive_seconds,
+    "max_waiters": lambda v: _count(v, 0),
 }
 #: Keys without a default: left out of the printed settings when unset.
 OPTIONAL = (
@@ -214,6 +215,7 @@ SERVER_LIMITS = (
     "max_buffered",
     "fd_reserve",
     "drain_timeout",
+    "max_waiters",
 )
 RETENTION_KEYS = tuple(f.name for f in fields(Retention))
 

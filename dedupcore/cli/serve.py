@@ -17,6 +17,8 @@ can be set in the TOML file or the environment:
 - ``fd_reserve`` (256): descriptors kept free for the store when capping
   ``max_connections`` to the open-file limit;
 - ``drain_timeout`` (seconds, 30): how long SIGTERM waits for clients to go quiet.
+- ``max_waiters`` (4096): WAIT requests (``claim(wait=)`` of the clients) waiting at
+  once; more are answered at once and their clients poll.
 
 ``serve`` exits with 1 when it cannot start (a bad setting included) and with
 :data:`~dedupcore.daemon.server.EXIT_STORE_FAILED` (3) when the store failed

@@ -182,6 +182,7 @@ class Connection(asyncio.Protocol):
         self._lost = True
         if not self.admitted:
             return
+        self.server.waiters.drop(self)  # nobody reads their answers any more
         self._write_paused = False
         self._write_deadline = None
         self.shut()

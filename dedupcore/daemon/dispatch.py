@@ -156,6 +156,9 @@ class Dispatcher:
         self._gate = Gate()
         self._max_result = self.abilities.max_result_bytes or max_frame
         self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
+        #: Told of every completion and release decided on the loop: its keys' digests and
+        #: the commit it waits for (None: none); the daemon wakes their waiters by it.
+        self.changed: Callable[[bytes, asyncio.Future[None] | None], None] | None = None
 
     def start(
         self, loop: asyncio.AbstractEventLoop, others_in_flight: Callable[[int], bool]
@@ -235,14 +238,21 @@ class Dispatcher:
         if op is Op.EXTEND_MANY:
             store._extend_batch(self.extension(args, store.limits))
             return None, None  # in memory only: no commit to wait for
+        change = self.change(op, args)
+        durable = self.commit(store.change_deferred(change), gather)
+        if self.changed is not None:
+            self.changed(change.digests, durable)
+        return None, durable
+
+    def change(self, op: Op, args: dict[str, Any]) -> ChangeBatch:
+        """The checked batch of a COMPLETE_MANY or RELEASE_MANY request."""
         ns = _arg(args, "ns", str)
-        change = ChangeBatch(
+        return ChangeBatch(
             _arg(args, "items", list),
             namespace=ns,
             completing=op is Op.COMPLETE_MANY,
-            limits=store.limits,
+            limits=self.store.limits,
         )
-        return None, self.commit(store.change_deferred(change), gather)
 
     @staticmethod
     def extension(args: dict[str, Any], limits: Any) -> ExtendBatch:

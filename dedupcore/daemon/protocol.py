@@ -27,6 +27,11 @@ Ops and their ``args`` (a map) and results:
 - ``STATS`` (6): ``{}`` -> the store's ``stats()`` map plus ``daemon`` counters
 - ``EXTEND_MANY`` (7): ``ns``, ``items``: ``[[key, token], ...]``, ``lease``? (seconds;
   absent or nil: the store's default) -> ``None``; every claim renewed, or none
+- ``WAIT`` (8): ``ns``, ``keys``, ``timeout`` (seconds, 0 to 3600) -> ``"woken"`` once
+  one of the keys may have changed (completed, released, or the first of their leases
+  ran out), ``"timeout"`` after ``timeout`` seconds, or ``"poll"``: the daemon will not
+  wake this waiter (its store has other writers, too many wait, or it is stopping), and
+  the client asks again after a backoff (docs/daemon.md, "Waiting on keys")
 
 ``outcome`` is ``Outcome.value`` ("new", "duplicate", "in_progress").
 """
@@ -57,7 +62,10 @@ __all__ = [
     "COLUMNS_ARG",
     "DEFAULT_MAX_FRAME",
     "HEADER",
+    "POLL",
     "SAFE_TO_REPEAT",
+    "TIMED_OUT",
+    "WOKEN",
     "ClaimColumns",
     "FrameError",
     "Op",
@@ -97,6 +105,7 @@ class Op(enum.IntEnum):
     GET = 5
     STATS = 6
     EXTEND_MANY = 7
+    WAIT = 8
 
 
 class Status(enum.IntEnum):
@@ -232,8 +241,11 @@ def decode_response(body: bytes) -> tuple[int, Status, Any]:
 # -- op arguments and results, shared by the server and both clients ---------------
 
 #: Ops a client may send again after a lost reply: repeating them changes nothing
-#: (a renewal sent twice renews the claim from the second one's now).
-SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY, Op.EXTEND_MANY})
+#: (a renewal sent twice renews the claim from the second one's now; a wait changes nothing).
+SAFE_TO_REPEAT = frozenset({Op.PING, Op.GET, Op.STATS, Op.COMPLETE_MANY, Op.EXTEND_MANY, Op.WAIT})
+
+#: The answers of a WAIT: a key may have changed; the time is up; ask again after a backoff.
+WOKEN, TIMED_OUT, POLL = "woken", "timeout", "poll"
 
 
 _PLAIN_KEYS = frozenset({bytes, str})

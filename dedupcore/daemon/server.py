@@ -95,6 +95,7 @@ from dedupcore.daemon.socketpath import (
     peer_admitted,
     peer_groups,
 )
+from dedupcore.daemon.waiters import Waiters
 from dedupcore.errors import (
     BatchTooLargeError,
     SocketPathError,
@@ -130,6 +131,8 @@ EXIT_STORE_FAILED = 3
 SWITCH_INTERVAL = 0.0005
 _header_of = protocol.HEADER.pack
 _STATUS_OK = int(Status.OK)
+#: The ops that complete or release keys: they wake the keys' waiters.
+_CHANGES = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
 
 class Pending:
@@ -193,7 +196,8 @@ class DaemonServer:
     ``idle_timeout`` (600 s), ``write_timeout`` (10 s), ``max_in_flight``
     per connection (64), ``max_unsent`` reply bytes per connection (1 MiB),
     ``max_buffered`` request bytes across connections (256 MiB, at least
-    ``max_frame``), ``drain_timeout`` after SIGTERM (30 s).
+    ``max_frame``), ``drain_timeout`` after SIGTERM (30 s), ``max_waiters``
+    WAIT requests waiting at once (4096).
     """
 
     def __init__(
@@ -215,6 +219,7 @@ class DaemonServer:
         max_buffered: int = 256 << 20,
         fd_reserve: int = 256,
         drain_timeout: float = 30.0,
+        max_waiters: int = 4096,
         sock: socket.socket | None = None,
     ) -> None:
         if sock is not None and not isinstance(sock, socket.socket):
@@ -278,6 +283,16 @@ class DaemonServer:
             counters=self.counters,
             small=self.small,
         )
+        #: WAIT requests: at most ``max_waiters`` wait at once, half a connection's
+        #: ``max_in_flight`` of one connection (docs/daemon.md, "Waiting on keys").
+        self.waiters = Waiters(
+            store,
+            max_waiters=max_waiters,
+            per_connection=max(1, max_in_flight // 2),
+            counters=self.counters,
+        )
+        if self.waiters.wakes:
+            self.dispatch.changed = self.waiters.changed
         # The embedded store decides claims, completions and releases on the event loop
         # (native, the GIL released) and only the wait for the log goes to a thread.
         self.decides_on_loop = self.dispatch.abilities.decides_on_loop
@@ -351,6 +366,7 @@ class DaemonServer:
         self._stopping.set()
         if self._server is not None:
             self._server.close()
+        self.waiters.close()  # answered at once: waiters hold up no drain
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout
         quiet_since = loop.time()
@@ -445,6 +461,11 @@ class DaemonServer:
                 if request.op in INLINE_OPS:
                     # Nothing to wait for: answer on the event loop, no thread hop.
                     result = self.dispatch.call(request.op, request.args)
+                elif request.op is Op.WAIT:
+                    if small:  # a waiter holds no large batch's slices back
+                        small = False
+                        self.small.done()
+                    result = await self.waiters.wait(conn, request.args)
                 elif self.dispatch.decides_now(request.op):
                     result = await self.dispatch.decide(request.op, request.args)
                 else:
@@ -453,6 +474,9 @@ class DaemonServer:
                         loop.run_in_executor(self._pool, self._call, request.op, request.args),
                         self.request_timeout,
                     )
+                    if request.op in _CHANGES and self.waiters.count:
+                        change = self.dispatch.change(request.op, request.args)
+                        self.waiters.wake(change.digests)
                 reply = self._reply(request_id, result, started)
             except Exception as exc:
                 reply = self._error_reply(request_id, exc)
@@ -602,6 +626,7 @@ class DaemonServer:
             stats["daemon"] = dict(
                 self.counters,
                 connections_open=len(self._connections),
+                waiters=self.waiters.count,
                 max_connections=self.max_connections,
                 buffered_bytes=self._budget.used,
                 buffer_waits=self._budget.waits,

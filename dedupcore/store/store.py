@@ -516,6 +516,22 @@ class DedupStore(Maintenance, ClaimAPI):
             if wake > now:
                 self._changed.wait(wake - now)
 
+    def held_until(self, batch: ClaimBatch) -> float | None:
+        """When the first lease of ``batch``'s keys runs out, on ``time.monotonic()``
+        (in the past for a lease that ran out and was not taken over yet); None when a
+        key is not held (unknown, completed or released). The daemon times its waiters
+        by it (docs/daemon.md, "Waiting on keys")."""
+        self._check_usable()
+        first = math.inf
+        with self._lock:
+            self._fetch(batch.digests)
+            for d in _engine.split_digests(batch.digests):
+                r = self._table.get(d)
+                if r is None or r[0] != State.PROCESSING:
+                    return None
+                first = min(first, r[10])
+        return first
+
     def _extend_batch(self, batch: ExtendBatch) -> None:
         """Renews a checked batch's leases on this process's monotonic clock, all or
         nothing. A renewal is kept in memory, as an owner's re-claim is: nothing is
