@@ -60,19 +60,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-try:
-    import dramatiq
-    from dramatiq.middleware import SkipMessage
-except ModuleNotFoundError as exc:  # dramatiq comes with the [dramatiq] extra
-    if (exc.name or "").split(".")[0] != "dramatiq":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.integrations.dramatiq needs dramatiq, which is not installed: "
-        "pip install 'dedupcore[dramatiq]'"
-    ) from exc
-
+from dedupcore._checks import require_extra
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome
 from dedupcore.errors import MissingKeyError, SchemaError
 from dedupcore.factory import open_store
@@ -86,6 +74,12 @@ from dedupcore.integrations._common import (
 )
 from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume, ensure_table
 from dedupcore.patterns.unique import Conn, check_identifier, table_info
+
+# Checked here, before the imports from Dramatiq below (the [dramatiq] extra).
+require_extra("dramatiq", "dramatiq", "dedupcore.integrations.dramatiq")
+
+import dramatiq  # noqa: E402
+from dramatiq.middleware import SkipMessage  # noqa: E402
 
 __all__ = ["ActorDedup", "DedupMiddleware", "current"]
 

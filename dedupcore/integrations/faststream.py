@@ -64,20 +64,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-try:
-    from faststream import BaseMiddleware
-    from faststream.exceptions import AckMessage, NackMessage, RejectMessage
-    from faststream.middlewares import AckPolicy
-except ModuleNotFoundError as exc:  # faststream comes with the [faststream] extra
-    if (exc.name or "").split(".")[0] != "faststream":
-        raise
-    from dedupcore.errors import MissingExtraError
-
-    raise MissingExtraError(
-        "dedupcore.integrations.faststream needs faststream, which is not installed: "
-        "pip install 'dedupcore[faststream]'"
-    ) from exc
-
+from dedupcore._checks import require_extra
 from dedupcore.api import Outcome
 from dedupcore.integrations._common import (
     BeforeAck,
@@ -90,6 +77,13 @@ from dedupcore.integrations._common import (
     _Consumer,
 )
 from dedupcore.retry import RetryPolicy
+
+# Checked here, before the imports from FastStream below (the [faststream] extra).
+require_extra("faststream", "faststream", "dedupcore.integrations.faststream")
+
+from faststream import BaseMiddleware  # noqa: E402
+from faststream.exceptions import AckMessage, NackMessage, RejectMessage  # noqa: E402
+from faststream.middlewares import AckPolicy  # noqa: E402
 
 __all__ = ["CONTEXT_KEY", "DedupMiddleware", "Delivery"]
 

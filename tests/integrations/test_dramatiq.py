@@ -13,7 +13,7 @@ effect and ``complete`` applies that effect twice -- once per kill at that
 point, and at no other point; with the effect and the dedup row in one
 PostgreSQL transaction, no kill applies anything twice.
 
-The tests without a worker (options, the missing extra) need no server.
+The test without a worker (the options) needs no server.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ dramatiq = pytest.importorskip("dramatiq")
 from dedupcore import DedupStore  # noqa: E402
 from dedupcore.integrations.dramatiq import DedupMiddleware, current  # noqa: E402
 from dedupcore.patterns.table import ensure_table  # noqa: E402
-from tests.support.procs import ROOT, LineProcess, child_env, wait_until  # noqa: E402
+from tests.support.procs import LineProcess, child_env, wait_until  # noqa: E402
 from tests.support.servers import (  # noqa: E402
     SERVERS,
     connect_redis,
@@ -357,38 +355,3 @@ def test_options_that_cannot_work_are_refused(tmp_path: Path) -> None:
         DedupMiddleware(connection=lambda: None, table="no-dashes")
     with pytest.raises(RuntimeError, match="only there while"):
         current()
-
-
-def test_without_dramatiq_the_module_names_the_extra(tmp_path: Path) -> None:
-    script = tmp_path / "check.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import importlib.abc, sys
-
-            class Block(importlib.abc.MetaPathFinder):
-                def find_spec(self, name, path=None, target=None):
-                    if name.split(".")[0] == "dramatiq":
-                        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-                    return None
-
-            sys.meta_path.insert(0, Block())
-            from dedupcore.errors import MissingExtraError
-            try:
-                import dedupcore.integrations.dramatiq
-            except MissingExtraError as exc:
-                print(exc)
-            """
-        )
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "pip install 'dedupcore[dramatiq]'" in out.stdout
