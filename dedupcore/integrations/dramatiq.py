@@ -60,6 +60,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import dedupcore.keys as _keys
 from dedupcore._checks import require_extra
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome
 from dedupcore.errors import MissingKeyError, SchemaError
@@ -79,7 +80,7 @@ from dedupcore.patterns.unique import Conn, check_identifier, table_info
 require_extra("dramatiq", "dramatiq", "dedupcore.integrations.dramatiq")
 
 import dramatiq  # noqa: E402
-from dramatiq.middleware import SkipMessage  # noqa: E402
+from dramatiq.middleware import MiddlewareError, SkipMessage  # noqa: E402
 
 __all__ = ["ActorDedup", "DedupMiddleware", "current"]
 
@@ -188,6 +189,34 @@ class DedupMiddleware(dramatiq.Middleware):
         self._gates: dict[str, _Gate] = {}
 
     # -- the hooks -------------------------------------------------------------------------
+
+    def before_declare_actor(self, broker: Any, actor: Any) -> None:
+        """Refuses an actor's dedup options that cannot work, when the actor is made.
+
+        Raised as Dramatiq's ``MiddlewareError`` (the one exception Dramatiq lets
+        out of this hook), from the ``TypeError``/``ValueError`` that says why.
+        """
+        try:
+            self._check_actor(actor)
+        except (TypeError, ValueError) as exc:
+            raise MiddlewareError(f"actor {actor.actor_name}: {exc}") from exc
+
+    @staticmethod
+    def _check_actor(actor: Any) -> None:
+        options = actor.options
+        if not isinstance(options.get("dedup", True), bool):
+            raise TypeError("dedup must be True or False")
+        namespace = options.get("dedup_namespace") or actor.actor_name
+        if not isinstance(namespace, str):
+            raise TypeError(f"dedup_namespace must be str, not {type(namespace).__name__}")
+        _keys.check_namespace(namespace)
+        key = options.get("dedup_key")
+        if key is not None and not callable(key):
+            raise TypeError("dedup_key must be a function of (args, kwargs, options)")
+        if options.get("dedup_lease") is not None:
+            _number("dedup_lease", options["dedup_lease"], positive=True)
+        if "dedup_retry_delay" in options:
+            _number("dedup_retry_delay", options["dedup_retry_delay"], positive=False)
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         _local.held = None

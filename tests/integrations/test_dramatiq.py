@@ -355,3 +355,26 @@ def test_options_that_cannot_work_are_refused(tmp_path: Path) -> None:
         DedupMiddleware(connection=lambda: None, table="no-dashes")
     with pytest.raises(RuntimeError, match="only there while"):
         current()
+
+    from dramatiq.brokers.stub import StubBroker
+    from dramatiq.middleware import MiddlewareError
+
+    broker = StubBroker()
+    broker.add_middleware(DedupMiddleware("redis://x"))
+
+    def body(item: Any) -> None:
+        return None
+
+    refused = MiddlewareError
+    with pytest.raises(refused, match="actor a1: namespace may only hold"):
+        dramatiq.actor(body, broker=broker, actor_name="a1", dedup_namespace="has space")
+    with pytest.raises(refused, match="dedup_key must be"):
+        dramatiq.actor(body, broker=broker, actor_name="a2", dedup_key="id")
+    with pytest.raises(refused, match="dedup_lease must be > 0"):
+        dramatiq.actor(body, broker=broker, actor_name="a3", dedup_lease=0)
+    with pytest.raises(refused, match="dedup_retry_delay"):
+        dramatiq.actor(body, broker=broker, actor_name="a4", dedup_retry_delay="soon")
+    with pytest.raises(refused, match="dedup must be"):
+        dramatiq.actor(body, broker=broker, actor_name="a5", dedup="yes")
+    dramatiq.actor(body, broker=broker, actor_name="ok", dedup_namespace="orders/mail")
+    broker.close()

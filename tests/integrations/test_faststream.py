@@ -179,6 +179,38 @@ def test_a_key_in_progress_elsewhere_is_redelivered_until_it_is_free(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_an_unavailable_store_redelivers_until_it_answers(kind: str) -> None:
+    """The async daemon client, awaited on the loop; no daemon listens at first."""
+    from dedupcore import aio
+    from tests.support.daemon import Lab
+
+    handled: list[str] = []
+    daemons = Lab()
+    try:
+        daemon = daemons.daemon(start=False)
+        client = aio.Client(daemon.socket, retries=0)
+        middleware = DedupMiddleware(client, namespace="fs/down", key=body_key, retry_delay=0.05)
+
+        async def handle(item: dict[str, Any]) -> None:
+            handled.append(item["id"])
+
+        async def scenario() -> None:
+            async with rig_of(kind) as rig:
+                await rig.start(middleware, handle)
+                await rig.publish({"id": "u-1"})
+                await until(lambda: middleware.counts[Verdict.RETRY] >= 2, "a redelivery")
+                assert handled == []  # never run on a claim nobody decided
+                await asyncio.to_thread(daemon.start)
+                await until(lambda: middleware.counts[Verdict.ACKED] == 1, "the ack")
+            await client.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        daemons.close()
+    assert handled == ["u-1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_transactional_mode_commits_the_effect_with_the_dedup_row(
     kind: str, pg: Any, pg_tables: list[str]
 ) -> None:
