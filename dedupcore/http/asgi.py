@@ -20,6 +20,7 @@ import anyio
 import anyio.to_thread
 
 from dedupcore.api import result_refused
+from dedupcore.api.conveniences import AsyncHeartbeat
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.http.protocol import (
     DEFAULT_REPLAY_DROP_HEADERS,
@@ -30,11 +31,13 @@ from dedupcore.http.protocol import (
     ClientCheck,
     Refusal,
     Replay,
+    async_heartbeat,
     claim_answer,
     claim_refused,
     credentials_identity,
     fingerprint,
     header_names,
+    heartbeat_lease,
     key_ref,
     not_replayable,
     parse_key,
@@ -56,6 +59,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: ``key_scope(scope)``: the client identity a key belongs to; None when it has none.
 KeyScope = Callable[[Scope], str | bytes | None]
+
+#: Where the app finds a request's store key (:func:`~dedupcore.http.protocol.scoped_key`),
+#: to key a transactional effect by it (docs/http.md, "Where exactly once holds").
+SCOPE_KEY = "dedupcore.key"
 
 # Server extensions that would let a response bypass ``send`` wrapping.
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
@@ -102,6 +109,11 @@ class Idempotency:
     (:func:`~dedupcore.http.protocol.credentials_identity`); ``key_scope=lambda
     scope: ""`` shares every key between all clients (unsafe: a client that
     sends another's key and body gets that client's response).
+
+    ``heartbeat=True`` renews a request's claim every third of its ``lease``
+    (default :data:`~dedupcore.api.HEARTBEAT_LEASE`) while the app runs, so an
+    app slower than its lease keeps its key (docs/http.md, "Heartbeats"). The
+    app finds the request's store key in ``scope["dedupcore.key"]``.
     """
 
     def __init__(
@@ -120,6 +132,7 @@ class Idempotency:
         replay_header: str = "Idempotent-Replayed",
         replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
         problem_base_url: str | Mapping[str, str] | None = None,
+        heartbeat: bool = False,
     ) -> None:
         for name in ("claim", "complete", "release"):
             if not callable(getattr(store, name, None)):
@@ -143,7 +156,8 @@ class Idempotency:
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
         self.max_body_bytes = max_body_bytes
-        self.lease = lease
+        self.lease = heartbeat_lease(store, heartbeat, lease)
+        self.heartbeat = heartbeat
         if max_response_bytes is None:
             max_response_bytes = result_limit(store)
         if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int):
@@ -364,6 +378,7 @@ class Exchange:
         body: bytes,
     ) -> None:
         self.idempotency = idempotency
+        scope[SCOPE_KEY] = key
         extensions = scope.get("extensions")
         if extensions and any(e in extensions for e in _HIDDEN_EXTENSIONS):
             extensions = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
@@ -381,6 +396,8 @@ class Exchange:
         self.unstorable: str | None = None
         self.settled = False  # completed or released
         self.client_gone = False
+        self.beat: AsyncHeartbeat | None = None
+        self.beat_stopped = False
 
     async def receive(self) -> Message:
         """The request's body (read already), then what the client sends next."""
@@ -433,18 +450,40 @@ class Exchange:
     async def run(self, app: ASGIApp, send: Send) -> None:
         """Runs ``app`` (or a framework's response object) with its response going to ``send``."""
         self.send_outer = send
+        await self.start_heartbeat()
         try:
             await app(self.scope, self.receive, self.send)
         except BaseException:
             if not self.settled:
                 await self.release()
             raise
+        finally:
+            await self.stop_heartbeat()
         if not self.settled:
             # The app returned without finishing a response: nothing to replay.
             await self.release()
 
+    async def start_heartbeat(self) -> None:
+        """Starts renewing the claim (with ``heartbeat=True``), once, until it is settled."""
+        idem = self.idempotency
+        if not idem.heartbeat or idem.lease is None or self.beat is not None or self.beat_stopped:
+            return
+        beat = async_heartbeat(
+            idem.store, self.key, self.token, idem.namespace, idem.lease, anyio.to_thread.run_sync
+        )
+        self.beat = await beat.__aenter__()
+
+    async def stop_heartbeat(self) -> None:
+        """Stops the renewals for good; one under way ends first, so none follows the
+        completion or release."""
+        self.beat_stopped = True
+        beat, self.beat = self.beat, None
+        if beat is not None:
+            await beat.__aexit__(None, None, None)
+
     async def release(self) -> None:
         """Gives the key up (a failed attempt): a retry runs the request again."""
+        await self.stop_heartbeat()
         self.settled = True
         idem = self.idempotency
         try:
@@ -461,6 +500,7 @@ class Exchange:
         if not self.storing():
             await self.release()
             return
+        await self.stop_heartbeat()
         self.settled = True
         idem = self.idempotency
         status = self.status if self.status is not None else 500

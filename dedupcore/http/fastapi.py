@@ -83,6 +83,7 @@ class IdempotentRoute(APIRoute):
                 return await handler(request)
             if isinstance(step, Answer):
                 return _AnswerResponse(step)
+            await step.start_heartbeat()
             try:
                 response = await handler(Request(request.scope, step.receive))
             except BaseException:

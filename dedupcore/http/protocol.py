@@ -9,13 +9,16 @@ docs/http.md describes the behaviour.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from dedupcore.api import Claim, Outcome, pack_result
+from dedupcore.api import HEARTBEAT_LEASE, Claim, Outcome, pack_result
+from dedupcore.api.conveniences import AsyncHeartbeat, Heartbeat
 from dedupcore.errors import ConflictError, UnavailableError
 
 #: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
@@ -101,6 +104,49 @@ class ClientCheck:
         if not isinstance(found, (str, bytes)):
             raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
         return found
+
+
+def heartbeat_lease(store: object, heartbeat: bool, lease: float | None) -> float | None:
+    """The claims' lease: ``lease``, or :data:`~dedupcore.api.HEARTBEAT_LEASE` under a
+    heartbeat when none is given; TypeError if the heartbeat's store cannot renew claims."""
+    if not isinstance(heartbeat, bool):
+        raise TypeError(f"heartbeat must be True or False, not {type(heartbeat).__name__}")
+    if not heartbeat:
+        return lease
+    if store is not None and not callable(getattr(store, "extend", None)):
+        raise TypeError(
+            f"heartbeat=True needs a store that renews claims (extend), not {type(store).__name__}"
+        )
+    return HEARTBEAT_LEASE if lease is None else lease
+
+
+def heartbeat(store: Any, dedup_key: str, token: int, namespace: str, lease: float) -> Heartbeat:
+    """The heartbeat of a request's claim on a sync store, in a thread: renews it by
+    ``lease`` every third of ``lease`` while the view runs (docs/http.md, "Heartbeats").
+    Its logs name the key by :func:`key_ref`."""
+    renew = functools.partial(store.extend, dedup_key, token, namespace=namespace, lease=lease)
+    return Heartbeat(Claim(key_ref(dedup_key), namespace, Outcome.NEW, token), lease, renew)
+
+
+def async_heartbeat(
+    store: Any,
+    dedup_key: str,
+    token: int,
+    namespace: str,
+    lease: float,
+    run_sync: Callable[[Callable[[], None]], Awaitable[Any]],
+) -> AsyncHeartbeat:
+    """:func:`heartbeat` as an asyncio task: an async store's ``extend`` is awaited, a sync
+    one's called through ``run_sync`` (in a worker thread)."""
+    renew = functools.partial(store.extend, dedup_key, token, namespace=namespace, lease=lease)
+    shown = Claim(key_ref(dedup_key), namespace, Outcome.NEW, token)
+    if inspect.iscoroutinefunction(store.extend):
+        return AsyncHeartbeat(shown, lease, renew)
+
+    async def renew_in_thread() -> None:
+        await run_sync(renew)
+
+    return AsyncHeartbeat(shown, lease, renew_in_thread)
 
 
 def parse_key(raw: bytes) -> str:

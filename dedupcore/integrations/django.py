@@ -60,6 +60,7 @@ import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Generator, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,11 +74,14 @@ from dedupcore.http.protocol import (
     ClientCheck,
     Refusal,
     Replay,
+    async_heartbeat,
     claim_answer,
     claim_refused,
     credentials_identity,
     fingerprint,
     header_names,
+    heartbeat,
+    heartbeat_lease,
     key_ref,
     not_replayable,
     parse_key,
@@ -135,6 +139,8 @@ class _Scope:
 @dataclass
 class _View:
     request: HttpRequest
+    key: str  # the store key the view runs under, and its claim's token
+    token: int
 
 
 _Step = _StoreCall | _Scope | _View
@@ -220,6 +226,10 @@ class Idempotency:
     ASGI and decorated async views), or None for the store ``DEDUPCORE_STORE`` makes
     (:func:`store_from_settings`). The keywords are those of
     :func:`idempotent_view`; their defaults are the ASGI middleware's.
+    ``heartbeat=True`` renews a request's claim every third of its ``lease``
+    (default :data:`~dedupcore.api.HEARTBEAT_LEASE`) while the view runs
+    (docs/django.md, "Heartbeats"). The view finds the request's store key in
+    ``request.idempotency_key``.
     """
 
     def __init__(
@@ -238,9 +248,11 @@ class Idempotency:
         replay_header: str = "Idempotent-Replayed",
         replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
         problem_base_url: str | Mapping[str, str] | None = None,
+        heartbeat: bool = False,
     ) -> None:
         if store is not None:
             _check_store(store)
+        lease = heartbeat_lease(store, heartbeat, lease)
         for name, value in (("header", header), ("replay_header", replay_header)):
             if not isinstance(value, str) or not value or not value.isascii():
                 raise ValueError(f"{name} must be a non-empty ASCII name, got {value!r}")
@@ -265,6 +277,7 @@ class Idempotency:
         self.required = required
         self.max_body_bytes = max_body_bytes
         self.lease = lease
+        self.heartbeat = heartbeat
         self._max_response_bytes = max_response_bytes
         self.retry_statuses = frozenset(retry_statuses)
         self.key_scope: KeyScope | None = key_scope
@@ -391,8 +404,9 @@ class Idempotency:
             return self.problem(*answer)
         if answer is not None:
             return _response(*answer)
+        request.idempotency_key = dkey
         try:
-            response: HttpResponseBase = yield _View(request)
+            response: HttpResponseBase = yield _View(request, dkey, claim.token)
         except BaseException:
             yield from self._release(dkey, claim.token)
             raise
@@ -475,7 +489,26 @@ class Idempotency:
             return getattr(self.store, step.method)(*step.args, **step.kwargs)
         if isinstance(step, _Scope):
             return self.identity(step.request)
-        return view(step.request)
+        with self._beat(step):
+            return view(step.request)
+
+    def _beat(self, step: _View) -> AbstractContextManager[Any]:
+        """The heartbeat of the view's claim in a thread (``heartbeat=True``), else none."""
+        if not self.heartbeat or self.lease is None:
+            return nullcontext()
+        return heartbeat(self.store, step.key, step.token, self.namespace, self.lease)
+
+    def _abeat(self, step: _View) -> AbstractAsyncContextManager[Any]:
+        """The heartbeat of an awaited view's claim, as a task (``heartbeat=True``)."""
+        if not self.heartbeat or self.lease is None:
+            return nullcontext()
+
+        async def in_thread(fn: Callable[[], None]) -> None:
+            await sync_to_async(fn, thread_sensitive=False)()
+
+        return async_heartbeat(
+            self.store, step.key, step.token, self.namespace, self.lease, in_thread
+        )
 
     async def ahandle(
         self, request: HttpRequest, view: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
@@ -510,7 +543,8 @@ class Idempotency:
         if isinstance(step, _Scope):
             # key_scope and request.user may read the database: a sync context.
             return await sync_to_async(self.identity)(step.request)
-        return await view(step.request)
+        async with self._abeat(step):
+            return await view(step.request)
 
 
 def _check_store(store: Any) -> None:

@@ -34,7 +34,8 @@ from django.http import HttpResponse
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
 from dedupcore import Client as DaemonClient
-from dedupcore import aio
+from dedupcore import DedupStore, aio
+from dedupcore.api import HEARTBEAT_LEASE
 from dedupcore.http.protocol import credentials_identity, key_ref, scoped_key
 from dedupcore.integrations.django import (
     Idempotency,
@@ -397,6 +398,87 @@ def test_a_sync_view_refuses_an_aio_client(tmp_path: Path) -> None:
     request = RequestFactory().post("/x", b"x", "text/plain", headers=alice(new_key(), "a"))
     with pytest.raises(TypeError, match="sync store"):
         decorated(request)
+
+
+# -- heartbeats ---------------------------------------------------------------------------
+
+
+class Renewals:
+    """A sync store whose renewals (``extend`` calls that succeeded) are counted."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def extend(self, *args: Any, **kwargs: Any) -> None:
+        self.store.extend(*args, **kwargs)
+        self.count += 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_view_slower_than_its_lease_keeps_its_key_under_a_heartbeat(
+    tmp_path: Path, kind: str
+) -> None:
+    """The claim (0.6 s) is renewed every third of its lease while the view runs: after six
+    renewals (two leases) a retry still gets 409, and the view ran once."""
+    key = new_key()
+    started, go = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def answer() -> HttpResponse:
+        ran.append(1)
+        return HttpResponse(f"made {len(ran)}".encode(), status=201)
+
+    def sync_view(request: Any) -> HttpResponse:
+        started.set()
+        go.wait(PATIENCE)
+        return answer()
+
+    async def async_view(request: Any) -> HttpResponse:
+        started.set()
+        await asyncio.to_thread(go.wait, PATIENCE)
+        return answer()
+
+    with DedupStore.open(tmp_path / "store") as inner:
+        store = Renewals(inner)
+        view = idempotent_view(
+            sync_view if kind == "sync" else async_view,
+            store=store,
+            namespace=f"beat-{key}",
+            heartbeat=True,
+            lease=0.6,
+        )
+
+        def post() -> Any:
+            request = RequestFactory().post("/x", b"x", "text/plain", headers=alice(key, "b"))
+            response = view(request)
+            return asyncio.run(response) if kind == "async" else response
+
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post)
+            assert started.wait(PATIENCE)
+            wait_until(lambda: store.count >= 6, "six renewals of the held claim")
+            busy = post()
+            go.set()
+            original = first.result(PATIENCE)
+        again = post()
+    assert busy.status_code == 409 and original.status_code == 201
+    assert replayed(again) and again.content == original.content == b"made 1"
+    assert ran == [1]
+
+
+def test_heartbeat_needs_a_store_that_renews(tmp_path: Path) -> None:
+    no_extend = Renewals(DaemonClient(tmp_path / "unused.sock"))
+    no_extend.extend = None  # type: ignore[assignment,method-assign]
+    with pytest.raises(TypeError, match="renews claims"):
+        Idempotency(no_extend, heartbeat=True)
+    assert Idempotency(no_extend).lease is None  # without a heartbeat, extend is not needed
+    with DedupStore.open(tmp_path / "store") as store:
+        assert Idempotency(store, heartbeat=True).lease == HEARTBEAT_LEASE
+        assert Idempotency(store, heartbeat=True, lease=5.0).lease == 5.0
 
 
 # -- the decorator --------------------------------------------------------------------------
