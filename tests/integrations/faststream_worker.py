@@ -55,9 +55,23 @@ class Rig:
         self.broker: Any = None
 
     async def create(self) -> None:
-        """Makes the stream (NATS) or the topic (Kafka); RabbitMQ's queue comes with the
-        subscriber."""
-        if self.kind == "kafka":
+        """Makes the queue, stream or topic, so that messages can wait for a subscriber."""
+        if self.kind == "rabbit":
+            await asyncio.to_thread(
+                self._pika_channel_call, "queue_declare", queue=self.name, durable=True
+            )
+        elif self.kind == "nats":
+            import nats
+            from nats.js.api import StorageType, StreamConfig
+
+            nc = await nats.connect(self.url)
+            try:
+                subjects = [f"{self.name}.>"]
+                config = StreamConfig(self.name, subjects=subjects, storage=StorageType.MEMORY)
+                await nc.jetstream().add_stream(config)
+            finally:
+                await nc.close()
+        else:
             from confluent_kafka.admin import AdminClient, NewTopic
 
             admin = AdminClient({"bootstrap.servers": self.url})
@@ -154,15 +168,23 @@ class Rig:
         else:
             await self.broker.publish(raw, self.name, headers=headers, partition=0)
 
-    def _pika_publish(self, body: bytes, headers: dict[str, str], message_id: str | None) -> None:
+    def _pika_channel_call(self, method: str, **kwargs: Any) -> None:
+        """``channel.<method>(**kwargs)`` on a pika connection of its own."""
         import pika
 
         conn = pika.BlockingConnection(pika.URLParameters(self.url))
         try:
-            properties = pika.BasicProperties(headers=headers, message_id=message_id)
-            conn.channel().basic_publish("", self.name, body, properties)
+            getattr(conn.channel(), method)(**kwargs)
         finally:
             conn.close()
+
+    def _pika_publish(self, body: bytes, headers: dict[str, str], message_id: str | None) -> None:
+        import pika
+
+        properties = pika.BasicProperties(headers=headers, message_id=message_id)
+        self._pika_channel_call(
+            "basic_publish", exchange="", routing_key=self.name, body=body, properties=properties
+        )
 
     async def stop(self) -> None:
         if self.broker is not None:
@@ -174,12 +196,7 @@ class Rig:
         await self.stop()
         with contextlib.suppress(Exception):
             if self.kind == "rabbit":
-                import aio_pika
-
-                conn = await aio_pika.connect(self.url)
-                async with conn:
-                    channel = await conn.channel()
-                    await channel.queue_delete(self.name)
+                await asyncio.to_thread(self._pika_channel_call, "queue_delete", queue=self.name)
             elif self.kind == "nats":
                 import nats
 

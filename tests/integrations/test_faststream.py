@@ -2,9 +2,9 @@
 
 The contract tests run each broker in this process (tests/integrations/
 faststream_worker.py's :class:`Rig`: a queue, stream or topic of its own); the
-kill tests run the worker as a child process on RabbitMQ and SIGKILL it where
-a handler said it waits (``PAUSED <key> <point>``), never at a random moment,
-then start another and let the broker redeliver.
+kill tests run the worker as a child process on RabbitMQ and on NATS JetStream
+and SIGKILL it where its handlers said they wait (``PAUSED <key> <point>``),
+never at a random moment, then start another and let the broker redeliver.
 
 What the kills show (docs/faststream.md): with claim/complete around an effect
 the store cannot see (a line appended to a file), a worker killed between the
@@ -293,6 +293,7 @@ class Kills:
         }
         self.workers: list[LineProcess] = []
         self.tables: dict[str, str] = {}
+        asyncio.run(self.rig.create())
 
     def ledger(self) -> dict[str, str]:
         """Transactional mode: the dedup and effects tables on PostgreSQL, for the workers."""
@@ -369,26 +370,31 @@ def kills(tmp_path: Path) -> Iterator[Callable[..., Kills]]:
         one.close()
 
 
+def kill_round(
+    k: Kills, plan: dict[str, str], at_pause: Callable[[], None] = lambda: None
+) -> dict[str, str]:
+    """Sends a message per key of ``plan``, kills the worker once each waits at its point,
+    lets a new worker take them; how each key's last delivery ended."""
+    k.publish(*({"id": key, "pause": point} for key, point in plan.items()))
+    w = k.worker()  # all of them wait for it: one fetch (NATS) or prefetch (RabbitMQ) takes all
+    assert dict(w.expect("PAUSED", PATIENCE).split() for _ in plan) == plan
+    at_pause()
+    w.sigkill()  # one kill cuts them all where they wait
+    w = k.worker()  # the broker redelivers; dead claims are taken over after the lease
+    outcomes = k.done(w, list(plan))
+    # Its keys are done: this kill cuts none of them (a message killed between its
+    # DONE and its ack comes back as a DUPLICATE and applies nothing).
+    w.sigkill()
+    return outcomes
+
+
+@pytest.mark.parametrize("kind", ["rabbit", "nats"])
 def test_a_killed_worker_applies_a_store_mode_effect_twice_only_between_effect_and_complete(
-    kills: Callable[..., Kills],
+    kills: Callable[..., Kills], kind: str
 ) -> None:
-    k = kills(FS_LEASE="2")  # a redelivery takes a dead worker's claim over after 2 s
-    plans = [
-        {"k-1": "after_effect", "k-3": "after_claim", "k-4": "after_complete"},
-        {"k-2": "after_effect", "k-5": "after_complete"},
-    ]
-    outcomes: dict[str, str] = {}
-    for plan in plans:
-        w = k.worker()
-        k.publish(*({"id": key, "pause": point} for key, point in plan.items()))
-        paused = dict(w.expect("PAUSED", PATIENCE).split() for _ in plan)
-        assert paused == plan  # every message of the plan waits at its point
-        w.sigkill()  # one kill cuts them all where they wait
-        w = k.worker()  # the broker redelivers; dead claims are taken over after the lease
-        outcomes.update(k.done(w, list(plan)))
-        # Its keys are done: this kill cuts none of them (a message killed between its
-        # DONE and its ack comes back as a DUPLICATE and applies nothing).
-        w.sigkill()
+    k = kills(kind, FS_LEASE="2")  # a redelivery takes a dead worker's claim over after 2 s
+    outcomes = kill_round(k, {"k-1": "after_effect", "k-3": "after_claim", "k-4": "after_complete"})
+    outcomes.update(kill_round(k, {"k-2": "after_effect", "k-5": "after_complete"}))
     applied = {key: k.effects(key) for key in outcomes}
     twice = sorted(key for key, n in applied.items() if n == 2)
     # The window: a kill between the effect and complete applies the effect again;
@@ -399,20 +405,22 @@ def test_a_killed_worker_applies_a_store_mode_effect_twice_only_between_effect_a
     assert outcomes["k-1"] == outcomes["k-2"] == outcomes["k-3"] == "NEW"
 
 
+@pytest.mark.parametrize("kind", ["rabbit", "nats"])
 def test_a_killed_worker_never_applies_a_transactional_effect_twice(
-    kills: Callable[..., Kills],
+    kills: Callable[..., Kills], kind: str
 ) -> None:
-    k = kills()
+    k = kills(kind)
     tables = k.ledger()
-    w = k.worker()
-    plan = {"l-2": "after_complete", "l-1": "after_effect"}
-    # One at a time: a worker runs one dedup transaction at a time, and l-1 waits in its.
-    for key, point in plan.items():
-        k.publish({"id": key, "pause": point})
-        assert w.expect("PAUSED", PATIENCE).split() == [key, point]
-    assert (k.effects("l-1"), k.effects("l-2")) == (0, 1)  # l-1 is not committed yet
-    w.sigkill()  # l-1: written, not committed; l-2: committed, not acked
-    outcomes = k.done(k.worker(), list(plan))
+
+    # One message a round: a worker runs one dedup transaction at a time.
+    def not_committed() -> None:
+        assert k.effects("l-1") == 0
+
+    def committed() -> None:
+        assert k.effects("l-2") == 1
+
+    outcomes = kill_round(k, {"l-1": "after_effect"}, not_committed)
+    outcomes.update(kill_round(k, {"l-2": "after_complete"}, committed))
     assert outcomes == {"l-1": "NEW", "l-2": "DUPLICATE"}
     assert (k.effects("l-1"), k.effects("l-2")) == (1, 1)  # two kill points, nothing twice
     with pg_connect() as conn:
