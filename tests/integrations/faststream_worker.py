@@ -48,8 +48,12 @@ PATIENCE = 60.0
 class Rig:
     """One FastStream broker of ``kind`` on the real server, and its queue, stream or topic."""
 
-    def __init__(self, kind: str, url: str, name: str | None = None) -> None:
+    def __init__(
+        self, kind: str, url: str, name: str | None = None, *, ack_wait: float = 30.0
+    ) -> None:
         self.kind = kind
+        #: Seconds before JetStream redelivers a message not acked (a killed worker's).
+        self.ack_wait = ack_wait
         self.url = url
         self.name = name or f"dc_fs_{uuid.uuid4().hex[:16]}"
         self.broker: Any = None
@@ -110,7 +114,7 @@ class Rig:
                 stream=stream,
                 durable=self.name,
                 pull_sub=PullSub(batch_size=10, timeout=0.2),
-                config=ConsumerConfig(ack_wait=2),  # a killed worker's message comes back soon
+                config=ConsumerConfig(ack_wait=self.ack_wait),
                 ack_policy=ack_policy,
             )
         from faststream.kafka import KafkaRouter
@@ -285,7 +289,8 @@ async def main() -> None:
             apply_to_file(item["id"])
         await pause(item, "after_effect")
 
-    rig = Rig(env["FS_KIND"], env["FS_URL"], env["FS_NAME"])
+    # A killed worker's messages come back to the next one 2 s after their delivery.
+    rig = Rig(env["FS_KIND"], env["FS_URL"], env["FS_NAME"], ack_wait=2)
     await rig.start(middleware, handle)
     say("READY")
     await asyncio.Event().wait()
