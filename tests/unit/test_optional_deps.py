@@ -280,3 +280,34 @@ def test_redis_parts_without_the_extra_name_it(tmp_path: Path) -> None:
         assert rc == 1, (name, said)
         assert "pip install 'dedupcore[redis]'" in said and "Traceback" not in said, (name, said)
     assert answers["socket-made"] is False  # refused before serving
+
+
+#: Each framework integration, the top-level module of its framework, and its extra.
+FRAMEWORKS = [
+    ("dedupcore.integrations.celery", "celery", "celery"),
+    ("dedupcore.integrations.django", "django", "django"),
+    ("dedupcore.integrations.faststream", "faststream", "faststream"),
+    ("dedupcore.integrations.dramatiq", "dramatiq", "dramatiq"),
+    ("dedupcore.tracing", "opentelemetry", "otel"),
+]
+
+
+def test_each_framework_integration_without_its_extra_names_it(tmp_path: Path) -> None:
+    for module, framework, extra in FRAMEWORKS:
+        out = _run(
+            f"""
+            import importlib
+            from dedupcore.errors import MissingExtraError
+
+            try:
+                importlib.import_module({module!r})
+            except MissingExtraError as exc:
+                print(str(exc))
+            else:
+                raise SystemExit("imported without {framework}")
+            """,
+            tmp_path,
+            blocked=(framework,),
+        )
+        assert out.returncode == 0, (module, out.stderr)
+        assert f"pip install 'dedupcore[{extra}]'" in out.stdout, (module, out.stdout)
