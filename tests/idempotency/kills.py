@@ -97,6 +97,7 @@ class Killed:
     tag: str
     point: str
     retry: httpx.Response
+    busy: int  # the retries answered 409 before it (the dead process's claim held)
     again: httpx.Response | None = None
     effects: list[tuple[int, str]] = field(default_factory=list)
 
@@ -110,16 +111,17 @@ def post(url: str, path: str, tag: str, pause: str | None = None) -> httpx.Respo
         return client.post(path, content=f"order {tag}".encode(), headers=headers)
 
 
-def answered(url: str, path: str, tag: str) -> httpx.Response:
-    """The retry of ``tag``, sent again while it is 409 (the dead process's claim holds)."""
+def answered(url: str, path: str, tag: str) -> tuple[httpx.Response, int]:
+    """The retry of ``tag``, sent again while it is 409 (the dead process's claim holds),
+    and how many times it was 409."""
     found: list[httpx.Response] = []
 
     def done() -> bool:
-        found[:] = [post(url, path, tag)]
-        return found[0].status_code != 409
+        found.append(post(url, path, tag))
+        return found[-1].status_code != 409
 
     wait_until(done, f"the retry of {tag} to be answered", step=0.2)
-    return found[0]
+    return found[-1], len(found) - 1
 
 
 def plan_rounds(mode: str, rounds: int, per_round: int) -> list[dict[str, str]]:
@@ -180,6 +182,16 @@ class KillLab:
             row = conn.execute(f"SELECT count(*) FROM {self.consumed_table}").fetchone()
         return int(row[0]) if row else 0
 
+    def verify(self, mode: str, path: str) -> list[Killed]:
+        """:meth:`run`, its window printed, and :func:`check_plain` or :func:`check_ledger`."""
+        killed = self.run(mode, path)
+        print(f"{self.form} {path}: {window(killed)}")
+        if mode == "plain":
+            check_plain(killed)
+        else:
+            check_ledger(killed, self.consumed())
+        return killed
+
     def run(self, mode: str, path: str, rounds: int = 2, per_round: int = 3) -> list[Killed]:
         """``rounds`` times: ``per_round`` requests to ``path``, each paused at its point
         (:func:`plan_rounds`), the server SIGKILLed, a fresh one started, and each
@@ -191,7 +203,7 @@ class KillLab:
                 kill_round(proc, url, path, plan)
                 proc.close()
                 proc, url = self.start()
-                killed += [Killed(t, p, answered(url, path, t)) for t, p in plan.items()]
+                killed += [Killed(t, p, *answered(url, path, t)) for t, p in plan.items()]
             for k in killed:
                 k.again = post(url, path, k.tag)
         finally:
@@ -221,12 +233,13 @@ def kill_round(proc: LineProcess, url: str, path: str, plan: dict[str, str]) -> 
 
 def window(killed: list[Killed]) -> str:
     """What the kills showed: kills per point, and how many applied the effect twice."""
-    by_point: dict[str, list[int]] = {}
+    by_point: dict[str, list[Killed]] = {}
     for k in killed:
-        by_point.setdefault(k.point, []).append(len(k.effects))
+        by_point.setdefault(k.point, []).append(k)
     return "; ".join(
-        f"{point}: {len(counts)} kills, {sum(n > 1 for n in counts)} applied twice"
-        for point, counts in sorted(by_point.items())
+        f"{point}: {len(ks)} kills, {sum(len(k.effects) > 1 for k in ks)} applied twice, "
+        f"retries answered 409 {[k.busy for k in ks]} times first"
+        for point, ks in sorted(by_point.items())
     )
 
 

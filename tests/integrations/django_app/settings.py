@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 SECRET_KEY = "dedupcore-tests"
@@ -22,7 +23,11 @@ WITHOUT_MIDDLEWARE = WITH_MIDDLEWARE[:2]
 MIDDLEWARE = WITHOUT_MIDDLEWARE if os.environ.get("DJANGO_APP_MODE") == "views" else WITH_MIDDLEWARE
 
 DEDUPCORE_STORE = "tests.integrations.django_app.stores.open_store"
-DEDUPCORE_IDEMPOTENCY = {"namespace": os.environ.get("DJANGO_APP_NAMESPACE", "http")}
+#: More keywords of the middleware (JSON), as the kill tests give them: heartbeat, lease.
+DEDUPCORE_IDEMPOTENCY = {
+    "namespace": os.environ.get("DJANGO_APP_NAMESPACE", "http"),
+    **json.loads(os.environ.get("DJANGO_APP_OPTIONS", "{}")),
+}
 
 #: Where the views record executions and find their gates; the store when there is no daemon.
 EFFECTS_DB = os.environ.get("DJANGO_APP_EFFECTS", "")

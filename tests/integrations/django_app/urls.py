@@ -16,4 +16,8 @@ urlpatterns = [
     path("view/aorders", views.view_aorders),
     path("view/flaky", views.view_flaky),
     path("view/required", views.required_orders),
+    path("plain", views.effect),
+    path("ledger", views.effect),
+    path("view/plain", views.view_effect),
+    path("view/ledger", views.view_effect),
 ]

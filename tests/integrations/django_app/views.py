@@ -15,6 +15,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from dedupcore.integrations.django import idempotent_view
+from tests.idempotency import kills
 
 PATIENCE = 60.0
 
@@ -110,6 +111,18 @@ def stream(request: HttpRequest) -> StreamingHttpResponse:
     return StreamingHttpResponse(chunks(), status=201)
 
 
+async def effect(request: HttpRequest) -> HttpResponse:
+    """``/plain`` or ``/ledger``: the kill tests' effect (tests/idempotency/kills.py) in a
+    worker thread, keyed by the request's store key."""
+    mode = request.path.rsplit("/", 1)[-1]
+    tag, pause = request.headers["x-tag"], request.headers.get("x-pause")
+    key = request.idempotency_key  # type: ignore[attr-defined]
+    result, decided = await asyncio.to_thread(kills.effect, mode, tag, key, pause)
+    response = JsonResponse(result, status=201)
+    response["X-Consumed"] = decided
+    return response
+
+
 def health(request: HttpRequest) -> HttpResponse:
     return HttpResponse(b"ok")
 
@@ -119,3 +132,4 @@ view_orders = idempotent_view(orders, namespace="django-views")
 view_aorders = idempotent_view(aorders, namespace="django-views")
 view_flaky = idempotent_view(flaky, namespace="django-views")
 required_orders = idempotent_view(namespace="django-views", required=True)(orders)
+view_effect = idempotent_view(effect, namespace="django-views", heartbeat=True, lease=kills.LEASE)
