@@ -10,6 +10,7 @@ broker's ack/nack) for one delivery, with the broker calls left to each wrapper.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import inspect
@@ -24,9 +25,10 @@ from typing import Any, Generic, TypeVar, Union
 
 import dedupcore.keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
-from dedupcore.errors import MissingKeyError, StaleTokenError, UnavailableError
+from dedupcore.errors import MissingKeyError, SchemaError, StaleTokenError, UnavailableError
 from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
+from dedupcore.patterns.unique import Conn, table_info
 from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
 
 __all__ = [
@@ -190,6 +192,53 @@ _STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
 # What a claim raises when it gives no answer: the store's errors, and a refused key
 # (too long, of a bad type, a fingerprint conflict).
 _CLAIM_ERRORS = (*_STORE_ERRORS, TypeError, ValueError)
+
+
+_threads = threading.local()  # .conns: {(factory, table): (pid, connection)}
+
+
+def _thread_connections() -> dict[Any, tuple[int, Any]]:
+    conns: dict[Any, tuple[int, Any]] | None = getattr(_threads, "conns", None)
+    if conns is None:
+        conns = _threads.conns = {}
+    return conns
+
+
+def thread_connection(factory: Callable[[], Any], table: str) -> Any:
+    """This thread's connection of ``factory`` for the transactional mode of a worker
+    (Celery, Dramatiq), made on first use in this thread of this process, with the
+    dedup table ``table`` made if it is missing."""
+    conns, pid = _thread_connections(), os.getpid()
+    found = conns.get((factory, table))
+    if found is not None and found[0] == pid:
+        return found[1]
+    conn = factory()
+    try:
+        table_info(Conn(conn), table)  # reads the catalog: no lock on the table
+    except SchemaError:
+        # Missing: create it. Not otherwise: ensure_table's CREATE INDEX IF NOT EXISTS
+        # waits for every open transaction that wrote to the table, and the inserts of
+        # other workers queue up behind it.
+        ensure_table(conn, table=table)
+    else:
+        conn.rollback()
+    conns[(factory, table)] = (pid, conn)
+    return conn
+
+
+def drop_thread_connection(factory: Callable[[], Any], table: str) -> None:
+    """Forgets (and closes) this thread's connection, so the next message opens a fresh one
+    (after a rollback: it may be broken)."""
+    found = _thread_connections().pop((factory, table), None)
+    if found is not None and found[0] == os.getpid():
+        with contextlib.suppress(Exception):
+            found[1].close()
+
+
+def close_thread_connections() -> None:
+    """Closes every connection of this thread."""
+    for factory, table in list(_thread_connections()):
+        drop_thread_connection(factory, table)
 
 
 def _claim_failed(key: bytes | str, exc: Exception) -> Verdict:

@@ -59,17 +59,20 @@ import dedupcore.keys as _keys
 from dedupcore._checks import require_extra
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome, key_path, result_refused
 from dedupcore.api.decorator import _decorated_key
-from dedupcore.errors import InProgressError, SchemaError, StaleTokenError
+from dedupcore.errors import InProgressError, StaleTokenError
 from dedupcore.factory import open_store
 from dedupcore.integrations._common import (
     _STORE_ERRORS,
     _log_not_completed,
     _log_taken_over,
+    close_thread_connections,
     default_owner,
+    drop_thread_connection,
+    thread_connection,
 )
-from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume, ensure_table
+from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
-from dedupcore.patterns.unique import Conn, check_identifier, table_info
+from dedupcore.patterns.unique import check_identifier
 from dedupcore.retry import DEFAULT_RETRY
 
 # Checked here, before the imports from Celery below (the [celery] extra).
@@ -111,7 +114,7 @@ class TaskDedup:
 
 _lock = threading.Lock()
 _stores: dict[Any, tuple[int, ClaimAPI]] = {}  # source -> (pid that made it, store)
-_local = threading.local()  # .conns: {(factory, table): (pid, conn)}; .running: [TaskDedup]
+_local = threading.local()  # .running: [TaskDedup]
 
 
 def _store_for(source: StoreSource) -> ClaimAPI:
@@ -137,41 +140,6 @@ def _store_for(source: StoreSource) -> ClaimAPI:
         return store
 
 
-def _connections() -> dict[Any, tuple[int, Any]]:
-    conns: dict[Any, tuple[int, Any]] | None = getattr(_local, "conns", None)
-    if conns is None:
-        conns = _local.conns = {}
-    return conns
-
-
-def _connection_for(factory: Callable[[], Any], table: str) -> Any:
-    """This thread's connection of ``factory`` (the dedup table made on first use)."""
-    conns, pid = _connections(), os.getpid()
-    found = conns.get((factory, table))
-    if found is not None and found[0] == pid:
-        return found[1]
-    conn = factory()
-    try:
-        table_info(Conn(conn), table)  # reads the catalog: no lock on the table
-    except SchemaError:
-        # Missing: create it. Not otherwise: ensure_table's CREATE INDEX IF NOT EXISTS
-        # waits for every open transaction that wrote to the table, and the inserts of
-        # other workers queue up behind it.
-        ensure_table(conn, table=table)
-    else:
-        conn.rollback()
-    conns[(factory, table)] = (pid, conn)
-    return conn
-
-
-def _drop_connection(factory: Callable[[], Any], table: str) -> None:
-    """Forgets (and closes) this thread's connection, so the next task opens a fresh one."""
-    found = _connections().pop((factory, table), None)
-    if found is not None and found[0] == os.getpid():
-        with contextlib.suppress(Exception):
-            found[1].close()
-
-
 def close_stores() -> None:
     """Closes the stores this process made for its tasks, and this thread's connections.
 
@@ -185,8 +153,7 @@ def close_stores() -> None:
     for store in mine:
         with contextlib.suppress(Exception):
             store.close()
-    for factory, table in list(_connections()):
-        _drop_connection(factory, table)
+    close_thread_connections()
 
 
 def _on_process_shutdown(**_: Any) -> None:
@@ -392,7 +359,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         _keys.check_key(key, TABLE_MAX_KEY_BYTES)  # a key the table cannot hold fails the task
         body_failed = False
         try:
-            conn = _connection_for(factory, table)
+            conn = thread_connection(factory, table)
             with consume(conn, namespace, key, table=table) as c:
                 if c.new:
                     with _running(TaskDedup(key, namespace, conn=conn, consumption=c)):
@@ -402,7 +369,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                             body_failed = True
                             raise
         except Exception as exc:
-            _drop_connection(factory, table)  # rolled back; it may be broken too
+            drop_thread_connection(factory, table)  # rolled back; it may be broken too
             if body_failed or isinstance(exc, (TypeError, ValueError, LookupError)):
                 raise  # the body's own exception, bad input or a table that is not a dedup table
             log.warning(

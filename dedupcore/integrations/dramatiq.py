@@ -63,7 +63,7 @@ from typing import Any
 import dedupcore.keys as _keys
 from dedupcore._checks import require_extra
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome
-from dedupcore.errors import MissingKeyError, SchemaError
+from dedupcore.errors import MissingKeyError
 from dedupcore.factory import open_store
 from dedupcore.integrations._common import (
     _CLAIM_ERRORS,
@@ -71,10 +71,13 @@ from dedupcore.integrations._common import (
     _as_key,
     _claim_failed,
     _Gate,
+    close_thread_connections,
     default_owner,
+    drop_thread_connection,
+    thread_connection,
 )
-from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume, ensure_table
-from dedupcore.patterns.unique import Conn, check_identifier, table_info
+from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume
+from dedupcore.patterns.unique import check_identifier
 
 # Checked here, before the imports from Dramatiq below (the [dramatiq] extra).
 require_extra("dramatiq", "dramatiq", "dedupcore.integrations.dramatiq")
@@ -111,7 +114,7 @@ class ActorDedup:
     _transaction: contextlib.ExitStack | None = field(default=None, repr=False)
 
 
-_local = threading.local()  # .held: ActorDedup of this thread's message; .owner; .conn
+_local = threading.local()  # .held: ActorDedup of this thread's message; .owner
 
 
 def current() -> ActorDedup:
@@ -259,11 +262,7 @@ class DedupMiddleware(dramatiq.Middleware):
             self._finish(held, RuntimeError("the message was skipped"))
 
     def before_worker_thread_shutdown(self, broker: Any, thread: Any) -> None:
-        conn = getattr(_local, "conn", None)
-        _local.conn = None
-        if conn is not None and conn[0] == os.getpid():
-            with contextlib.suppress(Exception):
-                conn[1].close()
+        close_thread_connections()
 
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         with self._lock:
@@ -384,26 +383,12 @@ class DedupMiddleware(dramatiq.Middleware):
 
     def _connection(self) -> Any:
         """This thread's connection (the dedup table made on first use, if missing)."""
-        found = getattr(_local, "conn", None)
-        if found is not None and found[0] == os.getpid():
-            return found[1]
         assert self.connection is not None
-        conn = self.connection()
-        try:
-            table_info(Conn(conn), self.table)  # reads the catalog: no lock on the table
-        except SchemaError:
-            ensure_table(conn, table=self.table)
-        else:
-            conn.rollback()
-        _local.conn = (os.getpid(), conn)
-        return conn
+        return thread_connection(self.connection, self.table)
 
     def _drop_connection(self) -> None:
-        found = getattr(_local, "conn", None)
-        _local.conn = None
-        if found is not None and found[0] == os.getpid():
-            with contextlib.suppress(Exception):
-                found[1].close()
+        assert self.connection is not None
+        drop_thread_connection(self.connection, self.table)
 
     # -- both modes ------------------------------------------------------------------------
 
