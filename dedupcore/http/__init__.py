@@ -70,9 +70,14 @@ no response to replay and is answered 422.
 
 Leases: the app must answer within the claim ``lease`` (the store's default,
 30 s, when None); after it a retry may take the key over and run the app a
-second time. If the store cannot record the response at the end (it became
-unavailable), the response is still sent and the key stays claimed until its
-lease ends; a retry after that runs the app again.
+second time. With ``heartbeat=True`` the claim is renewed every third of its
+lease while the app runs, so only a stopped or dead process loses its key.
+An app that writes its effect to its own SQL database closes the rest of the
+window with the transactional table keyed by ``scope["dedupcore.key"]``
+(docs/http.md, "The effect and its key in one transaction"). If the store
+cannot record the response at the end (it became unavailable), the response
+is still sent and the key stays claimed until its lease ends; a retry after
+that runs the app again.
 
 Logs name a key by the first 12 hex digits of its scoped hash (``key_ref``),
 never as sent. Problem documents have ``type: about:blank`` unless

@@ -33,6 +33,9 @@ A request whose method is in ``methods`` and that carries the header:
   runs the view again); a streaming response, or one larger than
   ``max_response_bytes``, is sent once and retries get 422 (the effect
   happened; its response cannot be sent again).
+- with ``heartbeat=True`` the claim is renewed every third of its ``lease``
+  while the view runs; the view finds the store key in
+  ``request.idempotency_key`` (for the transactional table, docs/django.md).
 
 Keys belong to a client: the store key is a hash of the client's identity
 and the key (``scoped_key``). The identity is ``key_scope(request)``, by
