@@ -172,6 +172,9 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self._eof = True
+        # A peer that closed its side waits on no key any more (one that only half
+        # closed is answered "poll" and may ask again on a new connection).
+        self.server.waiters.drop(self)
         if not self._blocked:
             # Every whole frame was served; a partial one is cut off. The replies of
             # the requests in flight are still written (the peer only stopped sending).
@@ -204,6 +207,11 @@ class Connection(asyncio.Protocol):
             self._at(self.loop.time() + self.server.write_timeout, write=True)
         if self._blocked & _WRITE:
             self._unblock(_WRITE)
+
+    @property
+    def peer_done(self) -> bool:
+        """The peer closed its side (or the whole connection): it waits on no key."""
+        return self._eof or self._lost
 
     # -- reading requests -------------------------------------------------------------
 

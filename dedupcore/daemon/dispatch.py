@@ -34,6 +34,7 @@ from dedupcore.daemon import protocol
 from dedupcore.daemon.admission import SmallRequests, within
 from dedupcore.daemon.commit import Committer
 from dedupcore.daemon.protocol import FrameError, Op
+from dedupcore.daemon.waiters import Waiters
 from dedupcore.errors import BatchTooLargeError
 
 __all__ = [
@@ -156,9 +157,9 @@ class Dispatcher:
         self._gate = Gate()
         self._max_result = self.abilities.max_result_bytes or max_frame
         self._slice_turn = asyncio.Lock()  # one large batch's slice per pass of the loop
-        #: Told of every completion and release decided on the loop: its keys' digests and
-        #: the commit it waits for (None: none); the daemon wakes their waiters by it.
-        self.changed: Callable[[bytes, asyncio.Future[None] | None], None] | None = None
+        #: The WAIT requests waiting, when the daemon wakes them: told of every completion,
+        #: release and renewal decided on the loop.
+        self.waiters: Waiters | None = None
 
     def start(
         self, loop: asyncio.AbstractEventLoop, others_in_flight: Callable[[int], bool]
@@ -236,12 +237,15 @@ class Dispatcher:
                 return protocol.columns_payload(answer), self.commit(lsn, gather)
             return [protocol.claim_row(c) for c in answer], self.commit(lsn, gather)
         if op is Op.EXTEND_MANY:
-            store._extend_batch(self.extension(args, store.limits))
+            renewal = self.extension(args, store.limits)
+            store._extend_batch(renewal)
+            if self.waiters is not None and self.waiters.count:
+                self.waiters.renewed(renewal.digests)
             return None, None  # in memory only: no commit to wait for
         change = self.change(op, args)
         durable = self.commit(store.change_deferred(change), gather)
-        if self.changed is not None:
-            self.changed(change.digests, durable)
+        if self.waiters is not None:
+            self.waiters.changed(change.digests, durable)
         return None, durable
 
     def change(self, op: Op, args: dict[str, Any]) -> ChangeBatch:

@@ -292,7 +292,7 @@ class DaemonServer:
             counters=self.counters,
         )
         if self.waiters.wakes:
-            self.dispatch.changed = self.waiters.changed
+            self.dispatch.waiters = self.waiters
         # The embedded store decides claims, completions and releases on the event loop
         # (native, the GIL released) and only the wait for the log goes to a thread.
         self.decides_on_loop = self.dispatch.abilities.decides_on_loop

@@ -21,7 +21,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dedupcore._engine as _engine
 from dedupcore.api import ClaimBatch
@@ -29,18 +29,17 @@ from dedupcore.api.deferred import DeferredStore
 from dedupcore.api.waiting import MAX_WAIT_SECONDS
 from dedupcore.daemon.protocol import POLL, TIMED_OUT, WOKEN, FrameError
 
-__all__ = ["LEASE_SLACK", "Waiters"]
+if TYPE_CHECKING:
+    from dedupcore.daemon.connection import Connection
 
-#: A lease that ends within this many seconds counts as ended: the waiter is woken
-#: (the client's claim then takes the key over, or waits again), not re-armed.
-LEASE_SLACK = 0.001
+__all__ = ["Waiters"]
 
 
 class _Waiter:
     __slots__ = ("batch", "conn", "deadline", "digests", "future", "timer")
 
     def __init__(
-        self, conn: object, batch: ClaimBatch, future: asyncio.Future[str], deadline: float
+        self, conn: Connection, batch: ClaimBatch, future: asyncio.Future[str], deadline: float
     ) -> None:
         self.conn = conn
         self.batch = batch
@@ -76,7 +75,7 @@ class Waiters:
         ):
             counters[name] = 0
         self._by_digest: dict[bytes, set[_Waiter]] = {}
-        self._by_conn: dict[object, set[_Waiter]] = {}
+        self._by_conn: dict[Connection, set[_Waiter]] = {}
         self.count = 0  # waiters registered now (the ``waiters`` gauge of STATS)
         self._closed = False
 
@@ -85,12 +84,12 @@ class Waiters:
         """Whether this daemon wakes waiters (else every WAIT is answered "poll")."""
         return self._held_until is not None
 
-    async def wait(self, conn: object, args: dict[str, Any]) -> str:
+    async def wait(self, conn: Connection, args: dict[str, Any]) -> str:
         """Serves a WAIT of ``conn``: its answer (bad arguments raise, as for every op)."""
         batch, timeout = self._checked(args)
         counters = self.counters
         counters["waits"] += 1
-        if self._held_until is None or self._closed:
+        if self._held_until is None or self._closed or conn.peer_done:
             counters["waits_polled"] += 1
             return POLL
         mine = self._by_conn.get(conn)
@@ -99,7 +98,7 @@ class Waiters:
             counters["waits_polled"] += 1
             return POLL
         until = self._held_until(batch) if batch.keys else None
-        if until is None or until - time.monotonic() <= LEASE_SLACK:
+        if until is None or until <= time.monotonic():
             counters["waits_woken"] += 1  # not held (or its lease ran out): ask again now
             return WOKEN
         if timeout <= 0:
@@ -128,20 +127,23 @@ class Waiters:
     def wake(self, digests: bytes) -> None:
         """Wakes the waiters of these keys (concatenated digests): they were completed or
         released, and the commit that did it is durable."""
-        if not self._by_digest:
-            return
-        woken: set[_Waiter] = set()
-        for d in _engine.split_digests(digests):
-            ws = self._by_digest.get(d)
-            if ws:
-                woken.update(ws)
-        for w in woken:
+        for w in self._of(digests):
             self._answer(w, WOKEN, "waits_woken")
 
-    def drop(self, conn: object) -> None:
-        """The connection closed: its waiters are answered to nobody and forgotten."""
+    def renewed(self, digests: bytes) -> None:
+        """These keys' leases were renewed (EXTEND_MANY): their waiters' timers follow
+        the new first lease end, earlier or later."""
+        for w in self._of(digests):
+            if w.timer is not None:
+                w.timer.cancel()
+                w.timer = None
+            self._lease_check(w)
+
+    def drop(self, conn: Connection) -> None:
+        """The connection closed (or its peer stopped sending): its waiters are answered
+        "poll" at once and forgotten."""
         for w in list(self._by_conn.get(conn, ())):
-            self._answer(w, WOKEN, "waits_dropped")
+            self._answer(w, POLL, "waits_dropped")
 
     def close(self) -> None:
         """The daemon stops: every waiter is answered "poll" at once, and so is every
@@ -152,6 +154,16 @@ class Waiters:
                 self._answer(w, POLL, "waits_polled")
 
     # -- inside ------------------------------------------------------------------------
+
+    def _of(self, digests: bytes) -> set[_Waiter]:
+        """The waiters of any of these keys."""
+        found: set[_Waiter] = set()
+        if self._by_digest:
+            for d in _engine.split_digests(digests):
+                ws = self._by_digest.get(d)
+                if ws:
+                    found.update(ws)
+        return found
 
     def _checked(self, args: dict[str, Any]) -> tuple[ClaimBatch, float]:
         for name in ("ns", "keys", "timeout"):
@@ -214,14 +226,19 @@ class Waiters:
         loop = w.future.get_loop()
         if loop.time() >= w.deadline:
             self._answer(w, TIMED_OUT, "waits_timed_out")
-            return
-        # A lease end: renewed meanwhile (then wait on), or run out (then wake).
+        else:
+            self._lease_check(w)
+
+    def _lease_check(self, w: _Waiter) -> None:
+        """Wakes a waiter whose first lease ran out (or whose key is no longer held);
+        else arms its timer for the first lease end (a timer that fired early, or a
+        lease renewed meanwhile)."""
         assert self._held_until is not None
         try:
             until = self._held_until(w.batch)
         except Exception:  # a failed store: the client's claim says how
             until = None
-        if until is None or until - time.monotonic() <= LEASE_SLACK:
+        if until is None or until <= time.monotonic():
             self._answer(w, WOKEN, "waits_woken")
         else:
             self._arm(w, until)
