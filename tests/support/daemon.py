@@ -270,6 +270,13 @@ class Lab:
             d.start()
         return d
 
+    def configured(self, **settings: Any) -> Daemon:
+        """A daemon started with these ``serve`` settings (through a TOML file: the
+        limits without a command-line option, docs/daemon-config.md)."""
+        config = self.tmpdir() / "serve.toml"
+        config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+        return self.daemon("--config", str(config))
+
     def serve_expecting_refusal(self, *args: str, timeout: float = PATIENCE) -> tuple[int, str]:
         """Runs ``dedupcore serve ARGS`` that should refuse to start: (exit code, output)."""
         home = self.tmpdir()

@@ -249,6 +249,30 @@ def _close_and_drop(store: Any, table: SqlTable) -> None:
         table.drop()
 
 
+#: What an owner in another process (tests/conformance/wait_child.py) does with the key
+#: it holds, and what a ``claim(wait=)`` waiting on it then gets: (the owner's command,
+#: the waiter's outcome, its result).
+OWNER_ENDINGS = [
+    pytest.param('complete {"rows": 3}', "duplicate", {"rows": 3}, id="completed"),
+    pytest.param("release", "new", None, id="released"),
+]
+
+
+def end_owner(owner: Any, command: str) -> None:
+    """Tells a wait_child.py owner (a LineProcess) what to do with its key; returns once
+    the store acknowledged it and the owner exited."""
+    owner.send(command)
+    assert owner.expect("DONE") == ""
+    assert owner.wait() == 0
+
+
+def assert_ending(claim: Any, token: int, outcome: str, result: Any) -> None:
+    """A waiter's claim got what the owner's ending (one of OWNER_ENDINGS) gives: the
+    owner's token and result once completed, a claim of its own once released."""
+    assert (claim.outcome.value, claim.result, claim.takeover) == (outcome, result, False)
+    assert (claim.token == token) is (outcome == "duplicate")
+
+
 def take_over(api: Any, key: str, ns: str, **options: Any) -> Any:
     """Claims ``key`` until its lease has run out and the claim is NEW (a takeover).
 
