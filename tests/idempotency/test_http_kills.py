@@ -1,5 +1,5 @@
 """SIGKILL of a uvicorn server process mid-request (Starlette behind the middleware,
-FastAPI per route), and the client's retry on a fresh process (tests/idempotency/kills.py).
+FastAPI per route), and the client's retry on a fresh process (tests/support/kills.py).
 
 Each test kills 2 rounds of 3 requests at deterministic points (the handler prints
 ``PAUSED`` there), restarting the server after each kill. A plain effect is applied
@@ -16,9 +16,8 @@ import uuid
 import pytest
 
 from tests.support.daemon import Daemon
+from tests.support.kills import KillLab
 from tests.support.servers import require_server
-
-from .kills import KillLab
 
 
 @pytest.mark.parametrize("form", ["starlette-middleware", "fastapi-route"])

@@ -1,6 +1,6 @@
 """SIGKILL of a Django server process (uvicorn over the test project, the middleware or
 a decorated view) mid-request, and the client's retry on a fresh process
-(tests/idempotency/kills.py).
+(tests/support/kills.py).
 
 Each test kills 2 rounds of 3 requests at deterministic points (the view prints
 ``PAUSED`` there), restarting the server after each kill. A plain effect is applied
@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-from tests.idempotency.kills import LEASE, KillLab
 from tests.support.daemon import Daemon
+from tests.support.kills import LEASE, KillLab
 from tests.support.servers import require_server
 
 

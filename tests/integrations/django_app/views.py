@@ -15,7 +15,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from dedupcore.integrations.django import idempotent_view
-from tests.idempotency import kills
+from tests.support import kills
 
 PATIENCE = 60.0
 
@@ -112,7 +112,7 @@ def stream(request: HttpRequest) -> StreamingHttpResponse:
 
 
 async def effect(request: HttpRequest) -> HttpResponse:
-    """``/plain`` or ``/ledger``: the kill tests' effect (tests/idempotency/kills.py) in a
+    """``/plain`` or ``/ledger``: the kill tests' effect (tests/support/kills.py) in a
     worker thread, keyed by the request's store key."""
     mode = request.path.rsplit("/", 1)[-1]
     tag, pause = request.headers["x-tag"], request.headers.get("x-pause")

@@ -1,5 +1,5 @@
-"""A server process for the kill tests (tests/idempotency/kills.py): ``python -m
-tests.idempotency.kill_app FORM`` serves, through uvicorn on a free port it prints as
+"""A server process for the kill tests (tests/support/kills.py): ``python -m
+tests.support.kill_app FORM`` serves, through uvicorn on a free port it prints as
 ``READY <port>``, the app of FORM over the daemon at DEDUPCORE_SOCKET:
 
 - ``starlette-middleware``: a Starlette app behind IdempotencyMiddleware;
@@ -7,7 +7,7 @@ tests.idempotency.kill_app FORM`` serves, through uvicorn on a free port it prin
 - ``django``: the test project (tests/integrations/django_app/, settings from the
   environment).
 
-``POST /plain`` and ``POST /ledger`` apply :func:`tests.idempotency.kills.effect`.
+``POST /plain`` and ``POST /ledger`` apply :func:`tests.support.kills.effect`.
 The claims have the lease ``kills.LEASE``, renewed by the heartbeat while the process lives.
 """
 
@@ -28,7 +28,7 @@ from starlette.routing import Route
 from dedupcore import Client
 from dedupcore.http import Idempotency
 from dedupcore.http.asgi import SCOPE_KEY
-from tests.idempotency.kills import LEASE, effect
+from tests.support.kills import LEASE, effect
 
 
 async def handle(request: Request) -> Response:

@@ -10,7 +10,7 @@ for Starlette and FastAPI, tests/integrations/test_django_kills.py for Django):
   transaction as the row). The request's ``X-Pause`` header names the point at which
   the handler prints ``PAUSED <tag> <point>`` and waits to be killed (:data:`POINTS`);
 - in the test, :class:`KillLab`: the tables, the server processes (started by
-  ``python -m tests.idempotency.kill_app FORM``, which prints ``READY <port>``), the
+  ``python -m tests.support.kill_app FORM``, which prints ``READY <port>``), the
   rounds of requests killed at their points, and the retries with the same
   Idempotency-Key on a fresh process.
 
@@ -137,7 +137,7 @@ class KillLab:
     """The tables (on the shared PostgreSQL) and the server processes of one kill test.
 
     ``env`` is what the server process needs besides the tables (the daemon's socket,
-    the form's settings); ``form`` is the argument of ``tests.idempotency.kill_app``.
+    the form's settings); ``form`` is the argument of ``tests.support.kill_app``.
     """
 
     def __init__(self, form: str, env: dict[str, str], pg_tables: list[str]) -> None:
@@ -165,7 +165,7 @@ class KillLab:
     def start(self) -> tuple[LineProcess, str]:
         """A fresh server process, and its URL once it listens."""
         self.starts += 1
-        argv = [sys.executable, "-m", "tests.idempotency.kill_app", self.form]
+        argv = [sys.executable, "-m", "tests.support.kill_app", self.form]
         proc = LineProcess(argv, env=self.env, name=f"{self.form} server {self.starts}")
         port = proc.expect("READY ")
         return proc, f"http://127.0.0.1:{port}"
