@@ -26,7 +26,8 @@ from dedupcore import aio
 from dedupcore.api import Claim, Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
-from dedupcore.daemon.protocol import Op, Status
+from dedupcore.daemon.protocol import FrameError, Op, Status
+from dedupcore.store import DedupStore
 from tests.support.daemon import (
     Daemon,
     Lab,
@@ -35,6 +36,7 @@ from tests.support.daemon import (
     daemon_stats,
     read_frame,
     read_until_eof,
+    serving,
 )
 from tests.support.procs import PATIENCE, ROOT, LineProcess, wait_until
 from tests.support.stores import (
@@ -289,3 +291,47 @@ def test_a_daemon_over_another_authority_tells_its_waiters_to_poll(
     figures = waits(daemon)
     assert (figures["waits_woken"], figures["waiters"]) == (0, 0)
     assert figures["waits_polled"] == figures["waits"]
+
+
+def test_a_completion_served_from_the_thread_pool_wakes_the_waiters(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """The embedded store's requests served the ordinary way (in the thread pool, not
+    decided on the event loop) wake the waiters of the keys they complete as well."""
+    with serving(DedupStore.open(tmp_path / "store")) as (server, path):
+        server.dispatch.decides_now = lambda op: False
+        ns = unique_ns("wait-pool")
+        with Client(path, timeout=60.0) as holder, Client(path, timeout=60.0) as waiter:
+            held = holder.claim("k", namespace=ns, lease=600.0)
+            claimed = pool.submit(waiter.claim, "k", namespace=ns, wait=PATIENCE)
+            wait_until(lambda: server.waiters.count == 1, "the waiter at the daemon")
+            holder.complete("k", held.token, namespace=ns, result="pooled")
+            claim = claimed.result(PATIENCE)
+        assert (claim.outcome, claim.result) == (Outcome.DUPLICATE, "pooled")
+        counters = server.counters
+        assert (counters["waits"], counters["waits_woken"], counters["waits_polled"]) == (1, 1, 0)
+
+
+def test_a_client_polls_a_daemon_that_does_not_know_wait(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """A daemon that answers WAIT with the error of an unknown op (an older one): the
+    client asks once, then waits by polling, and gets the answer all the same."""
+    with serving(DedupStore.open(tmp_path / "store")) as (server, path):
+
+        async def unknown_op(conn: Any, args: Any) -> str:
+            raise FrameError(f"unknown op code {int(Op.WAIT)}")
+
+        server.waiters.wait = unknown_op
+        ns = unique_ns("wait-old")
+        with Client(path, timeout=60.0) as holder, Client(path, timeout=60.0) as waiter:
+            held = holder.claim("k", namespace=ns, lease=600.0)
+            claimed = pool.submit(waiter.claim, "k", namespace=ns, wait=PATIENCE)
+            # Refused once; then the waiter polls (more claims of the key than one).
+            wait_until(lambda: server.counters["protocol_errors"] == 1, "the refused WAIT")
+            requests = server.counters["requests"]
+            wait_until(lambda: server.counters["requests"] >= requests + 2, "claims by polling")
+            holder.complete("k", held.token, namespace=ns, result="polled")
+            claim = claimed.result(PATIENCE)
+        assert (claim.outcome, claim.result) == (Outcome.DUPLICATE, "polled")
+        assert server.counters["protocol_errors"] == 1
