@@ -92,6 +92,15 @@ class ClaimTable:
     def inflight_records(
         self, deadline_before: float, updated_before: float
     ) -> list[tuple[bytes, int, int, float]]: ...
+    def scan_begin(self) -> None: ...
+    def scan_step(
+        self,
+        deadline_before: float,
+        updated_before: float,
+        limit: int,
+        max_found: int = 0,
+        details: bool = False,
+    ) -> tuple[bytes, list[tuple[int, int, float]], int, bool]: ...
     def digests(self) -> bytes: ...
 
 @disjoint_base

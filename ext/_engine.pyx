@@ -64,6 +64,11 @@ cdef extern from "dc_engine.h" nogil:
     ctypedef struct dc_jent:
         unsigned char digest[16]
         uint64_t lsn
+    ctypedef struct dc_hit:
+        unsigned char digest[16]
+        uint64_t token
+        double updated
+        uint16_t ns_id
     ctypedef struct dc_stage:
         dc_rec* recs
         size_t n
@@ -127,6 +132,10 @@ cdef extern from "dc_engine.h" nogil:
     dc_status dc_put(dc_table* t, const dc_rec* r, int note)
     dc_status dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more, uint64_t* dropped)
     uint64_t dc_dirty(const dc_table* t, uint64_t after)
+    void dc_scan_begin(dc_table* t)
+    dc_status dc_scan_step(dc_table* t, size_t limit, size_t max_hits, double deadline_before,
+                           double updated_before, dc_hit* hits, size_t* n_hits,
+                           size_t* visited, int* more)
     size_t dc_missing(const dc_table* t, const unsigned char* digests, size_t n, size_t* out)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
@@ -925,7 +934,8 @@ cdef class ClaimTable:
 
     def inflight_records(self, double deadline_before, double updated_before):
         """(digest, ns_id, token, updated) of PROCESSING records whose lease deadline is
-        <= deadline_before and last change < updated_before."""
+        <= deadline_before and last change < updated_before, every slot at once (the
+        store searches in steps under its lock: :meth:`scan_begin`, :meth:`scan_step`)."""
         cdef uint64_t i
         cdef int a
         cdef dc_rec* r
@@ -941,6 +951,47 @@ cdef class ClaimTable:
                     out.append((PyBytes_FromStringAndSize(<const char*>r.digest, 16), r.ns_id,
                                 r.token, r.updated))
         return out
+
+    def scan_begin(self):
+        """Starts a search of the records in flight in steps (:meth:`scan_step`);
+        drops one begun before."""
+        dc_scan_begin(&self.t)
+
+    def scan_step(self, double deadline_before, double updated_before, size_t limit,
+                  size_t max_found=0, bint details=False):
+        """Visits up to ``limit`` slots of the search begun, ending the step once it found
+        ``max_found`` records (0 = ``limit``); returns ``(digests, details, visited,
+        more)``: the digests (concatenated) of the PROCESSING records found whose lease
+        deadline is <= deadline_before and last change < updated_before, with
+        ``details`` their ``(ns_id, token, updated)`` (else an empty list), the slots
+        visited, and whether the search goes on. A record may be found twice
+        (docs/engine.md, "Scans in steps"); none in flight throughout is missed."""
+        cdef size_t cap = max_found if max_found else limit
+        if cap == 0:
+            cap = 1
+        cdef dc_hit* hits = <dc_hit*>malloc(cap * sizeof(dc_hit))
+        cdef size_t n = 0, visited = 0, i
+        cdef int more = 0
+        cdef dc_status rc
+        cdef bytes digests
+        cdef unsigned char* out
+        cdef list info = []
+        if hits == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                rc = dc_scan_step(&self.t, limit, cap, deadline_before, updated_before, hits,
+                                  &n, &visited, &more)
+            check_status(rc, "searching the claim table")
+            digests = PyBytes_FromStringAndSize(NULL, 16 * n)
+            out = <unsigned char*>PyBytes_AS_STRING(digests)
+            for i in range(n):
+                memcpy(out + 16 * i, hits[i].digest, 16)
+                if details:
+                    info.append((hits[i].ns_id, hits[i].token, hits[i].updated))
+            return digests, info, visited, bool(more)
+        finally:
+            free(hits)
 
     cdef void _arrays(self, dc_rec** arrays, uint64_t* sizes):
         """The slot array and, while the table grows, the old one (else 0 slots)."""

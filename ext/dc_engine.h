@@ -137,6 +137,17 @@ typedef struct {
      * would keep the eviction going forever). */
     size_t lstop;
     int evicting;
+    /* A search of the records in flight in steps (dc_scan_begin, dc_scan_step;
+     * docs/engine.md, "Scans in steps"): the old array (phase 0), then the
+     * current one (phase 1), up to scan_pos. A grow or a rebuild bumps epoch
+     * and the search starts over; a backward shift that moves a record in
+     * flight from ahead of scan_pos to behind it leaves its digest in
+     * scan_late, visited by the next step. */
+    uint64_t epoch;
+    uint64_t scan_epoch, scan_pos;
+    int scan_on, scan_phase;
+    unsigned char *scan_late; /* 16 bytes each */
+    size_t slen, scap;
 } dc_table;
 
 /* ---- variable parts --------------------------------------------------- */
@@ -265,6 +276,10 @@ static dc_status dc_table_init(dc_table *t, uint64_t capacity) {
     t->lhead = t->llen = t->lcap = 0;
     t->lstop = 0;
     t->evicting = 0;
+    t->epoch = t->scan_epoch = t->scan_pos = 0;
+    t->scan_on = t->scan_phase = 0;
+    t->scan_late = NULL;
+    t->slen = t->scap = 0;
     return DC_OK;
 }
 
@@ -290,6 +305,10 @@ static void dc_table_free(dc_table *t) {
     t->lhead = t->llen = t->lcap = 0;
     free(t->changes.items);
     memset(&t->changes, 0, sizeof(t->changes));
+    free(t->scan_late);
+    t->scan_late = NULL;
+    t->slen = t->scap = 0;
+    t->scan_on = 0;
 }
 
 static inline size_t dc_value_bound(const dc_rec *r);
@@ -479,6 +498,7 @@ static dc_status dc_grow(dc_table *t) {
      * of a record not yet moved still reaches it. */
     t->mig_pos = 0;
     t->mig_left = t->old_mask + 1;
+    t->epoch++; /* a search in steps starts over */
     return DC_OK;
 }
 
@@ -501,6 +521,7 @@ static dc_status dc_resize(dc_table *t, uint64_t n) {
     for (uint64_t i = 0; i < old_n; i++)
         if (old[i].state) dc_place(t, &old[i]);
     dc_slots_free(old, old_n);
+    t->epoch++; /* a search in steps starts over */
     return DC_OK;
 }
 
@@ -547,6 +568,26 @@ static dc_status dc_put(dc_table *t, const dc_rec *r, int note) {
     }
 }
 
+/* A record in flight moves from slot j of the current array to slot to:
+ * if a search in steps visited to but not yet j, the next step visits the
+ * record from scan_late. Out of memory, the search starts over instead. */
+static void dc_scan_moved(dc_table *t, uint64_t j, uint64_t to) {
+    if (!t->scan_on || t->scan_phase != 1 || t->scan_epoch != t->epoch) return;
+    if (!(to < t->scan_pos && j >= t->scan_pos) || t->slots[j].state != DC_PROCESSING) return;
+    if (t->slen == t->scap) {
+        size_t cap = t->scap ? t->scap * 2 : 64;
+        unsigned char *l = (unsigned char *)realloc(t->scan_late, cap * 16);
+        if (!l) {
+            t->scan_epoch = t->epoch - 1;
+            return;
+        }
+        t->scan_late = l;
+        t->scap = cap;
+    }
+    memcpy(t->scan_late + 16 * t->slen, t->slots[j].digest, 16);
+    t->slen++;
+}
+
 /* Removes the record at slot i by backward shift (linear probing keeps no
  * tombstones): later records of the cluster that may live at i move up. */
 static void dc_remove_at(dc_table *t, uint64_t i) {
@@ -555,6 +596,7 @@ static void dc_remove_at(dc_table *t, uint64_t i) {
         uint64_t home = dc_slot_of(t->slots[j].digest) & t->mask;
         /* j may move to the hole if the hole lies on its probe path [home, j]. */
         if (((j - home) & t->mask) >= ((j - hole) & t->mask)) {
+            dc_scan_moved(t, j, hole);
             t->slots[hole] = t->slots[j];
             hole = j;
         }
@@ -691,6 +733,96 @@ static uint64_t dc_dirty(const dc_table *t, uint64_t after) {
         n += r && r->lsn == e->lsn;
     }
     return n;
+}
+
+/* ---- searches of the records in flight, in steps ------------------------- */
+
+/* A record a search found: what the store needs of a claim in flight. */
+typedef struct {
+    unsigned char digest[16];
+    uint64_t token;
+    double updated;
+    uint16_t ns_id;
+} dc_hit;
+
+static inline int dc_scan_match(const dc_rec *r, double deadline_before, double updated_before) {
+    return r->state == DC_PROCESSING && r->deadline <= deadline_before &&
+           r->updated < updated_before;
+}
+
+static inline void dc_hit_of(dc_hit *h, const dc_rec *r) {
+    memcpy(h->digest, r->digest, 16);
+    h->token = r->token;
+    h->updated = r->updated;
+    h->ns_id = r->ns_id;
+}
+
+/* Starts a search of the records in flight (one at a time: a search begun
+ * drops the one before). */
+static void dc_scan_begin(dc_table *t) {
+    t->scan_on = 1;
+    t->scan_epoch = t->epoch;
+    t->scan_phase = t->old ? 0 : 1;
+    t->scan_pos = 0;
+    t->slen = 0;
+}
+
+/* Visits up to limit (>= 1) slots and late digests of the search begun, writing to
+ * hits (room for max_hits >= 1; the step ends when it is full) the PROCESSING
+ * records whose lease deadline is <= deadline_before and last change <
+ * updated_before. Sets *n_hits, *visited, and *more (0 once the search is
+ * over, or when none was begun). DC_OK.
+ *
+ * Every record in flight from the search's beginning to its end is visited
+ * at least once: the old array is visited before the current one (its
+ * records only move into the current array); a grow or a rebuild between two
+ * steps starts the search over (bumped epoch); a backward shift that moves a
+ * record from a slot not yet visited to one visited notes it (dc_scan_moved).
+ * A record may be visited twice, so what a caller does with a hit must be
+ * harmless done twice. */
+static dc_status dc_scan_step(dc_table *t, size_t limit, size_t max_hits, double deadline_before,
+                              double updated_before, dc_hit *hits, size_t *n_hits,
+                              size_t *visited, int *more) {
+    size_t n = 0, budget = limit ? limit : 1;
+    if (!max_hits) max_hits = 1;
+    *n_hits = *visited = 0;
+    *more = 0;
+    if (!t->scan_on) return DC_OK;
+    if (t->scan_epoch != t->epoch) dc_scan_begin(t); /* the slots moved: start over */
+    while (t->slen && budget && n < max_hits) {
+        budget--;
+        t->slen--;
+        const dc_rec *r = dc_find(t, t->scan_late + 16 * t->slen);
+        if (r && dc_scan_match(r, deadline_before, updated_before)) dc_hit_of(&hits[n++], r);
+    }
+    if (t->scan_phase == 0) {
+        if (!t->old) { /* its records all moved into the current array, not yet visited */
+            t->scan_phase = 1;
+            t->scan_pos = 0;
+        } else {
+            for (; t->scan_pos <= t->old_mask && budget && n < max_hits; t->scan_pos++, budget--) {
+                const dc_rec *r = &t->old[t->scan_pos];
+                if (dc_live(r) && dc_scan_match(r, deadline_before, updated_before))
+                    dc_hit_of(&hits[n++], r);
+            }
+            if (t->scan_pos > t->old_mask) {
+                t->scan_phase = 1;
+                t->scan_pos = 0;
+            }
+        }
+    }
+    if (t->scan_phase == 1) {
+        for (; t->scan_pos <= t->mask && budget && n < max_hits; t->scan_pos++, budget--) {
+            if (dc_empty(t, t->scan_pos)) continue;
+            const dc_rec *r = &t->slots[t->scan_pos];
+            if (dc_scan_match(r, deadline_before, updated_before)) dc_hit_of(&hits[n++], r);
+        }
+        if (t->scan_pos > t->mask && !t->slen) t->scan_on = 0;
+    }
+    *n_hits = n;
+    *visited = (limit ? limit : 1) - budget;
+    *more = t->scan_on;
+    return DC_OK;
 }
 
 /* ---- the record format (docs/engine.md) -------------------------------- */

@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,16 @@ log = logging.getLogger("dedupcore.store")
 _EVICT_STEP = 4096
 _EVICT_STEP_COARSE = 65536
 _EVICT_PAUSE = 0.0002
+# The searches for claims in flight (the checkpoint's aged scan, the sweep's
+# abandoned claims) visit the table's slots in steps that each hold the store
+# lock, with the same pause for a waiting batch (docs/engine.md, "Scans in
+# steps"). Slots are read in order, so a step visits more slots than an
+# eviction step visits journal entries in the same time; a step of the sweep
+# also ends at _SCAN_FOUND records found, since each costs Python work (a
+# tuple, a check of its window, its release).
+_SCAN_STEP = 32768
+_SCAN_STEP_COARSE = 262_144
+_SCAN_FOUND = 4096
 #: Records per compaction transaction (docs/warm-tier.md, "Compaction"): a few
 #: tenths of a second, after which a due checkpoint goes first.
 _COMPACT_STEP = 262_144
@@ -56,6 +67,14 @@ def _evict_pacing() -> tuple[int, bool]:
     if sys.getswitchinterval() <= 0.001:
         return _EVICT_STEP, True
     return _EVICT_STEP_COARSE, False
+
+
+def _scan_pacing() -> tuple[int, bool]:
+    """(slots a search for claims in flight visits per hold of the store lock,
+    whether to pause for a waiting batch) at this switch interval."""
+    if sys.getswitchinterval() <= 0.001:
+        return _SCAN_STEP, True
+    return _SCAN_STEP_COARSE, False
 
 
 class Maintenance:
@@ -120,6 +139,7 @@ class Maintenance:
             with self._lock:
                 upto = self._last_lsn
                 idle = upto <= self._ckpt_lsn
+                aged_scan = False
                 if idle:
                     if self._table.clean:
                         self._table.evict(self._ckpt_lsn)
@@ -130,17 +150,14 @@ class Maintenance:
                     # claims go on meanwhile and their changes are the next
                     # checkpoint's (docs/engine.md, "The change journal").
                     changes = self._table.take_changes()
+                    now_w = time.time()
                     # Keys that stay in flight must not age out of the front filter:
                     # those claimed more than half a front window ago go in again.
-                    # That scans the whole table, so it runs every quarter window,
-                    # not at every checkpoint: a key is back in by 3/4 of its window.
-                    now_w = time.time()
-                    aged = []
-                    if started - self._aged_scan >= front_window(self.config) / 4:
+                    # That visits every slot, so it runs every quarter window, not
+                    # at every checkpoint: a key is back in by 3/4 of its window.
+                    aged_scan = started - self._aged_scan >= front_window(self.config) / 4
+                    if aged_scan:
                         self._aged_scan = started
-                        aged = self._table.inflight_records(
-                            float("inf"), now_w - front_window(self.config) / 2
-                        )
             if idle:  # nothing to write; a closing store still saves its front
                 if final:
                     self._save_front(upto)
@@ -151,6 +168,10 @@ class Maintenance:
                 # Later records go to a new segment, so the old ones can be
                 # dropped whole.
                 self._wal.rotate()
+                aged: list[bytes] = []
+                if aged_scan:  # in steps: claims go on between two
+                    cutoff = now_w - front_window(self.config) / 2
+                    self._scan_steps(math.inf, cutoff, lambda d, _: aged.append(d))
                 # Everything goes to LMDB in key order, each record's latest change.
                 # LMDB reads the records in place, one at a time (no lists of
                 # millions of tuples to build and free while holding the GIL).
@@ -166,8 +187,7 @@ class Maintenance:
                 # (docs/warm-tier.md, "The front filter").
                 self._front.insert_many(_keys.front_hashes_of(digests), now_w)
                 if aged:
-                    hashes = _keys.front_hashes_of(b"".join(a[0] for a in aged))
-                    self._front.insert_many(hashes, now_w)
+                    self._front.insert_many(_keys.front_hashes_of(b"".join(aged)), now_w)
                 # The front is saved before LMDB records the checkpoint, so a saved
                 # front, with the slices from the one it names on, holds every key
                 # LMDB holds. It is saved once per slice (and at close): between
@@ -200,9 +220,8 @@ class Maintenance:
             while more:
                 with self._lock:
                     _dropped, more = self._table.evict_some(upto, step)
-                if more and pause and self._lock_wanted:
-                    self._lock_wanted = False
-                    time.sleep(_EVICT_PAUSE)
+                if more and pause:
+                    self._let_batch_in()
             with self._lock:
                 self._unflushed = self._table.pending
                 self._last_checkpoint = time.monotonic()
@@ -294,31 +313,67 @@ class Maintenance:
             flush()
         return keep, to_cold, seen - len(keep)
 
+    def _let_batch_in(self) -> None:
+        """Pauses between two steps that hold the store lock if a batch asked for it:
+        a lock let go and taken again at once goes back to this thread."""
+        if self._lock_wanted:
+            self._lock_wanted = False
+            time.sleep(_EVICT_PAUSE)
+
+    def _scan_steps(
+        self,
+        deadline_before: float,
+        updated_before: float,
+        found: Callable[[bytes, list[tuple[int, int, float]]], None],
+        details: bool = False,
+    ) -> None:
+        """Searches the table for PROCESSING records whose lease deadline is <=
+        ``deadline_before`` and last change < ``updated_before``, a bounded step per
+        hold of the store lock; ``found(digests, details)`` runs under the lock of
+        each step with what it found. A record may be found twice; none that stays
+        in flight is missed (docs/engine.md, "Scans in steps"). The caller holds
+        the checkpoint lock: one search at a time."""
+        step, pause = _scan_pacing()
+        begun = more = False
+        while not begun or more:
+            with self._lock:
+                if not begun:
+                    self._table.scan_begin()
+                    begun = True
+                digests, info, _visited, more = self._table.scan_step(
+                    deadline_before, updated_before, step, _SCAN_FOUND if details else 0, details
+                )
+                if digests:
+                    found(digests, info)
+            if more and pause:
+                self._let_batch_in()
+
     def _release_abandoned(self, now_w: float) -> None:
         """Releases PROCESSING records older than their exact window whose lease ran out.
 
         Their owner is gone and no redelivery claimed them again; a tombstone
         (durable, through the log) keeps the token growing and lets retention
-        remove the key like any other.
+        remove the key like any other. Found and released a step at a time, each
+        in one hold of the store lock.
         """
         now_m = time.monotonic()
         last = 0
-        with self._lock:
-            gone = [
-                (d, token)
-                for d, ns_id, token, updated in self._table.inflight_records(now_m, float("inf"))
-                if updated + self._retention(ns_id).exact_window <= now_w
-            ]
+
+        def release(digests: bytes, info: list[tuple[int, int, float]]) -> None:
+            nonlocal last
+            gone: dict[bytes, int] = {}  # a record found twice is released once
+            for i, (ns_id, token, updated) in enumerate(info):
+                if updated + self._retention(ns_id).exact_window <= now_w:
+                    gone[digests[16 * i : 16 * i + 16]] = token
             if gone:
                 bad, _kind, _cur, _dep, payloads, n = self._table.change(
-                    b"".join(d for d, _ in gone),
-                    [t for _, t in gone],
-                    None,
-                    int(State.RELEASED),
-                    now_w,
+                    b"".join(gone), list(gone.values()), None, int(State.RELEASED), now_w
                 )
                 if bad < 0:
                     last = self._log(payloads, n)
+
+        with self._checkpoint_lock:
+            self._scan_steps(now_m, math.inf, release, details=True)
         self._sync(last)
 
     def _background(self) -> None:

@@ -90,6 +90,9 @@ class EngineVsReference(RuleBasedStateMachine):
         self.crowded = 0  # fresh keys claimed by crowd()
         # digest -> the lease of its last logged record (a renewal's is in memory only)
         self.logged_lease: dict[bytes, float] = {}
+        # A search of the records in flight going in steps: (digest -> token of the
+        # records in flight when it began, digests found so far), or None.
+        self.scanning: tuple[dict[bytes, int], set[bytes]] | None = None
 
     @rule(
         idx=st.lists(st.integers(0, len(DIGESTS) - 1), min_size=1, max_size=6),
@@ -316,11 +319,48 @@ class EngineVsReference(RuleBasedStateMachine):
         self.table.give_back(changes)
         assert self.table.pending == expect and changes.n == 0
 
+    @precondition(lambda self: self.scanning is None)
+    @rule()
+    def scan_begin(self) -> None:
+        """A search of the records in flight begins (the aged scan, the sweep)."""
+        self.table.scan_begin()
+        began = {d: r.token for d, r in self.model.items() if r.state is State.PROCESSING}
+        self.scanning = (began, set())
+
+    @precondition(lambda self: self.scanning is not None)
+    @rule(limit=st.sampled_from([1, 3, 50, 5000]), max_found=st.sampled_from([0, 1, 4]))
+    def scan_step(self, limit: int, max_found: int) -> None:
+        """One step of it; claims, completions, evictions and growth come between two.
+        Each step visits at most ``limit`` slots and finds only records in flight; at
+        the end every record in flight throughout was found."""
+        assert self.scanning is not None
+        began, found = self.scanning
+        digests, info, visited, more = self.table.scan_step(
+            float("inf"), float("inf"), limit, max_found, True
+        )
+        assert visited <= limit and len(digests) == 16 * len(info)
+        assert len(info) <= (max_found or limit)
+        for i, (ns_id, token, _updated) in enumerate(info):
+            d = digests[16 * i : 16 * i + 16]
+            r = self.model[d]
+            assert (r.state, r.token, r.ns_id) == (State.PROCESSING, token, ns_id)
+            found.add(d)
+        if more:
+            return
+        self.scanning = None
+        still = {d for d, tok in began.items() if self._in_flight(d, tok)}
+        assert still <= found, "a record in flight throughout the search was missed"
+
+    def _in_flight(self, d: bytes, token: int) -> bool:
+        r = self.model.get(d)
+        return r is not None and r.state is State.PROCESSING and r.token == token
+
     @rule()
     def crash_and_replay(self) -> None:
         """A new table from LMDB's in-flight records and the log past the checkpoint."""
         self.pending = None  # a checkpoint cut short: LMDB never took it
         self.evicting = None
+        self.scanning = None
         table = _engine.ClaimTable()
         for d, v in self.lmdb.items():
             if _engine.decode_value(d, v)[0] == State.PROCESSING:
