@@ -185,9 +185,12 @@ def test_key_hashes_are_the_front_hashes_of_the_digests() -> None:
     assert len(dkeys.key_hashes(b"ns", [])) == 0
 
 
-def test_check_namespace_remembers_only_what_passed() -> None:
+def test_check_namespace_remembers_only_what_passed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Namespaces checked once are remembered (every claim checks one); a bad one
-    # is refused every time, and a str subclass is always checked afresh.
+    # is refused every time, and a str subclass is always checked afresh. An empty
+    # memory: the tests before this one in the process may have filled it.
+    monkeypatch.setattr(dkeys, "_CHECKED_NAMESPACES", {})
+
     class Text(str):
         pass
 
