@@ -139,10 +139,11 @@ typedef struct {
     int evicting;
     /* A search of the records in flight in steps (dc_scan_begin, dc_scan_step;
      * docs/engine.md, "Scans in steps"): the old array (phase 0), then the
-     * current one (phase 1), up to scan_pos. A grow or a rebuild bumps epoch
-     * and the search starts over; a backward shift that moves a record in
-     * flight from ahead of scan_pos to behind it leaves its digest in
-     * scan_late, visited by the next step. */
+     * current one (phase 1), up to scan_pos. A grow moves the search on to the
+     * array it leaves behind (dc_grow); a rebuild bumps epoch and the search
+     * starts over; a backward shift that moves a record in flight from ahead
+     * of scan_pos to behind it leaves its digest in scan_late, visited by the
+     * next step. */
     uint64_t epoch;
     uint64_t scan_epoch, scan_pos;
     int scan_on, scan_phase;
@@ -498,7 +499,15 @@ static dc_status dc_grow(dc_table *t) {
      * of a record not yet moved still reaches it. */
     t->mig_pos = 0;
     t->mig_left = t->old_mask + 1;
-    t->epoch++; /* a search in steps starts over */
+    if (t->scan_on) {
+        /* A search in steps goes on over the array now old, then the new one:
+         * from where it was if it was visiting the array now old (the slots
+         * before were visited, and records move out of it only into the new
+         * one); from its start if it was still in the array emptied above (its
+         * records not yet visited all moved into the one now old). */
+        if (t->scan_phase == 0) t->scan_pos = 0;
+        t->scan_phase = 0;
+    }
     return DC_OK;
 }
 
@@ -775,9 +784,11 @@ static void dc_scan_begin(dc_table *t) {
  *
  * Every record in flight from the search's beginning to its end is visited
  * at least once: the old array is visited before the current one (its
- * records only move into the current array); a grow or a rebuild between two
- * steps starts the search over (bumped epoch); a backward shift that moves a
- * record from a slot not yet visited to one visited notes it (dc_scan_moved).
+ * records only move into the current array); a grow between two steps moves
+ * the search on to the array it leaves behind and the new one after it
+ * (dc_grow); a rebuild starts the search over (bumped epoch); a backward
+ * shift that moves a record from a slot not yet visited to one visited notes
+ * it (dc_scan_moved).
  * A record may be visited twice, so what a caller does with a hit must be
  * harmless done twice. */
 static dc_status dc_scan_step(dc_table *t, size_t limit, size_t max_hits, double deadline_before,
