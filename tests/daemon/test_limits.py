@@ -29,14 +29,6 @@ from tests.support.stores import unique_ns
 RESULT = b"r" * 60_000
 
 
-def configured(lab: Lab, **settings: Any) -> Daemon:
-    """A daemon started with these ``serve`` settings (through a TOML file)."""
-    home = lab.tmpdir()
-    config = home / "serve.toml"
-    config.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
-    return lab.daemon("--config", str(config))
-
-
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -119,7 +111,7 @@ def test_a_batch_whose_reply_could_exceed_a_frame_is_refused_and_the_client_spli
 
 
 def test_a_client_that_never_reads_its_replies_is_paused_not_buffered(lab: Lab) -> None:
-    daemon = configured(lab, write_timeout=600.0)
+    daemon = lab.configured(write_timeout=600.0)
     ns = unique_ns()
     done_key(daemon, ns)
     before = rss_bytes(daemon.pid)
@@ -144,7 +136,7 @@ def test_a_client_that_never_reads_its_replies_is_paused_not_buffered(lab: Lab) 
 
 
 def test_a_peer_that_takes_no_reply_is_disconnected_after_the_write_timeout(lab: Lab) -> None:
-    daemon = configured(lab, write_timeout=2.0)
+    daemon = lab.configured(write_timeout=2.0)
     ns = unique_ns()
     done_key(daemon, ns)
     flood = Flood(daemon, ns, 2000)
@@ -164,7 +156,7 @@ def test_a_peer_that_takes_no_reply_is_disconnected_after_the_write_timeout(lab:
 
 def test_sigterm_does_not_wait_on_a_peer_that_takes_no_reply(lab: Lab) -> None:
     # With a drain timeout of 600 s, only the write timeout can end the wait in time.
-    daemon = configured(lab, write_timeout=3.0, drain_timeout=600.0)
+    daemon = lab.configured(write_timeout=3.0, drain_timeout=600.0)
     ns = unique_ns()
     done_key(daemon, ns)
     flood = Flood(daemon, ns, 2000)
@@ -257,7 +249,7 @@ def test_a_store_that_fails_makes_the_daemon_exit_for_a_restart(lab: Lab) -> Non
 
 
 def test_partial_frames_of_all_connections_share_one_byte_budget(lab: Lab) -> None:
-    daemon = configured(lab, max_buffered=16 << 20)
+    daemon = lab.configured(max_buffered=16 << 20)
     big = protocol.encode_request(1, Op.PING, {"pad": b"a" * (15 << 20)})
     other = protocol.encode_request(2, Op.PING, {"pad": b"b" * (2 << 20)})
     with connect(daemon.socket) as first, connect(daemon.socket) as second:
