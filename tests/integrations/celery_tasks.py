@@ -35,6 +35,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry, worker_ready
 
 from dedupcore.integrations.celery import IdempotentTask
+from tests.support.workers import first, paused, say
 
 HOME = Path(os.environ.get("DC_CELERY_DIR", "."))
 LEASE = float(os.environ.get("DC_CELERY_LEASE", "60"))
@@ -60,29 +61,12 @@ class Flaky(Exception):
     """The first run of a ``fail_first`` payload raises this."""
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-def first(name: str) -> bool:
-    """True the first time a run of any worker process asks for ``name``."""
-    try:
-        os.close(os.open(HOME / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
-
-
 def pause(item: Any, point: str) -> None:
     """Waits at ``point`` if the payload asks for it and this key never paused there."""
-    if not isinstance(item, dict) or item.get("pause") != point:
-        return
-    key = item["id"]
-    if not first(f"paused-{key}-{point}"):
-        return
-    say(f"PAUSED {key} {point} {os.getpid()}")
-    while not (HOME / f"go-{key}").exists():
-        time.sleep(0.02)
+    key = paused(HOME, item, point, pid=True)
+    if key is not None:
+        while not (HOME / f"go-{key}").exists():
+            time.sleep(0.02)
 
 
 def redis_store() -> Any:
@@ -127,7 +111,7 @@ def transfer(self: IdempotentTask, item: dict[str, Any]) -> dict[str, Any]:
     with open(HOME / f"runs-{key}", "a") as f:
         f.write(self.request.id + "\n")
     pause(item, "after_claim")
-    if item.get("fail_first") and first(f"failed-{key}"):
+    if item.get("fail_first") and first(HOME, f"failed-{key}"):
         raise Flaky(key)
     apply_to_file(key, self.request.id)
     pause(item, "after_effect")

@@ -33,6 +33,7 @@ import dramatiq
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
 from dedupcore.integrations.dramatiq import DedupMiddleware, current
+from tests.support.workers import first, paused, say
 
 HOME = Path(os.environ.get("DQ_DIR", "."))
 LEASE = float(os.environ.get("DQ_LEASE", "60"))
@@ -44,25 +45,9 @@ class Flaky(Exception):
     """The first run of a ``fail_first`` payload raises this."""
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-def first(name: str) -> bool:
-    """True the first time any run asks for ``name``."""
-    try:
-        os.close(os.open(HOME / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
-
-
 def pause(item: Any, point: str) -> None:
     """Waits to be killed at ``point`` if the payload asks for it, the first time only."""
-    if not isinstance(item, dict) or item.get("pause") != point:
-        return
-    if first(f"paused-{item['id']}-{point}"):
-        say(f"PAUSED {item['id']} {point}")
+    if paused(HOME, item, point) is not None:
         threading.Event().wait()
 
 
@@ -133,7 +118,7 @@ def transfer(item: dict[str, Any]) -> None:
     with open(HOME / f"runs-{key}", "a") as f:
         f.write(f"{os.getpid()}\n")
     pause(item, "after_claim")
-    if item.get("fail_first") and first(f"failed-{key}"):
+    if item.get("fail_first") and first(HOME, f"failed-{key}"):
         raise Flaky(key)
     if POSTGRES:
         current().conn.execute(f"INSERT INTO {EFFECTS} (key) VALUES (%s)", (key,))

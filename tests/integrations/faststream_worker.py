@@ -41,6 +41,8 @@ from typing import Annotated, Any
 
 from faststream.middlewares import AckPolicy
 
+from tests.support.workers import paused, say
+
 #: Seconds to wait for a broker or a message: far more than any of them takes.
 PATIENCE = 60.0
 
@@ -219,25 +221,10 @@ class Rig:
 HOME = Path(os.environ.get("FS_DIR", "."))
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-def first(name: str) -> bool:
-    """True the first time any run asks for ``name``."""
-    try:
-        os.close(os.open(HOME / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
-
-
 async def pause(item: Any, point: str) -> None:
     """Waits to be killed at ``point`` if the payload asks for it, the first time only."""
-    if item.get("pause") != point or not first(f"paused-{item['id']}-{point}"):
-        return
-    say(f"PAUSED {item['id']} {point}")
-    await asyncio.Event().wait()
+    if paused(HOME, item, point) is not None:
+        await asyncio.Event().wait()
 
 
 def apply_to_file(key: str) -> None:

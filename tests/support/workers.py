@@ -1,0 +1,38 @@
+"""What the worker processes of the framework kill tests share (Celery, Dramatiq,
+FastStream): lines for the test to read, a once-per-run marker, and the pause at a
+named point where the test kills the worker (tests/README.md, "Nothing left to luck")."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["first", "paused", "say"]
+
+
+def say(line: str) -> None:
+    """A line for the test, flushed at once (it reads the worker's output line by line)."""
+    print(line, flush=True)
+
+
+def first(home: Path, name: str) -> bool:
+    """True the first time any run of any worker process asks for ``name`` under ``home``."""
+    try:
+        os.close(os.open(home / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def paused(home: Path, item: Any, point: str, *, pid: bool = False) -> str | None:
+    """The key of ``item`` when it asks to pause at ``point`` (``{"id": ..., "pause":
+    point}``) and no run paused there before, after saying ``PAUSED <key> <point>`` (and
+    the process id with ``pid``); else None. The caller then waits to be killed."""
+    if not isinstance(item, dict) or item.get("pause") != point:
+        return None
+    key = str(item["id"])
+    if not first(home, f"paused-{key}-{point}"):
+        return None
+    say(f"PAUSED {key} {point} {os.getpid()}" if pid else f"PAUSED {key} {point}")
+    return key
