@@ -133,6 +133,7 @@ cdef extern from "dc_engine.h" nogil:
     dc_status dc_evict(dc_table* t, uint64_t upto, size_t limit, int* more, uint64_t* dropped)
     uint64_t dc_dirty(const dc_table* t, uint64_t after)
     void dc_scan_begin(dc_table* t)
+    void dc_scan_end(dc_table* t)
     dc_status dc_scan_step(dc_table* t, size_t limit, size_t max_hits, double deadline_before,
                            double updated_before, dc_hit* hits, size_t* n_hits,
                            size_t* visited, int* more)
@@ -956,6 +957,11 @@ cdef class ClaimTable:
         """Starts a search of the records in flight in steps (:meth:`scan_step`);
         drops one begun before."""
         dc_scan_begin(&self.t)
+
+    def scan_end(self):
+        """Ends the search begun, if any (one given up before :meth:`scan_step` said
+        it is over)."""
+        dc_scan_end(&self.t)
 
     def scan_step(self, double deadline_before, double updated_before, size_t limit,
                   size_t max_found=0, bint details=False):

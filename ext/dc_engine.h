@@ -776,6 +776,13 @@ static void dc_scan_begin(dc_table *t) {
     t->slen = 0;
 }
 
+/* Ends the search begun, if any (one given up half way: no more notes of
+ * moved records are kept for it). */
+static void dc_scan_end(dc_table *t) {
+    t->scan_on = 0;
+    t->slen = 0;
+}
+
 /* Visits up to limit (>= 1) slots and late digests of the search begun, writing to
  * hits (room for max_hits >= 1; the step ends when it is full) the PROCESSING
  * records whose lease deadline is <= deadline_before and last change <

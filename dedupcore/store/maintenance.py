@@ -335,18 +335,27 @@ class Maintenance:
         the checkpoint lock: one search at a time."""
         step, pause = _scan_pacing()
         begun = more = False
-        while not begun or more:
-            with self._lock:
-                if not begun:
-                    self._table.scan_begin()
-                    begun = True
-                digests, info, _visited, more = self._table.scan_step(
-                    deadline_before, updated_before, step, _SCAN_FOUND if details else 0, details
-                )
-                if digests:
-                    found(digests, info)
-            if more and pause:
-                self._let_batch_in()
+        try:
+            while not begun or more:
+                with self._lock:
+                    if not begun:
+                        self._table.scan_begin()
+                        begun = True
+                    digests, info, _visited, more = self._table.scan_step(
+                        deadline_before,
+                        updated_before,
+                        step,
+                        _SCAN_FOUND if details else 0,
+                        details,
+                    )
+                    if digests:
+                        found(digests, info)
+                if more and pause:
+                    self._let_batch_in()
+        finally:
+            if more:  # given up half way (an error): the table stops tracking it
+                with self._lock:
+                    self._table.scan_end()
 
     def _release_abandoned(self, now_w: float) -> None:
         """Releases PROCESSING records older than their exact window whose lease ran out.

@@ -141,3 +141,12 @@ def test_a_search_finds_every_record_in_flight_while_the_table_grows() -> None:
     throughout = {d for d in first if d in table.tokens}
     assert len(throughout) > 500 and throughout <= found
     assert all(d in table.tokens or d in first for d in found)
+
+
+def test_a_search_given_up_half_way_ends() -> None:
+    table = Table()
+    table.claim([struct.pack("<QQ", i, i * 0x9E3779B97F4A7C15 % 2**64) for i in range(100)])
+    table.t.scan_begin()
+    assert table.step(10, set())[1]
+    table.t.scan_end()
+    assert table.t.scan_step(INF, INF, SLOTS) == (b"", [], 0, False)

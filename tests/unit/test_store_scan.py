@@ -29,6 +29,7 @@ from dedupcore.store import DedupStore, Outcome
 NS = "scan"
 STEP = 64  # slots per step
 FOUND = 16  # records found per step of the sweep
+INF = float("inf")
 
 
 class CountingTable:
@@ -188,3 +189,25 @@ def test_the_sweep_releases_the_abandoned_claims_step_by_step(
         Outcome.DUPLICATE if k in completed else Outcome.NEW for k in old
     ]
     assert all(c.token == tokens[c.key] + 1 for c in again if c.key not in completed)
+
+
+def test_a_search_that_fails_half_way_is_ended(
+    store: DedupStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error between two steps (here: in the work between them) ends the
+    table's search; the next one starts afresh and finds every claim."""
+    keys = [f"k-{i}" for i in range(300)]
+    store.claim_many(keys, namespace=NS)
+
+    def fail(n: int) -> None:
+        raise RuntimeError("between two steps")
+
+    clocks_ahead(monkeypatch, maintenance.front_window(store.config), 0.0)
+    with between_steps(store, fail), pytest.raises(RuntimeError, match="between two steps"):
+        store.checkpoint()
+    assert store._table.scan_step(INF, INF, 1 << 20) == (b"", [], 0, False)
+    with between_steps(store, lambda n: None):
+        store._aged_scan = -INF
+        store.claim("one more", namespace=NS)
+        store.checkpoint()
+    assert all(store._front.contains_digests(digest(k))[0] for k in keys)
