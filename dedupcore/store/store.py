@@ -503,16 +503,12 @@ class DedupStore(Maintenance, ClaimAPI):
         """Sleeps until a key of ``batch`` is completed or released, the first of their
         leases runs out, or ``timeout`` passes; at once if one is no longer held. The
         asker's claim that follows waits for the log as any claim does."""
-        self._check_usable()
-        with self._lock:
+        with self._lock:  # held across the check and the wait: no change slips between
+            first = self.held_until(batch)
+            if first is None:
+                return
             now = time.monotonic()
-            wake = now + timeout
-            self._fetch(batch.digests)
-            for d in _engine.split_digests(batch.digests):
-                r = self._table.get(d)
-                if r is None or r[0] != State.PROCESSING:
-                    return
-                wake = min(wake, r[10])
+            wake = min(first, now + timeout)
             if wake > now:
                 self._changed.wait(wake - now)
 
