@@ -464,17 +464,12 @@ class InstrumentedStore(StoreWrapper):
     def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         """The store's decision of a checked batch; counts each answer by outcome, and
         takeovers."""
-        started = time.perf_counter()
         try:
-            claims = self.store._claim_batch(batch)
-        except Exception as exc:
-            self._took("claim", started)
-            self._count_error("claim", exc)
-            if isinstance(exc, ConflictError):
-                ns = self.metrics.namespace(batch.namespace)
-                self._child(self.metrics.claims, ns, CONFLICT, self.region).inc()
+            claims = self._timed("claim", lambda: self.store._claim_batch(batch))
+        except ConflictError:
+            ns = self.metrics.namespace(batch.namespace)
+            self._child(self.metrics.claims, ns, CONFLICT, self.region).inc()
             raise
-        self._took("claim", started)
         if claims:
             ns = self.metrics.namespace(batch.namespace)
             new = dup = busy = takeovers = 0
@@ -502,14 +497,7 @@ class InstrumentedStore(StoreWrapper):
             if batch.completing
             else ("release", self.metrics.releases)
         )
-        started = time.perf_counter()
-        try:
-            self.store._change_batch(batch)
-        except Exception as exc:
-            self._took(operation, started)
-            self._count_error(operation, exc)
-            raise
-        self._took(operation, started)
+        self._timed(operation, lambda: self.store._change_batch(batch))
         if len(batch):
             self._child(metric, self.metrics.namespace(batch.namespace), self.region).inc(
                 len(batch)
