@@ -185,6 +185,10 @@ class _Batch:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def digest(self, i: int) -> bytes:
+        """The record digest of the batch's key ``i``."""
+        return self.digests[16 * i : 16 * i + 16]
+
     @property
     def raw(self) -> list[bytes]:
         """The keys as bytes (str as UTF-8), in the batch's order."""
@@ -242,7 +246,7 @@ class ClaimBatch(_Batch):
             self.owner,
         )
         sub.keys = [self.keys[i] for i in indexes]
-        sub.digests = b"".join(self.digests[16 * i : 16 * i + 16] for i in indexes)
+        sub.digests = b"".join(map(self.digest, indexes))
         fps = self.fingerprints
         sub.fingerprints = None if fps is None else [fps[i] for i in indexes]
         sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
@@ -303,7 +307,7 @@ class ChangeBatch(_Batch):
         sub.ns, sub.namespace, sub.completing = self.ns, self.namespace, self.completing
         sub.keys = [self.keys[i] for i in indexes]
         sub.tokens = [self.tokens[i] for i in indexes]
-        sub.digests = b"".join(self.digests[16 * i : 16 * i + 16] for i in indexes)
+        sub.digests = b"".join(map(self.digest, indexes))
         sub.values = None if self.values is None else [self.values[i] for i in indexes]
         sub.results = None if self.results is None else [self.results[i] for i in indexes]
         sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]

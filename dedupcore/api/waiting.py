@@ -64,15 +64,13 @@ class Waiting:
         return max(0.0, self.deadline - time.monotonic())
 
     def pending(self) -> ClaimBatch | None:
-        d = self.batch.digests
+        digest = self.batch.digest
         # A later copy of a key this batch claimed NEW is held by this caller: not waited on.
-        mine = {
-            d[16 * i : 16 * i + 16] for i, c in enumerate(self.claims) if c.outcome is Outcome.NEW
-        }
+        mine = {digest(i) for i, c in enumerate(self.claims) if c.outcome is Outcome.NEW}
         self._indexes = [
             i
             for i, c in enumerate(self.claims)
-            if c.outcome is Outcome.IN_PROGRESS and d[16 * i : 16 * i + 16] not in mine
+            if c.outcome is Outcome.IN_PROGRESS and digest(i) not in mine
         ]
         if not self._indexes or self.left() <= 0:
             return None
