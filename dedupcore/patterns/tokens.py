@@ -168,16 +168,6 @@ def _exact_window(store: object, namespace: str) -> float | None:
     return None
 
 
-def _result_limit(store: object) -> int | None:
-    """The store's ``max_result_bytes`` when it says so (the daemon client does not)."""
-    config = getattr(store, "config", None)
-    for owner in (config, store):
-        limit = getattr(owner, "max_result_bytes", None)
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit
-    return None
-
-
 class Tokens:
     """Issues and redeems idempotency tokens over ``store`` (see the module docstring).
 
@@ -217,7 +207,7 @@ class Tokens:
             ttl = DEFAULT_TTL if self._window is None else min(DEFAULT_TTL, self._window)
         self.ttl = self._checked_ttl(ttl)
         self.lease = lease
-        self._result_limit = _result_limit(store)
+        self._result_limit = store.limits.max_result_bytes
 
     def __repr__(self) -> str:
         return f"<Tokens namespace={self.namespace!r} ttl={self.ttl}>"
@@ -337,9 +327,8 @@ class Tokens:
 
     def _complete(self, key: str, token: int, result: Any) -> Any:
         envelope = [_STORED, result]
-        limit = self._result_limit
         try:
-            packed = pack_result(envelope, limit if limit is not None else 1 << 62)
+            packed = pack_result(envelope, self._result_limit)
         except (TypeError, ValueError) as exc:
             return self._complete_unstored(key, token, result, exc)
         try:
