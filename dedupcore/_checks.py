@@ -7,12 +7,12 @@ naming the extra to install (docs/compatibility.md, "Installing").
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from dedupcore.errors import MissingExtraError
 
-__all__ = ["checked_int", "require_extra"]
+__all__ = ["checked_int", "extra_imports"]
 
 
 def checked_int(name: str, value: object, low: int, high: int, span: str = "") -> int:
@@ -25,17 +25,23 @@ def checked_int(name: str, value: object, low: int, high: int, span: str = "") -
     return value
 
 
-def require_extra(module: str, extra: str, needed_by: str) -> ModuleType:
-    """Imports the optional dependency ``module``; MissingExtraError naming ``extra`` if absent.
+@contextmanager
+def extra_imports(
+    module: str, extra: str, needed_by: str, *, also: tuple[str, ...] = ()
+) -> Iterator[None]:
+    """Around the imports from an optional dependency: MissingExtraError naming ``extra``
+    when ``module`` is not installed.
 
-    Only the absence of ``module`` itself is turned into MissingExtraError
-    (``needed_by`` names the part of dedupcore that needs it); an import that
-    fails inside an installed ``module`` raises as it is.
+    ``with extra_imports("celery", "celery", "dedupcore.integrations.celery"):`` followed
+    by the ``import``/``from`` lines of that dependency, in the module's import section.
+    Only the absence of ``module`` itself (or of one of ``also``, modules installed with
+    it) is turned into MissingExtraError (``needed_by`` names the part of dedupcore that
+    needs it); an import that fails inside an installed ``module`` raises as it is.
     """
     try:
-        return importlib.import_module(module)
+        yield
     except ModuleNotFoundError as exc:
-        if exc.name != module:
+        if exc.name != module and exc.name not in also:
             raise
         raise MissingExtraError(
             f"{needed_by} needs {module}, which is not installed: pip install 'dedupcore[{extra}]'"

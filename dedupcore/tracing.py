@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from importlib.metadata import version as _version
 from typing import Any
 
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.api import (
     AsyncClaimAPI,
     ChangeBatch,
@@ -32,11 +32,9 @@ from dedupcore.api import (
 )
 from dedupcore.wrapper import StoreWrapper, Wrapping
 
-# Checked here, before the imports from OpenTelemetry below (the [otel] extra).
-require_extra("opentelemetry", "otel", "dedupcore.tracing")
-
-from opentelemetry import trace  # noqa: E402
-from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider  # noqa: E402
+with extra_imports("opentelemetry", "otel", "dedupcore.tracing"):
+    from opentelemetry import trace
+    from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider
 
 __all__ = ["TracedAsyncStore", "TracedStore", "traced"]
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import dedupcore.keys as _keys
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome, key_path, result_refused
 from dedupcore.api.decorator import _decorated_key
 from dedupcore.errors import InProgressError, StaleTokenError
@@ -75,12 +75,10 @@ from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
 from dedupcore.patterns.unique import check_identifier
 from dedupcore.retry import DEFAULT_RETRY
 
-# Checked here, before the imports from Celery below (the [celery] extra).
-require_extra("celery", "celery", "dedupcore.integrations.celery")
-
-import celery  # noqa: E402
-from celery.exceptions import Reject, Retry  # noqa: E402
-from celery.signals import worker_process_shutdown  # noqa: E402
+with extra_imports("celery", "celery", "dedupcore.integrations.celery"):
+    import celery
+    from celery.exceptions import Reject, Retry
+    from celery.signals import worker_process_shutdown
 
 __all__ = ["IdempotentTask", "TaskDedup", "close_stores"]
 

@@ -67,7 +67,7 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager, null
 from dataclasses import dataclass
 from typing import Any
 
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.api import result_refused
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 from dedupcore.http.protocol import (
@@ -98,15 +98,13 @@ from dedupcore.http.protocol import (
 )
 from dedupcore.keys import check_namespace
 
-# Checked here, before the imports from Django below (the [django] extra).
-require_extra("django", "django", "dedupcore.integrations.django")
-
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async  # noqa: E402
-from django.conf import settings  # noqa: E402
-from django.core.exceptions import ImproperlyConfigured  # noqa: E402
-from django.http import HttpRequest, HttpResponse, HttpResponseBase  # noqa: E402
-from django.utils.decorators import sync_and_async_middleware  # noqa: E402
-from django.utils.module_loading import import_string  # noqa: E402
+with extra_imports("django", "django", "dedupcore.integrations.django", also=("asgiref",)):
+    from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
+    from django.http import HttpRequest, HttpResponse, HttpResponseBase
+    from django.utils.decorators import sync_and_async_middleware
+    from django.utils.module_loading import import_string
 
 __all__ = [
     "Idempotency",

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dedupcore.keys as _keys
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.api import AsyncClaimAPI, Claim, ClaimAPI, Outcome
 from dedupcore.errors import MissingKeyError
 from dedupcore.factory import open_store
@@ -79,11 +79,9 @@ from dedupcore.integrations._common import (
 from dedupcore.patterns.table import DEFAULT_TABLE, Consumption, consume
 from dedupcore.patterns.unique import check_identifier
 
-# Checked here, before the imports from Dramatiq below (the [dramatiq] extra).
-require_extra("dramatiq", "dramatiq", "dedupcore.integrations.dramatiq")
-
-import dramatiq  # noqa: E402
-from dramatiq.middleware import MiddlewareError, SkipMessage  # noqa: E402
+with extra_imports("dramatiq", "dramatiq", "dedupcore.integrations.dramatiq"):
+    import dramatiq
+    from dramatiq.middleware import MiddlewareError, SkipMessage
 
 __all__ = ["ActorDedup", "DedupMiddleware", "current"]
 

@@ -64,7 +64,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.api import Outcome
 from dedupcore.integrations._common import (
     BeforeAck,
@@ -78,12 +78,10 @@ from dedupcore.integrations._common import (
 )
 from dedupcore.retry import RetryPolicy
 
-# Checked here, before the imports from FastStream below (the [faststream] extra).
-require_extra("faststream", "faststream", "dedupcore.integrations.faststream")
-
-from faststream import BaseMiddleware  # noqa: E402
-from faststream.exceptions import AckMessage, NackMessage, RejectMessage  # noqa: E402
-from faststream.middlewares import AckPolicy  # noqa: E402
+with extra_imports("faststream", "faststream", "dedupcore.integrations.faststream"):
+    from faststream import BaseMiddleware
+    from faststream.exceptions import AckMessage, NackMessage, RejectMessage
+    from faststream.middlewares import AckPolicy
 
 __all__ = ["CONTEXT_KEY", "DedupMiddleware", "Delivery"]
 

@@ -10,12 +10,10 @@ each call goes to), ``connection`` (clients whose waits keep the call's
 deadline) and the Lua scripts ``claim.lua`` and ``change.lua``.
 """
 
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 
-# Checked here, before any module of the package uses redis-py (the [redis] extra).
-require_extra("redis", "redis", "dedupcore.redis")
-
-from dedupcore.redis.connection import deadline_client  # noqa: E402
-from dedupcore.redis.store import DEFAULT_TIMEOUT, RedisStore  # noqa: E402
+with extra_imports("redis", "redis", "dedupcore.redis"):  # used by every module of it
+    from dedupcore.redis.connection import deadline_client
+    from dedupcore.redis.store import DEFAULT_TIMEOUT, RedisStore
 
 __all__ = ["DEFAULT_TIMEOUT", "RedisStore", "deadline_client"]

@@ -20,13 +20,12 @@ from typing import Any
 import msgpack
 
 import dedupcore.keys as _keys
-from dedupcore._checks import require_extra
+from dedupcore._checks import extra_imports
 from dedupcore.retry import one_call
 from dedupcore.tiers.base import Cached, CacheTier, check_timeout
 
-require_extra("redis", "redis", "dedupcore.tiers.cache")  # redis-py: the [redis] extra
-
-from redis.exceptions import RedisError  # noqa: E402  (after the check that names the extra)
+with extra_imports("redis", "redis", "dedupcore.tiers.cache"):
+    from redis.exceptions import RedisError
 
 __all__ = ["RedisCache"]
 
