@@ -37,10 +37,12 @@ JetStream ``max_deliver`` with its MAX_DELIVERIES advisory.
 
 The pieces every wrapper shares are importable from here: :class:`Delivery`,
 :class:`TransactionalTable`, :func:`derive_key`, :class:`MissingKeyError`,
-:class:`Verdict`. Importing them needs no broker client library.
+:class:`Verdict`, and :class:`ConsumerOptions` (the keywords the per-message consumers
+share). Importing them needs no broker client library.
 """
 
 from dedupcore.integrations._common import (
+    ConsumerOptions,
     Delivery,
     MissingKeyError,
     TransactionalTable,
@@ -48,4 +50,11 @@ from dedupcore.integrations._common import (
     derive_key,
 )
 
-__all__ = ["Delivery", "MissingKeyError", "TransactionalTable", "Verdict", "derive_key"]
+__all__ = [
+    "ConsumerOptions",
+    "Delivery",
+    "MissingKeyError",
+    "TransactionalTable",
+    "Verdict",
+    "derive_key",
+]

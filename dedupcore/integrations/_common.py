@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypedDict, TypeVar, Union
 
 import dedupcore.keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
@@ -33,6 +33,7 @@ from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
 
 __all__ = [
     "BeforeAck",
+    "ConsumerOptions",
     "Delivery",
     "KeyFunc",
     "MissingKeyError",
@@ -58,6 +59,36 @@ class Verdict(enum.Enum):
     RETRY = "retry"  #: IN_PROGRESS elsewhere or the store was unavailable: redelivered later
     FAILED = "failed"  #: the handler raised: claim released / transaction rolled back, requeued
     INVALID = "invalid"  #: no usable key: rejected without requeue (dead-letter path)
+
+
+class _ConsumerNeeds(TypedDict):
+    namespace: str
+
+
+class ConsumerOptions(_ConsumerNeeds, total=False):
+    """The keywords every per-message consumer takes (RabbitMQ's ``DedupConsumer`` and
+    ``AsyncDedupConsumer``, NATS's ``JetStreamConsumer``, FastStream's ``DedupMiddleware``);
+    each adds its own.
+
+    - ``namespace`` (required): the consumer of record; its keys are claimed there.
+    - ``key``: ``key(body, headers)``, the business id of a message (:func:`derive_key`).
+    - ``key_header``: the header that holds the key when ``key`` gives none.
+    - ``retry_delay`` (1.0): seconds before a message that could not be decided now
+      (IN_PROGRESS, an unavailable store, a failed handler) comes back; >= 0.
+    - ``lease``: seconds a claim is held (default: the store's).
+    - ``owner``: the claims' owner (default: :func:`default_owner`).
+    - ``before_ack``: ``before_ack(delivery, outcome)``, called once the decision is
+      durable and before the ack.
+    - ``retry``: the :class:`~dedupcore.retry.RetryPolicy` of completions.
+    """
+
+    key: KeyFunc | None
+    key_header: str | None
+    retry_delay: float
+    lease: float | None
+    owner: bytes | str | None
+    before_ack: BeforeAck | None
+    retry: RetryPolicy | None
 
 
 @dataclass
@@ -566,14 +597,15 @@ class _Consumer(_Stoppable, Generic[G]):
         handler: Callable[[Delivery], Any],
         *,
         namespace: str,
-        key: KeyFunc | None,
-        key_header: str | None,
-        retry_delay: float,
-        lease: float | None,
-        owner: bytes | str | None,
-        before_ack: BeforeAck | None,
+        key: KeyFunc | None = None,
+        key_header: str | None = None,
+        retry_delay: float = 1.0,
+        lease: float | None = None,
+        owner: bytes | str | None = None,
+        before_ack: BeforeAck | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
+        """The options of :class:`ConsumerOptions`, with their defaults."""
         if retry_delay < 0:
             raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
         self._gate = gate(

@@ -62,26 +62,27 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dedupcore._checks import extra_imports
 from dedupcore.api import Outcome
 from dedupcore.integrations._common import (
-    BeforeAck,
+    ConsumerOptions,
     Delivery,
-    KeyFunc,
     Store,
     TransactionalTable,
     Verdict,
     _AsyncGate,
     _Consumer,
 )
-from dedupcore.retry import RetryPolicy
 
 with extra_imports("faststream", "faststream", "dedupcore.integrations.faststream"):
     from faststream import BaseMiddleware
     from faststream.exceptions import AckMessage, NackMessage, RejectMessage
     from faststream.middlewares import AckPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["CONTEXT_KEY", "DedupMiddleware", "Delivery"]
 
@@ -155,37 +156,20 @@ class DedupMiddleware(_Consumer[_AsyncGate]):
     held (default: the store's); a handler running longer can be taken
     over. ``retry_delay``: seconds before an IN_PROGRESS message comes back.
     ``before_ack(delivery, outcome)`` (plain or async) runs once the
-    decision is durable, before the ack. ``counts`` tallies the
+    decision is durable, before the ack. ``owner``: the claims' owner; ``retry``:
+    the retry policy of completions. These are the keywords of
+    :class:`~dedupcore.integrations.ConsumerOptions`. ``counts`` tallies the
     :class:`~dedupcore.integrations.Verdict` of every message.
     """
 
     def __init__(
         self,
         store: Store | Any,
-        *,
-        namespace: str,
-        key: KeyFunc | None = None,
-        key_header: str | None = None,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        retry_delay: float = 1.0,
-        before_ack: BeforeAck | None = None,
-        retry: RetryPolicy | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None:
         table = isinstance(store, TransactionalTable)
-        super().__init__(
-            _AsyncGate,
-            store,
-            _handler_in_thread if table else _handler_on_loop,
-            namespace=namespace,
-            key=key,
-            key_header=key_header,
-            retry_delay=retry_delay,
-            lease=lease,
-            owner=owner,
-            before_ack=before_ack,
-            retry=retry,
-        )
+        handler = _handler_in_thread if table else _handler_on_loop
+        super().__init__(_AsyncGate, store, handler, **options)
 
     def __call__(self, msg: Any, /, *, context: Any) -> _Scope:
         """The middleware of one message (FastStream calls this for each)."""

@@ -59,12 +59,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dedupcore.integrations._common import (
-    BeforeAck,
+    ConsumerOptions,
     Delivery,
-    KeyFunc,
     MissingKeyError,
     Store,
     TransactionalTable,
@@ -73,7 +72,9 @@ from dedupcore.integrations._common import (
     _AsyncStop,
     _Consumer,
 )
-from dedupcore.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "MSG_ID_HEADER",
@@ -97,7 +98,10 @@ class JetStreamConsumer(_AsyncStop, _Consumer[_AsyncGate]):
     ``before_ack(delivery, outcome)`` is called after the decision is durable
     and before the ack. With ``ack_sync=True`` each ack waits for the
     server's confirmation (``ack_sync``). ``counts`` tallies the
-    :class:`~dedupcore.integrations.rabbitmq.Verdict` of every message.
+    :class:`~dedupcore.integrations.rabbitmq.Verdict` of every message. The other
+    keywords are those of :class:`~dedupcore.integrations.ConsumerOptions`
+    (``namespace``, ``key``, ``key_header``, ``retry_delay``, ``lease``, ``owner``,
+    ``before_ack``, ``retry``).
     """
 
     def __init__(
@@ -105,29 +109,10 @@ class JetStreamConsumer(_AsyncStop, _Consumer[_AsyncGate]):
         store: Store | Any,
         handler: Callable[[Delivery], Any] | Callable[[Delivery], Awaitable[Any]],
         *,
-        namespace: str,
-        key: KeyFunc | None = None,
-        key_header: str | None = None,
-        retry_delay: float = 1.0,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        before_ack: BeforeAck | None = None,
         ack_sync: bool = False,
-        retry: RetryPolicy | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None:
-        super().__init__(
-            _AsyncGate,
-            store,
-            handler,
-            namespace=namespace,
-            key=key,
-            key_header=key_header,
-            retry_delay=retry_delay,
-            lease=lease,
-            owner=owner,
-            before_ack=before_ack,
-            retry=retry,
-        )
+        super().__init__(_AsyncGate, store, handler, **options)
         self.ack_sync = ack_sync
         self._running: asyncio.Future[None] | None = None
 

@@ -105,10 +105,10 @@ import contextlib
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dedupcore.integrations._common import (
-    BeforeAck,
+    ConsumerOptions,
     Delivery,
     KeyFunc,
     MissingKeyError,
@@ -123,7 +123,9 @@ from dedupcore.integrations._common import (
     derive_key,
     log,
 )
-from dedupcore.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "AsyncDedupConsumer",
@@ -153,6 +155,11 @@ class DedupConsumer(_Consumer[_Gate]):
     after the decision is durable and before the ack (metrics, tests).
     ``counts`` tallies the :class:`Verdict` of every delivery.
 
+    The keywords are those of :class:`~dedupcore.integrations.ConsumerOptions`
+    (``namespace``, ``key``, ``key_header``, ``retry_delay``, ``lease``, ``owner``,
+    ``before_ack``, ``retry``) and ``failure_requeue`` (default True; False nacks a
+    message whose handler raised without requeueing it, to the dead-letter exchange).
+
     Works with a ``BlockingConnection`` channel and a ``SelectConnection``
     channel alike; delayed nacks are scheduled on the connection's loop.
     """
@@ -162,29 +169,10 @@ class DedupConsumer(_Consumer[_Gate]):
         store: Store,
         handler: Callable[[Delivery], Any],
         *,
-        namespace: str,
-        key: KeyFunc | None = None,
-        key_header: str | None = None,
-        retry_delay: float = 1.0,
         failure_requeue: bool = True,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        before_ack: BeforeAck | None = None,
-        retry: RetryPolicy | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None:
-        super().__init__(
-            _Gate,
-            store,
-            handler,
-            namespace=namespace,
-            key=key,
-            key_header=key_header,
-            retry_delay=retry_delay,
-            lease=lease,
-            owner=owner,
-            before_ack=before_ack,
-            retry=retry,
-        )
+        super().__init__(_Gate, store, handler, **options)
         self.failure_requeue = failure_requeue
         self._lock = threading.Lock()
         self._consumers: list[tuple[Any, str]] = []  # (channel, consumer tag)
@@ -334,7 +322,8 @@ class AsyncDedupConsumer(_AsyncStop, _Consumer[_AsyncGate]):
     ``async def`` (except in table mode). Deliveries of one channel are
     handled concurrently up to its prefetch count, as aio-pika runs them;
     two deliveries of one key at once are told apart (the second is
-    retried later, never run twice).
+    retried later, never run twice). It takes the keywords of
+    :class:`DedupConsumer`.
     """
 
     def __init__(
@@ -342,29 +331,10 @@ class AsyncDedupConsumer(_AsyncStop, _Consumer[_AsyncGate]):
         store: Store | Any,
         handler: Callable[[Delivery], Any] | Callable[[Delivery], Awaitable[Any]],
         *,
-        namespace: str,
-        key: KeyFunc | None = None,
-        key_header: str | None = None,
-        retry_delay: float = 1.0,
         failure_requeue: bool = True,
-        lease: float | None = None,
-        owner: bytes | str | None = None,
-        before_ack: BeforeAck | None = None,
-        retry: RetryPolicy | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None:
-        super().__init__(
-            _AsyncGate,
-            store,
-            handler,
-            namespace=namespace,
-            key=key,
-            key_header=key_header,
-            retry_delay=retry_delay,
-            lease=lease,
-            owner=owner,
-            before_ack=before_ack,
-            retry=retry,
-        )
+        super().__init__(_AsyncGate, store, handler, **options)
         self.failure_requeue = failure_requeue
         self._later: set[asyncio.Task[None]] = set()
         self._queues: list[tuple[Any, str]] = []  # (queue, consumer tag)
