@@ -281,6 +281,28 @@ def _claim_failed(key: bytes | str, exc: Exception) -> Verdict:
     return Verdict.INVALID
 
 
+def _claimed(delivery: Delivery, c: Claim) -> Verdict | None:
+    """The verdict a claim's outcome gives by itself (RETRY for IN_PROGRESS, ACKED for a
+    DUPLICATE, after its ``before_ack``), or None for a NEW claim: run the handler.
+    Records the outcome (and a NEW claim) on ``delivery``."""
+    delivery.outcome = c.outcome
+    if c.outcome is Outcome.IN_PROGRESS:
+        return Verdict.RETRY
+    if c.outcome is Outcome.DUPLICATE:
+        return Verdict.ACKED
+    delivery.claim = c
+    return None
+
+
+def _handler_failed(key: bytes | str, exc: BaseException) -> Verdict:
+    """The verdict of a handler that raised ``exc`` (its claim released): FAILED, or ``exc``
+    raised again when it is no Exception (KeyboardInterrupt, SystemExit, Cancelled: stop)."""
+    if not isinstance(exc, Exception):
+        raise exc
+    log.exception("handler failed on key %r; released it", key, exc_info=exc)
+    return Verdict.FAILED
+
+
 def _log_taken_over(key: bytes | str) -> None:
     log.error(
         "key %r: the lease ran out while the handler ran and was taken over; "
@@ -346,24 +368,18 @@ class _Gate:
             c = self.store.claim(key, namespace=self.namespace, lease=self.lease, owner=self.owner)
         except _CLAIM_ERRORS as exc:
             return _claim_failed(key, exc)
-        delivery.outcome = c.outcome
-        if c.outcome is Outcome.IN_PROGRESS:
-            return Verdict.RETRY
-        if c.outcome is Outcome.DUPLICATE:
+        verdict = _claimed(delivery, c)
+        if verdict is None:
+            try:
+                self.handler(delivery)
+            except BaseException as exc:
+                self._release(key, c.token)
+                return _handler_failed(key, exc)
+            self._complete(key, c.token)
+            verdict = Verdict.ACKED
+        if verdict is Verdict.ACKED:
             self._before_ack(delivery, c.outcome)
-            return Verdict.ACKED
-        delivery.claim = c
-        try:
-            self.handler(delivery)
-        except BaseException as exc:
-            self._release(key, c.token)
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: stop
-                raise
-            log.exception("handler failed on key %r; released it", key)
-            return Verdict.FAILED
-        self._complete(key, c.token)
-        self._before_ack(delivery, c.outcome)
-        return Verdict.ACKED
+        return verdict
 
     def _decide_table(self, delivery: Delivery, *, hook: bool = True) -> Verdict:
         assert isinstance(self.store, TransactionalTable)
@@ -454,28 +470,22 @@ class _AsyncGate(_Gate):
             )
         except _CLAIM_ERRORS as exc:
             return _claim_failed(key, exc)
-        delivery.outcome = c.outcome
-        if c.outcome is Outcome.IN_PROGRESS:
-            return Verdict.RETRY
-        if c.outcome is Outcome.DUPLICATE:
+        verdict = _claimed(delivery, c)
+        if verdict is None:
+            try:
+                if self.async_handler:
+                    await self.handler(delivery)
+                else:
+                    self.handler(delivery)
+            except BaseException as exc:
+                # Cancelled, KeyboardInterrupt, SystemExit: released too, then re-raised.
+                await asyncio.shield(self._arelease(key, c.token))
+                return _handler_failed(key, exc)
+            await self._acomplete(key, c.token)
+            verdict = Verdict.ACKED
+        if verdict is Verdict.ACKED:
             await self._abefore_ack(delivery, c.outcome)
-            return Verdict.ACKED
-        delivery.claim = c
-        try:
-            if self.async_handler:
-                await self.handler(delivery)
-            else:
-                self.handler(delivery)
-        except BaseException as exc:
-            # Cancelled, KeyboardInterrupt, SystemExit: released too, then re-raised.
-            await asyncio.shield(self._arelease(key, c.token))
-            if not isinstance(exc, Exception):
-                raise
-            log.exception("handler failed on key %r; released it", key)
-            return Verdict.FAILED
-        await self._acomplete(key, c.token)
-        await self._abefore_ack(delivery, c.outcome)
-        return Verdict.ACKED
+        return verdict
 
     def _locked_table(self, delivery: Delivery) -> Verdict:
         with self._table_lock:
