@@ -27,15 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dedupcore.api import (
-    ChangeBatch,
-    Claim,
-    ClaimAPI,
-    ClaimBatch,
-    ExtendBatch,
-    KeyRecord,
-    Limits,
-)
+from dedupcore.api import Claim, ClaimAPI, KeyRecord, batches
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import (
@@ -215,13 +207,13 @@ class ClientBase:
     #: The client checks what every store checks (types, tokens, owners, fingerprints,
     #: msgpack results) within the largest limits a daemon can be configured with; the
     #: daemon checks keys and results against its store's own (docs/daemon.md).
-    limits = Limits(max_key_bytes=64 << 10, max_result_bytes=16 << 20)
+    limits = batches.Limits(max_key_bytes=64 << 10, max_result_bytes=16 << 20)
 
     def _open(self) -> None:
         """Sets up the client's own connection state (no connection is made yet)."""
 
     @staticmethod
-    def _claim_request(batch: ClaimBatch) -> tuple[list[Any], dict[str, Any]]:
+    def _claim_request(batch: batches.ClaimBatch) -> tuple[list[Any], dict[str, Any]]:
         """The keys as sent, and the args of the batch's CLAIM_MANY request."""
         keys = protocol.key_list(batch.keys)
         args = protocol.claim_args(
@@ -230,7 +222,7 @@ class ClientBase:
         return keys, args
 
     @staticmethod
-    def _change_request(batch: ChangeBatch) -> tuple[Op, dict[str, Any]]:
+    def _change_request(batch: batches.ChangeBatch) -> tuple[Op, dict[str, Any]]:
         """The op and args of a checked COMPLETE_MANY or RELEASE_MANY."""
         if batch.completing:
             items = [[k, t, v] for k, t, v in batch.items()]
@@ -239,7 +231,7 @@ class ClientBase:
         return Op.RELEASE_MANY, {"ns": batch.namespace, "items": items}
 
     @staticmethod
-    def _extend_request(batch: ExtendBatch) -> tuple[Op, dict[str, Any]]:
+    def _extend_request(batch: batches.ExtendBatch) -> tuple[Op, dict[str, Any]]:
         """The op and args of a checked EXTEND_MANY."""
         items = [[k, t] for k, t in zip(batch.keys, batch.tokens, strict=True)]
         args: dict[str, Any] = {"ns": batch.namespace, "items": items}
@@ -251,7 +243,7 @@ class ClientBase:
     #: well before the client gives up on the reply.
     WAIT_SHARE = 0.8
 
-    def _wait_request(self, batch: ClaimBatch, timeout: float) -> dict[str, Any] | None:
+    def _wait_request(self, batch: batches.ClaimBatch, timeout: float) -> dict[str, Any] | None:
         """The args of a WAIT on ``batch``'s keys for ``timeout`` seconds at most; None when
         this daemon does not know WAIT (the client polls)."""
         if not self._waits:
@@ -390,7 +382,7 @@ class Client(ClientBase, ClaimAPI):
         """True if the daemon answers."""
         return bool(self._call(Op.PING, {}) == "pong")
 
-    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+    def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
             try:
@@ -402,10 +394,10 @@ class Client(ClientBase, ClaimAPI):
             parts.done(protocol.claims_from_reply(keys, part.namespace, reply))
         return parts.claims
 
-    def _change_batch(self, batch: ChangeBatch) -> None:
+    def _change_batch(self, batch: batches.ChangeBatch) -> None:
         self._send_parts(batch, self._change_request)
 
-    def _extend_batch(self, batch: ExtendBatch) -> None:
+    def _extend_batch(self, batch: batches.ExtendBatch) -> None:
         self._send_parts(batch, self._extend_request)
 
     def _send_parts(self, batch: Any, request: Callable[[Any], tuple[Op, dict[str, Any]]]) -> None:
@@ -421,7 +413,7 @@ class Client(ClientBase, ClaimAPI):
     def _get_record(self, ns: bytes, key: bytes) -> KeyRecord | None:
         return protocol.record_from_map(self._call(Op.GET, {"ns": ns.decode(), "key": key}))
 
-    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+    def _wait_change(self, batch: batches.ClaimBatch, timeout: float, attempt: int) -> None:
         """Asks the daemon to answer when a key of ``batch`` may have changed (WAIT); on
         a poll hint or a failed WAIT, sleeps the default backoff."""
         args = self._wait_request(batch, timeout)

@@ -14,15 +14,8 @@ from typing import Any
 import dedupcore._engine as _engine
 import dedupcore.decision as decision
 import dedupcore.keys as _keys
+from dedupcore.api import batches
 from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
-from dedupcore.api.batches import (
-    ChangeBatch,
-    ClaimBatch,
-    ExtendBatch,
-    Limits,
-    fingerprint_conflict,
-    unpack_result,
-)
 from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import check_lease
 from dedupcore.record import State
@@ -68,11 +61,13 @@ class MemoryTable(ClaimAPI):
         return self._ns_ids.setdefault(ns, len(self._ns_ids) + 1)
 
     @property
-    def limits(self) -> Limits:  # type: ignore[override]
+    def limits(self) -> batches.Limits:  # type: ignore[override]
         """The keys' and results' limits it was made with."""
-        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
+        return batches.Limits(
+            max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes
+        )
 
-    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+    def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         """Claims a batch of keys of one namespace (all or nothing on a fingerprint conflict)."""
         key_list = batch.keys
         namespace = batch.namespace
@@ -91,7 +86,7 @@ class MemoryTable(ClaimAPI):
                 now_m=time.monotonic(),
             )
             if plan.conflict is not None:
-                raise fingerprint_conflict(key_list[plan.conflict], namespace)
+                raise batches.fingerprint_conflict(key_list[plan.conflict], namespace)
             self._recs.update(plan.renewed)
             self._recs.update(plan.logged)
             out = []
@@ -105,14 +100,14 @@ class MemoryTable(ClaimAPI):
                         namespace,
                         outcome,
                         token,
-                        unpack_result(result),
+                        batches.unpack_result(result),
                         exact=exact,
                         takeover=takeover,
                     )
                 )
         return out
 
-    def _change_batch(self, batch: ChangeBatch) -> None:
+    def _change_batch(self, batch: batches.ChangeBatch) -> None:
         """Completes or releases a batch; a stale token anywhere raises before anything
         changes."""
         if not batch.keys:
@@ -129,7 +124,7 @@ class MemoryTable(ClaimAPI):
             self._apply(plan, batch, "released")
             self._changed.notify_all()
 
-    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+    def _wait_change(self, batch: batches.ClaimBatch, timeout: float, attempt: int) -> None:
         """Sleeps until a key of ``batch`` is completed or released, the first of their
         leases runs out, or ``timeout`` passes; at once if one is no longer held."""
         with self._lock:
@@ -143,7 +138,7 @@ class MemoryTable(ClaimAPI):
             if wake > now:
                 self._changed.wait(wake - now)
 
-    def _extend_batch(self, batch: ExtendBatch) -> None:
+    def _extend_batch(self, batch: batches.ExtendBatch) -> None:
         """Renews a batch's leases on this process's monotonic clock; a stale token
         anywhere raises before any is renewed."""
         if not batch.keys:
@@ -158,7 +153,7 @@ class MemoryTable(ClaimAPI):
             )
             self._apply(plan, batch, "extended")
 
-    def _apply(self, plan: decision.ChangePlan, batch: ChangeBatch, action: str) -> None:
+    def _apply(self, plan: decision.ChangePlan, batch: batches.ChangeBatch, action: str) -> None:
         """A change or extension plan's records, or its refusal (the lock held)."""
         if plan.error is not None:
             i, kind, current = plan.error
@@ -175,7 +170,13 @@ class MemoryTable(ClaimAPI):
         if r is None:
             return None
         return KeyRecord(
-            r.state, r.token, r.owner, r.fingerprint, unpack_result(r.result), r.created, r.updated
+            r.state,
+            r.token,
+            r.owner,
+            r.fingerprint,
+            batches.unpack_result(r.result),
+            r.created,
+            r.updated,
         )
 
     def stats(self) -> dict[str, Any]:

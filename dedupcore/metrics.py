@@ -24,15 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dedupcore.api import (
-    ChangeBatch,
-    Claim,
-    ClaimAPI,
-    ClaimBatch,
-    ExtendBatch,
-    KeyRecord,
-    Outcome,
-)
+from dedupcore.api import Claim, ClaimAPI, KeyRecord, Outcome, batches
 from dedupcore.errors import ConflictError, MissingExtraError
 from dedupcore.wrapper import StoreWrapper
 
@@ -461,7 +453,7 @@ class InstrumentedStore(StoreWrapper):
             time.perf_counter() - started
         )
 
-    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+    def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         """The store's decision of a checked batch; counts each answer by outcome, and
         takeovers."""
         try:
@@ -490,7 +482,7 @@ class InstrumentedStore(StoreWrapper):
                 self._child(self.metrics.takeovers, ns, self.region).inc(takeovers)
         return claims
 
-    def _change_batch(self, batch: ChangeBatch) -> None:
+    def _change_batch(self, batch: batches.ChangeBatch) -> None:
         """The store's completion or release of a checked batch; counts its keys."""
         operation, metric = (
             ("complete", self.metrics.completes)
@@ -507,7 +499,7 @@ class InstrumentedStore(StoreWrapper):
         """The store's record, timed."""
         return self._timed("get", lambda: self.store._get_record(ns, key))
 
-    def _extend_batch(self, batch: ExtendBatch) -> None:
+    def _extend_batch(self, batch: batches.ExtendBatch) -> None:
         """The store's renewal of a checked batch, timed as operation ``extend``."""
         self._timed("extend", lambda: self.store._extend_batch(batch))
 

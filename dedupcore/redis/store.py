@@ -87,15 +87,8 @@ from redis.exceptions import (
 
 import dedupcore.keys as _keys
 from dedupcore._core import shard_many
+from dedupcore.api import batches
 from dedupcore.api.answers import Claim, KeyRecord, Outcome
-from dedupcore.api.batches import (
-    ChangeBatch,
-    ClaimBatch,
-    ExtendBatch,
-    Limits,
-    fingerprint_conflict,
-    unpack_result,
-)
 from dedupcore.api.contract import ClaimAPI
 from dedupcore.config import Retention, check_lease
 from dedupcore.errors import (
@@ -484,12 +477,14 @@ class RedisStore(ClaimAPI):
     # -- the claim API -----------------------------------------------------------
 
     @property
-    def limits(self) -> Limits:  # type: ignore[override]
+    def limits(self) -> batches.Limits:  # type: ignore[override]
         """The keys' and results' limits it was opened with."""
-        return Limits(max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes)
+        return batches.Limits(
+            max_key_bytes=self.max_key_bytes, max_result_bytes=self.max_result_bytes
+        )
 
     @one_call
-    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+    def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         """Claims a batch; one script call per cluster slot (see the module docstring).
 
         When a server of a cluster cannot answer, the batch raises
@@ -539,7 +534,7 @@ class RedisStore(ClaimAPI):
                 if code == 48:  # b"0"
                     claims[i] = Claim(key_list[i], namespace, new, token)
                 elif code == 49:  # b"1"
-                    value = unpack_result(next(found))
+                    value = batches.unpack_result(next(found))
                     claims[i] = Claim(key_list[i], namespace, dup, token, value)
                 elif code == 50:  # b"2"
                     claims[i] = Claim(key_list[i], namespace, busy, token)
@@ -556,7 +551,7 @@ class RedisStore(ClaimAPI):
         stored = self._pipeline(lambda pipe: [pipe.hmget(names[i], "s", "f") for i in wanted])
         for i, (s, f) in zip(wanted, stored, strict=True):
             if s is not None and s != b"3" and f and f != fps[i]:
-                raise fingerprint_conflict(keys[i], namespace)
+                raise batches.fingerprint_conflict(keys[i], namespace)
 
     def _error(
         self, exc: ResponseError, keys: list[Any], namespace: str, action: str = "released"
@@ -567,7 +562,7 @@ class RedisStore(ClaimAPI):
         key = keys[int(words[1]) - 1]
         kind = words[0]
         if kind == "DCCONFLICT":
-            return fingerprint_conflict(key, namespace)
+            return batches.fingerprint_conflict(key, namespace)
         if kind == "DCNOTCLAIMED":
             return StaleTokenError(
                 f"key {key!r} in namespace {namespace!r} is not claimed "
@@ -581,7 +576,7 @@ class RedisStore(ClaimAPI):
         )
 
     @one_call
-    def _change_batch(self, batch: ChangeBatch) -> None:
+    def _change_batch(self, batch: batches.ChangeBatch) -> None:
         """Completes or releases a batch; a retried completion with the same token is a
         no-op, a release leaves a tombstone that keeps the token growing."""
         namespace = batch.namespace
@@ -641,7 +636,7 @@ class RedisStore(ClaimAPI):
                 )
 
     @one_call
-    def _extend_batch(self, batch: ExtendBatch) -> None:
+    def _extend_batch(self, batch: batches.ExtendBatch) -> None:
         """Renews a batch's leases on the Redis server's clock, all or nothing; one
         script call per cluster slot (dedupcore/redis/extend.lua). Keys of a batch
         in several slots are checked together first, as completions are; a claim
@@ -681,7 +676,7 @@ class RedisStore(ClaimAPI):
             int(t),
             o or None,
             f or None,
-            unpack_result(r),
+            batches.unpack_result(r),
             int(c or 0) / 1000.0,  # ms of the Redis server's clock
             int(u or c or 0) / 1000.0,  # a record never changed since its creation has no 'u'
         )

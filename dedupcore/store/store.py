@@ -21,15 +21,8 @@ from typing import Any
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
 from dedupcore._engine import FORM_CHECK, FORM_CLAIMS, FORM_COLUMNS
+from dedupcore.api import batches
 from dedupcore.api.answers import Claim, KeyRecord, Outcome, namespace_counts
-from dedupcore.api.batches import (
-    ChangeBatch,
-    ClaimBatch,
-    ExtendBatch,
-    Limits,
-    fingerprint_conflict,
-    unpack_result,
-)
 from dedupcore.api.contract import ClaimAPI
 from dedupcore.api.deferred import Admit, ReplyColumns
 from dedupcore.config import Retention, StoreConfig, policies
@@ -80,7 +73,7 @@ class DedupStore(Maintenance, ClaimAPI):
     ) -> None:
         self.path = Path(path)
         self.config = config
-        self.limits = Limits(
+        self.limits = batches.Limits(
             max_key_bytes=config.max_key_bytes, max_result_bytes=config.max_result_bytes
         )
         self.readonly = readonly
@@ -381,14 +374,14 @@ class DedupStore(Maintenance, ClaimAPI):
 
     # -- claims ----------------------------------------------------------------
 
-    def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+    def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         """Claims a checked batch; one log write and one sync for all."""
         claims, lsn = self.claim_deferred(batch)
         self._sync(lsn)
         return claims  # type: ignore[no-any-return]
 
     def claim_deferred(
-        self, batch: ClaimBatch, *, form: int = FORM_CLAIMS, admit: Admit | None = None
+        self, batch: batches.ClaimBatch, *, form: int = FORM_CLAIMS, admit: Admit | None = None
     ) -> tuple[Any, int]:
         """Decides a checked claim batch without waiting for durability: (answer, lsn).
 
@@ -443,7 +436,7 @@ class DedupStore(Maintenance, ClaimAPI):
                 form,
             )
             if claims is None:
-                raise fingerprint_conflict(key_list[conflict], ns_name)
+                raise batches.fingerprint_conflict(key_list[conflict], ns_name)
             if admit is not None:
                 try:
                     admit(counts[5])
@@ -468,10 +461,10 @@ class DedupStore(Maintenance, ClaimAPI):
             self._lock.release()
         return claims, self._pending_lsn(max(last, depends))
 
-    def _change_batch(self, batch: ChangeBatch) -> None:
+    def _change_batch(self, batch: batches.ChangeBatch) -> None:
         self._sync(self.change_deferred(batch))
 
-    def change_deferred(self, batch: ChangeBatch) -> int:
+    def change_deferred(self, batch: batches.ChangeBatch) -> int:
         """Completes or releases a checked batch without waiting: the LSN to pass to
         :meth:`wait_durable` before acknowledging (0: nothing to wait for). A stale
         token raises before anything changes."""
@@ -499,7 +492,7 @@ class DedupStore(Maintenance, ClaimAPI):
             self._lock.release()
         return self._pending_lsn(max(last, depends))
 
-    def _wait_change(self, batch: ClaimBatch, timeout: float, attempt: int) -> None:
+    def _wait_change(self, batch: batches.ClaimBatch, timeout: float, attempt: int) -> None:
         """Sleeps until a key of ``batch`` is completed or released, the first of their
         leases runs out, or ``timeout`` passes; at once if one is no longer held. The
         asker's claim that follows waits for the log as any claim does."""
@@ -512,7 +505,7 @@ class DedupStore(Maintenance, ClaimAPI):
             if wake > now:
                 self._changed.wait(wake - now)
 
-    def held_until(self, batch: ClaimBatch) -> float | None:
+    def held_until(self, batch: batches.ClaimBatch) -> float | None:
         """When the first lease of ``batch``'s keys runs out, on ``time.monotonic()``
         (in the past for a lease that ran out and was not taken over yet); None when a
         key is not held (unknown, completed or released). The daemon times its waiters
@@ -528,7 +521,7 @@ class DedupStore(Maintenance, ClaimAPI):
                 first = min(first, r[10])
         return first
 
-    def _extend_batch(self, batch: ExtendBatch) -> None:
+    def _extend_batch(self, batch: batches.ExtendBatch) -> None:
         """Renews a checked batch's leases on this process's monotonic clock, all or
         nothing. A renewal is kept in memory, as an owner's re-claim is: nothing is
         logged, so there is no log to wait for (docs/reliability.md, "Heartbeats")."""
@@ -695,7 +688,7 @@ def _empty_answer(form: int) -> Any:
 def _unpack_stored(raw: bytes | None) -> Any:
     """A stored result; CorruptFileError if its bytes are not the msgpack it was."""
     try:
-        return unpack_result(raw)
+        return batches.unpack_result(raw)
     except Exception as exc:
         raise CorruptFileError(f"a stored result cannot be decoded ({exc})") from None
 
