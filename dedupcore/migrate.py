@@ -20,15 +20,15 @@ import logging
 import struct
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from dedupcore.decision import Rec
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 from dedupcore.record import State, encode_stored
 from dedupcore.tiers.lmdb import FORMAT, LmdbTier
 from dedupcore.wal import WriteAheadLog
 
-__all__ = ["V1Record", "decode_v1", "migrate_v1", "unpack_v1_batch"]
+__all__ = ["decode_v1", "encode_v2", "migrate_v1", "unpack_v1_batch"]
 
 log = logging.getLogger("dedupcore.store")
 
@@ -38,37 +38,25 @@ _U32 = struct.Struct("<I")
 _BATCH_COUNT = struct.Struct("<I")
 
 
-@dataclass(slots=True)
-class V1Record:
-    """A record as format 1 stored it."""
-
-    state: State
-    ns_id: int
-    token: int
-    created: float
-    updated: float
-    lease: float
-    owner: bytes | None
-    fingerprint: bytes | None
-    result: bytes | None
-
-    def encode_v2(self, digest: bytes) -> bytes:
-        return encode_stored(
-            digest,
-            self.state,
-            self.ns_id,
-            self.token,
-            self.created,
-            self.updated,
-            self.lease,
-            self.owner,
-            self.fingerprint,
-            self.result,
-        )
+def encode_v2(rec: Rec, digest: bytes) -> bytes:
+    """The format-2 bytes of a record read from format 1."""
+    return encode_stored(
+        digest,
+        rec.state,
+        rec.ns_id,
+        rec.token,
+        rec.created,
+        rec.updated,
+        rec.lease,
+        rec.owner,
+        rec.fingerprint,
+        rec.result,
+    )
 
 
-def decode_v1(data: bytes | memoryview) -> V1Record:
-    """A format-1 record; CorruptFileError if its bytes do not parse."""
+def decode_v1(data: bytes | memoryview) -> Rec:
+    """A format-1 record (it kept no lease deadline); CorruptFileError if its bytes do
+    not parse."""
     try:
         version, packed, ns_id, token, created, updated, lease = _HEAD.unpack_from(data)
         if version != 1:
@@ -90,20 +78,20 @@ def decode_v1(data: bytes | memoryview) -> V1Record:
         if isinstance(exc, CorruptFileError):
             raise
         raise CorruptFileError(f"damaged format-1 record: {exc}") from exc
-    return V1Record(
+    return Rec(
         state,
         ns_id,
         token,
         created,
         updated,
         lease,
-        owner if flags & 1 else None,
-        fp if flags & 2 else None,
-        result if flags & 4 else None,
+        owner=owner if flags & 1 else None,
+        fingerprint=fp if flags & 2 else None,
+        result=result if flags & 4 else None,
     )
 
 
-def unpack_v1_batch(payload: bytes) -> Iterator[tuple[bytes, V1Record]]:
+def unpack_v1_batch(payload: bytes) -> Iterator[tuple[bytes, Rec]]:
     """The (digest, record) entries of a format-1 log payload."""
     try:
         (count,) = _BATCH_COUNT.unpack_from(payload)
@@ -133,8 +121,8 @@ def migrate_v1(lmdb_tier: LmdbTier, wal_dir: Path, *, readonly: bool) -> int:
         )
     items: dict[bytes, bytes] = {}
     for digest, raw in lmdb_tier.v1_records():
-        items[digest] = decode_v1(raw).encode_v2(digest)
-    logged: dict[bytes, V1Record] = {}
+        items[digest] = encode_v2(decode_v1(raw), digest)
+    logged: dict[bytes, Rec] = {}
     wal = WriteAheadLog.open(wal_dir)
     try:
         for _lsn, payload in wal.replay(lmdb_tier.checkpoint_lsn()):
@@ -144,7 +132,7 @@ def migrate_v1(lmdb_tier: LmdbTier, wal_dir: Path, *, readonly: bool) -> int:
         inflight: list[bytes] = []
         settled: list[bytes] = []
         for digest, rec in logged.items():
-            items[digest] = rec.encode_v2(digest)
+            items[digest] = encode_v2(rec, digest)
             (inflight if rec.state is State.PROCESSING else settled).append(digest)
         lmdb_tier.checkpoint(
             sorted(items.items()), sorted(inflight), settled, last, now=time.time(), fmt=FORMAT
