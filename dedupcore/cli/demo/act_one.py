@@ -11,30 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dedupcore.cli.demo.broker import (
-    _COMMITTED,
-    _DUPLICATE,
-    _IN_PROGRESS,
-    _REDELIVERED_DUPLICATE,
-    _REDELIVERED_NEW,
-    _SAME_BATCH,
-    AFTER_CLAIM,
-    AFTER_COMPLETE,
-    AFTER_EFFECT,
-    BEFORE_CLAIM,
-    MID_EFFECT,
-    NAMESPACE,
-    Kill,
-    _consumer_process,
-    _deliver,
-    _die,
-    _due,
-    _kill_point,
-    _partition,
-    _prepare,
-    _stage,
-    _supervise,
-)
+from dedupcore.cli.demo import broker
 from dedupcore.cli.demo.summary import (
     DemoResult,
     _counters,
@@ -43,14 +20,14 @@ from dedupcore.cli.demo.summary import (
 )
 
 
-@_consumer_process
+@broker._consumer_process
 def _consumer(
     partition: int,
     incarnation: int,
     tmp_dir: str,
     shared: Any,
     batch_size: int,
-    plan: list[Kill],
+    plan: list[broker.Kill],
     socket_path: str,
     lease: float,
 ) -> None:
@@ -61,31 +38,35 @@ def _consumer(
     from dedupcore.api import Outcome
     from dedupcore.client import Client
 
-    base, tmp, messages = _partition(tmp_dir, partition)
+    base, tmp, messages = broker._partition(tmp_dir, partition)
     s = shared
     owner = f"consumer-{partition}"  # stable across restarts: a restart gets its claims back
     fd = os.open(tmp / f"effects-{partition}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     step = 0
     with Client(socket_path, timeout=60.0, retries=100, backoff=0.02) as client:
         client.ping()
-        while (delivery := _deliver(s, base, messages, batch_size)) is not None:
+        while (delivery := broker._deliver(s, base, messages, batch_size)) is not None:
             offset, batch, redelivered = delivery
-            _kill_point(s, base, plan, offset, BEFORE_CLAIM)
+            broker._kill_point(s, base, plan, offset, broker.BEFORE_CLAIM)
             # An id twice in one batch is claimed once.
             todo: list[bytes | str] = list(dict.fromkeys(batch))
-            s[base + _SAME_BATCH] += len(batch) - len(todo)
+            s[base + broker._SAME_BATCH] += len(batch) - len(todo)
             first = True
             while todo:
-                claims = client.claim_many(todo, namespace=NAMESPACE, owner=owner, lease=lease)
-                _kill_point(s, base, plan, offset, AFTER_CLAIM)
+                claims = client.claim_many(
+                    todo, namespace=broker.NAMESPACE, owner=owner, lease=lease
+                )
+                broker._kill_point(s, base, plan, offset, broker.AFTER_CLAIM)
                 new = [c for c in claims if c.outcome is Outcome.NEW]
                 waiting = [c.key for c in claims if c.outcome is Outcome.IN_PROGRESS]
                 dup = [c for c in claims if c.outcome is Outcome.DUPLICATE]
-                s[base + _DUPLICATE] += len(dup)
-                s[base + _IN_PROGRESS] += len(waiting)
+                s[base + broker._DUPLICATE] += len(dup)
+                s[base + broker._IN_PROGRESS] += len(waiting)
                 if first and redelivered:
-                    s[base + _REDELIVERED_DUPLICATE] += sum(c.key in redelivered for c in dup)
-                    s[base + _REDELIVERED_NEW] += sum(c.key in redelivered for c in new)
+                    s[base + broker._REDELIVERED_DUPLICATE] += sum(
+                        c.key in redelivered for c in dup
+                    )
+                    s[base + broker._REDELIVERED_NEW] += sum(c.key in redelivered for c in new)
                 if new:
                     step += 1
                     # The business effect: one write for the batch's new messages.
@@ -95,20 +76,22 @@ def _consumer(
                     effect = b"\n" + b"".join(
                         b"E %d %d %d %s .\n" % (incarnation, step, t, _as_bytes(c.key)) for c in new
                     )
-                    if _due(s, base, plan, offset, MID_EFFECT):
+                    if broker._due(s, base, plan, offset, broker.MID_EFFECT):
                         os.write(fd, effect[: len(effect) // 2])  # a torn effect
-                        _die(s, base)
+                        broker._die(s, base)
                     os.write(fd, effect)
-                    _kill_point(s, base, plan, offset, AFTER_EFFECT)
-                    client.complete_many([(c.key, c.token) for c in new], namespace=NAMESPACE)
+                    broker._kill_point(s, base, plan, offset, broker.AFTER_EFFECT)
+                    client.complete_many(
+                        [(c.key, c.token) for c in new], namespace=broker.NAMESPACE
+                    )
                     t = time.monotonic_ns()
                     os.write(fd, b"\nC %d %d %d .\n" % (incarnation, step, t))
                 if waiting:
                     time.sleep(0.005)  # held by another consumer: nack, retry shortly
                 todo = waiting
                 first = False
-            _kill_point(s, base, plan, offset, AFTER_COMPLETE)
-            s[base + _COMMITTED] = offset + len(batch)  # the ack
+            broker._kill_point(s, base, plan, offset, broker.AFTER_COMPLETE)
+            s[base + broker._COMMITTED] = offset + len(batch)  # the ack
 
 
 def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -187,13 +170,13 @@ def simulate(
     timing. ``progress(done, total, note)`` is called as acknowledged
     messages advance.
     """
-    run = _prepare(keys, duplicate_rate, seed, consumers, batch, kills)
-    shared, tmp = _stage(run)
+    run = broker._prepare(keys, duplicate_rate, seed, consumers, batch, kills)
+    shared, tmp = broker._stage(run)
     daemon: subprocess.Popen[bytes] | None = None
     started = time.perf_counter()
     try:
         daemon, socket_path = _start_daemon(tmp)
-        kill_counts, crashes = _supervise(
+        kill_counts, crashes = broker._supervise(
             run, tmp, _consumer, (socket_path, lease), shared, progress
         )
         from dedupcore.client import Client

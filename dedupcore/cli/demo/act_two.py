@@ -11,27 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dedupcore.cli.demo.broker import (
-    _COMMITTED,
-    _DUPLICATE,
-    _REDELIVERED_DUPLICATE,
-    _REDELIVERED_NEW,
-    AFTER_CLAIM,
-    AFTER_COMPLETE,
-    AFTER_EFFECT,
-    BEFORE_CLAIM,
-    MID_EFFECT,
-    NAMESPACE,
-    Kill,
-    _consumer_process,
-    _deliver,
-    _kill_point,
-    _partition,
-    _prepare,
-    _stage,
-    _Stream,
-    _supervise,
-)
+from dedupcore.cli.demo import broker
 from dedupcore.cli.demo.summary import (
     DemoResult,
     _counters,
@@ -63,14 +43,14 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-@_consumer_process
+@broker._consumer_process
 def _table_consumer(
     partition: int,
     incarnation: int,
     tmp_dir: str,
     shared: Any,
     batch_size: int,
-    plan: list[Kill],
+    plan: list[broker.Kill],
     atomic: bool,
 ) -> None:
     """Act two's consumer of one partition: per message, the dedup row and the effect in
@@ -84,28 +64,28 @@ def _table_consumer(
     """
     from dedupcore.patterns.table import consume
 
-    base, tmp, messages = _partition(tmp_dir, partition)
+    base, tmp, messages = broker._partition(tmp_dir, partition)
     s = shared
     business = _connect(tmp / _BUSINESS_DB)
     conn = business if atomic else _connect(tmp / _DEDUP_DB)
     consumer = f"consumer-{partition}/{incarnation}"
-    while (delivery := _deliver(s, base, messages, batch_size)) is not None:
+    while (delivery := broker._deliver(s, base, messages, batch_size)) is not None:
         offset, batch, redelivered = delivery
-        _kill_point(s, base, plan, offset, BEFORE_CLAIM)
+        broker._kill_point(s, base, plan, offset, broker.BEFORE_CLAIM)
         second_half = len(batch) // 2
         for i, key in enumerate(batch):
-            with consume(conn, NAMESPACE, key) as c:
+            with consume(conn, broker.NAMESPACE, key) as c:
                 if c.new:
                     here = i >= second_half
                     if here:
-                        _kill_point(s, base, plan, offset, AFTER_CLAIM)
+                        broker._kill_point(s, base, plan, offset, broker.AFTER_CLAIM)
                     account, amount = _ledger_entry(key)
                     business.execute(
                         "UPDATE accounts SET balance = balance + ? WHERE id = ?",
                         (amount, account),
                     )
                     if here:
-                        _kill_point(s, base, plan, offset, MID_EFFECT)
+                        broker._kill_point(s, base, plan, offset, broker.MID_EFFECT)
                     business.execute(
                         "INSERT INTO effects (key, account, amount, consumer) VALUES (?, ?, ?, ?)",
                         (key, account, amount, consumer),
@@ -113,15 +93,15 @@ def _table_consumer(
                     if not atomic:
                         business.commit()
                     if here:
-                        _kill_point(s, base, plan, offset, AFTER_EFFECT)
+                        broker._kill_point(s, base, plan, offset, broker.AFTER_EFFECT)
             # committed: the dedup row with the effect, or (DUPLICATE) nothing
             if c.new:
-                s[base + _REDELIVERED_NEW] += key in redelivered
+                s[base + broker._REDELIVERED_NEW] += key in redelivered
             else:
-                s[base + _DUPLICATE] += 1
-                s[base + _REDELIVERED_DUPLICATE] += key in redelivered
-        _kill_point(s, base, plan, offset, AFTER_COMPLETE)
-        s[base + _COMMITTED] = offset + len(batch)  # the ack
+                s[base + broker._DUPLICATE] += 1
+                s[base + broker._REDELIVERED_DUPLICATE] += key in redelivered
+        broker._kill_point(s, base, plan, offset, broker.AFTER_COMPLETE)
+        s[base + broker._COMMITTED] = offset + len(batch)  # the ack
 
 
 def simulate_transactional(
@@ -145,15 +125,17 @@ def simulate_transactional(
     """
     from dedupcore.patterns.table import ensure_table
 
-    run = _prepare(keys, duplicate_rate, seed, consumers, batch, kills)
-    shared, tmp = _stage(run)
+    run = broker._prepare(keys, duplicate_rate, seed, consumers, batch, kills)
+    shared, tmp = broker._stage(run)
     started = time.perf_counter()
     try:
         _make_business_db(tmp / _BUSINESS_DB)
         with contextlib.closing(_connect(tmp / (_BUSINESS_DB if atomic else _DEDUP_DB))) as db:
             db.execute("PRAGMA journal_mode=WAL")
             ensure_table(db)
-        kill_counts, crashes = _supervise(run, tmp, _table_consumer, (atomic,), shared, progress)
+        kill_counts, crashes = broker._supervise(
+            run, tmp, _table_consumer, (atomic,), shared, progress
+        )
         result = _account_table(tmp / _BUSINESS_DB, run, shared)
         return _finished(result, run, kill_counts, crashes, started)
     finally:
@@ -177,7 +159,7 @@ def _make_business_db(path: Path) -> None:
         db.commit()
 
 
-def _account_table(business: Path, run: _Stream, shared: Any) -> DemoResult:
+def _account_table(business: Path, run: broker._Stream, shared: Any) -> DemoResult:
     """Act two: counts the effects per id in the business database and checks the balances.
 
     With the effect and the dedup row in one transaction nothing explains an
