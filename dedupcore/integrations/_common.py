@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypedDict, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, Union
 
 import dedupcore.keys as _keys
 from dedupcore.api import Claim, ClaimAPI, Outcome
@@ -30,6 +30,9 @@ from dedupcore.patterns.table import DEFAULT_TABLE, consume, ensure_table
 from dedupcore.patterns.table import MAX_KEY_BYTES as TABLE_MAX_KEY_BYTES
 from dedupcore.patterns.unique import Conn, table_info
 from dedupcore.retry import DEFAULT_RETRY, RetryPolicy, policy_from_args
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "BeforeAck",
@@ -320,8 +323,22 @@ def _log_not_completed(key: bytes | str, exc: BaseException) -> None:
     )
 
 
-class _Gate:
-    """The contract over one store, for consumers that call it from one thread at a time."""
+class _ClaimingNeeds(TypedDict):
+    namespace: str
+    lease: float | None
+    owner: bytes | str | None
+
+
+class _Claiming(_ClaimingNeeds, total=False):
+    """The keywords of :class:`_Claimer` (and of the gates, with ``before_ack``)."""
+
+    retry: RetryPolicy
+
+
+class _Claimer:
+    """What claims keys for a handler: the store (or :class:`TransactionalTable`), the
+    handler, the namespace, and the lease, owner and retry policy of its claims and
+    completions. The gates below and Kafka's loop are made of it."""
 
     def __init__(
         self,
@@ -331,7 +348,6 @@ class _Gate:
         namespace: str,
         lease: float | None,
         owner: bytes | str | None,
-        before_ack: BeforeAck | None,
         retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         if not isinstance(namespace, str):
@@ -341,9 +357,23 @@ class _Gate:
         self.namespace = namespace
         self.lease = lease
         self.owner = default_owner() if owner is None else owner
-        self.before_ack = before_ack
         self.retry = retry
         self.table = isinstance(store, TransactionalTable)
+
+
+class _Gate(_Claimer):
+    """The contract over one store, for consumers that call it from one thread at a time."""
+
+    def __init__(
+        self,
+        store: Any,
+        handler: Callable[[Delivery], Any],
+        *,
+        before_ack: BeforeAck | None,
+        **claiming: Unpack[_Claiming],
+    ) -> None:
+        super().__init__(store, handler, **claiming)
+        self.before_ack = before_ack
         # Keys claimed by this consumer and not yet completed or released: a second
         # delivery of one of them (a producer duplicate) must not get the owner's own
         # claim back as NEW while the first is still running.

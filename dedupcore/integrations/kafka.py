@@ -73,17 +73,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dedupcore.api import Outcome
-from dedupcore.errors import StaleTokenError, UnavailableError
+from dedupcore.errors import StaleTokenError
 from dedupcore.integrations._common import (
+    _STORE_ERRORS,
     Delivery,
     KeyFunc,
     MissingKeyError,
     Store,
     TransactionalTable,
     _check_timeout,
+    _Claimer,
     _StopControl,
     _Stoppable,
-    default_owner,
     derive_key,
 )
 from dedupcore.retry import RetryPolicy, policy_from_args
@@ -97,8 +98,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("dedupcore.integrations")
-
-_STORE_ERRORS = (UnavailableError, ConnectionError, TimeoutError, OSError)
 
 TP = tuple[str, int]
 
@@ -145,7 +144,7 @@ class _Item:
     error: MissingKeyError | None = None
 
 
-class KafkaDedupLoop(_Stoppable):
+class KafkaDedupLoop(_Stoppable, _Claimer):
     """Runs the dedup contract over a confluent-kafka ``Consumer`` (see the module doc).
 
     The consumer must be created with ``enable.auto.commit=false``; this loop
@@ -174,30 +173,29 @@ class KafkaDedupLoop(_Stoppable):
         complete_retries: int | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be str, not {type(namespace).__name__}")
+        super().__init__(
+            store,
+            handler,
+            namespace=namespace,
+            lease=lease,
+            owner=owner,
+            retry=policy_from_args(
+                retry, retries=complete_retries, retries_name="complete_retries"
+            ),
+        )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if retry_delay < 0:
             raise ValueError(f"retry_delay must be >= 0, got {retry_delay}")
         self.consumer = consumer
-        self.store: Any = store
-        self.handler = handler
-        self.namespace = namespace
         self.key = key
         self.key_header = key_header
         self.record_key = record_key
         self.batch_size = batch_size
         self.poll_timeout = poll_timeout
         self.retry_delay = retry_delay
-        self.lease = lease
-        self.owner = default_owner() if owner is None else owner
         self.on_invalid = on_invalid
         self.before_commit = before_commit
-        self.retry = policy_from_args(
-            retry, retries=complete_retries, retries_name="complete_retries"
-        )
-        self.table = isinstance(store, TransactionalTable)
         # In flight between claim and commit, per partition:
         self._unhandled: dict[TP, dict[bytes | str, int]] = {}  # claimed NEW, handler not run
         self._handled: dict[TP, list[tuple[bytes | str, int]]] = {}  # run, not completed
