@@ -19,35 +19,9 @@ from typing import Any, ClassVar
 import anyio
 import anyio.to_thread
 
-from dedupcore.api import result_refused
 from dedupcore.api.conveniences import AsyncHeartbeat
-from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.http.protocol import (
-    DEFAULT_REPLAY_DROP_HEADERS,
-    DEFAULT_RETRY_STATUSES,
-    ENVELOPE_SLACK,
-    PROBLEMS,
-    RESPONSE,
-    ClientCheck,
-    Refusal,
-    Replay,
-    async_heartbeat,
-    claim_answer,
-    claim_refused,
-    credentials_identity,
-    fingerprint,
-    header_names,
-    heartbeat_lease,
-    key_ref,
-    not_replayable,
-    parse_key,
-    problem,
-    problem_types,
-    response_record,
-    result_limit,
-    scoped_key,
-    without_headers,
-)
+from dedupcore.errors import ConflictError, UnavailableError
+from dedupcore.http import protocol
 from dedupcore.keys import check_namespace
 
 log = logging.getLogger("dedupcore")
@@ -127,25 +101,16 @@ class Idempotency:
         max_body_bytes: int = 1 << 20,
         lease: float | None = None,
         max_response_bytes: int | None = None,
-        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        retry_statuses: Collection[int] = protocol.DEFAULT_RETRY_STATUSES,
         key_scope: KeyScope | None = None,
         replay_header: str = "Idempotent-Replayed",
-        replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+        replay_drop_headers: Collection[str] = protocol.DEFAULT_REPLAY_DROP_HEADERS,
         problem_base_url: str | Mapping[str, str] | None = None,
         heartbeat: bool = False,
     ) -> None:
-        for name in ("claim", "complete", "release"):
-            if not callable(getattr(store, name, None)):
-                raise TypeError(
-                    f"store must have claim/complete/release (a dedupcore store or client), "
-                    f"not {type(store).__name__}"
-                )
-        if not isinstance(header, str) or not header or not header.isascii():
-            raise ValueError(f"header must be a non-empty ASCII name, got {header!r}")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
-            raise TypeError(f"max_body_bytes must be an int, not {type(max_body_bytes).__name__}")
-        if max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
+        protocol.check_store(store)
+        protocol.check_header_name("header", header)
+        protocol.check_size("max_body_bytes", max_body_bytes)
         if key_scope is not None and not callable(key_scope):
             raise TypeError(
                 f"key_scope must be a callable of the ASGI scope, not {type(key_scope).__name__}"
@@ -156,26 +121,19 @@ class Idempotency:
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
         self.max_body_bytes = max_body_bytes
-        self.lease = heartbeat_lease(store, heartbeat, lease)
+        self.lease = protocol.heartbeat_lease(store, heartbeat, lease)
         self.heartbeat = heartbeat
         if max_response_bytes is None:
-            max_response_bytes = result_limit(store)
-        if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int):
-            raise TypeError(
-                f"max_response_bytes must be an int, not {type(max_response_bytes).__name__}"
-            )
-        if max_response_bytes <= ENVELOPE_SLACK:
-            raise ValueError(
-                f"max_response_bytes must be > {ENVELOPE_SLACK}, got {max_response_bytes}"
-            )
+            max_response_bytes = protocol.result_limit(store)
+        protocol.check_size("max_response_bytes", max_response_bytes, protocol.ENVELOPE_SLACK)
         self.max_response_bytes = max_response_bytes
         self.retry_statuses = frozenset(retry_statuses)
         self.key_scope = key_scope
         self.replay_header = replay_header.lower().encode("ascii")
-        self.replay_drop_headers = header_names(replay_drop_headers)
-        self.problem_types = problem_types(problem_base_url)
+        self.replay_drop_headers = protocol.header_names(replay_drop_headers)
+        self.problem_types = protocol.problem_types(problem_base_url)
         self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
-        self._check_client = ClientCheck("docs/http.md, 'Whose key'")
+        self._check_client = protocol.ClientCheck("docs/http.md, 'Whose key'")
 
     @classmethod
     def of(cls, store: Any, **options: Any) -> Idempotency:
@@ -236,7 +194,7 @@ class Idempotency:
                     )
                 return None
             try:
-                key = parse_key(raw)
+                key = protocol.parse_key(raw)
             except ValueError as exc:
                 raise _Rejected("invalid-key", str(exc)) from None
             identity = self._identity(scope)
@@ -245,16 +203,11 @@ class Idempotency:
                 return Answer.GONE  # the client went away before sending its body
         except _Rejected as rejected:
             return self.problem(rejected.slug, rejected.detail)
-        return await self._claim(scope, receive, scoped_key(identity, key), body)
+        return await self._claim(scope, receive, protocol.scoped_key(identity, key), body)
 
     def problem(self, slug: str, detail: str, retry_after: int | None = None) -> Answer:
         """The problem document ``slug`` (:data:`~dedupcore.http.protocol.PROBLEMS`)."""
-        status, title = PROBLEMS[slug]
-        return Answer(
-            *problem(
-                status, title, detail, retry_after=retry_after, type_uri=self.problem_types[slug]
-            )
-        )
+        return Answer(*protocol.refusal_problem(self.problem_types, slug, detail, retry_after))
 
     def _header(self, scope: Scope) -> bytes | None:
         values = [v for k, v in scope.get("headers", ()) if k.lower() == self.header]
@@ -268,7 +221,7 @@ class Idempotency:
     def _identity(self, scope: Scope) -> str | bytes:
         found: str | bytes | None
         if self.key_scope is None:
-            found = credentials_identity(
+            found = protocol.credentials_identity(
                 v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"
             )
             how = "without credentials (an Authorization header)"
@@ -276,7 +229,7 @@ class Idempotency:
             found = self.key_scope(scope)
             how = "for which key_scope found no client identity"
         checked = self._check_client(found, how)
-        if isinstance(checked, Refusal):
+        if isinstance(checked, protocol.Refusal):
             raise _Rejected(checked.slug, checked.detail)
         return checked
 
@@ -316,7 +269,7 @@ class Idempotency:
     @staticmethod
     def _fingerprint(scope: Scope, body: bytes) -> bytes:
         path = scope.get("raw_path") or (scope.get("root_path", "") + scope["path"]).encode()
-        return fingerprint(scope["method"], path, scope.get("query_string", b""), body)
+        return protocol.fingerprint(scope["method"], path, scope.get("query_string", b""), body)
 
     async def _claim(
         self, scope: Scope, receive: Receive, key: str, body: bytes
@@ -330,15 +283,12 @@ class Idempotency:
                 fingerprint=self._fingerprint(scope, body),
             )
         except (ConflictError, UnavailableError) as exc:
-            if isinstance(exc, UnavailableError):
-                log.error("idempotency store unavailable (key %s): %s", key_ref(key), exc)
-            answer: Refusal | Replay | None = claim_refused(exc)
-        else:
-            answer = claim_answer(claim, self.replay_drop_headers, self.replay_header)
+            return self.problem(*protocol.claim_refused(exc, key, log))
+        answer = protocol.claim_answer(claim, self.replay_drop_headers, self.replay_header)
         if answer is None:
             return Exchange(self, scope, receive, key, claim.token, body)
-        if isinstance(answer, Refusal):
-            return self.problem(answer.slug, answer.detail, retry_after=answer.retry_after)
+        if isinstance(answer, protocol.Refusal):
+            return self.problem(*answer)
         return Answer(*answer)
 
 
@@ -428,7 +378,7 @@ class Exchange:
             chunk = bytes(message.get("body", b""))
             if self.unstorable is None and self.storing():
                 self.size += len(chunk)
-                if self.size + ENVELOPE_SLACK > self.idempotency.max_response_bytes:
+                if self.size + protocol.ENVELOPE_SLACK > self.idempotency.max_response_bytes:
                     self.unstorable = self.too_large()
                     self.chunks = []
                 else:
@@ -438,8 +388,7 @@ class Exchange:
         await self.forward(message)
 
     def storing(self) -> bool:
-        status = self.status or 500
-        return status < 500 and status not in self.idempotency.retry_statuses
+        return protocol.recorded(self.status or 500, self.idempotency.retry_statuses)
 
     def too_large(self) -> str:
         return (
@@ -468,7 +417,7 @@ class Exchange:
         idem = self.idempotency
         if not idem.heartbeat or idem.lease is None or self.beat is not None or self.beat_stopped:
             return
-        beat = async_heartbeat(
+        beat = protocol.async_heartbeat(
             idem.store, self.key, self.token, idem.namespace, idem.lease, anyio.to_thread.run_sync
         )
         self.beat = await beat.__aenter__()
@@ -488,12 +437,8 @@ class Exchange:
         idem = self.idempotency
         try:
             await idem.call_store("release", self.key, self.token, namespace=idem.namespace)
-        except StaleTokenError:
-            log.warning(
-                "could not release idempotency key %s: its lease was taken over", key_ref(self.key)
-            )
-        except Exception:
-            log.exception("could not release idempotency key %s", key_ref(self.key))
+        except Exception as exc:
+            protocol.release_failed(exc, self.key, log)
 
     async def settle(self) -> None:
         """Records (or releases) the response before its last chunk goes out."""
@@ -506,12 +451,12 @@ class Exchange:
         status = self.status if self.status is not None else 500
         result: list[Any]
         if self.unstorable is None:
-            headers = without_headers(self.headers, idem.replay_drop_headers)
-            result = response_record(
+            headers = protocol.without_headers(self.headers, idem.replay_drop_headers)
+            result = protocol.response_record(
                 status, headers, b"".join(self.chunks), idem.max_response_bytes
             )
         else:
-            result = not_replayable(self.unstorable, status)
+            result = protocol.not_replayable(self.unstorable, status)
         self.chunks = []
         try:
             try:
@@ -519,22 +464,9 @@ class Exchange:
                     "complete", self.key, self.token, namespace=idem.namespace, result=result
                 )
             except (TypeError, ValueError) as exc:
-                if not result_refused(exc) or result[0] != RESPONSE:
-                    raise
-                # The store's own limit (a daemon's) is below the one assumed here.
-                note = not_replayable(f"the store refused to keep it ({exc})", status)
+                note = protocol.refused_record(exc, result)
                 await idem.call_store(
                     "complete", self.key, self.token, namespace=idem.namespace, result=note
                 )
-        except StaleTokenError:
-            log.error(
-                "idempotency key %s: the lease ran out before the response was recorded; "
-                "another attempt may have run the request again (raise lease=)",
-                key_ref(self.key),
-            )
-        except Exception:
-            log.exception(
-                "idempotency key %s: the response could not be recorded; the key stays "
-                "claimed until its lease ends",
-                key_ref(self.key),
-            )
+        except Exception as exc:
+            protocol.record_failed(exc, self.key, log)

@@ -17,9 +17,9 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from dedupcore.api import HEARTBEAT_LEASE, Claim, Outcome, pack_result
+from dedupcore.api import HEARTBEAT_LEASE, Claim, Outcome, pack_result, result_refused
 from dedupcore.api.conveniences import AsyncHeartbeat, Heartbeat
-from dedupcore.errors import ConflictError, UnavailableError
+from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
 
 #: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
 DEFAULT_RETRY_STATUSES = frozenset({408, 425, 429})
@@ -325,15 +325,19 @@ def key_ref(dedup_key: str) -> str:
     return hashlib.sha256(dedup_key.encode()).hexdigest()[:12]
 
 
-def claim_refused(error: ConflictError | UnavailableError) -> Refusal:
-    """The answer to a claim that raised: 422 for a key used by another request, 503 (with
-    ``Retry-After``: the app did not run) when the store could not decide."""
+def claim_refused(
+    error: ConflictError | UnavailableError, dedup_key: str, log: logging.Logger
+) -> Refusal:
+    """The answer to a claim of ``dedup_key`` that raised: 422 for a key used by another
+    request, 503 (with ``Retry-After``: the app did not run) when the store could not
+    decide, which is logged on ``log``."""
     if isinstance(error, ConflictError):
         return Refusal(
             "key-reused",
             "this key was already used for a different request (method, path, query or "
             "body); use a new key for a new request",
         )
+    log.error("idempotency store unavailable (key %s): %s", key_ref(dedup_key), error)
     return Refusal("store-unavailable", "the request was not processed; retry later", 5)
 
 
@@ -360,3 +364,80 @@ def claim_answer(
         )
     status, headers, body = found
     return status, [*without_headers(headers, drop), (replay_header, b"true")], body
+
+
+def recorded(status: int, retry_statuses: Collection[int]) -> bool:
+    """Whether a response of ``status`` is recorded for replays; otherwise (a 5xx, or one of
+    ``retry_statuses``) its key is released and a retry runs the request again."""
+    return status < 500 and status not in retry_statuses
+
+
+def refused_record(error: TypeError | ValueError, result: list[Any]) -> list[Any]:
+    """What to record when completing with the response record ``result`` raised ``error``:
+    if the store refused the record for its size (the store's own limit, a daemon's, is
+    below the one assumed), a note that the response cannot be replayed; ``error`` itself
+    is raised again otherwise."""
+    if not result_refused(error) or result[0] != RESPONSE:
+        raise error
+    return not_replayable(f"the store refused to keep it ({error})", result[1])
+
+
+def release_failed(error: Exception, dedup_key: str, log: logging.Logger) -> None:
+    """Logs on ``log`` that releasing ``dedup_key`` raised ``error``."""
+    if isinstance(error, StaleTokenError):
+        log.warning(
+            "could not release idempotency key %s: its lease was taken over", key_ref(dedup_key)
+        )
+    else:
+        log.error("could not release idempotency key %s", key_ref(dedup_key), exc_info=error)
+
+
+def record_failed(error: Exception, dedup_key: str, log: logging.Logger) -> None:
+    """Logs on ``log`` that recording the response of ``dedup_key`` raised ``error``."""
+    if isinstance(error, StaleTokenError):
+        log.error(
+            "idempotency key %s: the lease ran out before the response was recorded; "
+            "another attempt may have run the request again (raise lease=)",
+            key_ref(dedup_key),
+        )
+    else:
+        log.error(
+            "idempotency key %s: the response could not be recorded; the key stays "
+            "claimed until its lease ends",
+            key_ref(dedup_key),
+            exc_info=error,
+        )
+
+
+def refusal_problem(
+    types: Mapping[str, str], slug: str, detail: str, retry_after: int | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The problem document ``slug`` (:data:`PROBLEMS`) with ``detail`` and ``retry_after``
+    (a :class:`Refusal`), its ``type`` link taken from ``types`` (:func:`problem_types`)."""
+    status, title = PROBLEMS[slug]
+    return problem(status, title, detail, retry_after=retry_after, type_uri=types[slug])
+
+
+def check_store(store: object) -> None:
+    """TypeError unless ``store`` has claim, complete and release (a store or a client)."""
+    for name in ("claim", "complete", "release"):
+        if not callable(getattr(store, name, None)):
+            raise TypeError(
+                "store must have claim/complete/release (a dedupcore store or client), "
+                f"not {type(store).__name__}"
+            )
+
+
+def check_header_name(name: str, value: object) -> None:
+    """ValueError unless the option ``name`` is a non-empty ASCII header name."""
+    if not isinstance(value, str) or not value or not value.isascii():
+        raise ValueError(f"{name} must be a non-empty ASCII name, got {value!r}")
+
+
+def check_size(name: str, number: object, above: int = 0) -> None:
+    """TypeError unless the option ``name`` is an int (not a bool), ValueError unless it is
+    above ``above``."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise TypeError(f"{name} must be an int, not {type(number).__name__}")
+    if number <= above:
+        raise ValueError(f"{name} must be > {above}, got {number}")

@@ -68,34 +68,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedupcore._checks import extra_imports
-from dedupcore.api import result_refused
-from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
-from dedupcore.http.protocol import (
-    DEFAULT_REPLAY_DROP_HEADERS,
-    DEFAULT_RETRY_STATUSES,
-    PROBLEMS,
-    ClientCheck,
-    Refusal,
-    Replay,
-    async_heartbeat,
-    claim_answer,
-    claim_refused,
-    credentials_identity,
-    fingerprint,
-    header_names,
-    heartbeat,
-    heartbeat_lease,
-    key_ref,
-    not_replayable,
-    parse_key,
-    problem,
-    problem_types,
-    response_record,
-    result_limit,
-    scoped_key,
-    stored_response,
-    without_headers,
-)
+from dedupcore.errors import ConflictError, UnavailableError
+from dedupcore.http import protocol
 from dedupcore.keys import check_namespace
 
 with extra_imports("django", "django", "dedupcore.integrations.django", also=("asgiref",)):
@@ -200,7 +174,7 @@ class _Rejected(Exception):
 
     def __init__(self, slug: str, detail: str) -> None:
         super().__init__(detail)
-        self.refusal = Refusal(slug, detail)
+        self.refusal = protocol.Refusal(slug, detail)
 
 
 def client_identity(request: HttpRequest) -> str | None:
@@ -216,7 +190,7 @@ def client_identity(request: HttpRequest) -> str | None:
         return f"user:{user.pk}"
     authorization = request.META.get("HTTP_AUTHORIZATION")
     values = [] if authorization is None else [authorization.encode("latin-1")]
-    return credentials_identity(values)
+    return protocol.credentials_identity(values)
 
 
 class Idempotency:
@@ -244,27 +218,21 @@ class Idempotency:
         max_body_bytes: int = 1 << 20,
         lease: float | None = None,
         max_response_bytes: int | None = None,
-        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        retry_statuses: Collection[int] = protocol.DEFAULT_RETRY_STATUSES,
         key_scope: KeyScope | str | None = None,
         replay_header: str = "Idempotent-Replayed",
-        replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+        replay_drop_headers: Collection[str] = protocol.DEFAULT_REPLAY_DROP_HEADERS,
         problem_base_url: str | Mapping[str, str] | None = None,
         heartbeat: bool = False,
     ) -> None:
         if store is not None:
-            _check_store(store)
-        lease = heartbeat_lease(store, heartbeat, lease)
-        for name, value in (("header", header), ("replay_header", replay_header)):
-            if not isinstance(value, str) or not value or not value.isascii():
-                raise ValueError(f"{name} must be a non-empty ASCII name, got {value!r}")
-        for name, number in (
-            ("max_body_bytes", max_body_bytes),
-            ("max_response_bytes", max_response_bytes),
-        ):
-            if number is not None and (isinstance(number, bool) or not isinstance(number, int)):
-                raise TypeError(f"{name} must be an int, not {type(number).__name__}")
-            if number is not None and number <= 0:
-                raise ValueError(f"{name} must be > 0, got {number}")
+            protocol.check_store(store)
+        lease = protocol.heartbeat_lease(store, heartbeat, lease)
+        protocol.check_header_name("header", header)
+        protocol.check_header_name("replay_header", replay_header)
+        protocol.check_size("max_body_bytes", max_body_bytes)
+        if max_response_bytes is not None:
+            protocol.check_size("max_response_bytes", max_response_bytes)
         if isinstance(key_scope, str):
             key_scope = import_string(key_scope)
         if key_scope is not None and not callable(key_scope):
@@ -284,9 +252,9 @@ class Idempotency:
         self.key_scope: KeyScope | None = key_scope
         self.replay_header = replay_header
         self.replay_header_bytes = replay_header.encode("ascii")
-        self.replay_drop_headers = header_names(replay_drop_headers)
-        self.problem_types = problem_types(problem_base_url)
-        self._check_client = ClientCheck("docs/django.md, 'Whose key'")
+        self.replay_drop_headers = protocol.header_names(replay_drop_headers)
+        self.problem_types = protocol.problem_types(problem_base_url)
+        self._check_client = protocol.ClientCheck("docs/django.md, 'Whose key'")
 
     # -- the store -----------------------------------------------------------------------
 
@@ -302,7 +270,7 @@ class Idempotency:
     @property
     def max_response_bytes(self) -> int:
         if self._max_response_bytes is None:
-            self._max_response_bytes = result_limit(self.store)
+            self._max_response_bytes = protocol.result_limit(self.store)
         return self._max_response_bytes
 
     def _is_async_store(self) -> bool:
@@ -331,7 +299,7 @@ class Idempotency:
                 "comma; send one key (quote it to use a comma)",
             )
         try:
-            return parse_key(raw.encode("latin-1"))
+            return protocol.parse_key(raw.encode("latin-1"))
         except ValueError as exc:
             raise _Rejected("invalid-key", str(exc)) from None
 
@@ -362,17 +330,13 @@ class Idempotency:
             found = self.key_scope(request)
             how = "for which key_scope found no client identity"
         checked = self._check_client(found, how)
-        if isinstance(checked, Refusal):
+        if isinstance(checked, protocol.Refusal):
             raise _Rejected(checked.slug, checked.detail)
         return checked
 
     def problem(self, slug: str, detail: str, retry_after: int | None = None) -> HttpResponse:
         """The problem document ``slug`` (``PROBLEMS`` of dedupcore.http) as a response."""
-        status, title = PROBLEMS[slug]
-        type_uri = self.problem_types[slug]
-        return _response(
-            *problem(status, title, detail, retry_after=retry_after, type_uri=type_uri)
-        )
+        return _response(*protocol.refusal_problem(self.problem_types, slug, detail, retry_after))
 
     def _exchange(self, request: HttpRequest) -> _Exchange:
         """One request that takes part, as steps for a driver to run: store calls, finding
@@ -380,7 +344,7 @@ class Idempotency:
         try:
             key = self._key(request)
             body = self._body(request)
-            dkey = scoped_key((yield _Scope(request)), key)
+            dkey = protocol.scoped_key((yield _Scope(request)), key)
         except _Rejected as rejected:
             return self.problem(*rejected.refusal)
         path = request.path.encode("utf-8", "surrogatepass")
@@ -392,16 +356,13 @@ class Idempotency:
                 {
                     "namespace": self.namespace,
                     "lease": self.lease,
-                    "fingerprint": fingerprint(request.method or "", path, query, body),
+                    "fingerprint": protocol.fingerprint(request.method or "", path, query, body),
                 },
             )
         except (ConflictError, UnavailableError) as exc:
-            if isinstance(exc, UnavailableError):
-                log.error("idempotency store unavailable (key %s): %s", key_ref(dkey), exc)
-            answer: Refusal | Replay | None = claim_refused(exc)
-        else:
-            answer = claim_answer(claim, self.replay_drop_headers, self.replay_header_bytes)
-        if isinstance(answer, Refusal):
+            return self.problem(*protocol.claim_refused(exc, dkey, log))
+        answer = protocol.claim_answer(claim, self.replay_drop_headers, self.replay_header_bytes)
+        if isinstance(answer, protocol.Refusal):
             return self.problem(*answer)
         if answer is not None:
             return _response(*answer)
@@ -417,30 +378,26 @@ class Idempotency:
     def _release(self, dkey: str, token: int) -> Generator[_Step, Any, None]:
         try:
             yield _StoreCall("release", (dkey, token), {"namespace": self.namespace})
-        except StaleTokenError:
-            log.warning(
-                "could not release idempotency key %s: its lease was taken over", key_ref(dkey)
-            )
-        except Exception:
-            log.exception("could not release idempotency key %s", key_ref(dkey))
+        except Exception as exc:
+            protocol.release_failed(exc, dkey, log)
 
     def _settle(
         self, response: HttpResponseBase, dkey: str, token: int
     ) -> Generator[_Step, Any, None]:
         """Records the response (or releases the key) before it goes to the client."""
         status = response.status_code
-        if status >= 500 or status in self.retry_statuses:
+        if not protocol.recorded(status, self.retry_statuses):
             yield from self._release(dkey, token)
             return
         if response.streaming:
-            result = not_replayable(_STREAMING, status)
+            result = protocol.not_replayable(_STREAMING, status)
         else:
-            headers = without_headers(
+            headers = protocol.without_headers(
                 ((n.encode("latin-1"), v.encode("latin-1")) for n, v in response.items()),
                 self.replay_drop_headers,
             )
             content: bytes = response.content
-            result = response_record(status, headers, content, self.max_response_bytes)
+            result = protocol.response_record(status, headers, content, self.max_response_bytes)
         namespace = self.namespace
         try:
             try:
@@ -448,25 +405,12 @@ class Idempotency:
                     "complete", (dkey, token), {"namespace": namespace, "result": result}
                 )
             except (TypeError, ValueError) as exc:
-                if not result_refused(exc) or isinstance(stored_response(result), str):
-                    raise
-                # The store's own limit (a daemon's) is below the one assumed here.
-                note = not_replayable(f"the store refused to keep it ({exc})", status)
+                note = protocol.refused_record(exc, result)
                 yield _StoreCall(
                     "complete", (dkey, token), {"namespace": namespace, "result": note}
                 )
-        except StaleTokenError:
-            log.error(
-                "idempotency key %s: the lease ran out before the response was recorded; "
-                "another attempt may have run the request again (raise lease=)",
-                key_ref(dkey),
-            )
-        except Exception:
-            log.exception(
-                "idempotency key %s: the response could not be recorded; the key stays "
-                "claimed until its lease ends",
-                key_ref(dkey),
-            )
+        except Exception as exc:
+            protocol.record_failed(exc, dkey, log)
 
     # -- the drivers ------------------------------------------------------------------------
 
@@ -497,7 +441,7 @@ class Idempotency:
         """The heartbeat of the view's claim in a thread (``heartbeat=True``), else none."""
         if not self.heartbeat or self.lease is None:
             return nullcontext()
-        return heartbeat(self.store, step.key, step.token, self.namespace, self.lease)
+        return protocol.heartbeat(self.store, step.key, step.token, self.namespace, self.lease)
 
     def _abeat(self, step: _View) -> AbstractAsyncContextManager[Any]:
         """The heartbeat of an awaited view's claim, as a task (``heartbeat=True``)."""
@@ -507,7 +451,7 @@ class Idempotency:
         async def in_thread(fn: Callable[[], None]) -> None:
             await sync_to_async(fn, thread_sensitive=False)()
 
-        return async_heartbeat(
+        return protocol.async_heartbeat(
             self.store, step.key, step.token, self.namespace, self.lease, in_thread
         )
 
@@ -548,15 +492,6 @@ class Idempotency:
             return await view(step.request)
 
 
-def _check_store(store: Any) -> None:
-    for name in ("claim", "complete", "release"):
-        if not callable(getattr(store, name, None)):
-            raise TypeError(
-                "store must have claim/complete/release (a dedupcore store or client), "
-                f"not {type(store).__name__}"
-            )
-
-
 #: DEDUPCORE_STORE's value -> the store its callable made (once per process).
 _settings_stores: dict[str, Any] = {}
 _settings_lock = threading.Lock()
@@ -577,7 +512,7 @@ def store_from_settings() -> Any:
     with _settings_lock:
         if path not in _settings_stores:
             store = import_string(path)()
-            _check_store(store)
+            protocol.check_store(store)
             _settings_stores[path] = store
         return _settings_stores[path]
 
