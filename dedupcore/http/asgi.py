@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.to_thread
@@ -22,7 +22,9 @@ import anyio.to_thread
 from dedupcore.api.conveniences import AsyncHeartbeat
 from dedupcore.errors import ConflictError, UnavailableError
 from dedupcore.http import protocol
-from dedupcore.keys import check_namespace
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("dedupcore")
 
@@ -72,7 +74,7 @@ class Answer:
 Answer.GONE = Answer(0, [], b"")
 
 
-class Idempotency:
+class Idempotency(protocol.Handling):
     """The ``Idempotency-Key`` handling of an app or of some of its routes (docs/http.md).
 
     ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
@@ -88,52 +90,41 @@ class Idempotency:
     (default :data:`~dedupcore.api.HEARTBEAT_LEASE`) while the app runs, so an
     app slower than its lease keeps its key (docs/http.md, "Heartbeats"). The
     app finds the request's store key in ``scope["dedupcore.key"]``.
+
+    The other keywords are those of :class:`~dedupcore.http.protocol.Options`
+    (``namespace``, ``header``, ``methods``, ``required``, ``max_body_bytes``,
+    ``lease``, ``max_response_bytes``, ``retry_statuses``, ``replay_header``,
+    ``replay_drop_headers``, ``problem_base_url``, ``heartbeat``), with the
+    defaults docs/http.md, "Options", gives.
     """
+
+    response_floor = protocol.ENVELOPE_SLACK
 
     def __init__(
         self,
         store: Any,
         *,
-        namespace: str = "http",
-        header: str = "Idempotency-Key",
-        methods: Collection[str] = ("POST", "PATCH"),
-        required: bool = False,
-        max_body_bytes: int = 1 << 20,
-        lease: float | None = None,
-        max_response_bytes: int | None = None,
-        retry_statuses: Collection[int] = protocol.DEFAULT_RETRY_STATUSES,
         key_scope: KeyScope | None = None,
-        replay_header: str = "Idempotent-Replayed",
-        replay_drop_headers: Collection[str] = protocol.DEFAULT_REPLAY_DROP_HEADERS,
-        problem_base_url: str | Mapping[str, str] | None = None,
-        heartbeat: bool = False,
+        **options: Unpack[protocol.Options],
     ) -> None:
         protocol.check_store(store)
-        protocol.check_header_name("header", header)
-        protocol.check_size("max_body_bytes", max_body_bytes)
         if key_scope is not None and not callable(key_scope):
             raise TypeError(
                 f"key_scope must be a callable of the ASGI scope, not {type(key_scope).__name__}"
             )
+        super().__init__(store, **options)
         self.store = store
-        self.namespace = check_namespace(namespace).decode()
-        self.header = header.lower().encode("ascii")
-        self.methods = frozenset(m.upper() for m in methods)
-        self.required = required
-        self.max_body_bytes = max_body_bytes
-        self.lease = protocol.heartbeat_lease(store, heartbeat, lease)
-        self.heartbeat = heartbeat
-        if max_response_bytes is None:
-            max_response_bytes = protocol.result_limit(store)
-        protocol.check_size("max_response_bytes", max_response_bytes, protocol.ENVELOPE_SLACK)
-        self.max_response_bytes = max_response_bytes
-        self.retry_statuses = frozenset(retry_statuses)
         self.key_scope = key_scope
-        self.replay_header = replay_header.lower().encode("ascii")
-        self.replay_drop_headers = protocol.header_names(replay_drop_headers)
-        self.problem_types = protocol.problem_types(problem_base_url)
+        limit = self._max_response_bytes
+        if limit is None:
+            limit = protocol.result_limit(store)
+            protocol.check_size("max_response_bytes", limit, self.response_floor)
+        self.max_response_bytes = limit
         self._async = inspect.iscoroutinefunction(getattr(store, "claim", None))
-        self._check_client = protocol.ClientCheck("docs/http.md, 'Whose key'")
+
+    def _name_headers(self, header: str, replay_header: str) -> None:
+        self.header = header.lower().encode("ascii")
+        self.replay_header = replay_header.lower().encode("ascii")
 
     @classmethod
     def of(cls, store: Any, **options: Any) -> Idempotency:

@@ -15,11 +15,12 @@ import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypedDict
 
 from dedupcore.api import HEARTBEAT_LEASE, Claim, Outcome, pack_result, result_refused
 from dedupcore.api.conveniences import AsyncHeartbeat, Heartbeat
 from dedupcore.errors import ConflictError, StaleTokenError, UnavailableError
+from dedupcore.keys import check_namespace
 
 #: 4xx statuses that ask the client to try again: released like a 5xx, not recorded.
 DEFAULT_RETRY_STATUSES = frozenset({408, 425, 429})
@@ -104,6 +105,76 @@ class ClientCheck:
         if not isinstance(found, (str, bytes)):
             raise TypeError(f"key_scope must return str, bytes or None, not {type(found).__name__}")
         return found
+
+
+class Options(TypedDict, total=False):
+    """The keywords of an ``Idempotency`` (ASGI's and Django's) besides the store and
+    ``key_scope``; docs/http.md, "Options", tells what each does."""
+
+    namespace: str
+    header: str
+    methods: Collection[str]
+    required: bool
+    max_body_bytes: int
+    lease: float | None
+    max_response_bytes: int | None
+    retry_statuses: Collection[int]
+    replay_header: str
+    replay_drop_headers: Collection[str]
+    problem_base_url: str | Mapping[str, str] | None
+    heartbeat: bool
+
+
+class Handling:
+    """The :class:`Options` of an ``Idempotency``, checked and kept, whatever its framework.
+
+    The headers' names are kept by each framework in its own form
+    (:meth:`_name_headers`); ``max_response_bytes`` as given (None: the store's limit).
+    """
+
+    #: A ``max_response_bytes`` given must be above this.
+    response_floor: ClassVar[int] = 0
+    #: Where the warning about a request without a client identity sends the reader.
+    whose_key: ClassVar[str] = "docs/http.md, 'Whose key'"
+
+    def __init__(
+        self,
+        store: object,
+        *,
+        namespace: str = "http",
+        header: str = "Idempotency-Key",
+        methods: Collection[str] = ("POST", "PATCH"),
+        required: bool = False,
+        max_body_bytes: int = 1 << 20,
+        lease: float | None = None,
+        max_response_bytes: int | None = None,
+        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        replay_header: str = "Idempotent-Replayed",
+        replay_drop_headers: Collection[str] = DEFAULT_REPLAY_DROP_HEADERS,
+        problem_base_url: str | Mapping[str, str] | None = None,
+        heartbeat: bool = False,
+    ) -> None:
+        self.lease = heartbeat_lease(store, heartbeat, lease)
+        check_header_name("header", header)
+        check_header_name("replay_header", replay_header)
+        check_size("max_body_bytes", max_body_bytes)
+        if max_response_bytes is not None:
+            check_size("max_response_bytes", max_response_bytes, self.response_floor)
+        self.namespace = check_namespace(namespace).decode()
+        self.methods = frozenset(m.upper() for m in methods)
+        self.required = required
+        self.max_body_bytes = max_body_bytes
+        self.heartbeat = heartbeat
+        self._max_response_bytes = max_response_bytes
+        self.retry_statuses = frozenset(retry_statuses)
+        self.replay_drop_headers = header_names(replay_drop_headers)
+        self.problem_types = problem_types(problem_base_url)
+        self._check_client = ClientCheck(self.whose_key)
+        self._name_headers(header, replay_header)
+
+    def _name_headers(self, header: str, replay_header: str) -> None:
+        """Keeps the names of the key's header and of the replay's, as the framework uses them."""
+        raise NotImplementedError
 
 
 def heartbeat_lease(store: object, heartbeat: bool, lease: float | None) -> float | None:

@@ -62,15 +62,14 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Collection, Generator, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dedupcore._checks import extra_imports
 from dedupcore.errors import ConflictError, UnavailableError
 from dedupcore.http import protocol
-from dedupcore.keys import check_namespace
 
 with extra_imports("django", "django", "dedupcore.integrations.django", also=("asgiref",)):
     from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
@@ -79,6 +78,9 @@ with extra_imports("django", "django", "dedupcore.integrations.django", also=("a
     from django.http import HttpRequest, HttpResponse, HttpResponseBase
     from django.utils.decorators import sync_and_async_middleware
     from django.utils.module_loading import import_string
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "Idempotency",
@@ -193,68 +195,47 @@ def client_identity(request: HttpRequest) -> str | None:
     return protocol.credentials_identity(values)
 
 
-class Idempotency:
+class Idempotency(protocol.Handling):
     """The ``Idempotency-Key`` handling of a middleware or of decorated views.
 
     ``store`` is any ClaimAPI store (``DedupStore``, ``Client``,
     ``RedisStore``, ...), a ``dedupcore.aio.Client`` (for the middleware under
     ASGI and decorated async views), or None for the store ``DEDUPCORE_STORE`` makes
     (:func:`store_from_settings`). The keywords are those of
-    :func:`idempotent_view`; their defaults are the ASGI middleware's.
+    :func:`idempotent_view`: ``key_scope`` (a callable of the request, or its
+    dotted path) and the ASGI middleware's options, with its defaults
+    (:class:`~dedupcore.http.protocol.Options`, docs/http.md, "Options").
     ``heartbeat=True`` renews a request's claim every third of its ``lease``
     (default :data:`~dedupcore.api.HEARTBEAT_LEASE`) while the view runs
     (docs/django.md, "Heartbeats"). The view finds the request's store key in
     ``request.idempotency_key``.
     """
 
+    whose_key = "docs/django.md, 'Whose key'"
+
     def __init__(
         self,
         store: Any = None,
         *,
-        namespace: str = "http",
-        header: str = "Idempotency-Key",
-        methods: Collection[str] = ("POST", "PATCH"),
-        required: bool = False,
-        max_body_bytes: int = 1 << 20,
-        lease: float | None = None,
-        max_response_bytes: int | None = None,
-        retry_statuses: Collection[int] = protocol.DEFAULT_RETRY_STATUSES,
         key_scope: KeyScope | str | None = None,
-        replay_header: str = "Idempotent-Replayed",
-        replay_drop_headers: Collection[str] = protocol.DEFAULT_REPLAY_DROP_HEADERS,
-        problem_base_url: str | Mapping[str, str] | None = None,
-        heartbeat: bool = False,
+        **options: Unpack[protocol.Options],
     ) -> None:
         if store is not None:
             protocol.check_store(store)
-        lease = protocol.heartbeat_lease(store, heartbeat, lease)
-        protocol.check_header_name("header", header)
-        protocol.check_header_name("replay_header", replay_header)
-        protocol.check_size("max_body_bytes", max_body_bytes)
-        if max_response_bytes is not None:
-            protocol.check_size("max_response_bytes", max_response_bytes)
         if isinstance(key_scope, str):
             key_scope = import_string(key_scope)
         if key_scope is not None and not callable(key_scope):
             raise TypeError(f"key_scope must be callable, not {type(key_scope).__name__}")
+        super().__init__(store, **options)
         self._store = store
         self._store_lock = threading.Lock()
-        self.namespace = check_namespace(namespace).decode()
+        self.key_scope: KeyScope | None = key_scope
+
+    def _name_headers(self, header: str, replay_header: str) -> None:
         self.header = header
         self.meta_name = "HTTP_" + header.upper().replace("-", "_")
-        self.methods = frozenset(m.upper() for m in methods)
-        self.required = required
-        self.max_body_bytes = max_body_bytes
-        self.lease = lease
-        self.heartbeat = heartbeat
-        self._max_response_bytes = max_response_bytes
-        self.retry_statuses = frozenset(retry_statuses)
-        self.key_scope: KeyScope | None = key_scope
         self.replay_header = replay_header
         self.replay_header_bytes = replay_header.encode("ascii")
-        self.replay_drop_headers = protocol.header_names(replay_drop_headers)
-        self.problem_types = protocol.problem_types(problem_base_url)
-        self._check_client = protocol.ClientCheck("docs/django.md, 'Whose key'")
 
     # -- the store -----------------------------------------------------------------------
 
