@@ -44,13 +44,12 @@ SCOPE_KEY = "dedupcore.key"
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
 
 
-class _Rejected(Exception):
-    """The request is answered with the problem ``slug`` (:data:`PROBLEMS`)."""
-
-    def __init__(self, slug: str, detail: str) -> None:
-        super().__init__(detail)
-        self.slug = slug
-        self.detail = detail
+def _credentials(scope: Scope) -> str | None:
+    """The default client identity: :func:`~dedupcore.http.protocol.credentials_identity`
+    of the request's ``Authorization`` headers."""
+    return protocol.credentials_identity(
+        v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"
+    )
 
 
 class Answer:
@@ -178,7 +177,7 @@ class Idempotency(protocol.Handling):
             raw = self._header(scope)
             if raw is None:
                 if self.required:
-                    raise _Rejected(
+                    raise protocol.Rejected(
                         "missing-key",
                         f"{scope['method']} requests to this endpoint need an "
                         f"{self.header.decode()} header",
@@ -187,13 +186,13 @@ class Idempotency(protocol.Handling):
             try:
                 key = protocol.parse_key(raw)
             except ValueError as exc:
-                raise _Rejected("invalid-key", str(exc)) from None
+                raise protocol.Rejected("invalid-key", str(exc)) from None
             identity = self._identity(scope)
             body = await self._read_body(scope, receive)
             if body is None:
                 return Answer.GONE  # the client went away before sending its body
-        except _Rejected as rejected:
-            return self.problem(rejected.slug, rejected.detail)
+        except protocol.Rejected as rejected:
+            return self.problem(*rejected.refusal)
         return await self._claim(scope, receive, protocol.scoped_key(identity, key), body)
 
     def problem(self, slug: str, detail: str, retry_after: int | None = None) -> Answer:
@@ -203,26 +202,14 @@ class Idempotency(protocol.Handling):
     def _header(self, scope: Scope) -> bytes | None:
         values = [v for k, v in scope.get("headers", ()) if k.lower() == self.header]
         if len(values) > 1:
-            raise _Rejected(
+            raise protocol.Rejected(
                 "invalid-key",
                 f"the request has {len(values)} {self.header.decode()} headers; send one",
             )
         return values[0] if values else None
 
     def _identity(self, scope: Scope) -> str | bytes:
-        found: str | bytes | None
-        if self.key_scope is None:
-            found = protocol.credentials_identity(
-                v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"
-            )
-            how = "without credentials (an Authorization header)"
-        else:
-            found = self.key_scope(scope)
-            how = "for which key_scope found no client identity"
-        checked = self._check_client(found, how)
-        if isinstance(checked, protocol.Refusal):
-            raise _Rejected(checked.slug, checked.detail)
-        return checked
+        return self.client_of(scope, _credentials, "without credentials (an Authorization header)")
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -231,9 +218,9 @@ class Idempotency(protocol.Handling):
                 try:
                     declared = int(v)
                 except ValueError:
-                    raise _Rejected("bad-content-length", "not a number") from None
+                    raise protocol.Rejected("bad-content-length", "not a number") from None
                 if declared > limit:
-                    raise _Rejected(
+                    raise protocol.Rejected(
                         "body-too-large",
                         f"the body is {declared} bytes; requests with an idempotency key "
                         f"may have at most {limit}",
@@ -249,7 +236,7 @@ class Idempotency(protocol.Handling):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _Rejected(
+                raise protocol.Rejected(
                     "body-too-large",
                     f"requests with an idempotency key may have at most {limit} bytes of body",
                 )

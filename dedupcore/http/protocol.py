@@ -77,6 +77,15 @@ class Refusal(NamedTuple):
 Replay = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
+class Rejected(Exception):
+    """The request is answered with the problem ``slug`` (:data:`PROBLEMS`) and ``detail``,
+    without running the app; ``refusal`` holds both."""
+
+    def __init__(self, slug: str, detail: str) -> None:
+        super().__init__(detail)
+        self.refusal = Refusal(slug, detail)
+
+
 class ClientCheck:
     """Checks the identity found for a request's client; warns once when there is none."""
 
@@ -136,6 +145,8 @@ class Handling:
     response_floor: ClassVar[int] = 0
     #: Where the warning about a request without a client identity sends the reader.
     whose_key: ClassVar[str] = "docs/http.md, 'Whose key'"
+    #: ``key_scope(request)``: the identity of the request's client (None: it has none).
+    key_scope: Callable[[Any], str | bytes | None] | None = None
 
     def __init__(
         self,
@@ -175,6 +186,24 @@ class Handling:
     def _name_headers(self, header: str, replay_header: str) -> None:
         """Keeps the names of the key's header and of the replay's, as the framework uses them."""
         raise NotImplementedError
+
+    def client_of(
+        self, request: Any, default: Callable[[Any], str | None], without: str
+    ) -> str | bytes:
+        """Who sent ``request``: ``key_scope(request)``, else ``default(request)``.
+
+        Raises :class:`Rejected` (400) when it finds none; the first time, a
+        warning says the request came ``without`` what ``default`` looks for.
+        """
+        found: str | bytes | None
+        if self.key_scope is None:
+            found, how = default(request), without
+        else:
+            found, how = self.key_scope(request), "for which key_scope found no client identity"
+        checked = self._check_client(found, how)
+        if isinstance(checked, Refusal):
+            raise Rejected(checked.slug, checked.detail)
+        return checked
 
 
 def heartbeat_lease(store: object, heartbeat: bool, lease: float | None) -> float | None:

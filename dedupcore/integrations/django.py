@@ -171,14 +171,6 @@ def _response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> H
     return response
 
 
-class _Rejected(Exception):
-    """The request is answered with the problem ``slug`` (``PROBLEMS`` of dedupcore.http)."""
-
-    def __init__(self, slug: str, detail: str) -> None:
-        super().__init__(detail)
-        self.refusal = protocol.Refusal(slug, detail)
-
-
 def client_identity(request: HttpRequest) -> str | None:
     """The default client identity: the authenticated user, else the credentials sent.
 
@@ -269,12 +261,12 @@ class Idempotency(protocol.Handling):
     def _key(self, request: HttpRequest) -> str:
         raw = request.META.get(self.meta_name)
         if raw is None:  # and required (see applies)
-            raise _Rejected(
+            raise protocol.Rejected(
                 "missing-key",
                 f"{request.method} requests to this endpoint need an {self.header} header",
             )
         if "," in raw and not raw.strip(" \t").startswith('"'):
-            raise _Rejected(
+            raise protocol.Rejected(
                 "invalid-key",
                 f"the request has more than one {self.header} header, or a bare key with a "
                 "comma; send one key (quote it to use a comma)",
@@ -282,7 +274,7 @@ class Idempotency(protocol.Handling):
         try:
             return protocol.parse_key(raw.encode("latin-1"))
         except ValueError as exc:
-            raise _Rejected("invalid-key", str(exc)) from None
+            raise protocol.Rejected("invalid-key", str(exc)) from None
 
     def _body(self, request: HttpRequest) -> bytes:
         limit = self.max_body_bytes
@@ -290,11 +282,11 @@ class Idempotency(protocol.Handling):
         try:
             size = int(declared)
         except ValueError:
-            raise _Rejected("bad-content-length", "not a number") from None
+            raise protocol.Rejected("bad-content-length", "not a number") from None
         body: bytes = request.body if size <= limit else b""
         size = max(size, len(body))
         if size > limit:
-            raise _Rejected(
+            raise protocol.Rejected(
                 "body-too-large",
                 f"the body is {size} bytes; requests with an idempotency key may have at "
                 f"most {limit}",
@@ -303,17 +295,11 @@ class Idempotency(protocol.Handling):
 
     def identity(self, request: HttpRequest) -> str | bytes:
         """Who sent ``request``: ``key_scope(request)``, else :func:`client_identity`."""
-        found: str | bytes | None
-        if self.key_scope is None:
-            found = client_identity(request)
-            how = "without credentials (no authenticated user, no Authorization header)"
-        else:
-            found = self.key_scope(request)
-            how = "for which key_scope found no client identity"
-        checked = self._check_client(found, how)
-        if isinstance(checked, protocol.Refusal):
-            raise _Rejected(checked.slug, checked.detail)
-        return checked
+        return self.client_of(
+            request,
+            client_identity,
+            "without credentials (no authenticated user, no Authorization header)",
+        )
 
     def problem(self, slug: str, detail: str, retry_after: int | None = None) -> HttpResponse:
         """The problem document ``slug`` (``PROBLEMS`` of dedupcore.http) as a response."""
@@ -326,7 +312,7 @@ class Idempotency(protocol.Handling):
             key = self._key(request)
             body = self._body(request)
             dkey = protocol.scoped_key((yield _Scope(request)), key)
-        except _Rejected as rejected:
+        except protocol.Rejected as rejected:
             return self.problem(*rejected.refusal)
         path = request.path.encode("utf-8", "surrogatepass")
         query = request.META.get("QUERY_STRING", "").encode("utf-8", "surrogatepass")
