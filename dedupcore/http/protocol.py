@@ -1,9 +1,11 @@
 """What the ``Idempotency-Key`` header means and what is stored for a response.
 
-The pieces every HTTP integration shares, whatever the framework: the key's
+The pieces every HTTP integration shares, whatever the framework: the
+options and their checks (:class:`Options`, :class:`Handling`), the key's
 syntax, the client a key belongs to, the request's fingerprint, the record of
-a response and its replay, the name a key has in logs, and the problem
-documents (RFC 9457). The ASGI middleware is in :mod:`dedupcore.http.asgi`;
+a response and its replay, the name a key has in logs and what is logged when
+the store fails, and the problem documents (RFC 9457). The ASGI middleware is
+in :mod:`dedupcore.http.asgi`, Django's in :mod:`dedupcore.integrations.django`;
 docs/http.md describes the behaviour.
 """
 
