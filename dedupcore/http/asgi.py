@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 import anyio.to_thread
 
+import dedupcore.http.protocol as protocol
 from dedupcore.api.conveniences import AsyncHeartbeat
 from dedupcore.errors import ConflictError, UnavailableError
-from dedupcore.http import protocol
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -67,9 +67,9 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager, null
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import dedupcore.http.protocol as protocol
 from dedupcore._checks import extra_imports
 from dedupcore.errors import ConflictError, UnavailableError
-from dedupcore.http import protocol
 
 with extra_imports("django", "django", "dedupcore.integrations.django", also=("asgiref",)):
     from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
