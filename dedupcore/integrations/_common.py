@@ -286,8 +286,8 @@ def _claim_failed(key: bytes | str, exc: Exception) -> Verdict:
 
 def _claimed(delivery: Delivery, c: Claim) -> Verdict | None:
     """The verdict a claim's outcome gives by itself (RETRY for IN_PROGRESS, ACKED for a
-    DUPLICATE, after its ``before_ack``), or None for a NEW claim: run the handler.
-    Records the outcome (and a NEW claim) on ``delivery``."""
+    DUPLICATE: the caller runs ``before_ack`` for every ACKED), or None for a NEW claim:
+    run the handler. Records the outcome (and a NEW claim) on ``delivery``."""
     delivery.outcome = c.outcome
     if c.outcome is Outcome.IN_PROGRESS:
         return Verdict.RETRY
