@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dedupcore.cli.demo import broker
+import dedupcore.cli.demo.broker as broker
 from dedupcore.cli.demo.summary import (
     DemoResult,
     _counters,
