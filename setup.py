@@ -15,7 +15,13 @@ extensions = [
         "dedupcore._core",
         sources=["ext/_core.pyx"],
         include_dirs=["ext"],
-        depends=["ext/dc_status.h", "ext/dc_hash.h", "ext/dc_fuse.h", "ext/_status.pxi"],
+        depends=[
+            "ext/dc_status.h",
+            "ext/dc_hash.h",
+            "ext/dc_fuse.h",
+            "ext/dc_sync.h",
+            "ext/_status.pxi",
+        ],
         extra_compile_args=compile_args,
     ),
     Extension(

@@ -1164,3 +1164,121 @@ def frame_records(bytearray out, list payloads, uint64_t first_lsn, Py_ssize_t m
         _put_le(dst + 12 + size, dc_xxh64(dst, <size_t>(12 + size), 0), 8)
         dst += 20 + size
     return -1
+
+
+cdef extern from "dc_sync.h" nogil:
+    ctypedef struct dc_syncer:
+        pass
+    int dc_syncer_init(dc_syncer* s, int efd)
+    int dc_syncer_start(dc_syncer* s, int fd, const char* data, size_t len, int sync)
+    void dc_syncer_wait(dc_syncer* s)
+    int dc_syncer_take(dc_syncer* s, int* err, size_t* written)
+    void dc_syncer_close(dc_syncer* s)
+
+
+cdef class Syncer:
+    """A native thread that writes a buffer at the end of a file and fdatasyncs it
+    without the GIL, then adds 1 to an eventfd (``fileno()``) for an event loop to
+    watch (ext/dc_sync.h; docs/daemon.md, "Group commit").
+
+    One job at a time: :meth:`start` queues it, :meth:`take` returns its outcome
+    once it is done (``(errno, bytes written)``, or None while it runs), after
+    which the next may start. :meth:`wait` blocks, the GIL released, until the
+    job is done; :meth:`drain` clears the eventfd. The buffer is held (and a bytearray cannot be resized) until
+    the job is taken.
+    """
+
+    cdef dc_syncer s
+    cdef int efd
+    cdef bint running  # the native thread was started and not closed
+    cdef Py_buffer view
+    cdef bint holding  # ``view`` is held for the job under way
+
+    def __cinit__(self):
+        import os
+        self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        cdef int rc = dc_syncer_init(&self.s, self.efd)
+        if rc != 0:
+            os.close(self.efd)
+            self.efd = -1
+            raise OSError(rc, f"cannot start the commit thread: {os.strerror(rc)}")
+        self.running = True
+
+    def fileno(self) -> int:
+        """The eventfd that becomes readable when a job is done."""
+        if self.efd < 0:
+            raise ValueError("the syncer is closed")
+        return self.efd
+
+    def start(self, int fd, data, bint sync=True):
+        """Queues a job: write ``data`` (bytes-like) at ``fd``'s position, then
+        fdatasync ``fd`` when ``sync``. RuntimeError while another job is not taken."""
+        if not self.running:
+            raise ValueError("the syncer is closed")
+        if self.holding:
+            raise RuntimeError("a commit is under way: take it before starting another")
+        PyObject_GetBuffer(data, &self.view, PyBUF_SIMPLE)
+        self.holding = True
+        if dc_syncer_start(&self.s, fd, <const char*>self.view.buf, <size_t>self.view.len,
+                           sync) != 0:
+            PyBuffer_Release(&self.view)
+            self.holding = False
+            raise RuntimeError("a commit is under way: take it before starting another")
+
+    def busy(self) -> bool:
+        """Whether a job was started and not yet taken."""
+        return self.holding
+
+    def wait(self):
+        """Blocks, the GIL released, until the job started is done (at once if none)."""
+        if self.running:
+            with nogil:
+                dc_syncer_wait(&self.s)
+
+    def take(self):
+        """The done job's ``(errno, bytes written)`` (errno 0: written and synced), or
+        None when no job is done. Any thread may take it; the eventfd stays readable
+        until :meth:`drain`, so the loop watching it learns of the job either way."""
+        cdef int err = 0
+        cdef size_t written = 0
+        if not self.running or not dc_syncer_take(&self.s, &err, &written):
+            return None
+        PyBuffer_Release(&self.view)
+        self.holding = False
+        return err, written
+
+    def drain(self):
+        """Clears the eventfd (the loop watching it, when it became readable)."""
+        import os
+        if self.efd >= 0:
+            try:
+                os.eventfd_read(self.efd)
+            except BlockingIOError:
+                pass
+
+    def close(self):
+        """Finishes the job under way, stops the thread and closes the eventfd."""
+        if self.running:
+            with nogil:
+                dc_syncer_close(&self.s)
+            self.running = False
+        if self.holding:
+            PyBuffer_Release(&self.view)
+            self.holding = False
+        if self.efd >= 0:
+            import os
+            os.close(self.efd)
+            self.efd = -1
+
+    def __dealloc__(self):
+        if self.running:
+            with nogil:
+                dc_syncer_close(&self.s)
+            self.running = False
+        if self.holding:
+            PyBuffer_Release(&self.view)
+            self.holding = False
+        if self.efd >= 0:
+            import os
+            os.close(self.efd)
+            self.efd = -1

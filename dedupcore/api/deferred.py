@@ -47,6 +47,9 @@ class DeferredStore(Protocol):
     ``wait_durable(lsn)`` returned (lsn 0: nothing to wait for).
     ``commit_bytes()`` is what the next commit would write;
     ``unsynced_commits`` is True where a commit writes to the OS without a sync.
+    ``start_commit()`` starts the next commit on a native thread (False where
+    it cannot); ``commit_fd()`` becomes readable when it is done, and
+    ``finish_commit()`` then records it (True once none is under way).
     """
 
     limits: Limits
@@ -64,12 +67,27 @@ class DeferredStore(Protocol):
 
     def commit_bytes(self) -> int: ...
 
+    def start_commit(self) -> bool: ...
+
+    def finish_commit(self) -> bool: ...
+
+    def commit_fd(self) -> int | None: ...
+
 
 #: The members a DeferredStore has beyond the claim API: a wrapper that forwards
 #: unknown attributes to the store inside it refuses these, so that it is not
 #: taken for a DeferredStore and passed by (dedupcore/metrics.py).
 DEFERRED_MEMBERS = frozenset(
-    {"claim_deferred", "change_deferred", "wait_durable", "commit_bytes", "unsynced_commits"}
+    {
+        "claim_deferred",
+        "change_deferred",
+        "wait_durable",
+        "commit_bytes",
+        "unsynced_commits",
+        "start_commit",
+        "finish_commit",
+        "commit_fd",
+    }
 )
 
 

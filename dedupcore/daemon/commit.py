@@ -26,17 +26,20 @@ class Committer:
     """Makes the requests decided on the event loop durable, a group at a time.
 
     The requests decided in one pass of the loop are gathered; at the start of
-    the next pass they are handed over together: when no commit is running,
+    the next pass they are handed over together. When no commit is running,
     none is queued, no other request is in flight (``others_in_flight(n)``:
     requests beside the group's n) and the log to write is small
     (INLINE_COMMIT_BYTES), the loop itself waits for the log (one
     ``fdatasync`` for the group, no thread hop: a lone client's claim costs
-    one wake-up less); otherwise the commit thread takes them (a sync under
-    load can take far longer than its bytes say: other files' writes share
-    the disk), and each of its rounds
-    takes every group queued meanwhile, waits once until the highest LSN
-    among them is durable, then resolves all their futures in one callback on
-    the loop (the loop keeps deciding while the disk works)."""
+    one wake-up less). Otherwise the store's native commit thread writes and
+    syncs the group without the GIL while the loop goes on deciding, and its
+    eventfd wakes the loop to answer the group; the requests decided
+    meanwhile form the next group, started as soon as that commit is done
+    (docs/daemon.md, "Group commit"). Where the store has no native commit
+    (a log that syncs nothing, or I/O of the store's own under way), the
+    commit thread takes the group: each of its rounds takes every group
+    queued meanwhile, waits once until the highest LSN among them is durable,
+    then resolves all their futures in one callback on the loop."""
 
     def __init__(
         self,
@@ -53,9 +56,15 @@ class Committer:
         self._waiting: list[tuple[int, asyncio.Future[None]]] = []
         self._running = False  # a round of the commit thread is under way
         self._gathered: list[tuple[int, asyncio.Future[None]]] = []
+        # The group the native commit thread is making durable, and the requests
+        # decided since, for the commit after it (loop only).
+        self._native: list[tuple[int, asyncio.Future[None]]] | None = None
+        self._next: list[tuple[int, asyncio.Future[None]]] = []
+        self._native_fd: int | None = None  # watched by the loop once the first started
         self._closed = False
         self.rounds = 0  # waits for the log, each covering every request queued meanwhile
         self.inline_rounds = 0  # of them, waits on the loop itself
+        self.native_rounds = 0  # of them, commits of the native thread
         self._thread = threading.Thread(target=self._run, name="dedupcore-commit", daemon=True)
         self._thread.start()
 
@@ -91,21 +100,64 @@ class Committer:
         return (
             not self._running
             and not self._waiting
+            and self._native is None
             and not self._others_in_flight(n)
             and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
         )
 
     def _hand_over(self) -> None:
-        """The requests of the last pass of the loop: committed here when the thread is
-        idle and the commit small, else queued for the thread."""
+        """The requests of the last pass of the loop: committed here when nothing else
+        commits and the commit is small, else by the native commit thread (after the
+        commit it is making, if any), else queued for the commit thread."""
         batch, self._gathered = self._gathered, []
+        if not batch:
+            return
+        if self._native is not None:
+            self._next.extend(batch)
+            return
         with self._cond:
             # After close() the thread may be gone: the loop commits itself.
-            if not (self._closed or self._inline(len(batch))):
+            here = self._closed or self._inline(len(batch))
+        if not here and self._start_native(batch):
+            return
+        with self._cond:
+            if not here:
                 self._waiting.extend(batch)
                 self._cond.notify()
                 return
         self._commit_here(batch)
+
+    def _start_native(self, batch: list[tuple[int, asyncio.Future[None]]]) -> bool:
+        """Starts the native commit thread on everything the log has queued (``batch``'s
+        records among it); False where the store cannot (see WriteAheadLog.start_commit)."""
+        try:
+            if not self._store.start_commit():
+                return False
+        except Exception:
+            # The log failed starting it: the commit thread's wait gives each its error.
+            return False
+        if self._native_fd is None:
+            fd = self._store.commit_fd()
+            if fd is None:
+                raise AssertionError("a native commit started without its descriptor")
+            self._native_fd = fd
+            self._loop.add_reader(fd, self._native_done)
+        self._native = batch
+        self.rounds += 1
+        self.native_rounds += 1
+        return True
+
+    def _native_done(self) -> None:
+        """The native commit thread's descriptor became readable: answers the group it
+        made durable and starts the next."""
+        if not self._store.finish_commit() or self._native is None:
+            return  # still running (a spurious wake-up), or nothing of the loop's
+        batch, self._native = self._native, None
+        _resolve(self._commit(batch))  # durable now (or failed): no wait
+        if self._next:
+            self._gathered = self._next + self._gathered
+            self._next = []
+            self._hand_over()
 
     def _commit_here(self, batch: list[tuple[int, asyncio.Future[None]]]) -> None:
         """Commits a group on the loop itself and resolves its futures."""
@@ -115,6 +167,13 @@ class Committer:
 
     def close(self) -> None:
         """Finishes the waits queued so far, then stops the thread."""
+        if self._native_fd is not None:
+            self._loop.remove_reader(self._native_fd)
+            self._native_fd = None
+        pending = (self._native or []) + self._next
+        self._native, self._next = None, []
+        if pending:
+            _resolve(self._commit(pending))
         with self._cond:
             self._closed = True
             self._cond.notify()

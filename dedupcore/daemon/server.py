@@ -633,6 +633,7 @@ class DaemonServer:
                 request_seconds=self._commit_seconds,
                 commit_rounds=0 if committer is None else committer.rounds,
                 inline_commit_rounds=0 if committer is None else committer.inline_rounds,
+                native_commit_rounds=0 if committer is None else committer.native_rounds,
             )
             return stats
         return self.dispatch.call(op, args)

@@ -14,9 +14,10 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
@@ -41,6 +42,8 @@ from dedupcore.tiers.lmdb import LmdbTier
 from dedupcore.wal import WriteAheadLog
 
 __all__ = ["LOG_HEAD_FILE", "DedupStore", "ReplyColumns"]  # dedupcore.store has the public names
+
+T = TypeVar("T")
 
 log = logging.getLogger("dedupcore.store")
 
@@ -551,6 +554,21 @@ class DedupStore(Maintenance, ClaimAPI):
         """
         self._sync(lsn)
 
+    def start_commit(self) -> bool:
+        """Starts the log's next commit on its native commit thread (the daemon's group
+        commit; dedupcore/wal/log.py, ``start_commit``): False when it cannot, and the
+        records are then made durable by :meth:`wait_durable` as before."""
+        return self._wal_call(self._wal.start_commit)
+
+    def finish_commit(self) -> bool:
+        """Records the native commit's outcome once done (the descriptor of
+        :meth:`commit_fd` became readable); True once none is under way."""
+        return self._wal_call(self._wal.finish_commit)
+
+    def commit_fd(self) -> int | None:
+        """The descriptor that becomes readable when a native commit is done."""
+        return self._wal.commit_fd()
+
     def commit_bytes(self) -> int:
         """Bytes of log a :meth:`wait_durable` would write and sync now (a commit under
         way counts as unbounded): the daemon waits on its event loop only when few."""
@@ -617,10 +635,13 @@ class DedupStore(Maintenance, ClaimAPI):
         return last
 
     def _sync(self, lsn: int) -> None:
-        if lsn <= 0:
-            return
+        if lsn > 0:
+            self._wal_call(lambda: self._wal.sync(lsn))
+
+    def _wal_call(self, call: Callable[[], T]) -> T:
+        """Runs a call of the log whose failure stops the store."""
         try:
-            self._wal.sync(lsn)
+            return call()
         except BaseException as exc:
             self._failed = exc
             raise

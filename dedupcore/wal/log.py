@@ -123,6 +123,10 @@ class WriteAheadLog:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
+        # The native commit thread (made on the first start_commit) and the first and
+        # last LSN of the commit it runs.
+        self._syncer: _core.Syncer | None = None
+        self._native: tuple[int, int] | None = None
         #: The head file outside the log's directory (dedupcore/wal/segments.py), or None.
         self.head_path = None if head is None else Path(head)
         # The files; their list changes under the lock, their I/O runs one thread at a time.
@@ -258,7 +262,7 @@ class WriteAheadLog:
             if not self._busy and self._pending_records:
                 self._lead()
                 continue
-            self._cond.wait()
+            self._await_io()
 
     def _lead(self) -> None:
         """Commits everything queued: one write and one fdatasync, lock released meanwhile.
@@ -266,13 +270,7 @@ class WriteAheadLog:
         Called with the lock held and no other I/O running. Rotates first when
         the last segment has reached ``segment_bytes``.
         """
-        batch, self._pending = self._pending, bytearray()
-        count, self._pending_records = self._pending_records, 0
-        last = self._next_lsn - 1
-        first = last - count + 1
-        files = self._segments
-        rotate = files.size >= self.segment_bytes and files.firsts[-1] < first
-        self._busy = True
+        batch, first, last, rotate = self._take_queue()
         self._cond.release()
         failure: BaseException | None = None
         rotated = False
@@ -281,26 +279,148 @@ class WriteAheadLog:
             if rotate:
                 # A segment that cannot be created (no file descriptor, no space)
                 # costs nothing acknowledged: the batch goes to the current one.
-                not_created = files.rotate(first)
+                not_created = self._segments.rotate(first)
                 rotated = True
-            files.append(batch)
+            self._segments.append(batch)
             if self.sync_mode == "fdatasync":
-                files.sync()
+                self._segments.sync()
         except BaseException as exc:
             failure = exc
         finally:
             self._cond.acquire()
-            self._busy = False
+        self._led(first, last, failure, rotated, not_created)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt and the like reach the leader's caller
+
+    def _take_queue(self) -> tuple[bytearray, int, int, bool]:
+        """Takes the queued records for a commit (lock held, no I/O running): their
+        bytes, first and last LSN, and whether the last segment is to be rotated
+        first; marks the log busy until :meth:`_led`."""
+        batch, self._pending = self._pending, bytearray()
+        count, self._pending_records = self._pending_records, 0
+        last = self._next_lsn - 1
+        first = last - count + 1
+        files = self._segments
+        self._busy = True
+        return batch, first, last, files.size >= self.segment_bytes and files.firsts[-1] < first
+
+    def _led(
+        self,
+        first: int,
+        last: int,
+        failure: BaseException | None,
+        rotated: bool,
+        not_created: OSError | None,
+    ) -> None:
+        """Records the outcome of a commit of LSNs ``first..last`` (lock held)."""
+        self._busy = False
         if rotated:
-            files.rotated(first, not_created)
+            self._segments.rotated(first, not_created)
         if failure is None:
             self._durable_lsn = last
             self.commits += 1
         else:
             self._fail(failure, first, last)
         self._cond.notify_all()
-        if failure is not None and not isinstance(failure, Exception):
-            raise failure  # KeyboardInterrupt and the like reach the leader's caller
+
+    # -- the native commit thread -----------------------------------------------
+
+    def start_commit(self) -> bool:
+        """Starts a commit of the queued records on the native commit thread and returns
+        at once; False (nothing started) when nothing is queued, another commit or
+        other I/O runs, the log syncs nothing (``sync="none"``), or it failed or closes.
+
+        The thread writes and fdatasyncs without the GIL, then makes
+        :meth:`commit_fd` readable; :meth:`finish_commit` records the outcome
+        (an event loop calls it when the descriptor is readable). A thread that
+        waits for those records meanwhile (``sync``, ``append``) waits for the
+        thread's commit and records it itself, so nothing waits on the loop.
+        A rotation due first is done here, on the caller's thread.
+        """
+        with self._cond:
+            if (
+                self._busy
+                or not self._pending_records
+                or self.sync_mode != "fdatasync"
+                or self._failure is not None
+                or self._closing
+            ):
+                return False
+            if self._syncer is None:
+                self._syncer = _core.Syncer()
+            batch, first, last, rotate = self._take_queue()
+            if rotate:
+                self._cond.release()
+                failure: BaseException | None = None
+                not_created: OSError | None = None
+                try:
+                    not_created = self._segments.rotate(first)
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    self._cond.acquire()
+                if failure is not None:
+                    self._led(first, last, failure, False, None)
+                    if not isinstance(failure, Exception):
+                        raise failure
+                    return True  # started and failed: its waiters get the error
+                self._segments.rotated(first, not_created)
+            self._syncer.start(self._segments.fd, batch, True)
+            self._native = (first, last)
+            # A thread that began waiting during the rotation waits for the thread's
+            # commit now (it records it itself: nothing depends on the loop).
+            self._cond.notify_all()
+            return True
+
+    def commit_fd(self) -> int | None:
+        """The descriptor that becomes readable when a commit started by
+        :meth:`start_commit` is done (None before the first)."""
+        with self._cond:
+            return None if self._syncer is None else self._syncer.fileno()
+
+    def finish_commit(self) -> bool:
+        """Clears :meth:`commit_fd` and records the outcome of the native thread's commit
+        if it is done; True once no native commit is under way (it was recorded, here
+        or by a thread that waited for it: its records are durable, or the log
+        failed). Only the one watching the descriptor calls it."""
+        with self._cond:
+            if self._syncer is not None:
+                self._syncer.drain()
+            self._finish_native()
+            return self._native is None
+
+    def _finish_native(self) -> bool:
+        """:meth:`finish_commit` with the lock held."""
+        if self._native is None or self._syncer is None:
+            return False
+        outcome = self._syncer.take()
+        if outcome is None:
+            return False
+        first, last = self._native
+        self._native = None
+        err, written = outcome
+        self._segments.appended(written, synced=not err)
+        failure = None
+        if err:
+            failure = OSError(
+                err, os.strerror(err), str(self._segments.file(self._segments.firsts[-1]))
+            )
+        self._led(first, last, failure, False, None)
+        return True
+
+    def _await_io(self) -> None:
+        """Waits (lock held) for the I/O under way to end: the native thread's commit,
+        which is then recorded here, or another thread's."""
+        if self._native is None or self._syncer is None:
+            self._cond.wait()
+            return
+        syncer = self._syncer
+        self._cond.release()
+        try:
+            syncer.wait()
+        finally:
+            self._cond.acquire()
+        self._finish_native()
 
     def _fail(self, failure: BaseException, first: int, last: int) -> None:
         """Marks the log failed (lock held): the bytes after the last acknowledged are unknown."""
@@ -324,7 +444,7 @@ class WriteAheadLog:
             elif self._failure is not None:
                 raise self._failed_error()
             if self._busy:
-                self._cond.wait()
+                self._await_io()
             elif self._pending_records:
                 self._lead()
             else:
@@ -486,7 +606,9 @@ class WriteAheadLog:
                         self._io(lambda: self._segments.write_head(last, checkpointed))
             finally:
                 while self._busy:
-                    self._cond.wait()
+                    self._await_io()
+                if self._syncer is not None:
+                    self._syncer.close()
                 self._closed = True
                 self._segments.close()
                 self._cond.notify_all()

@@ -481,8 +481,13 @@ class Segments:
     def append(self, batch: bytes | bytearray) -> None:
         """Writes framed records at the end of the last segment (not synced)."""
         _files.write_all(self.fd, batch)
-        self.size += len(batch)
-        self.unsynced = True
+        self.appended(len(batch), synced=False)
+
+    def appended(self, n: int, *, synced: bool) -> None:
+        """Counts ``n`` bytes written at the end of the last segment by other code (the
+        native commit thread), synced with them or not."""
+        self.size += n
+        self.unsynced = not synced
 
     def detach_through(self, lsn: int) -> list[int]:
         """Takes the segments all of whose records are <= ``lsn`` off the list (the

@@ -13,12 +13,17 @@
 #include "dc_hash.h"
 #include "dc_fuse.h"
 #include "dc_engine.h"
+#include "dc_sync.h"
 #include "dc_status.h"
 #include "dc_hash.h"
 #include "dc_fuse.h"
 #include "dc_engine.h"
+#include "dc_sync.h"
 
+#include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
 
 static int checks, failures;
 
@@ -304,6 +309,44 @@ static void print_xxh64(void) {
     }
 }
 
+
+/* The commit thread: a job written and synced, its eventfd, one job at a time, an
+ * errno reported, and close finishing a queued job. */
+static void test_syncer(void) {
+    char path[] = "/tmp/dc_sync_test_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    unlink(path);
+    int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    CHECK(efd >= 0);
+    dc_syncer s;
+    CHECK(dc_syncer_init(&s, efd) == 0);
+    int err = -1;
+    size_t written = 0;
+    CHECK(dc_syncer_take(&s, &err, &written) == 0); /* nothing done yet */
+    static const char data[] = "0123456789";
+    CHECK(dc_syncer_start(&s, fd, data, 10, 1) == 0);
+    CHECK(dc_syncer_start(&s, fd, data, 10, 1) == -1); /* one at a time */
+    dc_syncer_wait(&s);
+    uint64_t count = 0;
+    CHECK(read(efd, &count, sizeof count) == sizeof count && count == 1);
+    CHECK(dc_syncer_take(&s, &err, &written) == 1 && err == 0 && written == 10);
+    CHECK(dc_syncer_take(&s, &err, &written) == 0);
+    char back[16] = {0};
+    CHECK(pread(fd, back, sizeof back, 0) == 10 && !memcmp(back, data, 10));
+
+    CHECK(dc_syncer_start(&s, -1, data, 10, 1) == 0); /* a bad descriptor */
+    dc_syncer_wait(&s);
+    CHECK(dc_syncer_take(&s, &err, &written) == 1 && err == EBADF && written == 0);
+
+    CHECK(dc_syncer_start(&s, fd, data, 5, 0) == 0);
+    dc_syncer_close(&s); /* finishes the queued job, then stops */
+    CHECK(pread(fd, back, sizeof back, 0) == 15);
+    dc_syncer_close(&s); /* twice is fine */
+    close(efd);
+    close(fd);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "xxh64")) {
         print_xxh64();
@@ -316,6 +359,7 @@ int main(int argc, char **argv) {
     test_record_format();
     test_table();
     test_fuse();
+    test_syncer();
     printf("%d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

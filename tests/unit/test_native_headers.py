@@ -40,7 +40,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.fail("no C compiler on PATH: the package cannot be built without one either")
     out = tmp_path_factory.mktemp("native") / "test_headers"
     build = subprocess.run(
-        [cc, *FLAGS, f"-I{REPO / 'ext'}", str(SOURCE), "-o", str(out), "-lm"],
+        [cc, *FLAGS, f"-I{REPO / 'ext'}", str(SOURCE), "-o", str(out), "-lm", "-pthread"],
         capture_output=True,
         text=True,
     )
