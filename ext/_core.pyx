@@ -1166,6 +1166,9 @@ def frame_records(bytearray out, list payloads, uint64_t first_lsn, Py_ssize_t m
     return -1
 
 
+from posix.unistd cimport close
+
+
 cdef extern from "dc_sync.h" nogil:
     ctypedef struct dc_syncer:
         pass
@@ -1258,19 +1261,12 @@ cdef class Syncer:
 
     def close(self):
         """Finishes the job under way, stops the thread and closes the eventfd."""
-        if self.running:
-            with nogil:
-                dc_syncer_close(&self.s)
-            self.running = False
-        if self.holding:
-            PyBuffer_Release(&self.view)
-            self.holding = False
-        if self.efd >= 0:
-            import os
-            os.close(self.efd)
-            self.efd = -1
+        self._shut()
 
     def __dealloc__(self):
+        self._shut()
+
+    cdef void _shut(self) noexcept:
         if self.running:
             with nogil:
                 dc_syncer_close(&self.s)
@@ -1279,6 +1275,5 @@ cdef class Syncer:
             PyBuffer_Release(&self.view)
             self.holding = False
         if self.efd >= 0:
-            import os
-            os.close(self.efd)
+            close(self.efd)
             self.efd = -1
