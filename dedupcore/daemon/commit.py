@@ -26,12 +26,12 @@ class Committer:
     """Makes the requests decided on the event loop durable, a group at a time.
 
     The requests decided in one pass of the loop are gathered; at the start of
-    the next pass they are handed over together. When no commit is running,
-    none is queued, no other request is in flight (``others_in_flight(n)``:
-    requests beside the group's n) and the log to write is small
-    (INLINE_COMMIT_BYTES), the loop itself waits for the log (one
-    ``fdatasync`` for the group, no thread hop: a lone client's claim costs
-    one wake-up less). Otherwise the store's native commit thread writes and
+    the next pass they are handed over together. When the group is one
+    request, no commit is running, none is queued, no other request is in
+    flight (``others_in_flight(n)``: requests beside the group's n) and the
+    log to write is small (INLINE_COMMIT_BYTES), the loop itself waits for
+    the log (one ``fdatasync``, no thread hop: a lone client's claim costs one
+    wake-up less). Otherwise the store's native commit thread writes and
     syncs the group without the GIL while the loop goes on deciding, and its
     eventfd wakes the loop to answer the group; the requests decided
     meanwhile form the next group, started as soon as that commit is done
@@ -95,12 +95,15 @@ class Committer:
         return fut
 
     def _inline(self, n: int) -> bool:
-        """Whether the loop commits a group of ``n`` requests itself (lock held): no
-        commit running or queued, no other request in flight, a small commit."""
+        """Whether the loop commits a group of ``n`` requests itself (lock held): one
+        request, no commit running or queued, no other request in flight, a small
+        commit. A group of several means other connections are busy: the native
+        thread syncs it while the loop decides what they send next."""
         return (
             not self._running
             and not self._waiting
             and self._native is None
+            and n == 1
             and not self._others_in_flight(n)
             and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
         )
