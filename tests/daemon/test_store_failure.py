@@ -18,7 +18,7 @@ import pytest
 
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.client import Client
-from dedupcore.daemon.server import EXIT_STORE_FAILED
+from dedupcore.daemon.server import EXIT_STORE_FAILED, SLICE_ABOVE
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.metrics import Metrics, instrument
 from dedupcore.stack import ShardedStore, TieredStore
@@ -143,3 +143,33 @@ def test_the_failed_property_forwards_through_every_wrapper(
         with contextlib.suppress(DedupError, OSError):
             behind.close()  # its last push finds nothing to push
         inner.close()
+
+
+def test_a_failed_native_commit_answers_an_error_and_stops_the_daemon(tmp_path: Path) -> None:
+    """A large batch's log records go to the native commit thread (docs/daemon.md,
+    "Group commit"); a write it cannot make fails the log: the batch is answered with
+    the error, nothing of it is acknowledged, and the daemon stops for a restart."""
+    store = DedupStore.open(tmp_path / "data", **QUIET)
+    ns = unique_ns("native")
+    keys = [f"lost-{i}" for i in range(SLICE_ABOVE)]  # far more log than the loop syncs
+    with serving(store) as (server, path), Client(path, timeout=PATIENCE, retries=0) as c:
+        kept = c.claim("kept", namespace=ns)
+        assert kept.outcome is Outcome.NEW
+        segments = store._wal._segments
+        real_fd = segments.fd
+        # From here the log's file takes no writes (EBADF): the native write fails.
+        segments.fd = os.open(segments.file(segments.firsts[-1]), os.O_RDONLY)
+        try:
+            committer = server.dispatch.committer
+            before = committer.native_rounds
+            with pytest.raises((OSError, DedupError)):
+                c.claim_many(keys, namespace=ns)
+            assert committer.native_rounds == before + 1
+            failed = store.failed
+            assert isinstance(failed, OSError) and failed.errno == errno.EBADF
+            assert server.exit_code == EXIT_STORE_FAILED
+        finally:
+            os.close(real_fd)
+    with DedupStore.open(tmp_path / "data", **QUIET) as reopened:
+        assert reopened.get("kept", namespace=ns) is not None
+        assert all(reopened.get(k, namespace=ns) is None for k in keys[:100])
