@@ -5,15 +5,24 @@ named point where the test kills the worker (tests/README.md, "Nothing left to l
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 __all__ = ["first", "paused", "say"]
 
 
+_said = threading.Lock()
+
+
 def say(line: str) -> None:
-    """A line for the test, flushed at once (it reads the worker's output line by line)."""
-    print(line, flush=True)
+    """A line for the test, written whole and flushed at once (it reads the worker's
+    output line by line; two threads printing at once would interleave a text and its
+    newline, as ``print`` writes them apart)."""
+    with _said:
+        sys.stdout.write(f"{line}\n")
+        sys.stdout.flush()
 
 
 def first(home: Path, name: str) -> bool:
