@@ -1166,7 +1166,7 @@ def frame_records(bytearray out, list payloads, uint64_t first_lsn, Py_ssize_t m
     return -1
 
 
-from posix.unistd cimport close
+from posix.unistd cimport close, read
 
 
 cdef extern from "dc_sync.h" nogil:
@@ -1251,13 +1251,11 @@ cdef class Syncer:
         return err, written
 
     def drain(self):
-        """Clears the eventfd (the loop watching it, when it became readable)."""
-        import os
+        """Clears the eventfd (the loop watching it, when it became readable); a read
+        of an eventfd already clear fails with EAGAIN, which is all right."""
+        cdef uint64_t count
         if self.efd >= 0:
-            try:
-                os.eventfd_read(self.efd)
-            except BlockingIOError:
-                pass
+            read(self.efd, &count, sizeof(count))
 
     def close(self):
         """Finishes the job under way, stops the thread and closes the eventfd."""

@@ -121,14 +121,12 @@ class Committer:
         with self._cond:
             # After close() the thread may be gone: the loop commits itself.
             here = self._closed or self._inline(len(batch))
-        if not here and self._start_native(batch):
-            return
-        with self._cond:
-            if not here:
+        if here:
+            self._commit_here(batch)
+        elif not self._start_native(batch):
+            with self._cond:
                 self._waiting.extend(batch)
                 self._cond.notify()
-                return
-        self._commit_here(batch)
 
     def _start_native(self, batch: list[tuple[int, asyncio.Future[None]]]) -> bool:
         """Starts the native commit thread on everything the log has queued (``batch``'s

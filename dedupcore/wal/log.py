@@ -389,13 +389,13 @@ class WriteAheadLog:
             self._finish_native()
             return self._native is None
 
-    def _finish_native(self) -> bool:
-        """:meth:`finish_commit` with the lock held."""
+    def _finish_native(self) -> None:
+        """Records the native thread's commit if it is done (lock held)."""
         if self._native is None or self._syncer is None:
-            return False
+            return
         outcome = self._syncer.take()
         if outcome is None:
-            return False
+            return
         first, last = self._native
         self._native = None
         err, written = outcome
@@ -406,7 +406,6 @@ class WriteAheadLog:
                 err, os.strerror(err), str(self._segments.file(self._segments.firsts[-1]))
             )
         self._led(first, last, failure, False, None)
-        return True
 
     def _await_io(self) -> None:
         """Waits (lock held) for the I/O under way to end: the native thread's commit,
