@@ -20,6 +20,7 @@ extensions = [
             "ext/dc_hash.h",
             "ext/dc_fuse.h",
             "ext/dc_sync.h",
+            "ext/dc_wire.h",
             "ext/_status.pxi",
         ],
         extra_compile_args=compile_args,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import dedupcore._core as _core
 from dedupcore.api import Claim, ClaimAPI, KeyRecord, batches
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
@@ -71,6 +72,7 @@ class _Connection:
     def __init__(self, path: str, timeout: float, max_frame: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        self.timeout = timeout
         self.max_frame = max_frame
         self.pid = os.getpid()
         try:
@@ -78,23 +80,31 @@ class _Connection:
         except BaseException:
             self.sock.close()
             raise
+        self.fd = self.sock.fileno()
 
     def close(self) -> None:
         self.sock.close()
 
-    def _read_exact(self, n: int) -> bytes:
-        chunks = []
-        while n:
-            chunk = self.sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise ConnectionResetError("the daemon closed the connection")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
+    def exchange(self, data: bytes) -> tuple[int, Status, Any] | int:
+        """Sends a request frame and reads the reply, in one native call that waits with
+        the GIL released (docs/daemon.md, "The client's round trip"): the reply, or the
+        errno of a send that failed (nothing of the request was applied). After the
+        send, a failure raises OSError (TimeoutError, ConnectionResetError) or
+        FrameError."""
+        try:
+            body = _core.exchange(self.fd, data, self.max_frame, self.timeout)
+        except ValueError as exc:  # a reply length out of bounds
+            raise FrameError(str(exc)) from None
+        if isinstance(body, int):
+            return body
+        return protocol.decode_response(body)
 
-    def read_response(self) -> tuple[int, Status, Any]:
-        length = protocol.frame_length(self._read_exact(4), self.max_frame)
-        return protocol.decode_response(self._read_exact(length))
+    def next_reply(self) -> tuple[int, Status, Any]:
+        """The next reply (after one to an older request); raises as :meth:`exchange`."""
+        reply = self.exchange(b"")  # sends nothing: never an errno
+        if isinstance(reply, int):
+            raise AssertionError("nothing was sent")
+        return reply
 
 
 #: Bytes a key, token or fingerprint costs in a frame beyond its own (msgpack framing).
@@ -352,17 +362,17 @@ class Client(ClientBase, ClaimAPI):
         for attempt in range(2):
             conn = self._connection()
             try:
-                conn.sock.sendall(data)
-            except OSError as exc:
-                self._drop()
-                if attempt == 0:
-                    continue  # not sent: a stale connection; send on a new one
-                raise UnavailableError(f"cannot send to the daemon at {self.path}: {exc}") from exc
-            try:
-                while True:
-                    rid, status, payload = conn.read_response()
-                    if rid == request_id or rid == 0:
-                        break
+                reply = conn.exchange(data)
+                if isinstance(reply, int):
+                    self._drop()
+                    if attempt == 0:
+                        continue  # not sent: a stale connection; send on a new one
+                    raise UnavailableError(
+                        f"cannot send to the daemon at {self.path}: {os.strerror(reply)}"
+                    )
+                rid, status, payload = reply
+                while rid != request_id and rid != 0:  # a reply to an older request
+                    rid, status, payload = conn.next_reply()
             except (OSError, protocol.FrameError) as exc:
                 self._drop()
                 if op in protocol.SAFE_TO_REPEAT and attempt == 0:
@@ -383,6 +393,10 @@ class Client(ClientBase, ClaimAPI):
         return bool(self._call(Op.PING, {}) == "pong")
 
     def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
+        if len(batch.keys) == 1:  # one key: one frame, and its error is the batch's own
+            keys, args = self._claim_request(batch)
+            reply = self._call(Op.CLAIM_MANY, args)
+            return protocol.claims_from_reply(keys, batch.namespace, reply)
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
             try:
@@ -401,6 +415,9 @@ class Client(ClientBase, ClaimAPI):
         self._send_parts(batch, self._extend_request)
 
     def _send_parts(self, batch: Any, request: Callable[[Any], tuple[Op, dict[str, Any]]]) -> None:
+        if len(batch.keys) == 1:  # one key: one frame, and its error is the batch's own
+            self._call(*request(batch))
+            return
         parts = self._parts(batch, claims=False)
         while (part := parts.next()) is not None:
             try:

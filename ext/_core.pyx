@@ -17,7 +17,8 @@ latency of one probe overlaps with the work on the next.
 then only queried, alone or next to Bloom filters in :func:`probe_many`.
 """
 
-from libc.stdint cimport uint64_t, uint32_t, int32_t
+from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t
+from libc.errno cimport ETIMEDOUT
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport log
@@ -1275,3 +1276,76 @@ cdef class Syncer:
         if self.efd >= 0:
             close(self.efd)
             self.efd = -1
+
+
+# -- the daemon client's round trip -------------------------------------------------
+
+cdef extern from "dc_wire.h" nogil:
+    int DC_WIRE_EOF
+    int64_t dc_wire_now_ms()
+    int dc_wire_send(int fd, const unsigned char* buf, size_t len, int64_t deadline_ms)
+    int dc_wire_recv(int fd, unsigned char* buf, size_t len, int64_t deadline_ms,
+                     int wait_first)
+    uint32_t dc_wire_length(const unsigned char* h)
+
+
+cdef object _wire_error(int rc, str doing):
+    import os
+    if rc == DC_WIRE_EOF:
+        return ConnectionResetError(f"the daemon closed the connection {doing}")
+    if rc == -ETIMEDOUT:
+        return TimeoutError(f"timed out {doing}")
+    return OSError(-rc, f"{os.strerror(-rc)} {doing}")
+
+
+def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, double timeout):
+    """Sends ``request`` (a whole frame, or nothing when empty) on the connected
+    stream socket ``fd``, then reads the next frame and returns its body (bytes),
+    the GIL released while it sends and waits (ext/dc_wire.h; docs/daemon.md,
+    "The client's round trip").
+
+    The request must be sent within ``timeout`` seconds, and the reply must come
+    whole within ``timeout`` of that. When the request could not be sent whole,
+    nothing was read and the errno of the failure is returned (an int: the
+    daemon cannot have read a whole frame, so nothing of it was applied). Once it
+    was sent, a failure raises: TimeoutError, ConnectionResetError (the daemon
+    closed the connection), OSError, or ValueError for a reply whose length is
+    not within 1..``max_frame``.
+    """
+    if timeout <= 0 or timeout != timeout:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if max_frame < 1:
+        raise ValueError(f"max_frame must be positive, got {max_frame!r}")
+    cdef double ms = timeout * 1000.0
+    cdef int64_t span = <int64_t>ms if ms < 1e15 else <int64_t>1e15
+    if span < 1:
+        span = 1
+    cdef int rc = 0
+    cdef size_t n = <size_t>request.shape[0]
+    cdef unsigned char header[4]
+    cdef int64_t deadline = 0
+    cdef bint sent = n == 0
+    with nogil:
+        if n:
+            rc = dc_wire_send(fd, &request[0], n, dc_wire_now_ms() + span)
+            sent = rc == 0
+        if sent:
+            deadline = dc_wire_now_ms() + span
+            rc = dc_wire_recv(fd, header, 4, deadline, 1)
+    if not sent:
+        return -rc
+    if rc != 0:
+        raise _wire_error(rc, "waiting for the reply")
+    cdef uint32_t length = dc_wire_length(header)
+    if length == 0 or length > <uint64_t>max_frame:
+        raise ValueError(
+            "empty frame" if length == 0
+            else f"frame of {length} bytes exceeds the limit of {max_frame}"
+        )
+    body = PyBytes_FromStringAndSize(NULL, length)
+    cdef unsigned char* dst = <unsigned char*>PyBytes_AS_STRING(body)
+    with nogil:
+        rc = dc_wire_recv(fd, dst, length, deadline, 0)
+    if rc != 0:
+        raise _wire_error(rc, "reading the reply")
+    return body
