@@ -14,16 +14,19 @@
 #include "dc_fuse.h"
 #include "dc_engine.h"
 #include "dc_sync.h"
+#include "dc_wire.h"
 #include "dc_status.h"
 #include "dc_hash.h"
 #include "dc_fuse.h"
 #include "dc_engine.h"
 #include "dc_sync.h"
+#include "dc_wire.h"
 
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 
 static int checks, failures;
 
@@ -347,6 +350,31 @@ static void test_syncer(void) {
     close(fd);
 }
 
+static void test_wire(void) {
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    int64_t soon = dc_wire_now_ms() + 5000;
+    static const unsigned char req[] = {0, 0, 0, 3, 'a', 'b', 'c'};
+    CHECK(dc_wire_send(sv[0], req, sizeof req, soon) == 0);
+    unsigned char got[8] = {0};
+    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1) == 0 && dc_wire_length(got) == 3);
+    CHECK(dc_wire_recv(sv[1], got, 3, soon, 0) == 0 && !memcmp(got, "abc", 3));
+    static const unsigned char big[] = {0x01, 0x02, 0x03, 0x04};
+    CHECK(dc_wire_length(big) == 0x01020304u);
+    /* Nothing to read: the deadline passes; a deadline already past fails at once. */
+    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() + 20, 1) == -ETIMEDOUT);
+    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() - 1, 1) == -ETIMEDOUT);
+    /* Part of what is asked for, then the peer hangs up. */
+    CHECK(send(sv[0], "xy", 2, 0) == 2);
+    CHECK(shutdown(sv[0], SHUT_WR) == 0);
+    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1) == DC_WIRE_EOF);
+    close(sv[0]);
+    CHECK(dc_wire_send(sv[1], req, sizeof req, soon) == -EPIPE); /* no SIGPIPE */
+    close(sv[1]);
+    CHECK(dc_wire_send(sv[1], req, sizeof req, soon) == -EBADF);
+    CHECK(dc_wire_recv(sv[1], got, 1, soon, 0) == -EBADF);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "xxh64")) {
         print_xxh64();
@@ -360,6 +388,7 @@ int main(int argc, char **argv) {
     test_table();
     test_fuse();
     test_syncer();
+    test_wire();
     printf("%d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }
