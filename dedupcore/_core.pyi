@@ -1,7 +1,7 @@
 """Type stubs of the native core (ext/_core.pyx), checked against the built module by stubtest."""
 
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from typing_extensions import Buffer, Self, disjoint_base
 
@@ -117,3 +117,12 @@ class Syncer:
     def close(self) -> None: ...
 
 def exchange(fd: int, request: Buffer, max_frame: int, timeout: float) -> bytes | int: ...
+def one_key_frame(
+    request_id: int,
+    op: int,
+    namespace: str,
+    key: object,
+    token: int = 0,
+    packed: bytes | None = None,
+) -> bytes | None: ...
+def one_key_reply(body: Buffer, request_id: int) -> tuple[int, int] | Literal[True] | None: ...

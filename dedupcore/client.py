@@ -85,26 +85,24 @@ class _Connection:
     def close(self) -> None:
         self.sock.close()
 
-    def exchange(self, data: bytes) -> tuple[int, Status, Any] | int:
+    def exchange(self, data: bytes) -> bytes | int:
         """Sends a request frame and reads the reply, in one native call that waits with
-        the GIL released (docs/daemon.md, "The client's round trip"): the reply, or the
-        errno of a send that failed (nothing of the request was applied). After the
-        send, a failure raises OSError (TimeoutError, ConnectionResetError) or
+        the GIL released (docs/daemon.md, "The client's round trip"): the reply's body,
+        or the errno of a send that failed (nothing of the request was applied). After
+        the send, a failure raises OSError (TimeoutError, ConnectionResetError) or
         FrameError."""
         try:
-            body = _core.exchange(self.fd, data, self.max_frame, self.timeout)
+            return _core.exchange(self.fd, data, self.max_frame, self.timeout)
         except ValueError as exc:  # a reply length out of bounds
             raise FrameError(str(exc)) from None
-        if isinstance(body, int):
-            return body
-        return protocol.decode_response(body)
 
     def next_reply(self) -> tuple[int, Status, Any]:
-        """The next reply (after one to an older request); raises as :meth:`exchange`."""
-        reply = self.exchange(b"")  # sends nothing: never an errno
-        if isinstance(reply, int):
+        """The next reply, decoded (after one to an older request); raises as
+        :meth:`exchange`."""
+        body = self.exchange(b"")  # sends nothing: never an errno
+        if isinstance(body, int):
             raise AssertionError("nothing was sent")
-        return reply
+        return protocol.decode_response(body)
 
 
 #: Bytes a key, token or fingerprint costs in a frame beyond its own (msgpack framing).
@@ -286,16 +284,23 @@ class ClientBase:
     def _request(self, op: Op, args: dict[str, Any]) -> tuple[int, bytes]:
         """A new request id and the request's frame; UnavailableError once the client is
         closed, ValueError for a request larger than a frame."""
+        request_id = self._new_id()
+        return request_id, self._checked(protocol.encode_request(request_id, op, args))
+
+    def _new_id(self) -> int:
+        """The next request id; UnavailableError once the client is closed."""
         if self._closed:
             raise UnavailableError("the client is closed")
-        request_id = next(self._ids)
-        data = protocol.encode_request(request_id, op, args)
+        return next(self._ids)
+
+    def _checked(self, data: bytes) -> bytes:
+        """A request frame, or ValueError when it is larger than a frame."""
         if len(data) - 4 > self.max_frame:
             raise ValueError(
                 f"request of {len(data) - 4} bytes exceeds the frame limit of {self.max_frame}; "
                 "send smaller batches"
             )
-        return request_id, data
+        return data
 
 
 class Client(ClientBase, ClaimAPI):
@@ -358,19 +363,29 @@ class Client(ClientBase, ClaimAPI):
         self._local.conn = None
 
     def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        request_id, data = self._request(op, args)
+        return self._send(op, *self._request(op, args))
+
+    def _send(self, op: Op, request_id: int, data: bytes, *, quick: bool = False) -> Any:
+        """Sends a request frame and returns its reply's payload, or raises the error the
+        reply carries. With ``quick`` (a one-key request), the usual answer as
+        ``_core.one_key_reply`` reads it natively when the reply is that: a tuple
+        (outcome code, token) for a claim, True for a completion or release."""
         for attempt in range(2):
             conn = self._connection()
             try:
-                reply = conn.exchange(data)
-                if isinstance(reply, int):
+                body = conn.exchange(data)
+                if isinstance(body, int):
                     self._drop()
                     if attempt == 0:
                         continue  # not sent: a stale connection; send on a new one
                     raise UnavailableError(
-                        f"cannot send to the daemon at {self.path}: {os.strerror(reply)}"
+                        f"cannot send to the daemon at {self.path}: {os.strerror(body)}"
                     )
-                rid, status, payload = reply
+                if quick:
+                    answer = _core.one_key_reply(body, request_id)
+                    if answer is not None:
+                        return answer
+                rid, status, payload = protocol.decode_response(body)
                 while rid != request_id and rid != 0:  # a reply to an older request
                     rid, status, payload = conn.next_reply()
             except (OSError, protocol.FrameError) as exc:
@@ -386,6 +401,18 @@ class Client(ClientBase, ClaimAPI):
             return payload
         raise AssertionError("unreachable")
 
+    def _one_key(
+        self, op: Op, namespace: str, key: Any, token: int = 0, packed: bytes | None = None
+    ) -> Any:
+        """A one-key request sent as ``_core.one_key_frame`` builds it (docs/daemon.md,
+        "The client's round trip"): its answer as :meth:`_send` gives it with
+        ``quick``, or NotImplemented for a key that is not exactly bytes or str."""
+        request_id = self._new_id()
+        data = _core.one_key_frame(request_id, int(op), namespace, key, token, packed)
+        if data is None:
+            return NotImplemented
+        return self._send(op, request_id, self._checked(data), quick=True)
+
     # -- the store's methods -------------------------------------------------------
 
     def ping(self) -> bool:
@@ -394,6 +421,14 @@ class Client(ClientBase, ClaimAPI):
 
     def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         if len(batch.keys) == 1:  # one key: one frame, and its error is the batch's own
+            if batch.lease is None and batch.owner is None and batch.fingerprints is None:
+                key = batch.keys[0]
+                answer = self._one_key(Op.CLAIM_MANY, batch.namespace, key)
+                if type(answer) is tuple:
+                    outcome = protocol.OUTCOME_ORDER[answer[0]]
+                    return [Claim(key, batch.namespace, outcome, answer[1])]
+                if answer is not NotImplemented:
+                    return protocol.claims_from_reply([key], batch.namespace, answer)
             keys, args = self._claim_request(batch)
             reply = self._call(Op.CLAIM_MANY, args)
             return protocol.claims_from_reply(keys, batch.namespace, reply)
@@ -409,6 +444,12 @@ class Client(ClientBase, ClaimAPI):
         return parts.claims
 
     def _change_batch(self, batch: batches.ChangeBatch) -> None:
+        if len(batch.keys) == 1:
+            op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY
+            packed = batch.results[0] if batch.results else None  # none: no result given
+            key, token = batch.keys[0], batch.tokens[0]
+            if self._one_key(op, batch.namespace, key, token, packed) is not NotImplemented:
+                return
         self._send_parts(batch, self._change_request)
 
     def _extend_batch(self, batch: batches.ExtendBatch) -> None:

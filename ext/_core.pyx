@@ -20,7 +20,7 @@ then only queried, alone or next to Bloom filters in :func:`probe_many`.
 from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t
 from libc.errno cimport ETIMEDOUT
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 from libc.math cimport log
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check,
                             PyBytes_FromStringAndSize)
@@ -1349,3 +1349,198 @@ def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, dou
     if rc != 0:
         raise _wire_error(rc, "reading the reply")
     return body
+
+
+# -- one-key requests and their replies, as the protocol frames them ----------------
+#
+# dedupcore/daemon/protocol.py defines the frames: a 4-byte big-endian length and a
+# msgpack body. The client's one-key calls build their request here and read the
+# usual answer here; anything else (a result, a cold or takeover answer, an error,
+# another request's reply) is left to protocol.py, which decodes every frame.
+
+cdef inline void _be(unsigned char* p, uint64_t v, int n) noexcept:
+    cdef int i
+    for i in range(n):
+        p[i] = <unsigned char>(v >> (8 * (n - 1 - i)))
+
+
+cdef inline unsigned char* _mp_uint(unsigned char* p, uint64_t v) noexcept:
+    # msgpack's shortest form of an unsigned integer, as msgpack-python packs it.
+    if v < 0x80:
+        p[0] = <unsigned char>v
+        return p + 1
+    if v <= 0xFF:
+        p[0] = 0xCC
+        p[1] = <unsigned char>v
+        return p + 2
+    if v <= 0xFFFF:
+        p[0] = 0xCD
+        _be(p + 1, v, 2)
+        return p + 3
+    if v <= 0xFFFFFFFF:
+        p[0] = 0xCE
+        _be(p + 1, v, 4)
+        return p + 5
+    p[0] = 0xCF
+    _be(p + 1, v, 8)
+    return p + 9
+
+
+cdef inline unsigned char* _mp_raw(unsigned char* p, const char* data, Py_ssize_t n,
+                                   bint text) noexcept:
+    # str (use_bin_type: str8 and up) or bin, then the bytes.
+    if text and n < 32:
+        p[0] = <unsigned char>(0xA0 | n)
+        p += 1
+    elif n <= 0xFF:
+        p[0] = 0xD9 if text else 0xC4
+        p[1] = <unsigned char>n
+        p += 2
+    elif n <= 0xFFFF:
+        p[0] = 0xDA if text else 0xC5
+        _be(p + 1, <uint64_t>n, 2)
+        p += 3
+    else:
+        p[0] = 0xDB if text else 0xC6
+        _be(p + 1, <uint64_t>n, 4)
+        p += 5
+    if n:
+        memcpy(p, data, <size_t>n)
+    return p + n
+
+
+def one_key_frame(uint64_t request_id, int op, str namespace, key, token=0, packed=None):
+    """The request frame of a one-key call, byte for byte what
+    ``protocol.encode_request`` makes of the same request: CLAIM_MANY (2) of
+    ``key`` in ``namespace`` with columns asked for (``{"ns", "keys", "cols": 1}``),
+    COMPLETE_MANY (3) of ``[key, token, result]`` with ``packed`` the result's
+    msgpack bytes (None: nil), RELEASE_MANY (4) of ``[key, token]``. None when
+    the key is neither exactly bytes nor str, or the op is another: the caller
+    encodes such a request the general way.
+    """
+    cdef Py_ssize_t ns_len, key_len, packed_len = 1
+    cdef const char* ns_data = PyUnicode_AsUTF8AndSize(namespace, &ns_len)
+    cdef const char* key_data
+    cdef bint key_text
+    cdef uint64_t tok = 0
+    if op < 2 or op > 4:
+        return None
+    if PyBytes_CheckExact(key):
+        key_data = PyBytes_AS_STRING(key)
+        key_len = PyBytes_GET_SIZE(key)
+        key_text = False
+    elif PyUnicode_Check(key) and type(key) is str:
+        key_data = PyUnicode_AsUTF8AndSize(key, &key_len)
+        key_text = True
+    else:
+        return None
+    if op != 2:
+        tok = token  # OverflowError/TypeError for a token that is no u64 (checked before)
+        if op == 3 and packed is not None:
+            if not PyBytes_CheckExact(packed):
+                raise TypeError("packed must be bytes or None")
+            packed_len = PyBytes_GET_SIZE(packed)
+    # Header, array and map heads, three short keys, two raw heads, two u64s: < 64.
+    cdef Py_ssize_t cap = 64 + ns_len + key_len + packed_len
+    out = PyBytes_FromStringAndSize(NULL, cap)
+    cdef unsigned char* start = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef unsigned char* p = start + 4
+    p[0] = 0x93  # [request_id, op, args]
+    p = _mp_uint(p + 1, request_id)
+    p[0] = <unsigned char>op
+    p[1] = 0x83 if op == 2 else 0x82
+    p = _mp_raw(p + 2, "ns", 2, True)
+    p = _mp_raw(p, ns_data, ns_len, True)
+    if op == 2:
+        p = _mp_raw(p, "keys", 4, True)
+        p[0] = 0x91
+        p = _mp_raw(p + 1, key_data, key_len, key_text)
+        p = _mp_raw(p, "cols", 4, True)
+        p[0] = 0x01
+        p += 1
+    else:
+        p = _mp_raw(p, "items", 5, True)
+        p[0] = 0x91
+        p[1] = 0x93 if op == 3 else 0x92
+        p = _mp_raw(p + 2, key_data, key_len, key_text)
+        p = _mp_uint(p, tok)
+        if op == 3:
+            if packed is None:
+                p[0] = 0xC0
+                p += 1
+            else:
+                memcpy(p, PyBytes_AS_STRING(packed), <size_t>packed_len)
+                p += packed_len
+    cdef Py_ssize_t body = (p - start) - 4
+    _be(start, <uint64_t>body, 4)
+    return out[: body + 4]
+
+
+cdef inline Py_ssize_t _mp_read_uint(const unsigned char* p, Py_ssize_t n,
+                                     uint64_t* v) noexcept:
+    # An unsigned integer at p (n bytes left): its length, or 0 when it is none.
+    cdef int width, i
+    if n < 1:
+        return 0
+    if p[0] < 0x80:
+        v[0] = p[0]
+        return 1
+    if p[0] == 0xCC:
+        width = 1
+    elif p[0] == 0xCD:
+        width = 2
+    elif p[0] == 0xCE:
+        width = 4
+    elif p[0] == 0xCF:
+        width = 8
+    else:
+        return 0
+    if n < 1 + width:
+        return 0
+    v[0] = 0
+    for i in range(width):
+        v[0] = (v[0] << 8) | p[1 + i]
+    return 1 + width
+
+
+# The columns of one answer with nothing sparse, after "o"'s and "t"'s values.
+cdef bytes _EMPTY_SPARSE = b"\xa2ri\x90\xa2rv\x90\xa1x\x90\xa1k\x90"
+
+
+def one_key_reply(const unsigned char[::1] body, uint64_t request_id):
+    """The usual answer to a one-key request, read from its reply's body: for a
+    claim, ``(outcome code, token)`` when the reply is OK, for ``request_id``, in
+    columns with nothing but the outcome (0 NEW, 1 DUPLICATE, 2 IN_PROGRESS) and
+    the token (no result, exact, no takeover); for a completion or a release,
+    True when the reply is OK with nil. None for any other body, which the
+    caller decodes the general way (``protocol.decode_response``)."""
+    cdef Py_ssize_t n = body.shape[0], pos, used
+    cdef uint64_t rid = 0, token = 0
+    cdef const unsigned char* p
+    if n < 4:
+        return None
+    p = &body[0]
+    if p[0] != 0x93:
+        return None
+    used = _mp_read_uint(p + 1, n - 1, &rid)
+    if not used or rid != request_id:
+        return None
+    pos = 1 + used
+    if pos + 2 > n or p[pos] != 0x00:  # Status.OK
+        return None
+    pos += 1
+    if p[pos] == 0xC0:
+        return True if pos + 1 == n else None
+    # {"o": bin(1), "t": bin(8), "ri": [], "rv": [], "x": [], "k": []}
+    if n - pos != 18 + len(_EMPTY_SPARSE):
+        return None
+    if memcmp(p + pos, b"\x86\xa1o\xc4\x01", 5) != 0 or p[pos + 5] > 2:
+        return None
+    if memcmp(p + pos + 6, b"\xa1t\xc4\x08", 4) != 0:
+        return None
+    if memcmp(p + pos + 18, <const char*>_EMPTY_SPARSE, len(_EMPTY_SPARSE)) != 0:
+        return None
+    cdef int i
+    for i in range(8):
+        token |= (<uint64_t>p[pos + 10 + i]) << (8 * i)
+    return p[pos + 5], token

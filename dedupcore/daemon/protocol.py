@@ -62,6 +62,7 @@ __all__ = [
     "COLUMNS_ARG",
     "DEFAULT_MAX_FRAME",
     "HEADER",
+    "OUTCOME_ORDER",
     "POLL",
     "SAFE_TO_REPEAT",
     "TIMED_OUT",
@@ -282,9 +283,9 @@ def claim_args(
 #: CLAIM_MANY argument by which a client asks for the reply in columns (see
 #: :class:`ClaimColumns`); a daemon that does not know it ignores it and sends rows.
 COLUMNS_ARG = "cols"
-#: Outcomes as one byte each in a columns reply.
-_OUTCOME_ORDER = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
-_OUTCOME_CODE = {o: i for i, o in enumerate(_OUTCOME_ORDER)}
+#: Outcomes as one byte each in a columns reply (the code is the index).
+OUTCOME_ORDER = (Outcome.NEW, Outcome.DUPLICATE, Outcome.IN_PROGRESS)
+_OUTCOME_CODE = {o: i for i, o in enumerate(OUTCOME_ORDER)}
 _SWAP = sys.byteorder != "little"
 
 
@@ -392,13 +393,13 @@ def claims_from_columns(keys: list[Any], namespace: str, cols: dict[str, Any]) -
             raise FrameError("claim reply does not match the request")
         if not _SWAP:  # built natively (docs/engine.md, "Answers")
             claims = _engine.build_records(
-                Claim, keys, namespace, outcomes, raw_tokens, _OUTCOME_ORDER
+                Claim, keys, namespace, outcomes, raw_tokens, OUTCOME_ORDER
             )
         else:  # pragma: no cover - big-endian hosts
             tokens = array("Q")
             tokens.frombytes(raw_tokens)
             tokens.byteswap()
-            by_code = _OUTCOME_ORDER
+            by_code = OUTCOME_ORDER
             claims = list(
                 map(Claim, keys, repeat(namespace), map(by_code.__getitem__, outcomes), tokens)
             )

@@ -1,5 +1,7 @@
 """The daemon client's native round trip, ``_core.exchange`` (ext/dc_wire.h), against a
-socket pair whose other end this test plays: what comes back, and every way it fails."""
+socket pair whose other end this test plays: what comes back, and every way it fails;
+then its one-key frames and replies (``one_key_frame``, ``one_key_reply``) against what
+the protocol module makes and reads of the same."""
 
 from __future__ import annotations
 
@@ -10,8 +12,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dedupcore._core as _core
+from dedupcore.api.batches import pack_result
+from dedupcore.daemon import protocol
+from dedupcore.daemon.protocol import Op
 
 MAX = 1 << 20
 
@@ -199,3 +206,158 @@ def test_threads_exchange_at_once_each_on_its_own_socket() -> None:
         a.close()
         b.close()
     assert results == {i: [b"re:%d-%d" % (i, k) for k in range(n)] for i in range(8)}
+
+
+# -- one-key frames and replies: the native forms against the protocol's --------------
+
+keys_ = st.one_of(st.binary(max_size=70_000), st.text(max_size=300))
+names = st.text(min_size=1, max_size=300)
+request_ids = st.integers(0, (1 << 64) - 1)
+tokens = st.integers(1, (1 << 63) - 1)
+results = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text()
+    | st.binary(),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_ids, names, keys_)
+def test_a_claim_frame_is_the_protocols(rid: int, ns: str, key: bytes | str) -> None:
+    args = {"ns": ns, "keys": [key], "cols": 1}
+    assert _core.one_key_frame(rid, Op.CLAIM_MANY, ns, key) == protocol.encode_request(
+        rid, Op.CLAIM_MANY, args
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_ids, names, keys_, tokens, results)
+def test_a_completion_frame_is_the_protocols(
+    rid: int, ns: str, key: bytes | str, token: int, result: object
+) -> None:
+    packed = pack_result(result, 1 << 30)
+    expected = protocol.encode_request(
+        rid, Op.COMPLETE_MANY, {"ns": ns, "items": [[key, token, result]]}
+    )
+    assert _core.one_key_frame(rid, Op.COMPLETE_MANY, ns, key, token, packed) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(request_ids, names, keys_, tokens)
+def test_a_release_frame_is_the_protocols(rid: int, ns: str, key: bytes | str, token: int) -> None:
+    expected = protocol.encode_request(rid, Op.RELEASE_MANY, {"ns": ns, "items": [[key, token]]})
+    assert _core.one_key_frame(rid, Op.RELEASE_MANY, ns, key, token) == expected
+
+
+class _Bytes(bytes):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "key", [bytearray(b"k"), memoryview(b"k"), _Bytes(b"k"), _Str("k"), 7, None]
+)
+def test_a_key_not_exactly_bytes_or_str_is_left_to_the_protocol(key: object) -> None:
+    assert _core.one_key_frame(1, Op.CLAIM_MANY, "ns", key) is None
+    assert _core.one_key_frame(1, Op.RELEASE_MANY, "ns", key, 1) is None
+
+
+@pytest.mark.parametrize("op", [Op.PING, Op.GET, Op.STATS, Op.EXTEND_MANY, Op.WAIT, 0, 99])
+def test_other_ops_are_left_to_the_protocol(op: int) -> None:
+    assert _core.one_key_frame(1, op, "ns", b"k", 1) is None
+
+
+def test_bad_one_key_arguments() -> None:
+    with pytest.raises(OverflowError):
+        _core.one_key_frame(1, Op.RELEASE_MANY, "ns", b"k", -1)
+    with pytest.raises(TypeError):
+        _core.one_key_frame(1, Op.RELEASE_MANY, "ns", b"k", "1")
+    with pytest.raises(TypeError, match="packed must be bytes or None"):
+        _core.one_key_frame(1, Op.COMPLETE_MANY, "ns", b"k", 1, bytearray(b"\xc0"))
+    with pytest.raises(TypeError):
+        _core.one_key_frame(1, Op.CLAIM_MANY, b"ns", b"k")  # type: ignore[arg-type]
+    with pytest.raises(UnicodeEncodeError):
+        _core.one_key_frame(1, Op.CLAIM_MANY, "\udc80", b"k")
+    with pytest.raises(OverflowError):
+        _core.one_key_frame(-1, Op.CLAIM_MANY, "ns", b"k")
+
+
+def _columns(code: int, token: int, **sparse: list[object]) -> dict[str, object]:
+    cols: dict[str, object] = {"o": bytes([code]), "t": token.to_bytes(8, "little")}
+    cols.update({"ri": [], "rv": [], "x": [], "k": []})
+    cols.update(sparse)
+    return cols
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_ids, st.integers(0, 2), st.integers(0, (1 << 64) - 1))
+def test_the_usual_claim_reply_is_read_as_the_protocol_reads_it(
+    rid: int, code: int, token: int
+) -> None:
+    body = protocol.encode_response(rid, _columns(code, token))[4:]
+    assert _core.one_key_reply(body, rid) == (code, token)
+    got_rid, status, payload = protocol.decode_response(body)
+    [claim] = protocol.claims_from_reply([b"k"], "ns", payload)
+    assert (got_rid, status) == (rid, protocol.Status.OK)
+    assert (protocol.OUTCOME_ORDER[code], token) == (claim.outcome, claim.token)
+    assert (claim.result, claim.exact, claim.takeover) == (None, True, False)
+    assert _core.one_key_reply(body, rid ^ 1) is None  # another request's reply
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _columns(1, 5, ri=[0], rv=["result"]),  # a result: the protocol decodes it
+        _columns(1, 5, x=[0]),  # a cold answer
+        _columns(0, 5, k=[0]),  # a takeover
+        _columns(3, 5),  # no such outcome
+        {"o": b"\x00", "t": b"\x05" + bytes(7), "ri": [], "rv": [], "x": []},  # a field short
+        [["new", 5, None, True, False]],  # rows, from an older daemon
+        "pong",
+        0,
+    ],
+)
+def test_any_other_reply_is_left_to_the_protocol(payload: object) -> None:
+    assert _core.one_key_reply(protocol.encode_response(9, payload)[4:], 9) is None
+
+
+def test_a_change_reply_and_an_error_reply() -> None:
+    assert _core.one_key_reply(protocol.encode_response(9, None)[4:], 9) is True
+    error = protocol.encode_error(9, ValueError("no"))[4:]
+    assert _core.one_key_reply(error, 9) is None
+    assert _core.one_key_reply(protocol.encode_response(9, None)[4:] + b"\x00", 9) is None
+
+
+def test_every_cut_of_a_reply_is_left_to_the_protocol() -> None:
+    for body in (
+        protocol.encode_response(300, _columns(0, 1 << 40))[4:],
+        protocol.encode_response(300, None)[4:],
+    ):
+        for end in range(len(body)):
+            assert _core.one_key_reply(body[:end], 300) is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64), request_ids)
+def test_garbage_is_never_misread(body: bytes, rid: int) -> None:
+    """Whatever the bytes, the native reading is None or what the protocol reads."""
+    answer = _core.one_key_reply(body, rid)
+    if answer is None:
+        return
+    got_rid, status, payload = protocol.decode_response(body)
+    assert (got_rid, status) == (rid, protocol.Status.OK)
+    if answer is True:
+        assert payload is None
+    else:
+        [claim] = protocol.claims_from_reply([b"k"], "ns", payload)
+        assert (claim.outcome, claim.token) == (protocol.OUTCOME_ORDER[answer[0]], answer[1])
