@@ -1544,3 +1544,142 @@ def one_key_reply(const unsigned char[::1] body, uint64_t request_id):
     for i in range(8):
         token |= (<uint64_t>p[pos + 10 + i]) << (8 * i)
     return p[pos + 5], token
+
+
+cdef extern from "Python.h":
+    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
+
+
+cdef inline Py_ssize_t _mp_read_raw(const unsigned char* p, Py_ssize_t n, bint* text,
+                                    Py_ssize_t* length) noexcept:
+    # A str or bin head at p (n bytes left): its length, the data's length in
+    # ``length`` and whether it is str in ``text``; 0 when it is neither or cut off.
+    cdef unsigned char b
+    cdef Py_ssize_t head, size
+    if n < 1:
+        return 0
+    b = p[0]
+    if 0xA0 <= b <= 0xBF:
+        text[0], head, size = True, 1, b & 0x1F
+    elif b == 0xD9 or b == 0xC4:
+        if n < 2:
+            return 0
+        text[0], head, size = b == 0xD9, 2, p[1]
+    elif b == 0xDA or b == 0xC5:
+        if n < 3:
+            return 0
+        text[0], head, size = b == 0xDA, 3, (p[1] << 8) | p[2]
+    elif b == 0xDB or b == 0xC6:
+        if n < 5:
+            return 0
+        text[0], head = b == 0xDB, 5
+        size = (<Py_ssize_t>p[1] << 24) | (p[2] << 16) | (p[3] << 8) | p[4]
+    else:
+        return 0
+    if n - head < size:
+        return 0
+    length[0] = size
+    return head
+
+
+cdef object _mp_text_or_bytes(const unsigned char* p, Py_ssize_t size, bint text):
+    if not text:
+        return PyBytes_FromStringAndSize(<const char*>p, size)
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>p, size, "strict")
+    except UnicodeDecodeError:
+        return None
+
+
+def one_key_request(const unsigned char[::1] body):
+    """The request of a frame body that is exactly what :func:`one_key_frame` builds:
+    ``(request_id, op, namespace, key, token, packed)`` (token 0 and packed None for
+    a claim; packed, for a completion, the result's msgpack bytes as sent, None for
+    nil). None for any other body, which the caller decodes the general way
+    (``protocol.decode_request``), as it does a body whose strings are not UTF-8."""
+    cdef Py_ssize_t n = body.shape[0], pos = 0, used, size
+    cdef uint64_t rid = 0, token = 0
+    cdef bint text
+    cdef int op
+    if n < 8:
+        return None
+    cdef const unsigned char* p = &body[0]
+    if p[0] != 0x93:
+        return None
+    used = _mp_read_uint(p + 1, n - 1, &rid)
+    if not used:
+        return None
+    pos = 1 + used
+    if pos + 2 > n:
+        return None
+    op = p[pos]
+    if op < 2 or op > 4 or p[pos + 1] != (0x83 if op == 2 else 0x82):
+        return None
+    pos += 2
+    if n - pos < 3 or memcmp(p + pos, b"\xa2ns", 3) != 0:
+        return None
+    pos += 3
+    used = _mp_read_raw(p + pos, n - pos, &text, &size)
+    if not used or not text:
+        return None
+    namespace = _mp_text_or_bytes(p + pos + used, size, True)
+    if namespace is None:
+        return None
+    pos += used + size
+    if op == 2:
+        if n - pos < 6 or memcmp(p + pos, b"\xa4keys\x91", 6) != 0:
+            return None
+        pos += 6
+    else:
+        if n - pos < 8 or memcmp(p + pos, b"\xa5items\x91", 7) != 0:
+            return None
+        if p[pos + 7] != (0x93 if op == 3 else 0x92):
+            return None
+        pos += 8
+    used = _mp_read_raw(p + pos, n - pos, &text, &size)
+    if not used:
+        return None
+    key = _mp_text_or_bytes(p + pos + used, size, text)
+    if key is None:
+        return None
+    pos += used + size
+    if op == 2:
+        if n - pos != 6 or memcmp(p + pos, b"\xa4cols\x01", 6) != 0:
+            return None
+        return rid, op, namespace, key, 0, None
+    used = _mp_read_uint(p + pos, n - pos, &token)
+    if not used:
+        return None
+    pos += used
+    if op == 4:
+        return (rid, op, namespace, key, token, None) if pos == n else None
+    if pos >= n:
+        return None
+    if p[pos] == 0xC0 and pos + 1 == n:
+        return rid, op, namespace, key, token, None
+    return rid, op, namespace, key, token, PyBytes_FromStringAndSize(<const char*>p + pos, n - pos)
+
+
+def one_key_answer(uint64_t request_id, int code, uint64_t token):
+    """The reply frame of a one-key claim answered with outcome ``code`` (0 NEW,
+    1 DUPLICATE, 2 IN_PROGRESS) and ``token``, nothing else in it: byte for byte
+    what ``protocol.encode_response`` makes of its columns (what
+    :func:`one_key_reply` reads)."""
+    if code < 0 or code > 2:
+        raise ValueError(f"no outcome has code {code}")
+    cdef Py_ssize_t size = 4 + 1 + 9 + 1 + 18 + len(_EMPTY_SPARSE)
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef unsigned char* start = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef unsigned char* p = start + 4
+    p[0] = 0x93
+    p = _mp_uint(p + 1, request_id)
+    p[0] = 0x00  # Status.OK
+    memcpy(p + 1, b"\x86\xa1o\xc4\x01", 5)
+    p[6] = <unsigned char>code
+    memcpy(p + 7, b"\xa1t\xc4\x08", 4)
+    _put_le(p + 11, token, 8)
+    memcpy(p + 19, <const char*>_EMPTY_SPARSE, len(_EMPTY_SPARSE))
+    p += 19 + len(_EMPTY_SPARSE)
+    cdef Py_ssize_t body = (p - start) - 4
+    _be(start, <uint64_t>body, 4)
+    return out[: body + 4]

@@ -40,10 +40,14 @@ _OPS = {int(op): op for op in Op}
 _Held = tuple[bytes, int, bool, "protocol.Request | None", "Decided | None"]
 
 
-def _request_parts(body: bytes) -> tuple[int, Op, dict[str, Any]] | None:
+def _request_parts(body: bytes) -> tuple[int, Op, dict[str, Any] | protocol.OneKey] | None:
     """(request id, op, args) of a request frame's body, as ``protocol.decode_request``
-    gives them, without building its Request; None when the body does not decode
+    gives them, without building its Request, the args of a one-key request as read
+    natively (``protocol.one_key_request``); None when the body does not decode
     (``DaemonServer._handle`` then answers why)."""
+    one = protocol.one_key_request(body)
+    if one is not None:
+        return one
     try:
         msg = _unpackb(body, raw=False, strict_map_key=False)
     except Exception:
@@ -294,7 +298,10 @@ class Connection(asyncio.Protocol):
                     return
                 decided = now
                 if now is None:  # the task path serves it
-                    request = protocol.Request(*parts)
+                    request_id, op, args = parts
+                    if isinstance(args, protocol.OneKey):
+                        args = args.args(op)
+                    request = protocol.Request(request_id, op, args)
         if self.in_flight >= server.max_in_flight:
             server.counters["paused_reads"] += 1  # max_in_flight replies not yet written
             self._held = (body, length, small, request, decided)

@@ -208,11 +208,23 @@ class Dispatcher:
         return self.committer.wait(lsn, gather=gather)
 
     def decide_sync(
-        self, op: Op, args: dict[str, Any], gather: bool = False
+        self, op: Op, args: dict[str, Any] | protocol.OneKey, gather: bool = False
     ) -> tuple[Any, asyncio.Future[None] | None]:
         """Decides a claim (of at most SLICE_ABOVE keys), completion or release now:
-        (the answer, the commit it waits for, or None)."""
+        (the answer, the commit it waits for, or None). A one-key request read
+        natively (:class:`protocol.OneKey`) is checked as the same args would be, and
+        its claim answered with a :class:`protocol.OneClaim` where it can."""
         store: Any = self.store
+        if isinstance(args, protocol.OneKey):
+            if op is Op.CLAIM_MANY:
+                one = ClaimBatch([args.key], namespace=args.namespace, limits=store.limits)
+                answer, lsn = store.claim_deferred(
+                    one, form=FORM_COLUMNS, admit=self.reply_bound(one)
+                )
+                return protocol.one_key_payload(answer), self.commit(lsn, gather)
+            completing = op is Op.COMPLETE_MANY
+            item = [args.key, args.token, args.value] if completing else [args.key, args.token]
+            return self._decide_change(self._changes(op, args.namespace, [item]), gather)
         if op is Op.CLAIM_MANY:
             ns, keys = args.get("ns"), args.get("keys")
             options: dict[str, Any]
@@ -242,7 +254,12 @@ class Dispatcher:
             if self.waiters is not None and self.waiters.count:
                 self.waiters.renewed(renewal.digests)
             return None, None  # in memory only: no commit to wait for
-        change = self.change(op, args)
+        return self._decide_change(self.change(op, args), gather)
+
+    def _decide_change(
+        self, change: ChangeBatch, gather: bool
+    ) -> tuple[None, asyncio.Future[None] | None]:
+        store: Any = self.store
         durable = self.commit(store.change_deferred(change), gather)
         if self.waiters is not None:
             self.waiters.changed(change.digests, durable)
@@ -250,12 +267,11 @@ class Dispatcher:
 
     def change(self, op: Op, args: dict[str, Any]) -> ChangeBatch:
         """The checked batch of a COMPLETE_MANY or RELEASE_MANY request."""
-        ns = _arg(args, "ns", str)
+        return self._changes(op, _arg(args, "ns", str), _arg(args, "items", list))
+
+    def _changes(self, op: Op, ns: str, items: list[Any]) -> ChangeBatch:
         return ChangeBatch(
-            _arg(args, "items", list),
-            namespace=ns,
-            completing=op is Op.COMPLETE_MANY,
-            limits=self.store.limits,
+            items, namespace=ns, completing=op is Op.COMPLETE_MANY, limits=self.store.limits
         )
 
     @staticmethod

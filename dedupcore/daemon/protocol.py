@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+import dedupcore._core as _core
 import dedupcore._engine as _engine
 import dedupcore.errors as errors
 from dedupcore.api import Claim, KeyRecord, Outcome
@@ -69,6 +70,8 @@ __all__ = [
     "WOKEN",
     "ClaimColumns",
     "FrameError",
+    "OneClaim",
+    "OneKey",
     "Op",
     "Request",
     "Status",
@@ -85,6 +88,8 @@ __all__ = [
     "encode_response",
     "error_from_payload",
     "key_list",
+    "one_key_payload",
+    "one_key_request",
     "packed_len",
     "record_from_map",
     "record_map",
@@ -371,6 +376,75 @@ def columns_payload(part: ReplyColumns) -> dict[str, Any]:
         "x": cold,
         "k": takeovers,
     }
+
+
+# -- one-key requests, read and answered natively ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OneKey:
+    """The args of a one-key CLAIM_MANY, COMPLETE_MANY or RELEASE_MANY as
+    :func:`one_key_request` read them (the form the sync client sends its one-key
+    calls in, ``_core.one_key_frame``): the namespace, the key, the token (0 for a
+    claim) and a completion's result."""
+
+    namespace: str
+    key: bytes | str
+    token: int
+    value: Any
+
+    def args(self, op: Op) -> dict[str, Any]:
+        """The same args as a map, as ``decode_request`` gives them."""
+        if op is Op.CLAIM_MANY:
+            return {"ns": self.namespace, "keys": [self.key], COLUMNS_ARG: 1}
+        if op is Op.COMPLETE_MANY:
+            return {"ns": self.namespace, "items": [[self.key, self.token, self.value]]}
+        return {"ns": self.namespace, "items": [[self.key, self.token]]}
+
+
+_OP_OF = {int(op): op for op in Op}
+
+
+def one_key_request(body: bytes) -> tuple[int, Op, OneKey] | None:
+    """(request id, op, args) of a one-key request body read natively
+    (``_core.one_key_request``); None for any other body, which
+    :func:`decode_request` reads (and names what is wrong with), as it does a
+    completion whose result does not decode."""
+    one = _core.one_key_request(body)
+    if one is None:
+        return None
+    request_id, code, namespace, key, token, packed = one
+    value = None
+    if packed is not None:
+        try:
+            value = _unpack(packed)
+        except FrameError:
+            return None
+    return request_id, _OP_OF[code], OneKey(namespace, key, token, value)
+
+
+@dataclass(frozen=True, slots=True)
+class OneClaim:
+    """The answer to a one-key claim with nothing but its outcome code (the index in
+    OUTCOME_ORDER) and token: its reply is framed natively (``_core.one_key_answer``),
+    byte for byte the columns reply of the same answer."""
+
+    code: int
+    token: int
+
+    def frame(self, request_id: int) -> bytes:
+        """The reply frame."""
+        return _core.one_key_answer(request_id, self.code, self.token)
+
+
+def one_key_payload(part: ReplyColumns) -> OneClaim | dict[str, Any]:
+    """The reply payload of a one-key claim as the store decided it: a
+    :class:`OneClaim` when it holds no result, cold answer or takeover, else
+    its columns (:func:`columns_payload`)."""
+    outcomes, tokens, result_index, _results, cold, takeovers = part
+    if result_index or cold or takeovers or _SWAP:
+        return columns_payload(part)
+    return OneClaim(outcomes[0], int.from_bytes(tokens, "little"))
 
 
 def claims_from_reply(keys: list[Any], namespace: str, reply: Any) -> list[Claim]:

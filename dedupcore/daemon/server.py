@@ -515,6 +515,8 @@ class DaemonServer:
     def _reply(self, request_id: int, result: Any, started: float) -> bytes:
         """The reply frame of a request answered with ``result``."""
         self._commit_seconds += time.perf_counter() - started
+        if type(result) is protocol.OneClaim:  # a one-key claim's usual answer, natively
+            return result.frame(request_id)
         # protocol.encode_response, byte for byte, with a packer kept (not one per reply).
         body: bytes = self._packer.pack([request_id, _STATUS_OK, result])
         if len(body) > self.max_frame:
@@ -543,7 +545,9 @@ class DaemonServer:
 
     # -- the embedded store's fast path (on the event loop) ----------------------------
 
-    def decide_now(self, request_id: int, op: Op, args: dict[str, Any]) -> bytes | Decided | None:
+    def decide_now(
+        self, request_id: int, op: Op, args: dict[str, Any] | protocol.OneKey
+    ) -> bytes | Decided | None:
         """A small request served without a task (docs/daemon.md, "The request path"):
         a ping, or a claim (of at most SLICE_ABOVE keys), completion or release that
         the embedded store decides here and now. Returns the reply when nothing is
@@ -560,9 +564,10 @@ class DaemonServer:
         if op is not Op.PING:
             if not self.dispatch.decides_now(op):
                 return None
-            keys = args.get("keys")
-            if op is Op.CLAIM_MANY and (not isinstance(keys, list) or len(keys) > SLICE_ABOVE):
-                return None
+            if op is Op.CLAIM_MANY and isinstance(args, dict):
+                keys = args.get("keys")
+                if not isinstance(keys, list) or len(keys) > SLICE_ABOVE:
+                    return None
         self.counters["requests"] += 1
         started = time.perf_counter()
         self._deciding += 1  # in flight for the committer's "others in flight" count

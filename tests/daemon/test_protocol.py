@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import dedupcore._core as _core
 from dedupcore.api import InProgressError, Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
@@ -747,3 +748,115 @@ def test_protocol_errors_are_counted(daemon: Daemon) -> None:
             r.send(HEADER.pack(0))
             assert r.at_eof()
         assert c.stats()["daemon"]["protocol_errors"] > before
+
+
+# -- one-key requests: read and answered natively, the same answers ---------------------
+
+
+def _one_key(
+    request_id: int, op: Op, ns: str, key: Any, token: int = 0, packed: Any = None
+) -> bytes:
+    frame = _core.one_key_frame(request_id, op, ns, key, token, packed)
+    assert frame is not None
+    return frame
+
+
+def test_one_key_frames_get_the_answers_their_map_forms_get(daemon: Daemon) -> None:
+    """The same one-key requests, once as the sync client frames them (read natively) and
+    once as a map with every argument (read by the protocol module): the same replies."""
+    ns = unique_ns("one")
+    with Raw(daemon.socket) as r:
+        for form in ("native", "map"):
+            key = f"{form}-k"
+            if form == "native":
+                assert r.send(_one_key(1, Op.CLAIM_MANY, ns, key))
+            else:
+                assert r.request(1, Op.CLAIM_MANY, protocol.claim_args(ns, [key], None, None, None))
+            [new] = protocol.claims_from_reply([key], ns, ok(r.response(), 1))
+            assert (new.outcome, new.exact, new.takeover) == (Outcome.NEW, True, False)
+            again = _one_key(2, Op.CLAIM_MANY, ns, key)
+            assert r.send(again)
+            assert _core.one_key_reply(r._exact(HEADER.unpack(r._exact(4))[0]), 2) == (2, new.token)
+            packed = msgpack.packb({"done": form}, use_bin_type=True)
+            if form == "native":
+                assert r.send(_one_key(3, Op.COMPLETE_MANY, ns, key, new.token, packed))
+            else:
+                assert r.request(
+                    3, Op.COMPLETE_MANY, {"ns": ns, "items": [[key, new.token, {"done": form}]]}
+                )
+            assert ok(r.response(), 3) is None
+            # A duplicate with a result: the protocol module frames that reply.
+            assert r.send(_one_key(4, Op.CLAIM_MANY, ns, key))
+            [dup] = protocol.claims_from_reply([key], ns, ok(r.response(), 4))
+            assert (dup.outcome, dup.result) == (Outcome.DUPLICATE, {"done": form})
+            held = ok(r.call(5, Op.CLAIM_MANY, {"ns": ns, "keys": [f"{form}-r"]}), 5)
+            token = protocol.claims_from_reply([f"{form}-r"], ns, held)[0].token
+            assert r.send(_one_key(6, Op.RELEASE_MANY, ns, f"{form}-r", token))
+            assert ok(r.response(), 6) is None
+            assert r.send(_one_key(7, Op.RELEASE_MANY, ns, f"{form}-r", token))
+            assert error(r.response(), 7)["type"] == "StaleTokenError"
+    assert_still_serving(daemon)
+
+
+@pytest.mark.parametrize(
+    ("frame", "kind", "rid"),
+    [
+        # A completion whose result is no msgpack: the body does not decode, so the
+        # reply comes under id 0, as for any such body.
+        pytest.param(
+            lambda: _one_key(5, Op.COMPLETE_MANY, "n", b"k", 1, b"\xc1"),
+            "FrameError",
+            0,
+            id="result-not-msgpack",
+        ),
+        pytest.param(
+            lambda: _one_key(5, Op.COMPLETE_MANY, "n", b"k", 1, b"\x01\x02"),
+            "FrameError",
+            0,
+            id="result-two-objects",
+        ),
+        # Checked as every request is: the key, the namespace, the token.
+        pytest.param(lambda: _one_key(5, Op.CLAIM_MANY, "n", b""), "ValueError", 5, id="empty-key"),
+        pytest.param(
+            lambda: _one_key(5, Op.CLAIM_MANY, "", b"k"), "ValueError", 5, id="empty-namespace"
+        ),
+        pytest.param(
+            lambda: _one_key(5, Op.CLAIM_MANY, "n", b"k" * 513), "ValueError", 5, id="key-too-long"
+        ),
+        pytest.param(
+            lambda: _one_key(5, Op.RELEASE_MANY, "n", b"k", 0), "ValueError", 5, id="token-zero"
+        ),
+        pytest.param(
+            lambda: _one_key(5, Op.RELEASE_MANY, "n", b"k", 1 << 63),
+            "ValueError",
+            5,
+            id="token-over",
+        ),
+        pytest.param(
+            lambda: _one_key(5, Op.COMPLETE_MANY, "n", b"never-claimed", 9),
+            "StaleTokenError",
+            5,
+            id="stale",
+        ),
+    ],
+)
+def test_a_bad_one_key_request_gets_the_error_its_map_form_gets(
+    daemon: Daemon, frame: Any, kind: str, rid: int
+) -> None:
+    with Raw(daemon.socket) as r:
+        assert r.send(frame())
+        payload = error(r.response(), rid)
+        assert payload["type"] == kind, payload
+        assert ok(r.call(6, Op.PING, {}), 6) == "pong"
+    assert_still_serving(daemon)
+
+
+def test_a_one_key_frame_with_a_namespace_not_utf8_is_refused_as_any_frame(daemon: Daemon) -> None:
+    body = bytearray(_one_key(5, Op.CLAIM_MANY, "nn", b"k")[4:])
+    at = body.index(b"\xa2nn")
+    body[at + 1 : at + 3] = b"\xff\xfe"  # the namespace's bytes, no longer UTF-8
+    with Raw(daemon.socket) as r:
+        assert r.send_body(bytes(body))
+        error(r.response(), 0)  # not decodable: answered under id 0
+        assert ok(r.call(6, Op.PING, {}), 6) == "pong"
+    assert_still_serving(daemon)

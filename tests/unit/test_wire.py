@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import dedupcore._core as _core
 from dedupcore.api.batches import pack_result
 from dedupcore.daemon import protocol
-from dedupcore.daemon.protocol import Op
+from dedupcore.daemon.protocol import FrameError, Op
 
 MAX = 1 << 20
 
@@ -218,7 +218,7 @@ results = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(1 << 63), (1 << 64) - 1)
-    | st.floats()
+    | st.floats(allow_nan=False)
     | st.text()
     | st.binary(),
     lambda inner: (
@@ -361,3 +361,127 @@ def test_garbage_is_never_misread(body: bytes, rid: int) -> None:
     else:
         [claim] = protocol.claims_from_reply([b"k"], "ns", payload)
         assert (claim.outcome, claim.token) == (protocol.OUTCOME_ORDER[answer[0]], answer[1])
+
+
+# -- the daemon's side: one-key requests read, one-key claims answered -------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    request_ids,
+    st.sampled_from([Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY]),
+    names,
+    keys_,
+    tokens,
+    results,
+)
+def test_a_one_key_frame_reads_back_as_it_was_built(
+    rid: int, op: Op, ns: str, key: bytes | str, token: int, result: object
+) -> None:
+    packed = pack_result(result, 1 << 30) if op is Op.COMPLETE_MANY else None
+    frame = _core.one_key_frame(rid, op, ns, key, token, packed)
+    assert frame is not None
+    read = protocol.one_key_request(frame[4:])
+    assert read is not None
+    got_rid, got_op, one = read
+    assert (got_rid, got_op, one.namespace, one.key) == (rid, op, ns, key)
+    assert type(one.key) is type(key)
+    if op is Op.CLAIM_MANY:
+        assert (one.token, one.value) == (0, None)
+    else:
+        assert one.token == token
+        assert one.value == (result if op is Op.COMPLETE_MANY else None)
+    # The args as a map are what the protocol module decodes from the same body.
+    assert protocol.decode_request(frame[4:]).args == one.args(op)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"ns": "n", "keys": [b"k"]},  # no cols
+        {"ns": "n", "keys": [b"k"], "cols": 1, "lease": None},
+        {"ns": "n", "keys": [b"k", b"l"], "cols": 1},
+        {"keys": [b"k"], "ns": "n", "cols": 1},  # another order
+        {"ns": b"n", "keys": [b"k"], "cols": 1},  # a bytes namespace: refused by the checks
+        {"ns": "n", "keys": [5], "cols": 1},
+        {"ns": "n", "keys": [b"k"], "cols": 2},
+    ],
+)
+def test_a_claim_of_another_shape_is_left_to_the_protocol(args: dict[str, object]) -> None:
+    assert _core.one_key_request(protocol.encode_request(3, Op.CLAIM_MANY, args)[4:]) is None
+
+
+@pytest.mark.parametrize(
+    ("op", "items"),
+    [
+        (Op.COMPLETE_MANY, [[b"k", 1, None], [b"l", 2, None]]),
+        (Op.COMPLETE_MANY, [[b"k", 1]]),  # a completion without its result
+        (Op.COMPLETE_MANY, [[b"k", -1, None]]),  # a negative token: the checks name it
+        (Op.RELEASE_MANY, [[b"k", 1, None]]),  # a release with a result
+        (Op.RELEASE_MANY, [[b"k", "1"]]),
+        (Op.EXTEND_MANY, [[b"k", 1]]),
+    ],
+)
+def test_a_change_of_another_shape_is_left_to_the_protocol(op: Op, items: list[object]) -> None:
+    body = protocol.encode_request(3, op, {"ns": "n", "items": items})[4:]
+    assert _core.one_key_request(body) is None
+
+
+def test_every_cut_of_a_one_key_request_is_left_to_the_protocol() -> None:
+    for frame in (
+        _core.one_key_frame(300, Op.CLAIM_MANY, "ns", b"key"),
+        _core.one_key_frame(300, Op.COMPLETE_MANY, "ns", "kéy", 1 << 40, b"\x92\x01\xa1x"),
+        _core.one_key_frame(300, Op.RELEASE_MANY, "ns", b"k" * 300, 7),
+    ):
+        assert frame is not None
+        body = frame[4:]
+        assert _core.one_key_request(body) is not None
+        for end in range(len(body)):
+            # A completion cut inside its result is read natively up to the result,
+            # which then does not decode: the protocol module answers it.
+            read = _core.one_key_request(body[:end])
+            assert read is None or read[1] == Op.COMPLETE_MANY
+            assert protocol.one_key_request(body[:end]) is None
+
+
+def test_strings_that_are_not_utf8_are_left_to_the_protocol() -> None:
+    frame = _core.one_key_frame(1, Op.CLAIM_MANY, "nn", "kk")
+    assert frame is not None
+    for at in (frame.index(b"nn"), frame.index(b"kk")):
+        bad = frame[4:at] + b"\xff\xfe" + frame[at + 2 :]
+        assert _core.one_key_request(bad) is None
+        with pytest.raises(FrameError):
+            protocol.decode_request(bad)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64))
+def test_request_garbage_is_never_misread(body: bytes) -> None:
+    read = protocol.one_key_request(body)
+    if read is None:
+        return
+    rid, op, one = read
+    assert protocol.decode_request(body) == protocol.Request(rid, op, one.args(op))
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_ids, st.integers(0, 2), st.integers(0, (1 << 64) - 1))
+def test_a_one_key_answer_is_the_columns_reply(rid: int, code: int, token: int) -> None:
+    answer = _core.one_key_answer(rid, code, token)
+    assert answer == protocol.encode_response(rid, _columns(code, token))
+    assert _core.one_key_reply(answer[4:], rid) == (code, token)
+    assert protocol.OneClaim(code, token).frame(rid) == answer
+
+
+def test_a_one_key_answer_has_one_of_three_outcomes() -> None:
+    for code in (-1, 3):
+        with pytest.raises(ValueError, match=f"no outcome has code {code}"):
+            _core.one_key_answer(1, code, 1)
+
+
+def test_a_one_key_payload_is_columns_where_there_is_more_than_outcome_and_token() -> None:
+    token = (77).to_bytes(8, "little")
+    assert protocol.one_key_payload((b"\x00", token, [], [], [], [])) == protocol.OneClaim(0, 77)
+    for sparse in (([0], ["r"], [], []), ([], [], [0], []), ([], [], [], [0])):
+        payload = protocol.one_key_payload((b"\x01", token, *sparse))
+        assert isinstance(payload, dict) and payload["o"] == b"\x01"
