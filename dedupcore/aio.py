@@ -191,8 +191,14 @@ class Client(ClientBase, AsyncClaimAPI):
                 self._conn = conn
                 return conn
 
-    async def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        request_id, data = self._request(op, args)
+    async def _call(self, op: Op, args: dict[str, Any] | Callable[[int], bytes]) -> Any:
+        """Sends a request (its args, or what frames it for a request id: a one-key
+        request, ``ClientBase._one_key_request``) and returns its reply's payload."""
+        if callable(args):
+            request_id = self._new_id()
+            data = args(request_id)
+        else:
+            request_id, data = self._request(op, args)
         loop = asyncio.get_running_loop()
         unsent_retries = 2  # a connection found dead before anything of the request left
         attempt = 0
@@ -220,7 +226,10 @@ class Client(ClientBase, AsyncClaimAPI):
                     # Resent under a new id, so a late reply to the first cannot be mistaken.
                     attempt += 1
                     request_id = next(self._ids)
-                    data = protocol.encode_request(request_id, op, args)
+                    if callable(args):
+                        data = args(request_id)
+                    else:
+                        data = protocol.encode_request(request_id, op, args)
                     continue
                 if isinstance(exc, asyncio.TimeoutError):
                     why = f"no reply within {self.timeout} s"
@@ -243,6 +252,10 @@ class Client(ClientBase, AsyncClaimAPI):
         return bool(await self._call(Op.PING, {}) == "pong")
 
     async def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
+        frame = self._one_key_request(Op.CLAIM_MANY, batch)
+        if frame is not None:  # one frame, and its error is the batch's own
+            reply = await self._call(Op.CLAIM_MANY, frame)
+            return protocol.claims_from_reply(batch.keys, batch.namespace, reply)
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
             try:
@@ -255,6 +268,11 @@ class Client(ClientBase, AsyncClaimAPI):
         return parts.claims
 
     async def _change_batch(self, batch: ChangeBatch) -> None:
+        op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY
+        frame = self._one_key_request(op, batch)
+        if frame is not None:
+            await self._call(op, frame)
+            return
         await self._send_parts(batch, self._change_request)
 
     async def _extend_batch(self, batch: ExtendBatch) -> None:

@@ -105,6 +105,8 @@ class _Connection:
         return protocol.decode_response(body)
 
 
+#: The keys a one-key request carries as they are (others go the general way).
+_ONE_KEY_TYPES = (bytes, str)
 #: Bytes a key, token or fingerprint costs in a frame beyond its own (msgpack framing).
 _ITEM_OVERHEAD = 16
 
@@ -302,6 +304,30 @@ class ClientBase:
             )
         return data
 
+    def _one_key_request(self, op: Op, batch: Any) -> Callable[[int], bytes] | None:
+        """What frames a one-key request for a request id (``_core.one_key_frame``:
+        docs/daemon.md, "The client's round trip"); None when ``batch`` is not one
+        (more keys, a claim with a lease, an owner or fingerprints, a key that is
+        not exactly bytes or str), which goes the general way."""
+        if len(batch.keys) != 1 or type(batch.keys[0]) not in _ONE_KEY_TYPES:
+            return None
+        key, namespace = batch.keys[0], batch.namespace
+        token, packed = 0, None
+        if op is Op.CLAIM_MANY:
+            if batch.lease is not None or batch.owner is not None or batch.fingerprints:
+                return None
+        else:
+            token = batch.tokens[0]
+            if op is Op.COMPLETE_MANY and batch.results:  # none: no result given
+                packed = batch.results[0]
+
+        def frame(request_id: int) -> bytes:
+            data = _core.one_key_frame(request_id, op, namespace, key, token, packed)
+            assert data is not None  # the key's type was checked above
+            return self._checked(data)
+
+        return frame
+
 
 class Client(ClientBase, ClaimAPI):
     """A connection to ``dedupcore serve`` at ``path`` (see the module docstring);
@@ -401,17 +427,11 @@ class Client(ClientBase, ClaimAPI):
             return payload
         raise AssertionError("unreachable")
 
-    def _one_key(
-        self, op: Op, namespace: str, key: Any, token: int = 0, packed: bytes | None = None
-    ) -> Any:
-        """A one-key request sent as ``_core.one_key_frame`` builds it (docs/daemon.md,
-        "The client's round trip"): its answer as :meth:`_send` gives it with
-        ``quick``, or NotImplemented for a key that is not exactly bytes or str."""
+    def _one_key(self, op: Op, frame: Callable[[int], bytes]) -> Any:
+        """Sends a one-key request (:meth:`_one_key_request`) and returns its answer as
+        :meth:`_send` gives it with ``quick``."""
         request_id = self._new_id()
-        data = _core.one_key_frame(request_id, int(op), namespace, key, token, packed)
-        if data is None:
-            return NotImplemented
-        return self._send(op, request_id, self._checked(data), quick=True)
+        return self._send(op, request_id, frame(request_id), quick=True)
 
     # -- the store's methods -------------------------------------------------------
 
@@ -421,14 +441,14 @@ class Client(ClientBase, ClaimAPI):
 
     def _claim_batch(self, batch: batches.ClaimBatch) -> list[Claim]:
         if len(batch.keys) == 1:  # one key: one frame, and its error is the batch's own
-            if batch.lease is None and batch.owner is None and batch.fingerprints is None:
+            frame = self._one_key_request(Op.CLAIM_MANY, batch)
+            if frame is not None:
                 key = batch.keys[0]
-                answer = self._one_key(Op.CLAIM_MANY, batch.namespace, key)
+                answer = self._one_key(Op.CLAIM_MANY, frame)
                 if type(answer) is tuple:
                     outcome = protocol.OUTCOME_ORDER[answer[0]]
                     return [Claim(key, batch.namespace, outcome, answer[1])]
-                if answer is not NotImplemented:
-                    return protocol.claims_from_reply([key], batch.namespace, answer)
+                return protocol.claims_from_reply([key], batch.namespace, answer)
             keys, args = self._claim_request(batch)
             reply = self._call(Op.CLAIM_MANY, args)
             return protocol.claims_from_reply(keys, batch.namespace, reply)
@@ -444,12 +464,11 @@ class Client(ClientBase, ClaimAPI):
         return parts.claims
 
     def _change_batch(self, batch: batches.ChangeBatch) -> None:
-        if len(batch.keys) == 1:
-            op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY
-            packed = batch.results[0] if batch.results else None  # none: no result given
-            key, token = batch.keys[0], batch.tokens[0]
-            if self._one_key(op, batch.namespace, key, token, packed) is not NotImplemented:
-                return
+        op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY
+        frame = self._one_key_request(op, batch)
+        if frame is not None:
+            self._one_key(op, frame)
+            return
         self._send_parts(batch, self._change_request)
 
     def _extend_batch(self, batch: batches.ExtendBatch) -> None:

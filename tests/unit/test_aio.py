@@ -480,6 +480,29 @@ def test_safe_op_resent_after_reply_lost(own_daemon: Daemon) -> None:
     run(main())
 
 
+def test_a_one_key_completion_is_resent_after_its_reply_was_lost(own_daemon: Daemon) -> None:
+    """A one-key request is framed again under a new id when it is resent."""
+    d = own_daemon
+
+    async def main() -> None:
+        c = aio.Client(d.socket, retries=100, backoff=0.05)
+        claim = await c.claim("resent", namespace="ns")
+        assert claim.outcome is Outcome.NEW
+        d.signal(signal.SIGSTOP)
+        done = asyncio.create_task(c.complete("resent", claim.token, namespace="ns", result=7))
+        await asyncio.sleep(0.2)
+        d.kill()
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, d.start)
+        await done  # resent on a new connection once the daemon is back
+        again = await c.claim("resent", namespace="ns")
+        assert (again.outcome, again.result) == (Outcome.DUPLICATE, 7)
+        await c.aclose()
+
+    run(main())
+
+
 def test_unreachable_daemon(tmp_path: Path) -> None:
     path = str(tmp_path / "none.sock")
 

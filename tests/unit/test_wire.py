@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dedupcore._core as _core
-from dedupcore.api.batches import pack_result
+from dedupcore.api.batches import ChangeBatch, ClaimBatch, pack_result
+from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 
@@ -485,3 +486,50 @@ def test_a_one_key_payload_is_columns_where_there_is_more_than_outcome_and_token
     for sparse in (([0], ["r"], [], []), ([], [], [0], []), ([], [], [], [0])):
         payload = protocol.one_key_payload((b"\x01", token, *sparse))
         assert isinstance(payload, dict) and payload["o"] == b"\x01"
+
+
+# -- the clients' choice: which calls go as one-key requests -----------------------------
+
+
+def _framer(op: Op, batch: object) -> bytes | None:
+    frame = Client("/nonexistent/socket")._one_key_request(op, batch)
+    return None if frame is None else frame(9)
+
+
+def test_a_plain_one_key_call_goes_as_a_one_key_request() -> None:
+    claim = ClaimBatch(["k"], namespace="ns")
+    assert _framer(Op.CLAIM_MANY, claim) == _core.one_key_frame(9, Op.CLAIM_MANY, "ns", "k")
+    done = ChangeBatch([(b"k", 3, {"r": 1})], namespace="ns", completing=True)
+    packed = pack_result({"r": 1}, 1 << 20)
+    assert _framer(Op.COMPLETE_MANY, done) == _core.one_key_frame(
+        9, Op.COMPLETE_MANY, "ns", b"k", 3, packed
+    )
+    bare = ChangeBatch([(b"k", 3)], namespace="ns", completing=True)
+    assert _framer(Op.COMPLETE_MANY, bare) == _core.one_key_frame(
+        9, Op.COMPLETE_MANY, "ns", b"k", 3
+    )
+    gone = ChangeBatch([(b"k", 3)], namespace="ns", completing=False)
+    assert _framer(Op.RELEASE_MANY, gone) == _core.one_key_frame(9, Op.RELEASE_MANY, "ns", b"k", 3)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        ClaimBatch(["k", "l"], namespace="ns"),
+        ClaimBatch(["k"], namespace="ns", lease=5.0),
+        ClaimBatch(["k"], namespace="ns", owner="me"),
+        ClaimBatch(["k"], namespace="ns", fingerprints=[b"fp"]),
+        ClaimBatch([bytearray(b"k")], namespace="ns"),
+    ],
+    ids=["two-keys", "lease", "owner", "fingerprint", "bytearray-key"],
+)
+def test_any_other_claim_goes_the_general_way(batch: ClaimBatch) -> None:
+    assert _framer(Op.CLAIM_MANY, batch) is None
+
+
+def test_a_one_key_request_over_the_frame_is_refused_before_it_is_sent() -> None:
+    client = Client("/nonexistent/socket", max_frame=64)
+    frame = client._one_key_request(Op.CLAIM_MANY, ClaimBatch(["k" * 100], namespace="ns"))
+    assert frame is not None
+    with pytest.raises(ValueError, match="exceeds the frame limit of 64"):
+        frame(1)
