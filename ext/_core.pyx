@@ -1429,7 +1429,7 @@ def one_key_frame(uint64_t request_id, int op, str namespace, key, token=0, pack
         key_data = PyBytes_AS_STRING(key)
         key_len = PyBytes_GET_SIZE(key)
         key_text = False
-    elif PyUnicode_Check(key) and type(key) is str:
+    elif type(key) is str:
         key_data = PyUnicode_AsUTF8AndSize(key, &key_len)
         key_text = True
     else:
@@ -1582,13 +1582,27 @@ cdef inline Py_ssize_t _mp_read_raw(const unsigned char* p, Py_ssize_t n, bint* 
     return head
 
 
-cdef object _mp_text_or_bytes(const unsigned char* p, Py_ssize_t size, bint text):
-    if not text:
-        return PyBytes_FromStringAndSize(<const char*>p, size)
-    try:
-        return PyUnicode_DecodeUTF8(<const char*>p, size, "strict")
-    except UnicodeDecodeError:
+cdef object _mp_take_raw(const unsigned char* p, Py_ssize_t n, Py_ssize_t* pos,
+                         bint text_only):
+    # The str (as str, UTF-8) or bin (as bytes) at p + pos[0], n bytes in all, and
+    # pos[0] moved past it; None when there is none there (or, with text_only, a
+    # bin), or its text is not UTF-8.
+    cdef bint text
+    cdef Py_ssize_t size
+    cdef const unsigned char* at = p + pos[0]
+    cdef Py_ssize_t used = _mp_read_raw(at, n - pos[0], &text, &size)
+    if not used or (text_only and not text):
         return None
+    at += used
+    if text:
+        try:
+            value = PyUnicode_DecodeUTF8(<const char*>at, size, "strict")
+        except UnicodeDecodeError:
+            return None
+    else:
+        value = PyBytes_FromStringAndSize(<const char*>at, size)
+    pos[0] += used + size
+    return value
 
 
 def one_key_request(const unsigned char[::1] body):
@@ -1597,9 +1611,8 @@ def one_key_request(const unsigned char[::1] body):
     a claim; packed, for a completion, the result's msgpack bytes as sent, None for
     nil). None for any other body, which the caller decodes the general way
     (``protocol.decode_request``), as it does a body whose strings are not UTF-8."""
-    cdef Py_ssize_t n = body.shape[0], pos = 0, used, size
+    cdef Py_ssize_t n = body.shape[0], pos = 0, used
     cdef uint64_t rid = 0, token = 0
-    cdef bint text
     cdef int op
     if n < 8:
         return None
@@ -1619,13 +1632,9 @@ def one_key_request(const unsigned char[::1] body):
     if n - pos < 3 or memcmp(p + pos, b"\xa2ns", 3) != 0:
         return None
     pos += 3
-    used = _mp_read_raw(p + pos, n - pos, &text, &size)
-    if not used or not text:
-        return None
-    namespace = _mp_text_or_bytes(p + pos + used, size, True)
+    namespace = _mp_take_raw(p, n, &pos, True)
     if namespace is None:
         return None
-    pos += used + size
     if op == 2:
         if n - pos < 6 or memcmp(p + pos, b"\xa4keys\x91", 6) != 0:
             return None
@@ -1636,13 +1645,9 @@ def one_key_request(const unsigned char[::1] body):
         if p[pos + 7] != (0x93 if op == 3 else 0x92):
             return None
         pos += 8
-    used = _mp_read_raw(p + pos, n - pos, &text, &size)
-    if not used:
-        return None
-    key = _mp_text_or_bytes(p + pos + used, size, text)
+    key = _mp_take_raw(p, n, &pos, False)
     if key is None:
         return None
-    pos += used + size
     if op == 2:
         if n - pos != 6 or memcmp(p + pos, b"\xa4cols\x01", 6) != 0:
             return None
