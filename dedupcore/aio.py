@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -194,11 +195,9 @@ class Client(ClientBase, AsyncClaimAPI):
     async def _call(self, op: Op, args: dict[str, Any] | Callable[[int], bytes]) -> Any:
         """Sends a request (its args, or what frames it for a request id: a one-key
         request, ``ClientBase._one_key_request``) and returns its reply's payload."""
-        if callable(args):
-            request_id = self._new_id()
-            data = args(request_id)
-        else:
-            request_id, data = self._request(op, args)
+        frame = args if callable(args) else functools.partial(self._frame, op=op, args=args)
+        request_id = self._new_id()
+        data = frame(request_id)
         loop = asyncio.get_running_loop()
         unsent_retries = 2  # a connection found dead before anything of the request left
         attempt = 0
@@ -226,10 +225,7 @@ class Client(ClientBase, AsyncClaimAPI):
                     # Resent under a new id, so a late reply to the first cannot be mistaken.
                     attempt += 1
                     request_id = next(self._ids)
-                    if callable(args):
-                        data = args(request_id)
-                    else:
-                        data = protocol.encode_request(request_id, op, args)
+                    data = frame(request_id)
                     continue
                 if isinstance(exc, asyncio.TimeoutError):
                     why = f"no reply within {self.timeout} s"

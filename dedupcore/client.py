@@ -287,7 +287,11 @@ class ClientBase:
         """A new request id and the request's frame; UnavailableError once the client is
         closed, ValueError for a request larger than a frame."""
         request_id = self._new_id()
-        return request_id, self._checked(protocol.encode_request(request_id, op, args))
+        return request_id, self._frame(request_id, op, args)
+
+    def _frame(self, request_id: int, op: Op, args: dict[str, Any]) -> bytes:
+        """The request's frame under ``request_id``; ValueError when larger than a frame."""
+        return self._checked(protocol.encode_request(request_id, op, args))
 
     def _new_id(self) -> int:
         """The next request id; UnavailableError once the client is closed."""

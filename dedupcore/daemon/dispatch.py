@@ -222,9 +222,7 @@ class Dispatcher:
                     one, form=FORM_COLUMNS, admit=self.reply_bound(one)
                 )
                 return protocol.one_key_payload(answer), self.commit(lsn, gather)
-            completing = op is Op.COMPLETE_MANY
-            item = [args.key, args.token, args.value] if completing else [args.key, args.token]
-            return self._decide_change(self._changes(op, args.namespace, [item]), gather)
+            return self._decide_change(self._changes(op, args.namespace, [args.item(op)]), gather)
         if op is Op.CLAIM_MANY:
             ns, keys = args.get("ns"), args.get("keys")
             options: dict[str, Any]

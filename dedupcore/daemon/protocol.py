@@ -397,9 +397,14 @@ class OneKey:
         """The same args as a map, as ``decode_request`` gives them."""
         if op is Op.CLAIM_MANY:
             return {"ns": self.namespace, "keys": [self.key], COLUMNS_ARG: 1}
+        return {"ns": self.namespace, "items": [self.item(op)]}
+
+    def item(self, op: Op) -> list[Any]:
+        """The one item of a COMPLETE_MANY (key, token, result) or RELEASE_MANY (key,
+        token)."""
         if op is Op.COMPLETE_MANY:
-            return {"ns": self.namespace, "items": [[self.key, self.token, self.value]]}
-        return {"ns": self.namespace, "items": [[self.key, self.token]]}
+            return [self.key, self.token, self.value]
+        return [self.key, self.token]
 
 
 _OP_OF = {int(op): op for op in Op}
