@@ -66,6 +66,37 @@ Durability
   a failed sync of the current segment before it, or of the directory after
   the rename, fails the log.
 
+The zero-filled tail
+--------------------
+
+An ``fdatasync`` after an append that makes the file longer also writes the
+file's new size and its new blocks to the filesystem's journal; after an
+append that overwrites blocks the file already has, it writes the data alone.
+On this project's ext4 test disk the second takes about 115 µs p50 against
+155-180 µs for the first, and has a far shorter tail. So in ``fdatasync``
+mode the log writes zeros ahead of its appends: when a small commit would
+pass the zeros already written, zeros are written first from the end of the
+file to as far past the records as the segment already holds (64 KiB to 1
+MiB), and that commit's ``fdatasync`` makes them part of the file. The
+commits after it land on those blocks. A large commit (more than half a
+fill) extends the file itself.
+
+The zeros are never part of a record and nothing depends on them: a fill
+that fails (a full disk) is given up for the rest of the segment. A segment
+is cut back to its last record, and synced, before the next one is created
+and when the log closes, so every segment but the last, and the last after
+a clean close, ends with its last record. After a crash, the last segment
+may end in zeros: they hold nothing of a record, and nothing a later record
+could be mistaken for, so opening keeps them for the appends and changes
+nothing on disk (a debug message on the ``dedupcore.wal`` logger says how
+many). Garbage before them is a torn tail, cut with them (below).
+
+A read-only open while the owner appends can catch a commit half-written over
+those zeros, its first bytes still zero and later ones written, which looks
+like damage (below). So a read-only open that finds damage in the last
+segment scans it again after a pause (50 ms, up to four scans), and reports
+the damage only once two scans in a row find it alike.
+
 Recovery: torn tail versus damage
 ---------------------------------
 
@@ -78,7 +109,8 @@ batch partly written, a zero-filled or garbage tail from the filesystem),
 with no valid record after it that continues the log. Opening the log cuts
 such a tail at the last valid record: the segment is truncated there and
 fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
-were dropped and why. Records cut off this way were never acknowledged in
+were dropped and why. A tail of zeros alone is kept (above, "The
+zero-filled tail"). Records cut off this way were never acknowledged in
 ``fdatasync`` mode.
 
 Everything else is damage to acknowledged records (media error, a stray

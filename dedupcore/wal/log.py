@@ -281,6 +281,8 @@ class WriteAheadLog:
                 # costs nothing acknowledged: the batch goes to the current one.
                 not_created = self._segments.rotate(first)
                 rotated = True
+            if self.sync_mode == "fdatasync":
+                self._segments.zero_ahead(len(batch))
             self._segments.append(batch)
             if self.sync_mode == "fdatasync":
                 self._segments.sync()
@@ -349,12 +351,17 @@ class WriteAheadLog:
             if self._syncer is None:
                 self._syncer = _core.Syncer()
             batch, first, last, rotate = self._take_queue()
-            if rotate:
+            files = self._segments
+            if rotate or files.size + len(batch) > files.length:
+                # The I/O before the thread's (a rotation, a zero fill) with the lock
+                # let go: the log is busy meanwhile.
                 self._cond.release()
                 failure: BaseException | None = None
                 not_created: OSError | None = None
                 try:
-                    not_created = self._segments.rotate(first)
+                    if rotate:
+                        not_created = files.rotate(first)
+                    files.zero_ahead(len(batch))
                 except BaseException as exc:
                     failure = exc
                 finally:
@@ -364,8 +371,9 @@ class WriteAheadLog:
                     if not isinstance(failure, Exception):
                         raise failure
                     return True  # started and failed: its waiters get the error
-                self._segments.rotated(first, not_created)
-            self._syncer.start(self._segments.fd, batch, True)
+                if rotate:
+                    files.rotated(first, not_created)
+            self._syncer.start(files.fd, batch, True)
             self._native = (first, last)
             # A thread that began waiting during the rotation waits for the thread's
             # commit now (it records it itself: nothing depends on the loop).
@@ -594,6 +602,10 @@ class WriteAheadLog:
             try:
                 if self._failure is None:
                     self._exclusive_io(closing=True)
+                    files = self._segments
+                    if files.written and files.length > files.size:
+                        # Its zeros, cut; those it found at open stay (it changed nothing).
+                        self._io(files.trim)
                     if self._segments.unsynced:
                         self._io(self._segments.sync)
                     if (

@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,18 @@ _HEAD = _files.FileHeader(
 HEAD_MAGIC, HEAD_VERSION = _HEAD.magic, _HEAD.version
 HEAD, HEAD_SIZE = _HEAD.layout, _HEAD.size  # 40 bytes
 _HEAD_OPEN, _HEAD_CLEAN = 0, 1
+
+#: The zeros :meth:`Segments.zero_ahead` writes past the records, at least and at most
+#: (dedupcore/wal/__init__.py, "The zero-filled tail").
+ZERO_FILL_MIN = 64 << 10
+ZERO_FILL_MAX = 1 << 20
+_ZEROS = memoryview(bytes(ZERO_FILL_MAX))
+
+#: A read-only open that finds damage in the last segment scans it again after a pause,
+#: up to this many scans in all, and reports it once two scans in a row find it alike
+#: (the owner may be writing over the zeros meanwhile: :meth:`Segments._recover_last`).
+READONLY_SCANS = 4
+READONLY_RESCAN_PAUSE = 0.05
 
 _SEGMENT_RE = re.compile(r"wal-(\d{20})\.log")
 _TMP_RE = re.compile(r"\.wal-\d{20}\.log\.[^/]*tmp")
@@ -137,8 +150,13 @@ class Segments:
         self.head_path = head
         self.firsts: list[int] = []  # first LSN of each segment, ascending
         self.fd = -1  # the last segment, open for writing
-        self.size = 0  # bytes in the last segment
+        self.size = 0  # bytes of records (and header) in the last segment
+        #: The last segment's length on disk: past ``size``, zeros written ahead of
+        #: the appends (:meth:`zero_ahead`).
+        self.length = 0
         self.unsynced = False  # the last segment has writes not yet fdatasynced
+        self.written = False  # this log wrote to the last segment (closing then cuts its zeros)
+        self._zero_failed = False  # a zero fill failed in the last segment: none until the next
         self._rotation_failures = 0  # new segments that could not be created in a row
 
     def file(self, first_lsn: int) -> Path:
@@ -211,20 +229,22 @@ class Segments:
             for entry in stale:
                 # A segment whose creation stopped before its rename: it never held a record.
                 os.unlink(self.path / entry)
-        end, last_lsn = self._recover_last(self.firsts[-1])
+        end, last_lsn, zeros = self._recover_last(self.firsts[-1])
         if readonly:
             return last_lsn
         fd = os.open(self.file(self.firsts[-1]), os.O_WRONLY | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_size > end:
+            length = os.fstat(fd).st_size
+            if length > end and not zeros:
                 os.ftruncate(fd, end)
                 os.fsync(fd)
+                length = end
             os.lseek(fd, end, os.SEEK_SET)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
-        self.size = end
+        self.size, self.length = end, length
         # Open from now on: records may follow the caller's last checkpoint.
         self.write_head(self.firsts[-1], None)
         return last_lsn
@@ -258,31 +278,45 @@ class Segments:
         head = LogHead(newest, clean_through is not None, clean_through or 0)
         _files.atomic_write(self.head_path, [_pack_head(head)])
 
-    def _recover_last(self, first: int) -> tuple[int, int]:
-        """Scans the last segment: (end offset of its last valid record, the record's LSN).
+    def _recover_last(self, first: int) -> tuple[int, int, bool]:
+        """Scans the last segment: (end offset of its last valid record, the record's LSN,
+        whether only zeros follow it).
 
-        Logs the cut of a torn tail (the caller truncates). Raises
+        Logs the cut of a torn tail (the caller truncates it; zeros alone are kept for
+        the appends: dedupcore/wal/__init__.py, "The zero-filled tail"). Raises
         :class:`CorruptFileError` for an invalid header (a segment is renamed
         into place only with a synced header) and for invalid bytes followed
-        by a valid record carrying the next LSN or a later one.
+        by a valid record carrying the next LSN or a later one; read-only, only
+        once two scans in a row, a pause apart, find those alike (the owner may be
+        writing a commit over its zeros meanwhile).
         """
         path = self.file(first)
-        with Mapped(path) as data:
-            buf = data.view
-            problem = header_problem(buf, first, str(path))
-            if problem is not None:
-                zero = ", all zero" if len(buf) and all_zero(buf) else ""
-                raise CorruptFileError(
-                    f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed into "
-                    "place only once its header is synced, so this is damage, not an "
-                    "interrupted creation; its records are unreadable (restore the file)"
-                )
-            scan = Scan(buf, first)
-            for _ in scan.records():
-                pass
-            if scan.problem is not None:
+        seen: tuple[int, tuple[int, int]] | None = None
+        for scans_left in range(READONLY_SCANS - 1 if self.readonly else 0, -1, -1):
+            with Mapped(path) as data:
+                buf = data.view
+                problem = header_problem(buf, first, str(path))
+                if problem is not None:
+                    zero = ", all zero" if len(buf) and all_zero(buf) else ""
+                    raise CorruptFileError(
+                        f"{path}: {problem} ({len(buf)} bytes{zero}): a segment is renamed "
+                        "into place only once its header is synced, so this is damage, not "
+                        "an interrupted creation; its records are unreadable (restore the file)"
+                    )
+                scan = Scan(buf, first)
+                for _ in scan.records():
+                    pass
+                if scan.problem is None:
+                    return scan.pos, scan.next_lsn - 1, True
                 later = later_record(buf, scan.pos, scan.next_lsn)
                 if later is not None:
+                    if scans_left and seen != (scan.pos, later):
+                        # Read-only, the owner may be writing a commit over the zeros
+                        # ahead of its appends: a scan can meet its first bytes still
+                        # zero and its later ones written. Damage stays where it is.
+                        seen = (scan.pos, later)
+                        time.sleep(READONLY_RESCAN_PAUSE)
+                        continue
                     offset, lsn = later
                     raise CorruptFileError(
                         f"{path}: {scan.problem} at offset {scan.pos}, but a valid record "
@@ -291,9 +325,21 @@ class Segments:
                         f"or, to accept losing them, truncate it at offset {scan.pos})"
                     )
                 dropped = len(buf) - scan.pos
-                zero = ", all zero" if all_zero(buf[scan.pos :]) else ""
+                if all_zero(buf[scan.pos :]):
+                    # The zeros written ahead of the appends (zero_ahead), or a
+                    # filesystem's unwritten tail: nothing of a record, and nothing a
+                    # later record could be mistaken for. Kept, said quietly.
+                    log.debug(
+                        "%s: %d bytes of zeros after LSN %d at offset %d: %s",
+                        path,
+                        dropped,
+                        scan.next_lsn - 1,
+                        scan.pos,
+                        "ignored (read-only)" if self.readonly else "kept for the appends",
+                    )
+                    return scan.pos, scan.next_lsn - 1, True
                 log.warning(
-                    "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes%s",
+                    "%s: torn tail %s at offset %d after LSN %d: %s; %s %d bytes",
                     path,
                     "skipped (read-only)" if self.readonly else "cut",
                     scan.pos,
@@ -301,9 +347,9 @@ class Segments:
                     scan.problem,
                     "ignored" if self.readonly else "dropped",
                     dropped,
-                    zero,
                 )
-            return scan.pos, scan.next_lsn - 1
+                return scan.pos, scan.next_lsn - 1, False
+        raise AssertionError("the last scan returns or raises")
 
     def _new_file(self, first_lsn: int) -> tuple[int, int]:
         """Puts segment ``first_lsn`` in place; returns (its fd, the directory's fd).
@@ -353,8 +399,10 @@ class Segments:
         if self.fd >= 0:
             os.close(self.fd)
         self.fd = fd
-        self.size = HEADER_SIZE
+        self.size = self.length = HEADER_SIZE
         self.unsynced = False
+        self.written = True
+        self._zero_failed = False
 
     def _create(self, first_lsn: int) -> None:
         """Creates segment ``first_lsn`` durably, makes it the one appended to and
@@ -370,6 +418,7 @@ class Segments:
         the one appended to, and the log is fine. A failed sync, or a failure
         once the segment is in place, raises (and fails the log).
         """
+        self.trim()
         if self.unsynced:
             _files.fdatasync(self.fd)
             self.unsynced = False
@@ -487,7 +536,43 @@ class Segments:
         """Counts ``n`` bytes written at the end of the last segment by other code (the
         native commit thread), synced with them or not."""
         self.size += n
+        self.length = max(self.length, self.size)
         self.unsynced = not synced
+        self.written = True
+
+    def zero_ahead(self, n: int) -> None:
+        """Makes room of zeros for an append of ``n`` bytes (dedupcore/wal/__init__.py,
+        "The zero-filled tail"): when the records would pass the zeros already
+        written, and ``n`` is small, writes zeros from the end of the file to
+        ``size`` + a fill (as many bytes as the segment holds, 64 KiB to 1 MiB).
+        The commit's ``fdatasync`` then makes them part of the file, and the
+        commits after it overwrite blocks the file already has: their
+        ``fdatasync`` writes the data and nothing of the file's metadata.
+
+        Nothing depends on it: a fill that fails (a full disk) is given up for the
+        rest of the segment, and appends extend the file themselves."""
+        if self.size + n <= self.length or self._zero_failed:
+            return
+        fill = min(max(self.size, ZERO_FILL_MIN), ZERO_FILL_MAX)
+        if n > fill // 2:
+            return  # a large append extends the file itself
+        start, end = self.length, self.size + fill
+        try:
+            while start < end:
+                start += os.pwrite(self.fd, _ZEROS[: end - start], start)
+        except OSError as exc:
+            self._zero_failed = True
+            log.debug("%s: zero fill ahead of the appends failed: %s", self.path, exc)
+        self.length = start
+        self.written = True
+
+    def trim(self) -> None:
+        """Cuts the zero-filled tail off the last segment, so that it ends with its
+        last record; the caller syncs that (a failure of either fails the log)."""
+        if self.length > self.size:
+            os.ftruncate(self.fd, self.size)
+            self.length = self.size
+            self.unsynced = True
 
     def detach_through(self, lsn: int) -> list[int]:
         """Takes the segments all of whose records are <= ``lsn`` off the list (the

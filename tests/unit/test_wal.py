@@ -50,12 +50,16 @@ def frame(lsn: int, payload: bytes) -> bytes:
 
 
 def frames(path: Path) -> list[tuple[int, int, int]]:
-    """(lsn, start, end) of each record of a segment file, read with the documented format."""
+    """(lsn, start, end) of each record of a segment file, read with the documented format,
+    up to the zeros the log writes ahead of its appends (a record's LSN is never 0)."""
     data = path.read_bytes()
     out = []
     pos = HEADER_SIZE
     while pos < len(data):
         length, lsn = struct.unpack_from("<IQ", data, pos)
+        if lsn == 0:
+            assert not any(data[pos:]), "bytes after the records that are not zero"
+            break
         end = pos + 12 + length + 8
         out.append((lsn, pos, end))
         pos = end
@@ -86,11 +90,11 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def cut_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+def cut_warnings(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
+    """The log's messages at ``level`` (a cut tail's: a warning, a debug message when
+    it is all zero)."""
     return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "dedupcore.wal" and r.levelno == logging.WARNING
+        r.getMessage() for r in caplog.records if r.name == "dedupcore.wal" and r.levelno == level
     ]
 
 
@@ -446,10 +450,13 @@ def test_flipped_byte_in_the_last_record_cuts_there(
 
 
 def test_damage_in_the_last_segment_followed_by_valid_records_is_refused(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torn tail has no valid record continuing the log after it; damage inside the last
     segment does: refuse to open, naming the file and the offset, and change nothing."""
+    import dedupcore.wal.segments as segments
+
+    monkeypatch.setattr(segments, "READONLY_RESCAN_PAUSE", 0.0)  # its rescans find the same
     src, records = _log_with_last_record(tmp_path)
     (seg,) = src.iterdir()
     lsn, start, end = frames(seg)[5]
@@ -475,12 +482,14 @@ def test_damage_in_the_last_segment_followed_by_valid_records_is_refused(
     (work / seg.name).write_bytes(bytes(data))
     with pytest.raises(CorruptFileError, match="not a torn tail"):
         WriteAheadLog.open(work)
-    # The same bytes as a tail, with nothing valid after them, are a torn tail.
+    # The same bytes as a tail, with nothing valid after them, are no record: zeros,
+    # kept quietly (zeros are what the log writes ahead of its appends).
     os.truncate(work / seg.name, start + 100)
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+    with caplog.at_level(logging.DEBUG, logger="dedupcore.wal"):
         assert replay(work) == records[: lsn - 1]
-    (msg,) = cut_warnings(caplog)
-    assert f"after LSN {lsn - 1}" in msg and "dropped 100 bytes, all zero" in msg
+    assert not cut_warnings(caplog)
+    (msg,) = cut_warnings(caplog, logging.DEBUG)
+    assert f"100 bytes of zeros after LSN {lsn - 1} at offset {start}" in msg
 
 
 def test_record_with_a_later_lsn_after_damage_is_found_at_any_lsn(tmp_path: Path) -> None:
@@ -594,17 +603,25 @@ def test_garbage_after_the_last_record_is_cut(
         WriteAheadLog.open(src)
 
 
-def test_zero_filled_tail_is_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A crash on some filesystems leaves the file longer, the new part reading as zeros."""
+def test_zero_filled_tail_is_kept_for_the_appends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash leaves the zeros the log wrote ahead of its appends (or, on some
+    filesystems, a longer file whose new part reads as zeros): kept, and written over."""
     src, records = _log_with_last_record(tmp_path)
     (seg,) = src.iterdir()
+    end = seg.stat().st_size
     with open(seg, "ab") as fh:
         fh.write(bytes(8192))
-    with caplog.at_level(logging.WARNING, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
+    with caplog.at_level(logging.DEBUG, logger="dedupcore.wal"), WriteAheadLog.open(src) as wal:
+        assert seg.stat().st_size == end + 8192  # nothing changed on disk
         assert list(wal.replay(0)) == records
         assert wal.append([b"z"]) == records[-1][0] + 1
-    (msg,) = cut_warnings(caplog)
-    assert "dropped 8192 bytes, all zero" in msg
+        assert seg.stat().st_size == end + 8192  # the record went on the zeros
+    assert not cut_warnings(caplog)
+    (msg,) = cut_warnings(caplog, logging.DEBUG)
+    assert f"8192 bytes of zeros after LSN {records[-1][0]}" in msg and "kept" in msg
+    assert seg.stat().st_size == end + len(frame(records[-1][0] + 1, b"z"))  # closed: cut
     assert replay(src) == [*records, (records[-1][0] + 1, b"z")]
 
 
@@ -901,7 +918,11 @@ def test_partial_write_then_enospc_leaves_a_tail_that_reopen_cuts(
         # like a commit whose reply was lost); the partial second one is cut.
         assert replay(tmp_path) == [*acked, (lsn, b"p" * 100)]
     (msg,) = cut_warnings(caplog)
-    assert "torn tail cut" in msg and "dropped 10 bytes" in msg
+    # The 10 bytes, and the zeros written ahead of the appends after them: cut where the
+    # first record of the failed batch ends.
+    assert "torn tail cut" in msg and "all zero" not in msg
+    (seg,) = tmp_path.glob("wal-*.log")
+    assert frames(seg)[-1][0] == lsn and frames(seg)[-1][2] == seg.stat().st_size
 
 
 def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
@@ -1031,7 +1052,7 @@ def test_automatic_rotation_that_fails_is_retried_at_the_next_commit(
 ) -> None:
     with WriteAheadLog.open(tmp_path, segment_bytes=256) as wal:
         acked = fill(wal, 1, random.Random(17), max_batch=1)
-        while wal.segments()[-1].stat().st_size < 256:
+        while frames(wal.segments()[-1])[-1][2] < 256:  # the records' end, not the zeros
             acked += fill(wal, 1, random.Random(18), max_batch=1)
         with monkeypatch.context() as m:
             failed = _fail_once(m, "open", _is_temp, errno.EMFILE)
@@ -1212,3 +1233,214 @@ def test_closed_log_refuses_calls_and_close_is_idempotent(tmp_path: Path) -> Non
         with pytest.raises(ValueError, match="closed"):
             call()
     assert "closed" in repr(wal)
+
+
+# ------------------------------------------------------- the zero-filled tail ---
+# dedupcore/wal/__init__.py, "The zero-filled tail".
+
+ZERO_FILL_MIN = 64 << 10
+
+
+def records_end(seg: Path) -> int:
+    """Where a segment's last record ends."""
+    found = frames(seg)
+    return found[-1][2] if found else HEADER_SIZE
+
+
+def test_small_commits_land_on_zeros_written_ahead_of_them(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 1, random.Random(30), max_batch=1)
+        (seg,) = wal.segments()
+        # The first commit wrote zeros from the header to 64 KiB past the records' start.
+        length = seg.stat().st_size
+        assert length == HEADER_SIZE + ZERO_FILL_MIN
+        end = records_end(seg)
+        assert end < length and not any(seg.read_bytes()[end:])
+        # The commits after it overwrite those zeros: the file does not grow...
+        while records_end(seg) + 200 < length:
+            acked += fill(wal, 1, random.Random(len(acked)), max_batch=1)
+            assert seg.stat().st_size == length
+        # ...until they pass them: then the next fill, as large as the segment holds.
+        while seg.stat().st_size == length:
+            acked += fill(wal, 1, random.Random(len(acked)), max_batch=1)
+        end = records_end(seg)
+        assert seg.stat().st_size > end and not any(seg.read_bytes()[end:])
+        assert list(wal.replay(0)) == acked
+    assert seg.stat().st_size == records_end(seg)  # closing cut the zeros off
+    assert replay(tmp_path) == acked
+
+
+def test_no_zeros_without_fdatasync_nor_for_a_large_commit(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path / "none", sync="none") as wal:
+        fill(wal, 3, random.Random(31))
+        (seg,) = wal.segments()
+        assert seg.stat().st_size == records_end(seg)  # nothing to save without fdatasync
+    with WriteAheadLog.open(tmp_path / "large") as wal:
+        wal.append([b"L" * (ZERO_FILL_MIN // 2 + 1)])  # more than half a fill
+        (seg,) = wal.segments()
+        assert seg.stat().st_size == records_end(seg)  # it extended the file itself
+        before = records_end(seg)
+        wal.append([b"s"])  # a small one after it: zeros as far past as the segment holds
+        assert seg.stat().st_size == before + max(before, ZERO_FILL_MIN)
+
+
+def test_every_segment_but_the_last_ends_with_its_last_record(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path, segment_bytes=1000) as wal:
+        acked = fill(wal, 40, random.Random(32), max_batch=3)
+        segs = wal.segments()
+        assert len(segs) > 3
+        for seg in segs[:-1]:
+            assert seg.stat().st_size == records_end(seg), seg.name
+        assert segs[-1].stat().st_size > records_end(segs[-1])  # the last one is open
+        nxt = wal.rotate()  # an explicit rotation cuts the zeros too
+        assert segs[-1].stat().st_size == records_end(segs[-1])
+        later = fill(wal, 2, random.Random(33))
+        assert later[0][0] == nxt
+        acked += later
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
+
+
+def test_the_native_commit_thread_writes_on_zeros_too(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path) as wal:
+        lsn = wal.write([b"n" * 40])
+        assert wal.start_commit()
+        assert wal.sync(lsn) == lsn
+        (seg,) = wal.segments()
+        assert seg.stat().st_size == HEADER_SIZE + ZERO_FILL_MIN
+        assert wal.finish_commit()
+        lsn = wal.write([b"m" * 40])
+        assert wal.start_commit()
+        assert wal.sync(lsn) == lsn and wal.finish_commit()
+        assert seg.stat().st_size == HEADER_SIZE + ZERO_FILL_MIN  # it landed on the zeros
+    assert replay(tmp_path) == [(1, b"n" * 40), (2, b"m" * 40)]
+
+
+def test_a_crash_leaves_zeros_that_opening_keeps_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process killed with its log open leaves the last segment ending in zeros: they
+    hold nothing of a record, so opening keeps them (a debug message, no warning), and
+    the appends go on over them."""
+    path = tmp_path / "log"
+    script = (
+        "import os, sys\n"
+        "from dedupcore.wal import WriteAheadLog\n"
+        "wal = WriteAheadLog.open(sys.argv[1])\n"
+        "for i in range(1, 31):\n"
+        "    wal.append([b'r%d' % i])\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], check=False)
+    assert done.returncode == -9
+    (seg,) = path.glob("wal-*.log")
+    length = seg.stat().st_size
+    assert length > records_end(seg)  # zeros after the records
+    with caplog.at_level(logging.DEBUG, logger="dedupcore.wal"), WriteAheadLog.open(path) as wal:
+        assert list(wal.replay(0)) == [(i, b"r%d" % i) for i in range(1, 31)]
+        assert seg.stat().st_size == length  # kept
+        assert wal.append([b"after"]) == 31
+        assert seg.stat().st_size == length  # on the zeros
+    assert not cut_warnings(caplog)
+    (msg,) = cut_warnings(caplog, logging.DEBUG)
+    assert "zeros after LSN 30" in msg and "kept for the appends" in msg
+    assert seg.stat().st_size == records_end(seg)
+    assert replay(path)[-1] == (31, b"after")
+
+
+def test_a_zero_fill_that_fails_is_given_up_for_the_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def full(fd: int, data: object, offset: int) -> int:
+        calls.append(offset)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with WriteAheadLog.open(tmp_path, segment_bytes=2000) as wal:
+        monkeypatch.setattr(os, "pwrite", full)
+        acked = fill(wal, 5, random.Random(34), max_batch=2)  # acknowledged all the same
+        assert len(calls) == 1  # tried once in this segment, not at every commit
+        (seg,) = wal.segments()
+        assert seg.stat().st_size == records_end(seg)
+        while len(wal.segments()) == 1:
+            acked += fill(wal, 1, random.Random(len(acked)), max_batch=2)
+        assert len(calls) == 2  # a new segment tries again
+        monkeypatch.undo()
+        acked += fill(wal, 2, random.Random(35))
+        assert list(wal.replay(0)) == acked
+    assert replay(tmp_path) == acked
+
+
+def _in_flight(tmp_path: Path) -> tuple[Path, Path, bytes, Records]:
+    """A log as a read-only open can catch its owner writing a commit of two records
+    over its zeros: the first record's bytes still zero, the second's written."""
+    src = tmp_path / "src"
+    with WriteAheadLog.open(src) as wal:
+        records = fill(wal, 3, random.Random(36))
+    (seg,) = src.glob("wal-*.log")
+    whole = seg.read_bytes()
+    nxt = records[-1][0] + 1
+    commit = frame(nxt, b"first") + frame(nxt + 1, b"second")
+    done = whole + commit + bytes(4096)
+    torn = whole + bytes(len(frame(nxt, b"first"))) + frame(nxt + 1, b"second") + bytes(4096)
+    seg.write_bytes(torn)
+    return src, seg, done, [*records, (nxt, b"first"), (nxt + 1, b"second")]
+
+
+def test_a_read_only_open_scans_again_past_a_commit_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dedupcore.wal.segments as segments
+
+    src, seg, done, records = _in_flight(tmp_path)
+    pauses: list[float] = []
+
+    def owner_finishes(seconds: float) -> None:
+        pauses.append(seconds)
+        seg.write_bytes(done)  # the owner's write, finished during the pause
+
+    monkeypatch.setattr(segments.time, "sleep", owner_finishes)
+    with WriteAheadLog.open(src, readonly=True) as wal:
+        assert list(wal.replay(0)) == records
+    assert pauses == [segments.READONLY_RESCAN_PAUSE]
+
+
+def test_damage_that_stays_is_reported_by_a_read_only_open_after_two_scans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dedupcore.wal.segments as segments
+
+    src, seg, _done, _records = _in_flight(tmp_path)
+    before = seg.read_bytes()
+    pauses: list[float] = []
+    monkeypatch.setattr(segments.time, "sleep", pauses.append)
+    with pytest.raises(CorruptFileError, match="not a torn tail"):
+        WriteAheadLog.open(src, readonly=True)
+    assert len(pauses) == 1  # found alike twice in a row: damage
+    pauses.clear()
+    with pytest.raises(CorruptFileError, match="not a torn tail"):
+        WriteAheadLog.open(src)  # the owner's open: nobody else writes, one scan
+    assert pauses == [] and seg.read_bytes() == before
+
+
+def test_read_only_opens_while_the_owner_appends_over_its_zeros(tmp_path: Path) -> None:
+    """A real owner process appends batches (fdatasync, so over zeros written ahead)
+    while this process opens the log read-only again and again: every open succeeds
+    and reads a prefix of what the owner logs, whole."""
+    path = tmp_path / "log"
+    argv = [sys.executable, str(CHILD), str(path), "fdatasync", "37"]
+    with LineProcess(argv, name="wal_child.py") as child:
+        ready = child.next_line(60)
+        assert ready is not None and ready.startswith("ready"), child.stderr()
+        seen = 0
+        for _ in range(20):
+            line = child.next_line(60)  # the owner acknowledged more
+            assert line is not None, child.stderr()
+            with WriteAheadLog.open(path, readonly=True) as wal:
+                got = list(wal.replay(0))
+            assert [lsn for lsn, _ in got] == list(range(1, len(got) + 1))
+            assert all(payload == payload_for(lsn) for lsn, payload in got)
+            assert len(got) >= max(seen, int(line))  # what it acknowledged is there
+            seen = len(got)
+        child.sigkill()
