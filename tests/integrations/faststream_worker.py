@@ -1,6 +1,7 @@
 """FastStream brokers for tests/integrations/test_faststream.py, and its worker process.
 
-:class:`Rig` is one FastStream broker of a kind ("rabbit", "nats", "kafka") on
+:class:`Rig` is one FastStream broker of a kind ("rabbit", "nats", "kafka" on
+aiokafka, "confluent" on confluent-kafka: the same Kafka-protocol server) on
 the real server, with a queue, a JetStream stream or a Kafka topic of its own
 (uuid names, deleted on close): ``await rig.start(middleware, handler,
 ack_policy)`` subscribes ``handler`` behind the middleware, ``await
@@ -93,6 +94,10 @@ class Rig:
             from faststream.nats import NatsBroker
 
             return NatsBroker(self.url, logger=None)
+        if self.kind == "confluent":
+            from faststream.confluent import KafkaBroker as ConfluentBroker
+
+            return ConfluentBroker(self.url, logger=None)
         from faststream.kafka import KafkaBroker
 
         return KafkaBroker(self.url, logger=None)
@@ -119,9 +124,14 @@ class Rig:
                 config=ConsumerConfig(ack_wait=self.ack_wait),
                 ack_policy=ack_policy,
             )
-        from faststream.kafka import KafkaRouter
+        if self.kind == "confluent":
+            from faststream.confluent import KafkaRouter as ConfluentRouter
 
-        router = KafkaRouter(middlewares=[middleware])
+            router = ConfluentRouter(middlewares=[middleware])
+        else:
+            from faststream.kafka import KafkaRouter
+
+            router = KafkaRouter(middlewares=[middleware])
         return router, router.subscriber(
             self.name,
             group_id=self.name,

@@ -1,4 +1,5 @@
-"""DedupMiddleware on FastStream's RabbitMQ, NATS JetStream and Kafka brokers, real servers.
+"""DedupMiddleware on FastStream's RabbitMQ, NATS JetStream and Kafka brokers (both Kafka
+clients), real servers.
 
 The contract tests run each broker in this process (tests/integrations/
 faststream_worker.py's :class:`Rig`: a queue, stream or topic of its own); the
@@ -45,9 +46,17 @@ from tests.support.servers import (
     uid,
 )
 
-KINDS = ["rabbit", "nats", "kafka"]
-SERVER = {"rabbit": "rabbitmq", "nats": "nats", "kafka": "kafka"}
-URL = {"rabbit": SERVERS.rabbitmq, "nats": SERVERS.nats, "kafka": SERVERS.kafka}
+#: FastStream's brokers: RabbitMQ, NATS JetStream, and the Kafka-protocol server through
+#: both of FastStream's Kafka clients (``faststream.kafka`` on aiokafka,
+#: ``faststream.confluent`` on confluent-kafka).
+KINDS = ["rabbit", "nats", "kafka", "confluent"]
+SERVER = {"rabbit": "rabbitmq", "nats": "nats", "kafka": "kafka", "confluent": "kafka"}
+URL = {
+    "rabbit": SERVERS.rabbitmq,
+    "nats": SERVERS.nats,
+    "kafka": SERVERS.kafka,
+    "confluent": SERVERS.kafka,
+}
 
 
 def body_key(body: bytes, headers: Any) -> Any:
@@ -124,7 +133,7 @@ def test_a_message_without_a_key_is_rejected(kind: str, store: DedupStore) -> No
             await until(lambda: sum(middleware.counts.values()) == 3, "three verdicts")
 
     asyncio.run(scenario())
-    if kind == "kafka":
+    if kind in ("kafka", "confluent"):
         assert handled == ["h-1"] and middleware.counts[Verdict.INVALID] == 2
     else:
         assert sorted(handled) == ["h-1", "m-1"] and middleware.counts[Verdict.INVALID] == 1
