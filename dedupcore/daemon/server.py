@@ -551,11 +551,11 @@ class DaemonServer:
         """A small request served without a task (docs/daemon.md, "The request path"):
         a ping, or a claim (of at most SLICE_ABOVE keys), completion or release that
         the embedded store decides here and now. Returns the reply when nothing is
-        left to wait for (no log record, or the commit already done, as for a lone
-        request whose commit without fdatasync the loop makes at once); the decided
-        request when its commit is still to come (the caller answers it from the
-        commit's callback); None for a request the task path serves from the start
-        (other ops, other stores).
+        left to wait for (no log record, or the commit already done: a commit without
+        fdatasync the log made as the records were queued, or the loop makes at once
+        for a lone request); the decided request when its commit is still to come
+        (the caller answers it from the commit's callback); None for a request the
+        task path serves from the start (other ops, other stores).
 
         A durable commit is never made as the request is decided: it waits for
         the end of this pass of the loop, when the requests other connections sent

@@ -35,7 +35,9 @@ Durability
   everything queued and syncs once for all of them.
 - ``sync="none"`` skips that ``fdatasync``: an acknowledged record is in the
   kernel's page cache, so it survives a crash of the process (SIGKILL, OOM
-  kill, segfault) but NOT a power loss or kernel crash. Use it only where
+  kill, segfault) but NOT a power loss or kernel crash. The write being that
+  mode's whole commit, ``write`` makes it at once for a small queue when no
+  other I/O runs (16 KiB, ``WRITE_THROUGH_BYTES``). Use it only where
   losing the last moments of acknowledged claims on power loss is acceptable.
 - A new segment is written as a temporary file (header, ``fsync``), renamed
   into place, and then the directory is ``fsync``-ed: a file's ``fsync`` does
@@ -82,14 +84,19 @@ commits after it land on those blocks. A large commit (more than half a
 fill) extends the file itself.
 
 The zeros are never part of a record and nothing depends on them: a fill
-that fails (a full disk) is given up for the rest of the segment. A segment
-is cut back to its last record, and synced, before the next one is created
-and when the log closes, so every segment but the last, and the last after
-a clean close, ends with its last record. After a crash, the last segment
-may end in zeros: they hold nothing of a record, and nothing a later record
-could be mistaken for, so opening keeps them for the appends and changes
-nothing on disk (a debug message on the ``dedupcore.wal`` logger says how
-many). Garbage before them is a torn tail, cut with them (below).
+that fails (a full disk) is given up for the rest of the segment. They stay
+where they are: a segment keeps the zeros after its last record when the
+next one is created and when the log closes (at most 1 MiB each), because a
+file that readers may have mapped (a read-only open, ``dedupcore check``,
+while the owner runs) is never made shorter while it is in use; reading a
+mapped page past a file's new end would kill the reader (``SIGBUS``).
+Replay reads a segment before the last up to its zeros, and the next
+segment's first LSN says whether records are missing. After a crash, the
+last segment may end in zeros too: they hold nothing of a record, and
+nothing a later record could be mistaken for, so opening keeps them for the
+appends and changes nothing on disk (a debug message on the
+``dedupcore.wal`` logger says how many). Garbage before them is a torn
+tail, cut with them by the owner's open (below).
 
 A read-only open while the owner appends can catch a commit half-written over
 those zeros, its first bytes still zero and later ones written, which looks
@@ -128,8 +135,9 @@ forgetting those records:
   that never-acknowledged batch, opening refuses too: the log cannot tell
   that hole from damage, and refusing is the side that loses nothing.)
 - an invalid record or header anywhere else: inside a segment followed by
-  another segment, or the header of a segment needed for replay (a segment
-  is created only after the previous one was synced complete);
+  another segment (zeros alone after its last record excepted), or the
+  header of a segment needed for replay (a segment is created only after the
+  previous one was synced complete);
 - with ``must_exist`` (the store's log once a checkpoint was taken from it):
   a missing log directory, or one without a segment;
 - with a head file (below): a log that lacks the newest segment the head

@@ -29,6 +29,10 @@ __all__ = ["DEFAULT_SEGMENT_BYTES", "MIN_SEGMENT_BYTES", "SYNC_MODES", "SyncMode
 log = logging.getLogger("dedupcore.wal")
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
+#: With ``sync="none"``, :meth:`WriteAheadLog.write` writes a queue of at most this many
+#: bytes at once (a small write under the lock; larger ones wait for a commit, which
+#: writes them outside it).
+WRITE_THROUGH_BYTES = 16 << 10
 MIN_SEGMENT_BYTES = 64
 SYNC_MODES = ("fdatasync", "none")
 SyncMode = Literal["fdatasync", "none"]
@@ -190,15 +194,42 @@ class WriteAheadLog:
 
         The split form of :meth:`append` for a caller that orders records under
         its own lock and waits outside it: the records are NOT acknowledged
-        until ``sync(lsn)`` (or a later ``append``) returns. Same checks as
-        ``append``; an empty sequence returns the last queued LSN.
+        until ``sync(lsn)`` (or a later ``append``) returns, or ``last_lsn``
+        reaches ``lsn``. Same checks as ``append``; an empty sequence returns
+        the last queued LSN. With ``sync="none"`` a small queue is written
+        here and then (when no other I/O runs and no rotation is due), which
+        is all that mode's commit does: ``last_lsn`` then covers it already.
         """
         items = payload_list(payloads)
         with self._cond:
             self._check_open(items)
             if not items:
                 return self._next_lsn - 1
-            return self._enqueue(items)
+            target = self._enqueue(items)
+            if (
+                self.sync_mode == "none"
+                and not self._busy
+                and len(self._pending) <= WRITE_THROUGH_BYTES
+                and self._segments.size < self.segment_bytes
+            ):
+                self._write_through()
+            return target
+
+    def _write_through(self) -> None:
+        """Writes the queue now, lock held (``sync="none"``, small, no I/O running, no
+        rotation due): the write is that mode's whole commit, so the records are
+        acknowledged when :meth:`write` returns and nobody has to lead a commit for
+        them. A failure fails the log as a failed commit does; the caller learns
+        of it from ``sync`` (the records are not acknowledged)."""
+        batch, first, last, _ = self._take_queue()
+        failure: BaseException | None = None
+        try:
+            self._segments.append(batch)
+        except BaseException as exc:
+            failure = exc
+        self._led(first, last, failure, False, None)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure
 
     def _enqueue(self, items: list[Any]) -> int:
         """Frames records onto the queue (lock held; payloads not yet checked, see
@@ -602,10 +633,6 @@ class WriteAheadLog:
             try:
                 if self._failure is None:
                     self._exclusive_io(closing=True)
-                    files = self._segments
-                    if files.written and files.length > files.size:
-                        # Its zeros, cut; those it found at open stay (it changed nothing).
-                        self._io(files.trim)
                     if self._segments.unsynced:
                         self._io(self._segments.sync)
                     if (

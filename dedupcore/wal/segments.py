@@ -155,7 +155,6 @@ class Segments:
         #: the appends (:meth:`zero_ahead`).
         self.length = 0
         self.unsynced = False  # the last segment has writes not yet fdatasynced
-        self.written = False  # this log wrote to the last segment (closing then cuts its zeros)
         self._zero_failed = False  # a zero fill failed in the last segment: none until the next
         self._rotation_failures = 0  # new segments that could not be created in a row
 
@@ -401,7 +400,6 @@ class Segments:
         self.fd = fd
         self.size = self.length = HEADER_SIZE
         self.unsynced = False
-        self.written = True
         self._zero_failed = False
 
     def _create(self, first_lsn: int) -> None:
@@ -418,7 +416,6 @@ class Segments:
         the one appended to, and the log is fine. A failed sync, or a failure
         once the segment is in place, raises (and fails the log).
         """
-        self.trim()
         if self.unsynced:
             _files.fdatasync(self.fd)
             self.unsynced = False
@@ -506,10 +503,13 @@ class Segments:
                 for lsn, start, end in scan.records(through):
                     if lsn > after_lsn:
                         yield lsn, bytes(data.view[start:end])
-                if scan.problem is not None:
+                last = index == len(segments) - 1
+                if scan.problem is not None and (last or not all_zero(data.view[scan.pos :])):
+                    # A segment before the last may end in the zeros written ahead of its
+                    # appends; the next one's first LSN says whether records are missing.
                     where = (
                         "before the last acknowledged record"
-                        if index == len(segments) - 1
+                        if last
                         else "in a segment that was complete when the next one was created"
                     )
                     raise CorruptFileError(
@@ -538,7 +538,6 @@ class Segments:
         self.size += n
         self.length = max(self.length, self.size)
         self.unsynced = not synced
-        self.written = True
 
     def zero_ahead(self, n: int) -> None:
         """Makes room of zeros for an append of ``n`` bytes (dedupcore/wal/__init__.py,
@@ -564,15 +563,6 @@ class Segments:
             self._zero_failed = True
             log.debug("%s: zero fill ahead of the appends failed: %s", self.path, exc)
         self.length = start
-        self.written = True
-
-    def trim(self) -> None:
-        """Cuts the zero-filled tail off the last segment, so that it ends with its
-        last record; the caller syncs that (a failure of either fails the log)."""
-        if self.length > self.size:
-            os.ftruncate(self.fd, self.size)
-            self.length = self.size
-            self.unsynced = True
 
     def detach_through(self, lsn: int) -> list[int]:
         """Takes the segments all of whose records are <= ``lsn`` off the list (the

@@ -66,6 +66,20 @@ def frames(path: Path) -> list[tuple[int, int, int]]:
     return out
 
 
+def records_end(seg: Path) -> int:
+    """Where a segment's last record ends."""
+    found = frames(seg)
+    return found[-1][2] if found else HEADER_SIZE
+
+
+def cut_zeros(path: Path) -> None:
+    """Cuts every segment of the closed log in ``path`` at the end of its last record:
+    the log without the zeros written ahead of its appends, for the tests of the frames
+    and of what follows the last record (an older log, or one that synced nothing)."""
+    for seg in path.glob("wal-*.log"):
+        os.truncate(seg, records_end(seg))
+
+
 def fill(wal: WriteAheadLog, batches: int, rng: random.Random, max_batch: int = 8) -> Records:
     """Appends ``batches`` batches of payload_for(lsn) records; returns what was appended."""
     out: Records = []
@@ -147,6 +161,9 @@ def test_file_format_is_the_documented_one(tmp_path: Path) -> None:
         wal.append([b"hello", b"", b"x" * 300])
     (seg,) = tmp_path.iterdir()
     assert seg.name == f"wal-{1:020d}.log"
+    data = seg.read_bytes()
+    assert not any(data[frames(seg)[-1][2] :])  # after the records, zeros only
+    cut_zeros(tmp_path)
     data = seg.read_bytes()
     magic, version, algorithm, reserved, first, checksum = struct.unpack_from("<8sHHIQQ", data)
     assert (magic, version, algorithm, reserved, first) == (b"DDCWAL01", 1, 1, 0, 1)
@@ -283,6 +300,7 @@ def _log_with_last_record(tmp_path: Path, segment_bytes: int = 64 << 20) -> tupl
     with WriteAheadLog.open(src, segment_bytes=segment_bytes) as wal:
         records = fill(wal, 12, random.Random(3))
         records.append((wal.append([b"L" * 45]), b"L" * 45))
+    cut_zeros(src)
     return src, records
 
 
@@ -331,6 +349,7 @@ def test_any_truncation_replays_exactly_the_whole_records(
         with WriteAheadLog.open(path) as wal:
             for batch in batches:
                 wal.append(batch)
+        cut_zeros(path)
         (seg,) = path.iterdir()
         size = seg.stat().st_size
         offset = HEADER_SIZE + round((size - HEADER_SIZE) * cut)
@@ -444,8 +463,8 @@ def test_flipped_byte_in_the_last_record_cuts_there(
             assert wal.append([b"again"]) == lsn
         (msg,) = cut_warnings(caplog)
         assert f"dropped {end - start} bytes" in msg
-        # Cut at the record's start, then "again" appended there.
-        assert (work / seg.name).stat().st_size == start + len(frame(lsn, b"again"))
+        # Cut at the record's start, then "again" appended there (and zeros after it).
+        assert records_end(work / seg.name) == start + len(frame(lsn, b"again"))
         shutil.rmtree(work)
 
 
@@ -621,7 +640,8 @@ def test_zero_filled_tail_is_kept_for_the_appends(
     assert not cut_warnings(caplog)
     (msg,) = cut_warnings(caplog, logging.DEBUG)
     assert f"8192 bytes of zeros after LSN {records[-1][0]}" in msg and "kept" in msg
-    assert seg.stat().st_size == end + len(frame(records[-1][0] + 1, b"z"))  # closed: cut
+    assert records_end(seg) == end + len(frame(records[-1][0] + 1, b"z"))
+    assert replay(src) == [*records, (records[-1][0] + 1, b"z")]
     assert replay(src) == [*records, (records[-1][0] + 1, b"z")]
 
 
@@ -1241,12 +1261,6 @@ def test_closed_log_refuses_calls_and_close_is_idempotent(tmp_path: Path) -> Non
 ZERO_FILL_MIN = 64 << 10
 
 
-def records_end(seg: Path) -> int:
-    """Where a segment's last record ends."""
-    found = frames(seg)
-    return found[-1][2] if found else HEADER_SIZE
-
-
 def test_small_commits_land_on_zeros_written_ahead_of_them(tmp_path: Path) -> None:
     with WriteAheadLog.open(tmp_path) as wal:
         acked = fill(wal, 1, random.Random(30), max_batch=1)
@@ -1266,8 +1280,9 @@ def test_small_commits_land_on_zeros_written_ahead_of_them(tmp_path: Path) -> No
         end = records_end(seg)
         assert seg.stat().st_size > end and not any(seg.read_bytes()[end:])
         assert list(wal.replay(0)) == acked
-    assert seg.stat().st_size == records_end(seg)  # closing cut the zeros off
-    assert replay(tmp_path) == acked
+    length = seg.stat().st_size
+    assert replay(tmp_path) == acked  # closed, opened again: the zeros stay, quietly
+    assert seg.stat().st_size == length
 
 
 def test_no_zeros_without_fdatasync_nor_for_a_large_commit(tmp_path: Path) -> None:
@@ -1284,16 +1299,17 @@ def test_no_zeros_without_fdatasync_nor_for_a_large_commit(tmp_path: Path) -> No
         assert seg.stat().st_size == before + max(before, ZERO_FILL_MIN)
 
 
-def test_every_segment_but_the_last_ends_with_its_last_record(tmp_path: Path) -> None:
+def test_segments_keep_their_zeros_and_replay_through_them(tmp_path: Path) -> None:
+    """No file of the log gets shorter while it is in use (a reader may have it mapped):
+    a segment keeps the zeros after its last record when the next one is created."""
     with WriteAheadLog.open(tmp_path, segment_bytes=1000) as wal:
         acked = fill(wal, 40, random.Random(32), max_batch=3)
         segs = wal.segments()
         assert len(segs) > 3
-        for seg in segs[:-1]:
-            assert seg.stat().st_size == records_end(seg), seg.name
-        assert segs[-1].stat().st_size > records_end(segs[-1])  # the last one is open
-        nxt = wal.rotate()  # an explicit rotation cuts the zeros too
-        assert segs[-1].stat().st_size == records_end(segs[-1])
+        for seg in segs:
+            end = records_end(seg)
+            assert seg.stat().st_size > end and not any(seg.read_bytes()[end:]), seg.name
+        nxt = wal.rotate()
         later = fill(wal, 2, random.Random(33))
         assert later[0][0] == nxt
         acked += later
@@ -1344,7 +1360,6 @@ def test_a_crash_leaves_zeros_that_opening_keeps_quietly(
     assert not cut_warnings(caplog)
     (msg,) = cut_warnings(caplog, logging.DEBUG)
     assert "zeros after LSN 30" in msg and "kept for the appends" in msg
-    assert seg.stat().st_size == records_end(seg)
     assert replay(path)[-1] == (31, b"after")
 
 
@@ -1378,6 +1393,7 @@ def _in_flight(tmp_path: Path) -> tuple[Path, Path, bytes, Records]:
     src = tmp_path / "src"
     with WriteAheadLog.open(src) as wal:
         records = fill(wal, 3, random.Random(36))
+    cut_zeros(src)
     (seg,) = src.glob("wal-*.log")
     whole = seg.read_bytes()
     nxt = records[-1][0] + 1
@@ -1444,3 +1460,48 @@ def test_read_only_opens_while_the_owner_appends_over_its_zeros(tmp_path: Path) 
             assert len(got) >= max(seen, int(line))  # what it acknowledged is there
             seen = len(got)
         child.sigkill()
+
+
+# ----------------------------------------------------- sync="none" write-through ---
+
+
+def test_without_fdatasync_a_small_write_is_written_and_acknowledged_at_once(
+    tmp_path: Path,
+) -> None:
+    from dedupcore.wal.log import WRITE_THROUGH_BYTES
+
+    with WriteAheadLog.open(tmp_path, sync="none") as wal:
+        lsn = wal.write([b"small"])
+        assert wal.last_lsn == lsn == 1 and wal.commits == 1  # no commit left to lead
+        with WriteAheadLog.open(tmp_path, readonly=True) as reader:  # in the file already
+            assert list(reader.replay(0)) == [(1, b"small")]
+        big = b"B" * (WRITE_THROUGH_BYTES + 1)
+        lsn = wal.write([big])  # a large queue waits for a commit, written outside the lock
+        assert wal.last_lsn == 1 and wal.commits == 1
+        assert wal.sync(lsn) == lsn == 2 and wal.commits == 2
+    with WriteAheadLog.open(tmp_path / "durable") as wal:  # fdatasync: always a commit
+        lsn = wal.write([b"small"])
+        assert wal.last_lsn == 0
+        assert wal.sync(lsn) == 1
+    assert replay(tmp_path) == [(1, b"small"), (2, big)]
+
+
+def test_a_write_through_that_fails_fails_the_log_and_acknowledges_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with WriteAheadLog.open(tmp_path, sync="none") as wal:
+        acked = fill(wal, 2, random.Random(40))
+
+        def full(fd: int, data: object) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", full)
+        lsn = wal.write([b"lost"])  # queued and tried: the failure shows in sync
+        monkeypatch.undo()
+        assert wal.last_lsn == acked[-1][0]
+        with pytest.raises(OSError, match="not acknowledged") as info:
+            wal.sync(lsn)
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(WalFailedError):
+            wal.write([b"after"])
+    assert replay(tmp_path) == acked
