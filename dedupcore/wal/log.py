@@ -383,7 +383,7 @@ class WriteAheadLog:
                 self._syncer = _core.Syncer()
             batch, first, last, rotate = self._take_queue()
             files = self._segments
-            if rotate or files.size + len(batch) > files.length:
+            if rotate or files.zero_fill_end(len(batch)):
                 # The I/O before the thread's (a rotation, a zero fill) with the lock
                 # let go: the log is busy meanwhile.
                 self._cond.release()

@@ -539,6 +539,17 @@ class Segments:
         self.length = max(self.length, self.size)
         self.unsynced = not synced
 
+    def zero_fill_end(self, n: int) -> int:
+        """Where :meth:`zero_ahead` would end its fill for an append of ``n`` bytes; 0
+        when it writes none (the zeros already reach past it, a large append, or a
+        fill failed in this segment)."""
+        if self.size + n <= self.length or self._zero_failed:
+            return 0
+        fill = min(max(self.size, ZERO_FILL_MIN), ZERO_FILL_MAX)
+        if n > fill // 2:
+            return 0  # a large append extends the file itself
+        return self.size + fill
+
     def zero_ahead(self, n: int) -> None:
         """Makes room of zeros for an append of ``n`` bytes (dedupcore/wal/__init__.py,
         "The zero-filled tail"): when the records would pass the zeros already
@@ -550,12 +561,10 @@ class Segments:
 
         Nothing depends on it: a fill that fails (a full disk) is given up for the
         rest of the segment, and appends extend the file themselves."""
-        if self.size + n <= self.length or self._zero_failed:
+        end = self.zero_fill_end(n)
+        if not end:
             return
-        fill = min(max(self.size, ZERO_FILL_MIN), ZERO_FILL_MAX)
-        if n > fill // 2:
-            return  # a large append extends the file itself
-        start, end = self.length, self.size + fill
+        start = self.length
         try:
             while start < end:
                 start += os.pwrite(self.fd, _ZEROS[: end - start], start)
