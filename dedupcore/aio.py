@@ -255,8 +255,8 @@ class Client(ClientBase, AsyncClaimAPI):
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
             try:
-                keys, args = self._claim_request(part)
-                reply = await self._call(Op.CLAIM_MANY, args)
+                keys, frame = self._claim_sender(part)
+                reply = await self._call(Op.CLAIM_MANY, frame)
             except Exception as exc:
                 parts.failed(exc)
                 continue

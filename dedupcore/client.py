@@ -19,6 +19,7 @@ gets its own claim back.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import socket
@@ -218,9 +219,28 @@ class ClientBase:
     #: msgpack results) within the largest limits a daemon can be configured with; the
     #: daemon checks keys and results against its store's own (docs/daemon.md).
     limits = batches.Limits(max_key_bytes=64 << 10, max_result_bytes=16 << 20)
+    #: The client sends keys; the daemon makes their digests.
+    hashes_keys = False
 
     def _open(self) -> None:
         """Sets up the client's own connection state (no connection is made yet)."""
+
+    def _claim_sender(self, batch: batches.ClaimBatch) -> tuple[list[Any], Callable[[int], bytes]]:
+        """The keys as sent, and what frames the CLAIM_MANY of ``batch`` for a request
+        id: natively for a plain batch (no lease, owner or fingerprints, every key
+        exactly bytes or str: ``_core.claim_frame``, no object per key), else from
+        :meth:`_claim_request`'s args."""
+        if batch.plain and batch.lease is None and batch.owner is None and not batch.fingerprints:
+            keys, namespace = batch.keys, batch.namespace
+
+            def frame(request_id: int) -> bytes:
+                data = _core.claim_frame(request_id, namespace, keys)
+                assert data is not None  # every key is bytes or str (batch.plain)
+                return self._checked(data)
+
+            return keys, frame
+        keys, args = self._claim_request(batch)
+        return keys, functools.partial(self._frame, op=Op.CLAIM_MANY, args=args)
 
     @staticmethod
     def _claim_request(batch: batches.ClaimBatch) -> tuple[list[Any], dict[str, Any]]:
@@ -453,19 +473,23 @@ class Client(ClientBase, ClaimAPI):
                     outcome = protocol.OUTCOME_ORDER[answer[0]]
                     return [Claim(key, batch.namespace, outcome, answer[1])]
                 return protocol.claims_from_reply([key], batch.namespace, answer)
-            keys, args = self._claim_request(batch)
-            reply = self._call(Op.CLAIM_MANY, args)
+            keys, reply = self._claim_part(batch)
             return protocol.claims_from_reply(keys, batch.namespace, reply)
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
             try:
-                keys, args = self._claim_request(part)
-                reply = self._call(Op.CLAIM_MANY, args)
+                keys, reply = self._claim_part(part)
             except Exception as exc:
                 parts.failed(exc)
                 continue
             parts.done(protocol.claims_from_reply(keys, part.namespace, reply))
         return parts.claims
+
+    def _claim_part(self, batch: batches.ClaimBatch) -> tuple[list[Any], Any]:
+        """Sends the CLAIM_MANY of a batch in one frame: the keys as sent, the reply."""
+        keys, frame = self._claim_sender(batch)
+        request_id = self._new_id()
+        return keys, self._send(Op.CLAIM_MANY, request_id, frame(request_id))
 
     def _change_batch(self, batch: batches.ChangeBatch) -> None:
         op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY

@@ -1476,6 +1476,84 @@ def one_key_frame(uint64_t request_id, int op, str namespace, key, token=0, pack
     return out[: body + 4]
 
 
+cdef inline unsigned char* _mp_array(unsigned char* p, Py_ssize_t n) noexcept:
+    # An array head of n items, msgpack's shortest form.
+    if n < 16:
+        p[0] = <unsigned char>(0x90 | n)
+        return p + 1
+    if n <= 0xFFFF:
+        p[0] = 0xDC
+        _be(p + 1, <uint64_t>n, 2)
+        return p + 3
+    p[0] = 0xDD
+    _be(p + 1, <uint64_t>n, 4)
+    return p + 5
+
+
+def claim_frame(uint64_t request_id, str namespace, list keys):
+    """The request frame of a plain claim batch (no lease, owner or fingerprints):
+    ``[request_id, CLAIM_MANY, {"ns": namespace, "keys": keys, "cols": 1}]``, byte
+    for byte what ``protocol.encode_request`` makes of those args, built without
+    an object per key. None when a key is not exactly bytes or str: the caller
+    encodes such a batch the general way. For one key, the same bytes as
+    :func:`one_key_frame`."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, ns_len, size
+    cdef Py_ssize_t* lens
+    cdef const char** datas
+    cdef unsigned char* texts
+    cdef const char* ns_data = PyUnicode_AsUTF8AndSize(namespace, &ns_len)
+    cdef object key, out
+    cdef unsigned char* start
+    cdef unsigned char* p
+    # Header, array and map heads, three short keys, the namespace's head: < 64.
+    cdef Py_ssize_t cap = 64 + ns_len
+    lens = <Py_ssize_t*>malloc((n + 1) * sizeof(Py_ssize_t))
+    datas = <const char**>malloc((n + 1) * sizeof(const char*))
+    texts = <unsigned char*>malloc(n + 1)
+    if lens == NULL or datas == NULL or texts == NULL:
+        free(lens)
+        free(datas)
+        free(texts)
+        raise MemoryError()
+    try:
+        for i in range(n):
+            key = <object>PyList_GET_ITEM(keys, i)
+            if PyBytes_CheckExact(key):
+                datas[i] = PyBytes_AS_STRING(key)
+                lens[i] = PyBytes_GET_SIZE(key)
+                texts[i] = 0
+            elif type(key) is str:
+                datas[i] = PyUnicode_AsUTF8AndSize(key, &size)
+                lens[i] = size
+                texts[i] = 1
+            else:
+                return None
+            cap += 5 + lens[i]
+        out = PyBytes_FromStringAndSize(NULL, cap)
+        start = <unsigned char*>PyBytes_AS_STRING(out)
+        p = start + 4
+        p[0] = 0x93  # [request_id, op, args]
+        p = _mp_uint(p + 1, request_id)
+        p[0] = 2  # Op.CLAIM_MANY
+        p[1] = 0x83
+        p = _mp_raw(p + 2, "ns", 2, True)
+        p = _mp_raw(p, ns_data, ns_len, True)
+        p = _mp_raw(p, "keys", 4, True)
+        p = _mp_array(p, n)
+        for i in range(n):
+            p = _mp_raw(p, datas[i], lens[i], texts[i])
+        p = _mp_raw(p, "cols", 4, True)
+        p[0] = 0x01
+        p += 1
+    finally:
+        free(lens)
+        free(datas)
+        free(texts)
+    cdef Py_ssize_t body = (p - start) - 4
+    _be(start, <uint64_t>body, 4)
+    return out[: body + 4]
+
+
 cdef inline Py_ssize_t _mp_read_uint(const unsigned char* p, Py_ssize_t n,
                                      uint64_t* v) noexcept:
     # An unsigned integer at p (n bytes left): its length, or 0 when it is none.

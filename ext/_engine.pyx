@@ -1194,6 +1194,35 @@ def unpack_items(bytes packed, Py_ssize_t n):
     return list(records), list(records.inflight), list(records.settled)
 
 
+cdef inline bint _key_bytes(object key, const char** data, Py_ssize_t* size,
+                            Py_ssize_t max_key_bytes):
+    # A key's bytes (str as UTF-8) when it is exactly bytes or str of
+    # 1..max_key_bytes bytes; False for any other key, which Python names.
+    if type(key) is bytes:
+        data[0] = PyBytes_AS_STRING(key)
+        size[0] = PyBytes_GET_SIZE(key)
+    elif type(key) is str:
+        try:
+            data[0] = PyUnicode_AsUTF8AndSize(key, size)
+        except UnicodeError:
+            return False
+    else:
+        return False
+    return 0 < size[0] <= max_key_bytes
+
+
+def check_keys(list keys, Py_ssize_t max_key_bytes):
+    """-1 when every key is bytes/str of 1..max_key_bytes bytes (UTF-8 for str), else
+    the index of the first that is not (the caller names what is wrong): the check
+    of :func:`digest_keys` without the digests."""
+    cdef Py_ssize_t i, klen
+    cdef const char* kp
+    for i in range(PyList_GET_SIZE(keys)):
+        if not _key_bytes(<object>PyList_GET_ITEM(keys, i), &kp, &klen, max_key_bytes):
+            return i
+    return -1
+
+
 def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t seed_hi):
     """Record digests of a checked namespace's keys, concatenated (16 bytes each).
 
@@ -1204,7 +1233,6 @@ def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t s
     """
     cdef Py_ssize_t n = len(keys), i, klen, nslen = len(namespace)
     cdef const char* kp
-    cdef object key
     cdef unsigned char* scratch = <unsigned char*>malloc(nslen + 1 + max_key_bytes + 1)
     cdef bytearray out = bytearray(16 * n)
     cdef unsigned char* o = out
@@ -1215,18 +1243,7 @@ def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t s
         memcpy(scratch, PyBytes_AS_STRING(namespace), nslen)
         scratch[nslen] = 0
         for i in range(n):
-            key = <object>PyList_GET_ITEM(keys, i)
-            if type(key) is bytes:
-                kp = PyBytes_AS_STRING(key)
-                klen = PyBytes_GET_SIZE(key)
-            elif type(key) is str:
-                try:
-                    kp = PyUnicode_AsUTF8AndSize(key, &klen)
-                except UnicodeError:
-                    return b"", i
-            else:
-                return b"", i
-            if klen == 0 or klen > max_key_bytes:
+            if not _key_bytes(<object>PyList_GET_ITEM(keys, i), &kp, &klen, max_key_bytes):
                 return b"", i
             memcpy(scratch + nslen + 1, kp, klen)
             lo = dc_xxh64(scratch, nslen + 1 + klen, 0)

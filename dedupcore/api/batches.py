@@ -171,19 +171,63 @@ def digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:
     return b"".join(_keys.digests(ns, raw))  # bytearray and memoryview keys are fine
 
 
+def check_keys(keys: list[Any], max_key_bytes: int) -> None:
+    """Checks keys as :func:`digests_of` does, without making their digests."""
+    if _engine.check_keys(keys, max_key_bytes) >= 0:
+        for k in keys:
+            _keys.check_key(k, max_key_bytes)  # raises for a bad key
+
+
 class _Batch:
-    """What both batches hold: the namespace, the keys and their digests."""
+    """What both batches hold: the namespace, the keys and their digests.
 
-    __slots__ = ("_raw", "digests", "keys", "namespace", "ns")
+    A batch built with ``hashed=False`` (a client's, which sends its keys and
+    never looks them up) has its keys checked at once and their digests made
+    on first use.
+    """
 
+    __slots__ = ("_digests", "_key_limit", "_raw", "keys", "namespace", "ns", "plain")
+
+    _digests: bytes | None
+    _key_limit: int
     _raw: list[bytes] | None
-    digests: bytes
     keys: list[Any]
     namespace: str
     ns: bytes
+    #: Every key is exactly bytes or str (what the protocol carries as it is).
+    plain: bool
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def _take_keys(self, keys: list[Any], limits: Limits, hashed: bool) -> None:
+        self.keys = keys
+        self._key_limit = limit = limits.max_key_bytes
+        self._raw = self._digests = None
+        if hashed:
+            joined, bad = _engine.digest_keys(self.ns, keys, limit, _keys.DIGEST_SEED_HI)
+            if bad < 0:
+                self._digests = joined
+        else:
+            bad = _engine.check_keys(keys, limit)
+        self.plain = bad < 0
+        if not self.plain:  # the Python check names what is wrong, or takes bytes-likes
+            self._raw = [_keys.check_key(k, limit) for k in keys]
+
+    def _share(self, sub: _Batch, indexes: Sequence[int]) -> None:
+        """Gives ``sub`` the namespace, keys, digests and bytes of the keys at ``indexes``."""
+        sub.ns, sub.namespace, sub._key_limit = self.ns, self.namespace, self._key_limit
+        sub.plain = self.plain
+        sub.keys = [self.keys[i] for i in indexes]
+        sub._digests = None if self._digests is None else b"".join(map(self.digest, indexes))
+        sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
+
+    @property
+    def digests(self) -> bytes:
+        """The keys' concatenated 16-byte record digests (:func:`dedupcore.keys.digests`)."""
+        if self._digests is None:
+            self._digests = digests_of(self.ns, self.keys, self._key_limit)
+        return self._digests
 
     def digest(self, i: int) -> bytes:
         """The record digest of the batch's key ``i``."""
@@ -218,18 +262,17 @@ class ClaimBatch(_Batch):
         owner: bytes | str | None = None,
         fingerprints: Sequence[bytes | None] | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        hashed: bool = True,
     ) -> None:
         key_list = list(keys)
         self.ns = _keys.check_namespace(namespace)
         self.namespace = self.ns.decode()
-        self.keys = key_list
-        self.digests = digests_of(self.ns, key_list, limits.max_key_bytes)
+        self._take_keys(key_list, limits, hashed)
         self.lease = None if lease is None else check_lease(lease)
         self.owner = check_owner(owner)
         self.fingerprints = (
             None if fingerprints is None else check_fingerprints(fingerprints, len(key_list))
         )
-        self._raw = None
 
     def fingerprint_list(self) -> list[bytes | None]:
         """One fingerprint or None per key."""
@@ -239,17 +282,10 @@ class ClaimBatch(_Batch):
         """The batch of the keys at ``indexes``, with the same namespace, lease, owner
         and fingerprints, checked already."""
         sub = ClaimBatch.__new__(ClaimBatch)
-        sub.ns, sub.namespace, sub.lease, sub.owner = (
-            self.ns,
-            self.namespace,
-            self.lease,
-            self.owner,
-        )
-        sub.keys = [self.keys[i] for i in indexes]
-        sub.digests = b"".join(map(self.digest, indexes))
+        self._share(sub, indexes)
+        sub.lease, sub.owner = self.lease, self.owner
         fps = self.fingerprints
         sub.fingerprints = None if fps is None else [fps[i] for i in indexes]
-        sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
         return sub
 
 
@@ -273,6 +309,7 @@ class ChangeBatch(_Batch):
         namespace: str,
         completing: bool,
         limits: Limits = DEFAULT_LIMITS,
+        hashed: bool = True,
     ) -> None:
         self.ns = _keys.check_namespace(namespace)
         self.namespace = self.ns.decode()
@@ -285,15 +322,12 @@ class ChangeBatch(_Batch):
             tokens = [p[1] for p in parsed]
             given = [p[2] for p in parsed] if completing else None
         assert keys is not None and tokens is not None
-        self.keys = keys
         self.tokens: list[int] = tokens
         self.values: list[Any] | None = given if completing else None
-        self._raw = None
+        self._take_keys(keys, limits, hashed)
         if not keys:
-            self.digests = b""
             self.results: list[bytes | None] | None = [] if completing else None
             return
-        self.digests = digests_of(self.ns, keys, limits.max_key_bytes)
         max_result = limits.max_result_bytes
         self.results = (
             [None if r is None else pack_result(r, max_result) for r in given]
@@ -304,13 +338,11 @@ class ChangeBatch(_Batch):
     def subset(self, indexes: Sequence[int]) -> ChangeBatch:
         """The batch of the items at ``indexes``, checked already."""
         sub = self.__class__.__new__(self.__class__)
-        sub.ns, sub.namespace, sub.completing = self.ns, self.namespace, self.completing
-        sub.keys = [self.keys[i] for i in indexes]
+        self._share(sub, indexes)
+        sub.completing = self.completing
         sub.tokens = [self.tokens[i] for i in indexes]
-        sub.digests = b"".join(map(self.digest, indexes))
         sub.values = None if self.values is None else [self.values[i] for i in indexes]
         sub.results = None if self.results is None else [self.results[i] for i in indexes]
-        sub._raw = None if self._raw is None else [self._raw[i] for i in indexes]
         if isinstance(self, ExtendBatch) and isinstance(sub, ExtendBatch):
             sub.lease = self.lease
         return sub
@@ -335,6 +367,7 @@ class ExtendBatch(ChangeBatch):
         namespace: str,
         lease: float | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        hashed: bool = True,
     ) -> None:
-        super().__init__(items, namespace=namespace, completing=False, limits=limits)
+        super().__init__(items, namespace=namespace, completing=False, limits=limits, hashed=hashed)
         self.lease = None if lease is None else check_lease(lease)

@@ -72,6 +72,9 @@ class _Checks:
 
     #: What the store accepts (keys, results, batches); a backend sets its own.
     limits: Limits = DEFAULT_LIMITS
+    #: Whether the batches are built with their keys' digests (False: made on first
+    #: use, for a backend that only sends its keys on, as the daemon's clients do).
+    hashes_keys: bool = True
 
     def _refused(self, operation: str, exc: Exception) -> None:
         """Called with the error of a call whose arguments the checks refused, before it
@@ -94,6 +97,7 @@ class _Checks:
                 owner=owner,
                 fingerprints=fingerprints,
                 limits=self.limits,
+                hashed=self.hashes_keys,
             )
         except Exception as exc:
             self._refused("claim", exc)
@@ -102,7 +106,11 @@ class _Checks:
     def _changes(self, items: Iterable[Any], namespace: str, *, completing: bool) -> ChangeBatch:
         try:
             return ChangeBatch(
-                items, namespace=namespace, completing=completing, limits=self.limits
+                items,
+                namespace=namespace,
+                completing=completing,
+                limits=self.limits,
+                hashed=self.hashes_keys,
             )
         except Exception as exc:
             self._refused("complete" if completing else "release", exc)
@@ -110,7 +118,9 @@ class _Checks:
 
     def _extensions(self, items: Iterable[Any], namespace: str, lease: float | None) -> ExtendBatch:
         try:
-            return ExtendBatch(items, namespace=namespace, lease=lease, limits=self.limits)
+            return ExtendBatch(
+                items, namespace=namespace, lease=lease, limits=self.limits, hashed=self.hashes_keys
+            )
         except Exception as exc:
             self._refused("extend", exc)
             raise

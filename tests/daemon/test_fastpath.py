@@ -18,7 +18,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dedupcore import aio, errors
+from dedupcore import _core, aio, errors
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
@@ -343,6 +343,38 @@ def test_the_clients_get_the_same_claims_through_columns(daemon: Daemon) -> None
             return await ac.claim_many([f"k{i}" for i in range(12)], namespace=ns)
 
     assert asyncio.run(run()) == again
+
+
+def test_plain_batches_are_framed_natively_and_the_others_the_general_way(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain batch goes out in the frame ``_core.claim_frame`` builds; one with a
+    bytes-like key or an owner in ``protocol.encode_request``'s: the same answers."""
+    ns = unique_ns("frames")
+    sent: list[str] = []
+    native, general = _core.claim_frame, protocol.encode_request
+
+    def claim_frame(*args: Any) -> bytes | None:
+        sent.append("native")
+        return native(*args)
+
+    def encode_request(*args: Any) -> bytes:
+        sent.append("general")
+        return general(*args)
+
+    monkeypatch.setattr(_core, "claim_frame", claim_frame)
+    monkeypatch.setattr(protocol, "encode_request", encode_request)
+    with daemon.client(timeout=PATIENCE) as c:
+        first = c.claim_many(["a", b"b", "c"], namespace=ns)
+        assert sent == ["native"]
+        again = c.claim_many([bytearray(b"a"), memoryview(b"b"), "d"], namespace=ns)
+        assert sent == ["native", "general"]
+        owned = c.claim_many(["e", "f"], namespace=ns, owner="w")
+        assert sent == ["native", "general", "general"]
+    assert [x.outcome for x in first] == [Outcome.NEW] * 3
+    assert [x.key for x in again] == [b"a", b"b", "d"]
+    assert [x.outcome for x in again] == [Outcome.IN_PROGRESS] * 2 + [Outcome.NEW]
+    assert [x.outcome for x in owned] == [Outcome.NEW] * 2
 
 
 def test_a_sliced_batch_whose_answer_passes_the_frame_in_a_late_slice_claims_nothing(

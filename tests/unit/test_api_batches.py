@@ -47,16 +47,18 @@ BAD_CLAIMS = [
 
 
 def claim_batch(**changes: Any) -> ClaimBatch:
+    """A batch of two keys in NS, with ``changes`` to its arguments."""
     args: dict[str, Any] = {"keys": ["a", "b"], "namespace": NS, **changes}
     return ClaimBatch(args.pop("keys"), **args)
 
 
+@pytest.mark.parametrize("hashed", [True, False], ids=["hashed", "unhashed"])
 @pytest.mark.parametrize(("changes", "error", "message"), BAD_CLAIMS)
 def test_a_bad_claim_argument_raises_its_exception(
-    changes: dict[str, Any], error: type[Exception], message: str
+    changes: dict[str, Any], error: type[Exception], message: str, hashed: bool
 ) -> None:
     with pytest.raises(error, match=re.escape(message)):
-        claim_batch(**changes)
+        claim_batch(hashed=hashed, **changes)
 
 
 def test_the_checks_go_in_order_namespace_keys_lease_owner_fingerprints() -> None:
@@ -81,6 +83,34 @@ def test_a_claim_batch_holds_its_arguments_checked() -> None:
     assert batch.fingerprints is None and batch.fingerprint_list() == [None] * 3
     fps = claim_batch(fingerprints=[b"f", None]).fingerprints
     assert fps == [b"f", None]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [["a", b"b", "é"], ["a", bytearray(b"b")], [memoryview(b"m"), "n"], []],
+    ids=["plain", "bytearray", "memoryview", "empty"],
+)
+def test_an_unhashed_batch_makes_the_same_digests_on_first_use(keys: list[Any]) -> None:
+    hashed, unhashed = claim_batch(keys=keys), claim_batch(keys=keys, hashed=False)
+    plain = all(type(k) in (bytes, str) for k in keys)
+    assert hashed.plain is unhashed.plain is plain
+    assert unhashed._digests is None
+    assert unhashed.digests == hashed.digests
+    assert unhashed.raw == hashed.raw
+    first = claim_batch(keys=keys, hashed=False)
+    part = first.subset(range(len(keys) // 2, len(keys)))
+    assert first._digests is None and part._digests is None  # still made on first use
+    assert part.digests == hashed.subset(range(len(keys) // 2, len(keys))).digests
+    assert part.plain is plain
+
+
+def test_unhashed_change_batches_make_the_same_digests_on_first_use() -> None:
+    items = [("a", 1, "r"), (b"b", 2, None), (bytearray(b"c"), 3, [1])]
+    hashed = ChangeBatch(items, namespace=NS, completing=True)
+    unhashed = ChangeBatch(items, namespace=NS, completing=True, hashed=False)
+    assert unhashed._digests is None and not unhashed.plain
+    assert unhashed.digests == hashed.digests and unhashed.results == hashed.results
+    assert unhashed.subset([2, 0]).digests == hashed.subset([2, 0]).digests
 
 
 def test_an_empty_claim_batch_is_checked_but_its_keys() -> None:
@@ -119,12 +149,13 @@ BAD_CHANGES = [
 ]
 
 
+@pytest.mark.parametrize("hashed", [True, False], ids=["hashed", "unhashed"])
 @pytest.mark.parametrize(("items", "error", "message"), BAD_CHANGES)
 def test_a_bad_completion_raises_its_exception(
-    items: list[Any], error: type[Exception], message: str
+    items: list[Any], error: type[Exception], message: str, hashed: bool
 ) -> None:
     with pytest.raises(error, match=re.escape(message)):
-        ChangeBatch(items, namespace=NS, completing=True)
+        ChangeBatch(items, namespace=NS, completing=True, hashed=hashed)
 
 
 def test_a_release_takes_no_result() -> None:

@@ -257,6 +257,31 @@ def test_a_release_frame_is_the_protocols(rid: int, ns: str, key: bytes | str, t
     assert _core.one_key_frame(rid, Op.RELEASE_MANY, ns, key, token) == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(request_ids, names, st.lists(st.binary(max_size=300) | st.text(max_size=40), max_size=40))
+def test_a_claim_batch_frame_is_the_protocols(rid: int, ns: str, keys: list[bytes | str]) -> None:
+    args = {"ns": ns, "keys": keys, "cols": 1}
+    assert _core.claim_frame(rid, ns, keys) == protocol.encode_request(rid, Op.CLAIM_MANY, args)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 0xFFFF, 0x10000])
+def test_a_claim_batch_frame_has_every_array_head(n: int) -> None:
+    keys: list[bytes | str] = [b"k%d" % i if i % 2 else f"s{i}" for i in range(n)]
+    args = {"ns": "ns", "keys": keys, "cols": 1}
+    frame_ = _core.claim_frame(7, "ns", keys)
+    assert frame_ == protocol.encode_request(7, Op.CLAIM_MANY, args)
+    assert protocol.decode_request(frame_[4:]).args == args
+    if n == 1:
+        assert frame_ == _core.one_key_frame(7, Op.CLAIM_MANY, "ns", keys[0])
+
+
+def test_a_claim_batch_of_long_keys_is_framed_as_the_protocol_frames_it() -> None:
+    keys: list[bytes | str] = ["é" * 200, b"x" * 0x10000, "y" * 31, "z" * 32, b"w" * 0xFF]
+    args = {"ns": "nämespace", "keys": keys, "cols": 1}
+    expected = protocol.encode_request(1 << 40, Op.CLAIM_MANY, args)
+    assert _core.claim_frame(1 << 40, "nämespace", keys) == expected
+
+
 class _Bytes(bytes):
     pass
 
@@ -270,6 +295,7 @@ class _Str(str):
 )
 def test_a_key_not_exactly_bytes_or_str_is_left_to_the_protocol(key: object) -> None:
     assert _core.one_key_frame(1, Op.CLAIM_MANY, "ns", key) is None
+    assert _core.claim_frame(1, "ns", [b"a", key, "b"]) is None
     assert _core.one_key_frame(1, Op.RELEASE_MANY, "ns", key, 1) is None
 
 
