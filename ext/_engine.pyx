@@ -153,6 +153,8 @@ cdef extern from "dc_engine.h" nogil:
     dc_status dc_decide_extend(const dc_table* t, dc_stage* s, dc_extend_io* io)
     dc_status dc_apply(dc_table* t, const dc_stage* s, uint64_t lsn)
     uint64_t dc_xxh64(const void* data, size_t length, uint64_t seed)
+    void dc_xxh64_pair(const void* data, size_t length, uint64_t seed_a,
+                       uint64_t seed_b, uint64_t* a, uint64_t* b)
 
 PROCESSING = 1
 PROCESSED = 2
@@ -1246,8 +1248,7 @@ def digest_keys(bytes namespace, list keys, Py_ssize_t max_key_bytes, uint64_t s
             if not _key_bytes(<object>PyList_GET_ITEM(keys, i), &kp, &klen, max_key_bytes):
                 return b"", i
             memcpy(scratch + nslen + 1, kp, klen)
-            lo = dc_xxh64(scratch, nslen + 1 + klen, 0)
-            hi = dc_xxh64(scratch, nslen + 1 + klen, seed_hi)
+            dc_xxh64_pair(scratch, nslen + 1 + klen, 0, seed_hi, &lo, &hi)
             memcpy(o + 16 * i, &lo, 8)
             memcpy(o + 16 * i + 8, &hi, 8)
         return bytes(out), -1

@@ -11,6 +11,7 @@ the checksum.
 
 from __future__ import annotations
 
+import random
 import struct
 from typing import Any
 
@@ -648,6 +649,25 @@ def test_native_digests_are_the_python_digests(keys: list[bytes | str]) -> None:
     want = b"".join(_keys.digests(b"ns/x", raw)) if raw else b""
     got, bad = _engine.digest_keys(b"ns/x", list(keys), 512, _keys.DIGEST_SEED_HI)
     assert (got, bad) == (want, -1)
+
+
+def test_native_digests_hash_every_length_with_both_seeds_as_xxhash_does() -> None:
+    """digest_keys makes both halves of a digest in one pass (dc_xxh64_pair): each is
+    the reference XXH64 of ``namespace \\0 key``, across every length the pass
+    branches on (the 32-byte stripes, the 8- and 4-byte words, the tail)."""
+    import xxhash
+
+    from dedupcore import keys as _keys
+
+    data = random.Random(3).randbytes(300)
+    seed_hi = _keys.DIGEST_SEED_HI
+    for n in range(1, 300):
+        key = data[:n]
+        got, bad = _engine.digest_keys(b"ns", [key], 512, seed_hi)
+        joined = b"ns\x00" + key
+        want = xxhash.xxh64_intdigest(joined, 0).to_bytes(8, "little")
+        want += xxhash.xxh64_intdigest(joined, seed_hi).to_bytes(8, "little")
+        assert (got, bad) == (want, -1), n
 
 
 @pytest.mark.parametrize(
