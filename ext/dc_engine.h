@@ -420,8 +420,13 @@ static inline dc_rec *dc_find(const dc_table *t, const unsigned char *digest) {
     }
 }
 
+/* Asks for the cache lines a lookup of digest starts with: its home slot, and
+ * while the table grows its home slot in the old array too, where a lookup
+ * that finds no record in the new array goes on (dc_find_old). */
 static inline void dc_prefetch_slot(const dc_table *t, const unsigned char *digest) {
-    dc_prefetch(&t->slots[dc_slot_of(digest) & t->mask]);
+    uint64_t h = dc_slot_of(digest);
+    dc_prefetch(&t->slots[h & t->mask]);
+    if (t->old) dc_prefetch(&t->old[h & t->old_mask]);
 }
 
 /* Writes the indexes of the digests the table has no record of to out;
