@@ -131,9 +131,9 @@ CALLS = {
     "clients": "P spawn processes, each Client(sock).claim_many(slice[i:i+B]) after one barrier",
     "clients-single": "P spawn processes, each Client(sock).claim_many([k]) per key of its slice "
     "(one durable claim per round trip) after one barrier",
-    "codec-client": "key_list + claim_args + encode_request; decode_response + "
+    "codec-client": "_core.claim_frame; decode_response + "
     "claims_from_reply of a columns reply  (per batch of B, no socket)",
-    "codec-daemon": "decode_request; claim_columns(claims) + encode_response  "
+    "codec-daemon": "decode_request; columns_payload(store columns) + encode_response  "
     "(per batch of B, no socket, no store)",
 }
 
@@ -715,35 +715,37 @@ def test_concurrent_clients(
 
 
 def codec_client(keys: list[bytes], batch: int, reply_body: bytes) -> None:
-    """The client's protocol work per batch: encode the request, decode the reply into Claims."""
+    """The client's protocol work per batch, as ``Client.claim_many`` does it for plain
+    keys: frame the request natively, decode the reply into Claims."""
+    import dedupcore._core as _core
     from dedupcore.daemon import protocol
-    from dedupcore.daemon.protocol import Op
 
     for rid, i in enumerate(range(0, len(keys), batch), 1):
-        keys_ = protocol.key_list(keys[i : i + batch])
-        args = protocol.claim_args(NS, keys_, None, None, None)
-        protocol.encode_request(rid, Op.CLAIM_MANY, args)
+        keys_ = keys[i : i + batch]
+        _core.claim_frame(rid, NS, keys_)
         _, _, payload = protocol.decode_response(reply_body)
         protocol.claims_from_reply(keys_, NS, payload)
 
 
-def codec_daemon(bodies: list[bytes], claims: list[Any]) -> None:
-    """The daemon's protocol work per batch: decode the request, encode the store's Claims
-    (in columns, as both clients ask for them)."""
+def codec_daemon(bodies: list[bytes], columns: tuple[Any, ...]) -> None:
+    """The daemon's protocol work per batch: decode the request, encode the columns the
+    store answers in (``FORM_COLUMNS``: no Claim objects)."""
     from dedupcore.daemon import protocol
 
+    outcomes, tokens = columns[0], columns[1]
     for body in bodies:
         req = protocol.decode_request(body)
         n = len(req.args["keys"])
-        protocol.encode_response(req.request_id, protocol.claim_columns(claims[:n]))
+        part = (outcomes[:n], tokens[: 8 * n], *columns[2:])
+        protocol.encode_response(req.request_id, protocol.columns_payload(part))
 
 
 @pytest.mark.parametrize("side", ["client", "daemon"])
 def test_protocol_codec(benchmark: Any, daemon_keys: list[bytes], side: str) -> None:
     """msgpack and Claim work of claim_many on one side, N keys in batches, no socket or store."""
+    import dedupcore._core as _core
     from dedupcore.api import Claim, Outcome
     from dedupcore.daemon import protocol
-    from dedupcore.daemon.protocol import Op
 
     benchmark.group = "daemon_phase"
     n, batch = len(daemon_keys), DCFG.batch
@@ -755,15 +757,13 @@ def test_protocol_codec(benchmark: Any, daemon_keys: list[bytes], side: str) -> 
         args: tuple[Any, ...] = (daemon_keys, batch, reply[hdr:])
         run: Callable[..., None] = codec_client
     else:
-        bodies = [
-            protocol.encode_request(
-                rid,
-                Op.CLAIM_MANY,
-                protocol.claim_args(NS, daemon_keys[i : i + batch], None, None, None),
-            )[hdr:]
+        bodies = [  # as the clients frame a plain batch
+            _core.claim_frame(rid, NS, daemon_keys[i : i + batch])[hdr:]
             for rid, i in enumerate(range(0, n, batch), 1)
         ]
-        args = (bodies, claims)
+        outcomes = bytes(batch)  # every key NEW
+        tokens = b"".join(((1 << 40) + i).to_bytes(8, "little") for i in range(batch))
+        args = (bodies, (outcomes, tokens, [], [], [], []))
         run = codec_daemon
     benchmark.pedantic(run, args=args, rounds=DCFG.rounds, iterations=1)
     _record(

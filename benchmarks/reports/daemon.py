@@ -256,7 +256,7 @@ def print_tables(out: Out, rows: dict[tuple[str, str], Row]) -> None:
         parts = [
             ("in-process DedupStore.claim_many", inproc, "the store's own work incl. fdatasync"),
             ("protocol codec, daemon side", c_dmn, "decode_request, columns, encode_response"),
-            ("protocol codec, client side", c_cli, "encode_request, decode_response, Claims"),
+            ("protocol codec, client side", c_cli, "claim_frame, decode_response, Claims"),
         ]
         known = 0.0
         for name, r, what in parts:
