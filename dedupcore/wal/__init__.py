@@ -45,12 +45,12 @@ Durability
   loss could lose the whole new segment with the records acknowledged in it.
   Before a segment is created the previous one is synced even with
   ``sync="none"``, so every segment but the last is complete on disk.
-- Cutting a torn tail truncates the segment and fsyncs it before anything
-  new is appended: cut bytes that came back after a later power loss would
-  put stale records under the LSNs that new records reuse. Deleting
-  segments (``drop_through``) is followed by a directory ``fsync``, which
-  only makes the freed space stick (a dropped segment that reappears
-  precedes the checkpoint, is never read and is dropped again).
+- Cutting a torn tail overwrites it with zeros and fsyncs the segment
+  before anything new is appended: cut bytes that came back after a later
+  power loss would put stale records under the LSNs that new records
+  reuse. Deleting segments (``drop_through``) is followed by a directory
+  ``fsync``, which only makes the freed space stick (a dropped segment that
+  reappears precedes the checkpoint, is never read and is dropped again).
 - ``write`` + ``sync(lsn)`` split ``append`` for a caller (the store) that
   orders records under its own lock and waits for durability outside it.
 - A failed ``write`` or ``fdatasync`` (ENOSPC, EIO, a read-only filesystem)
@@ -114,11 +114,14 @@ header is synced, so a segment *in place* always has a valid header. And a
 torn tail: garbage after the last durable record of the *last* segment (a
 batch partly written, a zero-filled or garbage tail from the filesystem),
 with no valid record after it that continues the log. Opening the log cuts
-such a tail at the last valid record: the segment is truncated there and
-fsynced, and a warning on the ``dedupcore.wal`` logger says how many bytes
-were dropped and why. A tail of zeros alone is kept (above, "The
-zero-filled tail"). Records cut off this way were never acknowledged in
-``fdatasync`` mode.
+such a tail at the last valid record: its bytes are overwritten with zeros
+and the segment is fsynced, and a warning on the ``dedupcore.wal`` logger
+says how many bytes were dropped and why. The file keeps its length, as it
+does its zeros (above): a process that has the segment mapped (a read-only
+open, ``dedupcore check``) reads zeros where the tail was, where a
+truncation made its next read past the new end die of SIGBUS. A tail of
+zeros alone is kept (above, "The zero-filled tail"). Records cut off this
+way were never acknowledged in ``fdatasync`` mode.
 
 Everything else is damage to acknowledged records (media error, a stray
 write, a file from elsewhere), and raises :class:`CorruptFileError` naming

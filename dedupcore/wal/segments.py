@@ -88,6 +88,13 @@ ZERO_FILL_MIN = 64 << 10
 ZERO_FILL_MAX = 1 << 20
 _ZEROS = memoryview(bytes(ZERO_FILL_MAX))
 
+
+def _write_zeros(fd: int, start: int, end: int) -> None:
+    """Writes zeros over bytes ``start`` to ``end`` of the file (OSError as it comes)."""
+    while start < end:
+        start += os.pwrite(fd, _ZEROS[: end - start], start)
+
+
 #: A read-only open that finds damage in the last segment scans it again after a pause,
 #: up to this many scans in all, and reports it once two scans in a row find it alike
 #: (the owner may be writing over the zeros meanwhile: :meth:`Segments._recover_last`).
@@ -235,9 +242,11 @@ class Segments:
         try:
             length = os.fstat(fd).st_size
             if length > end and not zeros:
-                os.ftruncate(fd, end)
+                # The torn tail becomes zeros, which the appends overwrite: the file
+                # keeps its length, so a reader that has it mapped reads zeros there
+                # instead of dying of SIGBUS past a new end of file.
+                _write_zeros(fd, end, length)
                 os.fsync(fd)
-                length = end
             os.lseek(fd, end, os.SEEK_SET)
         except BaseException:
             os.close(fd)
@@ -281,7 +290,7 @@ class Segments:
         """Scans the last segment: (end offset of its last valid record, the record's LSN,
         whether only zeros follow it).
 
-        Logs the cut of a torn tail (the caller truncates it; zeros alone are kept for
+        Logs the cut of a torn tail (the caller writes zeros over it; zeros alone are kept for
         the appends: dedupcore/wal/__init__.py, "The zero-filled tail"). Raises
         :class:`CorruptFileError` for an invalid header (a segment is renamed
         into place only with a synced header) and for invalid bytes followed
@@ -564,14 +573,13 @@ class Segments:
         end = self.zero_fill_end(n)
         if not end:
             return
-        start = self.length
         try:
-            while start < end:
-                start += os.pwrite(self.fd, _ZEROS[: end - start], start)
+            _write_zeros(self.fd, self.length, end)
         except OSError as exc:
             self._zero_failed = True
             log.debug("%s: zero fill ahead of the appends failed: %s", self.path, exc)
-        self.length = start
+        else:
+            self.length = end
 
     def detach_through(self, lsn: int) -> list[int]:
         """Takes the segments all of whose records are <= ``lsn`` off the list (the

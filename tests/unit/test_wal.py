@@ -665,14 +665,18 @@ def test_wrong_lsn_in_a_valid_frame_is_invalid(
     src, records = _log_with_last_record(tmp_path)
     (seg,) = src.iterdir()
     nxt = records[-1][0] + 1
+    end = seg.stat().st_size
     with open(seg, "ab") as fh:
         fh.write(frame(nxt - 3, b"stale"))
     with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
         assert replay(src) == records
     (msg,) = cut_warnings(caplog)
     assert f"LSN {nxt - 3} where {nxt} was expected" in msg
+    # The cut tail is zeros now, the file as long as it was.
+    assert seg.read_bytes()[end:] == bytes(len(frame(nxt - 3, b"stale")))
     # A valid record skipping an LSN: the record before it is missing, not torn.
-    with open(seg, "ab") as fh:
+    with open(seg, "r+b") as fh:
+        fh.seek(end)
         fh.write(frame(nxt + 1, b"skips one"))
     with pytest.raises(CorruptFileError, match=f"LSN {nxt + 1} where {nxt} was expected"):
         WriteAheadLog.open(src)
@@ -942,7 +946,10 @@ def test_partial_write_then_enospc_leaves_a_tail_that_reopen_cuts(
     # first record of the failed batch ends.
     assert "torn tail cut" in msg and "all zero" not in msg
     (seg,) = tmp_path.glob("wal-*.log")
-    assert frames(seg)[-1][0] == lsn and frames(seg)[-1][2] == seg.stat().st_size
+    end = frames(seg)[-1][2]
+    assert frames(seg)[-1][0] == lsn
+    data = seg.read_bytes()  # the cut tail is zeros, and the file keeps its length
+    assert len(data) > end and not any(data[end:])
 
 
 def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
@@ -1460,6 +1467,41 @@ def test_read_only_opens_while_the_owner_appends_over_its_zeros(tmp_path: Path) 
             assert len(got) >= max(seen, int(line))  # what it acknowledged is there
             seen = len(got)
         child.sigkill()
+
+
+_MAPPING_READER = """
+import mmap, sys
+with open(sys.argv[1], "rb") as fh:
+    view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+print("mapped", len(view), flush=True)
+sys.stdin.readline()  # the owner's open has cut the torn tail
+print("read", sum(view[i] for i in range(0, len(view), 512)), flush=True)
+"""
+
+
+def test_cutting_a_torn_tail_does_not_pull_the_file_from_under_a_reader(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner's open turns a torn tail into zeros in place: a process that has the
+    segment mapped (a read-only open, ``dedupcore check``) reads on to the end it
+    mapped; a cut by truncation made that read die of SIGBUS."""
+    src, records = _log_with_last_record(tmp_path)
+    (seg,) = src.iterdir()
+    end = seg.stat().st_size
+    with open(seg, "ab") as fh:
+        fh.write(b"\xab" * 9000)  # a torn tail over more than one page
+    argv = [sys.executable, "-c", _MAPPING_READER, str(seg)]
+    with LineProcess(argv, stdin=True, name="mapping reader") as reader:
+        assert int(reader.expect("mapped ")) == end + 9000, reader.stderr()
+        with caplog.at_level(logging.WARNING, logger="dedupcore.wal"):
+            assert replay(src) == records  # the owner's open, which cuts the tail
+        (msg,) = cut_warnings(caplog)
+        assert "dropped 9000 bytes" in msg
+        reader.send("go")
+        assert reader.expect("read ").isdigit(), reader.stderr()
+        assert reader.wait() == 0, reader.stderr()
+    data = seg.read_bytes()
+    assert len(data) == end + 9000 and not any(data[end:])
 
 
 # ----------------------------------------------------- sync="none" write-through ---
