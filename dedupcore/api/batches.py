@@ -171,13 +171,6 @@ def digests_of(ns: bytes, keys: list[Any], max_key_bytes: int) -> bytes:
     return b"".join(_keys.digests(ns, raw))  # bytearray and memoryview keys are fine
 
 
-def check_keys(keys: list[Any], max_key_bytes: int) -> None:
-    """Checks keys as :func:`digests_of` does, without making their digests."""
-    if _engine.check_keys(keys, max_key_bytes) >= 0:
-        for k in keys:
-            _keys.check_key(k, max_key_bytes)  # raises for a bad key
-
-
 class _Batch:
     """What both batches hold: the namespace, the keys and their digests.
 
