@@ -228,8 +228,6 @@ class WriteAheadLog:
         except BaseException as exc:
             failure = exc
         self._led(first, last, failure, False, None)
-        if failure is not None and not isinstance(failure, Exception):
-            raise failure
 
     def _enqueue(self, items: list[Any]) -> int:
         """Frames records onto the queue (lock held; payloads not yet checked, see
@@ -322,8 +320,6 @@ class WriteAheadLog:
         finally:
             self._cond.acquire()
         self._led(first, last, failure, rotated, not_created)
-        if failure is not None and not isinstance(failure, Exception):
-            raise failure  # KeyboardInterrupt and the like reach the leader's caller
 
     def _take_queue(self) -> tuple[bytearray, int, int, bool]:
         """Takes the queued records for a commit (lock held, no I/O running): their
@@ -345,7 +341,9 @@ class WriteAheadLog:
         rotated: bool,
         not_created: OSError | None,
     ) -> None:
-        """Records the outcome of a commit of LSNs ``first..last`` (lock held)."""
+        """Records the outcome of a commit of LSNs ``first..last`` (lock held). A failure
+        that is no Exception (KeyboardInterrupt and the like) is raised on to the
+        leader's caller once recorded."""
         self._busy = False
         if rotated:
             self._segments.rotated(first, not_created)
@@ -355,6 +353,8 @@ class WriteAheadLog:
         else:
             self._fail(failure, first, last)
         self._cond.notify_all()
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure
 
     # -- the native commit thread -----------------------------------------------
 
@@ -399,8 +399,6 @@ class WriteAheadLog:
                     self._cond.acquire()
                 if failure is not None:
                     self._led(first, last, failure, False, None)
-                    if not isinstance(failure, Exception):
-                        raise failure
                     return True  # started and failed: its waiters get the error
                 if rotate:
                     files.rotated(first, not_created)

@@ -952,6 +952,30 @@ def test_partial_write_then_enospc_leaves_a_tail_that_reopen_cuts(
     assert len(data) > end and not any(data[end:])
 
 
+@pytest.mark.parametrize("where", ["write", "fdatasync"])
+def test_an_interrupt_in_a_commit_reaches_its_caller_and_fails_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A KeyboardInterrupt (any BaseException that is no Exception) raised while the
+    leader writes or syncs is raised on to the caller as it is, and the log is failed
+    like after an I/O error: the tail is unknown, nothing is acknowledged after it."""
+    with WriteAheadLog.open(tmp_path) as wal:
+        acked = fill(wal, 4, random.Random(17))
+
+        def interrupted(*args: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(os, where, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            wal.append([b"interrupted"])
+        monkeypatch.undo()
+        with pytest.raises(WalFailedError, match="reopen"):
+            wal.append([b"after"])
+        assert wal.sync(acked[-1][0]) == acked[-1][0]
+    got = replay(tmp_path)
+    assert got[: len(acked)] == acked and len(got) <= len(acked) + 1
+
+
 def test_eio_on_fdatasync_raises_to_every_waiter_of_the_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
