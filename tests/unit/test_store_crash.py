@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import struct
 import sys
 import threading
 import time
@@ -26,14 +25,13 @@ from dedupcore.errors import DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
 from tests.support.procs import LineProcess, load_script
+from tests.support.wal import segment_frames
 
 CHILD = Path(__file__).with_name("store_child.py")
 store_child = load_script(CHILD)
 batch_keys: Callable[[int], list[bytes]] = store_child.batch_keys
 result_for: Callable[[bytes], list[object]] = store_child.result_for
 NS: str = store_child.NS
-
-WAL_HEADER = 32
 
 
 # ---------------------------------------------------------------- helpers ---
@@ -102,24 +100,6 @@ def newest_segment(path: Path) -> Path:
     segments = sorted((path / "wal").glob("wal-*.log"))
     assert segments, "no log segment"
     return segments[-1]
-
-
-def wal_frames(segment: Path) -> list[tuple[int, int, int, bytes]]:
-    """(lsn, start, end, payload) of each record, read with the documented format, up to
-    the zeros the log writes ahead of its appends (dedupcore/wal/__init__.py)."""
-    data = segment.read_bytes()
-    out = []
-    pos = WAL_HEADER
-    while pos + 12 <= len(data):
-        length, lsn = struct.unpack_from("<IQ", data, pos)
-        if lsn == 0:  # a record's LSN is never 0
-            break
-        end = pos + 12 + length + 8
-        if end > len(data):
-            break
-        out.append((lsn, pos, end, data[pos + 12 : pos + 12 + length]))
-        pos = end
-    return out
 
 
 # ------------------------------------------------------------ SIGKILL rounds ---
@@ -223,7 +203,7 @@ def test_damaged_last_log_record_reopens_to_the_last_valid_record(
     path = tmp_path / "data"
     held, token = _held_run(path, batches=7, lease=30.0, manual=3)
     segment = newest_segment(path)
-    frames = wal_frames(segment)
+    frames = segment_frames(segment)
     assert frames, "the newest segment holds no record"
     held_keys = batch_keys(held)
     _lsn, start, end, payload = frames[-1]

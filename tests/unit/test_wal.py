@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from dedupcore.wal import (
     WriteAheadLog,
 )
 from tests.support.procs import LineProcess, load_script
+from tests.support.wal import HEADER_SIZE, segment_frames
 
-HEADER_SIZE = 32
 CHILD = Path(__file__).with_name("wal_child.py")
 wal_child = load_script(CHILD)
 payload_for: Callable[[int], bytes] = wal_child.payload_for
@@ -50,20 +50,12 @@ def frame(lsn: int, payload: bytes) -> bytes:
 
 
 def frames(path: Path) -> list[tuple[int, int, int]]:
-    """(lsn, start, end) of each record of a segment file, read with the documented format,
-    up to the zeros the log writes ahead of its appends (a record's LSN is never 0)."""
-    data = path.read_bytes()
-    out = []
-    pos = HEADER_SIZE
-    while pos < len(data):
-        length, lsn = struct.unpack_from("<IQ", data, pos)
-        if lsn == 0:
-            assert not any(data[pos:]), "bytes after the records that are not zero"
-            break
-        end = pos + 12 + length + 8
-        out.append((lsn, pos, end))
-        pos = end
-    return out
+    """(lsn, start, end) of each record of a segment file, up to the zeros the log
+    writes ahead of its appends; nothing but zeros may follow them."""
+    found = [(lsn, start, end) for lsn, start, end, _ in segment_frames(path)]
+    tail = path.read_bytes()[found[-1][2] if found else HEADER_SIZE :]
+    assert not any(tail), "bytes after the records that are not zero"
+    return found
 
 
 def records_end(seg: Path) -> int:
@@ -354,22 +346,9 @@ def test_any_truncation_replays_exactly_the_whole_records(
         size = seg.stat().st_size
         offset = HEADER_SIZE + round((size - HEADER_SIZE) * cut)
         os.truncate(seg, offset)
-        whole = [lsn for lsn, _, end in frames_upto(seg, offset)]
+        whole = [lsn for lsn, _, _, _ in segment_frames(seg, offset)]
         flat = [p for batch in batches for p in batch]
         assert replay(path) == list(zip(whole, flat[: len(whole)], strict=True))
-
-
-def frames_upto(path: Path, size: int) -> Iterator[tuple[int, int, int]]:
-    """Records of a truncated segment that end within ``size`` bytes."""
-    data = path.read_bytes()
-    pos = HEADER_SIZE
-    while pos + 12 <= size:
-        length, lsn = struct.unpack_from("<IQ", data, pos)
-        end = pos + 12 + length + 8
-        if end > size:
-            return
-        yield lsn, pos, end
-        pos = end
 
 
 def _segment_damages() -> list[tuple[str, Callable[[Path], None]]]:
