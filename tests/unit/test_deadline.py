@@ -300,11 +300,15 @@ def deadlocking_sqlite(
 
     Yields the store, the busy wait each attempt was armed with, and the sleeps.
     """
-    from dedupcore.tiers import sql
+    import random
+    import time
+
+    from dedupcore.sql import SqlStore
+    from dedupcore.sql.dialects import SQLiteDialect
 
     busy: list[float] = []
     sleeps: list[float] = []
-    real_arm = sql._SQLite.arm
+    real_arm = SQLiteDialect.arm
 
     def arm(self: Any, conn: Any, wait: float) -> None:
         busy.append(wait)
@@ -314,12 +318,12 @@ def deadlocking_sqlite(
         sleeps.append(seconds)
         clock.sleep(seconds)
 
-    monkeypatch.setattr(sql._SQLite, "arm", arm)
-    monkeypatch.setattr(sql._SQLite, "is_transient", lambda self, exc: True)
-    monkeypatch.setattr(sql.time, "sleep", sleep)
-    monkeypatch.setattr(sql.random, "random", lambda: 0.5)  # no jitter
+    monkeypatch.setattr(SQLiteDialect, "arm", arm)
+    monkeypatch.setattr(SQLiteDialect, "is_transient", lambda self, exc: True)
+    monkeypatch.setattr(time, "sleep", sleep)
+    monkeypatch.setattr(random, "random", lambda: 0.5)  # no jitter
     conn = sqlite3.connect(":memory:", check_same_thread=False)
-    store = sql.SqlStore(lambda: conn, dialect="sqlite", timeout=1.0, retries=50)
+    store = SqlStore(lambda: conn, dialect="sqlite", timeout=1.0, retries=50)
     store._tx(lambda cur: None)  # connected (and its durability read) before the test
     busy.clear()
     yield store, busy, sleeps
