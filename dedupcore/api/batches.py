@@ -219,7 +219,9 @@ class _Batch:
     def digests(self) -> bytes:
         """The keys' concatenated 16-byte record digests (:func:`dedupcore.keys.digests`)."""
         if self._digests is None:
-            self._digests = digests_of(self.ns, self.keys, self._key_limit)
+            # A batch that is not plain has its keys' bytes, checked, already.
+            keys = self.keys if self._raw is None else self._raw
+            self._digests = digests_of(self.ns, keys, self._key_limit)
         return self._digests
 
     def digest(self, i: int) -> bytes:
