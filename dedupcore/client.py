@@ -106,8 +106,12 @@ class _Connection:
         return protocol.decode_response(body)
 
 
-#: The keys a one-key request carries as they are (others go the general way).
-_ONE_KEY_TYPES = (bytes, str)
+def _keys_only(batch: batches.ClaimBatch) -> bool:
+    """Whether a claim batch carries nothing but its keys (no lease, owner or
+    fingerprints): the claims whose frames are built natively."""
+    return batch.lease is None and batch.owner is None and not batch.fingerprints
+
+
 #: Bytes a key, token or fingerprint costs in a frame beyond its own (msgpack framing).
 _ITEM_OVERHEAD = 16
 
@@ -230,7 +234,7 @@ class ClientBase:
         id: natively for a plain batch (no lease, owner or fingerprints, every key
         exactly bytes or str: ``_core.claim_frame``, no object per key), else from
         :meth:`_claim_request`'s args."""
-        if batch.plain and batch.lease is None and batch.owner is None and not batch.fingerprints:
+        if batch.plain and _keys_only(batch):
             keys, namespace = batch.keys, batch.namespace
 
             def frame(request_id: int) -> bytes:
@@ -333,12 +337,12 @@ class ClientBase:
         docs/daemon.md, "The client's round trip"); None when ``batch`` is not one
         (more keys, a claim with a lease, an owner or fingerprints, a key that is
         not exactly bytes or str), which goes the general way."""
-        if len(batch.keys) != 1 or type(batch.keys[0]) not in _ONE_KEY_TYPES:
+        if len(batch.keys) != 1 or not batch.plain:
             return None
         key, namespace = batch.keys[0], batch.namespace
         token, packed = 0, None
         if op is Op.CLAIM_MANY:
-            if batch.lease is not None or batch.owner is not None or batch.fingerprints:
+            if not _keys_only(batch):
                 return None
         else:
             token = batch.tokens[0]
