@@ -56,6 +56,46 @@ static inline uint64_t dc_xxh64_merge(uint64_t acc, uint64_t val) {
     return acc * DC_P64_1 + DC_P64_4;
 }
 
+/* The steps of XXH64 that both functions below take: the four lanes of a
+ * stripe of 32 bytes and their convergence, the steps over the last 8-, 4-
+ * and 1-byte words (each mixes in a word's value k, as each step computes
+ * it), and the final avalanche. */
+static inline void dc_xxh64_lanes_init(uint64_t v[4], uint64_t seed) {
+    v[0] = seed + DC_P64_1 + DC_P64_2;
+    v[1] = seed + DC_P64_2;
+    v[2] = seed;
+    v[3] = seed - DC_P64_1;
+}
+
+static inline uint64_t dc_xxh64_lanes_end(const uint64_t v[4]) {
+    uint64_t h = dc_rotl64(v[0], 1) + dc_rotl64(v[1], 7) + dc_rotl64(v[2], 12) +
+                 dc_rotl64(v[3], 18);
+    h = dc_xxh64_merge(h, v[0]);
+    h = dc_xxh64_merge(h, v[1]);
+    h = dc_xxh64_merge(h, v[2]);
+    return dc_xxh64_merge(h, v[3]);
+}
+
+static inline uint64_t dc_xxh64_step8(uint64_t h, uint64_t k) {
+    return dc_rotl64(h ^ k, 27) * DC_P64_1 + DC_P64_4;
+}
+
+static inline uint64_t dc_xxh64_step4(uint64_t h, uint64_t k) {
+    return dc_rotl64(h ^ k, 23) * DC_P64_2 + DC_P64_3;
+}
+
+static inline uint64_t dc_xxh64_step1(uint64_t h, uint64_t k) {
+    return dc_rotl64(h ^ k, 11) * DC_P64_1;
+}
+
+static inline uint64_t dc_xxh64_avalanche(uint64_t h) {
+    h ^= h >> 33;
+    h *= DC_P64_2;
+    h ^= h >> 29;
+    h *= DC_P64_3;
+    return h ^ (h >> 32);
+}
+
 /* XXH64 of len bytes at p with the given seed. */
 static inline uint64_t dc_xxh64(const void *data, size_t len, uint64_t seed) {
     const unsigned char *p = (const unsigned char *)data;
@@ -64,54 +104,31 @@ static inline uint64_t dc_xxh64(const void *data, size_t len, uint64_t seed) {
 
     if (len >= 32) {
         const unsigned char *limit = end - 32;
-        uint64_t v1 = seed + DC_P64_1 + DC_P64_2;
-        uint64_t v2 = seed + DC_P64_2;
-        uint64_t v3 = seed;
-        uint64_t v4 = seed - DC_P64_1;
+        uint64_t v[4];
+        dc_xxh64_lanes_init(v, seed);
         do {
-            v1 = dc_xxh64_round(v1, dc_read64(p));
-            v2 = dc_xxh64_round(v2, dc_read64(p + 8));
-            v3 = dc_xxh64_round(v3, dc_read64(p + 16));
-            v4 = dc_xxh64_round(v4, dc_read64(p + 24));
+            for (int i = 0; i < 4; i++) v[i] = dc_xxh64_round(v[i], dc_read64(p + 8 * i));
             p += 32;
         } while (p <= limit);
-        h = dc_rotl64(v1, 1) + dc_rotl64(v2, 7) + dc_rotl64(v3, 12) + dc_rotl64(v4, 18);
-        h = dc_xxh64_merge(h, v1);
-        h = dc_xxh64_merge(h, v2);
-        h = dc_xxh64_merge(h, v3);
-        h = dc_xxh64_merge(h, v4);
+        h = dc_xxh64_lanes_end(v);
     } else {
         h = seed + DC_P64_5;
     }
     h += (uint64_t)len;
 
-    while (p + 8 <= end) {
-        h ^= dc_xxh64_round(0, dc_read64(p));
-        h = dc_rotl64(h, 27) * DC_P64_1 + DC_P64_4;
-        p += 8;
-    }
+    for (; p + 8 <= end; p += 8) h = dc_xxh64_step8(h, dc_xxh64_round(0, dc_read64(p)));
     if (p + 4 <= end) {
-        h ^= (uint64_t)dc_read32(p) * DC_P64_1;
-        h = dc_rotl64(h, 23) * DC_P64_2 + DC_P64_3;
+        h = dc_xxh64_step4(h, (uint64_t)dc_read32(p) * DC_P64_1);
         p += 4;
     }
-    while (p < end) {
-        h ^= (uint64_t)(*p) * DC_P64_5;
-        h = dc_rotl64(h, 11) * DC_P64_1;
-        p++;
-    }
-    h ^= h >> 33;
-    h *= DC_P64_2;
-    h ^= h >> 29;
-    h *= DC_P64_3;
-    h ^= h >> 32;
-    return h;
+    for (; p < end; p++) h = dc_xxh64_step1(h, (uint64_t)(*p) * DC_P64_5);
+    return dc_xxh64_avalanche(h);
 }
 
 /* The XXH64 of len bytes at p with two seeds at once: *a = dc_xxh64(p, len,
- * seed_a), *b = dc_xxh64(p, len, seed_b). The two chains are independent, so
- * the processor runs them side by side: a record digest (two hashes of one
- * short key) takes little more than one hash. */
+ * seed_a), *b = dc_xxh64(p, len, seed_b). The two chains are independent and
+ * step by step side by side, so the processor runs them together: a record
+ * digest (two hashes of one short key) takes little more than one hash. */
 static inline void dc_xxh64_pair(const void *data, size_t len, uint64_t seed_a, uint64_t seed_b,
                                  uint64_t *a, uint64_t *b) {
     const unsigned char *p = (const unsigned char *)data;
@@ -120,33 +137,19 @@ static inline void dc_xxh64_pair(const void *data, size_t len, uint64_t seed_a, 
 
     if (len >= 32) {
         const unsigned char *limit = end - 32;
-        uint64_t a1 = seed_a + DC_P64_1 + DC_P64_2, b1 = seed_b + DC_P64_1 + DC_P64_2;
-        uint64_t a2 = seed_a + DC_P64_2, b2 = seed_b + DC_P64_2;
-        uint64_t a3 = seed_a, b3 = seed_b;
-        uint64_t a4 = seed_a - DC_P64_1, b4 = seed_b - DC_P64_1;
+        uint64_t va[4], vb[4];
+        dc_xxh64_lanes_init(va, seed_a);
+        dc_xxh64_lanes_init(vb, seed_b);
         do {
-            uint64_t w1 = dc_read64(p), w2 = dc_read64(p + 8);
-            uint64_t w3 = dc_read64(p + 16), w4 = dc_read64(p + 24);
-            a1 = dc_xxh64_round(a1, w1);
-            b1 = dc_xxh64_round(b1, w1);
-            a2 = dc_xxh64_round(a2, w2);
-            b2 = dc_xxh64_round(b2, w2);
-            a3 = dc_xxh64_round(a3, w3);
-            b3 = dc_xxh64_round(b3, w3);
-            a4 = dc_xxh64_round(a4, w4);
-            b4 = dc_xxh64_round(b4, w4);
+            for (int i = 0; i < 4; i++) {
+                uint64_t w = dc_read64(p + 8 * i);
+                va[i] = dc_xxh64_round(va[i], w);
+                vb[i] = dc_xxh64_round(vb[i], w);
+            }
             p += 32;
         } while (p <= limit);
-        ha = dc_rotl64(a1, 1) + dc_rotl64(a2, 7) + dc_rotl64(a3, 12) + dc_rotl64(a4, 18);
-        hb = dc_rotl64(b1, 1) + dc_rotl64(b2, 7) + dc_rotl64(b3, 12) + dc_rotl64(b4, 18);
-        ha = dc_xxh64_merge(ha, a1);
-        hb = dc_xxh64_merge(hb, b1);
-        ha = dc_xxh64_merge(ha, a2);
-        hb = dc_xxh64_merge(hb, b2);
-        ha = dc_xxh64_merge(ha, a3);
-        hb = dc_xxh64_merge(hb, b3);
-        ha = dc_xxh64_merge(ha, a4);
-        hb = dc_xxh64_merge(hb, b4);
+        ha = dc_xxh64_lanes_end(va);
+        hb = dc_xxh64_lanes_end(vb);
     } else {
         ha = seed_a + DC_P64_5;
         hb = seed_b + DC_P64_5;
@@ -154,36 +157,24 @@ static inline void dc_xxh64_pair(const void *data, size_t len, uint64_t seed_a, 
     ha += (uint64_t)len;
     hb += (uint64_t)len;
 
-    while (p + 8 <= end) {
+    for (; p + 8 <= end; p += 8) {
         uint64_t k = dc_xxh64_round(0, dc_read64(p));
-        ha = dc_rotl64(ha ^ k, 27) * DC_P64_1 + DC_P64_4;
-        hb = dc_rotl64(hb ^ k, 27) * DC_P64_1 + DC_P64_4;
-        p += 8;
+        ha = dc_xxh64_step8(ha, k);
+        hb = dc_xxh64_step8(hb, k);
     }
     if (p + 4 <= end) {
         uint64_t k = (uint64_t)dc_read32(p) * DC_P64_1;
-        ha = dc_rotl64(ha ^ k, 23) * DC_P64_2 + DC_P64_3;
-        hb = dc_rotl64(hb ^ k, 23) * DC_P64_2 + DC_P64_3;
+        ha = dc_xxh64_step4(ha, k);
+        hb = dc_xxh64_step4(hb, k);
         p += 4;
     }
-    while (p < end) {
+    for (; p < end; p++) {
         uint64_t k = (uint64_t)(*p) * DC_P64_5;
-        ha = dc_rotl64(ha ^ k, 11) * DC_P64_1;
-        hb = dc_rotl64(hb ^ k, 11) * DC_P64_1;
-        p++;
+        ha = dc_xxh64_step1(ha, k);
+        hb = dc_xxh64_step1(hb, k);
     }
-    ha ^= ha >> 33;
-    hb ^= hb >> 33;
-    ha *= DC_P64_2;
-    hb *= DC_P64_2;
-    ha ^= ha >> 29;
-    hb ^= hb >> 29;
-    ha *= DC_P64_3;
-    hb *= DC_P64_3;
-    ha ^= ha >> 32;
-    hb ^= hb >> 32;
-    *a = ha;
-    *b = hb;
+    *a = dc_xxh64_avalanche(ha);
+    *b = dc_xxh64_avalanche(hb);
 }
 
 /*
