@@ -15,7 +15,9 @@ import math
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,10 @@ MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 2  # 2: slices rebuilt as fuse filters, key logs; 1 is read as it is
 FUSE_FPR = 2.0**-16  # a 16-bit fingerprint: the false-positive rate of a fuse slice
+#: Keys an insert_many adds per hold of the ring's lock (well under a millisecond),
+#: and its pause after a step during which a lookup waited for the lock.
+INSERT_STEP = 32768
+INSERT_PAUSE = 0.0002
 
 
 @dataclass
@@ -145,6 +151,7 @@ class BloomRing:
         self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
+        self._lookup_waiting = False  # a lookup waits for the lock (see _lookup)
         self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
         if self.path is not None:
             mkdir_private(self.path)
@@ -269,48 +276,78 @@ class BloomRing:
         budget, instead of the rate-based guess with half (docs/warm-tier.md,
         "The cold archive"). Ignored once the slice exists.
         """
-        return self._add_many(keys, now, report=True, expected=expected)
+        batch = self._hashed(keys, expected)
+        with self._lock:
+            return self._add_hashes(batch, now, True, expected)
 
     def insert_many(self, keys: Keys, now: float, *, expected: int = 0) -> None:
         """Adds a batch at time ``now`` without asking which keys were new.
 
         Probes only the head's filter, not every live slice: with a slice
         grown into several sub-filters that is most of the cost of an add.
-        ``expected`` as for :meth:`add_many`.
+        ``expected`` as for :meth:`add_many`. The keys go in INSERT_STEP at a
+        time, each step one hold of the ring's lock, and a lookup that found
+        the lock held goes before the next step: a claim's lookup waits for one
+        step, not for a checkpoint's whole batch (docs/warm-tier.md, "The front
+        filter").
         """
-        self._add_many(keys, now, report=False, expected=expected)
+        batch = self._hashed(keys, expected)
+        n = len(batch)
+        for start in range(0, max(n, 1), INSERT_STEP):
+            with self._lock:
+                self._add_hashes(batch[start : start + INSERT_STEP], now, False, expected)
+            if self._lookup_waiting:
+                self._lookup_waiting = False
+                time.sleep(INSERT_PAUSE)
 
-    def _add_many(
-        self, keys: Keys, now: float, *, report: bool, expected: int = 0
-    ) -> memoryview[bool]:
-        # Hash (and so validate) every key before the ring changes at all; a
-        # uint64 buffer is taken as already hashed and comes back as a copy.
+    def _hashed(self, keys: Keys, expected: int) -> memoryview:
+        """The batch's hashes, every key checked before the ring changes at all (a
+        uint64 buffer is taken as already hashed and comes back as a copy)."""
         batch = _core.hash64_many(_as_batch(keys), self.seed)
         if isinstance(expected, bool) or not isinstance(expected, int):
             raise TypeError(f"expected must be an int, not {type(expected).__name__}")
         if expected < 0:
             raise ValueError(f"expected must be >= 0, got {expected}")
-        with self._lock:
-            head = self._head_for(now, expected)
-            if head.log is not None and len(batch):
-                head.pending.append(batch)  # logged before the filter is saved (save())
-            parts: list[memoryview[bool]] = []
-            start, n = 0, len(batch)
-            while start < n or not parts:
-                target = self._target(head)
-                room = max(1, target.capacity - target.count)
-                chunk = batch[start : start + room]
-                # Fuse slices only answer: a key one of them may hold was not new.
-                others = tuple(f for f in self._filters() if f is not target) if report else ()
-                parts.append(_core.probe_many(others, chunk, target, self.seed))
-                start += room
-            if len(parts) == 1:
-                return parts[0]
-            return memoryview(b"".join(p.cast("B") for p in parts)).cast("?")
+        return batch
+
+    def _add_hashes(
+        self, batch: memoryview, now: float, report: bool, expected: int
+    ) -> memoryview[bool]:
+        """Adds hashed keys to the head of ``now`` (the caller holds the lock); with
+        ``report``, per-key flags: True where no live slice held the key before."""
+        head = self._head_for(now, expected)
+        if head.log is not None and len(batch):
+            head.pending.append(batch)  # logged before the filter is saved (save())
+        parts: list[memoryview[bool]] = []
+        start, n = 0, len(batch)
+        while start < n or not parts:
+            target = self._target(head)
+            room = max(1, target.capacity - target.count)
+            chunk = batch[start : start + room]
+            # Fuse slices only answer: a key one of them may hold was not new.
+            others = tuple(f for f in self._filters() if f is not target) if report else ()
+            parts.append(_core.probe_many(others, chunk, target, self.seed))
+            start += room
+        if len(parts) == 1:
+            return parts[0]
+        return memoryview(b"".join(p.cast("B") for p in parts)).cast("?")
+
+    @contextmanager
+    def _lookup(self) -> Iterator[None]:
+        """The lock, for a lookup: when an insert holds it, says so first, so that the
+        insert lets it in after its step (a lock let go and taken again at once would
+        go back to the inserting thread while this one wakes up)."""
+        if not self._lock.acquire(blocking=False):
+            self._lookup_waiting = True
+            self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def __contains__(self, key: object) -> bool:
         h = _core.hash64(key, self.seed)  # type: ignore[arg-type]  # TypeError names the type
-        with self._lock:
+        with self._lookup():
             return any(f.contains_hash(h) for f in self._filters())
 
     def contains(self, key: bytes | bytearray | memoryview | str) -> bool:
@@ -320,13 +357,13 @@ class BloomRing:
     def contains_many(self, keys: Keys) -> memoryview[bool]:
         """Membership of each key of a batch in any slice; one hash per key."""
         batch = _as_batch(keys)
-        with self._lock:
+        with self._lookup():
             return _core.probe_many(self._filters(), batch, None, self.seed)
 
     def contains_digests(self, digests: bytes) -> memoryview[bool]:
         """Membership in any slice of each of concatenated 16-byte record digests,
         keyed by their first 8 bytes (the store's front hash; ``_core.probe_digests``)."""
-        with self._lock:
+        with self._lookup():
             return _core.probe_digests(self._filters(), digests, self.seed)
 
     # -- figures -------------------------------------------------------------

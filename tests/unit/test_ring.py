@@ -6,14 +6,19 @@ import json
 import math
 import random
 import tempfile
+import threading
+import time
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dedupcore.ring as ring_module
 from dedupcore import BloomRing, hash64
 from dedupcore.errors import CorruptFileError
 from dedupcore.ring import RING_FORMAT, SliceInfo
@@ -159,6 +164,85 @@ def test_insert_many_sets_the_same_bits_as_add_many(make_keys: Keys) -> None:
     for a, b in zip(rings[0]._filters(), rings[1]._filters(), strict=True):
         assert a.to_bytes() == b.to_bytes()
     assert all(rings[1].contains_many([k for keys, _ in batches for k in keys]))
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_insert_many_in_steps_leaves_the_ring_one_step_leaves(
+    make_keys: Keys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, step: int
+) -> None:
+    """An insert takes the lock a step of INSERT_STEP keys at a time; the ring it
+    leaves (slices, sub-filters, counts, bits, the key log's hashes, in order) is
+    the one a single step leaves."""
+    rings = [
+        BloomRing(
+            window=10.0,
+            slice_seconds=1.0,
+            slice_capacity=1000,
+            error_rate=0.001,
+            path=tmp_path / name,
+            key_logs=True,
+        )
+        for name in ("whole", "steps")
+    ]
+    batches = [(make_keys(1500), 0.5), (make_keys(3000), 1.5), (make_keys(0), 1.6)]
+    for keys, now in batches:
+        rings[0].insert_many(keys, now)
+    monkeypatch.setattr(ring_module, "INSERT_STEP", step)
+    for keys, now in batches:
+        rings[1].insert_many(keys, now)
+    assert rings[0].slices() == rings[1].slices()
+    for a, b in zip(rings[0]._filters(), rings[1]._filters(), strict=True):
+        assert a.to_bytes() == b.to_bytes()
+    logged = [b"".join(bytes(p) for p in r._slices[-1].pending) for r in rings]
+    assert logged[0] == logged[1] == np.array([hash64(k) for k in batches[1][0]], "<u8").tobytes()
+
+
+def test_a_lookup_that_waits_for_an_insert_goes_between_two_steps(
+    make_keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup that finds the lock held by an insert says so; the insert lets the
+    lock go after its step and pauses, and the lookup is answered before the next
+    step (a checkpoint's insert into the front does not hold a claim's lookup for
+    the whole batch)."""
+    ring = BloomRing(window=10.0, slice_seconds=10.0, slice_capacity=10_000)
+    keys = make_keys(3000)
+    monkeypatch.setattr(ring_module, "INSERT_STEP", 1000)
+    order: list[str] = []
+    answered = threading.Event()
+    lookups: list[bool] = []
+
+    def lookup() -> None:
+        lookups.extend(ring.contains_many(keys[:1]))
+        order.append("lookup")
+        answered.set()
+
+    add_hashes = ring._add_hashes
+    waiter = threading.Thread(target=lookup)
+
+    def step(*args: Any) -> Any:
+        order.append("step")
+        if len(order) == 1:
+            waiter.start()  # it finds the lock held by this step
+            deadline = time.monotonic() + 30
+            while not ring._lookup_waiting:
+                assert time.monotonic() < deadline, "the lookup never waited for the lock"
+                time.sleep(0.001)
+        return add_hashes(*args)
+
+    def pause(seconds: float) -> None:
+        assert seconds == ring_module.INSERT_PAUSE
+        order.append("pause")
+        # The lock is free during the pause: the lookup gets it now.
+        assert answered.wait(30), "the lookup did not get the lock during the pause"
+
+    monkeypatch.setattr(ring, "_add_hashes", step)
+    monkeypatch.setattr(ring_module, "time", types.SimpleNamespace(sleep=pause))
+    ring.insert_many(keys, now=1.0)
+    waiter.join(30)
+    assert order == ["step", "pause", "lookup", "step", "step"]
+    assert lookups == [True]  # the first step's keys were in
+    assert ring._lookup_waiting is False
+    assert all(ring.contains_many(keys))
 
 
 def test_ring_fpr_with_every_slice_overfilled_4x() -> None:
