@@ -17,7 +17,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +94,28 @@ class SliceInfo:
     kind: str = "bloom"  # "fuse": rebuilt as a static filter (subfilters 0, fill_ratio 0)
 
 
+class _Lookup:
+    """The ring's lock, taken for a lookup: when an insert holds it, the lookup says so
+    first (``waiting``), so that the insert lets it in after its step; a lock let go
+    and taken again at once would go back to the inserting thread while this one
+    wakes up. A class, not a generator context manager, which made a one-key lookup
+    twice as slow (3.5 us against 1.6)."""
+
+    __slots__ = ("_lock", "waiting")
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+        self.waiting = False
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waiting = True
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class BloomRing:
     """A time-sliced Bloom filter: keys expire ``window`` seconds after their slice.
 
@@ -151,7 +172,7 @@ class BloomRing:
         self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
-        self._lookup_waiting = False  # a lookup waits for the lock (see _lookup)
+        self._lookup = _Lookup(self._lock)  # the lock, for lookups (see insert_many)
         self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
         if self.path is not None:
             mkdir_private(self.path)
@@ -296,8 +317,8 @@ class BloomRing:
         for start in range(0, max(n, 1), INSERT_STEP):
             with self._lock:
                 self._add_hashes(batch[start : start + INSERT_STEP], now, False, expected)
-            if self._lookup_waiting:
-                self._lookup_waiting = False
+            if self._lookup.waiting:
+                self._lookup.waiting = False
                 time.sleep(INSERT_PAUSE)
 
     def _hashed(self, keys: Keys, expected: int) -> memoryview:
@@ -332,22 +353,9 @@ class BloomRing:
             return parts[0]
         return memoryview(b"".join(p.cast("B") for p in parts)).cast("?")
 
-    @contextmanager
-    def _lookup(self) -> Iterator[None]:
-        """The lock, for a lookup: when an insert holds it, says so first, so that the
-        insert lets it in after its step (a lock let go and taken again at once would
-        go back to the inserting thread while this one wakes up)."""
-        if not self._lock.acquire(blocking=False):
-            self._lookup_waiting = True
-            self._lock.acquire()
-        try:
-            yield
-        finally:
-            self._lock.release()
-
     def __contains__(self, key: object) -> bool:
         h = _core.hash64(key, self.seed)  # type: ignore[arg-type]  # TypeError names the type
-        with self._lookup():
+        with self._lookup:
             return any(f.contains_hash(h) for f in self._filters())
 
     def contains(self, key: bytes | bytearray | memoryview | str) -> bool:
@@ -357,13 +365,13 @@ class BloomRing:
     def contains_many(self, keys: Keys) -> memoryview[bool]:
         """Membership of each key of a batch in any slice; one hash per key."""
         batch = _as_batch(keys)
-        with self._lookup():
+        with self._lookup:
             return _core.probe_many(self._filters(), batch, None, self.seed)
 
     def contains_digests(self, digests: bytes) -> memoryview[bool]:
         """Membership in any slice of each of concatenated 16-byte record digests,
         keyed by their first 8 bytes (the store's front hash; ``_core.probe_digests``)."""
-        with self._lookup():
+        with self._lookup:
             return _core.probe_digests(self._filters(), digests, self.seed)
 
     # -- figures -------------------------------------------------------------

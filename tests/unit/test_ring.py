@@ -224,7 +224,7 @@ def test_a_lookup_that_waits_for_an_insert_goes_between_two_steps(
         if len(order) == 1:
             waiter.start()  # it finds the lock held by this step
             deadline = time.monotonic() + 30
-            while not ring._lookup_waiting:
+            while not ring._lookup.waiting:
                 assert time.monotonic() < deadline, "the lookup never waited for the lock"
                 time.sleep(0.001)
         return add_hashes(*args)
@@ -241,7 +241,7 @@ def test_a_lookup_that_waits_for_an_insert_goes_between_two_steps(
     waiter.join(30)
     assert order == ["step", "pause", "lookup", "step", "step"]
     assert lookups == [True]  # the first step's keys were in
-    assert ring._lookup_waiting is False
+    assert ring._lookup.waiting is False
     assert all(ring.contains_many(keys))
 
 
