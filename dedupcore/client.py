@@ -69,12 +69,49 @@ def default_socket(environ: Mapping[str, str] | None = None) -> str:
     return DEFAULT_SOCKET
 
 
+#: The longest a one-key call of the adaptive Client checks for its reply without
+#: sleeping, in seconds, and the typical round trip above which it does not at all
+#: (docs/daemon.md, "Polling for the reply").
+SPIN_UP_TO = 250e-6
+#: The weight of the newest round trip in the typical one (an exponential average).
+_SPIN_WEIGHT = 0.125
+
+
+class _Spin:
+    """How long the next one-key call of a connection checks for its reply before it
+    sleeps: ``fixed`` seconds, or with ``fixed`` None twice the typical round trip
+    (an exponential average of this connection's one-key calls), at most
+    SPIN_UP_TO, and not at all while the typical round trip is longer than that
+    (a durable daemon's fdatasync): the time spent checking is a core's time."""
+
+    __slots__ = ("fixed", "typical")
+
+    def __init__(self, fixed: float | None) -> None:
+        self.fixed = fixed
+        self.typical = 0.0  # seconds; 0 before the first call
+
+    def budget(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self.typical > SPIN_UP_TO:
+            return 0.0
+        return min(SPIN_UP_TO, 2 * self.typical) if self.typical else SPIN_UP_TO
+
+    def took(self, seconds: float) -> None:
+        """Counts a one-key call's round trip into the typical one."""
+        if self.typical:
+            self.typical += _SPIN_WEIGHT * (seconds - self.typical)
+        else:
+            self.typical = seconds
+
+
 class _Connection:
-    def __init__(self, path: str, timeout: float, max_frame: int) -> None:
+    def __init__(self, path: str, timeout: float, max_frame: int, spin: float | None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.timeout = timeout
         self.max_frame = max_frame
+        self.spin = _Spin(spin)
         self.pid = os.getpid()
         try:
             self.sock.connect(path)
@@ -86,16 +123,27 @@ class _Connection:
     def close(self) -> None:
         self.sock.close()
 
-    def exchange(self, data: bytes) -> bytes | int:
+    def exchange(self, data: bytes, spin: float = 0.0) -> bytes | int:
         """Sends a request frame and reads the reply, in one native call that waits with
-        the GIL released (docs/daemon.md, "The client's round trip"): the reply's body,
+        the GIL released (docs/daemon.md, "The client's round trip"), checking for the
+        reply without sleeping for up to ``spin`` seconds first: the reply's body,
         or the errno of a send that failed (nothing of the request was applied). After
         the send, a failure raises OSError (TimeoutError, ConnectionResetError) or
         FrameError."""
         try:
-            return _core.exchange(self.fd, data, self.max_frame, self.timeout)
+            return _core.exchange(self.fd, data, self.max_frame, self.timeout, spin)
         except ValueError as exc:  # a reply length out of bounds
             raise FrameError(str(exc)) from None
+
+    def exchange_one(self, data: bytes) -> bytes | int:
+        """:meth:`exchange` for a one-key request: it checks for the reply without
+        sleeping as long as the connection's :class:`_Spin` says, and counts the
+        round trip."""
+        spin = self.spin
+        started = time.perf_counter()
+        body = self.exchange(data, spin.budget())
+        spin.took(time.perf_counter() - started)
+        return body
 
     def next_reply(self) -> tuple[int, Status, Any]:
         """The next reply, decoded (after one to an older request); raises as
@@ -359,7 +407,35 @@ class ClientBase:
 
 class Client(ClientBase, ClaimAPI):
     """A connection to ``dedupcore serve`` at ``path`` (see the module docstring);
-    without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default)."""
+    without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default).
+
+    ``spin``: how long a call on one key checks for its reply without sleeping
+    before it waits in ``poll()``, in seconds (up to ``_core.MAX_SPIN``). None
+    (the default) adapts it per connection: twice the typical round trip, at
+    most 250 µs, and no checking while round trips are longer (a durable
+    daemon); 0 never checks. A reply that arrives while the caller checks needs
+    no wake-up, which is most of a round trip's time on a virtual machine; the
+    checking takes that long of a core (docs/daemon.md, "Polling for the
+    reply"). The other keyword arguments are :class:`ClientBase`'s.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        spin: float | None = None,
+        **options: Any,
+    ) -> None:
+        if spin is not None:
+            if isinstance(spin, bool) or not isinstance(spin, (int, float)):
+                raise TypeError(
+                    f"spin must be a number of seconds or None, not {type(spin).__name__}"
+                )
+            if not 0 <= spin <= _core.MAX_SPIN:
+                raise ValueError(f"spin must be 0 to {_core.MAX_SPIN} seconds, got {spin!r}")
+            spin = float(spin)
+        self.spin = spin
+        super().__init__(path, **options)
 
     def _open(self) -> None:
         self._local = threading.local()
@@ -386,7 +462,7 @@ class Client(ClientBase, ClaimAPI):
         waits = 0  # waits so far, of either kind
         while True:
             try:
-                conn = _Connection(self.path, self.timeout, self.max_frame)
+                conn = _Connection(self.path, self.timeout, self.max_frame, self.spin)
                 self._local.conn = conn
                 return conn
             except BlockingIOError as exc:
@@ -427,7 +503,7 @@ class Client(ClientBase, ClaimAPI):
         for attempt in range(2):
             conn = self._connection()
             try:
-                body = conn.exchange(data)
+                body = conn.exchange_one(data) if quick else conn.exchange(data)
                 if isinstance(body, int):
                     self._drop()
                     if attempt == 0:

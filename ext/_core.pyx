@@ -1285,7 +1285,7 @@ cdef extern from "dc_wire.h" nogil:
     int64_t dc_wire_now_ms()
     int dc_wire_send(int fd, const unsigned char* buf, size_t len, int64_t deadline_ms)
     int dc_wire_recv(int fd, unsigned char* buf, size_t len, int64_t deadline_ms,
-                     int wait_first)
+                     int wait_first, int64_t spin_ns)
     uint32_t dc_wire_length(const unsigned char* h)
 
 
@@ -1298,14 +1298,23 @@ cdef object _wire_error(int rc, str doing):
     return OSError(-rc, f"{os.strerror(-rc)} {doing}")
 
 
-def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, double timeout):
+#: The longest ``exchange`` may check for its reply without sleeping, in seconds.
+MAX_SPIN = 0.01
+
+
+def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, double timeout,
+             double spin=0.0):
     """Sends ``request`` (a whole frame, or nothing when empty) on the connected
     stream socket ``fd``, then reads the next frame and returns its body (bytes),
     the GIL released while it sends and waits (ext/dc_wire.h; docs/daemon.md,
     "The client's round trip").
 
     The request must be sent within ``timeout`` seconds, and the reply must come
-    whole within ``timeout`` of that. When the request could not be sent whole,
+    whole within ``timeout`` of that. Before it sleeps in ``poll()`` for the
+    reply, the call checks the socket without sleeping for up to ``spin``
+    seconds (0: not at all), letting other runnable threads have the core
+    between two checks (docs/daemon.md, "Polling for the reply"). When the
+    request could not be sent whole,
     nothing was read and the errno of the failure is returned (an int: the
     daemon cannot have read a whole frame, so nothing of it was applied). Once it
     was sent, a failure raises: TimeoutError, ConnectionResetError (the daemon
@@ -1316,10 +1325,16 @@ def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, dou
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     if max_frame < 1:
         raise ValueError(f"max_frame must be positive, got {max_frame!r}")
+    if not 0.0 <= spin <= MAX_SPIN:
+        raise ValueError(f"spin must be 0 to {MAX_SPIN} seconds, got {spin!r}")
     cdef double ms = timeout * 1000.0
     cdef int64_t span = <int64_t>ms if ms < 1e15 else <int64_t>1e15
     if span < 1:
         span = 1
+    # Checking for the reply never outlasts the time it may take.
+    cdef int64_t spin_ns = <int64_t>(spin * 1e9)
+    if spin_ns > span * 1000000:
+        spin_ns = span * 1000000
     cdef int rc = 0
     cdef size_t n = <size_t>request.shape[0]
     cdef unsigned char header[4]
@@ -1331,7 +1346,7 @@ def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, dou
             sent = rc == 0
         if sent:
             deadline = dc_wire_now_ms() + span
-            rc = dc_wire_recv(fd, header, 4, deadline, 1)
+            rc = dc_wire_recv(fd, header, 4, deadline, 1, spin_ns)
     if not sent:
         return -rc
     if rc != 0:
@@ -1345,7 +1360,7 @@ def exchange(int fd, const unsigned char[::1] request, Py_ssize_t max_frame, dou
     body = PyBytes_FromStringAndSize(NULL, length)
     cdef unsigned char* dst = <unsigned char*>PyBytes_AS_STRING(body)
     with nogil:
-        rc = dc_wire_recv(fd, dst, length, deadline, 0)
+        rc = dc_wire_recv(fd, dst, length, deadline, 0, 0)
     if rc != 0:
         raise _wire_error(rc, "reading the reply")
     return body

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/socket.h>
@@ -69,13 +70,38 @@ static int dc_wire_send(int fd, const unsigned char *buf, size_t len, int64_t de
     return 0;
 }
 
+/* Checks fd for something to read without sleeping, for up to spin_ns
+ * nanoseconds, giving the core to any other runnable thread between two checks
+ * (sched_yield); 1 as soon as there is something (or an error or a hang-up:
+ * the read that follows reports it), 0 when the time is up. A reply that
+ * arrives while its caller checks needs no wake-up of a sleeping thread, which
+ * is most of a round trip on a virtual machine (docs/daemon.md, "Polling for
+ * the reply"). */
+static int dc_wire_spin(int fd, int64_t spin_ns) {
+    struct timespec t0, t;
+    if (spin_ns <= 0) return 0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        struct pollfd p;
+        p.fd = fd;
+        p.events = POLLIN;
+        p.revents = 0;
+        if (poll(&p, 1, 0) > 0) return 1;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((int64_t)(t.tv_sec - t0.tv_sec) * 1000000000 + (t.tv_nsec - t0.tv_nsec) >= spin_ns)
+            return 0;
+        sched_yield();
+    }
+}
+
 /* Reads exactly len bytes into buf: 0, DC_WIRE_EOF, or -errno (-ETIMEDOUT past
  * the deadline). With wait_first the socket is polled before the first read: a
  * reply to a request just sent is not there yet, and a read would find it
- * empty; the body after its header is usually there already. */
+ * empty; the body after its header is usually there already. The poll is
+ * preceded by up to spin_ns of checking without sleeping (dc_wire_spin). */
 static int dc_wire_recv(int fd, unsigned char *buf, size_t len, int64_t deadline_ms,
-                        int wait_first) {
-    int waited = !wait_first;
+                        int wait_first, int64_t spin_ns) {
+    int waited = !wait_first || dc_wire_spin(fd, spin_ns);
     while (len) {
         if (!waited) {
             int w = dc_wire_wait(fd, POLLIN, deadline_ms);

@@ -345,6 +345,31 @@ def test_the_clients_get_the_same_claims_through_columns(daemon: Daemon) -> None
     assert asyncio.run(run()) == again
 
 
+@pytest.mark.parametrize("spin", [None, 0, 0.001])
+def test_a_client_that_checks_for_its_replies_gets_the_same_answers(
+    daemon: Daemon, spin: float | None
+) -> None:
+    """Checking for a one-key reply without sleeping (``Client(spin=)``; adaptive by
+    default) changes how the client waits, not what it reads; a batch never checks."""
+    ns = unique_ns("spin")
+    with Client(daemon.socket, timeout=PATIENCE, spin=spin) as c:
+        first = c.claim("k", namespace=ns)
+        assert first.outcome is Outcome.NEW
+        assert c.claim("k", namespace=ns).outcome is Outcome.IN_PROGRESS
+        c.complete("k", first.token, namespace=ns, result="done")
+        again = c.claim("k", namespace=ns)
+        assert (again.outcome, again.result) == (Outcome.DUPLICATE, "done")
+        assert [x.outcome for x in c.claim_many(["k", "m"], namespace=ns)] == [
+            Outcome.DUPLICATE,
+            Outcome.NEW,
+        ]
+        conn = c._local.conn
+        assert conn.spin.fixed == spin
+        assert conn.spin.typical > 0  # the one-key calls' round trips were counted
+        if spin is not None:
+            assert conn.spin.budget() == spin
+
+
 def test_plain_batches_are_framed_natively_and_the_others_the_general_way(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

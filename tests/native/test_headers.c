@@ -357,22 +357,33 @@ static void test_wire(void) {
     static const unsigned char req[] = {0, 0, 0, 3, 'a', 'b', 'c'};
     CHECK(dc_wire_send(sv[0], req, sizeof req, soon) == 0);
     unsigned char got[8] = {0};
-    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1) == 0 && dc_wire_length(got) == 3);
-    CHECK(dc_wire_recv(sv[1], got, 3, soon, 0) == 0 && !memcmp(got, "abc", 3));
+    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1, 0) == 0 && dc_wire_length(got) == 3);
+    CHECK(dc_wire_recv(sv[1], got, 3, soon, 0, 0) == 0 && !memcmp(got, "abc", 3));
     static const unsigned char big[] = {0x01, 0x02, 0x03, 0x04};
     CHECK(dc_wire_length(big) == 0x01020304u);
-    /* Nothing to read: the deadline passes; a deadline already past fails at once. */
-    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() + 20, 1) == -ETIMEDOUT);
-    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() - 1, 1) == -ETIMEDOUT);
+    /* Nothing to read: the deadline passes, after checking without sleeping or not;
+     * a deadline already past fails at once. */
+    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() + 20, 1, 0) == -ETIMEDOUT);
+    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() + 20, 1, 1000000) == -ETIMEDOUT);
+    CHECK(dc_wire_recv(sv[1], got, 1, dc_wire_now_ms() - 1, 1, 0) == -ETIMEDOUT);
+    /* Checking without sleeping: nothing there (0 when the time is up, none at all
+     * for no time), then something there (1 at once); a frame read after it. */
+    CHECK(dc_wire_spin(sv[1], 0) == 0);
+    CHECK(dc_wire_spin(sv[1], 200000) == 0);
+    CHECK(dc_wire_send(sv[0], req, sizeof req, soon) == 0);
+    CHECK(dc_wire_spin(sv[1], 200000) == 1);
+    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1, 200000) == 0 && dc_wire_length(got) == 3);
+    CHECK(dc_wire_recv(sv[1], got, 3, soon, 0, 0) == 0 && !memcmp(got, "abc", 3));
     /* Part of what is asked for, then the peer hangs up. */
     CHECK(send(sv[0], "xy", 2, 0) == 2);
     CHECK(shutdown(sv[0], SHUT_WR) == 0);
-    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1) == DC_WIRE_EOF);
+    CHECK(dc_wire_recv(sv[1], got, 4, soon, 1, 1000000) == DC_WIRE_EOF);
     close(sv[0]);
     CHECK(dc_wire_send(sv[1], req, sizeof req, soon) == -EPIPE); /* no SIGPIPE */
     close(sv[1]);
     CHECK(dc_wire_send(sv[1], req, sizeof req, soon) == -EBADF);
-    CHECK(dc_wire_recv(sv[1], got, 1, soon, 0) == -EBADF);
+    CHECK(dc_wire_recv(sv[1], got, 1, soon, 0, 0) == -EBADF);
+    CHECK(dc_wire_spin(sv[1], 1000000) == 1); /* a bad descriptor: poll reports it */
 }
 
 int main(int argc, char **argv) {

@@ -9,6 +9,7 @@ import errno
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 import dedupcore._core as _core
 from dedupcore.api.batches import ChangeBatch, ClaimBatch, pack_result
-from dedupcore.client import Client
+from dedupcore.client import SPIN_UP_TO, Client, _Spin
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 
@@ -179,6 +180,88 @@ def test_bad_arguments(pair) -> None:
         _core.exchange(ours.fileno(), "text", MAX, 1.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         _core.exchange("fd", frame(b"x"), MAX, 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("delay", [None, 0.0, 0.02])
+@pytest.mark.parametrize("spin", [1e-6, 0.001, 0.01])
+def test_a_reply_is_read_the_same_whether_it_comes_while_the_caller_checks_or_after(
+    pair, spin: float, delay: float | None
+) -> None:
+    """``spin`` only changes how the call waits for the reply's first bytes: one
+    already there, one that comes while it checks without sleeping, and one that
+    comes after it gave up checking and sleeps in poll() read the same."""
+    ours, theirs = pair
+    if delay is None:
+        theirs.sendall(frame(b"there"))
+        assert _core.exchange(ours.fileno(), frame(b"q"), MAX, 5.0, spin) == b"there"
+        assert read_frame(theirs) == b"q"
+        return
+
+    def answer() -> None:
+        assert read_frame(theirs) == b"q"
+        time.sleep(delay)
+        theirs.sendall(frame(b"later"))
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        assert _core.exchange(ours.fileno(), frame(b"q"), MAX, 5.0, spin) == b"later"
+    finally:
+        t.join()
+
+
+def test_a_peer_that_hangs_up_while_the_caller_checks(pair) -> None:
+    ours, theirs = pair
+    theirs.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionResetError, match="waiting for the reply"):
+        _core.exchange(ours.fileno(), frame(b"x"), MAX, 5.0, _core.MAX_SPIN)
+
+
+def test_checking_for_the_reply_never_outlasts_the_timeout(pair) -> None:
+    ours, _theirs = pair
+    with pytest.raises(TimeoutError, match="waiting for the reply"):
+        _core.exchange(ours.fileno(), frame(b"x"), MAX, 0.001, _core.MAX_SPIN)
+
+
+@pytest.mark.parametrize("spin", [-1e-9, float("nan"), float("inf"), 0.0100001])
+def test_spin_is_zero_to_max_spin_seconds(pair, spin: float) -> None:
+    ours, _ = pair
+    with pytest.raises(ValueError, match="spin must be 0 to"):
+        _core.exchange(ours.fileno(), frame(b"x"), MAX, 1.0, spin)
+
+
+def test_the_adaptive_spin_follows_the_typical_round_trip() -> None:
+    """Twice the typical round trip, at most SPIN_UP_TO, none while round trips are
+    longer than that; the typical one is an exponential average."""
+    spin = _Spin(None)
+    assert spin.budget() == SPIN_UP_TO  # before the first call
+    spin.took(50e-6)
+    assert spin.typical == 50e-6
+    assert spin.budget() == pytest.approx(100e-6)
+    spin.took(130e-6)
+    assert spin.typical == pytest.approx(60e-6)  # 50 + (130 - 50) / 8
+    assert spin.budget() == pytest.approx(120e-6)
+    for _ in range(3):
+        spin.took(5e-3)  # a durable daemon's fdatasync
+    assert spin.typical > SPIN_UP_TO
+    assert spin.budget() == 0.0
+    for _ in range(200):
+        spin.took(40e-6)  # faster again
+    assert spin.budget() == pytest.approx(80e-6)
+    fixed = _Spin(0.002)
+    fixed.took(1.0)
+    assert fixed.budget() == 0.002
+
+
+@pytest.mark.parametrize(
+    ("spin", "error"),
+    [(True, TypeError), ("1", TypeError), (-0.001, ValueError), (0.011, ValueError)],
+)
+def test_a_client_spin_is_none_or_seconds(spin: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="spin must be"):
+        Client("/nonexistent/socket", spin=spin)  # type: ignore[arg-type]
+    assert Client("/nonexistent/socket", spin=0).spin == 0.0
+    assert Client("/nonexistent/socket").spin is None
 
 
 def test_threads_exchange_at_once_each_on_its_own_socket() -> None:
