@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import dedupcore._core as _core
+from dedupcore._spin import Spin, check_spin
 from dedupcore.api import Claim, ClaimAPI, KeyRecord, batches
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
@@ -69,49 +70,13 @@ def default_socket(environ: Mapping[str, str] | None = None) -> str:
     return DEFAULT_SOCKET
 
 
-#: The longest a one-key call of the adaptive Client checks for its reply without
-#: sleeping, in seconds, and the typical round trip above which it does not at all
-#: (docs/daemon.md, "Polling for the reply").
-SPIN_UP_TO = 250e-6
-#: The weight of the newest round trip in the typical one (an exponential average).
-_SPIN_WEIGHT = 0.125
-
-
-class _Spin:
-    """How long the next one-key call of a connection checks for its reply before it
-    sleeps: ``fixed`` seconds, or with ``fixed`` None twice the typical round trip
-    (an exponential average of this connection's one-key calls), at most
-    SPIN_UP_TO, and not at all while the typical round trip is longer than that
-    (a durable daemon's fdatasync): the time spent checking is a core's time."""
-
-    __slots__ = ("fixed", "typical")
-
-    def __init__(self, fixed: float | None) -> None:
-        self.fixed = fixed
-        self.typical = 0.0  # seconds; 0 before the first call
-
-    def budget(self) -> float:
-        if self.fixed is not None:
-            return self.fixed
-        if self.typical > SPIN_UP_TO:
-            return 0.0
-        return min(SPIN_UP_TO, 2 * self.typical) if self.typical else SPIN_UP_TO
-
-    def took(self, seconds: float) -> None:
-        """Counts a one-key call's round trip into the typical one."""
-        if self.typical:
-            self.typical += _SPIN_WEIGHT * (seconds - self.typical)
-        else:
-            self.typical = seconds
-
-
 class _Connection:
     def __init__(self, path: str, timeout: float, max_frame: int, spin: float | None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.timeout = timeout
         self.max_frame = max_frame
-        self.spin = _Spin(spin)
+        self.spin = Spin(spin)
         self.pid = os.getpid()
         try:
             self.sock.connect(path)
@@ -137,8 +102,8 @@ class _Connection:
 
     def exchange_one(self, data: bytes) -> bytes | int:
         """:meth:`exchange` for a one-key request: it checks for the reply without
-        sleeping as long as the connection's :class:`_Spin` says, and counts the
-        round trip."""
+        sleeping as long as the connection's :class:`~dedupcore._spin.Spin` says, and
+        counts the round trip."""
         spin = self.spin
         started = time.perf_counter()
         body = self.exchange(data, spin.budget())
@@ -410,7 +375,7 @@ class Client(ClientBase, ClaimAPI):
     without a path, at :func:`default_socket` (``DEDUPCORE_SOCKET``, else the default).
 
     ``spin``: how long a call on one key checks for its reply without sleeping
-    before it waits in ``poll()``, in seconds (up to ``_core.MAX_SPIN``). None
+    before it waits in ``poll()``, in seconds (up to 0.01). None
     (the default) adapts it per connection: twice the typical round trip, at
     most 250 µs, and no checking while round trips are longer (a durable
     daemon); 0 never checks. A reply that arrives while the caller checks needs
@@ -426,15 +391,7 @@ class Client(ClientBase, ClaimAPI):
         spin: float | None = None,
         **options: Any,
     ) -> None:
-        if spin is not None:
-            if isinstance(spin, bool) or not isinstance(spin, (int, float)):
-                raise TypeError(
-                    f"spin must be a number of seconds or None, not {type(spin).__name__}"
-                )
-            if not 0 <= spin <= _core.MAX_SPIN:
-                raise ValueError(f"spin must be 0 to {_core.MAX_SPIN} seconds, got {spin!r}")
-            spin = float(spin)
-        self.spin = spin
+        self.spin = check_spin(spin)
         super().__init__(path, **options)
 
     def _open(self) -> None:

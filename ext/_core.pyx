@@ -1298,7 +1298,8 @@ cdef object _wire_error(int rc, str doing):
     return OSError(-rc, f"{os.strerror(-rc)} {doing}")
 
 
-#: The longest ``exchange`` may check for its reply without sleeping, in seconds.
+#: The longest ``exchange`` may check for its reply without sleeping, in seconds
+#: (dedupcore._spin.MAX_SPIN).
 MAX_SPIN = 0.01
 
 

@@ -31,6 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from dedupcore._spin import MAX_SPIN
 from dedupcore.client import default_socket
 from dedupcore.config import DURABILITY_MODES, Retention, StoreConfig, check_lease
 from dedupcore.daemon.server import DaemonServer
@@ -113,6 +114,13 @@ def _positive_seconds(value: object) -> float:
     return seconds
 
 
+def _poll_seconds(value: object) -> float:
+    seconds = parse_duration(value)
+    if not 0 <= seconds <= MAX_SPIN:
+        raise ValueError(f"must be 0 to {MAX_SPIN} seconds, got {value!r}")
+    return seconds
+
+
 def _lease(value: object) -> float:
     return check_lease(parse_duration(value))
 
@@ -186,6 +194,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "fd_reserve": lambda v: _count(v, 0),
     "drain_timeout": _positive_seconds,
     "max_waiters": lambda v: _count(v, 0),
+    "poll_after_reply": _poll_seconds,
 }
 #: Keys without a default: left out of the printed settings when unset.
 OPTIONAL = (
@@ -199,6 +208,7 @@ OPTIONAL = (
     "partition",
     "partition_tolerance",
     "partitions_ahead",
+    "poll_after_reply",
 )
 #: Keys of a SQL authority's table, passed to SqlStore by name (docs/sql-partitions.md).
 SQL_KEYS = ("table", "partition", "partition_tolerance", "partitions_ahead")
@@ -216,6 +226,7 @@ SERVER_LIMITS = (
     "fd_reserve",
     "drain_timeout",
     "max_waiters",
+    "poll_after_reply",
 )
 RETENTION_KEYS = tuple(f.name for f in fields(Retention))
 

@@ -19,6 +19,8 @@ can be set in the TOML file or the environment:
 - ``drain_timeout`` (seconds, 30): how long SIGTERM waits for clients to go quiet.
 - ``max_waiters`` (4096): WAIT requests (``claim(wait=)`` of the clients) waiting at
   once; more are answered at once and their clients poll.
+- ``poll_after_reply`` (seconds, unset: adaptive): how long the event loop polls
+  for the next request without sleeping after it writes a reply; 0 never polls.
 
 ``serve`` exits with 1 when it cannot start (a bad setting included) and with
 :data:`~dedupcore.daemon.server.EXIT_STORE_FAILED` (3) when the store failed

@@ -163,6 +163,7 @@ class Connection(asyncio.Protocol):
         self._wait_for_request()
 
     def data_received(self, data: bytes) -> None:
+        self.server.awake.arrived()
         if self._blocked:
             if not self._blocked & _SHUT:  # read before the pause took effect: kept
                 self._buf += data
@@ -336,6 +337,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(data)
+            self.server.awake.replied()
 
     def _wait_for_request(self) -> None:
         """The wait for the next request's header starts now (idle_timeout; after

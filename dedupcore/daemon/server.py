@@ -73,10 +73,12 @@ from typing import Any
 import msgpack
 
 import dedupcore._platform as _platform
+from dedupcore._spin import check_spin
 from dedupcore.api import ClaimAPI
 from dedupcore.daemon import protocol
 from dedupcore.daemon.admission import SMALL_FRAME, Budget, SmallRequests, connection_cap
 from dedupcore.daemon.admission import within as _within
+from dedupcore.daemon.awake import Awake
 from dedupcore.daemon.commit import INLINE_COMMIT_BYTES, Decided
 from dedupcore.daemon.connection import DRAIN_QUIET, Connection
 from dedupcore.daemon.dispatch import (
@@ -197,7 +199,9 @@ class DaemonServer:
     per connection (64), ``max_unsent`` reply bytes per connection (1 MiB),
     ``max_buffered`` request bytes across connections (256 MiB, at least
     ``max_frame``), ``drain_timeout`` after SIGTERM (30 s), ``max_waiters``
-    WAIT requests waiting at once (4096).
+    WAIT requests waiting at once (4096). ``poll_after_reply``: how long the
+    event loop polls for the next request without sleeping after it writes a
+    reply, in seconds (None, the default: adaptive; 0: never; :mod:`.awake`).
     """
 
     def __init__(
@@ -220,6 +224,7 @@ class DaemonServer:
         fd_reserve: int = 256,
         drain_timeout: float = 30.0,
         max_waiters: int = 4096,
+        poll_after_reply: float | None = None,
         sock: socket.socket | None = None,
     ) -> None:
         if sock is not None and not isinstance(sock, socket.socket):
@@ -273,7 +278,10 @@ class DaemonServer:
             "slices_held_for_small": 0,
             "answered_at_once": 0,  # by the connection's reader, without a task
             "completed_by_commit": 0,  # decided by the reader, answered by its commit
+            "polled_requests": 0,  # arrived while the loop polled after a reply (Awake)
         }
+        #: The loop kept polling after replies (``poll_after_reply``: None adapts).
+        self.awake = Awake(check_spin(poll_after_reply, "poll_after_reply"), self.counters)
         self._commit_seconds = 0.0
         self._packer = msgpack.Packer(use_bin_type=True)  # replies, on the event loop only
         self.dispatch = Dispatcher(
@@ -310,6 +318,7 @@ class DaemonServer:
             path = Path(os.fsdecode(self.sock.getsockname()))
         loop = asyncio.get_running_loop()
         self.dispatch.start(loop, lambda n: self._in_flight + self._deciding > n)
+        self.awake.loop = loop
         self.max_connections = connection_cap(self.max_connections, self.fd_reserve)
 
         def connection() -> Connection:

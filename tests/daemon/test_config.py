@@ -118,6 +118,9 @@ def test_defaults_file_environment_command_line_in_rising_precedence(tmp_path: P
     assert s.values["write_timeout"] == 10.0  # the default, filled in
     assert s.values["max_connections"] == 1024
     assert "cache" not in s.values  # no default: absent, not None
+    assert s.values["poll_after_reply"] is None  # unset: the daemon adapts it
+    s = load(serve_args(), environ={"DEDUPCORE_POLL_AFTER_REPLY": "0"})
+    assert s.values["poll_after_reply"] == 0.0
     s = load(serve_args(), environ={"DEDUPCORE_ALLOW_UID": "1001,1002"})
     assert s.values["allow_uid"] == [1001, 1002]
 
@@ -175,6 +178,9 @@ def test_print_config_opens_nothing(tmp_path: Path) -> None:
         ("durability = 'fast'\n", "durability: must be one of durable, power-loss-unsafe"),
         ("log_level = 'LOUD'\n", "log_level: must be DEBUG"),
         ("request_timeout = '0s'\n", "request_timeout: must be > 0 seconds"),
+        ("poll_after_reply = 0.02\n", "poll_after_reply: must be 0 to 0.01 seconds"),
+        ("poll_after_reply = '1s'\n", "poll_after_reply: must be 0 to 0.01 seconds"),
+        ("poll_after_reply = -1\n", "poll_after_reply: a duration must be >= 0 seconds"),
         ("[retention]\nexact_window = -3\n", "retention.exact_window: a duration must be >= 0"),
         ("[retention]\nexact_window = 0\n", "retention: exact_window must be > 0 seconds"),
         ("[retention]\nwarm_window = 5\n", "unknown key retention.warm_window"),

@@ -370,6 +370,26 @@ def test_a_client_that_checks_for_its_replies_gets_the_same_answers(
             assert conn.spin.budget() == spin
 
 
+@pytest.mark.parametrize("poll", [0, 0.01])
+def test_the_loop_polls_for_the_next_request_after_a_reply_only_when_asked(
+    tmp_path: Path, poll: float
+) -> None:
+    """After a reply the event loop polls without sleeping for ``poll_after_reply``
+    seconds (0: never); a request that arrives meanwhile is counted in
+    ``polled_requests``. A client sends 200 claims one after another, each well
+    within 10 ms of the last reply, and gets the same answers either way."""
+    ns = unique_ns("awake")
+    with serving(DedupStore.open(tmp_path / "d"), poll_after_reply=poll) as (server, path):
+        with Client(path, timeout=PATIENCE, spin=0) as c:
+            outcomes = [c.claim(f"k{i % 100}", namespace=ns).outcome for i in range(200)]
+        polled = server.counters["polled_requests"]
+    assert outcomes == [Outcome.NEW] * 100 + [Outcome.IN_PROGRESS] * 100
+    if poll:
+        assert polled > 0
+    else:
+        assert polled == 0
+
+
 def test_plain_batches_are_framed_natively_and_the_others_the_general_way(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

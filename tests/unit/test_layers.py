@@ -38,6 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore.retry",
         "dedupcore._platform",
         "dedupcore._checks",
+        "dedupcore._spin",
     ),
     # files of their own: the shared file helpers, Bloom filters and rings, the write-ahead log
     1: (

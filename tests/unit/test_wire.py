@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dedupcore._core as _core
+from dedupcore._spin import SPIN_UP_TO, Spin
 from dedupcore.api.batches import ChangeBatch, ClaimBatch, pack_result
-from dedupcore.client import SPIN_UP_TO, Client, _Spin
+from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op
 
@@ -233,7 +234,7 @@ def test_spin_is_zero_to_max_spin_seconds(pair, spin: float) -> None:
 def test_the_adaptive_spin_follows_the_typical_round_trip() -> None:
     """Twice the typical round trip, at most SPIN_UP_TO, none while round trips are
     longer than that; the typical one is an exponential average."""
-    spin = _Spin(None)
+    spin = Spin(None)
     assert spin.budget() == SPIN_UP_TO  # before the first call
     spin.took(50e-6)
     assert spin.typical == 50e-6
@@ -248,7 +249,7 @@ def test_the_adaptive_spin_follows_the_typical_round_trip() -> None:
     for _ in range(200):
         spin.took(40e-6)  # faster again
     assert spin.budget() == pytest.approx(80e-6)
-    fixed = _Spin(0.002)
+    fixed = Spin(0.002)
     fixed.took(1.0)
     assert fixed.budget() == 0.002
 
