@@ -9,13 +9,16 @@ the reply"); :class:`Spin` says how long.
 
 from __future__ import annotations
 
+import dedupcore._core as _core
+
 __all__ = ["MAX_SPIN", "SPIN_UP_TO", "Spin", "check_spin"]
 
 #: The longest the adaptive :class:`Spin` checks, in seconds, and the typical wait
 #: above which it does not check at all.
 SPIN_UP_TO = 250e-6
-#: The longest a fixed spin may be, in seconds: past that checking is a busy wait.
-MAX_SPIN = 0.01
+#: The longest a fixed spin may be, in seconds: past that checking is a busy wait
+#: (``_core.exchange`` refuses more).
+MAX_SPIN: float = _core.MAX_SPIN
 #: The weight of the newest wait in the typical one (an exponential average).
 _WEIGHT = 0.125
 

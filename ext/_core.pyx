@@ -1299,7 +1299,7 @@ cdef object _wire_error(int rc, str doing):
 
 
 #: The longest ``exchange`` may check for its reply without sleeping, in seconds
-#: (dedupcore._spin.MAX_SPIN).
+#: (also the bound of every spin setting: dedupcore._spin.MAX_SPIN).
 MAX_SPIN = 0.01
 
 

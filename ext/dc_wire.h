@@ -33,17 +33,22 @@ static int64_t dc_wire_now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* poll() of one descriptor for events, up to timeout_ms (0: not at all). */
+static int dc_wire_poll(int fd, short events, int timeout_ms) {
+    struct pollfd p;
+    p.fd = fd;
+    p.events = events;
+    p.revents = 0;
+    return poll(&p, 1, timeout_ms);
+}
+
 /* Waits until fd has one of events (or an error or hang-up, which the call that
  * follows reports) or the deadline passes: 0, -ETIMEDOUT or -errno. */
 static int dc_wire_wait(int fd, short events, int64_t deadline_ms) {
     for (;;) {
         int64_t left = deadline_ms - dc_wire_now_ms();
         if (left <= 0) return -ETIMEDOUT;
-        struct pollfd p;
-        p.fd = fd;
-        p.events = events;
-        p.revents = 0;
-        int r = poll(&p, 1, left > INT_MAX ? INT_MAX : (int)left);
+        int r = dc_wire_poll(fd, events, left > INT_MAX ? INT_MAX : (int)left);
         if (r > 0) return 0;
         if (r == 0) return -ETIMEDOUT;
         if (errno != EINTR) return -errno;
@@ -82,11 +87,7 @@ static int dc_wire_spin(int fd, int64_t spin_ns) {
     if (spin_ns <= 0) return 0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
-        struct pollfd p;
-        p.fd = fd;
-        p.events = POLLIN;
-        p.revents = 0;
-        if (poll(&p, 1, 0) > 0) return 1;
+        if (dc_wire_poll(fd, POLLIN, 0) > 0) return 1;
         clock_gettime(CLOCK_MONOTONIC, &t);
         if ((int64_t)(t.tv_sec - t0.tv_sec) * 1000000000 + (t.tv_nsec - t0.tv_nsec) >= spin_ns)
             return 0;
