@@ -73,10 +73,11 @@ class StoreConfig:
     - ``checkpoint_records`` (200,000) and ``checkpoint_interval`` (30.0 s):
       when recent records are written into LMDB and the log is truncated.
     - ``sweep_interval`` (60.0 s): cadence of demotion to the cold archive.
-    - ``slice_records`` (4,000,000) and ``slice_seconds`` (None: an eighth of
+    - ``slice_records`` (1,000,000) and ``slice_seconds`` (None: an eighth of
       the longest exact window): the warm tier writes into one time slice
-      until it holds this many records or is this old, then starts the next;
-      a slice past the exact window is dropped whole (docs/warm-tier.md).
+      until it holds this many records (or a 32nd of all the tier holds, when
+      that is more) or is this old, then starts the next; a slice past the
+      exact window is dropped whole (docs/warm-tier.md).
     - ``slice_error_rate`` (0.01): false-positive rate of each slice's
       filter; a false positive costs one LMDB read in that slice.
     - ``compact_slices`` (True): the background thread rewrites each sealed
@@ -99,7 +100,7 @@ class StoreConfig:
     checkpoint_records: int = 200_000
     checkpoint_interval: float = 30.0
     sweep_interval: float = 60.0
-    slice_records: int = 4_000_000
+    slice_records: int = 1_000_000
     slice_seconds: float | None = None
     slice_error_rate: float = 0.01
     compact_slices: bool = True

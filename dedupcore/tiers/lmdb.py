@@ -10,7 +10,8 @@ and bigger as history grows, so the records live in time slices
 - ``s:<id>`` (one named database per slice): 16-byte digest -> the record in
   the stored format of docs/engine.md. Checkpoints write only into the
   newest slice, so the tree that takes random inserts stays small. A slice
-  holds at most ``slice_records`` records and takes writes for at most
+  holds at most ``slice_records`` records (or a 32nd of all the slices hold,
+  when that is more: ``SLICE_SHARE``) and takes writes for at most
   ``slice_seconds``; then it is sealed and the next one starts.
 - Every slice has a Bloom filter of its digests (second half of the digest,
   independent of the front filter's hash): a lookup reads only the slices
@@ -85,6 +86,11 @@ _OPEN, _SEALED, _COMPACTED = 0, 1, 2  # a slice's state in its meta entry
 _MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
 MAX_SLICES = 200  # past this, slices stop rolling over by count (LMDB named-db slots)
 _MAX_DBS = MAX_SLICES + 16
+#: A slice takes at least ``slice_records`` records, and at least this fraction of all
+#: the tier holds: small slices while the tier is small (the tree that takes random
+#: inserts stays in cache, and the pages its copy-on-write frees stay few), about 140
+#: slices at a billion records (docs/warm-tier.md).
+SLICE_SHARE = 1 / 32
 
 
 @dataclass(slots=True)
@@ -146,7 +152,7 @@ class LmdbTier:
         map_size: int,
         readonly: bool,
         sync: bool,
-        slice_records: int = 4_000_000,
+        slice_records: int = 1_000_000,
         slice_seconds: float = 86400.0,
         slice_error_rate: float = 0.01,
         filters: str | os.PathLike[str] | None = None,
@@ -345,7 +351,7 @@ class LmdbTier:
         info.filter.save(self.filters_dir / self._open_filter_name(info))
 
     def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
-        bf = BloomFilter(capacity or self.slice_records, self.slice_error_rate)
+        bf = BloomFilter(capacity or self.slice_target(), self.slice_error_rate)
         batch: list[bytes] = []
         with self._txn(db=info.db) as txn:
             for key in txn.cursor().iternext(keys=True, values=False):
@@ -562,7 +568,7 @@ class LmdbTier:
         it when it is full or old enough."""
         cur = self._slices[-1] if self._slices and not self._slices[-1].sealed else None
         if cur is not None:
-            full = cur.records and cur.records + incoming > self.slice_records
+            full = cur.records and cur.records + incoming > self.slice_target()
             old = cur.records and now_ms - cur.first_ms >= self.slice_seconds * 1000
             if (full or old) and len(self._slices) < MAX_SLICES:
                 self.seal(cur.id)
@@ -579,9 +585,15 @@ class LmdbTier:
                 txn.put(new.meta_key(), new.meta_value(), db=self.meta)
 
             self._write(create)
-            cur.filter = BloomFilter(self.slice_records, self.slice_error_rate)
+            cur.filter = BloomFilter(self.slice_target(), self.slice_error_rate)
             self._slices.append(cur)
         return cur
+
+    def slice_target(self) -> int:
+        """Records after which the open slice is sealed: ``slice_records``, or
+        SLICE_SHARE of every record the slices hold when that is more."""
+        held = sum(s.records for s in self._slices)
+        return max(self.slice_records, int(held * SLICE_SHARE))
 
     def seal_idle(self, now: float, window: float) -> None:
         """Seals the open slice if its newest record is past ``window`` (so it can go)."""

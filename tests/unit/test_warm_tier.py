@@ -59,6 +59,24 @@ def test_slices_roll_over_by_count_and_every_key_stays_exact(tmp_path: Path) -> 
         assert store.stats()["lmdb"]["records"] == 2000
 
 
+def test_slices_grow_with_what_the_tier_holds(tmp_path: Path) -> None:
+    """A slice is sealed at slice_records records or a 32nd of all the slices hold,
+    whichever is more: past 32 x slice_records, slices grow with the tier."""
+    keys = [f"g{i}" for i in range(20_000)]
+    with _open(tmp_path, slice_records=200) as store:
+        _fill(store, keys, batch=100)
+        slices = store.stats()["lmdb"]["slices"]
+    sizes = [s["records"] for s in slices]
+    assert sum(sizes) == len(keys)
+    held = 0
+    for size in sizes[:-1]:  # sealed: the next checkpoint's 100 records did not fit
+        target = max(200, (held + size) // 32)
+        assert target - 100 < size <= target, (held, size)
+        held += size
+    assert sizes[0] == 200 and max(sizes) > 500
+    assert len(sizes) < 100  # 200 records each would have been 100 slices
+
+
 def test_slices_roll_over_by_age(tmp_path: Path) -> None:
     with _open(tmp_path, slice_seconds=0.05) as store:
         _fill(store, ["a0", "a1"])
