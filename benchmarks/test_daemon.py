@@ -120,6 +120,10 @@ CALLS = {
     "redis-single-always": "r.set(k, 1, nx=True, px=30000)  (appendfsync always: fsync before "
     "the reply)",
     "dedupcore-daemon-pair-unsafe": "claim + complete  (serve --durability power-loss-unsafe)",
+    "dedupcore-aio-single-unsafe": "await aio.Client(sock).claim(k, namespace=ns)  (asyncio "
+    "event loop; serve --durability power-loss-unsafe)",
+    "redis-aio-single": "await redis.asyncio.Redis(...).set(k, 1, nx=True, px=30000)  (asyncio "
+    "event loop)",
     "redis-pair-always": "SET NX PX; SET XX  (appendfsync always)",
     "under-batches-dedupcore": "Client(sock).claim(k) while 4 processes send claim_many of 100k",
     "under-batches-redis-always": "r.set(k, 1, nx=True, px=30000) while 4 processes send "
@@ -306,6 +310,8 @@ SINGLE_PEERS = [
     "redis-pair-always",
     "dedupcore-daemon-pair-unsafe",
     "redis-pair",
+    "dedupcore-aio-single-unsafe",
+    "redis-aio-single",
 ]
 
 
@@ -362,6 +368,8 @@ def test_claim_latency(
         assert new_counts == [WARMUP] * DCFG.rounds
         _check_outcomes(rounds, len(single_keys))
         extra.update(rounds.summary(len(single_keys)))
+    elif name in ("dedupcore-aio-single-unsafe", "redis-aio-single"):
+        extra.update(_async_latency(benchmark, request, name, warm, timed, samples, per_round_p50))
     elif name == "dedupcore-in-process-single":
         ws, seen = Workspace(name), []
         try:
@@ -426,6 +434,104 @@ def test_claim_latency(
         call=CALLS[name],
         **extra,
     )
+
+
+def _async_latency(
+    benchmark: Any,
+    request: pytest.FixtureRequest,
+    name: str,
+    warm: list[bytes],
+    timed: list[bytes],
+    samples: list[int],
+    per_round_p50: list[float],
+) -> dict[str, Any]:
+    """One call per key awaited on an asyncio event loop (the default loop a consumer
+    gets, not uvloop), each timed: the async client against redis.asyncio."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    extra: dict[str, Any] = {}
+
+    async def timed_awaits(call: Callable[[bytes], Any], keys: list[bytes]) -> list[int]:
+        clock = time.perf_counter_ns
+        out: list[int] = []
+        for k in keys:
+            t0 = clock()
+            await call(k)
+            out.append(clock() - t0)
+        return out
+
+    def run(call: Callable[[bytes], Any], keys: list[bytes]) -> None:
+        lat = loop.run_until_complete(timed_awaits(call, keys))
+        samples.extend(lat)
+        per_round_p50.append(percentiles(lat, "us")["p50_us"])
+
+    try:
+        if name == "dedupcore-aio-single-unsafe":
+            from dedupcore import aio
+            from dedupcore.api import Outcome
+
+            rounds = Rounds("power-loss-unsafe")
+            extra["durability"] = rounds.durability
+            clients: list[Any] = []
+            new_counts: list[int] = []
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                while clients:  # before its daemon stops
+                    loop.run_until_complete(clients.pop().aclose())
+                client = aio.Client(rounds.fresh().socket)
+                clients.append(client)
+
+                async def call(k: bytes) -> Any:
+                    return await client.claim(k, namespace=NS)
+
+                async def warm_up() -> int:
+                    return sum([(await call(k)).outcome is Outcome.NEW for k in warm])
+
+                new_counts.append(loop.run_until_complete(warm_up()))
+                return (call, timed), {}
+
+            try:
+                benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+            finally:
+                while clients:
+                    loop.run_until_complete(clients.pop().aclose())
+                rounds.close()
+            assert new_counts == [WARMUP] * DCFG.rounds
+            _check_outcomes(rounds, len(warm) + len(timed))
+            extra.update(rounds.summary(len(warm) + len(timed)))
+        else:
+            import redis.asyncio as aredis
+
+            sync = request.getfixturevalue("redis_client")
+            client = aredis.Redis.from_url(DCFG.redis_url, db=DCFG.redis_db)
+            px = DCFG.px_ms
+            sizes: list[int] = []
+
+            async def call(k: bytes) -> Any:
+                return await client.set(k, 1, nx=True, px=px)
+
+            async def warm_up() -> bool:
+                return all([await call(k) is True for k in warm])
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                if per_round_p50:  # a round ran: check it before flushing
+                    sizes.append(int(sync.dbsize()))
+                sync.flushdb()
+                assert loop.run_until_complete(warm_up())
+                return (call, timed), {}
+
+            try:
+                benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+                sizes.append(int(sync.dbsize()))
+            finally:
+                loop.run_until_complete(client.aclose())
+            assert sizes == [len(warm) + len(timed)] * DCFG.rounds, sizes
+            extra.update(redis_info(sync))
+            sync.flushdb()
+    finally:
+        loop.close()
+    return extra
 
 
 # ------------------------------------- one claim while others send big batches --

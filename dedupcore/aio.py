@@ -33,9 +33,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import dedupcore._core as _core
 from dedupcore.api import AsyncClaimAPI, ChangeBatch, Claim, ClaimBatch, ExtendBatch, KeyRecord
 from dedupcore.client import DEFAULT_SOCKET, ClientBase, default_socket
 from dedupcore.daemon import protocol
+from dedupcore.daemon.admission import within
 from dedupcore.daemon.protocol import Op, Status
 from dedupcore.errors import UnavailableError
 
@@ -57,6 +59,8 @@ class _Connection:
         self.max_frame = max_frame
         self.loop = asyncio.get_running_loop()
         self.pending: dict[int, asyncio.Future[tuple[Status, Any]]] = {}
+        # The one-key requests in flight, whose usual reply is read natively.
+        self.quick: set[int] = set()
         self.lost: BaseException | None = None
         self.task = self.loop.create_task(self._read_replies(), name="dedupcore-aio-reader")
 
@@ -73,9 +77,18 @@ class _Connection:
             while True:
                 header = await self.reader.readexactly(4)
                 length = protocol.frame_length(header, self.max_frame)
-                request_id, status, payload = protocol.decode_response(
-                    await self.reader.readexactly(length)
-                )
+                body = await self.reader.readexactly(length)
+                if len(self.quick) == 1:
+                    # One one-key request in flight (one coroutine calling, the usual
+                    # case): its usual answer is read natively, as the sync client does.
+                    (quick_id,) = self.quick
+                    answer = _core.one_key_reply(body, quick_id)
+                    if answer is not None:
+                        fut = self.pending.pop(quick_id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result((_QUICK, answer))
+                        continue
+                request_id, status, payload = protocol.decode_response(body)
                 if request_id == 0 and status is Status.ERROR:
                     # The daemon rejects the stream itself and hangs up.
                     self._fail(protocol.error_from_payload(payload))
@@ -111,6 +124,11 @@ class _Connection:
         await asyncio.gather(self.task, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
+
+
+#: The status a reply read natively stands in (never on the wire): its payload is
+#: what ``_core.one_key_reply`` gave.
+_QUICK: Any = object()
 
 
 async def _reply(conn: _Connection, fut: asyncio.Future[tuple[Status, Any]]) -> tuple[Status, Any]:
@@ -192,9 +210,14 @@ class Client(ClientBase, AsyncClaimAPI):
                 self._conn = conn
                 return conn
 
-    async def _call(self, op: Op, args: dict[str, Any] | Callable[[int], bytes]) -> Any:
-        """Sends a request (its args, or what frames it for a request id: a one-key
-        request, ``ClientBase._one_key_request``) and returns its reply's payload."""
+    async def _call(
+        self, op: Op, args: dict[str, Any] | Callable[[int], bytes], *, quick: bool = False
+    ) -> Any:
+        """Sends a request (its args, or what frames it for a request id) and returns its
+        reply's payload. With ``quick`` (a one-key request,
+        ``ClientBase._one_key_request``), the usual answer as ``_core.one_key_reply``
+        reads it natively when the reply is that: a tuple (outcome code, token) for a
+        claim, True for a completion or release."""
         frame = args if callable(args) else functools.partial(self._frame, op=op, args=args)
         request_id = self._new_id()
         data = frame(request_id)
@@ -205,6 +228,8 @@ class Client(ClientBase, AsyncClaimAPI):
             conn = await self._connection()
             fut: asyncio.Future[tuple[Status, Any]] = loop.create_future()
             conn.pending[request_id] = fut
+            if quick:
+                conn.quick.add(request_id)
             try:
                 if not conn.usable():
                     raise _ConnectionLost("the connection was closed")
@@ -214,12 +239,17 @@ class Client(ClientBase, AsyncClaimAPI):
                     raise _ConnectionLost("cannot send to the daemon")
             except (_ConnectionLost, OSError) as exc:
                 conn.pending.pop(request_id, None)
+                conn.quick.discard(request_id)
                 if unsent_retries:
                     unsent_retries -= 1
                     continue
                 raise UnavailableError(f"cannot send to the daemon at {self.path}: {exc}") from exc
             try:
-                status, payload = await asyncio.wait_for(_reply(conn, fut), self.timeout)
+                if conn.writer.transport.get_write_buffer_size():
+                    # Not all sent yet: the wait for the socket counts against the timeout.
+                    status, payload = await asyncio.wait_for(_reply(conn, fut), self.timeout)
+                else:
+                    status, payload = await within(fut, self.timeout)
             except (_ConnectionLost, OSError, asyncio.TimeoutError) as exc:
                 if op in protocol.SAFE_TO_REPEAT and attempt == 0:
                     # Resent under a new id, so a late reply to the first cannot be mistaken.
@@ -237,6 +267,9 @@ class Client(ClientBase, AsyncClaimAPI):
                 ) from exc
             finally:
                 conn.pending.pop(request_id, None)
+                conn.quick.discard(request_id)
+            if status is _QUICK:
+                return payload
             if status is Status.ERROR:
                 raise protocol.error_from_payload(payload)
             return payload
@@ -250,7 +283,10 @@ class Client(ClientBase, AsyncClaimAPI):
     async def _claim_batch(self, batch: ClaimBatch) -> list[Claim]:
         frame = self._one_key_request(Op.CLAIM_MANY, batch)
         if frame is not None:  # one frame, and its error is the batch's own
-            reply = await self._call(Op.CLAIM_MANY, frame)
+            reply = await self._call(Op.CLAIM_MANY, frame, quick=True)
+            if type(reply) is tuple:
+                outcome = protocol.OUTCOME_ORDER[reply[0]]
+                return [Claim(batch.keys[0], batch.namespace, outcome, reply[1])]
             return protocol.claims_from_reply(batch.keys, batch.namespace, reply)
         parts = self._parts(batch, claims=True)
         while (part := parts.next()) is not None:
@@ -267,7 +303,7 @@ class Client(ClientBase, AsyncClaimAPI):
         op = Op.COMPLETE_MANY if batch.completing else Op.RELEASE_MANY
         frame = self._one_key_request(op, batch)
         if frame is not None:
-            await self._call(op, frame)
+            await self._call(op, frame, quick=True)
             return
         await self._send_parts(batch, self._change_request)
 

@@ -61,6 +61,8 @@ LATENCY_PEERS = {
     "dedupcore-daemon-pair-unsafe": "redis-pair",
     "redis-pair-always": "redis-pair-always",
     "redis-pair": "redis-pair",
+    "dedupcore-aio-single-unsafe": "redis-aio-single",
+    "redis-aio-single": "redis-aio-single",
 }
 DEFAULT_N = 200_000
 
@@ -437,6 +439,12 @@ def comparisons(rows: dict[tuple[str, str], Row]) -> list[str]:
         "dedupcore-daemon-single", "redis-single-always", "one durable claim", "SET NX PX (always)"
     )
     latency("dedupcore-daemon-single-unsafe", "redis-single", "one unsafe claim", "SET NX PX")
+    latency(
+        "dedupcore-aio-single-unsafe",
+        "redis-aio-single",
+        "one unsafe claim from asyncio",
+        "asyncio SET NX PX",
+    )
     latency(
         "dedupcore-daemon-pair",
         "redis-pair-always",

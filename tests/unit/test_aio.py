@@ -254,6 +254,70 @@ def test_idempotent_key_path_cache_and_switch_over_the_daemon(
     run(main())
 
 
+def test_one_key_calls_read_the_usual_reply_natively_and_answer_as_the_sync_client(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-key claim, completion or release whose reply is the usual one is read with
+    ``_core.one_key_reply`` when it is the only one-key call in flight; every other
+    reply (a result, an error, several calls at once) the general way; the answers
+    are the sync client's either way."""
+    ns = fresh_ns()
+    native: list[object] = []
+    real = aio._core.one_key_reply
+
+    def counted(body: Any, request_id: int) -> Any:
+        answer = real(body, request_id)
+        if answer is not None:
+            native.append(answer)
+        return answer
+
+    monkeypatch.setattr(aio._core, "one_key_reply", counted)
+
+    async def calls(c: Any) -> list[Any]:
+        first = await c.claim("a", namespace=ns)
+        busy = await c.claim("a", namespace=ns)
+        await c.complete("a", first.token, namespace=ns)
+        plain = await c.claim("a", namespace=ns)  # DUPLICATE, no result
+        second = await c.claim("b", namespace=ns)
+        await c.complete("b", second.token, namespace=ns, result={"r": 1})
+        with_result = await c.claim("b", namespace=ns)  # DUPLICATE carrying a result
+        third = await c.claim("c", namespace=ns)
+        await c.release("c", third.token, namespace=ns)
+        with pytest.raises(StaleTokenError):
+            await c.complete("c", third.token, namespace=ns)
+        return [
+            (x.key, x.outcome, x.result, x.exact, x.takeover)
+            for x in (first, busy, plain, second, with_result, third)
+        ]
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with aio.Client(daemon.socket) as c:
+            one_by_one = await calls(c)
+            assert len(native) == 8  # 10 calls: all but the DUPLICATE with a result and the error
+            native.clear()
+            together = await asyncio.gather(*(c.claim(f"t{i}", namespace=ns) for i in range(20)))
+            return one_by_one, [x.outcome for x in together]
+
+    one_by_one, together = run(main())
+    assert together == [Outcome.NEW] * 20
+    assert len(native) <= 1  # several in flight: read the general way
+    with SyncClient(daemon.socket) as sync:
+        ns = fresh_ns()
+        monkeypatch.setattr(aio._core, "one_key_reply", real)
+
+        class Sync:
+            async def claim(self, *a: Any, **kw: Any) -> Any:
+                return sync.claim(*a, **kw)
+
+            async def complete(self, *a: Any, **kw: Any) -> Any:
+                return sync.complete(*a, **kw)
+
+            async def release(self, *a: Any, **kw: Any) -> Any:
+                return sync.release(*a, **kw)
+
+        assert run(calls(Sync())) == one_by_one
+
+
 # -- pipelining --------------------------------------------------------------------------
 
 
