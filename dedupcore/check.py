@@ -355,7 +355,7 @@ def _check_slices(
         misses = _Runs(
             report,
             "slice-filter",
-            tier.filter_path(info),
+            tier.filters.path(info.id),
             info.id,
             "the slice's filter lacks these keys: lookups skip the slice for them",
         )
@@ -446,7 +446,7 @@ def _sealed_filter(tier: LmdbTier, info: SliceInfo, report: CheckReport) -> Bloo
     """A sealed slice's filter file, verified by its loader (None if absent or damaged)."""
     if not info.sealed:
         return None
-    path = tier.filter_path(info)
+    path = tier.filters.path(info.id)
     report._count("slice_filters")
     try:
         return BloomFilter.open(path, mmap=True, verify=True)

@@ -13,14 +13,9 @@ and bigger as history grows, so the records live in time slices
   holds at most ``slice_records`` records (or a 32nd of all the slices hold,
   when that is more: ``SLICE_SHARE``) and takes writes for at most
   ``slice_seconds``; then it is sealed and the next one starts.
-- Every slice has a Bloom filter of its digests (second half of the digest,
-  independent of the front filter's hash): a lookup reads only the slices
+- Every slice has a Bloom filter of its digests (dedupcore.tiers.slice_filters,
+  which keeps their files under ``slices/``): a lookup reads only the slices
   whose filter says "maybe", newest first, and the first version found wins.
-  Sealed slices' filters are files under ``slices/`` (written, fsynced and
-  renamed before the slice is marked sealed); the open slice's filter is
-  saved at a clean close under a name that says what it covers (the
-  checkpoint position and the slice's record count) and rebuilt from the
-  slice's keys at an open that finds no such file (docs/warm-tier.md).
 - A sealed slice is rewritten in key order into ``k:<id>`` (compaction):
   random inserts leave B-tree pages about 70 % full, appends in key order
   fill them (40 bytes per record instead of about 58). The copy runs in
@@ -60,7 +55,9 @@ import lmdb
 import dedupcore._engine as _engine
 from dedupcore._files import DIR_MODE, resize_durably
 from dedupcore.bloom import BloomFilter
+from dedupcore.config import StoreConfig
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+from dedupcore.tiers.slice_filters import SliceFilters, second_halves
 
 __all__ = ["FORMAT", "LmdbTier", "SliceInfo"]
 
@@ -135,13 +132,6 @@ def _drop_if_present(txn: lmdb.Transaction, env: lmdb.Environment, name: bytes) 
         txn.drop(env.open_db(name, txn=txn, create=False), delete=True)
 
 
-def _second_halves(joined: bytes) -> memoryview:
-    """Slice-filter hashes of concatenated digests: each digest's second 8 bytes."""
-    if not joined:
-        return memoryview(b"").cast("Q")
-    return memoryview(joined).cast("Q")[1::2]
-
-
 class LmdbTier:
     """The LMDB environment of one data directory."""
 
@@ -152,9 +142,9 @@ class LmdbTier:
         map_size: int,
         readonly: bool,
         sync: bool,
-        slice_records: int = 1_000_000,
+        slice_records: int = StoreConfig.slice_records,
         slice_seconds: float = 86400.0,
-        slice_error_rate: float = 0.01,
+        slice_error_rate: float = StoreConfig.slice_error_rate,
         filters: str | os.PathLike[str] | None = None,
         load_filters: bool = True,
     ) -> None:
@@ -165,8 +155,11 @@ class LmdbTier:
         self.readonly = readonly
         self.slice_records = slice_records
         self.slice_seconds = slice_seconds
-        self.slice_error_rate = slice_error_rate
-        self.filters_dir = Path(filters) if filters is not None else self.path.parent / "slices"
+        self.filters = SliceFilters(
+            Path(filters) if filters is not None else self.path.parent / "slices",
+            slice_error_rate,
+            readonly=readonly,
+        )
         self._slices: list[SliceInfo] = []  # oldest first
         # Growing the map invalidates every open transaction (LMDB forbids it
         # while any is open), so transactions pass a gate that a resize closes.
@@ -270,7 +263,7 @@ class LmdbTier:
                     f"{self.path}: slice {info.id} is listed but its database is missing"
                 ) from None
             if self._load_filters:
-                info.filter = self._open_filter(info)
+                info.filter = self._load_filter(info)
         if not self.readonly:
             # A crash between a compaction taking a slice's place and the drop of
             # the tree it replaced leaves that tree: it goes now (one transaction,
@@ -286,82 +279,48 @@ class LmdbTier:
                 self._drop_dbs(left)
         self._slices = entries
 
-    def filter_path(self, info: SliceInfo) -> Path:
-        """Where a sealed slice's filter file lives."""
-        return self._filter_path(info)
-
     def slice_infos(self) -> list[SliceInfo]:
         """The slices as listed at open (or since), oldest first."""
         return list(self._slices)
 
-    def _filter_path(self, info: SliceInfo) -> Path:
-        return self.filters_dir / f"{info.id:08d}.bloom"
-
-    def _open_filter(self, info: SliceInfo) -> BloomFilter:
-        """A sealed slice's saved filter, the open slice's filter saved at the last clean
-        close if it covers what the slice holds now, or the filter rebuilt from its keys."""
+    def _load_filter(self, info: SliceInfo) -> BloomFilter:
+        """A slice's filter: its file, the open one's saved at the last clean close if it
+        covers the slice as it is, or built from the slice's keys."""
+        digests = self._slice_digests(info)
         if info.sealed:
-            try:
-                return BloomFilter.open(self._filter_path(info), mmap=True)
-            except (OSError, CorruptFileError):
-                pass  # rebuilt below, and saved again when writable
-        else:
-            saved = self._saved_open_filter(info)
-            if saved is not None:
-                return saved
-        built = self._build_filter(info, max(info.records, 1000) if info.sealed else None)
-        if info.sealed and not self.readonly:
-            self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            built.save(self._filter_path(info))
-        return built
+            return self.filters.load_sealed(info.id, info.records, digests)
+        return self.filters.load_open(info.id, self._covers(info), digests, self.slice_target())
 
-    def _open_filter_name(self, info: SliceInfo) -> str:
-        """The file name of the open slice's filter as it stands now: it covers the
-        slice at this checkpoint position and record count. Checkpoints, the only
-        writers of the open slice besides a slice drop's moved records, change the
-        position; a drop's moves change the count (an open slice only gains keys)."""
+    def _covers(self, info: SliceInfo) -> str:
+        """What the open slice's filter covers as it stands now: the slice at this
+        checkpoint position and record count. Checkpoints, the only writers of the open
+        slice besides a slice drop's moved records, change the position; a drop's moves
+        change the count (an open slice only gains keys)."""
         with self._txn() as txn:
             entries = int(txn.stat(info.db)["entries"])
-        return f"{info.id:08d}.open-{self.checkpoint_lsn()}-{entries}.bloom"
-
-    def _saved_open_filter(self, info: SliceInfo) -> BloomFilter | None:
-        """The open slice's filter saved at the last clean close, if it covers the slice
-        as it is (else None: rebuilt from the keys). Every saved file goes: a filter
-        taken into memory is saved again at the next clean close."""
-        want = self._open_filter_name(info)
-        found = None
-        for path in sorted(self.filters_dir.glob("*.open-*.bloom")):
-            if path.name == want:
-                try:
-                    found = BloomFilter.open(path, mmap=False)
-                except (OSError, CorruptFileError):
-                    found = None
-            if not self.readonly:
-                path.unlink(missing_ok=True)
-        return found
+        return f"{self.checkpoint_lsn()}-{entries}"
 
     def save_open_filter(self) -> None:
-        """Saves the open slice's filter, named after what it covers (at a clean close:
-        the next open need not read the slice's keys)."""
+        """Saves the open slice's filter (at a clean close: the next open need not read
+        the slice's keys)."""
         if self.readonly or not self._slices or self._slices[-1].sealed:
             return
         info = self._slices[-1]
         assert info.filter is not None
-        self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        info.filter.save(self.filters_dir / self._open_filter_name(info))
+        self.filters.save_open(info.id, self._covers(info), info.filter)
 
-    def _build_filter(self, info: SliceInfo, capacity: int | None) -> BloomFilter:
-        bf = BloomFilter(capacity or self.slice_target(), self.slice_error_rate)
-        batch: list[bytes] = []
+    def _slice_digests(self, info: SliceInfo) -> Iterator[bytes]:
+        """The digests of one slice in key order, in batches of up to 100,000
+        concatenated 16-byte digests."""
         with self._txn(db=info.db) as txn:
+            batch: list[bytes] = []
             for key in txn.cursor().iternext(keys=True, values=False):
                 batch.append(bytes(key))
                 if len(batch) >= 100_000:
-                    bf.add_many(_second_halves(b"".join(batch)))
+                    yield b"".join(batch)
                     batch.clear()
-        if batch:
-            bf.add_many(_second_halves(b"".join(batch)))
-        return bf
+            if batch:
+                yield b"".join(batch)
 
     def close(self) -> None:
         """Closes the environment."""
@@ -423,7 +382,7 @@ class LmdbTier:
         with self._txn(buffers=False) as txn:
             for n, info in enumerate(slices, 1):
                 assert info.filter is not None
-                ask = _engine.select_digests(todo, info.filter.contains_many(_second_halves(todo)))
+                ask = _engine.select_digests(todo, info.filter.contains_many(second_halves(todo)))
                 if not ask:
                     continue
                 # bytes, not buffers: the transaction is opened with buffers=False.
@@ -478,16 +437,7 @@ class LmdbTier:
         """The digests of every record in the slices ``slice_id`` and newer, in batches of
         concatenated 16-byte digests."""
         for info in [i for i in self._slices if i.id >= slice_id]:
-            with self._txn(db=info.db) as txn:
-                cursor = txn.cursor()
-                batch: list[bytes] = []
-                for key in cursor.iternext(keys=True, values=False):
-                    batch.append(bytes(key))
-                    if len(batch) >= 100_000:
-                        yield b"".join(batch)
-                        batch.clear()
-                if batch:
-                    yield b"".join(batch)
+            yield from self._slice_digests(info)
 
     def scan_slice(self, slice_id: int) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of one slice, in digest order."""
@@ -585,7 +535,7 @@ class LmdbTier:
                 txn.put(new.meta_key(), new.meta_value(), db=self.meta)
 
             self._write(create)
-            cur.filter = BloomFilter(self.slice_target(), self.slice_error_rate)
+            cur.filter = self.filters.new(self.slice_target())
             self._slices.append(cur)
         return cur
 
@@ -610,12 +560,10 @@ class LmdbTier:
             return
         with self._txn() as txn:
             info.records = int(txn.stat(info.db)["entries"])
-        bf = self._build_filter(info, max(info.records, 1000))
-        self.filters_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        bf.save(self._filter_path(info))
+        sealed_filter = self.filters.seal(info.id, info.records, self._slice_digests(info))
         info.sealed = True
         self._write(lambda txn: txn.put(info.meta_key(), info.meta_value(), db=self.meta))
-        info.filter = BloomFilter.open(self._filter_path(info), mmap=True, verify=False)
+        info.filter = sealed_filter
 
     def checkpoint(
         self,
@@ -648,7 +596,7 @@ class LmdbTier:
         # the reverse would hide a record.
         if digests is None:
             digests = b"".join(d for d, _ in items)
-        cur.filter.add_many(_second_halves(digests))
+        cur.filter.add_many(second_halves(digests))
 
         def apply(txn: lmdb.Transaction) -> None:
             with txn.cursor(db=cur.db) as c:
@@ -677,7 +625,7 @@ class LmdbTier:
         cur = self._current(int(now * 1000), len(keep)) if keep else None
         if cur is not None:
             assert cur.filter is not None
-            cur.filter.add_many(_second_halves(b"".join(d for d, _ in keep)))
+            cur.filter.add_many(second_halves(b"".join(d for d, _ in keep)))
 
         def apply(txn: lmdb.Transaction) -> None:
             if cur is not None:
@@ -692,7 +640,7 @@ class LmdbTier:
 
         self._write(apply)
         self._slices.remove(info)
-        self._filter_path(info).unlink(missing_ok=True)
+        self.filters.remove(info.id)
 
     # -- compaction --------------------------------------------------------------
 

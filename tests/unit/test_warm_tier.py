@@ -509,7 +509,7 @@ def _saved_open_filters(path: Path) -> list[Path]:
 def test_a_clean_close_saves_the_open_slice_filter_and_the_next_open_uses_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dedupcore.tiers.lmdb import LmdbTier
+    from dedupcore.tiers.slice_filters import SliceFilters
 
     keys = [f"k{i}" for i in range(700)]  # slice 1 sealed (500), slice 2 open (200)
     with _open(tmp_path) as store:
@@ -517,11 +517,11 @@ def test_a_clean_close_saves_the_open_slice_filter_and_the_next_open_uses_it(
     (saved,) = _saved_open_filters(tmp_path)
     assert saved.name.startswith("00000002.open-") and saved.name.endswith("-200.bloom")
     built: list[int] = []
-    real = LmdbTier._build_filter
+    real = SliceFilters.build
     monkeypatch.setattr(
-        LmdbTier,
-        "_build_filter",
-        lambda self, info, cap: built.append(info.id) or real(self, info, cap),
+        SliceFilters,
+        "build",
+        lambda self, digests, cap: built.append(cap) or real(self, digests, cap),
     )
     with _open(tmp_path) as store:
         assert built == []  # no slice read key by key
