@@ -208,6 +208,43 @@ def _check_outcomes(rounds: Rounds, n: int) -> None:
         assert f["errors"] == 0, f
 
 
+def _daemon_rounds(
+    benchmark: Any,
+    rounds: Rounds,
+    connect: Callable[[Daemon], tuple[Callable[[bytes], Any], int]],
+    run: Callable[[Callable[[bytes], Any], list[bytes]], None],
+    timed: list[bytes],
+    *,
+    before_stop: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Timed rounds of single calls, each against a fresh daemon of ``rounds``.
+
+    ``connect`` makes a round's call and answers the warm-up keys through it,
+    returning the call and how many of them came back NEW (all: every key
+    is fresh to the round's daemon). ``before_stop`` runs before the last
+    daemon stops (closing what is still connected to it). The daemon's
+    outcomes and figures of every round are checked and returned.
+    """
+    new_counts: list[int] = []
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        call, new = connect(rounds.fresh())
+        new_counts.append(new)
+        return (call, timed), {}
+
+    try:
+        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+    finally:
+        try:
+            before_stop()
+        finally:
+            rounds.close()
+    assert new_counts == [WARMUP] * DCFG.rounds
+    n_keys = WARMUP + len(timed)
+    _check_outcomes(rounds, n_keys)
+    return {"durability": rounds.durability, **rounds.summary(n_keys)}
+
+
 # --------------------------------------------------------------- redis --
 
 
@@ -230,6 +267,37 @@ def _in_process(ws: Workspace, seen: list[dict[str, int]]) -> Any:
     store = ws.open_store()
     ws.on_clear(lambda: seen.append(outcomes(store, NS)))
     return store
+
+
+def _redis_rounds(
+    benchmark: Any,
+    client: Any,
+    warm_up: Callable[[], bool],
+    run: Callable[[Callable[[bytes], Any], list[bytes]], None],
+    call: Callable[[bytes], Any],
+    timed: list[bytes],
+) -> dict[str, Any]:
+    """Timed rounds of single calls against the Redis db of ``client`` (synchronous),
+    each from an empty db. ``warm_up`` answers the warm-up keys, True if every
+    ``SET NX`` created its key; after each round the db must hold every key
+    of it, warm-up and timed. Returns the server's figures."""
+    sizes: list[int] = []  # keys in the db after each round
+    started = [0]
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if started[0]:  # a round ran: check it before flushing
+            sizes.append(int(client.dbsize()))
+        started[0] += 1
+        client.flushdb()
+        assert warm_up()
+        return (call, timed), {}
+
+    benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
+    sizes.append(int(client.dbsize()))
+    assert sizes == [WARMUP + len(timed)] * DCFG.rounds, sizes
+    info = redis_info(client)
+    client.flushdb()
+    return info
 
 
 # ----------------------------------------------- claim_many, batches of B --
@@ -336,11 +404,9 @@ def test_claim_latency(
 
         unsafe = name.endswith("-unsafe")
         pair = name.startswith("dedupcore-daemon-pair")
-        rounds = Rounds("power-loss-unsafe" if unsafe else "durable")
-        extra["durability"] = rounds.durability
-        new_counts: list[int] = []
 
-        def claim_call(client: Any) -> Callable[[bytes], Any]:
+        def connect(daemon: Daemon) -> tuple[Callable[[bytes], Any], int]:
+            client = daemon.client()
             claim = client.claim
             complete = client.complete
 
@@ -352,22 +418,11 @@ def test_claim_latency(
                 complete(k, c.token, namespace=NS)
                 return c
 
-            return call_pair if pair else call
+            chosen = call_pair if pair else call
+            return chosen, sum(chosen(k).outcome is Outcome.NEW for k in warm)
 
-        try:
-
-            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                client = rounds.fresh().client()
-                call = claim_call(client)
-                new_counts.append(sum(call(k).outcome is Outcome.NEW for k in warm))
-                return (call, timed), {}
-
-            benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
-        finally:
-            rounds.close()
-        assert new_counts == [WARMUP] * DCFG.rounds
-        _check_outcomes(rounds, len(single_keys))
-        extra.update(rounds.summary(len(single_keys)))
+        rounds = Rounds("power-loss-unsafe" if unsafe else "durable")
+        extra.update(_daemon_rounds(benchmark, rounds, connect, run, timed))
     elif name in ("dedupcore-aio-single-unsafe", "redis-aio-single"):
         extra.update(_async_latency(benchmark, request, name, warm, timed, samples, per_round_p50))
     elif name == "dedupcore-in-process-single":
@@ -398,7 +453,6 @@ def test_claim_latency(
         )
         set_ = client.set
         px = DCFG.px_ms
-        sizes: list[int] = []  # keys in the db after each round: every SET NX created one
 
         if name.startswith("redis-pair"):
             # Claim, then mark done: SET NX PX, then SET XX of the "done" value.
@@ -412,18 +466,10 @@ def test_claim_latency(
             def call(k: bytes) -> Any:
                 return set_(k, 1, nx=True, px=px)
 
-        def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if per_round_p50:  # a round ran: check it before flushing
-                sizes.append(int(client.dbsize()))
-            client.flushdb()
-            assert all(call(k) is True for k in warm)
-            return (call, timed), {}
+        def warm_up() -> bool:
+            return all(call(k) is True for k in warm)
 
-        benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
-        sizes.append(int(client.dbsize()))
-        assert sizes == [len(single_keys)] * DCFG.rounds, sizes
-        extra.update(redis_info(client))
-        client.flushdb()
+        extra.update(_redis_rounds(benchmark, client, warm_up, run, call, timed))
     extra.update(percentiles(samples, "us"))
     extra["p50_us_per_round"] = per_round_p50
     _record(
@@ -471,15 +517,15 @@ def _async_latency(
             from dedupcore import aio
             from dedupcore.api import Outcome
 
-            rounds = Rounds("power-loss-unsafe")
-            extra["durability"] = rounds.durability
             clients: list[Any] = []
-            new_counts: list[int] = []
 
-            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                while clients:  # before its daemon stops
+            def close_clients() -> None:  # each before its daemon stops
+                while clients:
                     loop.run_until_complete(clients.pop().aclose())
-                client = aio.Client(rounds.fresh().socket)
+
+            def connect(daemon: Daemon) -> tuple[Callable[[bytes], Any], int]:
+                close_clients()
+                client = aio.Client(daemon.socket)
                 clients.append(client)
 
                 async def call(k: bytes) -> Any:
@@ -488,25 +534,18 @@ def _async_latency(
                 async def warm_up() -> int:
                     return sum([(await call(k)).outcome is Outcome.NEW for k in warm])
 
-                new_counts.append(loop.run_until_complete(warm_up()))
-                return (call, timed), {}
+                return call, loop.run_until_complete(warm_up())
 
-            try:
-                benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
-            finally:
-                while clients:
-                    loop.run_until_complete(clients.pop().aclose())
-                rounds.close()
-            assert new_counts == [WARMUP] * DCFG.rounds
-            _check_outcomes(rounds, len(warm) + len(timed))
-            extra.update(rounds.summary(len(warm) + len(timed)))
+            rounds = Rounds("power-loss-unsafe")
+            extra.update(
+                _daemon_rounds(benchmark, rounds, connect, run, timed, before_stop=close_clients)
+            )
         else:
             import redis.asyncio as aredis
 
             sync = request.getfixturevalue("redis_client")
             client = aredis.Redis.from_url(DCFG.redis_url, db=DCFG.redis_db)
             px = DCFG.px_ms
-            sizes: list[int] = []
 
             async def call(k: bytes) -> Any:
                 return await client.set(k, 1, nx=True, px=px)
@@ -514,21 +553,19 @@ def _async_latency(
             async def warm_up() -> bool:
                 return all([await call(k) is True for k in warm])
 
-            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                if per_round_p50:  # a round ran: check it before flushing
-                    sizes.append(int(sync.dbsize()))
-                sync.flushdb()
-                assert loop.run_until_complete(warm_up())
-                return (call, timed), {}
-
             try:
-                benchmark.pedantic(run, setup=setup, rounds=DCFG.rounds, iterations=1)
-                sizes.append(int(sync.dbsize()))
+                extra.update(
+                    _redis_rounds(
+                        benchmark,
+                        sync,
+                        lambda: loop.run_until_complete(warm_up()),
+                        run,
+                        call,
+                        timed,
+                    )
+                )
             finally:
                 loop.run_until_complete(client.aclose())
-            assert sizes == [len(warm) + len(timed)] * DCFG.rounds, sizes
-            extra.update(redis_info(sync))
-            sync.flushdb()
     finally:
         loop.close()
     return extra
