@@ -37,6 +37,7 @@ drawn together):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,13 +250,43 @@ def fresh_claims(store: Any, rng: np.random.Generator) -> tuple[float, int]:
     return 1000 * BATCH / spent, inexact
 
 
+def cold_probe_ns(cold: Any, window: float, batches: int = 300) -> float:
+    """ns per key of the cold archive's probe alone, for batches of 1000 fresh digests."""
+    spent = 0
+    for _ in range(batches):
+        joined = os.urandom(16 * BATCH)
+        t0 = time.perf_counter_ns()
+        cold.contains_digests(window, joined)
+        spent += time.perf_counter_ns() - t0
+    return spent / (batches * BATCH)
+
+
+@contextlib.contextmanager
+def _probes_off(cold: Any) -> Iterator[None]:
+    """The archive answers "absent" for every digest without probing (for a comparison
+    run only: keys it holds would come back NEW)."""
+    cold.contains_digests = lambda window, joined: memoryview(bytearray(len(joined) // 16)).cast(
+        "?"
+    )
+    try:
+        yield
+    finally:
+        del cold.contains_digests
+
+
 def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str, Any]:
     """Fills the cold archive with n_cold keys, then measures fresh claims again.
 
     The keys are the history of a whole cold window: spread evenly over the
     ring's time slices of the last ``cold_window`` seconds, oldest first, each
     slice started the way a warm-tier drop starts one (``expected`` = what
-    that slice receives in all).
+    that slice receives in all). Fresh claims are measured twice before the
+    fill: the first run is the rate the target compares with; the second
+    leaves the store as large as the run after the fill finds it. After the
+    fill, besides the run the target takes, the archive's probes are timed
+    alone (1000-digest batches, as a claim batch asks) and fresh claims run
+    once more with the archive answering "absent" without probing: what the
+    probes cost inside the claim path, apart from everything else.
     """
     from dedupcore import DedupStore
 
@@ -264,6 +296,7 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
         ring = cold.rings[window]
         now = time.time()
         before, _ = fresh_claims(store, rng)  # the same store, its archive empty
+        before_fill, _ = fresh_claims(store, rng)  # a million keys more, still empty
         buckets = math.ceil(window / ring.slice_seconds)
         t0 = time.perf_counter()
         for b in range(buckets):
@@ -278,13 +311,19 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
         fill = time.perf_counter() - t0
         print("cold fill seconds", fill, flush=True)
         after, inexact = fresh_claims(store, rng)
+        probe_ns = cold_probe_ns(cold, window)
+        with _probes_off(cold):
+            after_unprobed, _ = fresh_claims(store, rng)
         stats = store.stats()["cold"]
     held = stats[f"{window:g}"]
     return {
         "cold_keys": n_cold,
         "fill_seconds": fill,
         "claims_per_s_before": before,
+        "claims_per_s_before_fill": before_fill,
         "claims_per_s": after,
+        "claims_per_s_probes_off": after_unprobed,
+        "cold_probe_ns_per_key": probe_ns,
         "fresh_keys_answered_cold": inexact,
         "measured_cold_fpr": inexact / (1000 * BATCH),
         "cold_bytes": held["nbytes"],

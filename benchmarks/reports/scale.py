@@ -21,6 +21,7 @@ TARGET_OPEN_KILLED_S = 10.0  # after a SIGKILL
 TARGET_RSS = 1.5 * (1 << 30)  # anonymous RSS at the end
 TARGET_COLD_BYTES = 2.5  # the cold archive, per key
 TARGET_COLD_FPR = 0.001  # fresh keys answered DUPLICATE by the cold archive
+TARGET_COLD_RATE = 0.75  # fresh claims after the cold fill over the rate before it
 
 
 def keep(operation: str) -> bool:
@@ -92,7 +93,20 @@ def print_tables(out: Out, results: dict[str, Any]) -> None:
         out.line(
             f"cold archive: {cold['cold_keys']:,} keys filled in {cold['fill_seconds']:.0f} s, "
             f"{cold['cold_bytes_per_key']:.3f} bytes/key; fresh claims "
-            f"{cold['claims_per_s_before']:,.0f}/s before, {cold['claims_per_s']:,.0f}/s after; "
+            f"{cold['claims_per_s_before']:,.0f}/s before"
+            + (
+                f" ({cold['claims_per_s_before_fill']:,.0f}/s right before the fill)"
+                if "claims_per_s_before_fill" in cold
+                else ""
+            )
+            + f", {cold['claims_per_s']:,.0f}/s after"
+            + (
+                f" ({cold['claims_per_s_probes_off']:,.0f}/s with its probes off; the probe "
+                f"alone {cold['cold_probe_ns_per_key']:.0f} ns/key)"
+                if "claims_per_s_probes_off" in cold
+                else ""
+            )
+            + "; "
             f"{cold['fresh_keys_answered_cold']:,} fresh keys answered DUPLICATE "
             f"(FPR {cold['measured_cold_fpr']:.5f})"
         )
@@ -160,6 +174,20 @@ def verdicts(results: dict[str, Any]) -> list[Verdict]:
                 cold["cold_bytes_per_key"] <= TARGET_COLD_BYTES,
                 f"cold archive {cold['cold_bytes_per_key']:.3f} bytes/key for "
                 f"{cold['cold_keys']:,} keys (target <= {TARGET_COLD_BYTES:g})",
+            )
+        )
+        ratio = cold["claims_per_s"] / cold["claims_per_s_before"]
+        just_before = (
+            f" ({cold['claims_per_s'] / cold['claims_per_s_before_fill']:.2f}x the rate "
+            "right before the fill)"
+            if "claims_per_s_before_fill" in cold
+            else ""
+        )
+        verdicts.append(
+            Verdict(
+                ratio >= TARGET_COLD_RATE,
+                f"fresh claims after the cold fill: {ratio:.2f}x the rate before{just_before} "
+                f"(target >= {TARGET_COLD_RATE:g}x)",
             )
         )
         verdicts.append(
