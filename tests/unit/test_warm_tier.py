@@ -268,6 +268,28 @@ def test_a_sealed_slice_filter_that_is_missing_or_damaged_is_rebuilt(
     assert sorted((tmp_path / "slices").glob("*.bloom")) == files  # saved again
 
 
+def test_a_read_only_open_builds_missing_filters_in_memory_and_leaves_the_files(
+    tmp_path: Path,
+) -> None:
+    """A read-only store neither writes a rebuilt sealed filter nor takes away the
+    open slice's saved one: the directory is as it was, and every record is found."""
+    keys = [f"k{i}" for i in range(1200)]  # slices 1 and 2 sealed (500 each), 3 open (200)
+    with _open(tmp_path) as store:
+        _fill(store, keys)
+    sealed = sorted((tmp_path / "slices").glob("0000000[12].bloom"))
+    assert len(sealed) == 2
+    sealed[0].unlink()
+    sealed[1].write_bytes(b"\x00" * 200)
+    assert len(_saved_open_filters(tmp_path)) == 1
+    before = {f.name: f.read_bytes() for f in (tmp_path / "slices").iterdir()}
+    with _open(tmp_path, readonly=True) as ro:
+        assert all(ro.get(k, namespace=NS) is not None for k in keys)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "slices").iterdir()} == before
+    with _open(tmp_path) as store:  # writable: the sealed ones are saved again
+        assert {c.outcome for c in store.claim_many(keys, namespace=NS)} == {Outcome.DUPLICATE}
+    assert sorted((tmp_path / "slices").glob("0000000[12].bloom")) == sealed
+
+
 _CRASHING_CHILD = """
 import os, sys
 sys.path[:0] = [{repo!r}, {here!r}]
