@@ -221,13 +221,14 @@ def _daemon_rounds(
 
     ``connect`` makes a round's call and answers the warm-up keys through it,
     returning the call and how many of them came back NEW (all: every key
-    is fresh to the round's daemon). ``before_stop`` runs before the last
+    is fresh to the round's daemon). ``before_stop`` runs before each
     daemon stops (closing what is still connected to it). The daemon's
     outcomes and figures of every round are checked and returned.
     """
     new_counts: list[int] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        before_stop()
         call, new = connect(rounds.fresh())
         new_counts.append(new)
         return (call, timed), {}
@@ -519,12 +520,11 @@ def _async_latency(
 
             clients: list[Any] = []
 
-            def close_clients() -> None:  # each before its daemon stops
+            def close_clients() -> None:
                 while clients:
                     loop.run_until_complete(clients.pop().aclose())
 
             def connect(daemon: Daemon) -> tuple[Callable[[bytes], Any], int]:
-                close_clients()
                 client = aio.Client(daemon.socket)
                 clients.append(client)
 
