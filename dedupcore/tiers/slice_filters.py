@@ -30,6 +30,8 @@ from dedupcore.errors import CorruptFileError
 
 __all__ = ["SliceFilters", "second_halves"]
 
+MIN_SEALED_CAPACITY = 1000  # a sealed slice's filter holds at least this many keys
+
 
 def second_halves(joined: bytes) -> memoryview:
     """Slice-filter hashes of concatenated 16-byte digests: each digest's second 8 bytes."""
@@ -71,6 +73,15 @@ class SliceFilters:
             bf.add_many(second_halves(batch))
         return bf
 
+    def _build_sealed(self, records: int, digests: Iterable[bytes]) -> BloomFilter:
+        """A sealed slice's filter, sized to the ``records`` it holds."""
+        return self.build(digests, max(records, MIN_SEALED_CAPACITY))
+
+    def _save(self, bf: BloomFilter, path: Path) -> None:
+        """Writes ``bf`` to ``path`` atomically and durably, creating the directory."""
+        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        bf.save(path)
+
     def load_sealed(self, slice_id: int, records: int, digests: Iterable[bytes]) -> BloomFilter:
         """A sealed slice's saved filter, or the one built from its digests when the file
         is missing or damaged (saved again when writable)."""
@@ -78,10 +89,9 @@ class SliceFilters:
             return BloomFilter.open(self.path(slice_id), mmap=True)
         except (OSError, CorruptFileError):
             pass
-        built = self.build(digests, max(records, 1000))
+        built = self._build_sealed(records, digests)
         if not self.readonly:
-            self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            built.save(self.path(slice_id))
+            self._save(built, self.path(slice_id))
         return built
 
     def load_open(
@@ -105,16 +115,13 @@ class SliceFilters:
     def save_open(self, slice_id: int, covers: str, bf: BloomFilter) -> None:
         """Saves the open slice's filter, named after what it covers (at a clean close:
         the next open need not read the slice's keys)."""
-        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        bf.save(self._open_path(slice_id, covers))
+        self._save(bf, self._open_path(slice_id, covers))
 
     def seal(self, slice_id: int, records: int, digests: Iterable[bytes]) -> BloomFilter:
         """Builds a sealing slice's filter sized to its ``records``, writes, fsyncs and
         renames its file into place; returns the file mapped read-only. The caller marks
         the slice sealed only after this returns."""
-        built = self.build(digests, max(records, 1000))
-        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        built.save(self.path(slice_id))
+        self._save(self._build_sealed(records, digests), self.path(slice_id))
         return BloomFilter.open(self.path(slice_id), mmap=True, verify=False)
 
     def remove(self, slice_id: int) -> None:
