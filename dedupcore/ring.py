@@ -46,6 +46,9 @@ MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 2  # 2: slices rebuilt as fuse filters, key logs; 1 is read as it is
 FUSE_FPR = 2.0**-16  # a 16-bit fingerprint: the false-positive rate of a fuse slice
+#: A sealed slice is rebuilt in the geometry of a stack (and joins it) when that
+#: geometry has at most this many times the slots its own would have.
+STACK_SLACK = 1.15
 #: Keys an insert_many adds per hold of the ring's lock (well under a millisecond),
 #: and its pause after a step during which a lookup waited for the lock.
 INSERT_STEP = 32768
@@ -61,6 +64,9 @@ class _Slice:
     fuse: _core.FuseFilter | None = None
     # The hashes the slice took (persisted rings): the input of that rebuild.
     log: KeyLog | None = None
+    # The stack whose column holds the fuse filter (its own body released then).
+    stack: _core.FuseStack | None = None
+    column: int = -1
     pending: list[memoryview] = field(default_factory=list)  # not yet in the log
 
     def count(self) -> int:
@@ -92,6 +98,7 @@ class SliceInfo:
     estimated_fpr: float
     sealed: bool
     kind: str = "bloom"  # "fuse": rebuilt as a static filter (subfilters 0, fill_ratio 0)
+    stacked: bool = False  # a fuse slice whose filter is a column of a stack
 
 
 class _Lookup:
@@ -169,7 +176,11 @@ class BloomRing:
         self._slices: list[_Slice] = []
         self._vouched: dict[int, int] = {}  # bucket -> hashes its key log must prove (open())
         # Every live filter; None: stale.
-        self._every: tuple[BloomFilter | _core.FuseFilter, ...] | None = ()
+        self._every: tuple[BloomFilter | _core.FuseFilter | _core.FuseStack, ...] | None = ()
+        # Fuse slices side by side (docs/warm-tier.md, "Stacked fuse slices"): at
+        # most one stack per geometry, each at most max_stack columns wide.
+        self._stacks: list[_core.FuseStack] = []
+        self.max_stack = min(self.max_slices - 1, _core.FUSE_STACK_MAX_WIDTH)
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
         self._lookup = _Lookup(self._lock)  # the lock, for lookups (see insert_many)
@@ -194,6 +205,11 @@ class BloomRing:
             dropped = [s for s in self._slices if not self._live(s.bucket, now)]
             self._slices = keep
             self._every = None
+            for s in dropped:
+                if s.stack is not None:
+                    s.stack.drop(s.column)
+                    if not s.stack.live:
+                        self._stacks.remove(s.stack)
             if dropped and self.path is not None:
                 self._write_manifest()
                 for s in dropped:
@@ -267,12 +283,15 @@ class BloomRing:
 
     # -- keys ----------------------------------------------------------------
 
-    def _filters(self) -> tuple[BloomFilter | _core.FuseFilter, ...]:
-        """Every live filter, Bloom or fuse, oldest first (kept until the set changes)."""
+    def _filters(self) -> tuple[BloomFilter | _core.FuseFilter | _core.FuseStack, ...]:
+        """Every live filter: Bloom filters and fuse filters not in a stack oldest first,
+        then the stacks (kept until the set changes)."""
         every = self._every
         if every is None:
-            every = self._every = tuple(
-                f for s in self._slices for f in ([s.fuse] if s.fuse is not None else s.filters)
+            every = self._every = (
+                *(f for s in self._slices if s.fuse is None for f in s.filters),
+                *(s.fuse for s in self._slices if s.fuse is not None and s.stack is None),
+                *self._stacks,
             )
         return every
 
@@ -422,12 +441,22 @@ class BloomRing:
                         estimated_fpr=s.estimated_fpr(),
                         sealed=s.sealed,
                         kind="bloom" if s.fuse is None else "fuse",
+                        stacked=s.stack is not None,
                     )
                 )
             return out
 
     def __iter__(self) -> Iterator[SliceInfo]:
         return iter(self.slices())
+
+    def stacks(self) -> list[dict[str, int]]:
+        """Each stack of fuse slices: its columns, how many are live, and its bytes
+        (docs/warm-tier.md, "Stacked fuse slices")."""
+        with self._lock:
+            return [
+                {"width": st.width, "live": len(st.live), "nbytes": st.nbytes}
+                for st in self._stacks
+            ]
 
     def __repr__(self) -> str:
         return (
@@ -500,11 +529,14 @@ class BloomRing:
                         None,
                     )
                 if s is None or s.log is None:
+                    self._stack_loose()
                     return rebuilt
                 keylog = s.log
                 try:
                     hashes = keylog.read()
-                    fuse = _core.FuseFilter.build(hashes, self.seed)
+                    with self._lock:
+                        like = self._stack_like(len(hashes))
+                    fuse = _core.FuseFilter.build(hashes, self.seed, like)
                     # A guard against a builder that lost a key: every logged hash
                     # must be held before the slice's Bloom filters may go.
                     held = fuse.contains_many(hashes)
@@ -528,6 +560,87 @@ class BloomRing:
                     self._write_manifest()
                     self._unlink_slice_rest(s)
                 rebuilt += 1
+                self._stack_loose()  # before the next rebuild picks its geometry
+
+    # -- stacks ----------------------------------------------------------------
+
+    def _stack_like(self, keys: int) -> tuple[int, ...] | None:
+        """The params of the stack a slice rebuilt from ``keys`` hashes should join:
+        the one of its segment length with the fewest slots, at least its own and at
+        most STACK_SLACK times as many, that has room; None: its own geometry."""
+        try:
+            segment, _, slots = _core.fuse_geometry(keys)
+        except ValueError:
+            return None  # too many keys for one filter: the build says so
+        fits = [
+            st.params
+            for st in self._stacks
+            if st.params[1] == segment
+            and slots <= st.params[3] <= slots * STACK_SLACK
+            and (len(st.live) < st.width or st.width < self.max_stack)
+        ]
+        return min(fits, key=lambda params: params[3]) if fits else None
+
+    def _place(self) -> tuple[_Slice, _core.FuseStack | None, int] | None:
+        """A fuse slice not in a stack yet, the stack of its params (None: a new one)
+        and the column it goes into; None when every slice that can be is stacked.
+        A slice whose stack is full and at its widest waits for a column to free."""
+        for s in self._slices:
+            if s.fuse is None or s.stack is not None or not s.fuse.count:
+                continue
+            params = s.fuse.params
+            stack = next((st for st in self._stacks if st.params == params), None)
+            if stack is None:
+                return s, None, 0
+            live = stack.live
+            free = next((c for c in range(stack.width) if c not in live), None)
+            if free is not None:
+                return s, stack, free
+            if stack.width < self.max_stack:
+                return s, stack, stack.width  # the stack grows by a column
+        return None
+
+    def _stack_loose(self) -> None:
+        """Moves every fuse slice that can go into a stack there (docs/warm-tier.md,
+        "Stacked fuse slices"). Copies run outside the ring's lock into columns that
+        are not live, so probes go on; a column turns live, the stack grown or new
+        takes its place and the slice's own body goes, all in one hold of the lock.
+        Only one thread stacks at a time (compact()'s lock, or open())."""
+        while True:
+            with self._lock:
+                plan = self._place()
+            if plan is None:
+                return
+            s, old, column = plan
+            assert s.fuse is not None
+            if old is None:
+                stack = _core.FuseStack(s.fuse.params, 1)
+            elif column >= old.width:
+                stack = old.grown(column + 1)
+            else:
+                stack = old
+            stack.put(column, s.fuse)
+            with self._lock:
+                if s not in self._slices or (old is not None and old not in self._stacks):
+                    # The slice expired meanwhile, or every column of its stack did
+                    # (the next pass starts a new stack for it).
+                    if stack is old:
+                        stack.drop(column)
+                    continue
+                if old is None:
+                    self._stacks.append(stack)
+                elif stack is not old:
+                    for c in stack.live:
+                        if c not in old.live:  # dropped while the copy ran
+                            stack.drop(c)
+                    self._stacks[self._stacks.index(old)] = stack
+                    for t in self._slices:
+                        if t.stack is old:
+                            t.stack = stack
+                stack.set_live(column)
+                s.stack, s.column = stack, column
+                s.fuse._release()
+                self._every = None
 
     def save(self) -> None:
         """Writes the unsealed head slice and the manifest to ``path``."""
@@ -675,6 +788,7 @@ class BloomRing:
                 s.filters.append(f)
             ring._slices.append(s)
         ring._every = None
+        ring._stack_loose()
         return ring
 
     def vouched_key_logs(self) -> list[KeyLog]:

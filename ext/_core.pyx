@@ -17,7 +17,7 @@ latency of one probe overlaps with the work on the next.
 then only queried, alone or next to Bloom filters in :func:`probe_many`.
 """
 
-from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t
+from libc.stdint cimport uint64_t, uint32_t, uint16_t, int32_t, int64_t
 from libc.errno cimport ETIMEDOUT
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcmp, memcpy, memset
@@ -85,9 +85,22 @@ cdef extern from "dc_fuse.h" nogil:
     int dc_fuse_contains(const dc_fuse_t* f, uint64_t h)
     void dc_fuse_contains_batch(const dc_fuse_t* f, const uint64_t* h, size_t n,
                                 unsigned char* flags)
-    dc_status dc_fuse_build(const void* hashes, size_t n, uint64_t seed, dc_fuse_t* f,
-                            unsigned char** body, uint64_t* count)
+    dc_status dc_fuse_geometry(uint64_t n, dc_fuse_t* f)
+    dc_status dc_fuse_build(const void* hashes, size_t n, uint64_t seed, const dc_fuse_t* like,
+                            dc_fuse_t* f, unsigned char** body, uint64_t* count)
     void dc_fuse_free(void* p, size_t size)
+    ctypedef struct dc_fuse_stack_t:
+        dc_fuse_t geo
+        uint32_t width
+        uint32_t live
+        uint16_t* fp
+    const unsigned int DC_FUSE_STACK_MAX_WIDTH
+    uint64_t dc_fuse_mix(uint64_t h, uint64_t seed)
+    int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t* st, uint64_t x)
+    void dc_fuse_stack_put(dc_fuse_stack_t* st, uint32_t c, const dc_fuse_t* f)
+    void dc_fuse_stack_copy(dc_fuse_stack_t* dst, const dc_fuse_stack_t* src)
+    void dc_fuse_stack_contains_batch(const dc_fuse_stack_t* st, const uint64_t* h, size_t n,
+                                      unsigned char* flags)
 
 #: Format constants shared with the Python layer and the file header.
 HASH_ALGORITHM_XXH64 = 1
@@ -633,6 +646,8 @@ cdef class BlockFilter:
 #: indexed by uint32).
 FUSE_MAX_SEGMENT_LENGTH = DC_FUSE_MAX_SEGMENT_LENGTH
 FUSE_MAX_ARRAY_LENGTH = DC_FUSE_MAX_ARRAY_LENGTH
+#: Most columns a FuseStack may have.
+FUSE_STACK_MAX_WIDTH = DC_FUSE_STACK_MAX_WIDTH
 
 _BYTE_FORMATS = frozenset(("B", "b", "c", "@B", "@b", "=B", "=b", "<B", "<b"))
 
@@ -670,6 +685,52 @@ cdef uint64_t _param_arg(object v, str what) except? 0:
     if not 0 <= v <= 0xFFFFFFFFFFFFFFFF:
         raise ValueError(f"fuse filter parameter {what} must be in 0..2**64-1, got {v}")
     return <uint64_t>v
+
+
+cdef dc_fuse_t _fuse_geometry(object params) except *:
+    """The seed and geometry of ``params`` (``FuseFilter.params``), checked to be
+    self-consistent (ValueError or TypeError naming the parameter otherwise)."""
+    cdef dc_fuse_t geo
+    if not isinstance(params, tuple):
+        raise TypeError(f"params must be a tuple of ints, not {type(params).__name__}")
+    if len(params) != 4:
+        raise ValueError(f"expected 4 fuse filter parameters (seed, segment_length, "
+                         f"segment_count_length, array_length), got {len(params)}")
+    cdef uint64_t seed = _param_arg(params[0], "seed")
+    cdef uint64_t sl = _param_arg(params[1], "segment_length")
+    cdef uint64_t scl = _param_arg(params[2], "segment_count_length")
+    cdef uint64_t al = _param_arg(params[3], "array_length")
+    if sl == 0 or sl > DC_FUSE_MAX_SEGMENT_LENGTH or (sl & (sl - 1)) != 0:
+        raise ValueError(f"segment_length must be a power of two in "
+                         f"1..{DC_FUSE_MAX_SEGMENT_LENGTH}, got {sl}")
+    if scl == 0 or scl % sl != 0:
+        raise ValueError(f"segment_count_length must be a positive multiple of "
+                         f"segment_length {sl}, got {scl}")
+    if al > DC_FUSE_MAX_ARRAY_LENGTH:
+        raise ValueError(f"array_length must be at most {DC_FUSE_MAX_ARRAY_LENGTH}, "
+                         f"got {al}")
+    if scl >= al:
+        raise ValueError(f"segment_count_length {scl} must be less than "
+                         f"array_length {al}")
+    if al != scl + 2 * sl:
+        raise ValueError(f"array_length must be segment_count_length + 2 * "
+                         f"segment_length = {scl + 2 * sl}, got {al}")
+    memset(&geo, 0, sizeof(dc_fuse_t))
+    geo.seed = seed
+    geo.segment_length = sl
+    geo.segment_length_mask = sl - 1
+    geo.segment_count_length = scl
+    geo.array_length = al
+    return geo
+
+
+def fuse_geometry(n):
+    """``(segment_length, segment_count_length, array_length)`` of a fuse filter
+    built from ``n`` distinct keys (ValueError: more than one filter holds)."""
+    cdef uint64_t keys = _param_arg(n, "n")
+    cdef dc_fuse_t geo
+    check_status(dc_fuse_geometry(keys, &geo), f"a fuse filter of {keys} keys")
+    return (geo.segment_length, geo.segment_count_length, geo.array_length)
 
 
 cdef class FuseFilter:
@@ -720,7 +781,7 @@ cdef class FuseFilter:
         return 0
 
     @staticmethod
-    def build(hashes, seed=0):
+    def build(hashes, seed=0, like=None):
         """A filter holding every hash of ``hashes`` (a C-contiguous uint64 buffer).
 
         ``hashes`` is a 1-d buffer of format 'Q' or a bytes-like object of a
@@ -728,10 +789,22 @@ cdef class FuseFilter:
         of distinct hashes) and so is an empty buffer. The GIL is released
         for the whole construction. Should a construction fail it is retried
         with the next internal seed of a sequence derived from ``seed``, so
-        the same set of hashes and the same ``seed`` always give the same
+        the same set of hashes, ``seed`` and ``like`` always give the same
         bytes, whatever the order and repetition of the hashes.
+
+        ``like`` (the :attr:`params` of another filter, or None): take that
+        filter's geometry when it has the segment length the hashes' own
+        geometry (:func:`fuse_geometry`) has and at least as many slots, so
+        that filters of one ``seed`` share their params and can be columns
+        of one :class:`FuseStack` (unless a first internal seed failed, which
+        the params then show). Otherwise the hashes' own geometry.
         """
         cdef uint64_t s = _seed_arg(seed)
+        cdef dc_fuse_t like_geo
+        cdef const dc_fuse_t* like_p = NULL
+        if like is not None:
+            like_geo = _fuse_geometry(like)
+            like_p = &like_geo
         mv = _hash_buffer(hashes, "hashes")
         cdef Py_buffer view
         cdef dc_fuse_t geo
@@ -743,7 +816,7 @@ cdef class FuseFilter:
         try:
             n = <size_t>view.len // 8
             with nogil:
-                rc = dc_fuse_build(view.buf, n, s, &geo, &body, &count)
+                rc = dc_fuse_build(view.buf, n, s, like_p, &geo, &body, &count)
         finally:
             PyBuffer_Release(&view)
         check_status(rc, f"a fuse filter of {n} keys (at most {DC_FUSE_MAX_ARRAY_LENGTH} "
@@ -774,31 +847,9 @@ cdef class FuseFilter:
         """
         if self.f.fp != NULL:
             raise ValueError("fuse filter already has a body (a FuseFilter is immutable)")
-        if not isinstance(params, tuple):
-            raise TypeError(f"params must be a tuple of ints, not {type(params).__name__}")
-        if len(params) != 4:
-            raise ValueError(f"expected 4 fuse filter parameters (seed, segment_length, "
-                             f"segment_count_length, array_length), got {len(params)}")
-        cdef uint64_t seed = _param_arg(params[0], "seed")
-        cdef uint64_t sl = _param_arg(params[1], "segment_length")
-        cdef uint64_t scl = _param_arg(params[2], "segment_count_length")
-        cdef uint64_t al = _param_arg(params[3], "array_length")
+        cdef dc_fuse_t geo = _fuse_geometry(params)
+        cdef uint64_t al = geo.array_length
         cdef uint64_t n = _param_arg(count, "count")
-        if sl == 0 or sl > DC_FUSE_MAX_SEGMENT_LENGTH or (sl & (sl - 1)) != 0:
-            raise ValueError(f"segment_length must be a power of two in "
-                             f"1..{DC_FUSE_MAX_SEGMENT_LENGTH}, got {sl}")
-        if scl == 0 or scl % sl != 0:
-            raise ValueError(f"segment_count_length must be a positive multiple of "
-                             f"segment_length {sl}, got {scl}")
-        if al > DC_FUSE_MAX_ARRAY_LENGTH:
-            raise ValueError(f"array_length must be at most {DC_FUSE_MAX_ARRAY_LENGTH}, "
-                             f"got {al}")
-        if scl >= al:
-            raise ValueError(f"segment_count_length {scl} must be less than "
-                             f"array_length {al}")
-        if al != scl + 2 * sl:
-            raise ValueError(f"array_length must be segment_count_length + 2 * "
-                             f"segment_length = {scl + 2 * sl}, got {al}")
         if n > al:
             raise ValueError(f"count {n} exceeds the {al} slots of the filter")
         if isinstance(buffer, str):
@@ -830,11 +881,7 @@ cdef class FuseFilter:
         else:
             PyObject_GetBuffer(mv, &self._view, PyBUF_SIMPLE)
             self._has_view = True
-        self.f.seed = seed
-        self.f.segment_length = sl
-        self.f.segment_length_mask = sl - 1
-        self.f.segment_count_length = scl
-        self.f.array_length = al
+        self.f = geo
         self._count = n
         self.f.fp = body if copy else <const unsigned char*>self._view.buf
 
@@ -844,9 +891,11 @@ cdef class FuseFilter:
     def params(self):
         """``(seed, segment_length, segment_count_length, array_length)``.
 
-        With the body and ``count``, everything :meth:`_attach` needs.
+        With the body and ``count``, everything :meth:`_attach` needs (and
+        still there after :meth:`_release`).
         """
-        self._check()
+        if self.f.array_length == 0:
+            self._check()
         return (self.f.seed, self.f.segment_length, self.f.segment_count_length,
                 self.f.array_length)
 
@@ -908,6 +957,157 @@ cdef class FuseFilter:
             h = dc_xxh64(p, n, 0)
         return h
 
+    def _release(self):
+        """Frees the body (once a :class:`FuseStack` holds a copy of it).
+
+        ``params``, ``count`` and ``nbytes`` stay; a query or a buffer export
+        raises ValueError afterwards. The caller makes sure no probe of the
+        filter is running (the ring's lock).
+        """
+        if self._owned != NULL:
+            dc_fuse_free(self._owned, self.f.array_length * 2)
+            self._owned = NULL
+        if self._has_view:
+            PyBuffer_Release(&self._view)
+            self._has_view = False
+        self.f.fp = NULL
+
+
+cdef class FuseStack:
+    """Fuse filters of one seed and geometry, their fingerprints side by side.
+
+    Column ``c`` of a stack of ``width`` columns holds one filter; slot ``i``
+    of every column lies in ``width * 2`` consecutive bytes. A key's three
+    slots are the same in every column, so a probe makes three random reads
+    for the whole stack where separate filters make three each: the cold
+    archive's sealed slices, probed by every fresh key, are stacked
+    (docs/warm-tier.md, "Stacked fuse slices"). A column answers only once
+    :meth:`set_live` said so, and no longer after :meth:`drop`.
+
+    Only :meth:`put` writes a column, and only one that is not live: the
+    owner (the ring) copies a filter in outside its lock while probes go on,
+    then makes the column live under the lock that probes take.
+    """
+    cdef dc_fuse_stack_t st
+    cdef uint64_t _counts[32]
+
+    def __cinit__(self, params, width):
+        memset(&self.st, 0, sizeof(dc_fuse_stack_t))
+        memset(self._counts, 0, sizeof(self._counts))
+        cdef dc_fuse_t geo = _fuse_geometry(params)
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise TypeError(f"width must be an int, not {type(width).__name__}")
+        if not 1 <= width <= DC_FUSE_STACK_MAX_WIDTH:
+            raise ValueError(f"width must be in 1..{DC_FUSE_STACK_MAX_WIDTH}, got {width}")
+        cdef size_t nbytes = <size_t>(geo.array_length * <uint64_t>width * 2)
+        self.st.fp = <uint16_t*>dc_alloc_body(nbytes)
+        if self.st.fp == NULL:
+            raise MemoryError(f"cannot allocate a fuse stack body of {nbytes} bytes")
+        self.st.geo = geo
+        self.st.width = <uint32_t>width
+
+    def __dealloc__(self):
+        if self.st.fp != NULL:
+            dc_free_body(self.st.fp, <size_t>(self.st.geo.array_length * self.st.width * 2))
+            self.st.fp = NULL
+
+    cdef int _column(self, object column) except -1:
+        if isinstance(column, bool) or not isinstance(column, int):
+            raise TypeError(f"column must be an int, not {type(column).__name__}")
+        if not 0 <= column < self.st.width:
+            raise ValueError(f"column must be in 0..{self.st.width - 1}, got {column}")
+        return <int>column
+
+    @property
+    def params(self):
+        """The ``FuseFilter.params`` every column's filter has."""
+        return (self.st.geo.seed, self.st.geo.segment_length, self.st.geo.segment_count_length,
+                self.st.geo.array_length)
+
+    @property
+    def width(self):
+        """Columns per slot."""
+        return self.st.width
+
+    @property
+    def live(self):
+        """The live columns, in order."""
+        return tuple(c for c in range(self.st.width) if (self.st.live >> c) & 1)
+
+    @property
+    def count(self):
+        """Keys the live columns' filters were built from."""
+        return sum(self._counts[c] for c in self.live)
+
+    @property
+    def nbytes(self):
+        """Size of the body in bytes, columns not live included."""
+        return self.st.geo.array_length * self.st.width * 2
+
+    def put(self, column, FuseFilter fuse not None):
+        """Copies ``fuse`` (its params those of the stack, built from some keys) into
+        ``column``, which must not be live. The GIL is released for the copy."""
+        cdef int c = self._column(column)
+        fuse._check()
+        if (self.st.live >> c) & 1:
+            raise ValueError(f"column {c} is live: drop it before putting another filter there")
+        if fuse.params != self.params:
+            raise ValueError(f"the filter's params {fuse.params} are not the stack's "
+                             f"{self.params}")
+        if fuse._count == 0:
+            raise ValueError("a filter built from no keys holds nothing: it needs no column")
+        with nogil:
+            dc_fuse_stack_put(&self.st, <uint32_t>c, &fuse.f)
+        self._counts[c] = fuse._count
+
+    def set_live(self, column):
+        """Makes a column that :meth:`put` filled answer probes."""
+        cdef int c = self._column(column)
+        if self._counts[c] == 0:
+            raise ValueError(f"column {c} holds no filter: put one first")
+        self.st.live |= (<uint32_t>1) << c
+
+    def drop(self, column):
+        """Stops a column answering; a later :meth:`put` may reuse it."""
+        cdef int c = self._column(column)
+        self.st.live &= ~((<uint32_t>1) << c)
+        self._counts[c] = 0
+
+    def grown(self, width):
+        """A copy of this stack with ``width`` columns (at least as many), the same
+        columns live. The GIL is released for the copy."""
+        if isinstance(width, int) and width < self.st.width:
+            raise ValueError(f"width must be at least {self.st.width}, got {width}")
+        cdef FuseStack out = FuseStack(self.params, width)
+        with nogil:
+            dc_fuse_stack_copy(&out.st, &self.st)
+        out.st.live = self.st.live
+        memcpy(out._counts, self._counts, sizeof(self._counts))
+        return out
+
+    def contains_hash(self, uint64_t h):
+        """True if some live column may hold a pre-hashed key."""
+        return self.st.live != 0 and bool(
+            dc_fuse_stack_contains_mixed(&self.st, dc_fuse_mix(h, self.st.geo.seed)))
+
+    def contains_many(self, hashes):
+        """Membership of each hash of a uint64 buffer in some live column, as a
+        ``memoryview`` of bools."""
+        mv = _hash_buffer(hashes, "hashes")
+        cdef Py_buffer view
+        cdef size_t n
+        cdef unsigned char* flags
+        PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
+        try:
+            n = <size_t>view.len // 8
+            out = bytearray(n)
+            flags = <unsigned char*>PyByteArray_AS_STRING(out)
+            with nogil:
+                dc_fuse_stack_contains_batch(&self.st, <const uint64_t*>view.buf, n, flags)
+        finally:
+            PyBuffer_Release(&view)
+        return memoryview(out).cast("?")
+
 
 cdef struct FilterRef:
     uint64_t* blocks
@@ -920,17 +1120,22 @@ cdef struct Probe:
     Py_ssize_t nbloom
     dc_fuse_t* fuses
     Py_ssize_t nfuse
+    dc_fuse_stack_t* stacks
+    Py_ssize_t nstack
 
 
 cdef int _gather_filters(tuple filters, uint64_t seed, Probe* p) except -1:
-    """Fills ``p`` from BlockFilter and FuseFilter objects (empty fuse filters left
-    out); free it with _free_probe, also after an error."""
+    """Fills ``p`` from BlockFilter, FuseFilter and FuseStack objects (empty fuse
+    filters and stacks left out); free it with _free_probe, also after an error."""
     cdef Py_ssize_t nf = len(filters), f
     cdef BlockFilter bf
     cdef FuseFilter ff
+    cdef FuseStack fs
     p.nbloom = 0
     p.nfuse = 0
     p.fuses = NULL
+    p.nstack = 0
+    p.stacks = NULL
     p.refs = <FilterRef*>malloc((nf + 1) * sizeof(FilterRef))
     if p.refs == NULL:
         raise MemoryError()
@@ -945,8 +1150,19 @@ cdef int _gather_filters(tuple filters, uint64_t seed, Probe* p) except -1:
             p.refs[p.nbloom].nblocks = bf._nblocks
             p.nbloom += 1
             continue
+        if isinstance(obj, FuseStack):
+            fs = <FuseStack>obj
+            if fs.st.live == 0:
+                continue  # holds nothing
+            if p.stacks == NULL:
+                p.stacks = <dc_fuse_stack_t*>malloc(nf * sizeof(dc_fuse_stack_t))
+                if p.stacks == NULL:
+                    raise MemoryError()
+            p.stacks[p.nstack] = fs.st
+            p.nstack += 1
+            continue
         if not isinstance(obj, FuseFilter):
-            raise TypeError(f"filters must be BlockFilter or FuseFilter objects, "
+            raise TypeError(f"filters must be BlockFilter, FuseFilter or FuseStack objects, "
                             f"not {type(obj).__name__}")
         ff = <FuseFilter>obj
         ff._check()
@@ -964,8 +1180,10 @@ cdef int _gather_filters(tuple filters, uint64_t seed, Probe* p) except -1:
 cdef void _free_probe(Probe* p) noexcept:
     free(p.refs)
     free(p.fuses)
+    free(p.stacks)
     p.refs = NULL
     p.fuses = NULL
+    p.stacks = NULL
 
 
 cdef void _contains_hashes(const Probe* p, const uint64_t* h, size_t m,
@@ -978,6 +1196,8 @@ cdef void _contains_hashes(const Probe* p, const uint64_t* h, size_t m,
     # its own slots ahead).
     for f in range(p.nfuse):
         dc_fuse_contains_batch(&p.fuses[f], h, m, flags)
+    for f in range(p.nstack):
+        dc_fuse_stack_contains_batch(&p.stacks[f], h, m, flags)
 
 
 def probe_many(tuple filters, keys, target, uint64_t seed):

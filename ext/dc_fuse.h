@@ -327,12 +327,16 @@ static inline int dc_fuse_attempt(dc_fuse_work_t *w, const dc_fuse_t *f, int bit
     return stack == m;
 }
 
-/* Builds a filter from n key hashes (duplicates allowed). On DC_OK, f
- * describes the filter, *body is its array_length * 2 bytes (free with
- * dc_fuse_free(*body, array_length * 2)) and *count the distinct keys. The
- * result depends only on the set of keys and on seed. */
-static inline dc_status dc_fuse_build(const void *hashes, size_t n, uint64_t seed, dc_fuse_t *f,
-                                unsigned char **body, uint64_t *count) {
+/* Builds a filter from n key hashes (duplicates allowed). Its geometry is
+ * like's (a filter of the stack it is to join, below) when like is not NULL,
+ * has the segment length the keys' own geometry has and at least as many
+ * slots; else the keys' own. On DC_OK, f describes the filter, *body is its
+ * array_length * 2 bytes (free with dc_fuse_free(*body, array_length * 2))
+ * and *count the distinct keys. The result depends only on the set of keys,
+ * like's geometry and seed. */
+static inline dc_status dc_fuse_build(const void *hashes, size_t n, uint64_t seed,
+                                      const dc_fuse_t *like, dc_fuse_t *f, unsigned char **body,
+                                      uint64_t *count) {
     dc_fuse_work_t w;
     unsigned char *fp = NULL;
     uint64_t state = seed;
@@ -356,6 +360,12 @@ static inline dc_status dc_fuse_build(const void *hashes, size_t n, uint64_t see
     if (dc_fuse_geometry(w.m, f) != DC_OK) {
         dc_fuse_work_free(&w);
         return DC_ETOOBIG;
+    }
+    if (like != NULL && like->segment_length == f->segment_length &&
+        like->array_length >= f->array_length && like->array_length <= DC_FUSE_MAX_ARRAY_LENGTH &&
+        like->segment_count_length + 2 * like->segment_length == like->array_length) {
+        f->segment_count_length = like->segment_count_length;
+        f->array_length = like->array_length;
     }
     f->seed = dc_fuse_splitmix(&state);
     fp = (unsigned char *)dc_fuse_alloc(f->array_length * 2);
@@ -412,6 +422,80 @@ nomem:
     dc_fuse_work_free(&w);
     if (fp) dc_fuse_free(fp, f->array_length * 2);
     return DC_ENOMEM;
+}
+
+/* ---- stacks ------------------------------------------------------------- */
+
+/* Filters that share one seed and one geometry, their fingerprints side by
+ * side: slot i of column c is fp[i * width + c]. A key's three slots are the
+ * same in every column, so one probe of the stack makes three random reads
+ * whatever its width, where separate filters make three each (docs/warm-tier.md,
+ * "Stacked fuse slices"). A column answers only while its bit is in live. */
+#define DC_FUSE_STACK_MAX_WIDTH 32u
+
+typedef struct {
+    dc_fuse_t geo;    /* the shared seed and geometry; geo.fp is unused */
+    uint32_t width;   /* columns per slot, 1 .. DC_FUSE_STACK_MAX_WIDTH */
+    uint32_t live;    /* bit c set: column c holds a filter */
+    uint16_t *fp;     /* array_length * width native-order fingerprints */
+} dc_fuse_stack_t;
+
+/* Copies filter f (of the stack's geometry) into column c. */
+static inline void dc_fuse_stack_put(dc_fuse_stack_t *st, uint32_t c, const dc_fuse_t *f) {
+    uint64_t i, n = st->geo.array_length, w = st->width;
+    uint16_t *dst = st->fp + c;
+    for (i = 0; i < n; i++) dst[i * w] = dc_fuse_load(f->fp, (uint32_t)i);
+}
+
+/* Copies the columns of src into the first src->width columns of dst (same
+ * geometry, dst at least as wide). */
+static inline void dc_fuse_stack_copy(dc_fuse_stack_t *dst, const dc_fuse_stack_t *src) {
+    uint64_t i, n = src->geo.array_length;
+    size_t row = (size_t)src->width * 2;
+    for (i = 0; i < n; i++) memcpy(dst->fp + i * dst->width, src->fp + i * src->width, row);
+}
+
+static inline void dc_fuse_stack_prefetch(const dc_fuse_stack_t *st, uint64_t x) {
+    uint32_t s[3];
+    dc_fuse_slots(&st->geo, x, s);
+    dc_prefetch(st->fp + (size_t)s[0] * st->width);
+    dc_prefetch(st->fp + (size_t)s[1] * st->width);
+    dc_prefetch(st->fp + (size_t)s[2] * st->width);
+}
+
+/* Whether some live column of the stack may hold mixed hash x. */
+static inline int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t *st, uint64_t x) {
+    uint32_t s[3], c, w = st->width, live = st->live;
+    uint16_t want = dc_fuse_fingerprint(x), hit = 0;
+    dc_fuse_slots(&st->geo, x, s);
+    const uint16_t *a = st->fp + (size_t)s[0] * w, *b = st->fp + (size_t)s[1] * w,
+                   *d = st->fp + (size_t)s[2] * w;
+    for (c = 0; c < w; c++) hit |= (uint16_t)(((a[c] ^ b[c] ^ d[c]) == want) & (live >> c) & 1u);
+    return hit != 0;
+}
+
+/* ORs "may contain" into flags[i] for each of n key hashes (as
+ * dc_fuse_contains_batch, over every live column at once). */
+static inline void dc_fuse_stack_contains_batch(const dc_fuse_stack_t *st,
+                                                const uint64_t *__restrict h, size_t n,
+                                                unsigned char *__restrict flags) {
+    uint64_t ring[DC_FUSE_PREFETCH];
+    size_t i, head = n < DC_FUSE_PREFETCH ? n : DC_FUSE_PREFETCH;
+    uint64_t seed = st->geo.seed;
+    if (st->live == 0) return;
+    for (i = 0; i < head; i++) {
+        ring[i] = dc_fuse_mix(h[i], seed);
+        dc_fuse_stack_prefetch(st, ring[i]);
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t x = ring[i & (DC_FUSE_PREFETCH - 1)];
+        if (i + DC_FUSE_PREFETCH < n) {
+            uint64_t ahead = dc_fuse_mix(h[i + DC_FUSE_PREFETCH], seed);
+            ring[i & (DC_FUSE_PREFETCH - 1)] = ahead;
+            dc_fuse_stack_prefetch(st, ahead);
+        }
+        flags[i] |= (unsigned char)dc_fuse_stack_contains_mixed(st, x);
+    }
 }
 
 #endif /* DC_FUSE_H */

@@ -136,7 +136,8 @@ class ColdArchive:
             ring.expire(now)
 
     def stats(self) -> dict[str, Any]:
-        """Per window: memory, estimated false-positive rate and the live slices."""
+        """Per window: memory, estimated false-positive rate, the live slices and the
+        stacks of the fuse ones."""
         return {
             f"{window:g}": {
                 "nbytes": ring.nbytes,
@@ -145,6 +146,7 @@ class ColdArchive:
                     {name: getattr(s, name) for name in s.__dataclass_fields__}
                     for s in ring.slices()
                 ],
+                "stacks": ring.stacks(),
             }
             for window, ring in self.rings.items()
         }

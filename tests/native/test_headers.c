@@ -282,7 +282,7 @@ static void test_fuse(void) {
     dc_fuse_t f;
     unsigned char *body = NULL;
     uint64_t count = 0;
-    CHECK(dc_fuse_build(h, N, 99, &f, &body, &count) == DC_OK);
+    CHECK(dc_fuse_build(h, N, 99, NULL, &f, &body, &count) == DC_OK);
     CHECK(count == N - 1);
     unsigned char *flags = (unsigned char *)calloc(N, 1);
     dc_fuse_contains_batch(&f, h, N, flags);
@@ -294,10 +294,74 @@ static void test_fuse(void) {
     CHECK(fp < 100); /* 2**-16 of a million is about 15 */
     dc_fuse_free(body, f.array_length * 2);
 
-    CHECK(dc_fuse_build(NULL, 0, 1, &f, &body, &count) == DC_OK && count == 0);
+    CHECK(dc_fuse_build(NULL, 0, 1, NULL, &f, &body, &count) == DC_OK && count == 0);
     dc_fuse_free(body, f.array_length * 2);
     dc_fuse_t big;
     CHECK(dc_fuse_geometry(UINT64_C(1) << 40, &big) == DC_ETOOBIG);
+    free(flags);
+    free(h);
+}
+
+/* Three filters in one geometry (the second and third built like the first),
+ * stacked in five columns and grown to seven: every key held while its column
+ * is live, none after it is dropped. */
+static void test_fuse_stack(void) {
+    enum { N = 20000, K = 3 };
+    uint64_t *h = (uint64_t *)malloc(K * N * sizeof(uint64_t));
+    for (uint64_t i = 0; i < K * N; i++) h[i] = dc_xxh64(&i, 8, 5);
+    dc_fuse_t f[K];
+    unsigned char *body[K];
+    uint64_t count = 0;
+    CHECK(dc_fuse_build(h, N, 3, NULL, &f[0], &body[0], &count) == DC_OK);
+    for (int k = 1; k < K; k++) {
+        CHECK(dc_fuse_build(h + k * N, N - 100 * k, 3, &f[0], &f[k], &body[k], &count) == DC_OK);
+        CHECK(f[k].array_length == f[0].array_length);
+    }
+    dc_fuse_stack_t st, wide;
+    memset(&st, 0, sizeof(st));
+    st.geo = f[0];
+    st.width = 5;
+    st.fp = (uint16_t *)dc_fuse_alloc(f[0].array_length * st.width * 2);
+    int stacked = 0;
+    for (int k = 0; k < K; k++) {
+        if (f[k].seed != f[0].seed) continue; /* a retried seed: not stackable */
+        dc_fuse_stack_put(&st, (uint32_t)(2 * k % 5), &f[k]);
+        st.live |= 1u << (2 * k % 5);
+        stacked++;
+    }
+    CHECK(stacked >= 2);
+    wide = st;
+    wide.width = 7;
+    wide.fp = (uint16_t *)dc_fuse_alloc(f[0].array_length * wide.width * 2);
+    dc_fuse_stack_copy(&wide, &st);
+    unsigned char *flags = (unsigned char *)calloc(K * N, 1);
+    for (int pass = 0; pass < 2; pass++) {
+        const dc_fuse_stack_t *s = pass ? &wide : &st;
+        memset(flags, 0, K * N);
+        dc_fuse_stack_contains_batch(s, h, K * N, flags);
+        int all = 1;
+        for (int k = 0; k < K; k++) {
+            if (f[k].seed != f[0].seed) continue;
+            size_t held = (size_t)(N - 100 * k);
+            for (size_t i = 0; i < held; i++)
+                all &= flags[k * N + i] && dc_fuse_stack_contains_mixed(
+                                               s, dc_fuse_mix(h[k * N + i], s->geo.seed));
+        }
+        CHECK(all);
+    }
+    wide.live &= ~1u; /* column 0: the first filter */
+    memset(flags, 0, K * N);
+    dc_fuse_stack_contains_batch(&wide, h, N, flags);
+    size_t still = 0;
+    for (size_t i = 0; i < N; i++) still += flags[i];
+    CHECK(still < 20);
+    wide.live = 0;
+    memset(flags, 0, K * N);
+    dc_fuse_stack_contains_batch(&wide, h, K * N, flags);
+    CHECK(memchr(flags, 1, K * N) == NULL);
+    dc_fuse_free(st.fp, f[0].array_length * st.width * 2);
+    dc_fuse_free(wide.fp, f[0].array_length * wide.width * 2);
+    for (int k = 0; k < K; k++) dc_fuse_free(body[k], f[k].array_length * 2);
     free(flags);
     free(h);
 }
@@ -398,6 +462,7 @@ int main(int argc, char **argv) {
     test_record_format();
     test_table();
     test_fuse();
+    test_fuse_stack();
     test_syncer();
     test_wire();
     printf("%d checks, %d failed\n", checks, failures);

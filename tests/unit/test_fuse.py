@@ -457,10 +457,10 @@ def test_probe_digests_probes_the_first_half_of_each_digest() -> None:
         (((), bytearray(16), 1), TypeError, "bytearray"),
         (((), memoryview(bytes(16)), 1), TypeError, "memoryview"),
         (([], bytes(16), 1), TypeError, "list"),
-        ((("x",), bytes(16), 1), TypeError, "BlockFilter or FuseFilter"),
+        ((("x",), bytes(16), 1), TypeError, "BlockFilter, FuseFilter or FuseStack"),
         (((BloomFilter(10, 0.01, seed=2),), bytes(16), 1), ValueError, "share their hash seed"),
         (((BloomFilter(10, 0.01, seed=2),), b"", 1), ValueError, "share their hash seed"),
-        ((("x",), b"", 1), TypeError, "BlockFilter or FuseFilter"),
+        ((("x",), b"", 1), TypeError, "BlockFilter, FuseFilter or FuseStack"),
     ],
 )
 def test_probe_digests_rejects_bad_arguments(
@@ -475,9 +475,9 @@ def test_probe_many_refuses_bad_filters_and_a_fuse_target() -> None:
     fuse = FuseFilter.build(_core.hash64_many([b"a"], 1))
     with pytest.raises(TypeError, match="cannot be the target"):
         _core.probe_many((), [b"a"], fuse, 1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="BlockFilter or FuseFilter"):
+    with pytest.raises(TypeError, match="BlockFilter, FuseFilter or FuseStack"):
         _core.probe_many((fuse, "x"), [b"a"], bloom, 1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="BlockFilter or FuseFilter"):
+    with pytest.raises(TypeError, match="BlockFilter, FuseFilter or FuseStack"):
         _core.probe_many((bloom, "x"), [b"a"], None, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="BlockFilter or None"):
         _core.probe_many((), [b"a"], "x", 1)  # type: ignore[arg-type]
@@ -608,3 +608,184 @@ def test_huge_array_addressing(tmp_path: Path) -> None:
     finally:
         del ff
         mapped.close()
+
+
+# -- stacks: filters of one geometry side by side -----------------------------------
+
+FuseStack = _core.FuseStack
+
+
+def stacked(sizes: list[int], seed: int = 9) -> tuple[list[np.ndarray], list[FuseFilter]]:
+    """Key sets of ``sizes`` and their filters, all in the geometry of the largest
+    (the sets are fixed, and every build's first internal seed works for them)."""
+    sets = [random_hashes(size, 100 + i) for i, size in enumerate(sizes)]
+    like = FuseFilter.build(sets[int(np.argmax(sizes))], seed).params
+    filters = [FuseFilter.build(keys, seed, like) for keys in sets]
+    assert all(ff.params == like for ff in filters)
+    return sets, filters
+
+
+def stack_of(filters: list[FuseFilter], width: int | None = None) -> _core.FuseStack:
+    stack = FuseStack(filters[0].params, width or len(filters))
+    for column, ff in enumerate(filters):
+        stack.put(column, ff)
+        stack.set_live(column)
+    return stack
+
+
+def test_build_like_shares_a_geometry_that_fits_and_refuses_one_that_does_not() -> None:
+    small, large = random_hashes(9_000, 1), random_hashes(10_000, 2)
+    own_small = FuseFilter.build(small, 4)
+    big = FuseFilter.build(large, 4)
+    assert own_small.params[3] < big.params[3]
+    like_big = FuseFilter.build(small, 4, big.params)
+    assert like_big.params == big.params  # more slots than its own: taken
+    assert held(like_big, small).all()
+    # Fewer slots than the keys need, or another segment length: their own geometry.
+    assert FuseFilter.build(large, 4, own_small.params).params == big.params
+    tiny = FuseFilter.build(random_hashes(100, 3), 4)
+    assert FuseFilter.build(small, 4, tiny.params).params == own_small.params
+    seg, scl, slots = _core.fuse_geometry(10_000)
+    assert big.params[1:] == (seg, scl, slots)
+    with pytest.raises(ValueError, match="segment_length"):
+        FuseFilter.build(small, 4, (4, 3, 300, 306))
+
+
+def test_a_stack_answers_as_its_filters_do() -> None:
+    sets, filters = stacked([20_000, 19_000, 15_000, 20_000, 12_000])
+    stack = stack_of(filters)
+    assert stack.width == 5 and stack.live == (0, 1, 2, 3, 4)
+    assert stack.count == sum(ff.count for ff in filters)
+    assert stack.nbytes == 5 * filters[0].nbytes
+    for keys in sets:
+        assert np.frombuffer(stack.contains_many(keys), dtype=bool).all()
+    probe = random_hashes(400_000, 77)
+    separate = np.frombuffer(_core.probe_many(tuple(filters), u64s(probe), None, 0), dtype=bool)
+    together = np.frombuffer(stack.contains_many(probe), dtype=bool)
+    assert (separate == together).all()  # the very same false positives
+    assert together.mean() < 5 * FPR * 2
+    assert [stack.contains_hash(int(h)) for h in probe[:2000]] == list(together[:2000])
+    mixed = _core.probe_many((stack, BloomFilter(100, 0.01)), u64s(sets[2][:500]), None, 0)
+    assert all(mixed)
+
+
+def test_a_column_answers_only_while_live() -> None:
+    sets, filters = stacked([5_000, 5_000, 5_000])
+    stack = FuseStack(filters[0].params, 3)
+    stack.put(1, filters[1])
+    assert stack.live == () and not stack.contains_many(sets[1]).tobytes().strip(b"\0")
+    assert _core.probe_many((stack,), u64s(sets[1][:10]), None, 0).tolist() == [False] * 10
+    stack.set_live(1)
+    assert np.frombuffer(stack.contains_many(sets[1]), dtype=bool).all()
+    stack.drop(1)
+    assert stack.live == () and stack.count == 0
+    assert np.frombuffer(stack.contains_many(sets[1]), dtype=bool).mean() < 0.01
+    stack.put(1, filters[2])  # a dropped column takes another filter
+    stack.set_live(1)
+    assert np.frombuffer(stack.contains_many(sets[2]), dtype=bool).all()
+    assert np.frombuffer(stack.contains_many(sets[1]), dtype=bool).mean() < 0.01
+
+
+def test_grown_keeps_every_column() -> None:
+    sets, filters = stacked([10_000, 10_000, 10_000])
+    stack = stack_of(filters[:2])
+    stack.drop(0)
+    wider = stack.grown(3)
+    assert wider.width == 3 and wider.live == (1,)
+    wider.put(2, filters[2])
+    wider.set_live(2)
+    assert np.frombuffer(wider.contains_many(sets[1]), dtype=bool).all()
+    assert np.frombuffer(wider.contains_many(sets[2]), dtype=bool).all()
+    assert np.frombuffer(wider.contains_many(sets[0]), dtype=bool).mean() < 0.01
+    assert stack.grown(2).live == (1,)
+    with pytest.raises(ValueError, match="at least 2"):
+        stack.grown(1)
+
+
+def test_a_released_filter_keeps_its_figures_and_refuses_queries() -> None:
+    ff = FuseFilter.build(random_hashes(3_000, 5), 1)
+    params, count, nbytes = ff.params, ff.count, ff.nbytes
+    ff._release()
+    assert (ff.params, ff.count, ff.nbytes) == (params, count, nbytes)
+    with pytest.raises(ValueError, match="not initialised"):
+        ff.contains_hash(1)
+    with pytest.raises(ValueError, match="not initialised"):
+        memoryview(ff)
+    with pytest.raises(ValueError, match="not initialised"):
+        _core.probe_many((ff,), u64s([1]), None, 0)
+    ff._release()  # twice is nothing
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (((1, 4, 8, 16), 0), ValueError, r"width must be in 1\.\.32"),
+        (((1, 4, 8, 16), 33), ValueError, r"width must be in 1\.\.32"),
+        (((1, 4, 8, 16), True), TypeError, "width must be an int"),
+        (((1, 4, 8, 16), "2"), TypeError, "width must be an int"),
+        (((1, 4, 8), 2), ValueError, "expected 4 fuse filter parameters"),
+        (((1, 3, 8, 14), 2), ValueError, "segment_length must be a power of two"),
+        (([1, 4, 8, 16], 2), TypeError, "params must be a tuple"),
+    ],
+)
+def test_stack_rejects_bad_arguments(
+    args: tuple[object, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        FuseStack(*args)  # type: ignore[arg-type]
+
+
+def test_stack_put_refuses_what_does_not_fit() -> None:
+    _, filters = stacked([4_000, 4_000])
+    stack = stack_of(filters[:1], width=2)
+    other = FuseFilter.build(random_hashes(40_000, 8), 9)
+    with pytest.raises(ValueError, match="params"):
+        stack.put(1, other)
+    with pytest.raises(ValueError, match="column 0 is live"):
+        stack.put(0, filters[1])
+    with pytest.raises(ValueError, match=r"column must be in 0\.\.1"):
+        stack.put(2, filters[1])
+    with pytest.raises(ValueError, match=r"column must be in 0\.\.1"):
+        stack.drop(-1)
+    with pytest.raises(TypeError, match="column must be an int"):
+        stack.set_live(1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="column 1 holds no filter"):
+        stack.set_live(1)
+    with pytest.raises(TypeError):
+        stack.put(1, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="are not the stack's"):
+        stack.put(1, FuseFilter.build(b"", 9))
+    empty = FuseFilter()
+    empty._attach(bytes(stack.params[3] * 2), stack.params, 0)
+    with pytest.raises(ValueError, match="no keys"):
+        stack.put(1, empty)
+    released = FuseFilter.build(random_hashes(4_000, 100 + 1), 9, filters[0].params)
+    released._release()
+    with pytest.raises(ValueError, match="not initialised"):
+        stack.put(1, released)
+    assert stack.live == (0,)
+
+
+def test_concurrent_probes_while_a_column_is_put() -> None:
+    sets, filters = stacked([50_000, 50_000])
+    stack = stack_of(filters[:1], width=2)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            if not np.frombuffer(stack.contains_many(sets[0]), dtype=bool).all():
+                errors.append("a live column lost a key while another was put")
+
+    threads = [threading.Thread(target=probe) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):
+            stack.put(1, filters[1])
+            stack.drop(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []

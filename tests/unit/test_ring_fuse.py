@@ -396,6 +396,88 @@ def test_probes_go_on_while_a_slice_is_rebuilt(tmp_path: Path) -> None:
     assert rounds[0] >= 3 and set(misses) == {0}
 
 
+# -- stacks: sealed slices side by side ------------------------------------------
+
+
+def _bucket_hashes(bucket: int, n: int = 20_000) -> np.ndarray:
+    """Fixed hashes for a bucket (every rebuild of them works with its first seed)."""
+    return np.random.default_rng(bucket).integers(0, 2**64, size=n, dtype=np.uint64)
+
+
+def _sealed(path: Path, sizes: list[int]) -> tuple[BloomRing, list[np.ndarray]]:
+    """A ring (window 10 s, slices of 2 s: at most five sealed slices live) whose
+    buckets 0.. took ``sizes`` hashes, the last of them the head, saved."""
+    ring = _ring(path)
+    sets = []
+    for bucket, n in enumerate(sizes):
+        hashes = _bucket_hashes(bucket, n)
+        ring.insert_many(memoryview(hashes), now=bucket * 2.0 + 0.1, expected=n)
+        sets.append(hashes)
+    ring.save()
+    return ring, sets
+
+
+def _holds(ring: BloomRing, hashes: np.ndarray) -> float:
+    return float(np.frombuffer(ring.contains_many(memoryview(hashes)), dtype=bool).mean())
+
+
+def test_sealed_slices_of_one_geometry_share_a_stack(tmp_path: Path) -> None:
+    ring, sets = _sealed(tmp_path, [20_000] * 6)
+    assert ring.compact() == 5
+    infos = ring.slices()
+    assert [(s.kind, s.stacked) for s in infos] == [("fuse", True)] * 5 + [("bloom", False)]
+    (stack,) = ring.stacks()
+    assert stack == {"width": 5, "live": 5, "nbytes": 5 * infos[0].nbytes}
+    assert ring.nbytes == stack["nbytes"] + infos[-1].nbytes
+    assert len(ring) == sum(s.count for s in infos)
+    assert all(_holds(ring, hashes) == 1.0 for hashes in sets)
+    fresh = np.random.default_rng(99).integers(0, 2**64, size=200_000, dtype=np.uint64)
+    assert _holds(ring, fresh) < 0.01  # the head's Bloom filter and five columns
+    for reopened in (BloomRing.open(tmp_path), BloomRing.open(tmp_path, readonly=True)):
+        assert reopened.stacks() == [stack]
+        assert [(s.kind, s.stacked) for s in reopened.slices()] == [
+            (s.kind, s.stacked) for s in infos
+        ]
+        assert all(_holds(reopened, hashes) == 1.0 for hashes in sets)
+    archive = ColdArchive(None, [10.0])
+    archive.rings[10.0] = ring
+    assert archive.stats()["10"]["stacks"] == [stack]
+
+
+def test_a_full_stack_leaves_a_slice_loose_until_a_column_frees(tmp_path: Path) -> None:
+    # A ring never has more sealed slices live than its widest stack (the head's
+    # start expires the oldest); a stack at most three wide stands in for the
+    # moments when it does (a clock set back, a ring reopened late).
+    ring, sets = _sealed(tmp_path, [20_000] * 6)
+    ring.max_stack = 3
+    assert ring.compact() == 5
+    (stack,) = ring.stacks()
+    assert (stack["width"], stack["live"]) == (3, 3)
+    infos = ring.slices()
+    assert [s.stacked for s in infos] == [True] * 3 + [False] * 3
+    assert [s.kind for s in infos] == ["fuse"] * 5 + ["bloom"]  # two probed on their own
+    assert all(_holds(ring, hashes) == 1.0 for hashes in sets)
+    assert ring.expire(14.1) == 2  # buckets 0 and 1: their columns stop answering
+    assert ring.stacks()[0]["live"] == 1
+    assert _holds(ring, sets[0]) < 0.01 and _holds(ring, sets[1]) < 0.01
+    assert ring.compact() == 0  # nothing to rebuild; the loose slices take the columns
+    assert ring.stacks() == [stack]
+    assert [s.stacked for s in ring.slices()] == [True] * 3 + [False]
+    assert all(_holds(ring, hashes) == 1.0 for hashes in sets[2:])
+
+
+def test_a_slice_of_another_geometry_gets_a_stack_of_its_own(tmp_path: Path) -> None:
+    # 19,000 keys fit the 20,000-key geometry (a few percent more slots than their
+    # own); 200,000 need another segment length.
+    ring, sets = _sealed(tmp_path, [20_000, 200_000, 19_000, 10])
+    assert ring.compact() == 3
+    assert sorted(st["width"] for st in ring.stacks()) == [1, 2]
+    assert all(_holds(ring, hashes) == 1.0 for hashes in sets)
+    reopened = BloomRing.open(tmp_path)
+    assert sorted(st["width"] for st in reopened.stacks()) == [1, 2]
+    assert all(_holds(reopened, hashes) == 1.0 for hashes in sets)
+
+
 # -- crashes of real processes ---------------------------------------------------
 
 _CHILD = r"""
