@@ -286,7 +286,9 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
     fill, besides the run the target takes, the archive's probes are timed
     alone (1000-digest batches, as a claim batch asks) and fresh claims run
     once more with the archive answering "absent" without probing: what the
-    probes cost inside the claim path, apart from everything else.
+    probes cost inside the claim path, apart from everything else; then once
+    more with the probes on (is the first run after the fill the rate that
+    stays?).
     """
     from dedupcore import DedupStore
 
@@ -314,6 +316,7 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
         probe_ns = cold_probe_ns(cold, window)
         with _probes_off(cold):
             after_unprobed, _ = fresh_claims(store, rng)
+        after_again, _ = fresh_claims(store, rng)  # probes on again, a million later
         stats = store.stats()["cold"]
     held = stats[f"{window:g}"]
     return {
@@ -323,6 +326,7 @@ def cold_history(path: Path, n_cold: int, rng: np.random.Generator) -> dict[str,
         "claims_per_s_before_fill": before_fill,
         "claims_per_s": after,
         "claims_per_s_probes_off": after_unprobed,
+        "claims_per_s_again": after_again,
         "cold_probe_ns_per_key": probe_ns,
         "fresh_keys_answered_cold": inexact,
         "measured_cold_fpr": inexact / (1000 * BATCH),

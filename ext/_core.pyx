@@ -97,6 +97,7 @@ cdef extern from "dc_fuse.h" nogil:
     const unsigned int DC_FUSE_STACK_MAX_WIDTH
     uint64_t dc_fuse_mix(uint64_t h, uint64_t seed)
     int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t* st, uint64_t x)
+    size_t dc_fuse_stack_bytes(uint64_t array_length, uint32_t width)
     void dc_fuse_stack_put(dc_fuse_stack_t* st, uint32_t c, const dc_fuse_t* f)
     void dc_fuse_stack_copy(dc_fuse_stack_t* dst, const dc_fuse_stack_t* src)
     void dc_fuse_stack_contains_batch(const dc_fuse_stack_t* st, const uint64_t* h, size_t n,
@@ -999,7 +1000,7 @@ cdef class FuseStack:
             raise TypeError(f"width must be an int, not {type(width).__name__}")
         if not 1 <= width <= DC_FUSE_STACK_MAX_WIDTH:
             raise ValueError(f"width must be in 1..{DC_FUSE_STACK_MAX_WIDTH}, got {width}")
-        cdef size_t nbytes = <size_t>(geo.array_length * <uint64_t>width * 2)
+        cdef size_t nbytes = dc_fuse_stack_bytes(geo.array_length, <uint32_t>width)
         self.st.fp = <uint16_t*>dc_alloc_body(nbytes)
         if self.st.fp == NULL:
             raise MemoryError(f"cannot allocate a fuse stack body of {nbytes} bytes")
@@ -1008,7 +1009,7 @@ cdef class FuseStack:
 
     def __dealloc__(self):
         if self.st.fp != NULL:
-            dc_free_body(self.st.fp, <size_t>(self.st.geo.array_length * self.st.width * 2))
+            dc_free_body(self.st.fp, dc_fuse_stack_bytes(self.st.geo.array_length, self.st.width))
             self.st.fp = NULL
 
     cdef int _column(self, object column) except -1:

@@ -29,6 +29,9 @@
 
 #include "dc_hash.h" /* dc_prefetch, dc_alloc_body */
 #include "dc_status.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define DC_FUSE_MAX_SEGMENT_LENGTH 262144u     /* 2**18 */
 #define DC_FUSE_MAX_ARRAY_LENGTH 0xFFFFFFFFull /* slots are indexed by uint32 */
@@ -463,15 +466,47 @@ static inline void dc_fuse_stack_prefetch(const dc_fuse_stack_t *st, uint64_t x)
     dc_prefetch(st->fp + (size_t)s[2] * st->width);
 }
 
-/* Whether some live column of the stack may hold mixed hash x. */
-static inline int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t *st, uint64_t x) {
+/* Bytes of a stack's body: its rows, and 16 more so that any row can be read
+ * with one 16-byte load. */
+static inline size_t dc_fuse_stack_bytes(uint64_t array_length, uint32_t width) {
+    return (size_t)(array_length * width * 2) + 16;
+}
+
+/* live with each column's bit doubled (bits 2c and 2c + 1): a byte mask over
+ * the 16-bit lanes of a row. */
+static inline uint32_t dc_fuse_stack_lanes(uint32_t live) {
+    uint32_t lanes = 0, c;
+    for (c = 0; c < 16; c++)
+        if ((live >> c) & 1u) lanes |= 3u << (2 * c);
+    return lanes;
+}
+
+/* Whether some live column may hold mixed hash x (lanes: dc_fuse_stack_lanes
+ * of st->live). Up to eight columns a row is one 16-byte load on SSE2: the
+ * lanes past the row (the next row's, or the body's padding) are masked. */
+static inline int dc_fuse_stack_match(const dc_fuse_stack_t *st, uint64_t x, uint32_t lanes) {
     uint32_t s[3], c, w = st->width, live = st->live;
     uint16_t want = dc_fuse_fingerprint(x), hit = 0;
     dc_fuse_slots(&st->geo, x, s);
     const uint16_t *a = st->fp + (size_t)s[0] * w, *b = st->fp + (size_t)s[1] * w,
                    *d = st->fp + (size_t)s[2] * w;
+#if defined(__SSE2__)
+    if (w <= 8) {
+        __m128i v = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)a),
+                                                _mm_loadu_si128((const __m128i *)(const void *)b)),
+                                  _mm_loadu_si128((const __m128i *)(const void *)d));
+        v = _mm_cmpeq_epi16(v, _mm_set1_epi16((short)want));
+        return ((uint32_t)_mm_movemask_epi8(v) & lanes) != 0;
+    }
+#endif
+    (void)lanes;
     for (c = 0; c < w; c++) hit |= (uint16_t)(((a[c] ^ b[c] ^ d[c]) == want) & (live >> c) & 1u);
     return hit != 0;
+}
+
+/* Whether some live column of the stack may hold mixed hash x. */
+static inline int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t *st, uint64_t x) {
+    return dc_fuse_stack_match(st, x, dc_fuse_stack_lanes(st->live));
 }
 
 /* ORs "may contain" into flags[i] for each of n key hashes (as
@@ -482,6 +517,7 @@ static inline void dc_fuse_stack_contains_batch(const dc_fuse_stack_t *st,
     uint64_t ring[DC_FUSE_PREFETCH];
     size_t i, head = n < DC_FUSE_PREFETCH ? n : DC_FUSE_PREFETCH;
     uint64_t seed = st->geo.seed;
+    uint32_t lanes = dc_fuse_stack_lanes(st->live);
     if (st->live == 0) return;
     for (i = 0; i < head; i++) {
         ring[i] = dc_fuse_mix(h[i], seed);
@@ -494,7 +530,7 @@ static inline void dc_fuse_stack_contains_batch(const dc_fuse_stack_t *st,
             ring[i & (DC_FUSE_PREFETCH - 1)] = ahead;
             dc_fuse_stack_prefetch(st, ahead);
         }
-        flags[i] |= (unsigned char)dc_fuse_stack_contains_mixed(st, x);
+        flags[i] |= (unsigned char)dc_fuse_stack_match(st, x, lanes);
     }
 }
 

@@ -106,6 +106,11 @@ def print_tables(out: Out, results: dict[str, Any]) -> None:
                 if "claims_per_s_probes_off" in cold
                 else ""
             )
+            + (
+                f", {cold['claims_per_s_again']:,.0f}/s with the probes on again"
+                if "claims_per_s_again" in cold
+                else ""
+            )
             + "; "
             f"{cold['fresh_keys_answered_cold']:,} fresh keys answered DUPLICATE "
             f"(FPR {cold['measured_cold_fpr']:.5f})"

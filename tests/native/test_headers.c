@@ -321,7 +321,7 @@ static void test_fuse_stack(void) {
     memset(&st, 0, sizeof(st));
     st.geo = f[0];
     st.width = 5;
-    st.fp = (uint16_t *)dc_fuse_alloc(f[0].array_length * st.width * 2);
+    st.fp = (uint16_t *)dc_fuse_alloc(dc_fuse_stack_bytes(f[0].array_length, st.width));
     int stacked = 0;
     for (int k = 0; k < K; k++) {
         if (f[k].seed != f[0].seed) continue; /* a retried seed: not stackable */
@@ -332,7 +332,7 @@ static void test_fuse_stack(void) {
     CHECK(stacked >= 2);
     wide = st;
     wide.width = 7;
-    wide.fp = (uint16_t *)dc_fuse_alloc(f[0].array_length * wide.width * 2);
+    wide.fp = (uint16_t *)dc_fuse_alloc(dc_fuse_stack_bytes(f[0].array_length, wide.width));
     dc_fuse_stack_copy(&wide, &st);
     unsigned char *flags = (unsigned char *)calloc(K * N, 1);
     for (int pass = 0; pass < 2; pass++) {
@@ -359,8 +359,8 @@ static void test_fuse_stack(void) {
     memset(flags, 0, K * N);
     dc_fuse_stack_contains_batch(&wide, h, K * N, flags);
     CHECK(memchr(flags, 1, K * N) == NULL);
-    dc_fuse_free(st.fp, f[0].array_length * st.width * 2);
-    dc_fuse_free(wide.fp, f[0].array_length * wide.width * 2);
+    dc_fuse_free(st.fp, dc_fuse_stack_bytes(f[0].array_length, st.width));
+    dc_fuse_free(wide.fp, dc_fuse_stack_bytes(f[0].array_length, wide.width));
     for (int k = 0; k < K; k++) dc_fuse_free(body[k], f[k].array_length * 2);
     free(flags);
     free(h);

@@ -651,12 +651,16 @@ def test_build_like_shares_a_geometry_that_fits_and_refuses_one_that_does_not() 
         FuseFilter.build(small, 4, (4, 3, 300, 306))
 
 
-def test_a_stack_answers_as_its_filters_do() -> None:
+@pytest.mark.parametrize("width", [5, 8, 12])  # up to 8: one 16-byte load per row
+def test_a_stack_answers_as_its_filters_do(width: int) -> None:
     sets, filters = stacked([20_000, 19_000, 15_000, 20_000, 12_000])
-    stack = stack_of(filters)
-    assert stack.width == 5 and stack.live == (0, 1, 2, 3, 4)
-    assert stack.count == sum(ff.count for ff in filters)
-    assert stack.nbytes == 5 * filters[0].nbytes
+    stack = stack_of(filters, width)
+    for column in range(5, width):  # the further columns hold the same filters again
+        stack.put(column, filters[column % 5])
+        stack.set_live(column)
+    assert stack.width == width and stack.live == tuple(range(width))
+    assert stack.count == sum(filters[column % 5].count for column in range(width))
+    assert stack.nbytes == width * filters[0].nbytes
     for keys in sets:
         assert np.frombuffer(stack.contains_many(keys), dtype=bool).all()
     probe = random_hashes(400_000, 77)
