@@ -47,12 +47,13 @@ import mmap as _mmap
 import os
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import dedupcore._core as _core
 from dedupcore._files import FILE_MODE, FileHeader, resize_durably
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
 
-__all__ = ["KeyLog", "fuse_file_chunks", "open_fuse"]
+__all__ = ["KeyLog", "fuse_file_chunks", "fuse_file_params", "open_fuse"]
 
 MAX_PARAMS = 6
 #: The fuse file's header (above), written and checked by dedupcore/_files.py.
@@ -110,13 +111,7 @@ def open_fuse(
     source = os.fspath(path)
     with open(source, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        algorithm, nparams, seed, count, body_sum, *params = _FORMAT.unpack(
-            fh.read(FUSE_HEADER_SIZE), source
-        )
-        if algorithm != _core.HASH_ALGORITHM_XXH64:
-            raise UnsupportedFormatError(f"{source}: unknown hash algorithm id {algorithm}")
-        if not 1 <= nparams <= MAX_PARAMS:
-            raise CorruptFileError(f"{source}: invalid parameter count {nparams}")
+        seed, count, body_sum, params = _read_header(fh, source)
         if size <= FUSE_HEADER_SIZE:
             raise CorruptFileError(f"{source}: truncated: no body after the header")
         mapped = _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ)
@@ -130,7 +125,7 @@ def open_fuse(
     body = whole[FUSE_HEADER_SIZE:]
     try:
         # _attach checks that the body's length is exactly what the parameters say.
-        fuse._attach(body, tuple(params[:nparams]), count, copy=not mmap)
+        fuse._attach(body, params, count, copy=not mmap)
     except ValueError as exc:
         raise CorruptFileError(f"{source}: {exc}") from None
     finally:
@@ -141,6 +136,27 @@ def open_fuse(
     if verify and fuse._checksum() != body_sum:
         raise CorruptFileError(f"{source}: body checksum mismatch")
     return fuse, seed
+
+
+def _read_header(fh: BinaryIO, source: str) -> tuple[int, int, int, tuple[int, ...]]:
+    """(key hash seed, count, body checksum, filter params) of a fuse file's header."""
+    algorithm, nparams, seed, count, body_sum, *params = _FORMAT.unpack(
+        fh.read(FUSE_HEADER_SIZE), source
+    )
+    if algorithm != _core.HASH_ALGORITHM_XXH64:
+        raise UnsupportedFormatError(f"{source}: unknown hash algorithm id {algorithm}")
+    if not 1 <= nparams <= MAX_PARAMS:
+        raise CorruptFileError(f"{source}: invalid parameter count {nparams}")
+    return seed, count, body_sum, tuple(params[:nparams])
+
+
+def fuse_file_params(path: str | os.PathLike[str]) -> tuple[tuple[int, ...], int]:
+    """(``FuseFilter.params``, count) of a saved fuse file, from its header alone
+    (errors as :func:`open_fuse` raises them for the header)."""
+    source = os.fspath(path)
+    with open(source, "rb") as fh:
+        _, count, _, params = _read_header(fh, source)
+    return params, count
 
 
 def _valid_chunks(data: bytes | bytearray | _mmap.mmap) -> list[tuple[int, int, int]]:

@@ -26,7 +26,7 @@ from dedupcore._files import atomic_write, mkdir_private
 from dedupcore._files import unlink_quiet as _unlink_quiet
 from dedupcore.bloom import BloomFilter, check_capacity, check_error_rate, check_seed
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
-from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
+from dedupcore.fuse import KeyLog, fuse_file_chunks, fuse_file_params, open_fuse
 
 # The ring's messages keep the logger they always had.
 log = logging.getLogger("dedupcore.bloom")
@@ -600,12 +600,28 @@ class BloomRing:
                 return s, stack, stack.width  # the stack grows by a column
         return None
 
-    def _stack_loose(self) -> None:
+    def _stack_widths(self, buckets: list[int]) -> dict[tuple[int, ...], int]:
+        """How many columns the stack of each geometry needs for the fuse files of
+        ``buckets``, from their headers (a file that cannot be read is left out:
+        opening it says why)."""
+        widths: dict[tuple[int, ...], int] = {}
+        for bucket in buckets:
+            try:
+                params, count = fuse_file_params(self._fuse_file(bucket))
+            except (OSError, CorruptFileError, UnsupportedFormatError):
+                continue
+            if count:
+                widths[params] = min(widths.get(params, 0) + 1, self.max_stack)
+        return widths
+
+    def _stack_loose(self, widths: dict[tuple[int, ...], int] | None = None) -> None:
         """Moves every fuse slice that can go into a stack there (docs/warm-tier.md,
         "Stacked fuse slices"). Copies run outside the ring's lock into columns that
         are not live, so probes go on; a column turns live, the stack grown or new
         takes its place and the slice's own body goes, all in one hold of the lock.
-        Only one thread stacks at a time (compact()'s lock, or open())."""
+        Only one thread stacks at a time (compact()'s lock, or open()). A new stack
+        gets the width ``widths`` names for its params (open(): every column it
+        will need, so that it never grows), else one column."""
         while True:
             with self._lock:
                 plan = self._place()
@@ -614,7 +630,7 @@ class BloomRing:
             s, old, column = plan
             assert s.fuse is not None
             if old is None:
-                stack = _core.FuseStack(s.fuse.params, 1)
+                stack = _core.FuseStack(s.fuse.params, (widths or {}).get(s.fuse.params, 1))
             elif column >= old.width:
                 stack = old.grown(column + 1)
             else:
@@ -753,10 +769,13 @@ class BloomRing:
         if not readonly:
             for stale in root.glob(".*.tmp"):  # a write a crash cut short (atomic_write)
                 _unlink_quiet(stale)
+        widths = ring._stack_widths([e.bucket for e in entries if e.fuse])
         for n, entry in enumerate(entries):
             bucket, count, sealed = entry.bucket, entry.subfilters, entry.sealed
             if entry.fuse:
                 ring._slices.append(ring._open_fuse_slice(bucket, verify, readonly))
+                # Into its stack at once: the archive never takes twice its memory.
+                ring._stack_loose(widths)
                 continue
             if n == len(entries) - 1:
                 # The newest slice is the head again: writable, so late keys have a home.
@@ -788,7 +807,7 @@ class BloomRing:
                 s.filters.append(f)
             ring._slices.append(s)
         ring._every = None
-        ring._stack_loose()
+        ring._stack_loose()  # those a stack of full width left loose
         return ring
 
     def vouched_key_logs(self) -> list[KeyLog]:

@@ -24,7 +24,7 @@ import pytest
 
 from dedupcore import BloomRing
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
-from dedupcore.fuse import FUSE_HEADER_SIZE, LOG_HEAD, KeyLog, open_fuse
+from dedupcore.fuse import FUSE_HEADER_SIZE, LOG_HEAD, KeyLog, fuse_file_params, open_fuse
 from dedupcore.tiers.archive import ColdArchive
 
 Keys = Callable[..., list[bytes]]
@@ -290,6 +290,10 @@ def test_fuse_file_round_trip(tmp_path: Path, make_keys: Keys) -> None:
     assert seed == 7 and fuse.count == 800
     mapped, _ = open_fuse(tmp_path / "slice-0.fuse", mmap=True)
     assert bytes(memoryview(mapped)) == bytes(memoryview(fuse))
+    assert fuse_file_params(tmp_path / "slice-0.fuse") == (fuse.params, 800)
+    (tmp_path / "bad.fuse").write_bytes(b"DEDUPFUS" + bytes(200))
+    with pytest.raises(CorruptFileError):
+        fuse_file_params(tmp_path / "bad.fuse")
     ring2 = BloomRing.open(tmp_path)
     assert ring2.slices()[0].nbytes == fuse.nbytes
 
@@ -442,6 +446,28 @@ def test_sealed_slices_of_one_geometry_share_a_stack(tmp_path: Path) -> None:
     archive = ColdArchive(None, [10.0])
     archive.rings[10.0] = ring
     assert archive.stats()["10"]["stacks"] == [stack]
+
+
+def test_open_stacks_each_fuse_slice_before_it_reads_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An archive's slices are read one at a time into stacks of their final width:
+    # never two bodies of a slice in memory, never a stack copied to grow.
+    _sealed(tmp_path, [20_000] * 6)[0].compact()
+    loose_bodies: list[int] = []
+    widths: list[list[int]] = []
+    opened = BloomRing._open_fuse_slice
+
+    def watch(ring: BloomRing, bucket: int, verify: bool, readonly: bool) -> object:
+        loose_bodies.append(sum(s.kind == "fuse" and not s.stacked for s in ring.slices()))
+        widths.append([st["width"] for st in ring.stacks()])
+        return opened(ring, bucket, verify, readonly)
+
+    monkeypatch.setattr(BloomRing, "_open_fuse_slice", watch)
+    ring = BloomRing.open(tmp_path)
+    assert loose_bodies == [0] * 5
+    assert widths == [[], [5], [5], [5], [5]]
+    assert ring.stacks()[0] | {"nbytes": 0} == {"width": 5, "live": 5, "nbytes": 0}
 
 
 def test_a_full_stack_leaves_a_slice_loose_until_a_column_frees(tmp_path: Path) -> None:
