@@ -651,7 +651,7 @@ def test_build_like_shares_a_geometry_that_fits_and_refuses_one_that_does_not() 
         FuseFilter.build(small, 4, (4, 3, 300, 306))
 
 
-@pytest.mark.parametrize("width", [5, 8, 12])  # up to 8: one 16-byte load per row
+@pytest.mark.parametrize("width", [5, 8, 12, 20])  # up to 16: 16-byte loads; over: a loop
 def test_a_stack_answers_as_its_filters_do(width: int) -> None:
     sets, filters = stacked([20_000, 19_000, 15_000, 20_000, 12_000])
     stack = stack_of(filters, width)
