@@ -360,6 +360,13 @@ class DaemonServer:
         self._stopping.set()
 
     @property
+    def listening(self) -> bool:
+        """Whether :meth:`start` has bound the socket and listens on it: from then on
+        a connection is accepted, where between the bind that makes the socket's file
+        and the listen it would be refused. Safe to read from another thread."""
+        return self._server is not None
+
+    @property
     def draining(self) -> bool:
         """Whether the server was asked to stop (it reads the requests already sent)."""
         return self._stopping.is_set()

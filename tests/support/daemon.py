@@ -179,7 +179,11 @@ class Daemon:
             target=self._loop.run_until_complete, args=(self.server.serve_forever(),)
         )
         self._thread.start()
-        wait_until(self.socket.exists, "the socket")
+        thread = self._thread
+        # Listening, not only bound: the socket's file exists from the bind on, and a
+        # client connecting before the listen is refused.
+        wait_until(lambda: self.server.listening or not thread.is_alive(), "the daemon listening")
+        assert self.server.listening, "the daemon stopped before it listened"
         return self.server
 
     def _stop_serving(self) -> None:
