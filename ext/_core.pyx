@@ -725,6 +725,41 @@ cdef dc_fuse_t _fuse_geometry(object params) except *:
     return geo
 
 
+ctypedef void (*_batch_probe)(const void* filt, const uint64_t* h, size_t n,
+                              unsigned char* flags) noexcept nogil
+
+
+cdef void _fuse_batch(const void* filt, const uint64_t* h, size_t n,
+                      unsigned char* flags) noexcept nogil:
+    dc_fuse_contains_batch(<const dc_fuse_t*>filt, h, n, flags)
+
+
+cdef void _stack_batch(const void* filt, const uint64_t* h, size_t n,
+                       unsigned char* flags) noexcept nogil:
+    dc_fuse_stack_contains_batch(<const dc_fuse_stack_t*>filt, h, n, flags)
+
+
+cdef object _hash_flags(object hashes, _batch_probe probe, const void* filt, bint holds):
+    """Per hash of a uint64 buffer, whether ``probe`` finds it in ``filt`` (the GIL
+    released; nothing probed unless the filter ``holds`` keys), as a memoryview of
+    bools: the ``contains_many`` of FuseFilter and FuseStack."""
+    mv = _hash_buffer(hashes, "hashes")
+    cdef Py_buffer view
+    cdef size_t n
+    cdef unsigned char* flags
+    PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
+    try:
+        n = <size_t>view.len // 8
+        out = bytearray(n)
+        flags = <unsigned char*>PyByteArray_AS_STRING(out)
+        if n and holds:
+            with nogil:
+                probe(filt, <const uint64_t*>view.buf, n, flags)
+    finally:
+        PyBuffer_Release(&view)
+    return memoryview(out).cast("?")
+
+
 def fuse_geometry(n):
     """``(segment_length, segment_count_length, array_length)`` of a fuse filter
     built from ``n`` distinct keys (ValueError: more than one filter holds)."""
@@ -932,21 +967,7 @@ cdef class FuseFilter:
     def contains_many(self, hashes):
         """Membership of each hash of a uint64 buffer, as a ``memoryview`` of bools."""
         self._check()
-        mv = _hash_buffer(hashes, "hashes")
-        cdef Py_buffer view
-        cdef size_t n
-        cdef unsigned char* flags
-        PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
-        try:
-            n = <size_t>view.len // 8
-            out = bytearray(n)
-            flags = <unsigned char*>PyByteArray_AS_STRING(out)
-            if n and self._count:
-                with nogil:
-                    dc_fuse_contains_batch(&self.f, <const uint64_t*>view.buf, n, flags)
-        finally:
-            PyBuffer_Release(&view)
-        return memoryview(out).cast("?")
+        return _hash_flags(hashes, _fuse_batch, &self.f, self._count != 0)
 
     def _checksum(self):
         """XXH64 (seed 0) of the body bytes, as stored in the file header."""
@@ -1094,20 +1115,7 @@ cdef class FuseStack:
     def contains_many(self, hashes):
         """Membership of each hash of a uint64 buffer in some live column, as a
         ``memoryview`` of bools."""
-        mv = _hash_buffer(hashes, "hashes")
-        cdef Py_buffer view
-        cdef size_t n
-        cdef unsigned char* flags
-        PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
-        try:
-            n = <size_t>view.len // 8
-            out = bytearray(n)
-            flags = <unsigned char*>PyByteArray_AS_STRING(out)
-            with nogil:
-                dc_fuse_stack_contains_batch(&self.st, <const uint64_t*>view.buf, n, flags)
-        finally:
-            PyBuffer_Release(&view)
-        return memoryview(out).cast("?")
+        return _hash_flags(hashes, _stack_batch, &self.st, self.st.live != 0)
 
 
 cdef struct FilterRef:
