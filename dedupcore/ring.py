@@ -26,7 +26,8 @@ from dedupcore._files import atomic_write, mkdir_private
 from dedupcore._files import unlink_quiet as _unlink_quiet
 from dedupcore.bloom import BloomFilter, check_capacity, check_error_rate, check_seed
 from dedupcore.errors import CorruptFileError, UnsupportedFormatError
-from dedupcore.fuse import KeyLog, fuse_file_chunks, fuse_file_params, open_fuse
+from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
+from dedupcore.fuse_stacks import FuseStacks, Params
 
 # The ring's messages keep the logger they always had.
 log = logging.getLogger("dedupcore.bloom")
@@ -46,9 +47,6 @@ MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
 RING_MANIFEST = "ring.json"
 RING_FORMAT = 2  # 2: slices rebuilt as fuse filters, key logs; 1 is read as it is
 FUSE_FPR = 2.0**-16  # a 16-bit fingerprint: the false-positive rate of a fuse slice
-#: A sealed slice is rebuilt in the geometry of a stack (and joins it) when that
-#: geometry has at most this many times the slots its own would have.
-STACK_SLACK = 1.15
 #: Keys an insert_many adds per hold of the ring's lock (well under a millisecond),
 #: and its pause after a step during which a lookup waited for the lock.
 INSERT_STEP = 32768
@@ -177,12 +175,13 @@ class BloomRing:
         self._vouched: dict[int, int] = {}  # bucket -> hashes its key log must prove (open())
         # Every live filter; None: stale.
         self._every: tuple[BloomFilter | _core.FuseFilter | _core.FuseStack, ...] | None = ()
-        # Fuse slices side by side (docs/warm-tier.md, "Stacked fuse slices"): at
-        # most one stack per geometry, each at most max_stack columns wide.
-        self._stacks: list[_core.FuseStack] = []
-        self.max_stack = min(self.max_slices - 1, _core.FUSE_STACK_MAX_WIDTH)
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
         self._lock = threading.RLock()
+        # Fuse slices side by side (docs/warm-tier.md, "Stacked fuse slices"), each
+        # stack at most as wide as the sealed slices the ring can hold live.
+        self.fuse_stacks = FuseStacks(
+            min(self.max_slices - 1, _core.FUSE_STACK_MAX_WIDTH), self._lock
+        )
         self._lookup = _Lookup(self._lock)  # the lock, for lookups (see insert_many)
         self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
         if self.path is not None:
@@ -206,10 +205,7 @@ class BloomRing:
             self._slices = keep
             self._every = None
             for s in dropped:
-                if s.stack is not None:
-                    s.stack.drop(s.column)
-                    if not s.stack.live:
-                        self._stacks.remove(s.stack)
+                self.fuse_stacks.leave(s)
             if dropped and self.path is not None:
                 self._write_manifest()
                 for s in dropped:
@@ -291,7 +287,7 @@ class BloomRing:
             every = self._every = (
                 *(f for s in self._slices if s.fuse is None for f in s.filters),
                 *(s.fuse for s in self._slices if s.fuse is not None and s.stack is None),
-                *self._stacks,
+                *self.fuse_stacks,
             )
         return every
 
@@ -452,11 +448,7 @@ class BloomRing:
     def stacks(self) -> list[dict[str, int]]:
         """Each stack of fuse slices: its columns, how many are live, and its bytes
         (docs/warm-tier.md, "Stacked fuse slices")."""
-        with self._lock:
-            return [
-                {"width": st.width, "live": len(st.live), "nbytes": st.nbytes}
-                for st in self._stacks
-            ]
+        return self.fuse_stacks.info()
 
     def __repr__(self) -> str:
         return (
@@ -535,7 +527,7 @@ class BloomRing:
                 try:
                     hashes = keylog.read()
                     with self._lock:
-                        like = self._stack_like(len(hashes))
+                        like = self.fuse_stacks.like(len(hashes))
                     fuse = _core.FuseFilter.build(hashes, self.seed, like)
                     # A guard against a builder that lost a key: every logged hash
                     # must be held before the slice's Bloom filters may go.
@@ -562,101 +554,12 @@ class BloomRing:
                 rebuilt += 1
                 self._stack_loose()  # before the next rebuild picks its geometry
 
-    # -- stacks ----------------------------------------------------------------
+    def _stack_loose(self, widths: dict[Params, int] | None = None) -> None:
+        """Moves the fuse slices that can go into a stack there (FuseStacks.stack_loose)."""
+        self.fuse_stacks.stack_loose(lambda: self._slices, self._filters_changed, widths)
 
-    def _stack_like(self, keys: int) -> tuple[int, ...] | None:
-        """The params of the stack a slice rebuilt from ``keys`` hashes should join:
-        the one of its segment length with the fewest slots, at least its own and at
-        most STACK_SLACK times as many, that has room; None: its own geometry."""
-        try:
-            segment, _, slots = _core.fuse_geometry(keys)
-        except ValueError:
-            return None  # too many keys for one filter: the build says so
-        fits = [
-            st.params
-            for st in self._stacks
-            if st.params[1] == segment
-            and slots <= st.params[3] <= slots * STACK_SLACK
-            and (len(st.live) < st.width or st.width < self.max_stack)
-        ]
-        return min(fits, key=lambda params: params[3]) if fits else None
-
-    def _place(self) -> tuple[_Slice, _core.FuseStack | None, int] | None:
-        """A fuse slice not in a stack yet, the stack of its params (None: a new one)
-        and the column it goes into; None when every slice that can be is stacked.
-        A slice whose stack is full and at its widest waits for a column to free."""
-        for s in self._slices:
-            if s.fuse is None or s.stack is not None or not s.fuse.count:
-                continue
-            params = s.fuse.params
-            stack = next((st for st in self._stacks if st.params == params), None)
-            if stack is None:
-                return s, None, 0
-            live = stack.live
-            free = next((c for c in range(stack.width) if c not in live), None)
-            if free is not None:
-                return s, stack, free
-            if stack.width < self.max_stack:
-                return s, stack, stack.width  # the stack grows by a column
-        return None
-
-    def _stack_widths(self, buckets: list[int]) -> dict[tuple[int, ...], int]:
-        """How many columns the stack of each geometry needs for the fuse files of
-        ``buckets``, from their headers (a file that cannot be read is left out:
-        opening it says why)."""
-        widths: dict[tuple[int, ...], int] = {}
-        for bucket in buckets:
-            try:
-                params, count = fuse_file_params(self._fuse_file(bucket))
-            except (OSError, CorruptFileError, UnsupportedFormatError):
-                continue
-            if count:
-                widths[params] = min(widths.get(params, 0) + 1, self.max_stack)
-        return widths
-
-    def _stack_loose(self, widths: dict[tuple[int, ...], int] | None = None) -> None:
-        """Moves every fuse slice that can go into a stack there (docs/warm-tier.md,
-        "Stacked fuse slices"). Copies run outside the ring's lock into columns that
-        are not live, so probes go on; a column turns live, the stack grown or new
-        takes its place and the slice's own body goes, all in one hold of the lock.
-        Only one thread stacks at a time (compact()'s lock, or open()). A new stack
-        gets the width ``widths`` names for its params (open(): every column it
-        will need, so that it never grows), else one column."""
-        while True:
-            with self._lock:
-                plan = self._place()
-            if plan is None:
-                return
-            s, old, column = plan
-            assert s.fuse is not None
-            if old is None:
-                stack = _core.FuseStack(s.fuse.params, (widths or {}).get(s.fuse.params, 1))
-            elif column >= old.width:
-                stack = old.grown(column + 1)
-            else:
-                stack = old
-            stack.put(column, s.fuse)
-            with self._lock:
-                if s not in self._slices or (old is not None and old not in self._stacks):
-                    # The slice expired meanwhile, or every column of its stack did
-                    # (the next pass starts a new stack for it).
-                    if stack is old:
-                        stack.drop(column)
-                    continue
-                if old is None:
-                    self._stacks.append(stack)
-                elif stack is not old:
-                    for c in stack.live:
-                        if c not in old.live:  # dropped while the copy ran
-                            stack.drop(c)
-                    self._stacks[self._stacks.index(old)] = stack
-                    for t in self._slices:
-                        if t.stack is old:
-                            t.stack = stack
-                stack.set_live(column)
-                s.stack, s.column = stack, column
-                s.fuse._release()
-                self._every = None
+    def _filters_changed(self) -> None:
+        self._every = None
 
     def save(self) -> None:
         """Writes the unsealed head slice and the manifest to ``path``."""
@@ -769,7 +672,7 @@ class BloomRing:
         if not readonly:
             for stale in root.glob(".*.tmp"):  # a write a crash cut short (atomic_write)
                 _unlink_quiet(stale)
-        widths = ring._stack_widths([e.bucket for e in entries if e.fuse])
+        widths = ring.fuse_stacks.widths(ring._fuse_file(e.bucket) for e in entries if e.fuse)
         for n, entry in enumerate(entries):
             bucket, count, sealed = entry.bucket, entry.subfilters, entry.sealed
             if entry.fuse:

@@ -44,6 +44,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     1: (
         "dedupcore._files",
         "dedupcore.fuse",
+        "dedupcore.fuse_stacks",
         "dedupcore.bloom",
         "dedupcore.ring",
         "dedupcore.wal.*",

@@ -475,7 +475,7 @@ def test_a_full_stack_leaves_a_slice_loose_until_a_column_frees(tmp_path: Path) 
     # start expires the oldest); a stack at most three wide stands in for the
     # moments when it does (a clock set back, a ring reopened late).
     ring, sets = _sealed(tmp_path, [20_000] * 6)
-    ring.max_stack = 3
+    ring.fuse_stacks.max_width = 3
     assert ring.compact() == 5
     (stack,) = ring.stacks()
     assert (stack["width"], stack["live"]) == (3, 3)
