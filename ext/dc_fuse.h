@@ -29,9 +29,6 @@
 
 #include "dc_hash.h" /* dc_prefetch, dc_alloc_body */
 #include "dc_status.h"
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #define DC_FUSE_MAX_SEGMENT_LENGTH 262144u     /* 2**18 */
 #define DC_FUSE_MAX_ARRAY_LENGTH 0xFFFFFFFFull /* slots are indexed by uint32 */
@@ -467,61 +464,92 @@ static inline void dc_fuse_stack_prefetch(const dc_fuse_stack_t *st, uint64_t x)
 }
 
 /* Bytes of a stack's body: its rows, and 32 more so that any row can be read
- * with two 16-byte loads. */
+ * in whole 16-byte groups of eight lanes. */
 static inline size_t dc_fuse_stack_bytes(uint64_t array_length, uint32_t width) {
     return (size_t)(array_length * width * 2) + 32;
 }
 
-/* live with each column's bit doubled (bits 2c and 2c + 1): a byte mask over
- * the 16-bit lanes of a row. */
-static inline uint32_t dc_fuse_stack_lanes(uint32_t live) {
-    uint32_t lanes = 0, c;
-    for (c = 0; c < 16; c++)
-        if ((live >> c) & 1u) lanes |= 3u << (2 * c);
-    return lanes;
+/* Up to DC_FUSE_STACK_MAX_WIDTH columns a row is compared eight lanes at a
+ * time with the compiler's vector types (GCC and Clang: SSE2 on x86-64, NEON
+ * on AArch64): the lanes past the row (the next row's, or the body's padding)
+ * are masked. Without them, and built with -DDC_FUSE_NO_SIMD (the tests
+ * build both), a loop over the columns: 2.7 times slower out of cache at
+ * eight columns (docs/warm-tier.md, "Stacked fuse slices"). */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(DC_FUSE_NO_SIMD)
+#define DC_FUSE_STACK_VECTORS 1
+typedef uint16_t dc_u16x8 __attribute__((vector_size(16)));
+typedef uint64_t dc_u64x2 __attribute__((vector_size(16)));
+
+/* The live columns as lane masks: lane j of group g is all ones when column
+ * 8g + j is live. */
+typedef struct {
+    dc_u16x8 group[DC_FUSE_STACK_MAX_WIDTH / 8];
+    uint32_t groups; /* groups a row spans: ceil(width / 8) */
+} dc_fuse_lanes_t;
+
+static inline dc_fuse_lanes_t dc_fuse_stack_lanes(const dc_fuse_stack_t *st) {
+    const dc_u16x8 bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    dc_fuse_lanes_t l;
+    uint32_t g;
+    l.groups = (st->width + 7) / 8;
+    for (g = 0; g < DC_FUSE_STACK_MAX_WIDTH / 8; g++) {
+        dc_u16x8 byte = {0};
+        byte += (uint16_t)((st->live >> (8 * g)) & 0xFFu);
+        l.group[g] = (dc_u16x8)((byte & bit) != 0);
+    }
+    return l;
 }
 
-#if defined(__SSE2__) && !defined(DC_FUSE_NO_SIMD)
 /* Eight lanes of three rows XORed (16 unaligned bytes from each). */
-static inline __m128i dc_fuse_row8(const uint16_t *a, const uint16_t *b, const uint16_t *d) {
-    return _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)a),
-                                       _mm_loadu_si128((const __m128i *)(const void *)b)),
-                         _mm_loadu_si128((const __m128i *)(const void *)d));
+static inline dc_u16x8 dc_fuse_row8(const uint16_t *a, const uint16_t *b, const uint16_t *d) {
+    dc_u16x8 x, y, z;
+    memcpy(&x, a, 16);
+    memcpy(&y, b, 16);
+    memcpy(&z, d, 16);
+    return x ^ y ^ z;
+}
+#else
+typedef struct {
+    uint32_t live;
+} dc_fuse_lanes_t;
+
+static inline dc_fuse_lanes_t dc_fuse_stack_lanes(const dc_fuse_stack_t *st) {
+    dc_fuse_lanes_t l;
+    l.live = st->live;
+    return l;
 }
 #endif
 
 /* Whether some live column may hold mixed hash x (lanes: dc_fuse_stack_lanes
- * of st->live). Up to sixteen columns a row is one or two 16-byte loads on
- * SSE2: the lanes past the row (the next row's, or the body's padding) are
- * masked. */
-static inline int dc_fuse_stack_match(const dc_fuse_stack_t *st, uint64_t x, uint32_t lanes) {
-    uint32_t s[3], c, w = st->width, live = st->live;
+ * of the stack). */
+static inline int dc_fuse_stack_match(const dc_fuse_stack_t *st, uint64_t x,
+                                      const dc_fuse_lanes_t *lanes) {
+    uint32_t s[3], w = st->width;
     uint16_t want = dc_fuse_fingerprint(x);
     dc_fuse_slots(&st->geo, x, s);
     const uint16_t *a = st->fp + (size_t)s[0] * w, *b = st->fp + (size_t)s[1] * w,
                    *d = st->fp + (size_t)s[2] * w;
-#if defined(__SSE2__) && !defined(DC_FUSE_NO_SIMD)
-    if (w <= 16) {
-        __m128i key = _mm_set1_epi16((short)want);
-        uint32_t m = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi16(dc_fuse_row8(a, b, d), key));
-        if (w > 8)
-            m |= (uint32_t)_mm_movemask_epi8(
-                     _mm_cmpeq_epi16(dc_fuse_row8(a + 8, b + 8, d + 8), key))
-                 << 16;
-        return (m & lanes) != 0;
-    }
-#endif
-    (void)lanes;
-    /* Wider stacks, and processors without SSE2: 2.7 times slower out of cache
-     * at eight columns (docs/warm-tier.md, "Stacked fuse slices"). */
-    uint32_t match = 0;
+#ifdef DC_FUSE_STACK_VECTORS
+    dc_u16x8 key = {0}, hit;
+    dc_u64x2 wide;
+    uint32_t g;
+    key += want;
+    hit = (dc_u16x8)(dc_fuse_row8(a, b, d) == key) & lanes->group[0];
+    for (g = 1; g < lanes->groups; g++)
+        hit |= (dc_u16x8)(dc_fuse_row8(a + 8 * g, b + 8 * g, d + 8 * g) == key) & lanes->group[g];
+    memcpy(&wide, &hit, 16);
+    return (wide[0] | wide[1]) != 0;
+#else
+    uint32_t c, match = 0;
     for (c = 0; c < w; c++) match |= (uint32_t)((uint16_t)(a[c] ^ b[c] ^ d[c]) == want) << c;
-    return (match & live) != 0;
+    return (match & lanes->live) != 0;
+#endif
 }
 
 /* Whether some live column of the stack may hold mixed hash x. */
 static inline int dc_fuse_stack_contains_mixed(const dc_fuse_stack_t *st, uint64_t x) {
-    return dc_fuse_stack_match(st, x, dc_fuse_stack_lanes(st->live));
+    dc_fuse_lanes_t lanes = dc_fuse_stack_lanes(st);
+    return dc_fuse_stack_match(st, x, &lanes);
 }
 
 /* ORs "may contain" into flags[i] for each of n key hashes (as
@@ -532,7 +560,7 @@ static inline void dc_fuse_stack_contains_batch(const dc_fuse_stack_t *st,
     uint64_t ring[DC_FUSE_PREFETCH];
     size_t i, head = n < DC_FUSE_PREFETCH ? n : DC_FUSE_PREFETCH;
     uint64_t seed = st->geo.seed;
-    uint32_t lanes = dc_fuse_stack_lanes(st->live);
+    dc_fuse_lanes_t lanes = dc_fuse_stack_lanes(st);
     if (st->live == 0) return;
     for (i = 0; i < head; i++) {
         ring[i] = dc_fuse_mix(h[i], seed);
@@ -545,7 +573,7 @@ static inline void dc_fuse_stack_contains_batch(const dc_fuse_stack_t *st,
             ring[i & (DC_FUSE_PREFETCH - 1)] = ahead;
             dc_fuse_stack_prefetch(st, ahead);
         }
-        flags[i] |= (unsigned char)dc_fuse_stack_match(st, x, lanes);
+        flags[i] |= (unsigned char)dc_fuse_stack_match(st, x, &lanes);
     }
 }
 

@@ -349,6 +349,22 @@ static void test_fuse_stack(void) {
         }
         CHECK(all);
     }
+    /* 27 columns: a row spans four groups of eight lanes. The first filter again
+     * in the last column, alone live: its keys held, the others' not. */
+    dc_fuse_stack_t widest = wide;
+    widest.width = 27;
+    widest.fp = (uint16_t *)dc_fuse_alloc(dc_fuse_stack_bytes(f[0].array_length, widest.width));
+    dc_fuse_stack_copy(&widest, &wide);
+    dc_fuse_stack_put(&widest, 26, &f[0]);
+    widest.live = 1u << 26;
+    memset(flags, 0, K * N);
+    dc_fuse_stack_contains_batch(&widest, h, K * N, flags);
+    size_t first = 0, others = 0;
+    for (size_t i = 0; i < N; i++) first += flags[i];
+    for (size_t i = N; i < K * N; i++) others += flags[i];
+    CHECK(first == N && others < 20);
+    CHECK(dc_fuse_stack_contains_mixed(&widest, dc_fuse_mix(h[7], widest.geo.seed)));
+    dc_fuse_free(widest.fp, dc_fuse_stack_bytes(f[0].array_length, widest.width));
     wide.live &= ~1u; /* column 0: the first filter */
     memset(flags, 0, K * N);
     dc_fuse_stack_contains_batch(&wide, h, N, flags);

@@ -651,7 +651,8 @@ def test_build_like_shares_a_geometry_that_fits_and_refuses_one_that_does_not() 
         FuseFilter.build(small, 4, (4, 3, 300, 306))
 
 
-@pytest.mark.parametrize("width", [5, 8, 12, 20])  # up to 16: 16-byte loads; over: a loop
+# A row is compared in groups of eight lanes: one group up to 8 columns, four at 32.
+@pytest.mark.parametrize("width", [5, 8, 12, 20, 25, 32])
 def test_a_stack_answers_as_its_filters_do(width: int) -> None:
     sets, filters = stacked([20_000, 19_000, 15_000, 20_000, 12_000])
     stack = stack_of(filters, width)
@@ -688,6 +689,24 @@ def test_a_column_answers_only_while_live() -> None:
     stack.set_live(1)
     assert np.frombuffer(stack.contains_many(sets[2]), dtype=bool).all()
     assert np.frombuffer(stack.contains_many(sets[1]), dtype=bool).mean() < 0.01
+
+
+@pytest.mark.parametrize("column", [7, 8, 17, 31])
+def test_a_column_of_any_lane_group_answers_only_while_live(column: int) -> None:
+    # Each of the filters in a column of its own, in the first, second, third or last
+    # group of eight lanes, next to dead columns that still hold another filter.
+    sets, filters = stacked([5_000, 5_000])
+    stack = FuseStack(filters[0].params, 32)
+    for c in range(32):
+        stack.put(c, filters[1])
+    stack.put(column, filters[0])
+    stack.set_live(column)
+    assert stack.live == (column,)
+    assert np.frombuffer(stack.contains_many(sets[0]), dtype=bool).all()
+    assert all(stack.contains_hash(int(h)) for h in sets[0][:200])
+    assert np.frombuffer(stack.contains_many(sets[1]), dtype=bool).mean() < 0.01
+    stack.drop(column)
+    assert not stack.contains_many(sets[0]).tobytes().strip(b"\0")
 
 
 def test_grown_keeps_every_column() -> None:

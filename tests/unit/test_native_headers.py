@@ -33,14 +33,30 @@ FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+#: Builds of the headers: as the package is built, and with the fuse stacks' plain
+#: loop over columns instead of vector compares (what compilers without vector
+#: types get).
+BUILDS = {"default": [], "no-simd": ["-DDC_FUSE_NO_SIMD"]}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def program(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.fail("no C compiler on PATH: the package cannot be built without one either")
-    out = tmp_path_factory.mktemp("native") / "test_headers"
+    out = tmp_path_factory.mktemp("native") / f"test_headers-{request.param}"
     build = subprocess.run(
-        [cc, *FLAGS, f"-I{REPO / 'ext'}", str(SOURCE), "-o", str(out), "-lm", "-pthread"],
+        [
+            cc,
+            *FLAGS,
+            *BUILDS[request.param],
+            f"-I{REPO / 'ext'}",
+            str(SOURCE),
+            "-o",
+            str(out),
+            "-lm",
+            "-pthread",
+        ],
         capture_output=True,
         text=True,
     )
