@@ -324,7 +324,7 @@ class Exchange:
         self.unstorable: str | None = None
         self.settled = False  # completed or released
         self.client_gone = False
-        self.beat: AsyncHeartbeat | None = None
+        self.beat: AsyncHeartbeat | protocol.ThreadHeartbeat | None = None
         self.beat_stopped = False
 
     async def receive(self) -> Message:

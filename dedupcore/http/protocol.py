@@ -11,6 +11,7 @@ docs/http.md describes the behaviour.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import inspect
@@ -230,6 +231,24 @@ def heartbeat(store: Any, dedup_key: str, token: int, namespace: str, lease: flo
     return Heartbeat(Claim(key_ref(dedup_key), namespace, Outcome.NEW, token), lease, renew)
 
 
+class ThreadHeartbeat:
+    """A sync store's :class:`Heartbeat` (its own thread) behind ``async with``, for an
+    event loop other than asyncio's (Trio): started at once, and stopped in a worker
+    thread (``run_sync``) so that the loop is not blocked while a renewal under way
+    ends first."""
+
+    def __init__(self, beat: Heartbeat, run_sync: Callable[[Callable[[], None]], Awaitable[Any]]):
+        self.beat = beat
+        self._run_sync = run_sync
+
+    async def __aenter__(self) -> ThreadHeartbeat:
+        self.beat.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._run_sync(functools.partial(self.beat.__exit__, None, None, None))
+
+
 def async_heartbeat(
     store: Any,
     dedup_key: str,
@@ -237,9 +256,14 @@ def async_heartbeat(
     namespace: str,
     lease: float,
     run_sync: Callable[[Callable[[], None]], Awaitable[Any]],
-) -> AsyncHeartbeat:
-    """:func:`heartbeat` as an asyncio task: an async store's ``extend`` is awaited, a sync
-    one's called through ``run_sync`` (in a worker thread)."""
+) -> AsyncHeartbeat | ThreadHeartbeat:
+    """:func:`heartbeat` for an async caller: on asyncio a task (an async store's
+    ``extend`` awaited, a sync one's called through ``run_sync``, in a worker thread);
+    on another event loop (an ASGI server on Trio) a sync store's heartbeat in a thread
+    of its own (:class:`ThreadHeartbeat`). An async store (``dedupcore.aio.Client``)
+    runs on asyncio only."""
+    if not _on_asyncio() and not inspect.iscoroutinefunction(store.extend):
+        return ThreadHeartbeat(heartbeat(store, dedup_key, token, namespace, lease), run_sync)
     renew = functools.partial(store.extend, dedup_key, token, namespace=namespace, lease=lease)
     shown = Claim(key_ref(dedup_key), namespace, Outcome.NEW, token)
     if inspect.iscoroutinefunction(store.extend):
@@ -249,6 +273,15 @@ def async_heartbeat(
         await run_sync(renew)
 
     return AsyncHeartbeat(shown, lease, renew_in_thread)
+
+
+def _on_asyncio() -> bool:
+    """Whether the caller runs on an asyncio event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def parse_key(raw: bytes) -> str:
