@@ -160,6 +160,14 @@ class Idempotency(protocol.Handling):
         fn = getattr(self.store, method)
         with anyio.CancelScope(shield=True):
             if self._async:
+                if not protocol.on_asyncio():
+                    kind = type(self.store)
+                    raise RuntimeError(
+                        f"the store ({kind.__module__}.{kind.__qualname__}) runs on asyncio "
+                        "only and this server runs another event loop (Trio): give the "
+                        "middleware a sync store (dedupcore.Client), whose calls run in "
+                        "worker threads"
+                    )
                 return await fn(*args, **kwargs)
             return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 

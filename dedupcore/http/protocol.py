@@ -262,7 +262,7 @@ def async_heartbeat(
     on another event loop (an ASGI server on Trio) a sync store's heartbeat in a thread
     of its own (:class:`ThreadHeartbeat`). An async store (``dedupcore.aio.Client``)
     runs on asyncio only."""
-    if not _on_asyncio() and not inspect.iscoroutinefunction(store.extend):
+    if not on_asyncio() and not inspect.iscoroutinefunction(store.extend):
         return ThreadHeartbeat(heartbeat(store, dedup_key, token, namespace, lease), run_sync)
     renew = functools.partial(store.extend, dedup_key, token, namespace=namespace, lease=lease)
     shown = Claim(key_ref(dedup_key), namespace, Outcome.NEW, token)
@@ -275,7 +275,7 @@ def async_heartbeat(
     return AsyncHeartbeat(shown, lease, renew_in_thread)
 
 
-def _on_asyncio() -> bool:
+def on_asyncio() -> bool:
     """Whether the caller runs on an asyncio event loop."""
     try:
         asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from dedupcore import DedupStore
+from dedupcore import DedupStore, aio
 from dedupcore.http import Idempotency
 
 from .http_apps import ALICE, PATIENCE, is_replay, new_key
@@ -113,3 +113,21 @@ def test_requests_are_claimed_replayed_and_released_on_either_loop(
     assert other_body.status_code == 422  # the key came with another body
     assert failed.status_code == failed_again.status_code == 503  # released: run again
     assert runs == [b"a", b"fail", b"fail"]
+
+
+def test_an_asyncio_client_as_the_store_on_trio_is_refused_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    async def never(request: Request) -> JSONResponse:
+        raise AssertionError("the app must not run")
+
+    store = aio.Client(tmp_path / "no-daemon.sock")  # refused before any connection
+    app = Idempotency(store).wrap(Starlette(routes=[Route("/orders", never, methods=["POST"])]))
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            await c.post("/orders", headers={**ALICE, "Idempotency-Key": new_key()})
+
+    with pytest.raises(RuntimeError, match=r"dedupcore\.aio\.Client\) runs on asyncio only"):
+        anyio.run(main, backend="trio")
