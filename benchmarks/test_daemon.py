@@ -49,6 +49,8 @@ Sizes come from the environment (``--quick``: the second figure)::
     DEDUPCORE_BENCH_DAEMON_PROCS   client processes of the concurrency benchmark (8)
     DEDUPCORE_BENCH_DAEMON_BATCH   keys per batch (1000)
     DEDUPCORE_BENCH_DAEMON_ROUNDS  rounds of each benchmark (3)
+    DEDUPCORE_BENCH_DAEMON_LOAD_BATCH  keys per batch of the loaders of the latency
+                                   under batches (100_000)
     DEDUPCORE_BENCH_REDIS_URL      redis://127.0.0.1:6379
     DEDUPCORE_BENCH_DAEMON_REDIS_DB  Redis db to use and FLUSHDB (11)
 
@@ -574,7 +576,7 @@ def _async_latency(
 # ------------------------------------- one claim while others send big batches --
 
 LOADERS = 4  # client processes sending big batches
-LOAD_BATCH = 100_000  # keys per batch of each of them
+LOAD_BATCH = env_int("DEDUPCORE_BENCH_DAEMON_LOAD_BATCH", 100_000)  # keys per batch of each
 UNDER_LOAD_CALLS = 2000  # timed single claims (one every millisecond at most)
 
 

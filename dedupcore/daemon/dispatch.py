@@ -56,9 +56,6 @@ INLINE_OPS = frozenset({Op.PING})
 REPLY_FIXED = 32
 #: Upper bound of one claim row without its result: [outcome, token, result, exact, takeover].
 ROW_FIXED = 32
-#: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
-#: SLICE_KEYS keys, with other connections' requests served between two slices.
-SLICE_ABOVE = 8192
 #: How long a large batch's next slice waits for the small requests in flight
 #: to be answered, at most: under a steady stream of them batches still progress.
 SMALL_FIRST_SECONDS = 0.005
@@ -66,6 +63,12 @@ SMALL_FIRST_SECONDS = 0.005
 #: batches in flight is decided per pass of the event loop (they take turns), so a
 #: request of another connection waits behind at most one slice per pass.
 SLICE_KEYS = 1024
+#: A CLAIM_MANY of more keys than this is decided on the event loop in slices of
+#: SLICE_KEYS keys, with other connections' requests served between two slices:
+#: any batch larger than one slice, so that no step of the loop decides more. (It
+#: was 8192: four clients sending batches of 8192 keys then held single claims to
+#: 36-39 ms p50 and 323-355 ms p99; docs/performance.md, "The daemon".)
+SLICE_ABOVE = SLICE_KEYS
 #: Ops the embedded store decides on the event loop (then only the commit is waited
 #: for; a renewal is kept in memory and has none).
 DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.EXTEND_MANY})

@@ -130,7 +130,7 @@ def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_native
             figures["native_commit_rounds"],
         )
 
-    keys = [f"k{i}" for i in range(SLICE_ABOVE)]  # about 300 KiB of log records
+    keys = [f"k{i}" for i in range(8 * SLICE_KEYS)]  # about 300 KiB of log records
     with daemon.client(timeout=PATIENCE) as c:
         c.claim("warm", namespace=ns)
         total, inline, native = rounds()
@@ -278,7 +278,8 @@ def test_columns_carry_outcomes_tokens_results_cold_answers_and_takeovers(
         keys = list(six)
         at = list(range(6))
         if sliced:  # one of the six in each of slices 0, 1, 3, 4, 6, 9, among fresh keys
-            n = SLICE_ABOVE + 3 * SLICE_KEYS
+            n = 10 * SLICE_KEYS
+            assert n > SLICE_ABOVE
             at = [3, SLICE_KEYS + 1, 3 * SLICE_KEYS, 4 * SLICE_KEYS + 17, 6 * SLICE_KEYS - 1, n - 1]
             keys = [f"filler{i}" for i in range(n)]
             for pos, key in zip(at, six, strict=True):

@@ -18,7 +18,7 @@ import pytest
 
 from dedupcore.api import ClaimAPI, Outcome
 from dedupcore.client import Client
-from dedupcore.daemon.server import EXIT_STORE_FAILED, SLICE_ABOVE
+from dedupcore.daemon.server import EXIT_STORE_FAILED, SLICE_KEYS
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.metrics import Metrics, instrument
 from dedupcore.stack import ShardedStore, TieredStore
@@ -151,7 +151,7 @@ def test_a_failed_native_commit_answers_an_error_and_stops_the_daemon(tmp_path: 
     the error, nothing of it is acknowledged, and the daemon stops for a restart."""
     store = DedupStore.open(tmp_path / "data", **QUIET)
     ns = unique_ns("native")
-    keys = [f"lost-{i}" for i in range(SLICE_ABOVE)]  # far more log than the loop syncs
+    keys = [f"lost-{i}" for i in range(8 * SLICE_KEYS)]  # far more log than the loop syncs
     with serving(store) as (server, path), Client(path, timeout=PATIENCE, retries=0) as c:
         kept = c.claim("kept", namespace=ns)
         assert kept.outcome is Outcome.NEW
