@@ -225,6 +225,21 @@ def test_a_single_claim_is_answered_between_the_slices_of_a_large_batch(lab: Lab
     raise AssertionError("the single claim was never decided inside the large batch")
 
 
+@pytest.mark.parametrize("n", [SLICE_KEYS, SLICE_KEYS + 1, 8 * SLICE_KEYS])
+def test_every_claim_batch_larger_than_a_slice_is_sliced(daemon: Daemon, n: int) -> None:
+    # No step of the event loop decides more than one slice of a claim batch: one of
+    # a few thousand keys, which small frames can carry, included.
+    ns = unique_ns("slices")
+    before = daemon_stats(daemon)
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many([f"s{i}" for i in range(n)], namespace=ns)
+    after = daemon_stats(daemon)
+    assert all(x.outcome is Outcome.NEW for x in claims) and len(claims) == n
+    slices = -(-n // SLICE_KEYS) if n > SLICE_KEYS else 0
+    assert after["sliced_batches"] - before["sliced_batches"] == (1 if slices else 0)
+    assert after["batch_slices"] - before["batch_slices"] == slices
+
+
 def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -> None:
     daemon = lab.daemon()
     ns = unique_ns("atomic")
