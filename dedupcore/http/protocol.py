@@ -262,11 +262,12 @@ def async_heartbeat(
     on another event loop (an ASGI server on Trio) a sync store's heartbeat in a thread
     of its own (:class:`ThreadHeartbeat`). An async store (``dedupcore.aio.Client``)
     runs on asyncio only."""
-    if not on_asyncio() and not inspect.iscoroutinefunction(store.extend):
+    awaited = inspect.iscoroutinefunction(store.extend)
+    if not awaited and not on_asyncio():
         return ThreadHeartbeat(heartbeat(store, dedup_key, token, namespace, lease), run_sync)
     renew = functools.partial(store.extend, dedup_key, token, namespace=namespace, lease=lease)
     shown = Claim(key_ref(dedup_key), namespace, Outcome.NEW, token)
-    if inspect.iscoroutinefunction(store.extend):
+    if awaited:
         return AsyncHeartbeat(shown, lease, renew)
 
     async def renew_in_thread() -> None:
