@@ -14,8 +14,8 @@ stack and column hold its filter.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -45,12 +45,13 @@ class StackMember(Protocol):
 class FuseStacks:
     """At most one stack per geometry, each at most ``max_width`` columns wide.
 
-    ``lock`` is the ring's lock, the one its probes take. :meth:`like`,
-    :meth:`leave`, iteration and ``len`` expect the caller to hold it;
-    :meth:`stack_loose` and :meth:`info` take it themselves.
+    ``lock`` is what the ring takes to change itself (which keeps its probes out).
+    :meth:`like`, :meth:`leave`, iteration and ``len`` expect the caller to hold
+    the ring's lock; :meth:`stack_loose` and :meth:`info` take ``lock``
+    themselves.
     """
 
-    def __init__(self, max_width: int, lock: threading.RLock) -> None:
+    def __init__(self, max_width: int, lock: AbstractContextManager[object]) -> None:
         self.max_width = max_width
         self._lock = lock
         self._stacks: list[_core.FuseStack] = []

@@ -121,6 +121,26 @@ class _Lookup:
         self._lock.release()
 
 
+class _Change:
+    """The ring's two locks, taken to change it: ``writing`` first, then the lock its
+    lookups take. :meth:`BloomRing.save` holds only ``writing``: nothing changes the
+    ring while it writes, and lookups go on (docs/warm-tier.md, "The front filter")."""
+
+    __slots__ = ("_lock", "_writing")
+
+    def __init__(self, writing: threading.RLock, lock: threading.RLock) -> None:
+        self._writing = writing
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._writing.acquire()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._writing.release()
+
+
 class BloomRing:
     """A time-sliced Bloom filter: keys expire ``window`` seconds after their slice.
 
@@ -176,11 +196,13 @@ class BloomRing:
         # Every live filter; None: stale.
         self._every: tuple[BloomFilter | _core.FuseFilter | _core.FuseStack, ...] | None = ()
         self._saved: dict[tuple[int, int], int] = {}  # (bucket, sub-filter) -> count saved
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # lookups; with _writing, every change
+        self._writing = threading.RLock()  # changes and saves (see _Change)
+        self._change = _Change(self._writing, self._lock)
         # Fuse slices side by side (docs/warm-tier.md, "Stacked fuse slices"), each
         # stack at most as wide as the sealed slices the ring can hold live.
         self.fuse_stacks = FuseStacks(
-            min(self.max_slices - 1, _core.FUSE_STACK_MAX_WIDTH), self._lock
+            min(self.max_slices - 1, _core.FUSE_STACK_MAX_WIDTH), self._change
         )
         self._lookup = _Lookup(self._lock)  # the lock, for lookups (see insert_many)
         self._compacting = threading.Lock()  # one rebuild at a time, outside _lock
@@ -199,7 +221,7 @@ class BloomRing:
     def expire(self, now: float) -> int:
         """Drops the slices that hold only keys older than the window; returns how many."""
         _check_time(now)
-        with self._lock:
+        with self._change:
             keep = [s for s in self._slices if self._live(s.bucket, now)]
             dropped = [s for s in self._slices if not self._live(s.bucket, now)]
             self._slices = keep
@@ -294,7 +316,7 @@ class BloomRing:
     def add(self, key: bytes | bytearray | memoryview | str, now: float) -> bool:
         """Adds a key at time ``now``; True if no live slice held it before."""
         h = _core.hash64(key, self.seed)
-        with self._lock:
+        with self._change:
             head = self._head_for(now)
             target = self._target(head)
             seen = any(f.contains_hash(h) for f in self._filters() if f is not target)
@@ -313,7 +335,7 @@ class BloomRing:
         "The cold archive"). Ignored once the slice exists.
         """
         batch = self._hashed(keys, expected)
-        with self._lock:
+        with self._change:
             return self._add_hashes(batch, now, True, expected)
 
     def insert_many(self, keys: Keys, now: float, *, expected: int = 0) -> None:
@@ -330,7 +352,7 @@ class BloomRing:
         batch = self._hashed(keys, expected)
         n = len(batch)
         for start in range(0, max(n, 1), INSERT_STEP):
-            with self._lock:
+            with self._change:
                 self._add_hashes(batch[start : start + INSERT_STEP], now, False, expected)
             if self._lookup.waiting:
                 self._lookup.waiting = False
@@ -540,10 +562,10 @@ class BloomRing:
                     atomic_write(self._fuse_file(s.bucket), fuse_file_chunks(fuse, self.seed))
                 except (CorruptFileError, OSError) as exc:
                     log.warning("cold slice %d stays a Bloom filter: %s", s.bucket, exc)
-                    with self._lock:
+                    with self._change:
                         s.log = None
                     continue
-                with self._lock:
+                with self._change:
                     if s not in self._slices:  # expired meanwhile
                         _unlink_quiet(self._fuse_file(s.bucket))
                         continue
@@ -562,10 +584,13 @@ class BloomRing:
         self._every = None
 
     def save(self) -> None:
-        """Writes the unsealed head slice and the manifest to ``path``."""
+        """Writes the unsealed head slice and the manifest to ``path``.
+
+        Holds the lock every change of the ring takes, not the one lookups take:
+        lookups go on while the files are written and synced; adds wait."""
         if self.path is None:
             raise ValueError("this ring has no path; pass path= to persist it")
-        with self._lock:
+        with self._writing:
             for s in self._slices:
                 if not s.sealed:
                     self._flush_keys(s)

@@ -593,6 +593,50 @@ def test_save_and_open_give_same_answers(tmp_path: Path, make_keys: Keys) -> Non
     assert all(again.contains_many([*keys, b"after-reopen", b"next-bucket"]))
 
 
+def test_lookups_go_on_while_a_save_writes_and_changes_wait(
+    tmp_path: Path, make_keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save holds what changes take, not what lookups take: while its manifest is
+    being written, lookups are answered, and an add waits until the save is done (a
+    checkpoint's save of the store's front does not stall every claim's lookup)."""
+    ring, keys = _persisted_ring(tmp_path, make_keys)
+    writing, release = threading.Event(), threading.Event()
+    plain_write = ring_module.atomic_write
+
+    def slow_write(path: Any, chunks: Any) -> None:
+        writing.set()
+        assert release.wait(60), "the test never let the save finish"
+        plain_write(path, chunks)
+
+    monkeypatch.setattr(ring_module, "atomic_write", slow_write)
+    saver = threading.Thread(target=ring.save)
+    saver.start()
+    added: list[bool] = []
+    adder = threading.Thread(target=lambda: added.append(ring.add(b"during-save", now=5.9)))
+    try:
+        assert writing.wait(60)
+        answers: list[list[bool]] = []
+        looker = threading.Thread(
+            target=lambda: answers.append(list(ring.contains_many([keys[0], b"absent"])))
+        )
+        looker.start()
+        looker.join(60)
+        assert not looker.is_alive(), "a lookup waited for the save"
+        assert answers == [[True, False]]
+        adder.start()
+        adder.join(0.2)
+        assert adder.is_alive(), "an add changed the ring while it was being saved"
+        assert added == []
+    finally:
+        release.set()
+        saver.join(60)
+        if adder.is_alive() or adder.ident is not None:
+            adder.join(60)
+    assert added == [True]
+    reopened = BloomRing.open(tmp_path)
+    assert all(reopened.contains_many(keys))
+
+
 def test_open_without_verify(tmp_path: Path, make_keys: Keys) -> None:
     ring, keys = _persisted_ring(tmp_path, make_keys)
     ring.save()
