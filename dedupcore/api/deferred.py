@@ -45,7 +45,11 @@ class DeferredStore(Protocol):
     would carry, nothing applied, lsn 0). ``change_deferred(batch)`` answers
     the lsn of a completion or release. No answer may be passed on before
     ``wait_durable(lsn)`` returned (lsn 0: nothing to wait for).
-    ``commit_bytes()`` is what the next commit would write;
+    ``has_namespace(ns)`` says whether a namespace has its id already;
+    ``add_namespace(ns)`` gives it one, which can wait for the store's files
+    (the daemon calls it in a worker thread before it decides the first batch
+    of a namespace on its event loop). ``commit_bytes()`` is what the next
+    commit would write;
     ``unsynced_commits`` is True where a commit writes to the OS without a sync.
     ``start_commit()`` starts the next commit on a native thread (False where
     it cannot); ``commit_fd()`` becomes readable when it is done, and
@@ -82,6 +86,8 @@ DEFERRED_MEMBERS = frozenset(
         "claim_deferred",
         "change_deferred",
         "wait_durable",
+        "has_namespace",
+        "add_namespace",
         "commit_bytes",
         "unsynced_commits",
         "start_commit",

@@ -72,6 +72,8 @@ SLICE_ABOVE = SLICE_KEYS
 #: Ops the embedded store decides on the event loop (then only the commit is waited
 #: for; a renewal is kept in memory and has none).
 DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.EXTEND_MANY})
+#: The ops whose first batch in a namespace gives it its id (an LMDB write).
+_NAMING_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class Dispatcher:
         #: The WAIT requests waiting, when the daemon wakes them: told of every completion,
         #: release and renewal decided on the loop.
         self.waiters: Waiters | None = None
+        #: Namespaces being recorded, with the requests that wait for them (_name).
+        self._naming: dict[str, _Naming] = {}
 
     def start(
         self, loop: asyncio.AbstractEventLoop, others_in_flight: Callable[[int], bool]
@@ -180,6 +184,52 @@ class Dispatcher:
         """Whether ``op`` is decided on the event loop (then only its commit is waited for)."""
         return self.committer is not None and op in DEFERRED_OPS
 
+    def knows_namespace(self, op: Op, args: dict[str, Any] | protocol.OneKey) -> bool:
+        """Whether the store can decide a request without first giving its namespace
+        an id: the namespace has one (and no earlier request waits for it), the op
+        names none, or the request's own checks refuse what it names. A namespace's
+        first requests are not decided at once: :meth:`decide` has the store record
+        the namespace in a worker thread first, as that LMDB write can wait seconds
+        for a checkpoint's transaction (docs/daemon.md, "A namespace's first batch")."""
+        if op not in _NAMING_OPS:
+            return True
+        ns = args.namespace if isinstance(args, protocol.OneKey) else args.get("ns")
+        if type(ns) is not str:
+            return True
+        if ns in self._naming:
+            return False  # behind the requests that wait for it, in their order
+        try:
+            return bool(self.store.has_namespace(ns))
+        except (TypeError, ValueError):
+            return True
+
+    async def _name(self, op: Op, args: dict[str, Any] | protocol.OneKey) -> None:
+        """Waits until a request's namespace has its id, recorded off the event loop.
+
+        The requests that wait for one namespace form a chain: each goes on once the
+        one before it has (its decision is made in that same step of the loop), so
+        they are decided in the order they came, and one that comes while the chain
+        is not through joins its end."""
+        if self.knows_namespace(op, args):
+            return
+        ns = args.namespace if isinstance(args, protocol.OneKey) else args["ns"]
+        naming = self._naming.get(ns)
+        if naming is None:
+            recorded = asyncio.ensure_future(asyncio.to_thread(self.store.add_namespace, ns))
+            naming = self._naming[ns] = _Naming(recorded)
+        ahead, mine = naming.last, asyncio.get_running_loop().create_future()
+        naming.last = mine
+        naming.waiting += 1
+        try:
+            # Shielded: a request whose connection goes away stops no one ahead of it.
+            await asyncio.shield(ahead)
+            naming.recorded.result()  # the write's error, for every request that waited
+        finally:
+            naming.waiting -= 1
+            if not naming.waiting and self._naming.get(ns) is naming:
+                del self._naming[ns]
+            _pass_on(ahead, mine)
+
     async def durable(self, durable: asyncio.Future[None] | None) -> None:
         """Waits for a commit (request_timeout); raises what it raised."""
         if durable is None:
@@ -192,6 +242,7 @@ class Dispatcher:
         """Decides a claim, completion or release on the event loop, then waits (without
         blocking the loop) until the log is durable through every record the answer
         depends on: nothing is answered before that (docs/daemon.md)."""
+        await self._name(op, args)
         keys = args.get("keys")
         if op is Op.CLAIM_MANY and isinstance(keys, list) and len(keys) > SLICE_ABOVE:
             options = _claim_options(args)
@@ -457,3 +508,29 @@ def _claim_options(args: dict[str, Any]) -> dict[str, Any]:
         "owner": _optional(args, "owner", (bytes, str)),
         "fingerprints": _optional(args, "fps", list),
     }
+
+
+class _Naming:
+    """A namespace being recorded: the write, the last request waiting for it (each
+    request's future is done once it has gone on) and how many wait."""
+
+    __slots__ = ("last", "recorded", "waiting")
+
+    def __init__(self, recorded: asyncio.Future[None]) -> None:
+        self.recorded = recorded
+        self.last: asyncio.Future[None] = recorded
+        self.waiting = 0
+
+
+def _pass_on(ahead: asyncio.Future[None], mine: asyncio.Future[None]) -> None:
+    """Lets the request after this one go on: now, or once the one ahead of it has
+    (when this one gave up waiting)."""
+
+    def go(_: object = None) -> None:
+        if not mine.done():
+            mine.set_result(None)
+
+    if ahead.done():
+        go()
+    else:
+        ahead.add_done_callback(go)

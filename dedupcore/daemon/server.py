@@ -578,7 +578,7 @@ class DaemonServer:
         in the same pass have been read and decided too, and they share one
         ``fdatasync``."""
         if op is not Op.PING:
-            if not self.dispatch.decides_now(op):
+            if not self.dispatch.decides_now(op) or not self.dispatch.knows_namespace(op, args):
                 return None
             if op is Op.CLAIM_MANY and isinstance(args, dict):
                 keys = args.get("keys")

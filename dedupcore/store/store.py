@@ -83,6 +83,7 @@ class DedupStore(Maintenance, ClaimAPI):
         self._pid = os.getpid()
         self._forks = _forks  # a child of a fork sees more (and refuses to serve)
         self._lock = threading.RLock()
+        self._ns_lock = threading.Lock()  # one new namespace at a time (see _add_ns)
         self._lock_wanted = False  # a batch waits for the lock (see _lock_for_batch)
         # Notified when keys are completed or released: wakes claim(wait=) waiters.
         self._changed = threading.Condition(self._lock)
@@ -326,17 +327,37 @@ class DedupStore(Maintenance, ClaimAPI):
     def _ns_id(self, namespace: bytes) -> int:
         ns_id = self._ns_ids.get(namespace)
         if ns_id is None:
-            with self._lock:
-                ns_id = self._ns_ids.get(namespace)
-                if ns_id is None:
-                    if self.readonly:
-                        return -1
-                    if len(self._ns_ids) >= _MAX_NAMESPACES:
-                        raise DedupError(f"more than {_MAX_NAMESPACES} namespaces")
-                    ns_id = len(self._ns_ids) + 1
-                    self._lmdb.add_namespace(namespace, ns_id)
-                    self._ns_ids[namespace] = ns_id
-                    self._ns_names[ns_id] = namespace.decode()
+            ns_id = self._add_ns(namespace)
+        return ns_id
+
+    def has_namespace(self, namespace: str) -> bool:
+        """Whether ``namespace`` has its id already (a claim in it writes no LMDB
+        record first)."""
+        return _keys.check_namespace(namespace) in self._ns_ids
+
+    def add_namespace(self, namespace: str) -> None:
+        """Gives ``namespace`` its id now, recorded in LMDB, where a first claim in it
+        would. That write waits for LMDB's writer, which a checkpoint can hold for
+        seconds: the daemon makes it in a worker thread, not on its event loop."""
+        self._check_usable(write=True)
+        self._ns_id(_keys.check_namespace(namespace))
+
+    def _add_ns(self, namespace: bytes) -> int:
+        """A new namespace's id, recorded in LMDB first. Under a lock of its own, not
+        the store lock: the LMDB write waits for a checkpoint's transaction, and
+        claims in the namespaces already known go on meanwhile."""
+        with self._ns_lock:
+            ns_id = self._ns_ids.get(namespace)
+            if ns_id is not None:
+                return ns_id
+            if self.readonly:
+                return -1
+            if len(self._ns_ids) >= _MAX_NAMESPACES:
+                raise DedupError(f"more than {_MAX_NAMESPACES} namespaces")
+            ns_id = len(self._ns_ids) + 1
+            self._lmdb.add_namespace(namespace, ns_id)
+            self._ns_names[ns_id] = namespace.decode()
+            self._ns_ids[namespace] = ns_id  # last: whoever finds the id finds its name
         return ns_id
 
     def _retention(self, ns_id: int) -> Retention:

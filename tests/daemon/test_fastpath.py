@@ -35,7 +35,7 @@ from tests.support.daemon import (
     serving,
 )
 from tests.support.procs import PATIENCE, wait_until
-from tests.support.stores import unique_ns
+from tests.support.stores import lmdb_writer_held, unique_ns
 
 #: A 60 kB result.
 RESULT = b"r" * 60_000
@@ -87,6 +87,9 @@ def test_a_lone_request_is_decided_by_its_connection_reader_in_either_mode(
     ns = unique_ns("at-once")
     with daemon.client(timeout=PATIENCE) as c:
         c.ping()
+        # A namespace's first batch is served by a task (its id is recorded in a
+        # worker thread): this one is known before the count starts.
+        c.claim("first", namespace=ns)
         before = daemon_stats(daemon)
         for i in range(20):
             claim = c.claim(f"k{i}", namespace=ns)
@@ -475,6 +478,8 @@ def test_a_decided_request_whose_commit_outlasts_the_request_timeout_is_told_so(
     answers it with the timeout error instead, and the daemon keeps serving. The
     record was decided and logged: once the commit is done, the key is held."""
     store = DedupStore.open(tmp_path / "data")
+    ns = unique_ns("slots")
+    store.claim("first", namespace=ns)  # known: a namespace's first batch is a task's
     gate = threading.Event()
     real_wait = store.wait_durable
 
@@ -527,6 +532,9 @@ def test_frames_already_read_are_served_without_a_deadline_each(
     with serving(DedupStore.open(tmp_path / "data")) as (_server, sock), connect(sock) as s:
         s.sendall(protocol.encode_request(1, Op.PING, {}))
         assert protocol.decode_response(read_frame(s)) == (1, Status.OK, "pong")
+        # The namespace known first: its first batch would be served by a task.
+        s.sendall(_claim(2, ns, ["first"]))
+        assert protocol.decode_response(read_frame(s))[:2] == (2, Status.OK)
         before = deadlines
         burst = b"".join(_claim(10 + i, ns, [f"k{i}"]) for i in range(40))
         s.sendall(burst)  # one write: the daemon reads all 40 frames at once
@@ -580,6 +588,7 @@ def test_pipelined_small_requests_in_one_write_are_all_answered_without_a_task_e
     pings = set(range(0, n, 10))
     frames = [_ping(i) if i in pings else _claim(i, ns, [f"k{i}"]) for i in range(n)]
     store = DedupStore.open(tmp_path / "data", durability=durability)
+    store.claim("first", namespace=ns)  # known: a namespace's first batch is a task's
     with serving(store) as (server, sock), connect(sock) as s:
         s.sendall(b"".join(frames))
         replies = [protocol.decode_response(read_frame(s)) for _ in range(n)]
@@ -623,11 +632,87 @@ def test_a_frame_sent_a_byte_at_a_time_is_reassembled(tmp_path: Path) -> None:
         assert server._budget.used == 0
 
 
+@pytest.mark.parametrize("one_key", [True, False])
+def test_a_first_claim_in_a_namespace_waits_for_lmdb_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_key: bool
+) -> None:
+    """A namespace's first claim records it in LMDB, which waits while a checkpoint
+    holds LMDB's writer. The daemon has that done in a worker thread, not on its
+    event loop: another connection's claim is answered meanwhile."""
+    known, new = unique_ns("known"), unique_ns("new")
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    store.claim("k", namespace=known)
+    recording = threading.Event()
+    plain = store._lmdb.add_namespace
+
+    def add_namespace(name: bytes, ns_id: int) -> None:
+        recording.set()
+        plain(name, ns_id)
+
+    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    keys = ["k"] if one_key else ["k", "k2"]
+    with (
+        serving(store, request_timeout=PATIENCE) as (server, sock),
+        connect(sock) as first,
+        connect(sock) as other,
+    ):
+        with lmdb_writer_held(store):
+            first.sendall(_claim(1, new, keys))
+            assert recording.wait(PATIENCE)
+            # Answered in milliseconds; a loop that waits for LMDB times out here,
+            # before the writer is let go.
+            other.settimeout(30)
+            other.sendall(_claim(2, known, ["k2"]))
+            rid, status, rows = protocol.decode_response(read_frame(other))
+            assert (rid, status) == (2, Status.OK) and rows[0][0] == Outcome.NEW.value
+        rid, status, rows = protocol.decode_response(read_frame(first))
+        assert (rid, status) == (1, Status.OK)
+        assert [r[0] for r in rows] == [Outcome.NEW.value] * len(keys)
+        # Known now: its next claim is decided at once again.
+        answered = server.counters["answered_at_once"]
+        first.sendall(_claim(3, new, ["k3"]))
+        rid, status, rows = protocol.decode_response(read_frame(first))
+        assert (rid, status, rows[0][0]) == (3, Status.OK, Outcome.NEW.value)
+        assert server.counters["answered_at_once"] == answered + 1
+
+
+def test_requests_waiting_for_their_namespace_are_decided_in_the_order_they_came(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipelined claims of one key in a new namespace all wait for its id, and are
+    then decided in the order they were sent: the first is NEW, the others
+    IN_PROGRESS. A claim that comes once the id is recorded keeps its place too."""
+    new = unique_ns("order")
+    store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    recording = threading.Event()
+    plain = store._lmdb.add_namespace
+
+    def add_namespace(name: bytes, ns_id: int) -> None:
+        recording.set()
+        plain(name, ns_id)
+
+    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    with serving(store, request_timeout=PATIENCE) as (_server, sock), connect(sock) as s:
+        with lmdb_writer_held(store):
+            s.sendall(b"".join(_claim(10 + i, new, ["k"]) for i in range(5)))
+            assert recording.wait(PATIENCE)
+        s.sendall(_claim(15, new, ["k"]))
+        outcomes = {}
+        for _ in range(6):
+            rid, status, rows = protocol.decode_response(read_frame(s))
+            assert status == Status.OK, rows
+            outcomes[rid] = rows[0][0]
+    assert outcomes == {10: Outcome.NEW.value} | {
+        i: Outcome.IN_PROGRESS.value for i in range(11, 16)
+    }
+
+
 def test_a_header_read_first_reserves_the_body_which_is_served_when_it_comes(
     tmp_path: Path,
 ) -> None:
     ns = unique_ns("header")
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
+    store.claim("first", namespace=ns)  # known: a namespace's first batch is a task's
     with serving(store, request_timeout=PATIENCE) as (server, sock), connect(sock) as s:
         frame = _claim(3, ns, ["k"])
         s.sendall(frame[:4])
@@ -700,6 +785,7 @@ def test_no_timer_is_set_per_request(
     monkeypatch.setattr(asyncio.BaseEventLoop, "call_at", counting)
     ns = unique_ns("timers")
     store = DedupStore.open(tmp_path / "data", durability=durability)
+    store.claim("known", namespace=ns)  # known: a namespace's first batch is a task's
     with serving(store) as (_server, sock), connect(sock) as s:
         # The first request arms the timer for its deadline (the idle one, or a
         # commit's, earlier); those after it only move deadlines later.
@@ -718,6 +804,8 @@ def test_max_in_flight_stops_reading_until_a_reply_is_written(tmp_path: Path) ->
     """With max_in_flight requests waiting for their commit, the next one read waits for
     a slot and nothing more is read; once the commits are done, all are answered."""
     store = DedupStore.open(tmp_path / "data")
+    ns = unique_ns("slots")
+    store.claim("first", namespace=ns)  # known: a namespace's first batch is a task's
     gate = threading.Event()
     real_wait = store.wait_durable
 
@@ -727,7 +815,6 @@ def test_max_in_flight_stops_reading_until_a_reply_is_written(tmp_path: Path) ->
 
     store.wait_durable = stuck_wait  # type: ignore[method-assign]
     store.commit_bytes = lambda: 1 << 30  # type: ignore[method-assign]  # the thread commits
-    ns = unique_ns("slots")
     with contextlib.ExitStack() as stack:
         server, sock = stack.enter_context(serving(store, max_in_flight=2))
         stack.callback(gate.set)

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,34 @@ OWNER_ENDINGS = [
     pytest.param('complete {"rows": 3}', "duplicate", {"rows": 3}, id="completed"),
     pytest.param("release", "new", None, id="released"),
 ]
+
+
+@contextlib.contextmanager
+def lmdb_writer_held(store: Any) -> Iterator[None]:
+    """Holds the embedded store's LMDB writer (an open write transaction, as a long
+    checkpoint holds it) until the block ends; a write of the store waits meanwhile."""
+    began, done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            txn = store._lmdb.env.begin(write=True)
+        except BaseException as exc:
+            failed.append(exc)
+            began.set()
+            raise
+        began.set()
+        done.wait(PATIENCE)
+        txn.abort()
+
+    holder = threading.Thread(target=hold, name="lmdb-writer")
+    holder.start()
+    try:
+        assert began.wait(PATIENCE) and not failed, failed
+        yield
+    finally:
+        done.set()
+        holder.join(PATIENCE)
 
 
 def end_owner(owner: Any, command: str) -> None:

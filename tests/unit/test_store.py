@@ -16,6 +16,8 @@ from dedupcore.config import Retention
 from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, InProgressError, Outcome, StoreLockedError
+from tests.support.procs import PATIENCE
+from tests.support.stores import lmdb_writer_held
 
 NS = "orders/billing"
 
@@ -120,6 +122,44 @@ def test_claim_many_batch_semantics(store: DedupStore) -> None:
 def test_namespaces_are_separate_keys(store: DedupStore) -> None:
     store.claim("k", namespace="topic/group-a")
     assert store.claim("k", namespace="topic/group-b").outcome is Outcome.NEW
+
+
+def test_a_new_namespace_waits_for_lmdb_without_holding_up_the_others(
+    store: DedupStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first claim in a namespace records it in LMDB, which waits while a checkpoint
+    holds LMDB's writer. It waits outside the store lock: a claim in a namespace the
+    store knows is answered meanwhile; the new one is answered once LMDB is free, and
+    the namespace is recorded."""
+    store.claim("k", namespace="known")
+    recording = threading.Event()
+    plain = store._lmdb.add_namespace
+
+    def add_namespace(name: bytes, ns_id: int) -> None:
+        recording.set()
+        plain(name, ns_id)
+
+    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    answers: dict[str, Outcome] = {}
+
+    def claim(ns: str, key: str) -> None:
+        answers[ns] = store.claim(key, namespace=ns).outcome
+
+    first = threading.Thread(target=claim, args=("brand-new", "k"))
+    with lmdb_writer_held(store):
+        first.start()
+        assert recording.wait(PATIENCE)
+        other = threading.Thread(target=claim, args=("known", "k2"))
+        other.start()
+        other.join(PATIENCE)
+        assert not other.is_alive(), "a claim in a known namespace waited for LMDB"
+        assert answers == {"known": Outcome.NEW}
+        assert first.is_alive()
+        assert not store.has_namespace("brand-new")
+    first.join(PATIENCE)
+    assert answers == {"known": Outcome.NEW, "brand-new": Outcome.NEW}
+    assert store.has_namespace("brand-new") and store.has_namespace("known")
+    assert b"brand-new" in store._lmdb.namespaces()
 
 
 @pytest.mark.parametrize(
