@@ -43,7 +43,8 @@ class DeferredStore(Protocol):
     answer in ``form`` (FORM_CLAIMS: a list of Claims; FORM_COLUMNS:
     :data:`ReplyColumns`; FORM_CHECK: the bytes of the stored results it
     would carry, nothing applied, lsn 0). ``change_deferred(batch)`` answers
-    the lsn of a completion or release. No answer may be passed on before
+    the lsn of a completion or release (``check=True``: decided, nothing
+    changed, a stale token raised, 0). No answer may be passed on before
     ``wait_durable(lsn)`` returned (lsn 0: nothing to wait for).
     ``has_namespace(ns)`` says whether a namespace has its id already;
     ``add_namespace(ns)`` gives it one, which can wait for the store's files
@@ -65,7 +66,7 @@ class DeferredStore(Protocol):
         self, batch: ClaimBatch, *, form: int = FORM_CLAIMS, admit: Admit | None = None
     ) -> tuple[Any, int]: ...
 
-    def change_deferred(self, batch: ChangeBatch) -> int: ...
+    def change_deferred(self, batch: ChangeBatch, *, check: bool = False) -> int: ...
 
     def wait_durable(self, lsn: int) -> None: ...
 

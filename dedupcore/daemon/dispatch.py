@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import dedupcore._engine as _engine
 from dedupcore.api import ChangeBatch, ClaimAPI, ClaimBatch, ExtendBatch, check_fingerprints
 from dedupcore.api.deferred import (
     FORM_CHECK,
@@ -72,6 +73,8 @@ SLICE_ABOVE = SLICE_KEYS
 #: Ops the embedded store decides on the event loop (then only the commit is waited
 #: for; a renewal is kept in memory and has none).
 DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.EXTEND_MANY})
+#: Completions and releases: large ones are decided in slices (change_sliced).
+_CHANGE_OPS = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
 #: The ops whose first batch in a namespace gives it its id (an LMDB write).
 _NAMING_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
@@ -250,6 +253,10 @@ class Dispatcher:
             result, lsn = await self.claim_sliced(keys, options, columns)
             await self.durable(self.commit(lsn))
             return result
+        items = args.get("items")
+        if op in _CHANGE_OPS and isinstance(items, list) and len(items) > SLICE_ABOVE:
+            await self.durable(await self.change_sliced(op, args, items))
+            return None
         result, durable = self.decide_sync(op, args)
         await self.durable(durable)
         return result
@@ -399,6 +406,48 @@ class Dispatcher:
                 self.counters["batch_slices"] += 1
                 lsn = max(lsn, part_lsn)
         return (cols.payload() if columns else rows), lsn
+
+    async def change_sliced(
+        self, op: Op, args: dict[str, Any], items: list[Any]
+    ) -> asyncio.Future[None] | None:
+        """A large completion or release in slices of SLICE_KEYS items, yielding to the
+        loop between two slices as :meth:`claim_sliced` does; the commit it waits for.
+
+        Every slice is first checked (decided, nothing changed): a bad item or a stale
+        token anywhere refuses the whole batch before any of it changes. A key named
+        in two slices (which a release refuses, and which a completion takes once)
+        is decided with the whole batch in one step instead, as a batch of one slice
+        is. A stale token that other clients cause between the check and the change
+        of a later slice can still refuse the batch after its earlier slices changed
+        (they stay changed, as after a lost reply)."""
+        store: Any = self.store
+        ns = _arg(args, "ns", str)
+        self.counters["sliced_batches"] += 1
+        parts: list[ChangeBatch] = []
+        seen: set[bytes] = set()
+        repeated = False
+        for start in range(0, len(items), SLICE_KEYS):
+            async with self._turn():
+                part = self._changes(op, ns, items[start : start + SLICE_KEYS])
+                digests = _engine.split_digests(part.digests)
+                if not repeated:
+                    before = len(seen)
+                    seen.update(digests)
+                    repeated = len(seen) != before + len(digests)
+                store.change_deferred(part, check=True)
+                parts.append(part)
+        if repeated:
+            async with self._turn():
+                return self._decide_change(self._changes(op, ns, items), False)[1]
+        lsn = 0
+        for part in parts:
+            async with self._turn():
+                lsn = max(lsn, store.change_deferred(part))
+                self.counters["batch_slices"] += 1
+        durable = self.commit(lsn)
+        if self.waiters is not None:
+            self.waiters.changed(b"".join(part.digests for part in parts), durable)
+        return durable
 
     @contextlib.asynccontextmanager
     async def _turn(self) -> AsyncIterator[None]:

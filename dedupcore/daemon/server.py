@@ -580,9 +580,12 @@ class DaemonServer:
         if op is not Op.PING:
             if not self.dispatch.decides_now(op) or not self.dispatch.knows_namespace(op, args):
                 return None
-            if op is Op.CLAIM_MANY and isinstance(args, dict):
-                keys = args.get("keys")
-                if not isinstance(keys, list) or len(keys) > SLICE_ABOVE:
+            if isinstance(args, dict) and op is not Op.EXTEND_MANY:
+                # A batch of more than a slice is a task's, decided in slices.
+                many = args.get("items" if op in _CHANGES else "keys")
+                if op is Op.CLAIM_MANY and not isinstance(many, list):
+                    return None
+                if isinstance(many, list) and len(many) > SLICE_ABOVE:
                     return None
         self.counters["requests"] += 1
         started = time.perf_counter()

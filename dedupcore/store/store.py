@@ -488,10 +488,11 @@ class DedupStore(Maintenance, ClaimAPI):
     def _change_batch(self, batch: batches.ChangeBatch) -> None:
         self._sync(self.change_deferred(batch))
 
-    def change_deferred(self, batch: batches.ChangeBatch) -> int:
+    def change_deferred(self, batch: batches.ChangeBatch, *, check: bool = False) -> int:
         """Completes or releases a checked batch without waiting: the LSN to pass to
         :meth:`wait_durable` before acknowledging (0: nothing to wait for). A stale
-        token raises before anything changes."""
+        token raises before anything changes. With ``check``, nothing changes at all:
+        the batch is decided, a stale token raises, and 0 comes back."""
         self._check_usable(write=True)
         if not batch.keys:
             return 0
@@ -506,10 +507,14 @@ class DedupStore(Maintenance, ClaimAPI):
             bad, kind, current, depends, payloads, n = self._table.change(
                 joined, batch.tokens, batch.results, int(state), now_w
             )
+            if check or bad >= 0:
+                self._table.discard()
             if bad >= 0:
                 raise stale_token_error(
                     kind, batch.keys[bad], batch.tokens[bad], current, batch.namespace
                 )
+            if check:
+                return 0
             last = self._log(payloads, n)
             self._changed.notify_all()
         finally:

@@ -262,6 +262,65 @@ def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -
         assert all(x.outcome is Outcome.NEW for x in claims[1:-1])
 
 
+@pytest.mark.parametrize("n", [SLICE_KEYS, SLICE_KEYS + 1, 8 * SLICE_KEYS])
+@pytest.mark.parametrize("completing", [True, False], ids=["complete", "release"])
+def test_every_change_batch_larger_than_a_slice_is_sliced(
+    daemon: Daemon, n: int, completing: bool
+) -> None:
+    # A completion or release of more than a slice is decided a slice per step of
+    # the event loop too, and changes every key it names.
+    ns = unique_ns("change-slices")
+    keys = [f"s{i}" for i in range(n)]
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        before = daemon_stats(daemon)
+        if completing:
+            c.complete_many([(x.key, x.token, i) for i, x in enumerate(claims)], namespace=ns)
+        else:
+            c.release_many([(x.key, x.token) for x in claims], namespace=ns)
+        after = daemon_stats(daemon)
+        again = c.claim_many(keys, namespace=ns)
+    if completing:
+        assert [(x.outcome, x.result) for x in again] == [(Outcome.DUPLICATE, i) for i in range(n)]
+    else:
+        assert all(x.outcome is Outcome.NEW for x in again)
+    slices = -(-n // SLICE_KEYS) if n > SLICE_KEYS else 0
+    assert after["sliced_batches"] - before["sliced_batches"] == (1 if slices else 0)
+    assert after["batch_slices"] - before["batch_slices"] == slices
+
+
+@pytest.mark.parametrize("completing", [True, False], ids=["complete", "release"])
+def test_a_large_change_with_a_stale_token_in_a_late_slice_changes_nothing(
+    daemon: Daemon, completing: bool
+) -> None:
+    ns = unique_ns("change-atomic")
+    keys = [f"a{i}" for i in range(SLICE_ABOVE + 2 * SLICE_KEYS)]
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        items = [(x.key, x.token) for x in claims]
+        items[-1] = (items[-1][0], items[-1][1] + 1)  # a token that is not the key's
+        change = c.complete_many if completing else c.release_many
+        with pytest.raises(errors.StaleTokenError):
+            change(items, namespace=ns)
+        # Nothing changed: every key is still held by its claim.
+        assert all(x.outcome is Outcome.IN_PROGRESS for x in c.claim_many(keys, namespace=ns))
+
+
+def test_a_large_change_naming_a_key_twice_is_decided_as_one_batch(daemon: Daemon) -> None:
+    """A key named in two slices: a release is refused whole, as a release naming a
+    key twice always is; a completion takes it once."""
+    ns = unique_ns("change-twice")
+    keys = [f"t{i}" for i in range(SLICE_ABOVE + SLICE_KEYS)]
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        items = [(x.key, x.token) for x in claims]
+        with pytest.raises(errors.StaleTokenError):
+            c.release_many([*items, items[0]], namespace=ns)
+        assert all(x.outcome is Outcome.IN_PROGRESS for x in c.claim_many(keys, namespace=ns))
+        c.complete_many([*items, items[0]], namespace=ns)
+        assert all(x.outcome is Outcome.DUPLICATE for x in c.claim_many(keys, namespace=ns))
+
+
 # -- CLAIM_MANY answers in columns ----------------------------------------------------------
 
 
