@@ -9,7 +9,6 @@ filters (dedupcore/fuse.py; docs/warm-tier.md, "The cold archive").
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import dedupcore._core as _core
+import dedupcore.ring_manifest as manifests
 from dedupcore._files import atomic_write, mkdir_private
 from dedupcore._files import unlink_quiet as _unlink_quiet
 from dedupcore.bloom import BloomFilter, check_capacity, check_error_rate, check_seed
-from dedupcore.errors import CorruptFileError, UnsupportedFormatError
+from dedupcore.errors import CorruptFileError
 from dedupcore.fuse import KeyLog, fuse_file_chunks, open_fuse
 from dedupcore.fuse_stacks import FuseStacks, Params
+from dedupcore.ring_manifest import RING_FORMAT as RING_FORMAT  # where it always was
+from dedupcore.ring_manifest import RING_MANIFEST as RING_MANIFEST
 
 # The ring's messages keep the logger they always had.
 log = logging.getLogger("dedupcore.bloom")
@@ -44,8 +46,6 @@ KNOWN_RESERVE = 0.1  # the budget share a slice sized from a known count keeps f
 KNOWN_HEADROOM = 1.05  # and the capacity it adds to that count
 MIN_KNOWN_CAPACITY = 1024  # the smallest slice sized from a known count
 MIN_GROWN_BUDGET = 1e-12  # a grown sub-filter's budget never reaches zero
-RING_MANIFEST = "ring.json"
-RING_FORMAT = 2  # 2: slices rebuilt as fuse filters, key logs; 1 is read as it is
 FUSE_FPR = 2.0**-16  # a 16-bit fingerprint: the false-positive rate of a fuse slice
 #: Keys an insert_many adds per hold of the ring's lock (well under a millisecond),
 #: and its pause after a step during which a lookup waited for the lock.
@@ -612,32 +612,25 @@ class BloomRing:
                 for i, f in enumerate(s.filters):
                     if not self._file(s.bucket, i).exists():
                         f.save(self._file(s.bucket, i))
-        manifest = {
-            "format": RING_FORMAT,
+        settings = {
             "window": self.window,
             "slice_seconds": self.slice_seconds,
             "slice_capacity": self.slice_capacity,
             "error_rate": self.error_rate,
             "seed": self.seed,
             "key_logs": self.key_logs,
-            "slices": [self._manifest_entry(s) for s in self._slices],
         }
-        data = json.dumps(manifest, indent=1).encode()
+        data = manifests.encode(settings, [self._manifest_entry(s) for s in self._slices])
         assert self.path is not None
         atomic_write(self.path / RING_MANIFEST, [data])
 
     @staticmethod
     def _manifest_entry(s: _Slice) -> dict[str, Any]:
         if s.fuse is not None:
-            return {"bucket": s.bucket, "kind": "fuse", "sealed": True}
-        entry: dict[str, Any] = {
-            "bucket": s.bucket,
-            "subfilters": len(s.filters),
-            "sealed": s.sealed,
-        }
-        if s.log is not None:
-            entry["keys"] = s.log.hashes  # what the log must prove to be rebuilt from
-        return entry
+            return manifests.fuse_entry(s.bucket)
+        # A key log's count is what it must prove for the slice to be rebuilt from it.
+        keys = s.log.hashes if s.log is not None else None
+        return manifests.bloom_entry(s.bucket, len(s.filters), s.sealed, keys)
 
     @classmethod
     def open(
@@ -659,19 +652,8 @@ class BloomRing:
         """
         root = Path(path)
         manifest_path = root / RING_MANIFEST
+        manifest = manifests.load(manifest_path)
         try:
-            raw = manifest_path.read_bytes()
-        except FileNotFoundError:
-            raise CorruptFileError(f"{manifest_path}: ring manifest is missing") from None
-        try:
-            manifest = json.loads(raw)
-            if not isinstance(manifest, dict):
-                raise TypeError("manifest is not an object")
-            fmt = manifest["format"]
-            if isinstance(fmt, int) and fmt > RING_FORMAT:
-                raise UnsupportedFormatError(
-                    f"{manifest_path}: ring format {fmt} is newer than this dedupcore reads"
-                )
             ring = cls(
                 manifest["window"],
                 manifest["slice_seconds"],
@@ -681,18 +663,9 @@ class BloomRing:
                 path=root,
                 key_logs=manifest.get("key_logs", False) if key_logs is None else key_logs,
             )
-            if fmt not in (1, RING_FORMAT) or isinstance(fmt, bool):
-                raise ValueError(f"format {fmt!r} is not 1 or {RING_FORMAT}")
-            if not isinstance(manifest["slices"], list):
-                raise TypeError("slices is not a list")
-            entries = [_manifest_slice(e) for e in manifest["slices"]]
-            buckets = [e.bucket for e in entries]
-            if buckets != sorted(set(buckets)):
-                raise ValueError("slices are not in increasing bucket order")
-        except UnsupportedFormatError:
-            raise
+            entries = manifests.entries(manifest)
         except (ValueError, TypeError, KeyError) as exc:
-            raise CorruptFileError(f"{manifest_path}: damaged ring manifest: {exc}") from exc
+            raise manifests.damaged(manifest_path, exc) from exc
         ring._vouched = {e.bucket: e.keys for e in entries if e.keys is not None}
         if not readonly:
             for stale in root.glob(".*.tmp"):  # a write a crash cut short (atomic_write)
@@ -766,40 +739,6 @@ class BloomRing:
         for stale in self.path.glob(f"slice-{s.bucket}-*.bloom"):
             _unlink_quiet(stale)
         _unlink_quiet(self._log_file(s.bucket))
-
-
-@dataclass(frozen=True)
-class _Entry:
-    bucket: int
-    subfilters: int
-    sealed: bool
-    fuse: bool
-    keys: int | None  # hashes the slice's key log must prove (None: no log)
-
-
-def _manifest_slice(entry: object) -> _Entry:
-    """A manifest slice entry, strictly typed."""
-    if not isinstance(entry, dict):
-        raise TypeError("slice entry is not an object")
-    bucket, sealed = entry["bucket"], entry["sealed"]
-    if isinstance(bucket, bool) or not isinstance(bucket, int):
-        raise TypeError(f"slice bucket must be an int, got {bucket!r}")
-    if not isinstance(sealed, bool):
-        raise TypeError(f"slice sealed must be a bool, got {sealed!r}")
-    kind = entry.get("kind", "bloom")
-    if kind == "fuse":
-        if not sealed:
-            raise ValueError(f"fuse slice {bucket} is not sealed")
-        return _Entry(bucket, 0, True, True, None)
-    if kind != "bloom":
-        raise ValueError(f"slice kind must be bloom or fuse, got {kind!r}")
-    count = entry["subfilters"]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"slice subfilters must be an int >= 1, got {count!r}")
-    keys = entry.get("keys")
-    if keys is not None and (isinstance(keys, bool) or not isinstance(keys, int) or keys < 0):
-        raise ValueError(f"slice keys must be an int >= 0, got {keys!r}")
-    return _Entry(bucket, count, sealed, False, keys)
 
 
 def _check_positive(name: str, value: object) -> float:

@@ -45,6 +45,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "dedupcore._files",
         "dedupcore.fuse",
         "dedupcore.fuse_stacks",
+        "dedupcore.ring_manifest",
         "dedupcore.bloom",
         "dedupcore.ring",
         "dedupcore.wal.*",
