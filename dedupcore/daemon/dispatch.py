@@ -170,6 +170,7 @@ class Dispatcher:
         self.waiters: Waiters | None = None
         #: Namespaces being recorded, with the requests that wait for them (_name).
         self._naming: dict[str, _Naming] = {}
+        self._known: set[str] = set()  # namespaces the store has an id for
 
     def start(
         self, loop: asyncio.AbstractEventLoop, others_in_flight: Callable[[int], bool]
@@ -201,10 +202,15 @@ class Dispatcher:
             return True
         if ns in self._naming:
             return False  # behind the requests that wait for it, in their order
+        if ns in self._known:
+            return True
         try:
-            return bool(self.store.has_namespace(ns))
+            known = bool(self.store.has_namespace(ns))
         except (TypeError, ValueError):
             return True
+        if known:
+            self._known.add(ns)  # an id is never taken back
+        return known
 
     async def _name(self, op: Op, args: dict[str, Any] | protocol.OneKey) -> None:
         """Waits until a request's namespace has its id, recorded off the event loop.
