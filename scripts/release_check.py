@@ -62,7 +62,8 @@ SDIST_TESTS = (
 
 #: Unit tests of the source tree rather than of an installed package: they parse
 #: dedupcore/*.py for the import layers and compile ext/*.h with sanitizers, and an
-#: installed package carries neither. The repository's own run covers them.
+#: installed package carries neither. ``./dev test`` runs them (and every unit test
+#: only here, against the wheel).
 SOURCE_TREE_TESTS = ("tests/unit/test_layers.py", "tests/unit/test_native_headers.py")
 
 #: Run in the fresh venv: a first claim on the embedded store, from the installed package.
