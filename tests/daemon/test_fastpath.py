@@ -35,7 +35,7 @@ from tests.support.daemon import (
     serving,
 )
 from tests.support.procs import PATIENCE, wait_until
-from tests.support.stores import lmdb_writer_held, unique_ns
+from tests.support.stores import lmdb_writer_held, namespace_writes, unique_ns
 
 #: A 60 kB result.
 RESULT = b"r" * 60_000
@@ -701,14 +701,7 @@ def test_a_first_claim_in_a_namespace_waits_for_lmdb_off_the_event_loop(
     known, new = unique_ns("known"), unique_ns("new")
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
     store.claim("k", namespace=known)
-    recording = threading.Event()
-    plain = store._lmdb.add_namespace
-
-    def add_namespace(name: bytes, ns_id: int) -> None:
-        recording.set()
-        plain(name, ns_id)
-
-    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    recording = namespace_writes(store, monkeypatch)
     keys = ["k"] if one_key else ["k", "k2"]
     with (
         serving(store, request_timeout=PATIENCE) as (server, sock),
@@ -743,14 +736,7 @@ def test_requests_waiting_for_their_namespace_are_decided_in_the_order_they_came
     IN_PROGRESS. A claim that comes once the id is recorded keeps its place too."""
     new = unique_ns("order")
     store = DedupStore.open(tmp_path / "data", durability="power-loss-unsafe")
-    recording = threading.Event()
-    plain = store._lmdb.add_namespace
-
-    def add_namespace(name: bytes, ns_id: int) -> None:
-        recording.set()
-        plain(name, ns_id)
-
-    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    recording = namespace_writes(store, monkeypatch)
     with serving(store, request_timeout=PATIENCE) as (_server, sock), connect(sock) as s:
         with lmdb_writer_held(store):
             s.sendall(b"".join(_claim(10 + i, new, ["k"]) for i in range(5)))

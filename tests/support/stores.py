@@ -287,6 +287,20 @@ def lmdb_writer_held(store: Any) -> Iterator[None]:
         holder.join(PATIENCE)
 
 
+def namespace_writes(store: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when the embedded store begins recording a new namespace in LMDB
+    (the write that waits while :func:`lmdb_writer_held` holds the writer)."""
+    recording = threading.Event()
+    plain = store._lmdb.add_namespace
+
+    def add_namespace(name: bytes, ns_id: int) -> None:
+        recording.set()
+        plain(name, ns_id)
+
+    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    return recording
+
+
 def end_owner(owner: Any, command: str) -> None:
     """Tells a wait_child.py owner (a LineProcess) what to do with its key; returns once
     the store acknowledged it and the owner exited."""

@@ -17,7 +17,7 @@ from dedupcore.errors import ConflictError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, InProgressError, Outcome, StoreLockedError
 from tests.support.procs import PATIENCE
-from tests.support.stores import lmdb_writer_held
+from tests.support.stores import lmdb_writer_held, namespace_writes
 
 NS = "orders/billing"
 
@@ -132,14 +132,7 @@ def test_a_new_namespace_waits_for_lmdb_without_holding_up_the_others(
     store knows is answered meanwhile; the new one is answered once LMDB is free, and
     the namespace is recorded."""
     store.claim("k", namespace="known")
-    recording = threading.Event()
-    plain = store._lmdb.add_namespace
-
-    def add_namespace(name: bytes, ns_id: int) -> None:
-        recording.set()
-        plain(name, ns_id)
-
-    monkeypatch.setattr(store._lmdb, "add_namespace", add_namespace)
+    recording = namespace_writes(store, monkeypatch)
     answers: dict[str, Outcome] = {}
 
     def claim(ns: str, key: str) -> None:
