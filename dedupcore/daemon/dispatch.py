@@ -19,7 +19,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import dedupcore._engine as _engine
 from dedupcore.api import ChangeBatch, ClaimAPI, ClaimBatch, ExtendBatch, check_fingerprints
@@ -39,6 +39,7 @@ from dedupcore.daemon.waiters import Waiters
 from dedupcore.errors import BatchTooLargeError
 
 __all__ = [
+    "CHANGE_OPS",
     "DEFERRED_OPS",
     "INLINE_OPS",
     "REPLY_FIXED",
@@ -73,8 +74,11 @@ SLICE_ABOVE = SLICE_KEYS
 #: Ops the embedded store decides on the event loop (then only the commit is waited
 #: for; a renewal is kept in memory and has none).
 DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.EXTEND_MANY})
-#: Completions and releases: large ones are decided in slices (change_sliced).
-_CHANGE_OPS = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
+#: Completions and releases: large ones are decided in slices (change_sliced); they
+#: wake the keys' waiters.
+CHANGE_OPS = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
+_T = TypeVar("_T")
+
 #: The ops whose first batch in a namespace gives it its id (an LMDB write).
 _NAMING_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
@@ -239,6 +243,21 @@ class Dispatcher:
                 del self._naming[ns]
             _pass_on(ahead, mine)
 
+    @staticmethod
+    def sliced(op: Op, args: dict[str, Any] | protocol.OneKey) -> bool:
+        """Whether a request is a claim, completion or release of more than
+        SLICE_ABOVE keys: :meth:`decide` decides it in slices, in a task of its own,
+        and never in one step (:meth:`decide_sync`)."""
+        if type(args) is not dict:  # one key (protocol.OneKey)
+            return False
+        if op is Op.CLAIM_MANY:
+            many = args.get("keys")
+        elif op in CHANGE_OPS:
+            many = args.get("items")
+        else:
+            return False
+        return type(many) is list and len(many) > SLICE_ABOVE
+
     async def durable(self, durable: asyncio.Future[None] | None) -> None:
         """Waits for a commit (request_timeout); raises what it raised."""
         if durable is None:
@@ -252,16 +271,14 @@ class Dispatcher:
         blocking the loop) until the log is durable through every record the answer
         depends on: nothing is answered before that (docs/daemon.md)."""
         await self._name(op, args)
-        keys = args.get("keys")
-        if op is Op.CLAIM_MANY and isinstance(keys, list) and len(keys) > SLICE_ABOVE:
-            options = _claim_options(args)
-            columns = bool(args.get(protocol.COLUMNS_ARG))
-            result, lsn = await self.claim_sliced(keys, options, columns)
-            await self.durable(self.commit(lsn))
-            return result
-        items = args.get("items")
-        if op in _CHANGE_OPS and isinstance(items, list) and len(items) > SLICE_ABOVE:
-            await self.durable(await self.change_sliced(op, args, items))
+        if self.sliced(op, args):
+            if op is Op.CLAIM_MANY:
+                options = _claim_options(args)
+                columns = bool(args.get(protocol.COLUMNS_ARG))
+                result, lsn = await self.claim_sliced(args["keys"], options, columns)
+                await self.durable(self.commit(lsn))
+                return result
+            await self.durable(await self.change_sliced(op, args, args["items"]))
             return None
         result, durable = self.decide_sync(op, args)
         await self.durable(durable)
@@ -385,32 +402,35 @@ class Dispatcher:
         budget = self.max_frame - rows_bytes
         held: list[int] = []  # bytes of stored results each slice's answer carries
         batches: list[ClaimBatch] = []
-        for part, part_fps in zip(slices, fp_slices, strict=True):
-            async with self._turn():
-                batch = ClaimBatch(part, fingerprints=part_fps, limits=store.limits, **options)
-                size, _ = store.claim_deferred(
-                    batch, form=FORM_CHECK, admit=self.reply_bound(batch, budget - sum(held))
-                )
-                held.append(size)
-                batches.append(batch)
+
+        def check(i: int) -> None:
+            batch = ClaimBatch(slices[i], fingerprints=fp_slices[i], limits=store.limits, **options)
+            size, _ = store.claim_deferred(
+                batch, form=FORM_CHECK, admit=self.reply_bound(batch, budget - sum(held))
+            )
+            held.append(size)
+            batches.append(batch)
+
         rows: list[list[Any]] = []
         cols = protocol.ClaimColumns()
-        lsn = 0
-        for i, batch in enumerate(batches):
+
+        def claim(i: int) -> int:
+            batch = batches[i]
             # Later slices keep the room the checked answers of the others need.
             room = budget - sum(held[:i]) - sum(held[i + 1 :])
-            async with self._turn():
-                answer, part_lsn = store.claim_deferred(
-                    batch,
-                    form=FORM_COLUMNS if columns else FORM_CLAIMS,
-                    admit=self.reply_bound(batch, room),
-                )
-                if columns:
-                    cols.add_columns(answer)
-                else:
-                    rows.extend(protocol.claim_row(c) for c in answer)
-                self.counters["batch_slices"] += 1
-                lsn = max(lsn, part_lsn)
+            answer, lsn = store.claim_deferred(
+                batch,
+                form=FORM_COLUMNS if columns else FORM_CLAIMS,
+                admit=self.reply_bound(batch, room),
+            )
+            if columns:
+                cols.add_columns(answer)
+            else:
+                rows.extend(protocol.claim_row(c) for c in answer)
+            return int(lsn)
+
+        await self._by_slice(len(slices), check)
+        lsn = max(await self._by_slice(len(batches), claim, applied=True))
         return (cols.payload() if columns else rows), lsn
 
     async def change_sliced(
@@ -432,28 +452,46 @@ class Dispatcher:
         parts: list[ChangeBatch] = []
         seen: set[bytes] = set()
         repeated = False
-        for start in range(0, len(items), SLICE_KEYS):
-            async with self._turn():
-                part = self._changes(op, ns, items[start : start + SLICE_KEYS])
-                digests = _engine.split_digests(part.digests)
-                if not repeated:
-                    before = len(seen)
-                    seen.update(digests)
-                    repeated = len(seen) != before + len(digests)
-                store.change_deferred(part, check=True)
-                parts.append(part)
+
+        def check(i: int) -> None:
+            nonlocal repeated
+            part = self._changes(op, ns, items[i * SLICE_KEYS : (i + 1) * SLICE_KEYS])
+            digests = _engine.split_digests(part.digests)
+            if not repeated:
+                before = len(seen)
+                seen.update(digests)
+                repeated = len(seen) != before + len(digests)
+            store.change_deferred(part, check=True)
+            parts.append(part)
+
+        await self._by_slice(-(-len(items) // SLICE_KEYS), check)
         if repeated:
             async with self._turn():
                 return self._decide_change(self._changes(op, ns, items), False)[1]
-        lsn = 0
-        for part in parts:
-            async with self._turn():
-                lsn = max(lsn, store.change_deferred(part))
-                self.counters["batch_slices"] += 1
+        lsn = max(
+            await self._by_slice(
+                len(parts), lambda i: int(store.change_deferred(parts[i])), applied=True
+            )
+        )
         durable = self.commit(lsn)
         if self.waiters is not None:
             self.waiters.changed(b"".join(part.digests for part in parts), durable)
         return durable
+
+    async def _by_slice(
+        self, count: int, step: Callable[[int], _T], applied: bool = False
+    ) -> list[_T]:
+        """``step(i)`` for each of a large batch's ``count`` slices in order, one per
+        turn (:meth:`_turn`): the check pass of :meth:`claim_sliced` and
+        :meth:`change_sliced` (nothing changes), or, ``applied``, the pass that
+        changes the store (counted in ``batch_slices``)."""
+        out: list[_T] = []
+        for i in range(count):
+            async with self._turn():
+                out.append(step(i))
+                if applied:
+                    self.counters["batch_slices"] += 1
+        return out
 
     @contextlib.asynccontextmanager
     async def _turn(self) -> AsyncIterator[None]:

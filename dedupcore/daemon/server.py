@@ -82,6 +82,7 @@ from dedupcore.daemon.awake import Awake
 from dedupcore.daemon.commit import INLINE_COMMIT_BYTES, Decided
 from dedupcore.daemon.connection import DRAIN_QUIET, Connection
 from dedupcore.daemon.dispatch import (
+    CHANGE_OPS,
     INLINE_OPS,
     SLICE_ABOVE,
     SLICE_KEYS,
@@ -133,8 +134,6 @@ EXIT_STORE_FAILED = 3
 SWITCH_INTERVAL = 0.0005
 _header_of = protocol.HEADER.pack
 _STATUS_OK = int(Status.OK)
-#: The ops that complete or release keys: they wake the keys' waiters.
-_CHANGES = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
 
 class Pending:
@@ -490,7 +489,7 @@ class DaemonServer:
                         loop.run_in_executor(self._pool, self._call, request.op, request.args),
                         self.request_timeout,
                     )
-                    if request.op in _CHANGES and self.waiters.count:
+                    if request.op in CHANGE_OPS and self.waiters.count:
                         change = self.dispatch.change(request.op, request.args)
                         self.waiters.wake(change.digests)
                 reply = self._reply(request_id, result, started)
@@ -578,15 +577,13 @@ class DaemonServer:
         in the same pass have been read and decided too, and they share one
         ``fdatasync``."""
         if op is not Op.PING:
-            if not self.dispatch.decides_now(op) or not self.dispatch.knows_namespace(op, args):
+            dispatch = self.dispatch
+            if (
+                not dispatch.decides_now(op)
+                or not dispatch.knows_namespace(op, args)
+                or dispatch.sliced(op, args)  # a task's, decided in slices
+            ):
                 return None
-            if isinstance(args, dict) and op is not Op.EXTEND_MANY:
-                # A batch of more than a slice is a task's, decided in slices.
-                many = args.get("items" if op in _CHANGES else "keys")
-                if op is Op.CLAIM_MANY and not isinstance(many, list):
-                    return None
-                if isinstance(many, list) and len(many) > SLICE_ABOVE:
-                    return None
         self.counters["requests"] += 1
         started = time.perf_counter()
         self._deciding += 1  # in flight for the committer's "others in flight" count
