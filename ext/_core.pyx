@@ -1905,6 +1905,27 @@ cdef inline Py_ssize_t _mp_read_raw(const unsigned char* p, Py_ssize_t n, bint* 
     return head
 
 
+cdef inline Py_ssize_t _mp_request_head(const unsigned char* p, Py_ssize_t n, uint64_t* rid,
+                                        int* op, int* fields) noexcept:
+    # The head of a request body as the clients build it natively, up to its
+    # namespace: [request_id, op, {"ns": ... (``fields`` keys in the map, the
+    # first "ns"). The bytes it takes, or 0 when the body does not start so.
+    cdef Py_ssize_t used, pos
+    if n < 1 or p[0] != 0x93:
+        return 0
+    used = _mp_read_uint(p + 1, n - 1, rid)
+    if not used:
+        return 0
+    pos = 1 + used
+    if n - pos < 5 or p[pos] > 0x7F or not 0x80 <= p[pos + 1] <= 0x8F:
+        return 0
+    if memcmp(p + pos + 2, b"\xa2ns", 3) != 0:
+        return 0
+    op[0] = p[pos]
+    fields[0] = p[pos + 1] & 0x0F
+    return pos + 5
+
+
 cdef object _mp_take_raw(const unsigned char* p, Py_ssize_t n, Py_ssize_t* pos,
                          bint text_only):
     # The str (as str, UTF-8) or bin (as bytes) at p + pos[0], n bytes in all, and
@@ -1936,25 +1957,13 @@ def one_key_request(const unsigned char[::1] body):
     (``protocol.decode_request``), as it does a body whose strings are not UTF-8."""
     cdef Py_ssize_t n = body.shape[0], pos = 0, used
     cdef uint64_t rid = 0, token = 0
-    cdef int op
+    cdef int op, fields
     if n < 8:
         return None
     cdef const unsigned char* p = &body[0]
-    if p[0] != 0x93:
+    pos = _mp_request_head(p, n, &rid, &op, &fields)
+    if not pos or op < 2 or op > 4 or fields != (3 if op == 2 else 2):
         return None
-    used = _mp_read_uint(p + 1, n - 1, &rid)
-    if not used:
-        return None
-    pos = 1 + used
-    if pos + 2 > n:
-        return None
-    op = p[pos]
-    if op < 2 or op > 4 or p[pos + 1] != (0x83 if op == 2 else 0x82):
-        return None
-    pos += 2
-    if n - pos < 3 or memcmp(p + pos, b"\xa2ns", 3) != 0:
-        return None
-    pos += 3
     namespace = _mp_take_raw(p, n, &pos, True)
     if namespace is None:
         return None
@@ -1986,6 +1995,81 @@ def one_key_request(const unsigned char[::1] body):
     if p[pos] == 0xC0 and pos + 1 == n:
         return rid, op, namespace, key, token, None
     return rid, op, namespace, key, token, PyBytes_FromStringAndSize(<const char*>p + pos, n - pos)
+
+
+def claim_request(const unsigned char[::1] body, Py_ssize_t part):
+    """The request of a frame body that is exactly what :func:`claim_frame` builds,
+    read without an object per key: ``(request_id, namespace, count, starts)``,
+    ``starts`` the offsets in ``body`` of keys 0, ``part``, 2 * ``part``, ... and
+    of the end of the last key, for :func:`frame_keys` to decode one part at a
+    time (docs/daemon.md, "Large batches in slices"). None for any other body (a
+    key that is neither str nor bin, other args, bytes left over, a cut-off
+    body), which the caller decodes the general way. The keys' text is not checked here:
+    :func:`frame_keys` raises UnicodeDecodeError for a str that is not UTF-8."""
+    if part < 1:
+        raise ValueError(f"part must be at least 1, got {part}")
+    cdef Py_ssize_t n = body.shape[0], pos = 0, used, size, count, i
+    cdef uint64_t rid = 0
+    cdef int op, fields
+    cdef bint text
+    if n < 16:
+        return None
+    cdef const unsigned char* p = &body[0]
+    pos = _mp_request_head(p, n, &rid, &op, &fields)
+    if not pos or op != 2 or fields != 3:
+        return None
+    namespace = _mp_take_raw(p, n, &pos, True)
+    if namespace is None or n - pos < 6 or memcmp(p + pos, b"\xa4keys", 5) != 0:
+        return None
+    pos += 5
+    if 0x90 <= p[pos] <= 0x9F:
+        count, pos = p[pos] & 0x0F, pos + 1
+    elif p[pos] == 0xDC and n - pos >= 3:
+        count, pos = (p[pos + 1] << 8) | p[pos + 2], pos + 3
+    elif p[pos] == 0xDD and n - pos >= 5:
+        count = ((<Py_ssize_t>p[pos + 1] << 24) | (p[pos + 2] << 16)
+                 | (p[pos + 3] << 8) | p[pos + 4])
+        pos += 5
+    else:
+        return None
+    if count > n - pos:  # every key takes at least its head's byte
+        return None
+    starts = []
+    for i in range(count):
+        if i % part == 0:
+            starts.append(pos)
+        used = _mp_read_raw(p + pos, n - pos, &text, &size)
+        if not used:
+            return None
+        pos += used + size
+    starts.append(pos)
+    if n - pos != 6 or memcmp(p + pos, b"\xa4cols\x01", 6) != 0:
+        return None
+    return rid, namespace, count, starts
+
+
+def frame_keys(const unsigned char[::1] body, Py_ssize_t start, Py_ssize_t count):
+    """``count`` keys (str or bytes) read from ``body`` at offset ``start``, one of
+    the ``starts`` :func:`claim_request` gave for that body. ValueError when they
+    are not there; UnicodeDecodeError for a str that is not UTF-8."""
+    cdef Py_ssize_t n = body.shape[0], pos = start, i, used, size
+    cdef bint text
+    if start < 0 or count < 0 or start > n:
+        raise ValueError("no keys at that offset")
+    cdef const unsigned char* p = &body[0] if n else NULL
+    cdef list out = []
+    for i in range(count):
+        used = _mp_read_raw(p + pos, n - pos, &text, &size)
+        if not used:
+            raise ValueError("no keys at that offset")
+        pos += used
+        if text:
+            key = PyUnicode_DecodeUTF8(<const char*>p + pos, size, "strict")
+        else:
+            key = PyBytes_FromStringAndSize(<const char*>p + pos, size)
+        out.append(key)
+        pos += size
+    return out
 
 
 def one_key_answer(uint64_t request_id, int code, uint64_t token):

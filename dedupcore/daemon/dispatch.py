@@ -256,7 +256,7 @@ class Dispatcher:
             many = args.get("items")
         else:
             return False
-        return type(many) is list and len(many) > SLICE_ABOVE
+        return (type(many) is list or type(many) is protocol.FrameKeys) and len(many) > SLICE_ABOVE
 
     async def durable(self, durable: asyncio.Future[None] | None) -> None:
         """Waits for a commit (request_timeout); raises what it raised."""
@@ -372,7 +372,7 @@ class Dispatcher:
         return bounded_reply(len(batch), limit, 0)
 
     async def claim_sliced(
-        self, keys: list[Any], options: dict[str, Any], columns: bool
+        self, keys: list[Any] | protocol.FrameKeys, options: dict[str, Any], columns: bool
     ) -> tuple[Any, int]:
         """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
         two slices so that other connections are served meanwhile.
@@ -383,15 +383,23 @@ class Dispatcher:
         is IN_PROGRESS in the later one, as within one batch. A conflict that other
         clients create between the check and the claim of a later slice can still refuse
         the batch after its earlier slices were claimed (they stay claimed, as after a
-        lost reply)."""
+        lost reply). Keys left in their frame (:class:`protocol.FrameKeys`) are decoded
+        a slice at a time, in the check pass."""
         store: Any = self.store
-        slices = [keys[i : i + SLICE_KEYS] for i in range(0, len(keys), SLICE_KEYS)]
+        step = keys.size if isinstance(keys, protocol.FrameKeys) else SLICE_KEYS
+        count = -(-len(keys) // step)
+
+        def keys_of(i: int) -> list[Any]:
+            if isinstance(keys, protocol.FrameKeys):
+                return keys.part(i)
+            return keys[i * step : (i + 1) * step]
+
         fps = options.pop("fingerprints")
         if fps is None:
-            fp_slices: list[Any] = [None] * len(slices)
+            fp_slices: list[Any] = [None] * count
         else:
             check_fingerprints(fps, len(keys))
-            fp_slices = [fps[i : i + SLICE_KEYS] for i in range(0, len(fps), SLICE_KEYS)]
+            fp_slices = [fps[i : i + step] for i in range(0, len(fps), step)]
         rows_bytes = REPLY_FIXED + (ROW_FIXED + 8) * len(keys)
         if rows_bytes > self.max_frame:
             raise BatchTooLargeError(
@@ -404,7 +412,8 @@ class Dispatcher:
         batches: list[ClaimBatch] = []
 
         def check(i: int) -> None:
-            batch = ClaimBatch(slices[i], fingerprints=fp_slices[i], limits=store.limits, **options)
+            part = keys_of(i)
+            batch = ClaimBatch(part, fingerprints=fp_slices[i], limits=store.limits, **options)
             size, _ = store.claim_deferred(
                 batch, form=FORM_CHECK, admit=self.reply_bound(batch, budget - sum(held))
             )
@@ -429,7 +438,7 @@ class Dispatcher:
                 rows.extend(protocol.claim_row(c) for c in answer)
             return int(lsn)
 
-        await self._by_slice(len(slices), check)
+        await self._by_slice(count, check)
         lsn = max(await self._by_slice(len(batches), claim, applied=True))
         return (cols.payload() if columns else rows), lsn
 

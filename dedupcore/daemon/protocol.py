@@ -70,6 +70,7 @@ __all__ = [
     "WOKEN",
     "ClaimColumns",
     "FrameError",
+    "FrameKeys",
     "OneClaim",
     "OneKey",
     "Op",
@@ -77,6 +78,7 @@ __all__ = [
     "Status",
     "claim_args",
     "claim_columns",
+    "claim_request",
     "claim_row",
     "claims_from_columns",
     "claims_from_reply",
@@ -426,6 +428,57 @@ def one_key_request(body: bytes) -> tuple[int, Op, OneKey] | None:
         except FrameError:
             return None
     return request_id, _OP_OF[code], OneKey(namespace, key, token, value)
+
+
+# -- large plain claims, their keys decoded a part at a time ----------------------------
+
+
+class FrameKeys:
+    """The keys of a large plain claim left in its frame's body, as
+    :func:`claim_request` found them: decoded one part of ``size`` keys at a time
+    (``_core.frame_keys``), so that the daemon decodes each slice as it decides it
+    and no step of its event loop decodes the whole batch (docs/daemon.md, "Large
+    batches in slices")."""
+
+    __slots__ = ("_body", "_count", "_starts", "size")
+
+    def __init__(self, body: bytes, count: int, size: int, starts: list[int]) -> None:
+        self._body = body
+        self._count = count
+        self._starts = starts
+        #: Keys of every part but the last.
+        self.size = size
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def parts(self) -> int:
+        """The number of parts."""
+        return len(self._starts) - 1
+
+    def part(self, i: int) -> list[bytes | str]:
+        """The keys of part ``i``; FrameError for a str that is not UTF-8, as
+        :func:`decode_request` names it."""
+        count = min(self.size, self._count - i * self.size)
+        try:
+            return _core.frame_keys(self._body, self._starts[i], count)
+        except UnicodeDecodeError as exc:
+            raise FrameError(f"frame body is not valid msgpack: {exc}") from None
+
+
+def claim_request(body: bytes, size: int) -> Request | None:
+    """The request of a body of exactly the form the clients send a plain claim batch
+    in (``_core.claim_frame``), read without an object per key: args ``{"ns",
+    "keys", "cols"}`` as :func:`decode_request` gives them, but ``keys`` a
+    :class:`FrameKeys` of parts of ``size`` keys. None for any other body, which
+    :func:`decode_request` reads."""
+    found = _core.claim_request(body, size)
+    if found is None:
+        return None
+    request_id, namespace, count, starts = found
+    keys = FrameKeys(body, count, size, starts)
+    return Request(request_id, Op.CLAIM_MANY, {"ns": namespace, "keys": keys, COLUMNS_ARG: 1})
 
 
 @dataclass(frozen=True, slots=True)

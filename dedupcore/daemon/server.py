@@ -278,6 +278,7 @@ class DaemonServer:
             "answered_at_once": 0,  # by the connection's reader, without a task
             "completed_by_commit": 0,  # decided by the reader, answered by its commit
             "polled_requests": 0,  # arrived while the loop polled after a reply (Awake)
+            "claims_read_in_slices": 0,  # large plain claims decoded a slice at a time
         }
         #: The loop kept polling after replies (``poll_after_reply``: None adapts).
         self.awake = Awake(check_spin(poll_after_reply, "poll_after_reply"), self.counters)
@@ -469,7 +470,7 @@ class DaemonServer:
         try:
             try:
                 if request is None:  # not decoded by the connection's reader
-                    request = protocol.decode_request(body)
+                    request = self._decode(body)
                 request_id = request.request_id
                 self.counters["requests"] += 1
                 started = time.perf_counter()
@@ -502,6 +503,17 @@ class DaemonServer:
             conn.write(reply)
         finally:
             self._answered(conn, reserved, small)
+
+    def _decode(self, body: bytes) -> protocol.Request:
+        """The request of a frame its reader did not decode. A plain claim of more
+        than a slice that the event loop decides keeps its keys in the frame, each
+        slice decoded as it is decided (docs/daemon.md, "Large batches in slices")."""
+        if len(body) > SMALL_FRAME and self.dispatch.decides_now(Op.CLAIM_MANY):
+            request = protocol.claim_request(body, SLICE_KEYS)
+            if request is not None and len(request.args["keys"]) > SLICE_ABOVE:
+                self.counters["claims_read_in_slices"] += 1
+                return request
+        return protocol.decode_request(body)
 
     def _answered(self, conn: Connection, reserved: int, small: bool) -> None:
         """Gives back what a request held until its reply was written: its frame's bytes,

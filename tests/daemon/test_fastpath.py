@@ -23,7 +23,7 @@ from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import FrameError, Op, Status
-from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, DaemonServer
+from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, SMALL_FRAME, DaemonServer
 from dedupcore.store import DedupStore
 from tests.support.daemon import (
     Daemon,
@@ -260,6 +260,56 @@ def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -
         assert claims[0].outcome is Outcome.NEW
         assert claims[-1].outcome is Outcome.IN_PROGRESS
         assert all(x.outcome is Outcome.NEW for x in claims[1:-1])
+
+
+def test_a_large_plain_claim_is_decoded_a_slice_at_a_time(daemon: Daemon) -> None:
+    # A frame over SMALL_FRAME of a plain claim keeps its keys in the frame until
+    # each slice is decided, str and bytes keys alike, with the same answers.
+    ns = unique_ns("in-frame")
+    n = 8 * SLICE_KEYS + 5
+    keys: list[bytes | str] = [b"key-b-%06d" % i if i % 2 else f"key-s-{i:06}" for i in range(n)]
+    assert len(_core.claim_frame(1, ns, keys) or b"") > SMALL_FRAME
+    before = daemon_stats(daemon)
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        assert [(x.key, x.outcome) for x in claims] == [(k, Outcome.NEW) for k in keys]
+        c.complete_many([(x.key, x.token, i) for i, x in enumerate(claims)], namespace=ns)
+        again = c.claim_many([*keys[:3], "fresh", *keys[3:]], namespace=ns)
+    after = daemon_stats(daemon)
+    assert after["claims_read_in_slices"] - before["claims_read_in_slices"] == 2
+    # Two claims and the completion, each in slices.
+    assert after["batch_slices"] - before["batch_slices"] == 3 * -(-n // SLICE_KEYS)
+    expected = [(Outcome.DUPLICATE, i) for i in range(3)]
+    expected += [(Outcome.NEW, None)] + [(Outcome.DUPLICATE, i) for i in range(3, n)]
+    assert [(x.outcome, x.result) for x in again] == expected
+
+
+def test_a_large_claim_with_a_key_not_utf8_in_a_late_slice_claims_nothing(lab: Lab) -> None:
+    # The key is decoded with its slice, in the check pass: the batch is refused
+    # whole with the error of a frame decoded whole, and the connection goes on.
+    daemon = lab.daemon()
+    ns = unique_ns("not-utf8")
+    keys: list[bytes | str] = [f"u{i:06}" for i in range(8 * SLICE_KEYS)]
+    frame = _core.claim_frame(5, ns, keys)
+    assert frame is not None and len(frame) > SMALL_FRAME
+    at = frame.index(keys[-2].encode())  # type: ignore[union-attr]
+    bad = frame[:at] + b"\xff" + frame[at + 1 :]
+    with pytest.raises(FrameError):
+        protocol.decode_request(bad[4:])
+    before = daemon_stats(daemon)
+    with connect(daemon.socket) as s:
+        s.sendall(bad)
+        rid, status, payload = protocol.decode_response(read_frame(s))
+        assert (rid, status) == (5, Status.ERROR) and payload["type"] == "FrameError", payload
+        assert "not valid msgpack" in payload["message"]
+        s.sendall(protocol.encode_request(6, Op.PING, {}))
+        assert protocol.decode_response(read_frame(s)) == (6, Status.OK, "pong")
+    after = daemon_stats(daemon)
+    assert after["claims_read_in_slices"] - before["claims_read_in_slices"] == 1
+    assert after["batch_slices"] == before["batch_slices"]  # no slice was claimed
+    with daemon.client(timeout=PATIENCE) as c:
+        assert c.get(keys[0], namespace=ns) is None
+        assert c.get(keys[-1], namespace=ns) is None
 
 
 @pytest.mark.parametrize("n", [SLICE_KEYS, SLICE_KEYS + 1, 8 * SLICE_KEYS])

@@ -643,3 +643,154 @@ def test_a_one_key_request_over_the_frame_is_refused_before_it_is_sent() -> None
     assert frame is not None
     with pytest.raises(ValueError, match="exceeds the frame limit of 64"):
         frame(1)
+
+
+# -- a large plain claim read a part at a time (claim_request, frame_keys) ---------------
+
+
+def _keys_read(request: protocol.Request) -> list[bytes | str]:
+    keys = request.args["keys"]
+    assert isinstance(keys, protocol.FrameKeys)
+    out: list[bytes | str] = []
+    for i in range(keys.parts):
+        out.extend(keys.part(i))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    request_ids,
+    names,
+    st.lists(st.binary(max_size=300) | st.text(max_size=40), max_size=80),
+    st.integers(1, 20),
+)
+def test_a_claim_frame_read_in_parts_is_what_the_protocol_decodes(
+    rid: int, ns: str, keys: list[bytes | str], size: int
+) -> None:
+    frame_ = _core.claim_frame(rid, ns, keys)
+    assert frame_ is not None
+    request = protocol.claim_request(frame_[4:], size)
+    assert request is not None
+    decoded = protocol.decode_request(frame_[4:])
+    assert (request.request_id, request.op) == (decoded.request_id, decoded.op)
+    assert {k: v for k, v in request.args.items() if k != "keys"} == {
+        k: v for k, v in decoded.args.items() if k != "keys"
+    }
+    read = _keys_read(request)
+    assert read == decoded.args["keys"] == keys
+    assert [type(k) for k in read] == [type(k) for k in keys]
+    frame_keys = request.args["keys"]
+    assert len(frame_keys) == len(keys) and frame_keys.parts == -(-len(keys) // size)
+    # Each part holds ``size`` keys but the last.
+    for i in range(frame_keys.parts):
+        assert frame_keys.part(i) == keys[i * size : (i + 1) * size]
+
+
+@pytest.mark.parametrize("n", [15, 16, 0xFFFF, 0x10000])
+def test_a_claim_frame_read_in_parts_has_every_array_head(n: int) -> None:
+    keys: list[bytes | str] = [b"k%d" % i if i % 2 else f"s{i}" for i in range(n)]
+    frame_ = _core.claim_frame(7, "ns", keys)
+    assert frame_ is not None
+    request = protocol.claim_request(frame_[4:], 1024)
+    assert request is not None and _keys_read(request) == keys
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"ns": "n", "keys": [b"k", b"l"]},  # no cols
+        {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "lease": 5},
+        {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "owner": "w"},
+        {"keys": [b"k", b"l"], "ns": "n", "cols": 1},  # another order
+        {"ns": b"n", "keys": [b"k", b"l"], "cols": 1},  # a bytes namespace
+        {"ns": "n", "keys": [b"k", 5], "cols": 1},  # a key the checks refuse
+        {"ns": "n", "keys": [b"k", [b"l"]], "cols": 1},
+        {"ns": "n", "keys": [b"k", b"l"], "cols": 2},
+    ],
+)
+def test_a_claim_of_another_shape_is_decoded_whole(args: dict[str, object]) -> None:
+    body = protocol.encode_request(3, Op.CLAIM_MANY, args)[4:]
+    assert protocol.claim_request(body, 4) is None
+
+
+@pytest.mark.parametrize("op", [Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.WAIT, Op.GET])
+def test_other_ops_are_decoded_whole(op: Op) -> None:
+    body = protocol.encode_request(3, op, {"ns": "n", "keys": [b"k", b"l"], "cols": 1})[4:]
+    assert protocol.claim_request(body, 4) is None
+
+
+def test_every_cut_of_a_claim_frame_is_decoded_whole() -> None:
+    frame_ = _core.claim_frame(300, "nämespace", [b"a" * 40, "b" * 300, b"c", "dé" * 20] * 5)
+    assert frame_ is not None
+    body = frame_[4:]
+    assert protocol.claim_request(body, 3) is not None
+    for end in range(len(body)):
+        assert protocol.claim_request(body[:end], 3) is None
+    assert protocol.claim_request(body + b"\x00", 3) is None  # a byte left over
+
+
+def test_a_key_that_is_not_utf8_is_a_frame_error_of_its_part() -> None:
+    keys: list[bytes | str] = [f"k{i:02}" for i in range(12)]
+    frame_ = _core.claim_frame(1, "ns", keys)
+    assert frame_ is not None
+    at = frame_.index(b"k10")
+    body = frame_[4:at] + b"\xff\xfe" + frame_[at + 2 :]
+    with pytest.raises(FrameError):
+        protocol.decode_request(body)
+    request = protocol.claim_request(body, 4)
+    assert request is not None
+    keys_read = request.args["keys"]
+    assert keys_read.part(0) == keys[:4] and keys_read.part(1) == keys[4:8]
+    with pytest.raises(FrameError, match="not valid msgpack"):
+        keys_read.part(2)
+
+
+@pytest.mark.parametrize(("start", "count"), [(-1, 1), (0, 5), (10**9, 1), (0, -1)])
+def test_frame_keys_refuses_an_offset_without_keys(start: int, count: int) -> None:
+    frame_ = _core.claim_frame(1, "ns", [b"a", b"b"])
+    assert frame_ is not None
+    body = frame_[4:]
+    found = _core.claim_request(body, 1)
+    assert found is not None and _core.frame_keys(body, found[3][0], 2) == [b"a", b"b"]
+    with pytest.raises(ValueError, match="no keys"):
+        _core.frame_keys(body, start if start != 0 else found[3][0], count)
+
+
+def test_a_part_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="part must be at least 1"):
+        _core.claim_request(b"\x93\x01\x02\x83", 0)
+
+
+def _read_as_the_protocol_reads(body: bytes, size: int) -> None:
+    """A body claim_request reads at all is read as decode_request reads it."""
+    request = protocol.claim_request(body, size)
+    if request is None:
+        return
+    try:
+        keys = _keys_read(request)
+    except FrameError:
+        with pytest.raises(FrameError):
+            protocol.decode_request(body)
+        return
+    decoded = protocol.decode_request(body)
+    assert decoded.request_id == request.request_id and decoded.args["keys"] == keys
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=96), st.integers(1, 8))
+def test_claim_garbage_is_never_misread(body: bytes, size: int) -> None:
+    _read_as_the_protocol_reads(body, size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_claim_frame_with_a_byte_changed_is_read_as_the_protocol_reads_it(
+    data: st.DataObject,
+) -> None:
+    keys: list[bytes | str] = [b"key-%d" % i if i % 3 else f"s-{i}" for i in range(40)]
+    frame_ = _core.claim_frame(9, "ns", keys)
+    assert frame_ is not None
+    body = bytearray(frame_[4:])
+    at = data.draw(st.integers(0, len(body) - 1))
+    body[at] = data.draw(st.integers(0, 255))
+    _read_as_the_protocol_reads(bytes(body), 7)
