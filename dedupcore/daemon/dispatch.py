@@ -201,7 +201,7 @@ class Dispatcher:
         for a checkpoint's transaction (docs/daemon.md, "A namespace's first batch")."""
         if op not in _NAMING_OPS:
             return True
-        ns = args.namespace if isinstance(args, protocol.OneKey) else args.get("ns")
+        ns = _namespace_of(args)
         if type(ns) is not str:
             return True
         if ns in self._naming:
@@ -225,7 +225,7 @@ class Dispatcher:
         is not through joins its end."""
         if self.knows_namespace(op, args):
             return
-        ns = args.namespace if isinstance(args, protocol.OneKey) else args["ns"]
+        ns = _namespace_of(args)
         naming = self._naming.get(ns)
         if naming is None:
             recorded = asyncio.ensure_future(asyncio.to_thread(self.store.add_namespace, ns))
@@ -585,6 +585,11 @@ class Dispatcher:
                     f"{self.max_frame} bytes (the frame limit), counting the stored results "
                     "of the keys already done; nothing was claimed: split the batch"
                 )
+
+
+def _namespace_of(args: dict[str, Any] | protocol.OneKey) -> Any:
+    """The namespace a request names (None when it names none), unchecked."""
+    return args.namespace if isinstance(args, protocol.OneKey) else args.get("ns")
 
 
 def _arg(args: dict[str, Any], name: str, kind: Any) -> Any:
