@@ -1997,31 +1997,95 @@ def one_key_request(const unsigned char[::1] body):
     return rid, op, namespace, key, token, PyBytes_FromStringAndSize(<const char*>p + pos, n - pos)
 
 
-def claim_request(const unsigned char[::1] body, Py_ssize_t part):
-    """The request of a frame body that is exactly what :func:`claim_frame` builds,
-    read without an object per key: ``(request_id, namespace, count, starts)``,
-    ``starts`` the offsets in ``body`` of keys 0, ``part``, 2 * ``part``, ... and
-    of the end of the last key, for :func:`frame_keys` to decode one part at a
-    time (docs/daemon.md, "Large batches in slices"). None for any other body (a
-    key that is neither str nor bin, other args, bytes left over, a cut-off
-    body), which the caller decodes the general way. The keys' text is not checked here:
-    :func:`frame_keys` raises UnicodeDecodeError for a str that is not UTF-8."""
+cdef Py_ssize_t _mp_skip(const unsigned char* p, Py_ssize_t n) noexcept:
+    # The bytes the msgpack value at p takes (n bytes left), nested values
+    # included, without reading it: 0 when it is cut off or not msgpack (0xC1).
+    # No recursion: the values still to skip are counted.
+    cdef Py_ssize_t pos = 0, width, size, i
+    cdef uint64_t left = 1
+    cdef unsigned char b
+    while left:
+        if pos >= n or left > <uint64_t>(n - pos):  # each value takes a byte at least
+            return 0
+        left -= 1
+        b = p[pos]
+        pos += 1
+        if b <= 0x7F or b >= 0xE0 or b == 0xC0 or b == 0xC2 or b == 0xC3:
+            continue
+        if b <= 0x8F:
+            left += 2 * <uint64_t>(b & 0x0F)
+            continue
+        if b <= 0x9F:
+            left += b & 0x0F
+            continue
+        if b <= 0xBF:
+            size = b & 0x1F
+        elif b == 0xC1:
+            return 0
+        elif b == 0xCA or b == 0xCB:  # float 32/64
+            size = 4 if b == 0xCA else 8
+        elif 0xCC <= b <= 0xD3:  # uint 8-64, int 8-64
+            size = 1 << ((b - 0xCC) & 3)
+        elif 0xD4 <= b <= 0xD8:  # fixext 1-16: its type byte and data
+            size = 1 + (1 << (b - 0xD4))
+        else:
+            # A length of 1, 2 or 4 bytes: bin/ext/str 8-32, array/map 16-32.
+            if 0xC4 <= b <= 0xC6:
+                width = 1 << (b - 0xC4)
+            elif 0xC7 <= b <= 0xC9:
+                width = 1 << (b - 0xC7)
+            elif 0xD9 <= b <= 0xDB:
+                width = 1 << (b - 0xD9)
+            else:  # 0xDC-0xDF
+                width = 2 if b == 0xDC or b == 0xDE else 4
+            if n - pos < width:
+                return 0
+            size = 0
+            for i in range(width):
+                size = (size << 8) | p[pos + i]
+            pos += width
+            if b >= 0xDC:
+                left += <uint64_t>size * (2 if b >= 0xDE else 1)
+                continue
+            if 0xC7 <= b <= 0xC9:
+                size += 1  # the ext's type byte
+        if n - pos < size:
+            return 0
+        pos += size
+    return pos
+
+
+def batch_request(const unsigned char[::1] body, Py_ssize_t part):
+    """The request of a frame body of a batch in the form the clients send one in,
+    read without an object per key or item: a plain claim, ``[request_id,
+    CLAIM_MANY, {"ns": namespace, "keys": [...], "cols": 1}]`` (what
+    :func:`claim_frame` builds), or a completion or release, ``[request_id, op,
+    {"ns": namespace, "items": [...]}]``. ``(request_id, op, namespace, count,
+    starts)``, ``starts`` the offsets in ``body`` of elements 0, ``part``, 2 *
+    ``part``, ... and of the end of the last, so that the caller decodes one
+    part at a time (docs/daemon.md, "Large batches in slices"). Every element is
+    checked to be whole msgpack, not decoded. None for any other body (other
+    args, bytes left over, a cut-off body), which the caller decodes whole."""
     if part < 1:
         raise ValueError(f"part must be at least 1, got {part}")
-    cdef Py_ssize_t n = body.shape[0], pos = 0, used, size, count, i
+    cdef Py_ssize_t n = body.shape[0], pos = 0, used, count, i
     cdef uint64_t rid = 0
     cdef int op, fields
-    cdef bint text
-    if n < 16:
+    if n < 12:
         return None
     cdef const unsigned char* p = &body[0]
     pos = _mp_request_head(p, n, &rid, &op, &fields)
-    if not pos or op != 2 or fields != 3:
+    if not pos or fields != (3 if op == 2 else 2) or not 2 <= op <= 4:
         return None
     namespace = _mp_take_raw(p, n, &pos, True)
-    if namespace is None or n - pos < 6 or memcmp(p + pos, b"\xa4keys", 5) != 0:
+    if namespace is None or n - pos < 7:
         return None
-    pos += 5
+    if op == 2 and memcmp(p + pos, b"\xa4keys", 5) == 0:
+        pos += 5
+    elif op != 2 and memcmp(p + pos, b"\xa5items", 6) == 0:
+        pos += 6
+    else:
+        return None
     if 0x90 <= p[pos] <= 0x9F:
         count, pos = p[pos] & 0x0F, pos + 1
     elif p[pos] == 0xDC and n - pos >= 3:
@@ -2032,44 +2096,23 @@ def claim_request(const unsigned char[::1] body, Py_ssize_t part):
         pos += 5
     else:
         return None
-    if count > n - pos:  # every key takes at least its head's byte
+    if count > n - pos:  # every element takes a byte at least
         return None
     starts = []
     for i in range(count):
         if i % part == 0:
             starts.append(pos)
-        used = _mp_read_raw(p + pos, n - pos, &text, &size)
+        used = _mp_skip(p + pos, n - pos)
         if not used:
             return None
-        pos += used + size
-    starts.append(pos)
-    if n - pos != 6 or memcmp(p + pos, b"\xa4cols\x01", 6) != 0:
-        return None
-    return rid, namespace, count, starts
-
-
-def frame_keys(const unsigned char[::1] body, Py_ssize_t start, Py_ssize_t count):
-    """``count`` keys (str or bytes) read from ``body`` at offset ``start``, one of
-    the ``starts`` :func:`claim_request` gave for that body. ValueError when they
-    are not there; UnicodeDecodeError for a str that is not UTF-8."""
-    cdef Py_ssize_t n = body.shape[0], pos = start, i, used, size
-    cdef bint text
-    if start < 0 or count < 0 or start > n:
-        raise ValueError("no keys at that offset")
-    cdef const unsigned char* p = &body[0] if n else NULL
-    cdef list out = []
-    for i in range(count):
-        used = _mp_read_raw(p + pos, n - pos, &text, &size)
-        if not used:
-            raise ValueError("no keys at that offset")
         pos += used
-        if text:
-            key = PyUnicode_DecodeUTF8(<const char*>p + pos, size, "strict")
-        else:
-            key = PyBytes_FromStringAndSize(<const char*>p + pos, size)
-        out.append(key)
-        pos += size
-    return out
+    starts.append(pos)
+    if op == 2:
+        if n - pos != 6 or memcmp(p + pos, b"\xa4cols\x01", 6) != 0:
+            return None
+    elif pos != n:
+        return None
+    return rid, op, namespace, count, starts
 
 
 def one_key_answer(uint64_t request_id, int code, uint64_t token):

@@ -256,7 +256,7 @@ class Dispatcher:
             many = args.get("items")
         else:
             return False
-        return (type(many) is list or type(many) is protocol.FrameKeys) and len(many) > SLICE_ABOVE
+        return (type(many) is list or type(many) is protocol.FrameItems) and len(many) > SLICE_ABOVE
 
     async def durable(self, durable: asyncio.Future[None] | None) -> None:
         """Waits for a commit (request_timeout); raises what it raised."""
@@ -372,7 +372,7 @@ class Dispatcher:
         return bounded_reply(len(batch), limit, 0)
 
     async def claim_sliced(
-        self, keys: list[Any] | protocol.FrameKeys, options: dict[str, Any], columns: bool
+        self, keys: list[Any] | protocol.FrameItems, options: dict[str, Any], columns: bool
     ) -> tuple[Any, int]:
         """A large claim batch in slices of SLICE_KEYS keys, yielding to the loop between
         two slices so that other connections are served meanwhile.
@@ -383,23 +383,16 @@ class Dispatcher:
         is IN_PROGRESS in the later one, as within one batch. A conflict that other
         clients create between the check and the claim of a later slice can still refuse
         the batch after its earlier slices were claimed (they stay claimed, as after a
-        lost reply). Keys left in their frame (:class:`protocol.FrameKeys`) are decoded
-        a slice at a time, in the check pass."""
+        lost reply). Keys left in their frame (:class:`protocol.FrameItems`) are
+        decoded a slice at a time, in the check pass."""
         store: Any = self.store
-        step = keys.size if isinstance(keys, protocol.FrameKeys) else SLICE_KEYS
-        count = -(-len(keys) // step)
-
-        def keys_of(i: int) -> list[Any]:
-            if isinstance(keys, protocol.FrameKeys):
-                return keys.part(i)
-            return keys[i * step : (i + 1) * step]
-
+        count = _slices(keys)
         fps = options.pop("fingerprints")
         if fps is None:
             fp_slices: list[Any] = [None] * count
         else:
             check_fingerprints(fps, len(keys))
-            fp_slices = [fps[i : i + step] for i in range(0, len(fps), step)]
+            fp_slices = [_slice(fps, i) for i in range(count)]
         rows_bytes = REPLY_FIXED + (ROW_FIXED + 8) * len(keys)
         if rows_bytes > self.max_frame:
             raise BatchTooLargeError(
@@ -412,7 +405,7 @@ class Dispatcher:
         batches: list[ClaimBatch] = []
 
         def check(i: int) -> None:
-            part = keys_of(i)
+            part = _slice(keys, i)
             batch = ClaimBatch(part, fingerprints=fp_slices[i], limits=store.limits, **options)
             size, _ = store.claim_deferred(
                 batch, form=FORM_CHECK, admit=self.reply_bound(batch, budget - sum(held))
@@ -443,7 +436,7 @@ class Dispatcher:
         return (cols.payload() if columns else rows), lsn
 
     async def change_sliced(
-        self, op: Op, args: dict[str, Any], items: list[Any]
+        self, op: Op, args: dict[str, Any], items: list[Any] | protocol.FrameItems
     ) -> asyncio.Future[None] | None:
         """A large completion or release in slices of SLICE_KEYS items, yielding to the
         loop between two slices as :meth:`claim_sliced` does; the commit it waits for.
@@ -454,7 +447,9 @@ class Dispatcher:
         is decided with the whole batch in one step instead, as a batch of one slice
         is. A stale token that other clients cause between the check and the change
         of a later slice can still refuse the batch after its earlier slices changed
-        (they stay changed, as after a lost reply)."""
+        (they stay changed, as after a lost reply). Items left in their frame
+        (:class:`protocol.FrameItems`) are decoded a slice at a time, in the check
+        pass."""
         store: Any = self.store
         ns = _arg(args, "ns", str)
         self.counters["sliced_batches"] += 1
@@ -464,7 +459,7 @@ class Dispatcher:
 
         def check(i: int) -> None:
             nonlocal repeated
-            part = self._changes(op, ns, items[i * SLICE_KEYS : (i + 1) * SLICE_KEYS])
+            part = self._changes(op, ns, _slice(items, i))
             digests = _engine.split_digests(part.digests)
             if not repeated:
                 before = len(seen)
@@ -473,10 +468,11 @@ class Dispatcher:
             store.change_deferred(part, check=True)
             parts.append(part)
 
-        await self._by_slice(-(-len(items) // SLICE_KEYS), check)
+        await self._by_slice(_slices(items), check)
         if repeated:
+            whole = items.whole() if isinstance(items, protocol.FrameItems) else items
             async with self._turn():
-                return self._decide_change(self._changes(op, ns, items), False)[1]
+                return self._decide_change(self._changes(op, ns, whole), False)[1]
         lsn = max(
             await self._by_slice(
                 len(parts), lambda i: int(store.change_deferred(parts[i])), applied=True
@@ -585,6 +581,21 @@ class Dispatcher:
                     f"{self.max_frame} bytes (the frame limit), counting the stored results "
                     "of the keys already done; nothing was claimed: split the batch"
                 )
+
+
+def _slices(elements: list[Any] | protocol.FrameItems) -> int:
+    """The number of slices a large batch's keys or items are decided in."""
+    if isinstance(elements, protocol.FrameItems):
+        return elements.parts
+    return -(-len(elements) // SLICE_KEYS)
+
+
+def _slice(elements: list[Any] | protocol.FrameItems, i: int) -> list[Any]:
+    """Slice ``i`` of a large batch's keys, fingerprints or items: SLICE_KEYS of
+    them, decoded from the frame when they were left in it."""
+    if isinstance(elements, protocol.FrameItems):
+        return elements.part(i)
+    return elements[i * SLICE_KEYS : (i + 1) * SLICE_KEYS]
 
 
 def _namespace_of(args: dict[str, Any] | protocol.OneKey) -> Any:

@@ -70,15 +70,15 @@ __all__ = [
     "WOKEN",
     "ClaimColumns",
     "FrameError",
-    "FrameKeys",
+    "FrameItems",
     "OneClaim",
     "OneKey",
     "Op",
     "Request",
     "Status",
+    "batch_request",
     "claim_args",
     "claim_columns",
-    "claim_request",
     "claim_row",
     "claims_from_columns",
     "claims_from_reply",
@@ -430,15 +430,17 @@ def one_key_request(body: bytes) -> tuple[int, Op, OneKey] | None:
     return request_id, _OP_OF[code], OneKey(namespace, key, token, value)
 
 
-# -- large plain claims, their keys decoded a part at a time ----------------------------
+# -- large batches, decoded a part at a time ---------------------------------------------
+
+_heads = msgpack.Packer()
 
 
-class FrameKeys:
-    """The keys of a large plain claim left in its frame's body, as
-    :func:`claim_request` found them: decoded one part of ``size`` keys at a time
-    (``_core.frame_keys``), so that the daemon decodes each slice as it decides it
-    and no step of its event loop decodes the whole batch (docs/daemon.md, "Large
-    batches in slices")."""
+class FrameItems:
+    """The keys of a large plain claim, or the items of a large completion or
+    release, left in their frame's body as :func:`batch_request` found them:
+    decoded one part of ``size`` at a time, so that the daemon decodes each slice
+    as it decides it and no step of its event loop decodes the whole batch
+    (docs/daemon.md, "Large batches in slices")."""
 
     __slots__ = ("_body", "_count", "_starts", "size")
 
@@ -446,7 +448,7 @@ class FrameKeys:
         self._body = body
         self._count = count
         self._starts = starts
-        #: Keys of every part but the last.
+        #: Elements of every part but the last.
         self.size = size
 
     def __len__(self) -> int:
@@ -457,28 +459,37 @@ class FrameKeys:
         """The number of parts."""
         return len(self._starts) - 1
 
-    def part(self, i: int) -> list[bytes | str]:
-        """The keys of part ``i``; FrameError for a str that is not UTF-8, as
-        :func:`decode_request` names it."""
+    def part(self, i: int) -> list[Any]:
+        """The elements of part ``i``, decoded as :func:`decode_request` decodes the
+        whole body (the same objects, the same FrameError for what does not decode)."""
         count = min(self.size, self._count - i * self.size)
-        try:
-            return _core.frame_keys(self._body, self._starts[i], count)
-        except UnicodeDecodeError as exc:
-            raise FrameError(f"frame body is not valid msgpack: {exc}") from None
+        head = _heads.pack_array_header(count)
+        part: list[Any] = _unpack(head + self._body[self._starts[i] : self._starts[i + 1]])
+        return part
+
+    def whole(self) -> list[Any]:
+        """Every element, decoded in one step."""
+        head = _heads.pack_array_header(self._count)
+        whole: list[Any] = _unpack(head + self._body[self._starts[0] : self._starts[-1]])
+        return whole
 
 
-def claim_request(body: bytes, size: int) -> Request | None:
-    """The request of a body of exactly the form the clients send a plain claim batch
-    in (``_core.claim_frame``), read without an object per key: args ``{"ns",
-    "keys", "cols"}`` as :func:`decode_request` gives them, but ``keys`` a
-    :class:`FrameKeys` of parts of ``size`` keys. None for any other body, which
+def batch_request(body: bytes, size: int) -> Request | None:
+    """The request of a body of a batch in the form the clients send one in (a plain
+    claim, a completion, a release), read without an object per key or item: args
+    as :func:`decode_request` gives them, but the keys or items a
+    :class:`FrameItems` of parts of ``size``. None for any other body, which
     :func:`decode_request` reads."""
-    found = _core.claim_request(body, size)
+    found = _core.batch_request(body, size)
     if found is None:
         return None
-    request_id, namespace, count, starts = found
-    keys = FrameKeys(body, count, size, starts)
-    return Request(request_id, Op.CLAIM_MANY, {"ns": namespace, "keys": keys, COLUMNS_ARG: 1})
+    request_id, code, namespace, count, starts = found
+    elements = FrameItems(body, count, size, starts)
+    if code == Op.CLAIM_MANY:
+        return Request(
+            request_id, Op.CLAIM_MANY, {"ns": namespace, "keys": elements, COLUMNS_ARG: 1}
+        )
+    return Request(request_id, Op(code), {"ns": namespace, "items": elements})
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,7 +278,7 @@ class DaemonServer:
             "answered_at_once": 0,  # by the connection's reader, without a task
             "completed_by_commit": 0,  # decided by the reader, answered by its commit
             "polled_requests": 0,  # arrived while the loop polled after a reply (Awake)
-            "claims_read_in_slices": 0,  # large plain claims decoded a slice at a time
+            "batches_read_in_slices": 0,  # large batches decoded a slice at a time
         }
         #: The loop kept polling after replies (``poll_after_reply``: None adapts).
         self.awake = Awake(check_spin(poll_after_reply, "poll_after_reply"), self.counters)
@@ -505,13 +505,18 @@ class DaemonServer:
             self._answered(conn, reserved, small)
 
     def _decode(self, body: bytes) -> protocol.Request:
-        """The request of a frame its reader did not decode. A plain claim of more
-        than a slice that the event loop decides keeps its keys in the frame, each
-        slice decoded as it is decided (docs/daemon.md, "Large batches in slices")."""
-        if len(body) > SMALL_FRAME and self.dispatch.decides_now(Op.CLAIM_MANY):
-            request = protocol.claim_request(body, SLICE_KEYS)
-            if request is not None and len(request.args["keys"]) > SLICE_ABOVE:
-                self.counters["claims_read_in_slices"] += 1
+        """The request of a frame its reader did not decode. A claim, completion or
+        release of more than a slice that the event loop decides, in the form the
+        clients send, keeps its keys or items in the frame, each slice decoded as
+        it is decided (docs/daemon.md, "Large batches in slices")."""
+        if len(body) > SMALL_FRAME and self.decides_on_loop:
+            request = protocol.batch_request(body, SLICE_KEYS)
+            if (
+                request is not None
+                and self.dispatch.decides_now(request.op)
+                and self.dispatch.sliced(request.op, request.args)
+            ):
+                self.counters["batches_read_in_slices"] += 1
                 return request
         return protocol.decode_request(body)
 

@@ -262,9 +262,9 @@ def test_a_large_batch_with_a_bad_key_in_a_late_slice_claims_nothing(lab: Lab) -
         assert all(x.outcome is Outcome.NEW for x in claims[1:-1])
 
 
-def test_a_large_plain_claim_is_decoded_a_slice_at_a_time(daemon: Daemon) -> None:
-    # A frame over SMALL_FRAME of a plain claim keeps its keys in the frame until
-    # each slice is decided, str and bytes keys alike, with the same answers.
+def test_a_large_claim_and_its_completion_are_decoded_a_slice_at_a_time(daemon: Daemon) -> None:
+    # A frame over SMALL_FRAME of a plain claim, a completion or a release keeps its
+    # keys or items in the frame until each slice is decided, with the same answers.
     ns = unique_ns("in-frame")
     n = 8 * SLICE_KEYS + 5
     keys: list[bytes | str] = [b"key-b-%06d" % i if i % 2 else f"key-s-{i:06}" for i in range(n)]
@@ -275,24 +275,53 @@ def test_a_large_plain_claim_is_decoded_a_slice_at_a_time(daemon: Daemon) -> Non
         assert [(x.key, x.outcome) for x in claims] == [(k, Outcome.NEW) for k in keys]
         c.complete_many([(x.key, x.token, i) for i, x in enumerate(claims)], namespace=ns)
         again = c.claim_many([*keys[:3], "fresh", *keys[3:]], namespace=ns)
+        c.release_many([(x.key, x.token) for x in again[3:4]], namespace=ns)
     after = daemon_stats(daemon)
-    assert after["claims_read_in_slices"] - before["claims_read_in_slices"] == 2
-    # Two claims and the completion, each in slices.
+    # Two claims and the completion, each in slices (the one-item release is small).
+    assert after["batches_read_in_slices"] - before["batches_read_in_slices"] == 3
     assert after["batch_slices"] - before["batch_slices"] == 3 * -(-n // SLICE_KEYS)
     expected = [(Outcome.DUPLICATE, i) for i in range(3)]
     expected += [(Outcome.NEW, None)] + [(Outcome.DUPLICATE, i) for i in range(3, n)]
     assert [(x.outcome, x.result) for x in again] == expected
 
 
-def test_a_large_claim_with_a_key_not_utf8_in_a_late_slice_claims_nothing(lab: Lab) -> None:
-    # The key is decoded with its slice, in the check pass: the batch is refused
-    # whole with the error of a frame decoded whole, and the connection goes on.
+def test_a_large_release_read_in_slices_releases_every_key(daemon: Daemon) -> None:
+    ns = unique_ns("release-in-frame")
+    keys = [f"r{i:06}" for i in range(8 * SLICE_KEYS)]
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        items = [[x.key, x.token] for x in claims]
+        before = daemon_stats(daemon)
+        with connect(daemon.socket) as s:
+            frame = protocol.encode_request(4, Op.RELEASE_MANY, {"ns": ns, "items": items})
+            assert len(frame) > SMALL_FRAME
+            s.sendall(frame)
+            assert protocol.decode_response(read_frame(s)) == (4, Status.OK, None)
+        after = daemon_stats(daemon)
+        assert after["batches_read_in_slices"] - before["batches_read_in_slices"] == 1
+        assert all(x.outcome is Outcome.NEW for x in c.claim_many(keys, namespace=ns))
+
+
+@pytest.mark.parametrize("op", [Op.CLAIM_MANY, Op.COMPLETE_MANY])
+def test_a_large_batch_with_an_element_not_decoding_in_a_late_slice_changes_nothing(
+    lab: Lab, op: Op
+) -> None:
+    # A key or a result that is not UTF-8 is decoded with its slice, in the check
+    # pass: the batch is refused whole with the error of a frame decoded whole,
+    # and the connection goes on.
     daemon = lab.daemon()
     ns = unique_ns("not-utf8")
-    keys: list[bytes | str] = [f"u{i:06}" for i in range(8 * SLICE_KEYS)]
-    frame = _core.claim_frame(5, ns, keys)
-    assert frame is not None and len(frame) > SMALL_FRAME
-    at = frame.index(keys[-2].encode())  # type: ignore[union-attr]
+    keys = [f"u{i:06}" for i in range(8 * SLICE_KEYS)]
+    if op is Op.CLAIM_MANY:
+        frame = _core.claim_frame(5, ns, list(keys)) or b""
+        at = frame.index(keys[-2].encode())
+    else:
+        with daemon.client(timeout=PATIENCE) as c:
+            claims = c.claim_many(keys, namespace=ns)
+        items = [[x.key, x.token, f"v{i:06}"] for i, x in enumerate(claims)]
+        frame = protocol.encode_request(5, op, {"ns": ns, "items": items})
+        at = frame.index(f"v{len(keys) - 2:06}".encode())
+    assert len(frame) > SMALL_FRAME
     bad = frame[:at] + b"\xff" + frame[at + 1 :]
     with pytest.raises(FrameError):
         protocol.decode_request(bad[4:])
@@ -305,11 +334,15 @@ def test_a_large_claim_with_a_key_not_utf8_in_a_late_slice_claims_nothing(lab: L
         s.sendall(protocol.encode_request(6, Op.PING, {}))
         assert protocol.decode_response(read_frame(s)) == (6, Status.OK, "pong")
     after = daemon_stats(daemon)
-    assert after["claims_read_in_slices"] - before["claims_read_in_slices"] == 1
-    assert after["batch_slices"] == before["batch_slices"]  # no slice was claimed
+    assert after["batches_read_in_slices"] - before["batches_read_in_slices"] == 1
+    assert after["batch_slices"] == before["batch_slices"]  # no slice was applied
     with daemon.client(timeout=PATIENCE) as c:
-        assert c.get(keys[0], namespace=ns) is None
-        assert c.get(keys[-1], namespace=ns) is None
+        for key in (keys[0], keys[-1]):
+            record = c.get(key, namespace=ns)
+            if op is Op.CLAIM_MANY:
+                assert record is None
+            else:
+                assert record is not None and record.state.name == "PROCESSING"
 
 
 @pytest.mark.parametrize("n", [SLICE_KEYS, SLICE_KEYS + 1, 8 * SLICE_KEYS])

@@ -11,7 +11,9 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -645,16 +647,35 @@ def test_a_one_key_request_over_the_frame_is_refused_before_it_is_sent() -> None
         frame(1)
 
 
-# -- a large plain claim read a part at a time (claim_request, frame_keys) ---------------
+# -- a large batch read a part at a time (batch_request) ----------------------------------
 
 
-def _keys_read(request: protocol.Request) -> list[bytes | str]:
-    keys = request.args["keys"]
-    assert isinstance(keys, protocol.FrameKeys)
-    out: list[bytes | str] = []
-    for i in range(keys.parts):
-        out.extend(keys.part(i))
+def _read(request: protocol.Request) -> list[Any]:
+    """The keys or items of a request read by batch_request, decoded part by part."""
+    elements = request.args["keys" if request.op is Op.CLAIM_MANY else "items"]
+    assert isinstance(elements, protocol.FrameItems)
+    out: list[Any] = []
+    for i in range(elements.parts):
+        out.extend(elements.part(i))
     return out
+
+
+def _same_request(body: bytes, size: int) -> None:
+    """batch_request reads ``body`` as decode_request decodes it, part by part."""
+    request = protocol.batch_request(body, size)
+    assert request is not None
+    decoded = protocol.decode_request(body)
+    name = "keys" if request.op is Op.CLAIM_MANY else "items"
+    assert (request.request_id, request.op) == (decoded.request_id, decoded.op)
+    assert {k: v for k, v in request.args.items() if k != name} == {
+        k: v for k, v in decoded.args.items() if k != name
+    }
+    elements = request.args[name]
+    assert _read(request) == decoded.args[name] == elements.whole()
+    assert len(elements) == len(decoded.args[name])
+    assert elements.parts == -(-len(elements) // size)
+    for i in range(elements.parts):  # each part holds ``size`` but the last
+        assert elements.part(i) == decoded.args[name][i * size : (i + 1) * size]
 
 
 @settings(max_examples=200, deadline=None)
@@ -669,128 +690,148 @@ def test_a_claim_frame_read_in_parts_is_what_the_protocol_decodes(
 ) -> None:
     frame_ = _core.claim_frame(rid, ns, keys)
     assert frame_ is not None
-    request = protocol.claim_request(frame_[4:], size)
+    _same_request(frame_[4:], size)
+    request = protocol.batch_request(frame_[4:], size)
     assert request is not None
-    decoded = protocol.decode_request(frame_[4:])
-    assert (request.request_id, request.op) == (decoded.request_id, decoded.op)
-    assert {k: v for k, v in request.args.items() if k != "keys"} == {
-        k: v for k, v in decoded.args.items() if k != "keys"
-    }
-    read = _keys_read(request)
-    assert read == decoded.args["keys"] == keys
-    assert [type(k) for k in read] == [type(k) for k in keys]
-    frame_keys = request.args["keys"]
-    assert len(frame_keys) == len(keys) and frame_keys.parts == -(-len(keys) // size)
-    # Each part holds ``size`` keys but the last.
-    for i in range(frame_keys.parts):
-        assert frame_keys.part(i) == keys[i * size : (i + 1) * size]
+    assert [type(k) for k in _read(request)] == [type(k) for k in keys]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    request_ids,
+    st.sampled_from([Op.COMPLETE_MANY, Op.RELEASE_MANY]),
+    names,
+    st.lists(st.tuples(keys_, tokens, results), max_size=30),
+    st.integers(1, 12),
+)
+def test_a_change_read_in_parts_is_what_the_protocol_decodes(
+    rid: int, op: Op, ns: str, items: list[tuple[Any, int, Any]], size: int
+) -> None:
+    rows = [list(item) if op is Op.COMPLETE_MANY else list(item[:2]) for item in items]
+    body = protocol.encode_request(rid, op, {"ns": ns, "items": rows})[4:]
+    _same_request(body, size)
 
 
 @pytest.mark.parametrize("n", [15, 16, 0xFFFF, 0x10000])
-def test_a_claim_frame_read_in_parts_has_every_array_head(n: int) -> None:
+def test_a_batch_read_in_parts_has_every_array_head(n: int) -> None:
     keys: list[bytes | str] = [b"k%d" % i if i % 2 else f"s{i}" for i in range(n)]
     frame_ = _core.claim_frame(7, "ns", keys)
     assert frame_ is not None
-    request = protocol.claim_request(frame_[4:], 1024)
-    assert request is not None and _keys_read(request) == keys
+    _same_request(frame_[4:], 1024)
+    items = [[k, i + 1, i] for i, k in enumerate(keys)]
+    _same_request(
+        protocol.encode_request(7, Op.COMPLETE_MANY, {"ns": "n", "items": items})[4:], 999
+    )
 
 
 @pytest.mark.parametrize(
-    "args",
+    "result",
     [
-        {"ns": "n", "keys": [b"k", b"l"]},  # no cols
-        {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "lease": 5},
-        {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "owner": "w"},
-        {"keys": [b"k", b"l"], "ns": "n", "cols": 1},  # another order
-        {"ns": b"n", "keys": [b"k", b"l"], "cols": 1},  # a bytes namespace
-        {"ns": "n", "keys": [b"k", 5], "cols": 1},  # a key the checks refuse
-        {"ns": "n", "keys": [b"k", [b"l"]], "cols": 1},
-        {"ns": "n", "keys": [b"k", b"l"], "cols": 2},
+        None, True, 0, -1, -33, 1 << 63, -(1 << 63), 1.5, 1e300, "é" * 40, b"b" * 300,
+        b"x" * 70_000, "y" * 70_000, [1, [2, [3, [4]]]], {"a": {"b": [1, 2]}, 3: None},
+        list(range(20)), {str(i): i for i in range(20)}, msgpack.ExtType(5, b"abc"),
+        msgpack.ExtType(1, b"x" * 17), msgpack.ExtType(2, b"y" * 300),
+    ],
+)  # fmt: skip
+def test_every_kind_of_result_is_read_in_parts(result: object) -> None:
+    items = [[b"a", 1, result], [b"b", 2, [result, result]], [b"c", 3, {"r": result}]]
+    _same_request(protocol.encode_request(1, Op.COMPLETE_MANY, {"ns": "n", "items": items})[4:], 2)
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (Op.CLAIM_MANY, {"ns": "n", "keys": [b"k", b"l"]}),  # no cols
+        (Op.CLAIM_MANY, {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "lease": 5}),
+        (Op.CLAIM_MANY, {"ns": "n", "keys": [b"k", b"l"], "cols": 1, "owner": "w"}),
+        (Op.CLAIM_MANY, {"keys": [b"k", b"l"], "ns": "n", "cols": 1}),  # another order
+        (Op.CLAIM_MANY, {"ns": b"n", "keys": [b"k", b"l"], "cols": 1}),  # a bytes namespace
+        (Op.CLAIM_MANY, {"ns": "n", "keys": [b"k", b"l"], "cols": 2}),
+        (Op.CLAIM_MANY, {"ns": "n", "items": [b"k", b"l"], "cols": 1}),
+        (Op.COMPLETE_MANY, {"ns": "n", "keys": [[b"k", 1, None]]}),
+        (Op.COMPLETE_MANY, {"ns": "n", "items": [[b"k", 1, None]], "cols": 1}),
+        (Op.RELEASE_MANY, {"items": [[b"k", 1]], "ns": "n"}),
+        (Op.RELEASE_MANY, {"ns": "n", "items": "not a list"}),
+        (Op.EXTEND_MANY, {"ns": "n", "items": [[b"k", 1]]}),
+        (Op.WAIT, {"ns": "n", "keys": [b"k"], "timeout": 1}),
+        (Op.GET, {"ns": "n", "key": b"k"}),
     ],
 )
-def test_a_claim_of_another_shape_is_decoded_whole(args: dict[str, object]) -> None:
-    body = protocol.encode_request(3, Op.CLAIM_MANY, args)[4:]
-    assert protocol.claim_request(body, 4) is None
+def test_a_request_of_another_shape_is_decoded_whole(op: Op, args: dict[str, object]) -> None:
+    body = protocol.encode_request(3, op, args)[4:]
+    assert protocol.batch_request(body, 4) is None
 
 
-@pytest.mark.parametrize("op", [Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.WAIT, Op.GET])
-def test_other_ops_are_decoded_whole(op: Op) -> None:
-    body = protocol.encode_request(3, op, {"ns": "n", "keys": [b"k", b"l"], "cols": 1})[4:]
-    assert protocol.claim_request(body, 4) is None
-
-
-def test_every_cut_of_a_claim_frame_is_decoded_whole() -> None:
+def test_every_cut_of_a_batch_is_decoded_whole() -> None:
     frame_ = _core.claim_frame(300, "nämespace", [b"a" * 40, "b" * 300, b"c", "dé" * 20] * 5)
     assert frame_ is not None
-    body = frame_[4:]
-    assert protocol.claim_request(body, 3) is not None
-    for end in range(len(body)):
-        assert protocol.claim_request(body[:end], 3) is None
-    assert protocol.claim_request(body + b"\x00", 3) is None  # a byte left over
+    items = [[b"k%d" % i, 1 << 40, {"r": [i, "é" * i, 1.5, None]}] for i in range(12)]
+    for body in (
+        frame_[4:],
+        protocol.encode_request(300, Op.COMPLETE_MANY, {"ns": "n", "items": items})[4:],
+    ):
+        assert protocol.batch_request(body, 3) is not None
+        for end in range(len(body)):
+            assert protocol.batch_request(body[:end], 3) is None
+        assert protocol.batch_request(body + b"\x00", 3) is None  # a byte left over
 
 
-def test_a_key_that_is_not_utf8_is_a_frame_error_of_its_part() -> None:
+def test_an_element_that_does_not_decode_is_a_frame_error_of_its_part() -> None:
     keys: list[bytes | str] = [f"k{i:02}" for i in range(12)]
     frame_ = _core.claim_frame(1, "ns", keys)
     assert frame_ is not None
     at = frame_.index(b"k10")
-    body = frame_[4:at] + b"\xff\xfe" + frame_[at + 2 :]
+    body = frame_[4:at] + b"\xff\xfe" + frame_[at + 2 :]  # not UTF-8
     with pytest.raises(FrameError):
         protocol.decode_request(body)
-    request = protocol.claim_request(body, 4)
+    request = protocol.batch_request(body, 4)
     assert request is not None
     keys_read = request.args["keys"]
     assert keys_read.part(0) == keys[:4] and keys_read.part(1) == keys[4:8]
     with pytest.raises(FrameError, match="not valid msgpack"):
         keys_read.part(2)
-
-
-@pytest.mark.parametrize(("start", "count"), [(-1, 1), (0, 5), (10**9, 1), (0, -1)])
-def test_frame_keys_refuses_an_offset_without_keys(start: int, count: int) -> None:
-    frame_ = _core.claim_frame(1, "ns", [b"a", b"b"])
-    assert frame_ is not None
-    body = frame_[4:]
-    found = _core.claim_request(body, 1)
-    assert found is not None and _core.frame_keys(body, found[3][0], 2) == [b"a", b"b"]
-    with pytest.raises(ValueError, match="no keys"):
-        _core.frame_keys(body, start if start != 0 else found[3][0], count)
+    with pytest.raises(FrameError, match="not valid msgpack"):
+        keys_read.whole()
 
 
 def test_a_part_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="part must be at least 1"):
-        _core.claim_request(b"\x93\x01\x02\x83", 0)
+        _core.batch_request(b"\x93\x01\x02\x83", 0)
 
 
 def _read_as_the_protocol_reads(body: bytes, size: int) -> None:
-    """A body claim_request reads at all is read as decode_request reads it."""
-    request = protocol.claim_request(body, size)
+    """A body batch_request reads at all is read as decode_request reads it."""
+    request = protocol.batch_request(body, size)
     if request is None:
         return
     try:
-        keys = _keys_read(request)
+        elements = _read(request)
     except FrameError:
         with pytest.raises(FrameError):
             protocol.decode_request(body)
         return
     decoded = protocol.decode_request(body)
-    assert decoded.request_id == request.request_id and decoded.args["keys"] == keys
+    assert decoded.request_id == request.request_id and decoded.op == request.op
+    assert decoded.args["keys" if request.op is Op.CLAIM_MANY else "items"] == elements
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=96), st.integers(1, 8))
-def test_claim_garbage_is_never_misread(body: bytes, size: int) -> None:
+def test_batch_garbage_is_never_misread(body: bytes, size: int) -> None:
     _read_as_the_protocol_reads(body, size)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.data())
-def test_a_claim_frame_with_a_byte_changed_is_read_as_the_protocol_reads_it(
+def test_a_batch_with_a_byte_changed_is_read_as_the_protocol_reads_it(
     data: st.DataObject,
 ) -> None:
     keys: list[bytes | str] = [b"key-%d" % i if i % 3 else f"s-{i}" for i in range(40)]
-    frame_ = _core.claim_frame(9, "ns", keys)
-    assert frame_ is not None
-    body = bytearray(frame_[4:])
+    claim = _core.claim_frame(9, "ns", keys)
+    assert claim is not None
+    items = [[k, i + 1, [i, {"r": "é"}, 2.5, None, b"x" * i]] for i, k in enumerate(keys)]
+    change = protocol.encode_request(9, Op.COMPLETE_MANY, {"ns": "n", "items": items})
+    body = bytearray(data.draw(st.sampled_from([claim, change]))[4:])
     at = data.draw(st.integers(0, len(body) - 1))
     body[at] = data.draw(st.integers(0, 255))
     _read_as_the_protocol_reads(bytes(body), 7)
