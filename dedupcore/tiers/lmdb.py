@@ -198,7 +198,7 @@ class LmdbTier:
             ) from exc
         # Check before reading any page: LMDB maps the file, and a page past its
         # end is a SIGBUS, not an error.
-        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        used = self._used_bytes()
         if data.stat().st_size < used:
             self.env.close()
             raise CorruptFileError(
@@ -257,7 +257,7 @@ class LmdbTier:
                     )
         for info in entries:
             try:
-                info.db = self.env.open_db(info.name, create=False)
+                info.db = self._open_db(info.name, create=False)
             except lmdb.NotFoundError:
                 raise CorruptFileError(
                     f"{self.path}: slice {info.id} is listed but its database is missing"
@@ -327,20 +327,38 @@ class LmdbTier:
         self.env.close()
 
     @contextmanager
-    def _txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
-        """A transaction that a map resize waits for (and that waits for a resize)."""
+    def _using(self) -> Iterator[None]:
+        """A use of the environment that a map resize waits for (and that waits for a
+        resize): a transaction, and every call on the environment itself. py-lmdb
+        refuses any call on an environment while another thread resizes its map
+        (EINVAL), and a resize may not happen under an open transaction."""
         with self._gate:
             while self._resizing:
                 self._gate.wait()
             self._open_txns += 1
         try:
-            with self.env.begin(**kwargs) as txn:
-                yield txn
+            yield
         finally:
             with self._gate:
                 self._open_txns -= 1
                 if not self._open_txns:
                     self._gate.notify_all()
+
+    @contextmanager
+    def _txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
+        """A transaction that a map resize waits for (and that waits for a resize)."""
+        with self._using(), self.env.begin(**kwargs) as txn:
+            yield txn
+
+    def _open_db(self, name: bytes, *, create: bool) -> Any:
+        """A named database of the environment (see :meth:`_using`)."""
+        with self._using():
+            return self.env.open_db(name, create=create)
+
+    def _used_bytes(self) -> int:
+        """Bytes of data.mdb that LMDB's pages reach (see :meth:`_using`)."""
+        with self._using():
+            return int((self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
 
     def _grow(self) -> None:
         with self._gate:
@@ -459,9 +477,7 @@ class LmdbTier:
 
     def disk_bytes(self) -> int:
         """Bytes of the environment's data file in use (pages used, free pages included)."""
-        info = self.env.info()
-        stat = self.env.stat()
-        return int((info["last_pgno"] + 1) * stat["psize"])
+        return self._used_bytes()
 
     def slices(self) -> list[dict[str, Any]]:
         """Per slice, oldest first: id, records, first and last write (unix s), sealed."""
@@ -528,7 +544,7 @@ class LmdbTier:
             cur = SliceInfo(sid, 0, now_ms, now_ms, False)
             # The database before its entry: a crash in between leaves an empty,
             # unlisted database that the next slice of the same id reuses.
-            cur.db = self.env.open_db(cur.name, create=True)
+            cur.db = self._open_db(cur.name, create=True)
             new = cur
 
             def create(txn: lmdb.Transaction) -> None:
@@ -665,7 +681,7 @@ class LmdbTier:
         info = next((s for s in self._slices if s.sealed and not s.compacted), None)
         if info is None:
             return 0
-        dst = self.env.open_db(info.compacted_name, create=True)
+        dst = self._open_db(info.compacted_name, create=True)
         copied = [0]
         complete = [False]
 
@@ -706,7 +722,7 @@ class LmdbTier:
 
     def v1_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of a format-1 environment's single tree."""
-        db = self.env.open_db(b"records", create=False)
+        db = self._open_db(b"records", create=False)
         with self._txn(db=db) as txn:
             for key, value in txn.cursor():
                 yield bytes(key), bytes(value)
@@ -746,7 +762,7 @@ class LmdbTier:
         is extended over them (zero pages nothing refers to) and synced.
         """
         data = self.path / "data.mdb"
-        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        used = self._used_bytes()
         if data.stat().st_size >= used:
             return
         resize_durably(data, used)

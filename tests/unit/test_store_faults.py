@@ -28,7 +28,8 @@ from dedupcore.config import Retention
 from dedupcore.errors import CorruptFileError, DedupError, StaleTokenError
 from dedupcore.record import State
 from dedupcore.store import DedupStore, Outcome
-from tests.support.procs import LineProcess, child_env, load_script
+from dedupcore.tiers.lmdb import LmdbTier
+from tests.support.procs import PATIENCE, LineProcess, child_env, load_script
 
 CHILD = Path(__file__).with_name("store_child.py")
 store_child = load_script(CHILD)
@@ -275,6 +276,59 @@ def test_map_growth_while_other_threads_claim_keys_from_lmdb(tmp_path: Path) -> 
     assert proc.returncode == 0, f"child died with {proc.returncode}: {proc.stderr[-2000:]}"
     out = proc.stdout.strip().replace("\\n", "\n")
     assert out.startswith("OK"), out
+
+
+@pytest.mark.parametrize("call", ["disk_bytes", "cover_last_page", "open_db"])
+def test_calls_on_the_environment_wait_for_a_map_resize(tmp_path: Path, call: str) -> None:
+    """py-lmdb refuses every call on an environment while another thread resizes its
+    map (EINVAL: a claim of a new namespace once failed with "mdb_env_stat: Invalid
+    argument" while a checkpoint grew the map). Such calls wait for the resize, as
+    transactions do: the call started during the resize ends only after it."""
+    tier = LmdbTier(tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False)
+    started, resized, done = threading.Event(), threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+    real = tier.env.set_mapsize
+
+    def other_thread() -> None:
+        try:
+            if call == "disk_bytes":
+                assert tier.disk_bytes() > 0
+            elif call == "cover_last_page":  # what every write does after its commit
+                tier._cover_last_page()
+            else:
+                tier._open_db(b"other", create=True)
+            assert resized.is_set(), "the call ended before the resize did"
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            done.set()
+
+    def set_mapsize(size: int) -> None:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        started.set()
+        # The call waits for the resize; without the wait it would be done by now
+        # (or refused by py-lmdb in the middle of the resize).
+        assert not done.wait(0.2)
+        real(size)
+        resized.set()
+
+    tier.env = _EnvWith(tier.env, set_mapsize)
+    tier._grow()
+    assert started.is_set() and done.wait(PATIENCE)
+    assert not failures, failures
+    tier.close()
+
+
+class _EnvWith:
+    """An LMDB environment whose ``set_mapsize`` is another function."""
+
+    def __init__(self, env: Any, set_mapsize: Any) -> None:
+        self._env = env
+        self.set_mapsize = set_mapsize
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
 
 
 # ---------------------------------------------------------- damaged LMDB file ---
