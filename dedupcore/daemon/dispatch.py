@@ -38,6 +38,8 @@ from dedupcore.daemon.protocol import FrameError, Op
 from dedupcore.daemon.waiters import Waiters
 from dedupcore.errors import BatchTooLargeError
 
+_T = TypeVar("_T")
+
 __all__ = [
     "CHANGE_OPS",
     "DEFERRED_OPS",
@@ -77,8 +79,6 @@ DEFERRED_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY, Op.E
 #: Completions and releases: large ones are decided in slices (change_sliced); they
 #: wake the keys' waiters.
 CHANGE_OPS = frozenset({Op.COMPLETE_MANY, Op.RELEASE_MANY})
-_T = TypeVar("_T")
-
 #: The ops whose first batch in a namespace gives it its id (an LMDB write).
 _NAMING_OPS = frozenset({Op.CLAIM_MANY, Op.COMPLETE_MANY, Op.RELEASE_MANY})
 
@@ -470,8 +470,8 @@ class Dispatcher:
 
         await self._by_slice(_slices(items), check)
         if repeated:
-            whole = items.whole() if isinstance(items, protocol.FrameItems) else items
             async with self._turn():
+                whole = items.whole() if isinstance(items, protocol.FrameItems) else items
                 return self._decide_change(self._changes(op, ns, whole), False)[1]
         lsn = max(
             await self._by_slice(

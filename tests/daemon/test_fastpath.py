@@ -389,11 +389,14 @@ def test_a_large_change_with_a_stale_token_in_a_late_slice_changes_nothing(
         assert all(x.outcome is Outcome.IN_PROGRESS for x in c.claim_many(keys, namespace=ns))
 
 
-def test_a_large_change_naming_a_key_twice_is_decided_as_one_batch(daemon: Daemon) -> None:
+@pytest.mark.parametrize("n", [SLICE_ABOVE + SLICE_KEYS, 8 * SLICE_KEYS])
+def test_a_large_change_naming_a_key_twice_is_decided_as_one_batch(daemon: Daemon, n: int) -> None:
     """A key named in two slices: a release is refused whole, as a release naming a
-    key twice always is; a completion takes it once."""
+    key twice always is; a completion takes it once. The larger batches' items are
+    decoded from their frames a slice at a time, then whole for the one step."""
     ns = unique_ns("change-twice")
-    keys = [f"t{i}" for i in range(SLICE_ABOVE + SLICE_KEYS)]
+    keys = [f"t{i}" for i in range(n)]
+    before = daemon_stats(daemon)["batches_read_in_slices"]
     with daemon.client(timeout=PATIENCE) as c:
         claims = c.claim_many(keys, namespace=ns)
         items = [(x.key, x.token) for x in claims]
@@ -402,6 +405,10 @@ def test_a_large_change_naming_a_key_twice_is_decided_as_one_batch(daemon: Daemo
         assert all(x.outcome is Outcome.IN_PROGRESS for x in c.claim_many(keys, namespace=ns))
         c.complete_many([*items, items[0]], namespace=ns)
         assert all(x.outcome is Outcome.DUPLICATE for x in c.claim_many(keys, namespace=ns))
+    read_in_slices = daemon_stats(daemon)["batches_read_in_slices"] - before
+    # The completion, when over SMALL_FRAME (the claims' short keys are not; the
+    # client refuses the release itself).
+    assert read_in_slices == (1 if n > 4 * SLICE_KEYS else 0)
 
 
 # -- CLAIM_MANY answers in columns ----------------------------------------------------------
