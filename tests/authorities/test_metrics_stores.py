@@ -32,18 +32,13 @@ from tests.support.cluster import free_port
 from tests.support.daemon import Lab
 from tests.support.metrics import EXPECTED_CLAIMS, check_script_counts, run_script, value
 from tests.support.procs import PATIENCE, child_env, run_cli
-from tests.support.servers import connect_redis, require_server
+from tests.support.servers import connect_redis, forget_redis_keys, require_server
 from tests.support.stores import Stores, take_over, unique_ns
 
 
 def _redis() -> redis.Redis:
     require_server("redis")
     return connect_redis("conformance")
-
-
-def _forget_prefix(client: redis.Redis, prefix: str) -> None:
-    for name in client.scan_iter(match=f"{prefix}*", count=1000):
-        client.delete(name)
 
 
 @pytest.fixture
@@ -109,7 +104,7 @@ def test_a_stack_over_postgresql_with_a_redis_cache(pg_store: SqlStore) -> None:
         assert value(registry, "dedupcore_tier_hits_total", tier="cache", region="r2") == 2
         assert value(registry, "dedupcore_front_skips_total", region="r2") == 2
     finally:
-        _forget_prefix(client, prefix)
+        forget_redis_keys(client, prefix)
         stack.cache.close()  # type: ignore[union-attr]
 
 

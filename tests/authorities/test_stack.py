@@ -41,6 +41,7 @@ from tests.support.servers import (
     SERVERS,
     connect_redis,
     flushed_redis,
+    forget_redis_keys,
     redis_url,
     require_server,
     uid,
@@ -621,12 +622,6 @@ def _race_worker(spec: dict[str, Any], keys: list[str], out: Any) -> None:
     out.put(won)
 
 
-def _delete_prefix(client: redis.Redis, prefix: str) -> None:
-    """Deletes the keys of the stores with ``prefix`` (``<prefix>:...``)."""
-    for name in client.scan_iter(match=f"{prefix}:*", count=1000):
-        client.delete(name)
-
-
 @pytest.mark.parametrize(
     "stack", ["redis", "mysql", "sqlite", "pg+redis-cache", "sharded-redis", "sharded-pg+sqlite"]
 )
@@ -662,7 +657,7 @@ def test_eight_processes_racing_see_one_new_per_key(
         # keys get a prefix of their own, deleted before the race and after it.
         prefix = uid("race")
         spec = {"authority": [REDIS_URL, redis_url("integrations")], "prefix": prefix}
-        _delete_prefix(second, prefix)
+        forget_redis_keys(second, prefix)
     else:
         _pg(pg_table).close()
         SqlStore.from_url(sqlite, table=pg_table).init_schema()
@@ -688,7 +683,7 @@ def test_eight_processes_racing_see_one_new_per_key(
                 p.kill()
                 p.join(60)
         if stack == "sharded-redis":
-            _delete_prefix(second, spec["prefix"])
+            forget_redis_keys(second, spec["prefix"])
         if stack == "mysql":
             SqlTable("mysql", SERVERS.mariadb, pg_table).drop()
         second.close()

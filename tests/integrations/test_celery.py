@@ -39,6 +39,7 @@ from dedupcore.patterns.table import ensure_table  # noqa: E402
 from tests.support.procs import ROOT, LineProcess, child_env  # noqa: E402
 from tests.support.servers import (  # noqa: E402
     SERVERS,
+    forget_redis_keys,
     pg_connect,
     redis_url,
     require_server,
@@ -90,13 +91,10 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL to the worker and its pool processes at once."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.sigkill()
+        self.proc.sigkill_group()
 
     def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.close()
+        self.proc.close_group()
 
 
 class Lab:
@@ -170,13 +168,7 @@ class Lab:
             channel.exchange_delete(self.queue)
         self.app.close()
         if "DC_CELERY_PREFIX" in self.env:
-            from tests.support.servers import connect_redis
-
-            client = connect_redis("integrations")
-            names = list(client.scan_iter(match=f"{self.env['DC_CELERY_PREFIX']}*"))
-            if names:
-                client.delete(*names)
-            client.close()
+            forget_redis_keys("integrations", self.env["DC_CELERY_PREFIX"])
 
 
 @pytest.fixture

@@ -19,9 +19,7 @@ The test without a worker (the options) needs no server.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,7 +35,7 @@ from dedupcore.patterns.table import ensure_table  # noqa: E402
 from tests.support.procs import LineProcess, child_env, wait_until  # noqa: E402
 from tests.support.servers import (  # noqa: E402
     SERVERS,
-    connect_redis,
+    forget_redis_keys,
     pg_connect,
     redis_url,
     require_server,
@@ -102,13 +100,10 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL to the worker and its processes at once."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.sigkill()
+        self.proc.sigkill_group()
 
     def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.close()
+        self.proc.close_group()
 
 
 class Lab:
@@ -202,11 +197,7 @@ class Lab:
             for suffix in ("", ".DQ", ".XQ"):
                 channel.queue_delete(self.queue + suffix)
         self.broker.close()
-        client = connect_redis("integrations")
-        names = list(client.scan_iter(match=f"{self.env['DQ_PREFIX']}*"))
-        if names:
-            client.delete(*names)
-        client.close()
+        forget_redis_keys("integrations", self.env["DQ_PREFIX"])
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from tests.integrations.faststream_worker import PATIENCE, Rig
 from tests.support.procs import LineProcess, child_env
 from tests.support.servers import (
     SERVERS,
-    connect_redis,
+    forget_redis_keys,
     pg_connect,
     redis_url,
     require_server,
@@ -359,11 +359,7 @@ class Kills:
             with pg_connect(autocommit=True) as conn:
                 for name in self.tables.values():
                     conn.execute(f"DROP TABLE IF EXISTS {name}")
-        client = connect_redis("integrations")
-        names = list(client.scan_iter(match=f"{self.env['FS_PREFIX']}*"))
-        if names:
-            client.delete(*names)
-        client.close()
+        forget_redis_keys("integrations", self.env["FS_PREFIX"])
 
 
 @pytest.fixture

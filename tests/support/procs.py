@@ -244,6 +244,18 @@ class LineProcess:
                 whole.append(line.rstrip("\n"))
         return whole
 
+    def sigkill_group(self) -> None:
+        """SIGKILL to the child's whole process group at once (a child started through
+        ``setsid`` leads its own: a worker and its pool processes), then reaps it."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.sigkill()
+
+    def close_group(self) -> None:
+        """:meth:`close`, with the child's whole process group killed first."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.close()
+
     def kill(self) -> None:
         """SIGKILL (after SIGCONT, should it be stopped) and reap, if it still runs."""
         if self.proc.poll() is None:

@@ -139,6 +139,20 @@ def connect_redis(suite: str, **options: Any) -> Any:
     return redis.Redis.from_url(redis_url(suite), **options)
 
 
+def forget_redis_keys(where: str | Any, prefix: str) -> None:
+    """Deletes every key whose name starts with ``prefix``: from the database of the
+    suite named ``where`` (a key of :data:`REDIS_DB`), or through the redis-py
+    client ``where``."""
+    client = connect_redis(where) if isinstance(where, str) else where
+    try:
+        names = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if names:
+            client.delete(*names)
+    finally:
+        if isinstance(where, str):
+            client.close()
+
+
 def sql_url(engine: str) -> str:
     """The URL of the shared SQL server of ``engine`` ("postgresql", or "mysql"/"mariadb")."""
     return SERVERS.postgresql if engine == "postgresql" else SERVERS.mariadb

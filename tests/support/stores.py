@@ -41,6 +41,7 @@ import pytest
 from tests.support.procs import PATIENCE, wait_until
 from tests.support.servers import (
     connect_redis,
+    forget_redis_keys,
     redis_url,
     require_server,
     run_statement,
@@ -161,13 +162,9 @@ class Stores:
 
     def _forget(self, prefix: str, store: Any) -> None:
         """Deletes the keys under ``prefix`` from the suite's database, then closes ``store``."""
-        client = connect_redis(self.redis_suite)
         try:
-            names = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if names:
-                client.delete(*names)
+            forget_redis_keys(self.redis_suite, prefix)
         finally:
-            client.close()
             store.close()
 
     def sql(self, engine: str, **options: Any) -> Any:
