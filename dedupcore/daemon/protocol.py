@@ -162,7 +162,9 @@ def _unpack(body: bytes) -> Any:
         msgpack.FormatError,
         msgpack.StackError,
     ) as exc:
-        raise FrameError(f"frame body is not valid msgpack: {exc}") from None
+        # Some of msgpack's errors carry no message (too deep a nesting: StackError).
+        why = str(exc) or type(exc).__name__
+        raise FrameError(f"frame body is not valid msgpack: {why}") from None
 
 
 def _three_fields(body: bytes, layout: str) -> list[Any]:

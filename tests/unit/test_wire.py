@@ -835,3 +835,17 @@ def test_a_batch_with_a_byte_changed_is_read_as_the_protocol_reads_it(
     at = data.draw(st.integers(0, len(body) - 1))
     body[at] = data.draw(st.integers(0, 255))
     _read_as_the_protocol_reads(bytes(body), 7)
+
+
+def test_a_nesting_too_deep_for_msgpack_is_named() -> None:
+    # msgpack's StackError has no message of its own: the error still says what it is,
+    # for a frame decoded whole and for a part of one read in parts.
+    deep = b"\x91" * 5000 + b"\xc0"
+    body = b"\x93\x01\x02\x83\xa2ns\xa1n\xa4keys\x92\xa1a" + deep + b"\xa4cols\x01"
+    with pytest.raises(FrameError, match="not valid msgpack: StackError"):
+        protocol.decode_request(body)
+    request = protocol.batch_request(body, 1)
+    assert request is not None
+    assert request.args["keys"].part(0) == ["a"]
+    with pytest.raises(FrameError, match="not valid msgpack: StackError"):
+        request.args["keys"].part(1)
