@@ -14,9 +14,12 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from dedupcore.api import Outcome
 from dedupcore.daemon import protocol
 from dedupcore.daemon.protocol import Op, Status
+from dedupcore.daemon.server import SLICE_KEYS
 from dedupcore.errors import UnavailableError
 from tests.support.daemon import Lab
 from tests.support.procs import PATIENCE
@@ -25,19 +28,27 @@ from tests.support.stores import unique_ns
 HEADER = struct.Struct(">I")
 
 
-def test_8_processes_claiming_the_same_100k_keys_get_one_new_per_key(lab: Lab) -> None:
+@pytest.mark.parametrize(
+    ("n", "batch"),
+    [(100_000, 1000), (40_000, 10_000)],
+    ids=["small-batches", "batches-read-in-slices"],
+)
+def test_8_processes_claiming_the_same_keys_get_one_new_per_key(
+    lab: Lab, n: int, batch: int
+) -> None:
+    """Batches of 10,000 keys pass SMALL_FRAME: the daemon reads them from their
+    frames a slice at a time, and decides them in slices, while the others race."""
     daemon = lab.daemon()
     ns = unique_ns("race")
-    n = 100_000
     children = [
         lab.child(
             mode="claim",
             socket=str(daemon.socket),
             ns=ns,
-            prefix="k",
+            prefix="race-key-",
             n=n,
             seed=seed,
-            batch=1000,
+            batch=batch,
             wait_go=True,
         )
         for seed in range(8)
@@ -59,7 +70,10 @@ def test_8_processes_claiming_the_same_100k_keys_get_one_new_per_key(lab: Lab) -
     # Every other answer was IN_PROGRESS (each key has one winner and seven losers).
     assert sum(r["counts"]["in_progress"] for r in results) == 7 * n
     with daemon.client() as c:
-        assert c.stats()["namespaces"][ns]["new"] == n
+        stats = c.stats()
+        assert stats["namespaces"][ns]["new"] == n
+        read_in_slices = stats["daemon"]["batches_read_in_slices"]
+        assert read_in_slices == (8 * n // batch if batch > SLICE_KEYS else 0)
 
 
 def test_a_killed_holders_keys_are_taken_over_once_after_the_lease(lab: Lab) -> None:
