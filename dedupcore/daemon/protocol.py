@@ -465,15 +465,16 @@ class FrameItems:
         """The elements of part ``i``, decoded as :func:`decode_request` decodes the
         whole body (the same objects, the same FrameError for what does not decode)."""
         count = min(self.size, self._count - i * self.size)
-        head = _heads.pack_array_header(count)
-        part: list[Any] = _unpack(head + self._body[self._starts[i] : self._starts[i + 1]])
-        return part
+        return self._decode(count, self._starts[i], self._starts[i + 1])
 
     def whole(self) -> list[Any]:
         """Every element, decoded in one step."""
-        head = _heads.pack_array_header(self._count)
-        whole: list[Any] = _unpack(head + self._body[self._starts[0] : self._starts[-1]])
-        return whole
+        return self._decode(self._count, self._starts[0], self._starts[-1])
+
+    def _decode(self, count: int, start: int, end: int) -> list[Any]:
+        """The ``count`` elements between offsets ``start`` and ``end`` of the body."""
+        elements: list[Any] = _unpack(_heads.pack_array_header(count) + self._body[start:end])
+        return elements
 
 
 def batch_request(body: bytes, size: int) -> Request | None:
