@@ -1403,9 +1403,10 @@ cdef extern from "dc_sync.h" nogil:
     ctypedef struct dc_syncer:
         pass
     int dc_syncer_init(dc_syncer* s, int efd)
-    int dc_syncer_start(dc_syncer* s, int fd, const char* data, size_t len, int sync)
+    int dc_syncer_start(dc_syncer* s, int fd, const char* data, size_t len, int sync,
+                        int64_t zero_from, int64_t zero_to)
     void dc_syncer_wait(dc_syncer* s)
-    int dc_syncer_take(dc_syncer* s, int* err, size_t* written)
+    int dc_syncer_take(dc_syncer* s, int* err, size_t* written, int* zero_err)
     void dc_syncer_close(dc_syncer* s)
 
 
@@ -1415,8 +1416,8 @@ cdef class Syncer:
     watch (ext/dc_sync.h; docs/daemon.md, "Group commit").
 
     One job at a time: :meth:`start` queues it, :meth:`take` returns its outcome
-    once it is done (``(errno, bytes written)``, or None while it runs), after
-    which the next may start. :meth:`wait` blocks, the GIL released, until the
+    once it is done (``(errno, bytes written, errno of the zero fill)``, or None
+    while it runs), after which the next may start. :meth:`wait` blocks, the GIL released, until the
     job is done; :meth:`drain` clears the eventfd. The buffer is held (and a bytearray cannot be resized) until
     the job is taken.
     """
@@ -1443,17 +1444,25 @@ cdef class Syncer:
             raise ValueError("the syncer is closed")
         return self.efd
 
-    def start(self, int fd, data, bint sync=True):
-        """Queues a job: write ``data`` (bytes-like) at ``fd``'s position, then
-        fdatasync ``fd`` when ``sync``. RuntimeError while another job is not taken."""
+    def start(self, int fd, data, bint sync=True, zeros=None):
+        """Queues a job: write zeros over ``zeros`` (``(start, end)`` offsets of
+        ``fd``, or None), then ``data`` (bytes-like) at ``fd``'s position, then
+        fdatasync ``fd`` when ``sync``. A failed zero fill is reported by
+        :meth:`take` and changes nothing else. RuntimeError while another job is
+        not taken."""
+        cdef int64_t zero_from = 0, zero_to = 0
         if not self.running:
             raise ValueError("the syncer is closed")
         if self.holding:
             raise RuntimeError("a commit is under way: take it before starting another")
+        if zeros is not None:
+            zero_from, zero_to = zeros
+            if not 0 <= zero_from <= zero_to:
+                raise ValueError(f"zeros must be (start, end) with 0 <= start <= end, got {zeros!r}")
         PyObject_GetBuffer(data, &self.view, PyBUF_SIMPLE)
         self.holding = True
         if dc_syncer_start(&self.s, fd, <const char*>self.view.buf, <size_t>self.view.len,
-                           sync) != 0:
+                           sync, zero_from, zero_to) != 0:
             PyBuffer_Release(&self.view)
             self.holding = False
             raise RuntimeError("a commit is under way: take it before starting another")
@@ -1469,16 +1478,17 @@ cdef class Syncer:
                 dc_syncer_wait(&self.s)
 
     def take(self):
-        """The done job's ``(errno, bytes written)`` (errno 0: written and synced), or
-        None when no job is done. Any thread may take it; the eventfd stays readable
-        until :meth:`drain`, so the loop watching it learns of the job either way."""
-        cdef int err = 0
+        """The done job's ``(errno, bytes written, errno of the zero fill)`` (errno 0:
+        written and synced; the fill's 0 also when none was asked), or None when no
+        job is done. Any thread may take it; the eventfd stays readable until
+        :meth:`drain`, so the loop watching it learns of the job either way."""
+        cdef int err = 0, zero_err = 0
         cdef size_t written = 0
-        if not self.running or not dc_syncer_take(&self.s, &err, &written):
+        if not self.running or not dc_syncer_take(&self.s, &err, &written, &zero_err):
             return None
         PyBuffer_Release(&self.view)
         self.holding = False
-        return err, written
+        return err, written, zero_err
 
     def drain(self):
         """Clears the eventfd (the loop watching it, when it became readable); a read

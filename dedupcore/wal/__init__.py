@@ -81,7 +81,8 @@ pass the zeros already written, zeros are written first from the end of the
 file to as far past the records as the segment already holds (64 KiB to 1
 MiB), and that commit's ``fdatasync`` makes them part of the file. The
 commits after it land on those blocks. A large commit (more than half a
-fill) extends the file itself.
+fill) extends the file itself. A commit made on the native commit thread
+(``start_commit``) has the thread write its zeros too, before its records.
 
 The zeros are never part of a record and nothing depends on them: a fill
 that fails (a full disk) is given up for the rest of the segment. They stay

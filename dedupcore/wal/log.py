@@ -130,6 +130,8 @@ class WriteAheadLog:
         # The native commit thread (made on the first start_commit) and the first and
         # last LSN of the commit it runs.
         self._syncer: _core.Syncer | None = None
+        #: Where the zero fill of the native thread's commit ends (0: it writes none).
+        self._native_zeros = 0
         self._native: tuple[int, int] | None = None
         #: The head file outside the log's directory (dedupcore/wal/segments.py), or None.
         self.head_path = None if head is None else Path(head)
@@ -368,7 +370,9 @@ class WriteAheadLog:
         (an event loop calls it when the descriptor is readable). A thread that
         waits for those records meanwhile (``sync``, ``append``) waits for the
         thread's commit and records it itself, so nothing waits on the loop.
-        A rotation due first is done here, on the caller's thread.
+        A rotation due first is done here, on the caller's thread; the zeros
+        written ahead of the appends (above, "The zero-filled tail" in
+        dedupcore/wal/__init__.py) by the thread, before the records.
         """
         with self._cond:
             if (
@@ -383,16 +387,14 @@ class WriteAheadLog:
                 self._syncer = _core.Syncer()
             batch, first, last, rotate = self._take_queue()
             files = self._segments
-            if rotate or files.zero_fill_end(len(batch)):
-                # The I/O before the thread's (a rotation, a zero fill) with the lock
-                # let go: the log is busy meanwhile.
+            if rotate:
+                # A rotation before the thread's write, with the lock let go: the log
+                # is busy meanwhile.
                 self._cond.release()
                 failure: BaseException | None = None
                 not_created: OSError | None = None
                 try:
-                    if rotate:
-                        not_created = files.rotate(first)
-                    files.zero_ahead(len(batch))
+                    not_created = files.rotate(first)
                 except BaseException as exc:
                     failure = exc
                 finally:
@@ -400,9 +402,13 @@ class WriteAheadLog:
                 if failure is not None:
                     self._led(first, last, failure, False, None)
                     return True  # started and failed: its waiters get the error
-                if rotate:
-                    files.rotated(first, not_created)
-            self._syncer.start(files.fd, batch, True)
+                files.rotated(first, not_created)
+            # The zeros ahead of the appends are written by the thread too, before
+            # the records: nothing of the commit's I/O is left to the caller.
+            zero_end = files.zero_fill_end(len(batch))
+            zeros = (files.length, zero_end) if zero_end else None
+            self._syncer.start(files.fd, batch, True, zeros)
+            self._native_zeros = zero_end
             self._native = (first, last)
             # A thread that began waiting during the rotation waits for the thread's
             # commit now (it records it itself: nothing depends on the loop).
@@ -435,7 +441,8 @@ class WriteAheadLog:
             return
         first, last = self._native
         self._native = None
-        err, written = outcome
+        err, written, zero_err = outcome
+        self._segments.zeroed(self._native_zeros, zero_err)
         self._segments.appended(written, synced=not err)
         failure = None
         if err:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -576,10 +577,21 @@ class Segments:
         try:
             _write_zeros(self.fd, self.length, end)
         except OSError as exc:
-            self._zero_failed = True
-            log.debug("%s: zero fill ahead of the appends failed: %s", self.path, exc)
+            self.zeroed(end, exc.errno or errno.EIO)
         else:
-            self.length = end
+            self.zeroed(end, 0)
+
+    def zeroed(self, end: int, err: int) -> None:
+        """Records a zero fill up to ``end`` (0: none was written) made by
+        :meth:`zero_ahead` or by other code (the native commit thread), which failed
+        with errno ``err`` unless it is 0."""
+        if not end:
+            return
+        if err:
+            self._zero_failed = True
+            log.debug("%s: zero fill ahead of the appends failed: %s", self.path, os.strerror(err))
+        else:
+            self.length = max(self.length, end)
 
     def detach_through(self, lsn: int) -> list[int]:
         """Takes the segments all of whose records are <= ``lsn`` off the list (the

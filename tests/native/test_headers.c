@@ -404,27 +404,56 @@ static void test_syncer(void) {
     CHECK(efd >= 0);
     dc_syncer s;
     CHECK(dc_syncer_init(&s, efd) == 0);
-    int err = -1;
+    int err = -1, zero_err = -1;
     size_t written = 0;
-    CHECK(dc_syncer_take(&s, &err, &written) == 0); /* nothing done yet */
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 0); /* nothing done yet */
     static const char data[] = "0123456789";
-    CHECK(dc_syncer_start(&s, fd, data, 10, 1) == 0);
-    CHECK(dc_syncer_start(&s, fd, data, 10, 1) == -1); /* one at a time */
+    CHECK(dc_syncer_start(&s, fd, data, 10, 1, 0, 0) == 0);
+    CHECK(dc_syncer_start(&s, fd, data, 10, 1, 0, 0) == -1); /* one at a time */
     dc_syncer_wait(&s);
     uint64_t count = 0;
     CHECK(read(efd, &count, sizeof count) == sizeof count && count == 1);
-    CHECK(dc_syncer_take(&s, &err, &written) == 1 && err == 0 && written == 10);
-    CHECK(dc_syncer_take(&s, &err, &written) == 0);
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 1 && err == 0 && written == 10);
+    CHECK(zero_err == 0);
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 0);
     char back[16] = {0};
     CHECK(pread(fd, back, sizeof back, 0) == 10 && !memcmp(back, data, 10));
 
-    CHECK(dc_syncer_start(&s, -1, data, 10, 1) == 0); /* a bad descriptor */
+    CHECK(dc_syncer_start(&s, -1, data, 10, 1, 0, 0) == 0); /* a bad descriptor */
     dc_syncer_wait(&s);
-    CHECK(dc_syncer_take(&s, &err, &written) == 1 && err == EBADF && written == 0);
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 1 && err == EBADF && written == 0);
 
-    CHECK(dc_syncer_start(&s, fd, data, 5, 0) == 0);
+    /* Zeros ahead of the appends: written first, over more than one chunk of them,
+     * then the data at the file's position (10) over their start. */
+    static char ones[300000];
+    memset(ones, 0xFF, sizeof ones);
+    CHECK(pwrite(fd, ones, sizeof ones, 10) == (ssize_t)sizeof ones);
+    CHECK(dc_syncer_start(&s, fd, data, 4, 1, 10, 290000) == 0);
+    dc_syncer_wait(&s);
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 1 && err == 0 && written == 4);
+    CHECK(zero_err == 0);
+    static char after[300010];
+    CHECK(pread(fd, after, sizeof after, 0) == (ssize_t)sizeof after);
+    CHECK(!memcmp(after, data, 10) && !memcmp(after + 10, data, 4));
+    int zeros = 1;
+    for (size_t i = 14; i < 290000; i++)
+        zeros &= after[i] == 0;
+    CHECK(zeros);
+    CHECK((unsigned char)after[290000] == 0xFF); /* past the fill: untouched */
+    /* A fill that fails is reported apart; the data is still written. */
+    int pipefd[2];
+    CHECK(pipe(pipefd) == 0);
+    CHECK(dc_syncer_start(&s, pipefd[1], data, 3, 0, 0, 4096) == 0);
+    dc_syncer_wait(&s);
+    CHECK(dc_syncer_take(&s, &err, &written, &zero_err) == 1 && err == 0 && written == 3);
+    CHECK(zero_err == ESPIPE);
+    CHECK(read(pipefd[0], back, sizeof back) == 3 && !memcmp(back, data, 3));
+    close(pipefd[0]);
+    close(pipefd[1]);
+
+    CHECK(dc_syncer_start(&s, fd, data, 5, 0, 0, 0) == 0);
     dc_syncer_close(&s); /* finishes the queued job, then stops */
-    CHECK(pread(fd, back, sizeof back, 0) == 15);
+    CHECK(pread(fd, back, 5, 14) == 5 && !memcmp(back, data, 5)); /* at the position */
     dc_syncer_close(&s); /* twice is fine */
     close(efd);
     close(fd);

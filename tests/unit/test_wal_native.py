@@ -50,7 +50,7 @@ def test_the_syncer_writes_syncs_then_says_so_on_its_eventfd(syncer: Syncer, fil
     syncer.start(file_fd, data)
     assert syncer.busy()
     assert readable(syncer.fileno())
-    assert syncer.take() == (0, 100_000)
+    assert syncer.take() == (0, 100_000, 0)
     assert syncer.take() is None  # taken once
     assert not syncer.busy()
     assert os.pread(file_fd, 200_000, 0) == bytes(data)
@@ -64,7 +64,7 @@ def test_the_buffer_is_held_until_the_job_is_taken(syncer: Syncer, file_fd: int)
     syncer.wait()
     with pytest.raises(BufferError):
         data.extend(b"d")  # the thread may still be reading it, as far as Python knows
-    assert syncer.take() == (0, 3)
+    assert syncer.take() == (0, 3, 0)
     data.extend(b"d")
 
 
@@ -75,10 +75,10 @@ def test_one_job_at_a_time(syncer: Syncer, file_fd: int) -> None:
     syncer.wait()
     with pytest.raises(RuntimeError, match="under way"):
         syncer.start(file_fd, b"two")  # done, not yet taken
-    assert syncer.take() == (0, 3)
+    assert syncer.take() == (0, 3, 0)
     syncer.start(file_fd, b"two")
     syncer.wait()
-    assert syncer.take() == (0, 3)
+    assert syncer.take() == (0, 3, 0)
     assert os.pread(file_fd, 10, 0) == b"onetwo"
 
 
@@ -87,12 +87,12 @@ def test_a_failed_write_is_reported_with_its_errno(syncer: Syncer, tmp_path: Pat
     try:
         syncer.start(ro, b"data")
         syncer.wait()
-        assert syncer.take() == (errno.EBADF, 0)
+        assert syncer.take() == (errno.EBADF, 0, 0)
     finally:
         os.close(ro)
     syncer.start(-1, b"")  # nothing to write, a sync of no file
     syncer.wait()
-    assert syncer.take() == (errno.EBADF, 0)
+    assert syncer.take() == (errno.EBADF, 0, 0)
 
 
 def test_bad_arguments_are_refused_before_anything_starts(syncer: Syncer, file_fd: int) -> None:
@@ -103,7 +103,54 @@ def test_bad_arguments_are_refused_before_anything_starts(syncer: Syncer, file_f
     assert not syncer.busy()
     syncer.start(file_fd, memoryview(b"view"))
     syncer.wait()
-    assert syncer.take() == (0, 4)
+    assert syncer.take() == (0, 4, 0)
+
+
+def test_a_job_writes_its_zeros_ahead_before_its_data(syncer: Syncer, tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "z", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"h" * 10)  # the data goes at the position: 10
+        os.pwrite(fd, b"\xff" * 700_000, 10)  # what the zeros must cover
+        syncer.start(fd, b"data", True, (10, 600_000))  # more than one chunk of zeros
+        syncer.wait()
+        assert syncer.take() == (0, 4, 0)
+        # Zeros first, then the data over their start: nothing of the data is lost.
+        assert os.pread(fd, 14, 0) == b"h" * 10 + b"data"
+        assert os.pread(fd, 600_000 - 14, 14) == bytes(600_000 - 14)
+        assert os.pread(fd, 10, 600_000) == b"\xff" * 10  # past the fill: untouched
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_zero_fill_is_reported_apart_and_the_data_still_written(
+    syncer: Syncer,
+) -> None:
+    r, w = os.pipe()  # a pipe takes a write but no write at an offset (ESPIPE)
+    try:
+        syncer.start(w, b"data", False, (0, 4096))
+        syncer.wait()
+        assert syncer.take() == (0, 4, errno.ESPIPE)
+        assert os.read(r, 10) == b"data"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("zeros", [(-1, 10), (10, 5), (0, -1)])
+def test_a_bad_zero_fill_is_refused_before_anything_starts(
+    syncer: Syncer, file_fd: int, zeros: tuple[int, int]
+) -> None:
+    with pytest.raises(ValueError, match="zeros must be"):
+        syncer.start(file_fd, b"x", True, zeros)
+    assert not syncer.busy()
+    with pytest.raises(ValueError):
+        syncer.start(file_fd, b"x", True, (0,))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        syncer.start(file_fd, b"x", True, ("0", "9"))  # type: ignore[arg-type]
+    assert not syncer.busy()
+    syncer.start(file_fd, b"x", True, (0, 0))  # an empty fill: none
+    syncer.wait()
+    assert syncer.take() == (0, 1, 0)
 
 
 def test_close_finishes_the_job_under_way_and_is_final(tmp_path: Path, file_fd: int) -> None:
@@ -184,6 +231,41 @@ def test_a_rotation_due_comes_before_the_commit(tmp_path: Path) -> None:
         assert wal.sync(10) == 10
     with WriteAheadLog.open(path) as wal:
         assert list(wal.replay(0)) == list(enumerate(payloads(1, 10), 1))
+
+
+def test_the_thread_writes_the_zeros_ahead_of_the_appends(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    with WriteAheadLog.open(path) as wal:
+        segments = wal._segments
+        # A new segment has no zeros yet: the first small commit asks for a fill.
+        wal.write(payloads(1, 10))
+        end = segments.zero_fill_end(len(wal._pending))
+        assert end > segments.size
+        assert wal.start_commit()
+        fd = wal.commit_fd()
+        assert fd is not None and readable(fd)
+        assert wal.finish_commit() and wal.last_lsn == 10
+        seg = segments.file(segments.firsts[-1])
+        assert segments.length == end == seg.stat().st_size  # the thread's zeros, recorded
+        assert not any(seg.read_bytes()[segments.size :])
+        # The next commit lands on them: no fill.
+        wal.write(payloads(11, 1))
+        assert segments.zero_fill_end(len(wal._pending)) == 0
+        assert wal.start_commit() and wal.sync(11) == 11
+        assert segments.length == end == seg.stat().st_size
+    with WriteAheadLog.open(path) as wal:
+        assert list(wal.replay(0)) == list(enumerate(payloads(1, 11), 1))
+
+
+def test_a_zero_fill_the_thread_could_not_make_is_given_up(tmp_path: Path) -> None:
+    with WriteAheadLog.open(tmp_path / "log") as wal:
+        segments = wal._segments
+        wal.write(payloads(1, 2))
+        # The thread reports the fill's failure (a full disk, say): recorded as a fill
+        # made by the log itself would be, and the commit itself goes on.
+        segments.zeroed(segments.size + 4096, errno.ENOSPC)
+        assert segments.zero_fill_end(100) == 0  # given up for the segment
+        assert wal.start_commit() and wal.sync(2) == 2
 
 
 def test_close_waits_for_the_commit_under_way(tmp_path: Path) -> None:
