@@ -7,13 +7,17 @@ which needs ``SO_PEERCRED``, refuses to start instead of serving unchecked.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import socket
 import sys
+from collections.abc import Callable
+from typing import cast
 
 from dedupcore.errors import UnsupportedPlatformError
 
-__all__ = ["fdatasync", "peer_credentials_option"]
+__all__ = ["fdatasync", "peer_credentials_option", "trim_heap"]
 
 
 def fdatasync(fd: int) -> None:
@@ -53,3 +57,23 @@ def peer_credentials_option() -> int:
             "(docs/compatibility.md)"
         )
     return int(option)
+
+
+def trim_heap() -> bool:
+    """Returns the free memory of the C heap to the system, where the C library
+    can (glibc's ``malloc_trim``): memory ``free`` gave back stays mapped to the
+    process otherwise. True if some was returned; False when none was, or the
+    platform has no such call. The GIL is let go meanwhile."""
+    trim = _malloc_trim()
+    return trim is not None and bool(trim(0))
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return cast(Callable[[int], int], trim)

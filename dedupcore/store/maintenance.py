@@ -57,6 +57,11 @@ _EVICT_PAUSE = 0.0002
 _SCAN_STEP = 32768
 _SCAN_STEP_COARSE = 262_144
 _SCAN_FOUND = 4096
+#: A checkpoint of at least this many records is followed by the LMDB tier's
+#: release_pages (docs/warm-tier.md, "Memory after a checkpoint"): LMDB keeps every
+#: page a write transaction changed, so the process would hold up to a page per
+#: record of its largest checkpoint (16 MiB at this count).
+_RELEASE_PAGES_RECORDS = 4096
 #: Records per compaction transaction (docs/warm-tier.md, "Compaction"): a few
 #: tenths of a second, after which a due checkpoint goes first.
 _COMPACT_STEP = 262_144
@@ -213,6 +218,14 @@ class Maintenance:
             with self._lock:
                 self._ckpt_lsn = upto
             self._wal.drop_through(upto)
+            if n >= _RELEASE_PAGES_RECORDS:
+                try:
+                    self._lmdb.release_pages()
+                except BaseException as exc:
+                    # LMDB could not be opened again: the store stops, as after a
+                    # failed write (nothing is lost; a reopen serves again).
+                    self._failed = exc
+                    raise
             # What LMDB now holds leaves memory in bounded steps: a claim waits
             # on the lock for one step at most, not for the whole checkpoint.
             more = True

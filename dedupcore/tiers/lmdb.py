@@ -54,6 +54,7 @@ import lmdb
 
 import dedupcore._engine as _engine
 from dedupcore._files import DIR_MODE, resize_durably
+from dedupcore._platform import trim_heap
 from dedupcore.bloom import BloomFilter
 from dedupcore.config import StoreConfig
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
@@ -178,19 +179,18 @@ class LmdbTier:
                 f"{data}: truncated to {data.stat().st_size} bytes; refusing to replace it "
                 "with an empty store"
             )
+        self._env_options: dict[str, Any] = {
+            "max_dbs": _MAX_DBS,
+            "readonly": readonly,
+            "sync": sync,
+            "metasync": sync,
+            "lock": True,
+            "mode": DIR_MODE,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
+            "readahead": False,
+            "meminit": False,
+        }
         try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=_MAX_DBS,
-                readonly=readonly,
-                sync=sync,
-                metasync=sync,
-                lock=True,
-                mode=DIR_MODE,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
-                readahead=False,
-                meminit=False,
-            )
+            self.env = lmdb.open(str(self.path), map_size=map_size, **self._env_options)
         except lmdb.Error as exc:
             raise CorruptFileError(
                 f"{self.path}: cannot open the LMDB environment ({exc}); it is refused "
@@ -219,8 +219,8 @@ class LmdbTier:
                     txn.put(b"format", FORMAT, db=self.meta)
                     fmt = FORMAT
         else:
-            with self._txn(db=self.meta) as txn:
-                fmt = txn.get(b"format") or FORMAT
+            with self._txn() as txn:
+                fmt = txn.get(b"format", db=self.meta) or FORMAT
         self.format = bytes(fmt)
         if self.format not in _KNOWN_FORMATS:
             self.env.close()
@@ -236,8 +236,8 @@ class LmdbTier:
 
     def _load_slices(self) -> None:
         entries: list[SliceInfo] = []
-        with self._txn(db=self.meta) as txn:
-            cur = txn.cursor()
+        with self._txn() as txn:
+            cur = txn.cursor(db=self.meta)
             if cur.set_range(b"slice:"):
                 for key, value in cur:
                     key = bytes(key)
@@ -312,9 +312,9 @@ class LmdbTier:
     def _slice_digests(self, info: SliceInfo) -> Iterator[bytes]:
         """The digests of one slice in key order, in batches of up to 100,000
         concatenated 16-byte digests."""
-        with self._txn(db=info.db) as txn:
+        with self._txn() as txn:
             batch: list[bytes] = []
-            for key in txn.cursor().iternext(keys=True, values=False):
+            for key in txn.cursor(db=info.db).iternext(keys=True, values=False):
                 batch.append(bytes(key))
                 if len(batch) >= 100_000:
                     yield b"".join(batch)
@@ -346,7 +346,10 @@ class LmdbTier:
 
     @contextmanager
     def _txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
-        """A transaction that a map resize waits for (and that waits for a resize)."""
+        """A transaction that a map resize waits for (and that waits for a resize).
+        A database handle is read inside it (``txn.cursor(db=self.meta)``), not
+        passed to it: :meth:`release_pages` opens the databases again, and a handle
+        read before the transaction began may be of the environment it closed."""
         with self._using(), self.env.begin(**kwargs) as txn:
             yield txn
 
@@ -360,17 +363,55 @@ class LmdbTier:
         with self._using():
             return int((self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
 
-    def _grow(self) -> None:
+    @contextmanager
+    def _alone(self) -> Iterator[None]:
+        """No other use of the environment (:meth:`_using`) until this ends: the
+        ones under way end first, new ones wait."""
         with self._gate:
             self._resizing = True
             try:
                 while self._open_txns:
                     self._gate.wait()
-                # The map is only address space; doubling it costs nothing on disk.
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                yield
             finally:
                 self._resizing = False
                 self._gate.notify_all()
+
+    def _grow(self) -> None:
+        with self._alone():
+            # The map is only address space; doubling it costs nothing on disk.
+            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def release_pages(self) -> None:
+        """Gives back the memory LMDB keeps of the pages its write transactions
+        changed: closes the environment and opens it again, then returns the
+        free heap to the system (docs/warm-tier.md, "Memory after a checkpoint").
+
+        LMDB keeps every page a write transaction copied for reuse by later ones,
+        without a bound, until the environment closes; a checkpoint that inserts
+        random keys copies nearly every leaf page of its slice and of the
+        in-flight index, so the process would hold as many pages as the largest
+        checkpoint changed. No transaction is open meanwhile (as for a map
+        resize); the databases are opened again by name. A failure to open
+        again raises, and the tier is then unusable (as after a failed write).
+        """
+        if self.readonly:
+            return
+        with self._alone():
+            map_size = self.env.info()["map_size"]
+            self.env.close()
+            try:
+                self.env = lmdb.open(str(self.path), map_size=map_size, **self._env_options)
+                self.inflight = self.env.open_db(b"inflight", create=False)
+                self.meta = self.env.open_db(b"meta", create=False)
+                for info in self._slices:
+                    info.db = self.env.open_db(info.name, create=False)
+            except lmdb.Error as exc:
+                raise DedupError(
+                    f"{self.path}: the LMDB environment could not be opened again after "
+                    f"giving its pages back ({exc})"
+                ) from exc
+        trim_heap()
 
     # -- reads ---------------------------------------------------------------
 
@@ -420,15 +461,15 @@ class LmdbTier:
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""
-        with self._txn(db=self.meta) as txn:
-            raw = txn.get(b"checkpoint_lsn")
+        with self._txn() as txn:
+            raw = txn.get(b"checkpoint_lsn", db=self.meta)
         return _U64.unpack(raw)[0] if raw else 0
 
     def log_head_kept(self) -> bool:
         """Whether the store keeps the write-ahead log's head file (so a missing one is
         damage, not a directory from before it was kept)."""
-        with self._txn(db=self.meta) as txn:
-            return txn.get(b"log_head") is not None
+        with self._txn() as txn:
+            return txn.get(b"log_head", db=self.meta) is not None
 
     def keep_log_head(self) -> None:
         """Records durably that the store keeps the log's head file (once)."""
@@ -436,8 +477,10 @@ class LmdbTier:
 
     def inflight_digests(self) -> list[bytes]:
         """Digests of PROCESSING records."""
-        with self._txn(db=self.inflight) as txn:
-            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+        with self._txn() as txn:
+            return [
+                bytes(k) for k in txn.cursor(db=self.inflight).iternext(keys=True, values=False)
+            ]
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of every slice, newest slice first (a digest
@@ -460,8 +503,8 @@ class LmdbTier:
     def scan_slice(self, slice_id: int) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of one slice, in digest order."""
         info = self._slice(slice_id)
-        with self._txn(db=info.db) as txn:
-            for key, value in txn.cursor():
+        with self._txn() as txn:
+            for key, value in txn.cursor(db=info.db):
                 yield bytes(key), bytes(value)
 
     def newer_holds(self, slice_id: int, digests: list[bytes]) -> list[bool]:
@@ -514,8 +557,8 @@ class LmdbTier:
     def namespaces(self) -> dict[bytes, int]:
         """Namespace name -> id."""
         out = {}
-        with self._txn(db=self.meta) as txn:
-            cur = txn.cursor()
+        with self._txn() as txn:
+            cur = txn.cursor(db=self.meta)
             if cur.set_range(b"ns:"):
                 for key, value in cur:
                     if not bytes(key).startswith(b"ns:"):
@@ -722,9 +765,9 @@ class LmdbTier:
 
     def v1_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of a format-1 environment's single tree."""
-        db = self._open_db(b"records", create=False)
-        with self._txn(db=db) as txn:
-            for key, value in txn.cursor():
+        with self._txn() as txn:
+            db = self.env.open_db(b"records", txn=txn, create=False)
+            for key, value in txn.cursor(db=db):
                 yield bytes(key), bytes(value)
 
     def drop_v1_trees(self) -> None:

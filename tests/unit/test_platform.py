@@ -123,3 +123,23 @@ def test_the_daemon_refuses_to_start_without_peer_credentials(
     ):
         DaemonServer(store, tmp_path / "d.sock")
     assert not (tmp_path / "d.sock").exists()
+
+
+def test_trim_heap_returns_the_free_heap_where_the_c_library_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(_platform, "_malloc_trim", lambda: lambda pad: calls.append(pad) or 1)
+    assert _platform.trim_heap() is True and calls == [0]
+    monkeypatch.setattr(_platform, "_malloc_trim", lambda: lambda pad: 0)
+    assert _platform.trim_heap() is False  # nothing to return
+    monkeypatch.setattr(_platform, "_malloc_trim", lambda: None)
+    assert _platform.trim_heap() is False  # no such call on this platform
+
+
+def test_trim_heap_finds_malloc_trim_in_glibc() -> None:
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        assert _platform._malloc_trim() is not None
+    assert isinstance(_platform.trim_heap(), bool)

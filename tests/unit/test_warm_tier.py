@@ -604,3 +604,128 @@ def test_a_close_that_cannot_save_the_open_slice_filter_still_closes_and_loses_n
     assert _saved_open_filters(tmp_path) == []
     with _open(tmp_path) as store:
         assert _answers(store, keys) == [(k, Outcome.DUPLICATE, True, f"r-{k}") for k in keys]
+
+
+# ---------------------------------------------------- memory after a checkpoint ---
+
+
+def test_a_large_checkpoint_gives_lmdb_s_pages_back_and_every_key_still_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMDB keeps every page a write transaction changed until its environment
+    closes: a checkpoint of many records is followed by a close and reopen of the
+    environment (docs/warm-tier.md, "Memory after a checkpoint"). The slices, the
+    in-flight index and the metadata are read and written through the new handles."""
+    import dedupcore.store.maintenance as maintenance
+    from dedupcore.tiers.lmdb import LmdbTier
+
+    monkeypatch.setattr(maintenance, "_RELEASE_PAGES_RECORDS", 400)
+    releases: list[int] = []
+    real = LmdbTier.release_pages
+
+    def counted(self: LmdbTier) -> None:
+        releases.append(len(self.slice_infos()))
+        real(self)
+
+    monkeypatch.setattr(LmdbTier, "release_pages", counted)
+    keys = [f"k{i}" for i in range(2000)]
+    with _open(tmp_path) as store:
+        _fill(store, keys[:300])  # checkpoints of 300 records: below the threshold
+        assert releases == []
+        _fill(store, keys[300:], batch=500)  # 500, 500, 500 and 200 records
+        assert len(releases) == 3 and releases[-1] >= 3  # several slices reopened
+        open_claims = store.claim_many(["open-1", "open-2"], namespace=NS)
+        store.checkpoint()  # the in-flight index, through its new handle
+        for c in store.claim_many(keys, namespace=NS):
+            assert (c.outcome, c.result) == (Outcome.DUPLICATE, f"r-{c.key}")
+    with _open(tmp_path) as store:
+        assert store.stats()["lmdb"]["records"] == 2002
+        assert sorted(store._lmdb.inflight_digests()) == sorted(
+            _keys.digest(NS.encode(), c.key.encode()) for c in open_claims
+        )
+        for c in store.claim_many(keys, namespace=NS):
+            assert (c.outcome, c.result) == (Outcome.DUPLICATE, f"r-{c.key}")
+
+
+def test_a_release_waits_for_the_transactions_under_way_and_they_for_it(tmp_path: Path) -> None:
+    import threading
+
+    from dedupcore.tiers.lmdb import LmdbTier
+
+    with _open(tmp_path) as store:
+        _fill(store, [f"k{i}" for i in range(100)])
+        tier: LmdbTier = store._lmdb
+        release_done = threading.Event()
+        failures: list[BaseException] = []
+
+        def release() -> None:
+            try:
+                tier.release_pages()
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                release_done.set()
+
+        with tier._txn() as txn:  # a read under way (the event loop's, say)
+            worker = threading.Thread(target=release)
+            worker.start()
+            # The release waits for the read: the environment is not closed under it.
+            assert not release_done.wait(0.2)
+            assert txn.stat(tier.meta)["entries"] > 0
+        assert release_done.wait(60.0)
+        worker.join()
+        assert not failures, failures
+        # Every read of the tier goes through the databases opened again.
+        assert tier.record_count() == 100
+        assert tier.checkpoint_lsn() > 0
+        assert tier.namespaces() == {NS.encode(): store._ns_id(NS.encode())}
+        assert tier.inflight_digests() == []
+        assert len(list(tier.iter_records())) == 100
+        assert sum(len(d) for d in tier._slice_digests(tier.slice_infos()[-1])) % 16 == 0
+
+
+def test_a_read_only_tier_releases_nothing(tmp_path: Path) -> None:
+    from dedupcore.tiers.lmdb import LmdbTier
+
+    with _open(tmp_path) as store:
+        _fill(store, [f"k{i}" for i in range(10)])
+        lmdb_path = store._lmdb.path
+    tier = LmdbTier(lmdb_path, map_size=1 << 24, readonly=True, sync=False)
+    try:
+        env = tier.env
+        tier.release_pages()
+        assert tier.env is env and tier.record_count() == 10
+    finally:
+        tier.close()
+
+
+def test_an_environment_that_cannot_be_opened_again_stops_the_store_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lmdb
+
+    import dedupcore.store.maintenance as maintenance
+    import dedupcore.tiers.lmdb as lmdb_tier
+    from dedupcore.errors import DedupError
+
+    monkeypatch.setattr(maintenance, "_RELEASE_PAGES_RECORDS", 1)
+    keys = [f"k{i}" for i in range(50)]
+    store = _open(tmp_path)
+    _fill(store, keys[:25])
+    claims = store.claim_many(keys[25:], namespace=NS)
+    store.complete_many([(c.key, c.token, f"r-{c.key}") for c in claims], namespace=NS)
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise lmdb.Error("Too many open files")  # what an exhausted process would get
+
+    monkeypatch.setattr(lmdb_tier.lmdb, "open", refused)
+    with pytest.raises(DedupError, match="could not be opened again") as caught:
+        store.checkpoint()
+    assert isinstance(caught.value.__cause__, lmdb.Error)
+    with pytest.raises(DedupError, match="stopped"):
+        store.claim("k0", namespace=NS)
+    store.close()
+    monkeypatch.undo()
+    with _open(tmp_path) as store:
+        for c in store.claim_many(keys, namespace=NS):
+            assert (c.outcome, c.result) == (Outcome.DUPLICATE, f"r-{c.key}")
