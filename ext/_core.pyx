@@ -2065,7 +2065,7 @@ cdef Py_ssize_t _mp_skip(const unsigned char* p, Py_ssize_t n) noexcept:
     return pos
 
 
-def batch_request(const unsigned char[::1] body, Py_ssize_t part):
+def batch_request(const unsigned char[::1] body, Py_ssize_t part, Py_ssize_t at_least=0):
     """The request of a frame body of a batch in the form the clients send one in,
     read without an object per key or item: a plain claim, ``[request_id,
     CLAIM_MANY, {"ns": namespace, "keys": [...], "cols": 1}]`` (what
@@ -2075,7 +2075,9 @@ def batch_request(const unsigned char[::1] body, Py_ssize_t part):
     ``part``, ... and of the end of the last, so that the caller decodes one
     part at a time (docs/daemon.md, "Large batches in slices"). Every element is
     checked to be whole msgpack, not decoded. None for any other body (other
-    args, bytes left over, a cut-off body), which the caller decodes whole."""
+    args, bytes left over, a cut-off body), and for a batch of fewer than
+    ``at_least`` elements (known before the elements are read), which the
+    caller decodes whole."""
     if part < 1:
         raise ValueError(f"part must be at least 1, got {part}")
     cdef Py_ssize_t n = body.shape[0], pos = 0, used, count, i
@@ -2106,7 +2108,7 @@ def batch_request(const unsigned char[::1] body, Py_ssize_t part):
         pos += 5
     else:
         return None
-    if count > n - pos:  # every element takes a byte at least
+    if count > n - pos or count < at_least:  # every element takes a byte at least
         return None
     starts = []
     for i in range(count):

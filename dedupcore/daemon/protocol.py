@@ -477,13 +477,14 @@ class FrameItems:
         return elements
 
 
-def batch_request(body: bytes, size: int) -> Request | None:
+def batch_request(body: bytes, size: int, at_least: int = 0) -> Request | None:
     """The request of a body of a batch in the form the clients send one in (a plain
     claim, a completion, a release), read without an object per key or item: args
     as :func:`decode_request` gives them, but the keys or items a
-    :class:`FrameItems` of parts of ``size``. None for any other body, which
-    :func:`decode_request` reads."""
-    found = _core.batch_request(body, size)
+    :class:`FrameItems` of parts of ``size``. None for any other body, and for a
+    batch of fewer than ``at_least`` keys or items (told before they are read),
+    which :func:`decode_request` reads."""
+    found = _core.batch_request(body, size, at_least)
     if found is None:
         return None
     request_id, code, namespace, count, starts = found

@@ -508,9 +508,10 @@ class DaemonServer:
         """The request of a frame its reader did not decode. A claim, completion or
         release of more than a slice that the event loop decides, in the form the
         clients send, keeps its keys or items in the frame, each slice decoded as
-        it is decided (docs/daemon.md, "Large batches in slices")."""
+        it is decided (docs/daemon.md, "Large batches in slices"). A batch of no
+        more than a slice (large elements) is decoded whole without the scan."""
         if len(body) > SMALL_FRAME and self.decides_on_loop:
-            request = protocol.batch_request(body, SLICE_KEYS)
+            request = protocol.batch_request(body, SLICE_KEYS, SLICE_ABOVE + 1)
             if (
                 request is not None
                 and self.dispatch.decides_now(request.op)

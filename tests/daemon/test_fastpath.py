@@ -285,6 +285,22 @@ def test_a_large_claim_and_its_completion_are_decoded_a_slice_at_a_time(daemon: 
     assert [(x.outcome, x.result) for x in again] == expected
 
 
+def test_a_large_frame_of_no_more_than_a_slice_is_decoded_whole(daemon: Daemon) -> None:
+    # Large keys: a frame over SMALL_FRAME whose claim fits one slice is decided at
+    # once, as a small one is, and not scanned for slices first.
+    ns = unique_ns("one-slice")
+    keys: list[bytes | str] = [b"%04d" % i + b"k" * 200 for i in range(SLICE_KEYS)]
+    assert len(_core.claim_frame(1, ns, keys) or b"") > SMALL_FRAME
+    before = daemon_stats(daemon)
+    with daemon.client(timeout=PATIENCE) as c:
+        claims = c.claim_many(keys, namespace=ns)
+        assert [(x.key, x.outcome) for x in claims] == [(k, Outcome.NEW) for k in keys]
+        assert all(x.outcome is Outcome.IN_PROGRESS for x in c.claim_many(keys, namespace=ns))
+    after = daemon_stats(daemon)
+    assert after["batches_read_in_slices"] == before["batches_read_in_slices"]
+    assert after["batch_slices"] == before["batch_slices"]
+
+
 def test_a_large_release_read_in_slices_releases_every_key(daemon: Daemon) -> None:
     ns = unique_ns("release-in-frame")
     keys = [f"r{i:06}" for i in range(8 * SLICE_KEYS)]

@@ -794,6 +794,19 @@ def test_an_element_that_does_not_decode_is_a_frame_error_of_its_part() -> None:
         keys_read.whole()
 
 
+def test_a_batch_of_fewer_elements_than_asked_for_is_left_to_the_whole_decode() -> None:
+    keys: list[bytes | str] = [f"k{i}" for i in range(10)]
+    body = (_core.claim_frame(3, "ns", keys) or b"")[4:]
+    items = protocol.encode_request(4, Op.COMPLETE_MANY, {"ns": "ns", "items": [["k", 1, 2]] * 10})
+    for frame_body in (body, items[4:]):
+        assert protocol.batch_request(frame_body, 4, 11) is None  # told from the array head
+        request = protocol.batch_request(frame_body, 4, 10)
+        assert request is not None
+        whole = protocol.decode_request(frame_body)
+        name = "keys" if whole.op is Op.CLAIM_MANY else "items"
+        assert _read(request) == whole.args[name]
+
+
 def test_a_part_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="part must be at least 1"):
         _core.batch_request(b"\x93\x01\x02\x83", 0)
