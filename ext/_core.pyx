@@ -1809,10 +1809,20 @@ def claim_frame(uint64_t request_id, str namespace, list keys):
     return out[: body + 4]
 
 
+cdef inline uint64_t _mp_be(const unsigned char* p, int width) noexcept:
+    # The big-endian unsigned integer of ``width`` bytes at p: msgpack's lengths
+    # and integers.
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(width):
+        v = (v << 8) | p[i]
+    return v
+
+
 cdef inline Py_ssize_t _mp_read_uint(const unsigned char* p, Py_ssize_t n,
                                      uint64_t* v) noexcept:
     # An unsigned integer at p (n bytes left): its length, or 0 when it is none.
-    cdef int width, i
+    cdef int width
     if n < 1:
         return 0
     if p[0] < 0x80:
@@ -1830,9 +1840,7 @@ cdef inline Py_ssize_t _mp_read_uint(const unsigned char* p, Py_ssize_t n,
         return 0
     if n < 1 + width:
         return 0
-    v[0] = 0
-    for i in range(width):
-        v[0] = (v[0] << 8) | p[1 + i]
+    v[0] = _mp_be(p + 1, width)
     return 1 + width
 
 
@@ -1894,19 +1902,12 @@ cdef inline Py_ssize_t _mp_read_raw(const unsigned char* p, Py_ssize_t n, bint* 
     b = p[0]
     if 0xA0 <= b <= 0xBF:
         text[0], head, size = True, 1, b & 0x1F
-    elif b == 0xD9 or b == 0xC4:
-        if n < 2:
+    elif 0xD9 <= b <= 0xDB or 0xC4 <= b <= 0xC6:  # str or bin 8/16/32
+        text[0] = b >= 0xD9
+        head = 1 + (1 << (b - (0xD9 if b >= 0xD9 else 0xC4)))
+        if n < head:
             return 0
-        text[0], head, size = b == 0xD9, 2, p[1]
-    elif b == 0xDA or b == 0xC5:
-        if n < 3:
-            return 0
-        text[0], head, size = b == 0xDA, 3, (p[1] << 8) | p[2]
-    elif b == 0xDB or b == 0xC6:
-        if n < 5:
-            return 0
-        text[0], head = b == 0xDB, 5
-        size = (<Py_ssize_t>p[1] << 24) | (p[2] << 16) | (p[3] << 8) | p[4]
+        size = <Py_ssize_t>_mp_be(p + 1, head - 1)
     else:
         return 0
     if n - head < size:
@@ -2011,7 +2012,7 @@ cdef Py_ssize_t _mp_skip(const unsigned char* p, Py_ssize_t n) noexcept:
     # The bytes the msgpack value at p takes (n bytes left), nested values
     # included, without reading it: 0 when it is cut off or not msgpack (0xC1).
     # No recursion: the values still to skip are counted.
-    cdef Py_ssize_t pos = 0, width, size, i
+    cdef Py_ssize_t pos = 0, width, size
     cdef uint64_t left = 1
     cdef unsigned char b
     while left:
@@ -2050,9 +2051,7 @@ cdef Py_ssize_t _mp_skip(const unsigned char* p, Py_ssize_t n) noexcept:
                 width = 2 if b == 0xDC or b == 0xDE else 4
             if n - pos < width:
                 return 0
-            size = 0
-            for i in range(width):
-                size = (size << 8) | p[pos + i]
+            size = <Py_ssize_t>_mp_be(p + pos, width)
             pos += width
             if b >= 0xDC:
                 left += <uint64_t>size * (2 if b >= 0xDE else 1)
@@ -2101,11 +2100,9 @@ def batch_request(const unsigned char[::1] body, Py_ssize_t part, Py_ssize_t at_
     if 0x90 <= p[pos] <= 0x9F:
         count, pos = p[pos] & 0x0F, pos + 1
     elif p[pos] == 0xDC and n - pos >= 3:
-        count, pos = (p[pos + 1] << 8) | p[pos + 2], pos + 3
+        count, pos = <Py_ssize_t>_mp_be(p + pos + 1, 2), pos + 3
     elif p[pos] == 0xDD and n - pos >= 5:
-        count = ((<Py_ssize_t>p[pos + 1] << 24) | (p[pos + 2] << 16)
-                 | (p[pos + 3] << 8) | p[pos + 4])
-        pos += 5
+        count, pos = <Py_ssize_t>_mp_be(p + pos + 1, 4), pos + 5
     else:
         return None
     if count > n - pos or count < at_least:  # every element takes a byte at least
