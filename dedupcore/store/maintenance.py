@@ -218,7 +218,8 @@ class Maintenance:
             with self._lock:
                 self._ckpt_lsn = upto
             self._wal.drop_through(upto)
-            if n >= _RELEASE_PAGES_RECORDS:
+            released = n >= _RELEASE_PAGES_RECORDS
+            if released:
                 try:
                     self._lmdb.release_pages()
                 except BaseException as exc:
@@ -239,6 +240,7 @@ class Maintenance:
                 self._unflushed = self._table.pending
                 self._last_checkpoint = time.monotonic()
                 self._stats.checkpoints += 1
+                self._stats.lmdb_reopens += released
                 self._stats.checkpoint_seconds += time.monotonic() - started
 
     def sweep(self, now: float | None = None) -> int:

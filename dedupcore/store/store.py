@@ -60,6 +60,7 @@ class _Stats:
     front_negative: int = 0
     front_positive: int = 0
     lmdb_reads: int = 0
+    lmdb_reopens: int = 0  # LmdbTier.release_pages after a large checkpoint
     checkpoints: int = 0
     checkpoint_seconds: float = 0.0
     demoted: int = 0
@@ -696,6 +697,7 @@ class DedupStore(Maintenance, ClaimAPI):
                     "records": self._lmdb.record_count(),
                     "disk_bytes": self._lmdb.disk_bytes(),
                     "reads": self._stats.lmdb_reads,
+                    "reopens": self._stats.lmdb_reopens,
                     "slices": self._lmdb.slices(),
                 },
                 "recent_records": self._table.dirty(self._ckpt_lsn),

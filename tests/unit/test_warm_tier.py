@@ -632,8 +632,10 @@ def test_a_large_checkpoint_gives_lmdb_s_pages_back_and_every_key_still_answers(
     with _open(tmp_path) as store:
         _fill(store, keys[:300])  # checkpoints of 300 records: below the threshold
         assert releases == []
+        assert store.stats()["lmdb"]["reopens"] == 0
         _fill(store, keys[300:], batch=500)  # 500, 500, 500 and 200 records
         assert len(releases) == 3 and releases[-1] >= 3  # several slices reopened
+        assert store.stats()["lmdb"]["reopens"] == 3
         open_claims = store.claim_many(["open-1", "open-2"], namespace=NS)
         store.checkpoint()  # the in-flight index, through its new handle
         for c in store.claim_many(keys, namespace=NS):
