@@ -128,11 +128,9 @@ class WriteAheadLog:
         self._failure: BaseException | None = None
         self._failed_batch = (0, -1)  # LSN range of the batch whose write failed
         # The native commit thread (made on the first start_commit) and the first and
-        # last LSN of the commit it runs.
+        # last LSN of the commit it runs, and where its zero fill ends (0: none).
         self._syncer: _core.Syncer | None = None
-        #: Where the zero fill of the native thread's commit ends (0: it writes none).
-        self._native_zeros = 0
-        self._native: tuple[int, int] | None = None
+        self._native: tuple[int, int, int] | None = None
         #: The head file outside the log's directory (dedupcore/wal/segments.py), or None.
         self.head_path = None if head is None else Path(head)
         # The files; their list changes under the lock, their I/O runs one thread at a time.
@@ -408,8 +406,7 @@ class WriteAheadLog:
             zero_end = files.zero_fill_end(len(batch))
             zeros = (files.length, zero_end) if zero_end else None
             self._syncer.start(files.fd, batch, True, zeros)
-            self._native_zeros = zero_end
-            self._native = (first, last)
+            self._native = (first, last, zero_end)
             # A thread that began waiting during the rotation waits for the thread's
             # commit now (it records it itself: nothing depends on the loop).
             self._cond.notify_all()
@@ -439,10 +436,10 @@ class WriteAheadLog:
         outcome = self._syncer.take()
         if outcome is None:
             return
-        first, last = self._native
+        first, last, zero_end = self._native
         self._native = None
         err, written, zero_err = outcome
-        self._segments.zeroed(self._native_zeros, zero_err)
+        self._segments.zeroed(zero_end, zero_err)
         self._segments.appended(written, synced=not err)
         failure = None
         if err:
