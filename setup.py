@@ -29,7 +29,13 @@ extensions = [
         "dedupcore._engine",
         sources=["ext/_engine.pyx"],
         include_dirs=["ext"],
-        depends=["ext/dc_status.h", "ext/dc_hash.h", "ext/dc_engine.h", "ext/_status.pxi"],
+        depends=[
+            "ext/dc_status.h",
+            "ext/dc_hash.h",
+            "ext/dc_engine.h",
+            "ext/dc_mdb.h",
+            "ext/_status.pxi",
+        ],
         extra_compile_args=compile_args,
     ),
 ]

@@ -3,7 +3,7 @@
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import Buffer, Self, disjoint_base
 
 PROCESSING: int
 PROCESSED: int
@@ -151,3 +151,13 @@ def drop_found(digests: bytes, pairs: list[tuple[bytes, bytes]]) -> bytes: ...
 def scatter_flags(
     n: int, indexes: list[int], flags: bytes | bytearray | memoryview[Any]
 ) -> bytearray | None: ...
+
+PAGES_UNREADABLE: int
+PAGES_BEYOND: int
+
+@disjoint_base
+class PageReader:
+    def __init__(self, mapping: Buffer, psize: int) -> None: ...
+    @property
+    def pages(self) -> int: ...
+    def get_many(self, db_record: bytes, digests: bytes) -> list[tuple[bytes, bytes]] | int: ...

@@ -1408,3 +1408,90 @@ def scatter_flags(Py_ssize_t n, list indexes, flags):
             raise IndexError(f"index {i} out of range for {n} flags")
         o[i] = f[k] != 0
     return out
+
+
+# -- LMDB's pages, read in native code (ext/dc_mdb.h) -------------------------------------
+
+cdef extern from "dc_mdb.h" nogil:
+    ctypedef struct dc_mdb_map:
+        const uint8_t* base
+        uint64_t pages
+        uint32_t psize
+    ctypedef struct dc_mdb_db:
+        uint64_t root
+        uint16_t flags
+        uint16_t depth
+    int dc_mdb_db_read(const uint8_t* rec, size_t length, dc_mdb_db* db)
+    int64_t dc_mdb_get_many(const dc_mdb_map* m, const dc_mdb_db* db, const uint8_t* keys,
+                            size_t n, size_t klen, const uint8_t** vals, size_t* vlens)
+    int DC_MDB_UNREADABLE
+    int DC_MDB_BEYOND
+
+#: What :meth:`PageReader.get_many` answers when it cannot: the walk met what it does
+#: not read (ask LMDB), or a page past the mapping (map the grown file again).
+PAGES_UNREADABLE = DC_MDB_UNREADABLE
+PAGES_BEYOND = DC_MDB_BEYOND
+
+
+cdef class PageReader:
+    """Point lookups in a read-only mapping of an LMDB data file (ext/dc_mdb.h;
+    docs/warm-tier.md, "Lookups in native code").
+
+    ``mapping`` is any buffer over the file from its start (an ``mmap``), kept
+    referenced for the reader's life; ``psize`` is the environment's page size.
+    A lookup is only sound inside a read transaction that pins the snapshot
+    whose database record it is given.
+    """
+
+    cdef const unsigned char[::1] _view
+    cdef dc_mdb_map _map
+
+    def __init__(self, mapping, unsigned int psize):
+        if psize < 512 or psize > 65536 or psize & (psize - 1):
+            raise ValueError(f"page size {psize} is not a power of two in [512, 65536]")
+        self._view = mapping
+        self._map.psize = psize
+        self._map.pages = <uint64_t>self._view.shape[0] // psize
+        self._map.base = &self._view[0] if self._view.shape[0] else NULL
+
+    @property
+    def pages(self):
+        """Whole pages mapped."""
+        return self._map.pages
+
+    def get_many(self, bytes db_record, bytes digests):
+        """(digest, value) of each of the concatenated 16-byte ``digests`` that the
+        database whose 48-byte MDB_db record is ``db_record`` holds, in their order
+        (give them in byte order: neighbouring walks then share pages), as
+        py-lmdb's ``getmulti`` answers them; or PAGES_UNREADABLE, PAGES_BEYOND
+        when it cannot answer (nothing is read outside the mapping)."""
+        cdef dc_mdb_db db
+        cdef size_t n, i
+        cdef const unsigned char* d = _digests_of(digests, &n)
+        if dc_mdb_db_read(<const uint8_t*>PyBytes_AS_STRING(db_record),
+                          <size_t>PyBytes_GET_SIZE(db_record), &db) != 0:
+            return PAGES_UNREADABLE
+        if n == 0:
+            return []
+        if self._map.pages == 0:
+            return PAGES_BEYOND
+        cdef const uint8_t** vals = <const uint8_t**>malloc(n * sizeof(uint8_t*))
+        cdef size_t* lens = <size_t*>malloc(n * sizeof(size_t))
+        cdef int64_t found
+        cdef list out
+        try:
+            if vals == NULL or lens == NULL:
+                raise MemoryError()
+            with nogil:
+                found = dc_mdb_get_many(&self._map, &db, d, n, 16, vals, lens)
+            if found < 0:
+                return <int>found
+            out = []
+            for i in range(n):
+                if vals[i] != NULL:
+                    out.append((PyBytes_FromStringAndSize(<const char*>d + 16 * i, 16),
+                                PyBytes_FromStringAndSize(<const char*>vals[i], lens[i])))
+            return out
+        finally:
+            free(vals)
+            free(lens)

@@ -698,6 +698,9 @@ class DedupStore(Maintenance, ClaimAPI):
                     "disk_bytes": self._lmdb.disk_bytes(),
                     "reads": self._stats.lmdb_reads,
                     "reopens": self._stats.lmdb_reopens,
+                    # Digests looked up in a slice: by the native walk, by LMDB itself.
+                    "probes_native": self._lmdb.native_probes,
+                    "probes_lmdb": self._lmdb.lmdb_probes,
                     "slices": self._lmdb.slices(),
                 },
                 "recent_records": self._table.dirty(self._ckpt_lsn),

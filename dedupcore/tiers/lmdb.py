@@ -43,21 +43,20 @@ import contextlib
 import itertools
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import lmdb
 
 import dedupcore._engine as _engine
-from dedupcore._files import DIR_MODE, resize_durably
 from dedupcore._platform import trim_heap
 from dedupcore.bloom import BloomFilter
 from dedupcore.config import StoreConfig
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
+from dedupcore.tiers.environment import Environment
 from dedupcore.tiers.slice_filters import SliceFilters, second_halves
 
 __all__ = ["FORMAT", "LmdbTier", "SliceInfo"]
@@ -81,7 +80,6 @@ class SizedIterable(Protocol[_T_co]):
 
 _SLICE_META = struct.Struct("<QQQB")  # records, first write ms, last write ms, state
 _OPEN, _SEALED, _COMPACTED = 0, 1, 2  # a slice's state in its meta entry
-_MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
 MAX_SLICES = 200  # past this, slices stop rolling over by count (LMDB named-db slots)
 _MAX_DBS = MAX_SLICES + 16
 #: A slice takes at least ``slice_records`` records, and at least this fraction of all
@@ -162,68 +160,28 @@ class LmdbTier:
             readonly=readonly,
         )
         self._slices: list[SliceInfo] = []  # oldest first
-        # Growing the map invalidates every open transaction (LMDB forbids it
-        # while any is open), so transactions pass a gate that a resize closes.
-        self._gate = threading.Condition()
-        self._open_txns = 0
-        self._resizing = False
-        data = self.path / "data.mdb"
-        if not readonly:
-            # Records hold results: only the owner may list or read them.
-            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        elif not data.exists():
-            raise CorruptFileError(f"{self.path}: no LMDB environment to open read-only")
-        if data.exists() and data.stat().st_size < _MIN_DATA_BYTES:
-            # LMDB would silently start a new, empty environment in a cut-off file.
-            raise CorruptFileError(
-                f"{data}: truncated to {data.stat().st_size} bytes; refusing to replace it "
-                "with an empty store"
-            )
-        self._env_options: dict[str, Any] = {
-            "max_dbs": _MAX_DBS,
-            "readonly": readonly,
-            "sync": sync,
-            "metasync": sync,
-            "lock": True,
-            "mode": DIR_MODE,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
-            "readahead": False,
-            "meminit": False,
-        }
+        self._env = Environment(
+            self.path, map_size=map_size, readonly=readonly, sync=sync, max_dbs=_MAX_DBS
+        )
         try:
-            self.env = lmdb.open(str(self.path), map_size=map_size, **self._env_options)
+            self._open_handles(create=not readonly)
         except lmdb.Error as exc:
-            raise CorruptFileError(
-                f"{self.path}: cannot open the LMDB environment ({exc}); it is refused "
-                "rather than replaced by an empty one"
-            ) from exc
-        # Check before reading any page: LMDB maps the file, and a page past its
-        # end is a SIGBUS, not an error.
-        used = self._used_bytes()
-        if data.stat().st_size < used:
-            self.env.close()
-            raise CorruptFileError(
-                f"{data}: truncated: {data.stat().st_size} bytes, but its pages reach {used}"
-            )
-        try:
-            self.inflight = self.env.open_db(b"inflight", create=not readonly)
-            self.meta = self.env.open_db(b"meta", create=not readonly)
-        except lmdb.Error as exc:
-            self.env.close()
+            self._env.close()
             raise CorruptFileError(f"{self.path}: damaged LMDB environment: {exc}") from exc
         if not readonly:
             # Readers that died without closing their transaction pin old pages.
             self.env.reader_check()
-            with self._txn(write=True) as txn:
+            with self._env.txn(write=True) as txn:
                 fmt = txn.get(b"format", db=self.meta)
                 if fmt is None:
                     txn.put(b"format", FORMAT, db=self.meta)
                     fmt = FORMAT
         else:
-            with self._txn() as txn:
+            with self._env.txn() as txn:
                 fmt = txn.get(b"format", db=self.meta) or FORMAT
         self.format = bytes(fmt)
         if self.format not in _KNOWN_FORMATS:
-            self.env.close()
+            self._env.close()
             raise UnsupportedFormatError(
                 f"{self.path}: record format {self.format!r} is newer than this version of "
                 f"dedupcore knows ({FORMAT!r}); open it with the version that wrote it"
@@ -231,12 +189,12 @@ class LmdbTier:
         try:
             self._load_slices()
         except BaseException:
-            self.env.close()
+            self._env.close()
             raise
 
     def _load_slices(self) -> None:
         entries: list[SliceInfo] = []
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             cur = txn.cursor(db=self.meta)
             if cur.set_range(b"slice:"):
                 for key, value in cur:
@@ -257,7 +215,7 @@ class LmdbTier:
                     )
         for info in entries:
             try:
-                info.db = self._open_db(info.name, create=False)
+                info.db = self._env.open_db(info.name, create=False)
             except lmdb.NotFoundError:
                 raise CorruptFileError(
                     f"{self.path}: slice {info.id} is listed but its database is missing"
@@ -269,7 +227,7 @@ class LmdbTier:
             # the tree it replaced leaves that tree: it goes now (one transaction,
             # and none at all in the usual case: a durable commit per slice would
             # cost an open one fsync per slice).
-            with self._txn() as txn:  # named databases are keys of the main one
+            with self._env.txn() as txn:  # named databases are keys of the main one
                 left = [
                     info.inserted_name
                     for info in entries
@@ -296,7 +254,7 @@ class LmdbTier:
         checkpoint position and record count. Checkpoints, the only writers of the open
         slice besides a slice drop's moved records, change the position; a drop's moves
         change the count (an open slice only gains keys)."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             entries = int(txn.stat(info.db)["entries"])
         return f"{self.checkpoint_lsn()}-{entries}"
 
@@ -312,7 +270,7 @@ class LmdbTier:
     def _slice_digests(self, info: SliceInfo) -> Iterator[bytes]:
         """The digests of one slice in key order, in batches of up to 100,000
         concatenated 16-byte digests."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             batch: list[bytes] = []
             for key in txn.cursor(db=info.db).iternext(keys=True, values=False):
                 batch.append(bytes(key))
@@ -324,63 +282,32 @@ class LmdbTier:
 
     def close(self) -> None:
         """Closes the environment."""
-        self.env.close()
+        self._env.close()
 
-    @contextmanager
-    def _using(self) -> Iterator[None]:
-        """A use of the environment that a map resize waits for (and that waits for a
-        resize): a transaction, and every call on the environment itself. py-lmdb
-        refuses any call on an environment while another thread resizes its map
-        (EINVAL), and a resize may not happen under an open transaction."""
-        with self._gate:
-            while self._resizing:
-                self._gate.wait()
-            self._open_txns += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                self._open_txns -= 1
-                if not self._open_txns:
-                    self._gate.notify_all()
+    @property
+    def native_probes(self) -> int:
+        """Digests looked up in a slice by the walk in native code."""
+        return self._env.native_reads
 
-    @contextmanager
-    def _txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
-        """A transaction that a map resize waits for (and that waits for a resize).
-        A database handle is read inside it (``txn.cursor(db=self.meta)``), not
-        passed to it: :meth:`release_pages` opens the databases again, and a handle
-        read before the transaction began may be of the environment it closed."""
-        with self._using(), self.env.begin(**kwargs) as txn:
-            yield txn
+    @property
+    def lmdb_probes(self) -> int:
+        """Digests looked up in a slice by LMDB itself (where the walk could not)."""
+        return self._env.lmdb_reads
 
-    def _open_db(self, name: bytes, *, create: bool) -> Any:
-        """A named database of the environment (see :meth:`_using`)."""
-        with self._using():
-            return self.env.open_db(name, create=create)
+    @property
+    def env(self) -> lmdb.Environment:
+        """The LMDB environment (a new one after :meth:`release_pages`)."""
+        return self._env.lmdb
 
-    def _used_bytes(self) -> int:
-        """Bytes of data.mdb that LMDB's pages reach (see :meth:`_using`)."""
-        with self._using():
-            return int((self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
-
-    @contextmanager
-    def _alone(self) -> Iterator[None]:
-        """No other use of the environment (:meth:`_using`) until this ends: the
-        ones under way end first, new ones wait."""
-        with self._gate:
-            self._resizing = True
-            try:
-                while self._open_txns:
-                    self._gate.wait()
-                yield
-            finally:
-                self._resizing = False
-                self._gate.notify_all()
-
-    def _grow(self) -> None:
-        with self._alone():
-            # The map is only address space; doubling it costs nothing on disk.
-            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+    def _open_handles(self, *, create: bool) -> None:
+        """The handles of the in-flight index, the metadata and every slice listed
+        (at open, none yet), from the environment as it is now. Called at open and
+        inside :meth:`Environment.alone`, so without the gate."""
+        env = self._env.lmdb
+        self.inflight = env.open_db(b"inflight", create=create)
+        self.meta = env.open_db(b"meta", create=create)
+        for info in self._slices:
+            info.db = env.open_db(info.name, create=False)
 
     def release_pages(self) -> None:
         """Gives back the memory LMDB keeps of the pages its write transactions
@@ -397,15 +324,10 @@ class LmdbTier:
         """
         if self.readonly:
             return
-        with self._alone():
-            map_size = self.env.info()["map_size"]
-            self.env.close()
+        with self._env.alone():
             try:
-                self.env = lmdb.open(str(self.path), map_size=map_size, **self._env_options)
-                self.inflight = self.env.open_db(b"inflight", create=False)
-                self.meta = self.env.open_db(b"meta", create=False)
-                for info in self._slices:
-                    info.db = self.env.open_db(info.name, create=False)
+                self._env.reopen()
+                self._open_handles(create=False)
             except lmdb.Error as exc:
                 raise DedupError(
                     f"{self.path}: the LMDB environment could not be opened again after "
@@ -438,17 +360,14 @@ class LmdbTier:
         # In key order: neighbouring reads share B-tree pages (about 40 % less
         # per read than batch order on a slice of millions of records).
         todo = _engine.sort_digests(joined)
-        with self._txn(buffers=False) as txn:
+        with self._env.txn(buffers=False) as txn:
             for n, info in enumerate(slices, 1):
                 assert info.filter is not None
                 ask = _engine.select_digests(todo, info.filter.contains_many(second_halves(todo)))
                 if not ask:
                     continue
                 # bytes, not buffers: the transaction is opened with buffers=False.
-                got = cast(
-                    "list[tuple[bytes, bytes]]",
-                    txn.cursor(db=info.db).getmulti(_engine.split_digests(ask)),
-                )
+                got = self._env.read_sorted(txn, info.name, info.db, ask)
                 if not got:
                     continue
                 found += got
@@ -461,14 +380,14 @@ class LmdbTier:
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             raw = txn.get(b"checkpoint_lsn", db=self.meta)
         return _U64.unpack(raw)[0] if raw else 0
 
     def log_head_kept(self) -> bool:
         """Whether the store keeps the write-ahead log's head file (so a missing one is
         damage, not a directory from before it was kept)."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             return txn.get(b"log_head", db=self.meta) is not None
 
     def keep_log_head(self) -> None:
@@ -477,7 +396,7 @@ class LmdbTier:
 
     def inflight_digests(self) -> list[bytes]:
         """Digests of PROCESSING records."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             return [
                 bytes(k) for k in txn.cursor(db=self.inflight).iternext(keys=True, values=False)
             ]
@@ -503,7 +422,7 @@ class LmdbTier:
     def scan_slice(self, slice_id: int) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of one slice, in digest order."""
         info = self._slice(slice_id)
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             for key, value in txn.cursor(db=info.db):
                 yield bytes(key), bytes(value)
 
@@ -515,12 +434,12 @@ class LmdbTier:
 
     def record_count(self) -> int:
         """Number of records in every slice (a key in two slices counts twice)."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             return sum(int(txn.stat(s.db)["entries"]) for s in self._slices)
 
     def disk_bytes(self) -> int:
         """Bytes of the environment's data file in use (pages used, free pages included)."""
-        return self._used_bytes()
+        return self._env.used_bytes()
 
     def slices(self) -> list[dict[str, Any]]:
         """Per slice, oldest first: id, records, first and last write (unix s), sealed."""
@@ -557,7 +476,7 @@ class LmdbTier:
     def namespaces(self) -> dict[bytes, int]:
         """Namespace name -> id."""
         out = {}
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             cur = txn.cursor(db=self.meta)
             if cur.set_range(b"ns:"):
                 for key, value in cur:
@@ -587,7 +506,7 @@ class LmdbTier:
             cur = SliceInfo(sid, 0, now_ms, now_ms, False)
             # The database before its entry: a crash in between leaves an empty,
             # unlisted database that the next slice of the same id reuses.
-            cur.db = self._open_db(cur.name, create=True)
+            cur.db = self._env.open_db(cur.name, create=True)
             new = cur
 
             def create(txn: lmdb.Transaction) -> None:
@@ -617,7 +536,7 @@ class LmdbTier:
         info = self._slice(slice_id)
         if info.sealed:
             return
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             info.records = int(txn.stat(info.db)["entries"])
         sealed_filter = self.filters.seal(info.id, info.records, self._slice_digests(info))
         info.sealed = True
@@ -724,7 +643,7 @@ class LmdbTier:
         info = next((s for s in self._slices if s.sealed and not s.compacted), None)
         if info is None:
             return 0
-        dst = self._open_db(info.compacted_name, create=True)
+        dst = self._env.open_db(info.compacted_name, create=True)
         copied = [0]
         complete = [False]
 
@@ -765,7 +684,7 @@ class LmdbTier:
 
     def v1_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of a format-1 environment's single tree."""
-        with self._txn() as txn:
+        with self._env.txn() as txn:
             db = self.env.open_db(b"records", txn=txn, create=False)
             for key, value in txn.cursor(db=db):
                 yield bytes(key), bytes(value)
@@ -785,27 +704,4 @@ class LmdbTier:
         self._write(apply)
 
     def _write(self, apply: Callable[[lmdb.Transaction], object]) -> None:
-        if self.readonly:
-            raise DedupError("the store is open read-only")
-        while True:
-            try:
-                with self._txn(write=True) as txn:
-                    apply(txn)
-                self._cover_last_page()
-                return
-            except lmdb.MapFullError:
-                self._grow()
-
-    def _cover_last_page(self) -> None:
-        """Extends data.mdb over the pages LMDB counts but never wrote.
-
-        LMDB's last page number also counts pages a transaction allocated and
-        freed again (never written), which can leave the file shorter than
-        that number says; the open refuses such a file as truncated. The file
-        is extended over them (zero pages nothing refers to) and synced.
-        """
-        data = self.path / "data.mdb"
-        used = self._used_bytes()
-        if data.stat().st_size >= used:
-            return
-        resize_durably(data, used)
+        self._env.write(apply)

@@ -15,14 +15,17 @@
 #include "dc_engine.h"
 #include "dc_sync.h"
 #include "dc_wire.h"
+#include "dc_mdb.h"
 #include "dc_status.h"
 #include "dc_hash.h"
 #include "dc_fuse.h"
 #include "dc_engine.h"
 #include "dc_sync.h"
 #include "dc_wire.h"
+#include "dc_mdb.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
@@ -495,11 +498,177 @@ static void test_wire(void) {
     CHECK(dc_wire_spin(sv[1], 1000000) == 1); /* a bad descriptor: poll reports it */
 }
 
+/* A page of a synthetic LMDB file: its number, kind and nodes (key, then a leaf's
+ * value or a branch's child), laid out from the page's end as LMDB lays them. */
+static void mdb_page(uint8_t *file, uint32_t psize, uint64_t pgno, unsigned kind, unsigned n,
+                     const char *const *keys, const uint64_t *children, const char *const *vals) {
+    uint8_t *p = file + pgno * psize;
+    memset(p, 0, psize);
+    memcpy(p, &pgno, 8);
+    uint16_t flags = (uint16_t)kind, lower = (uint16_t)(DC_MDB_PAGEHDR + 2 * n), upper = (uint16_t)psize;
+    memcpy(p + 10, &flags, 2);
+    for (unsigned i = 0; i < n; i++) {
+        uint16_t ks = (uint16_t)strlen(keys[i]);
+        uint16_t ds = kind == DC_MDB_P_LEAF ? (uint16_t)strlen(vals[i]) : 0;
+        upper = (uint16_t)(upper - (DC_MDB_NODEHDR + ks + ds + 1) / 2 * 2);
+        uint8_t *node = p + upper;
+        uint16_t lo, hi, nf = 0;
+        if (kind == DC_MDB_P_LEAF) {
+            lo = ds;
+            hi = 0;
+        } else {
+            lo = (uint16_t)children[i];
+            hi = (uint16_t)(children[i] >> 16);
+            nf = (uint16_t)(children[i] >> 32);
+        }
+        memcpy(node, &lo, 2);
+        memcpy(node + 2, &hi, 2);
+        memcpy(node + 4, &nf, 2);
+        memcpy(node + 6, &ks, 2);
+        memcpy(node + DC_MDB_NODEHDR, keys[i], ks);
+        if (ds)
+            memcpy(node + DC_MDB_NODEHDR + ks, vals[i], ds);
+        memcpy(p + DC_MDB_PAGEHDR + 2 * i, &upper, 2);
+    }
+    memcpy(p + 12, &lower, 2);
+    memcpy(p + 14, &upper, 2);
+}
+
+static int mdb_is(const dc_mdb_map *m, const dc_mdb_db *db, const char *key, const char *want) {
+    const uint8_t *v = NULL;
+    size_t len = 0;
+    dc_mdb_result r = dc_mdb_get(m, db, (const uint8_t *)key, strlen(key), &v, &len);
+    if (want == NULL)
+        return r == DC_MDB_ABSENT;
+    return r == DC_MDB_FOUND && len == strlen(want) && !memcmp(v, want, len);
+}
+
+static void test_mdb(void) {
+    enum { PS = 512, PAGES = 8 };
+    static uint8_t file[PS * PAGES];
+    dc_mdb_map m = {file, PAGES, PS};
+    /* Page 2: a branch over leaves 3 ("a".."c") and 4 ("m".."z"). */
+    const char *left[] = {"a", "b", "c"}, *lv[] = {"1", "2", "3"};
+    const char *right[] = {"m", "z"}, *rv[] = {"13", "26"};
+    const char *bkeys[] = {"", "m"};
+    const uint64_t kids[] = {3, 4};
+    mdb_page(file, PS, 2, DC_MDB_P_BRANCH, 2, bkeys, kids, NULL);
+    mdb_page(file, PS, 3, DC_MDB_P_LEAF, 3, left, NULL, lv);
+    mdb_page(file, PS, 4, DC_MDB_P_LEAF, 2, right, NULL, rv);
+    dc_mdb_db db = {2, 0, 2};
+    CHECK(mdb_is(&m, &db, "a", "1") && mdb_is(&m, &db, "c", "3"));
+    CHECK(mdb_is(&m, &db, "m", "13") && mdb_is(&m, &db, "z", "26"));
+    CHECK(mdb_is(&m, &db, "0", NULL) && mdb_is(&m, &db, "d", NULL) && mdb_is(&m, &db, "zz", NULL));
+    CHECK(mdb_is(&m, &db, "", NULL));
+    /* Several at once, in order; the empty database answers nothing. */
+    const uint8_t keys[] = "abcdmz";
+    const uint8_t *vals[6];
+    size_t lens[6];
+    CHECK(dc_mdb_get_many(&m, &db, keys, 6, 1, vals, lens) == 5);
+    CHECK(vals[3] == NULL && lens[5] == 2 && !memcmp(vals[5], "26", 2));
+    dc_mdb_db empty = {UINT64_MAX, 0, 0};
+    CHECK(dc_mdb_get_many(&m, &empty, keys, 6, 1, vals, lens) == 0 && vals[0] == NULL);
+    /* The MDB_db record: its length, flags and depth are checked. */
+    uint8_t rec[48] = {0};
+    uint16_t depth = 2;
+    uint64_t root = 2;
+    memcpy(rec + 6, &depth, 2);
+    memcpy(rec + 40, &root, 8);
+    dc_mdb_db got;
+    CHECK(dc_mdb_db_read(rec, 48, &got) == 0 && got.root == 2 && got.depth == 2);
+    CHECK(dc_mdb_db_read(rec, 47, &got) == -1);
+    rec[4] = 0x04; /* MDB_DUPSORT */
+    CHECK(dc_mdb_db_read(rec, 48, &got) == -1);
+    rec[4] = 0;
+    depth = 0;
+    memcpy(rec + 6, &depth, 2);
+    CHECK(dc_mdb_db_read(rec, 48, &got) == -1);
+    /* What does not fit LMDB's picture is unreadable, never read past. */
+    dc_mdb_db deep = {2, 0, 3}; /* a leaf where a branch should be */
+    const uint8_t *v;
+    size_t len;
+    CHECK(dc_mdb_get(&m, &deep, (const uint8_t *)"a", 1, &v, &len) == DC_MDB_UNREADABLE);
+    dc_mdb_db far = {PAGES, 0, 1};
+    CHECK(dc_mdb_get(&m, &far, (const uint8_t *)"a", 1, &v, &len) == DC_MDB_BEYOND);
+    const uint64_t self[] = {2, 2}; /* a branch whose children are itself */
+    mdb_page(file, PS, 5, DC_MDB_P_BRANCH, 2, bkeys, self, NULL);
+    dc_mdb_db loop = {5, 0, DC_MDB_MAX_DEPTH};
+    CHECK(dc_mdb_get(&m, &loop, (const uint8_t *)"a", 1, &v, &len) == DC_MDB_UNREADABLE);
+    uint64_t wrong = 7; /* a page that names another number */
+    memcpy(file + 4 * PS, &wrong, 8);
+    CHECK(dc_mdb_get(&m, &db, (const uint8_t *)"m", 1, &v, &len) == DC_MDB_UNREADABLE);
+    CHECK(mdb_is(&m, &db, "b", "2")); /* the other leaf still answers */
+    uint16_t bad = PS - 2; /* a node pointer too near the page's end */
+    memcpy(file + 3 * PS + DC_MDB_PAGEHDR, &bad, 2);
+    CHECK(dc_mdb_get(&m, &db, (const uint8_t *)"b", 1, &v, &len) == DC_MDB_UNREADABLE ||
+          dc_mdb_get(&m, &db, (const uint8_t *)"a", 1, &v, &len) == DC_MDB_UNREADABLE);
+    uint16_t huge = 0xffff; /* a value that would run past its page */
+    mdb_page(file, PS, 3, DC_MDB_P_LEAF, 3, left, NULL, lv);
+    memcpy(file + 3 * PS + PS - 10, &huge, 2);
+    CHECK(dc_mdb_get_many(&m, &db, keys, 6, 1, vals, lens) == DC_MDB_UNREADABLE);
+}
+
+/* "mdb FILE PSIZE RECORD": the walk of ext/dc_mdb.h over a real data.mdb, for the
+ * database whose MDB_db record is RECORD (hex), for each key (hex) read from
+ * stdin: its value in hex, "-" when absent, "?" when the walk cannot answer.
+ * tests/unit/test_lmdb_pages.py compares it with LMDB and runs it over damaged
+ * copies of the file under the sanitizers. */
+static int hexval(int c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+static size_t unhex(const char *s, uint8_t *out, size_t cap) {
+    size_t n = 0;
+    while (n < cap && hexval(s[2 * n]) >= 0 && hexval(s[2 * n + 1]) >= 0) {
+        out[n] = (uint8_t)(hexval(s[2 * n]) << 4 | hexval(s[2 * n + 1]));
+        n++;
+    }
+    return n;
+}
+
+static int mdb_walk(const char *path, const char *psize, const char *record) {
+    /* The file is read into memory of its exact size, so that a read past its
+     * end lands in AddressSanitizer's redzone. */
+    FILE *f = fopen(path, "rb");
+    struct stat st;
+    if (f == NULL || fstat(fileno(f), &st) != 0 || st.st_size == 0)
+        return 2;
+    uint8_t *base = malloc((size_t)st.st_size);
+    if (base == NULL || fread(base, 1, (size_t)st.st_size, f) != (size_t)st.st_size)
+        return 2;
+    fclose(f);
+    dc_mdb_map m = {base, (uint64_t)st.st_size / (uint64_t)atoi(psize), (uint32_t)atoi(psize)};
+    uint8_t rec[64];
+    dc_mdb_db db;
+    size_t rlen = unhex(record, rec, sizeof rec);
+    char line[1024];
+    uint8_t key[512];
+    while (fgets(line, sizeof line, stdin)) {
+        const uint8_t *v = NULL;
+        size_t vlen = 0;
+        size_t klen = unhex(line, key, sizeof key);
+        dc_mdb_result r = dc_mdb_db_read(rec, rlen, &db) != 0
+                              ? DC_MDB_UNREADABLE
+                              : dc_mdb_get(&m, &db, key, klen, &v, &vlen);
+        if (r == DC_MDB_FOUND) {
+            for (size_t i = 0; i < vlen; i++)
+                printf("%02x", v[i]);
+            printf("\n");
+        } else {
+            printf(r == DC_MDB_ABSENT ? "-\n" : "?\n");
+        }
+    }
+    free(base);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "xxh64")) {
         print_xxh64();
         return 0;
     }
+    if (argc == 5 && !strcmp(argv[1], "mdb"))
+        return mdb_walk(argv[2], argv[3], argv[4]);
     test_status();
     test_blocks();
     test_jump();
@@ -510,6 +679,7 @@ int main(int argc, char **argv) {
     test_fuse_stack();
     test_syncer();
     test_wire();
+    test_mdb();
     printf("%d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

@@ -5,17 +5,23 @@ guarded whole) and drives the status codes, the hashes, the split-block
 filter, the record format, the claim table and the fuse filter directly, so
 that an out-of-bounds access, a leak or undefined behaviour in C fails the
 suite even on a path the Cython wrappers do not reach. Its XXH64 is also
-compared with the xxhash library's on inputs of every length up to 199.
+compared with the xxhash library's on inputs of every length up to 199, and
+its walk of LMDB's pages (ext/dc_mdb.h) with LMDB on a real file and on
+damaged copies of it.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
 import subprocess
 from pathlib import Path
 
+import lmdb
 import pytest
 import xxhash
+
+from tests.unit.test_lmdb_pages import NAME, _digests, _value
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "native" / "test_headers.c"
@@ -39,17 +45,17 @@ FLAGS = [
 BUILDS = {"default": [], "no-simd": ["-DDC_FUSE_NO_SIMD"]}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDS))
-def program(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def build_program(build: str, out_dir: Path) -> Path:
+    """tests/native/test_headers.c built as ``build`` of BUILDS, under the sanitizers."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.fail("no C compiler on PATH: the package cannot be built without one either")
-    out = tmp_path_factory.mktemp("native") / f"test_headers-{request.param}"
-    build = subprocess.run(
+    out = out_dir / f"test_headers-{build}"
+    compiled = subprocess.run(
         [
             cc,
             *FLAGS,
-            *BUILDS[request.param],
+            *BUILDS[build],
             f"-I{REPO / 'ext'}",
             str(SOURCE),
             "-o",
@@ -60,8 +66,13 @@ def program(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         capture_output=True,
         text=True,
     )
-    assert build.returncode == 0, build.stderr
+    assert compiled.returncode == 0, compiled.stderr
     return out
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def program(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_program(request.param, tmp_path_factory.mktemp("native"))
 
 
 def test_headers_pass_their_c_tests_under_the_sanitizers(program: Path) -> None:
@@ -82,3 +93,69 @@ def test_native_xxh64_matches_the_xxhash_library(program: Path) -> None:
         length, seed0, seed1 = (int(x) for x in line.split())
         assert seed0 == xxhash.xxh64_intdigest(data[:length], seed=0), length
         assert seed1 == xxhash.xxh64_intdigest(data[:length], seed=0x8000000000000001), length
+
+
+# -- damaged files, under the sanitizers -----------------------------------------------
+
+
+def _walk(walker: Path, data: Path, psize: int, record: bytes, keys: list[bytes]) -> list[str]:
+    run = subprocess.run(
+        [str(walker), "mdb", str(data), str(psize), record.hex()],
+        input="".join(k.hex() + "\n" for k in keys),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(keys)
+    return lines
+
+
+def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
+    program: Path, tmp_path: Path
+) -> None:
+    """ext/dc_mdb.h's walk ("mdb" mode of test_headers.c) answers what LMDB
+    answers on a file py-lmdb wrote, and reads nothing outside damaged copies of it
+    (docs/warm-tier.md, "Lookups in native code")."""
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=4, map_size=1 << 28)
+    keys = _digests(4000, seed=4)
+    db = env.open_db(NAME)
+    with env.begin(write=True) as txn:
+        for i, k in enumerate(keys[::2]):
+            txn.put(k, _value(i), db=db)
+    psize = env.stat()["psize"]
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        want = {k: v for k, v in txn.cursor(db=db).getmulti(keys)}
+    assert record is not None
+    data = Path(env.path()) / "data.mdb"
+    env.close()
+    got = _walk(program, data, psize, record, keys)
+    assert got == [want[k].hex() if k in want else "-" for k in keys]
+    # Damaged copies: bytes overwritten in every page's header and node pointers
+    # and at seeded places in between. Any answer is allowed (the records carry
+    # their own checksums); reading outside the file's bytes is not (ASan fails it).
+    size = data.stat().st_size
+    rng = random.Random(5)
+    blob = bytearray(data.read_bytes())
+    pages = size // psize
+    for round_ in range(16):
+        damaged = bytearray(blob)
+        for page in range(2, pages):
+            at = page * psize + rng.randrange(32 if round_ % 2 else psize)
+            damaged[at] = rng.randrange(256)
+        # The file's last pages hold the tree's upper levels (LMDB writes them
+        # last): a node pointer or size there that ran past its page would run
+        # past the file.
+        for _ in range(64):
+            at = (pages - 1 - rng.randrange(min(4, pages - 2))) * psize + rng.randrange(psize)
+            damaged[at] = rng.randrange(256)
+        copy = tmp_path / f"damaged-{round_}.mdb"
+        copy.write_bytes(damaged)
+        answers = _walk(program, copy, psize, record, keys[::7])
+        assert all(a in ("-", "?") or len(a) % 2 == 0 for a in answers)
+    # A file cut short: the pages past its end are beyond the mapping.
+    cut = tmp_path / "cut.mdb"
+    cut.write_bytes(blob[: 3 * psize])
+    assert set(_walk(program, cut, psize, record, keys[:50])) <= {"?", "-"}

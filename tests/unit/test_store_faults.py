@@ -285,18 +285,19 @@ def test_calls_on_the_environment_wait_for_a_map_resize(tmp_path: Path, call: st
     argument" while a checkpoint grew the map). Such calls wait for the resize, as
     transactions do: the call started during the resize ends only after it."""
     tier = LmdbTier(tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False)
+    env = tier._env
     started, resized, done = threading.Event(), threading.Event(), threading.Event()
     failures: list[BaseException] = []
-    real = tier.env.set_mapsize
+    real = env.lmdb.set_mapsize
 
     def other_thread() -> None:
         try:
             if call == "disk_bytes":
                 assert tier.disk_bytes() > 0
             elif call == "cover_last_page":  # what every write does after its commit
-                tier._cover_last_page()
+                env._cover_last_page()
             else:
-                tier._open_db(b"other", create=True)
+                env.open_db(b"other", create=True)
             assert resized.is_set(), "the call ended before the resize did"
         except BaseException as exc:
             failures.append(exc)
@@ -313,8 +314,8 @@ def test_calls_on_the_environment_wait_for_a_map_resize(tmp_path: Path, call: st
         real(size)
         resized.set()
 
-    tier.env = _EnvWith(tier.env, set_mapsize)
-    tier._grow()
+    env.lmdb = _EnvWith(env.lmdb, set_mapsize)
+    env._grow()
     assert started.is_set() and done.wait(PATIENCE)
     assert not failures, failures
     tier.close()

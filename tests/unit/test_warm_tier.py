@@ -668,7 +668,7 @@ def test_a_release_waits_for_the_transactions_under_way_and_they_for_it(tmp_path
             finally:
                 release_done.set()
 
-        with tier._txn() as txn:  # a read under way (the event loop's, say)
+        with tier._env.txn() as txn:  # a read under way (the event loop's, say)
             worker = threading.Thread(target=release)
             worker.start()
             # The release waits for the read: the environment is not closed under it.

@@ -1,0 +1,251 @@
+"""Environment: the LMDB environment of a data directory, shared by threads
+(docs/warm-tier.md, "The environment").
+
+It owns what every use of LMDB in the warm tier goes through, apart from what
+the tier keeps in it (:class:`~dedupcore.tiers.lmdb.LmdbTier`):
+
+- The open: a missing or cut-off ``data.mdb`` is refused, never replaced by
+  an empty environment, and a file shorter than its pages reach is refused
+  before a page is read (LMDB maps the file: a page past its end is a SIGBUS).
+- A gate: a map resize and a reopen may not happen under an open transaction,
+  and py-lmdb refuses any call on an environment while another thread resizes
+  its map. Every transaction and call passes :meth:`Environment.using`;
+  :meth:`Environment.alone` waits for those under way and holds new ones.
+- Writes: :meth:`Environment.write` grows the map when it is full and tries
+  again, then extends the file over the pages LMDB counts but never wrote.
+- A reopen (:meth:`Environment.reopen`), which gives back the pages LMDB keeps
+  of its write transactions (docs/warm-tier.md, "Memory after a checkpoint").
+- Batch lookups in native code (:meth:`Environment.read_sorted`): the B-tree of
+  a database walked in a read-only mapping of ``data.mdb`` without the GIL
+  (``_engine.PageReader``, ext/dc_mdb.h), LMDB's own ``getmulti`` wherever that
+  walk cannot answer (docs/warm-tier.md, "Lookups in native code").
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import lmdb
+
+import dedupcore._engine as _engine
+from dedupcore._files import DIR_MODE, resize_durably
+from dedupcore.errors import CorruptFileError, DedupError
+
+__all__ = ["Environment"]
+
+_MIN_DATA_BYTES = 2 * 4096  # the two meta pages of any LMDB environment
+
+
+class Environment:
+    """The LMDB environment of one directory, its gate, and its native lookups."""
+
+    def __init__(
+        self, path: Path, *, map_size: int, readonly: bool, sync: bool, max_dbs: int
+    ) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._gate = threading.Condition()
+        self._open_txns = 0
+        self._alone_now = False
+        #: Lookups that the native walk answered, and those it left to LMDB.
+        self.native_reads = 0
+        self.lmdb_reads = 0
+        data = path / "data.mdb"
+        if not readonly:
+            # Records hold results: only the owner may list or read them.
+            path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        elif not data.exists():
+            raise CorruptFileError(f"{path}: no LMDB environment to open read-only")
+        if data.exists() and data.stat().st_size < _MIN_DATA_BYTES:
+            # LMDB would silently start a new, empty environment in a cut-off file.
+            raise CorruptFileError(
+                f"{data}: truncated to {data.stat().st_size} bytes; refusing to replace it "
+                "with an empty store"
+            )
+        self._options: dict[str, Any] = {
+            "max_dbs": max_dbs,
+            "readonly": readonly,
+            "sync": sync,
+            "metasync": sync,
+            "lock": True,
+            "mode": DIR_MODE,  # data.mdb and lock.mdb get 0o600 (LMDB drops the execute bits)
+            "readahead": False,
+            "meminit": False,
+        }
+        try:
+            self.lmdb = lmdb.open(str(path), map_size=map_size, **self._options)
+        except lmdb.Error as exc:
+            raise CorruptFileError(
+                f"{path}: cannot open the LMDB environment ({exc}); it is refused "
+                "rather than replaced by an empty one"
+            ) from exc
+        # Check before reading any page: LMDB maps the file, and a page past its
+        # end is a SIGBUS, not an error.
+        used = self.used_bytes()
+        if data.stat().st_size < used:
+            self.lmdb.close()
+            raise CorruptFileError(
+                f"{data}: truncated: {data.stat().st_size} bytes, but its pages reach {used}"
+            )
+        self._pages: _engine.PageReader | None = None
+        self._map_pages()
+
+    def close(self) -> None:
+        self._pages = None
+        self.lmdb.close()
+
+    # -- the gate ------------------------------------------------------------------
+
+    @contextmanager
+    def using(self) -> Iterator[None]:
+        """A use of the environment that a map resize or a reopen waits for (and
+        that waits for them): a transaction, and every call on the environment
+        itself. py-lmdb refuses any call on an environment while another thread
+        resizes its map (EINVAL), and a resize may not happen under an open
+        transaction."""
+        with self._gate:
+            while self._alone_now:
+                self._gate.wait()
+            self._open_txns += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._open_txns -= 1
+                if not self._open_txns:
+                    self._gate.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """No other use of the environment (:meth:`using`) until this ends: the
+        ones under way end first, new ones wait."""
+        with self._gate:
+            self._alone_now = True
+            try:
+                while self._open_txns:
+                    self._gate.wait()
+                yield
+            finally:
+                self._alone_now = False
+                self._gate.notify_all()
+
+    @contextmanager
+    def txn(self, **kwargs: Any) -> Iterator[lmdb.Transaction]:
+        """A transaction that a map resize waits for (and that waits for a resize).
+        A database handle is read inside it (``txn.cursor(db=tier.meta)``), not
+        passed to it: :meth:`reopen` makes the handles anew, and a handle read
+        before the transaction began may be of the environment it closed."""
+        with self.using(), self.lmdb.begin(**kwargs) as txn:
+            yield txn
+
+    def open_db(self, name: bytes, *, create: bool) -> Any:
+        """A named database of the environment (see :meth:`using`)."""
+        with self.using():
+            return self.lmdb.open_db(name, create=create)
+
+    def used_bytes(self) -> int:
+        """Bytes of data.mdb that LMDB's pages reach (see :meth:`using`)."""
+        with self.using():
+            return int((self.lmdb.info()["last_pgno"] + 1) * self.lmdb.stat()["psize"])
+
+    # -- writes --------------------------------------------------------------------
+
+    def write(self, apply: Callable[[lmdb.Transaction], object]) -> None:
+        """Runs ``apply`` in a write transaction and commits it; a full map is doubled
+        and the transaction made again."""
+        if self.readonly:
+            raise DedupError("the store is open read-only")
+        while True:
+            try:
+                with self.txn(write=True) as txn:
+                    apply(txn)
+                self._cover_last_page()
+                return
+            except lmdb.MapFullError:
+                self._grow()
+
+    def _grow(self) -> None:
+        with self.alone():
+            # The map is only address space; doubling it costs nothing on disk.
+            self.lmdb.set_mapsize(self.lmdb.info()["map_size"] * 2)
+
+    def _cover_last_page(self) -> None:
+        """Extends data.mdb over the pages LMDB counts but never wrote.
+
+        LMDB's last page number also counts pages a transaction allocated and
+        freed again (never written), which can leave the file shorter than
+        that number says; the open refuses such a file as truncated. The file
+        is extended over them (zero pages nothing refers to) and synced.
+        """
+        data = self.path / "data.mdb"
+        used = self.used_bytes()
+        if data.stat().st_size >= used:
+            return
+        resize_durably(data, used)
+
+    def reopen(self) -> None:
+        """Closes the environment and opens it again with the same map size (inside
+        :meth:`alone`): LMDB gives back the pages it kept of its write transactions
+        only when it closes. Every database handle must then be opened again; an
+        ``lmdb.Error`` leaves the environment unusable."""
+        map_size = self.lmdb.info()["map_size"]
+        self.lmdb.close()
+        self.lmdb = lmdb.open(str(self.path), map_size=map_size, **self._options)
+        self._map_pages()
+
+    # -- lookups in native code ----------------------------------------------------
+
+    def _map_pages(self) -> None:
+        """Maps data.mdb read-only for :meth:`read_sorted` (again, after the file
+        grew). Left unmapped on a 32-bit host, whose page format the walk does not
+        read, or when the mapping fails: LMDB then answers every lookup."""
+        self._pages = None
+        if sys.maxsize <= 2**32:
+            return
+        try:
+            fd = os.open(self.path / "data.mdb", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._pages = _engine.PageReader(mapping, int(self.lmdb.stat()["psize"]))
+        except (OSError, ValueError):
+            self._pages = None
+
+    def read_sorted(
+        self, txn: lmdb.Transaction, name: bytes, db: Any, digests: bytes
+    ) -> list[tuple[bytes, bytes]]:
+        """(digest, value) of each of the concatenated, sorted ``digests`` that the
+        named database ``db`` holds, in their order, read in ``txn`` (opened with
+        ``buffers=False``; it pins the snapshot the walk reads).
+
+        The walk in native code reads the database's record in the main database
+        (its root page as of this snapshot) and the pages under it; LMDB's
+        ``getmulti`` answers where the walk cannot (a page past the mapping that
+        a remap does not bring in, or anything the walk does not read)."""
+        for _ in range(2):
+            pages = self._pages
+            if pages is None:
+                break
+            record = txn.get(name)
+            if record is None:
+                break
+            got = pages.get_many(bytes(record), digests)
+            if type(got) is list:
+                self.native_reads += len(digests) // 16
+                return got
+            if got != _engine.PAGES_BEYOND:
+                break
+            self._map_pages()  # the file grew since it was mapped
+        self.lmdb_reads += len(digests) // 16
+        return cast(
+            "list[tuple[bytes, bytes]]",
+            txn.cursor(db=db).getmulti(_engine.split_digests(digests)),
+        )

@@ -1,0 +1,255 @@
+/*
+ * dc_mdb.h - point lookups in an LMDB data file's B-tree, read straight from
+ * a read-only mapping of data.mdb, without LMDB's library and without the GIL
+ * (docs/warm-tier.md, "Lookups in native code").
+ *
+ * The warm tier's batch reads cost about 1.1 us a key through py-lmdb's
+ * getmulti, most of it the Python objects and calls around each lookup. This
+ * header walks the same pages LMDB would: from a database's root (its MDB_db
+ * record in the main database, read through py-lmdb in the read transaction
+ * that pins the snapshot, so no page reachable from that root is reused while
+ * the walk runs) down the branch pages to the leaf, by binary search with
+ * LMDB's default key order (memcmp, then the shorter key first).
+ *
+ * It reads the on-disk format of LMDB 0.9 (data version 1) on a 64-bit host:
+ *   page:  pgno (8) | pad (2) | flags (2) | lower (2) | upper (2) | ptrs[] ...
+ *          an overflow page has its page count (4) in place of lower/upper;
+ *   node:  lo (2) | hi (2) | flags (2) | ksize (2) | key | data
+ *          a branch node's child is lo | hi << 16 | flags << 32, a leaf
+ *          node's data size lo | hi << 16; F_BIGDATA puts the data on
+ *          overflow pages, its first page number (8) in the node.
+ * Everything is checked before it is read: a page number inside the mapping
+ * and equal to the one the page records, the page's kind at each level (so a
+ * cycle cannot loop), each node and each value inside its page or its
+ * overflow run. Whatever does not fit that picture (damage, a sorted-duplicate
+ * or nested database, a page past the mapping) is answered DC_MDB_UNREADABLE
+ * or DC_MDB_BEYOND and the caller asks LMDB itself, which is the authority on
+ * its own format; a walk never reads outside the mapping.
+ */
+#ifndef DC_MDB_H
+#define DC_MDB_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DC_MDB_PAGEHDR 16u
+#define DC_MDB_NODEHDR 8u
+#define DC_MDB_P_BRANCH 0x01u
+#define DC_MDB_P_LEAF 0x02u
+#define DC_MDB_P_OVERFLOW 0x04u
+#define DC_MDB_P_LEAF2 0x20u
+#define DC_MDB_P_SUBP 0x40u
+#define DC_MDB_F_BIGDATA 0x01u
+#define DC_MDB_F_SUBDATA 0x02u
+#define DC_MDB_F_DUPDATA 0x04u
+/* Deeper than any tree of 2^64 entries on 4 KiB pages: a bound, not a limit. */
+#define DC_MDB_MAX_DEPTH 64u
+
+typedef enum {
+    DC_MDB_ABSENT = 0,
+    DC_MDB_FOUND = 1,
+    DC_MDB_UNREADABLE = -1, /* not LMDB's format as this header reads it */
+    DC_MDB_BEYOND = -2      /* a page past the mapping: map the grown file again */
+} dc_mdb_result;
+
+/* A read-only mapping of data.mdb. */
+typedef struct {
+    const uint8_t *base;
+    uint64_t pages; /* whole pages mapped */
+    uint32_t psize;
+} dc_mdb_map;
+
+/* A database as its MDB_db record names it. */
+typedef struct {
+    uint64_t root; /* ~0: empty */
+    uint16_t flags;
+    uint16_t depth;
+} dc_mdb_db;
+
+static inline uint16_t dc_mdb_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint32_t dc_mdb_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t dc_mdb_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* The MDB_db record of a named database (48 bytes: pad 4, flags 2, depth 2,
+ * branch/leaf/overflow page counts and entries 8 each, root 8). 0, or -1 when
+ * it is not one this header reads: a database with its own key order or with
+ * sorted duplicates. */
+static inline int dc_mdb_db_read(const uint8_t *rec, size_t len, dc_mdb_db *db) {
+    if (len != 48)
+        return -1;
+    db->flags = dc_mdb_u16(rec + 4);
+    db->depth = dc_mdb_u16(rec + 6);
+    db->root = dc_mdb_u64(rec + 40);
+    if (db->flags != 0) /* MDB_REVERSEKEY, MDB_DUPSORT, MDB_INTEGERKEY, ... */
+        return -1;
+    if (db->root != UINT64_MAX && (db->depth == 0 || db->depth > DC_MDB_MAX_DEPTH))
+        return -1;
+    return 0;
+}
+
+/* Page pgno, checked to be a page of the kind wanted: a branch or leaf page whose
+ * node pointers lie inside it. NULL with *why set otherwise. */
+static inline const uint8_t *dc_mdb_page(const dc_mdb_map *m, uint64_t pgno, unsigned kind,
+                                         unsigned *nkeys, dc_mdb_result *why) {
+    if (pgno >= m->pages) {
+        *why = DC_MDB_BEYOND;
+        return NULL;
+    }
+    const uint8_t *p = m->base + pgno * (uint64_t)m->psize;
+    *why = DC_MDB_UNREADABLE;
+    if (dc_mdb_u64(p) != pgno)
+        return NULL;
+    unsigned flags = dc_mdb_u16(p + 10);
+    if ((flags & (DC_MDB_P_BRANCH | DC_MDB_P_LEAF | DC_MDB_P_OVERFLOW | DC_MDB_P_LEAF2 |
+                  DC_MDB_P_SUBP)) != kind)
+        return NULL;
+    unsigned lower = dc_mdb_u16(p + 12), upper = dc_mdb_u16(p + 14);
+    if (lower < DC_MDB_PAGEHDR || (lower & 1u) || lower > upper || upper > m->psize)
+        return NULL;
+    *nkeys = (lower - DC_MDB_PAGEHDR) >> 1;
+    if (*nkeys == 0)
+        return NULL; /* LMDB keeps no empty page in a tree */
+    return p;
+}
+
+/* Node i of a checked page, its key inside the page; NULL if not. */
+static inline const uint8_t *dc_mdb_node(const dc_mdb_map *m, const uint8_t *page, unsigned i) {
+    unsigned at = dc_mdb_u16(page + DC_MDB_PAGEHDR + 2u * i);
+    unsigned upper = dc_mdb_u16(page + 14);
+    if (at < upper || (uint64_t)at + DC_MDB_NODEHDR > m->psize)
+        return NULL;
+    const uint8_t *node = page + at;
+    if ((uint64_t)at + DC_MDB_NODEHDR + dc_mdb_u16(node + 6) > m->psize)
+        return NULL;
+    return node;
+}
+
+/* LMDB's default order: memcmp over the common length, then the shorter first. */
+static inline int dc_mdb_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
+    int c = memcmp(a, b, alen < blen ? alen : blen);
+    if (c)
+        return c;
+    return alen < blen ? -1 : alen > blen;
+}
+
+/* Looks up key in db. FOUND sets *val and *vlen to the value inside the mapping
+ * (valid while the snapshot that named db's root stays open and the mapping
+ * stays mapped). */
+static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
+                                       const uint8_t *key, size_t klen,
+                                       const uint8_t **val, size_t *vlen) {
+    if (db->root == UINT64_MAX)
+        return DC_MDB_ABSENT;
+    uint64_t pgno = db->root;
+    dc_mdb_result why;
+    unsigned n;
+    for (unsigned level = 1; level < db->depth; level++) {
+        const uint8_t *page = dc_mdb_page(m, pgno, DC_MDB_P_BRANCH, &n, &why);
+        if (page == NULL)
+            return why;
+        /* The last node whose key is <= key; node 0's key stands for -infinity. */
+        unsigned lo = 1, hi = n; /* answer in [lo - 1, hi - 1] */
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo) / 2;
+            const uint8_t *node = dc_mdb_node(m, page, mid);
+            if (node == NULL)
+                return DC_MDB_UNREADABLE;
+            if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) <= 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        const uint8_t *child = dc_mdb_node(m, page, lo - 1);
+        if (child == NULL)
+            return DC_MDB_UNREADABLE;
+        pgno = (uint64_t)dc_mdb_u16(child) | ((uint64_t)dc_mdb_u16(child + 2) << 16) |
+               ((uint64_t)dc_mdb_u16(child + 4) << 32);
+    }
+    const uint8_t *leaf = dc_mdb_page(m, pgno, DC_MDB_P_LEAF, &n, &why);
+    if (leaf == NULL)
+        return why;
+    unsigned lo = 0, hi = n;
+    while (lo < hi) {
+        unsigned mid = lo + (hi - lo) / 2;
+        const uint8_t *node = dc_mdb_node(m, leaf, mid);
+        if (node == NULL)
+            return DC_MDB_UNREADABLE;
+        unsigned ksize = dc_mdb_u16(node + 6);
+        int c = dc_mdb_cmp(node + DC_MDB_NODEHDR, ksize, key, klen);
+        if (c < 0) {
+            lo = mid + 1;
+        } else if (c > 0) {
+            hi = mid;
+        } else {
+            unsigned nflags = dc_mdb_u16(node + 4);
+            uint64_t dsize = (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16);
+            const uint8_t *data = node + DC_MDB_NODEHDR + ksize;
+            if (nflags & (DC_MDB_F_SUBDATA | DC_MDB_F_DUPDATA))
+                return DC_MDB_UNREADABLE;
+            if (!(nflags & DC_MDB_F_BIGDATA)) {
+                if ((uint64_t)(data - leaf) + dsize > m->psize)
+                    return DC_MDB_UNREADABLE;
+                *val = data;
+                *vlen = (size_t)dsize;
+                return DC_MDB_FOUND;
+            }
+            if ((uint64_t)(data - leaf) + 8 > m->psize)
+                return DC_MDB_UNREADABLE;
+            uint64_t first = dc_mdb_u64(data);
+            if (first >= m->pages)
+                return DC_MDB_BEYOND;
+            const uint8_t *ov = m->base + first * (uint64_t)m->psize;
+            if (dc_mdb_u64(ov) != first ||
+                (dc_mdb_u16(ov + 10) & (DC_MDB_P_BRANCH | DC_MDB_P_LEAF | DC_MDB_P_OVERFLOW |
+                                        DC_MDB_P_LEAF2 | DC_MDB_P_SUBP)) != DC_MDB_P_OVERFLOW)
+                return DC_MDB_UNREADABLE;
+            uint64_t count = dc_mdb_u32(ov + 12);
+            if (count == 0 || dsize > count * m->psize - DC_MDB_PAGEHDR)
+                return DC_MDB_UNREADABLE;
+            if (count > m->pages - first)
+                return DC_MDB_BEYOND;
+            *val = ov + DC_MDB_PAGEHDR;
+            *vlen = (size_t)dsize;
+            return DC_MDB_FOUND;
+        }
+    }
+    return DC_MDB_ABSENT;
+}
+
+/* Looks up n keys of klen bytes each, concatenated at keys, in db: vals[i] and
+ * vlens[i] for each (vals[i] NULL where absent). Returns the number found, or
+ * DC_MDB_UNREADABLE / DC_MDB_BEYOND at the first key whose walk could not be
+ * made (the caller then asks LMDB for the whole batch). Keys in byte order make
+ * neighbouring walks share pages. */
+static inline int64_t dc_mdb_get_many(const dc_mdb_map *m, const dc_mdb_db *db,
+                                      const uint8_t *keys, size_t n, size_t klen,
+                                      const uint8_t **vals, size_t *vlens) {
+    int64_t found = 0;
+    for (size_t i = 0; i < n; i++) {
+        dc_mdb_result r = dc_mdb_get(m, db, keys + i * klen, klen, &vals[i], &vlens[i]);
+        if (r < 0)
+            return r;
+        if (r == DC_MDB_ABSENT)
+            vals[i] = NULL;
+        else
+            found++;
+    }
+    return found;
+}
+
+#endif /* DC_MDB_H */

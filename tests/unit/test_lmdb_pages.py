@@ -1,0 +1,165 @@
+"""Lookups in LMDB's pages in native code (ext/dc_mdb.h, ``_engine.PageReader``,
+``Environment.read_sorted``; docs/warm-tier.md, "Lookups in native code").
+
+The walk must answer exactly what LMDB answers (``getmulti``) on real files
+written by py-lmdb: trees of one page and of several levels, values on overflow
+pages, absent keys between and beyond the present ones, an empty database. What
+it cannot read it must say so (and LMDB then answers), never read outside its
+mapping: damaged copies of a real file go through the walk built under
+AddressSanitizer in tests/unit/test_native_headers.py.
+"""
+
+from __future__ import annotations
+
+import mmap
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from dedupcore import _engine
+from dedupcore.tiers.environment import Environment
+
+NAME = b"s:00000001"
+
+
+def _digests(n: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return sorted({rng.randbytes(16) for _ in range(n)})
+
+
+def _value(i: int) -> bytes:
+    """Mostly small records; every 97th on overflow pages (over a page's worth)."""
+    size = 5000 + i % 7000 if i % 97 == 0 else 20 + i % 60
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[lmdb.Environment]:
+    e = lmdb.open(str(tmp_path / "env"), max_dbs=4, map_size=1 << 28)
+    yield e
+    e.close()
+
+
+def _fill(env: lmdb.Environment, keys: list[bytes], name: bytes = NAME) -> object:
+    db = env.open_db(name)
+    with env.begin(write=True) as txn:
+        for i, k in enumerate(keys):
+            txn.put(k, _value(i), db=db)
+    return db
+
+
+def _reader(env: lmdb.Environment) -> _engine.PageReader:
+    path = Path(env.path()) / "data.mdb"
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    return _engine.PageReader(mapping, env.stat()["psize"])
+
+
+@pytest.mark.parametrize("n", [1, 40, 3000, 60_000])
+def test_the_walk_answers_what_lmdb_answers(env: lmdb.Environment, n: int) -> None:
+    present = _digests(n, seed=n)
+    stored = present[::2]  # every other one stored: the rest are absent between them
+    db = _fill(env, stored)
+    asked = _engine.sort_digests(
+        b"".join(present + _digests(50, seed=1_000_000 + n) + [b"\x00" * 16, b"\xff" * 16])
+    )
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        assert record is not None and len(record) == 48
+        got = reader.get_many(record, asked)
+        assert got == txn.cursor(db=db).getmulti(_engine.split_digests(asked))
+    assert isinstance(got, list) and len(got) == len(stored)
+    assert got[0][1] == _value(0)
+    if n >= 3000:  # several levels, and values on overflow pages
+        assert env.stat()["depth"] >= 1
+        with env.begin() as txn:
+            stat = txn.stat(db)
+        assert stat["depth"] >= 2 and stat["overflow_pages"] > 0
+
+
+def test_an_empty_database_and_an_empty_ask(env: lmdb.Environment) -> None:
+    env.open_db(NAME)
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        assert record is not None
+        assert reader.get_many(record, b"\x01" * 32) == []
+        assert reader.get_many(record, b"") == []
+
+
+def test_what_the_walk_does_not_read_is_said(env: lmdb.Environment) -> None:
+    keys = _digests(100, seed=1)
+    dup = env.open_db(b"dups", dupsort=True)
+    with env.begin(write=True) as txn:
+        txn.put(keys[0], b"a", db=dup)
+    _fill(env, keys)
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        dup_record = txn.get(b"dups")
+        record = txn.get(NAME)
+    assert dup_record is not None and record is not None
+    assert reader.get_many(dup_record, keys[0]) == _engine.PAGES_UNREADABLE
+    assert reader.get_many(record[:47], keys[0]) == _engine.PAGES_UNREADABLE
+    with pytest.raises(ValueError, match="multiple of 16"):
+        reader.get_many(record, b"\x00" * 15)
+    with pytest.raises(ValueError, match="page size"):
+        _engine.PageReader(b"\x00" * 4096, 1000)
+    # A mapping of the file as it was before it grew: pages past it.
+    small = _engine.PageReader(b"\x00" * (2 * 4096), 4096)
+    assert small.pages == 2
+    assert small.get_many(record, keys[0]) == _engine.PAGES_BEYOND
+
+
+def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_path: Path) -> None:
+    environment = Environment(
+        tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False, max_dbs=4
+    )
+    try:
+        db = environment.open_db(NAME, create=True)
+        first = _digests(10, seed=2)
+        environment.write(lambda txn: [txn.put(k, b"v1", db=db) for k in first])
+        with environment.txn(buffers=False) as txn:
+            assert environment.read_sorted(txn, NAME, db, b"".join(first)) == [
+                (k, b"v1") for k in first
+            ]
+        # Many more records: the file grows past the pages mapped at open (and the
+        # map itself past its first megabyte).
+        more = _digests(30_000, seed=3)
+        environment.write(lambda txn: [txn.put(k, _value(i), db=db) for i, k in enumerate(more)])
+        asked = _engine.sort_digests(b"".join(first + more))
+        with environment.txn(buffers=False) as txn:
+            got = environment.read_sorted(txn, NAME, db, asked)
+            assert got == txn.cursor(db=db).getmulti(_engine.split_digests(asked))
+        assert len(got) == len(first) + len(more)
+        assert environment.native_reads == len(first) + len(asked) // 16
+        assert environment.lmdb_reads == 0
+        # A database the walk cannot read: LMDB answers, and is counted.
+        dups = environment.lmdb.open_db(b"dups", dupsort=True)
+        environment.write(lambda txn: txn.put(first[0], b"x", db=dups))
+        with environment.txn(buffers=False) as txn:
+            got = environment.read_sorted(txn, b"dups", dups, b"".join(first))
+            assert got == [(first[0], b"x")]
+        assert environment.lmdb_reads == len(first)
+    finally:
+        environment.close()
+
+
+def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
+    from dedupcore import Outcome
+    from dedupcore.store import DedupStore
+
+    keys = [f"k{i}" for i in range(3000)]
+    with DedupStore.open(tmp_path / "s") as store:
+        claims = store.claim_many(keys, namespace="ns")
+        store.complete_many([(c.key, c.token, {"n": c.key}) for c in claims], namespace="ns")
+        store.checkpoint()
+    with DedupStore.open(tmp_path / "s") as store:
+        for c in store.claim_many(keys, namespace="ns"):
+            assert (c.outcome, c.result) == (Outcome.DUPLICATE, {"n": c.key})
+        lmdb_stats = store.stats()["lmdb"]
+        assert lmdb_stats["probes_native"] >= len(keys)
+        assert lmdb_stats["probes_lmdb"] == 0
