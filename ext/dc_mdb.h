@@ -147,6 +147,79 @@ static inline int dc_mdb_cmp(const uint8_t *a, size_t alen, const uint8_t *b, si
     return alen < blen ? -1 : alen > blen;
 }
 
+/* A key's first 8 bytes as a big-endian number (zeros past a shorter key): where
+ * it falls between two others, for the search's first guess. */
+static inline uint64_t dc_mdb_prefix(const uint8_t *k, size_t len) {
+    uint64_t v = 0;
+    for (size_t i = 0; i < 8; i++)
+        v = v << 8 | (i < len ? k[i] : 0);
+    return v;
+}
+
+/* The first index in [first, n) of a checked page whose node's key is greater than
+ * key (n if none), or -1 if a node it reads is not inside the page.
+ *
+ * The keys of a page lie between bounds its parent gives (low and high, as
+ * dc_mdb_prefix numbers); the warm tier's keys are hash digests, spread evenly,
+ * so the search starts where key's prefix falls between them and gallops from
+ * there: about 2-3 nodes read on a page of 50-100 instead of a binary search's
+ * 6-7, each a cache miss on a page read for one key of a random batch. Any
+ * other key order is answered the same, with more nodes read. */
+static inline int64_t dc_mdb_upper(const dc_mdb_map *m, const uint8_t *page, unsigned first,
+                                   unsigned n, const uint8_t *key, size_t klen, uint64_t low,
+                                   uint64_t high) {
+    unsigned lo = first, hi = n; /* the answer is in [lo, hi] */
+    if (lo >= hi)
+        return lo;
+    uint64_t kv = dc_mdb_prefix(key, klen);
+    unsigned guess = lo;
+    if (kv > low && high > low) {
+        double at = (double)(kv - low) / (double)(high - low) * (double)(hi - lo);
+        guess = at >= (double)(hi - lo - 1) ? hi - 1 : lo + (unsigned)at;
+    }
+    const uint8_t *node = dc_mdb_node(m, page, guess);
+    if (node == NULL)
+        return -1;
+    unsigned step = 1;
+    if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) <= 0) {
+        lo = guess + 1; /* gallop up */
+        while (lo + step - 1 < hi) {
+            unsigned i = lo + step - 1;
+            if ((node = dc_mdb_node(m, page, i)) == NULL)
+                return -1;
+            if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) > 0) {
+                hi = i;
+                break;
+            }
+            lo = i + 1;
+            step <<= 1;
+        }
+    } else {
+        hi = guess; /* gallop down */
+        while (hi >= lo + step) {
+            unsigned i = hi - step;
+            if ((node = dc_mdb_node(m, page, i)) == NULL)
+                return -1;
+            if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) <= 0) {
+                lo = i + 1;
+                break;
+            }
+            hi = i;
+            step <<= 1;
+        }
+    }
+    while (lo < hi) {
+        unsigned mid = lo + (hi - lo) / 2;
+        if ((node = dc_mdb_node(m, page, mid)) == NULL)
+            return -1;
+        if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) <= 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* Looks up key in db. FOUND sets *val and *vlen to the value inside the mapping
  * (valid while the snapshot that named db's root stays open and the mapping
  * stays mapped). */
@@ -155,7 +228,7 @@ static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
                                        const uint8_t **val, size_t *vlen) {
     if (db->root == UINT64_MAX)
         return DC_MDB_ABSENT;
-    uint64_t pgno = db->root;
+    uint64_t pgno = db->root, low = 0, high = UINT64_MAX;
     dc_mdb_result why;
     unsigned n;
     for (unsigned level = 1; level < db->depth; level++) {
@@ -163,72 +236,67 @@ static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
         if (page == NULL)
             return why;
         /* The last node whose key is <= key; node 0's key stands for -infinity. */
-        unsigned lo = 1, hi = n; /* answer in [lo - 1, hi - 1] */
-        while (lo < hi) {
-            unsigned mid = lo + (hi - lo) / 2;
-            const uint8_t *node = dc_mdb_node(m, page, mid);
-            if (node == NULL)
-                return DC_MDB_UNREADABLE;
-            if (dc_mdb_cmp(node + DC_MDB_NODEHDR, dc_mdb_u16(node + 6), key, klen) <= 0)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        const uint8_t *child = dc_mdb_node(m, page, lo - 1);
+        int64_t up = dc_mdb_upper(m, page, 1, n, key, klen, low, high);
+        if (up < 0)
+            return DC_MDB_UNREADABLE;
+        const uint8_t *child = dc_mdb_node(m, page, (unsigned)up - 1);
         if (child == NULL)
             return DC_MDB_UNREADABLE;
+        if (up > 1)
+            low = dc_mdb_prefix(child + DC_MDB_NODEHDR, dc_mdb_u16(child + 6));
+        if ((unsigned)up < n) {
+            const uint8_t *next = dc_mdb_node(m, page, (unsigned)up);
+            if (next == NULL)
+                return DC_MDB_UNREADABLE;
+            high = dc_mdb_prefix(next + DC_MDB_NODEHDR, dc_mdb_u16(next + 6));
+        }
         pgno = (uint64_t)dc_mdb_u16(child) | ((uint64_t)dc_mdb_u16(child + 2) << 16) |
                ((uint64_t)dc_mdb_u16(child + 4) << 32);
     }
     const uint8_t *leaf = dc_mdb_page(m, pgno, DC_MDB_P_LEAF, &n, &why);
     if (leaf == NULL)
         return why;
-    unsigned lo = 0, hi = n;
-    while (lo < hi) {
-        unsigned mid = lo + (hi - lo) / 2;
-        const uint8_t *node = dc_mdb_node(m, leaf, mid);
-        if (node == NULL)
+    int64_t up = dc_mdb_upper(m, leaf, 0, n, key, klen, low, high);
+    if (up < 0)
+        return DC_MDB_UNREADABLE;
+    if (up == 0)
+        return DC_MDB_ABSENT;
+    const uint8_t *node = dc_mdb_node(m, leaf, (unsigned)up - 1);
+    if (node == NULL)
+        return DC_MDB_UNREADABLE;
+    unsigned ksize = dc_mdb_u16(node + 6);
+    if (dc_mdb_cmp(node + DC_MDB_NODEHDR, ksize, key, klen) != 0)
+        return DC_MDB_ABSENT;
+    unsigned nflags = dc_mdb_u16(node + 4);
+    uint64_t dsize = (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16);
+    const uint8_t *data = node + DC_MDB_NODEHDR + ksize;
+    if (nflags & (DC_MDB_F_SUBDATA | DC_MDB_F_DUPDATA))
+        return DC_MDB_UNREADABLE;
+    if (!(nflags & DC_MDB_F_BIGDATA)) {
+        if ((uint64_t)(data - leaf) + dsize > m->psize)
             return DC_MDB_UNREADABLE;
-        unsigned ksize = dc_mdb_u16(node + 6);
-        int c = dc_mdb_cmp(node + DC_MDB_NODEHDR, ksize, key, klen);
-        if (c < 0) {
-            lo = mid + 1;
-        } else if (c > 0) {
-            hi = mid;
-        } else {
-            unsigned nflags = dc_mdb_u16(node + 4);
-            uint64_t dsize = (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16);
-            const uint8_t *data = node + DC_MDB_NODEHDR + ksize;
-            if (nflags & (DC_MDB_F_SUBDATA | DC_MDB_F_DUPDATA))
-                return DC_MDB_UNREADABLE;
-            if (!(nflags & DC_MDB_F_BIGDATA)) {
-                if ((uint64_t)(data - leaf) + dsize > m->psize)
-                    return DC_MDB_UNREADABLE;
-                *val = data;
-                *vlen = (size_t)dsize;
-                return DC_MDB_FOUND;
-            }
-            if ((uint64_t)(data - leaf) + 8 > m->psize)
-                return DC_MDB_UNREADABLE;
-            uint64_t first = dc_mdb_u64(data);
-            if (first >= m->pages)
-                return DC_MDB_BEYOND;
-            const uint8_t *ov = m->base + first * (uint64_t)m->psize;
-            if (dc_mdb_u64(ov) != first ||
-                (dc_mdb_u16(ov + 10) & (DC_MDB_P_BRANCH | DC_MDB_P_LEAF | DC_MDB_P_OVERFLOW |
-                                        DC_MDB_P_LEAF2 | DC_MDB_P_SUBP)) != DC_MDB_P_OVERFLOW)
-                return DC_MDB_UNREADABLE;
-            uint64_t count = dc_mdb_u32(ov + 12);
-            if (count == 0 || dsize > count * m->psize - DC_MDB_PAGEHDR)
-                return DC_MDB_UNREADABLE;
-            if (count > m->pages - first)
-                return DC_MDB_BEYOND;
-            *val = ov + DC_MDB_PAGEHDR;
-            *vlen = (size_t)dsize;
-            return DC_MDB_FOUND;
-        }
+        *val = data;
+        *vlen = (size_t)dsize;
+        return DC_MDB_FOUND;
     }
-    return DC_MDB_ABSENT;
+    if ((uint64_t)(data - leaf) + 8 > m->psize)
+        return DC_MDB_UNREADABLE;
+    uint64_t first = dc_mdb_u64(data);
+    if (first >= m->pages)
+        return DC_MDB_BEYOND;
+    const uint8_t *ov = m->base + first * (uint64_t)m->psize;
+    if (dc_mdb_u64(ov) != first ||
+        (dc_mdb_u16(ov + 10) & (DC_MDB_P_BRANCH | DC_MDB_P_LEAF | DC_MDB_P_OVERFLOW |
+                                DC_MDB_P_LEAF2 | DC_MDB_P_SUBP)) != DC_MDB_P_OVERFLOW)
+        return DC_MDB_UNREADABLE;
+    uint64_t count = dc_mdb_u32(ov + 12);
+    if (count == 0 || dsize > count * m->psize - DC_MDB_PAGEHDR)
+        return DC_MDB_UNREADABLE;
+    if (count > m->pages - first)
+        return DC_MDB_BEYOND;
+    *val = ov + DC_MDB_PAGEHDR;
+    *vlen = (size_t)dsize;
+    return DC_MDB_FOUND;
 }
 
 /* Looks up n keys of klen bytes each, concatenated at keys, in db: vals[i] and
