@@ -139,8 +139,20 @@ static inline const uint8_t *dc_mdb_node(const dc_mdb_map *m, const uint8_t *pag
     return node;
 }
 
-/* LMDB's default order: memcmp over the common length, then the shorter first. */
+/* LMDB's default order: memcmp over the common length, then the shorter first.
+ * Two 16-byte keys (the warm tier's digests) are compared as two big-endian
+ * words, without a call. */
 static inline int dc_mdb_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (alen == 16 && blen == 16) {
+        uint64_t x = __builtin_bswap64(dc_mdb_u64(a)), y = __builtin_bswap64(dc_mdb_u64(b));
+        if (x == y) {
+            x = __builtin_bswap64(dc_mdb_u64(a + 8));
+            y = __builtin_bswap64(dc_mdb_u64(b + 8));
+        }
+        return (x > y) - (x < y);
+    }
+#endif
     int c = memcmp(a, b, alen < blen ? alen : blen);
     if (c)
         return c;

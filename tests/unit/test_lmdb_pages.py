@@ -81,6 +81,28 @@ def test_the_walk_answers_what_lmdb_answers(env: lmdb.Environment, n: int) -> No
         assert stat["depth"] >= 2 and stat["overflow_pages"] > 0
 
 
+def test_keys_not_spread_evenly_are_answered_the_same(env: lmdb.Environment) -> None:
+    """The search's first guess assumes hash keys; keys that share their first 8
+    bytes (the compare's second word decides), keys packed at one end and keys of
+    other lengths in the same tree cost more nodes read, never another answer."""
+    rng = random.Random(6)
+    shared = [b"\x42" * 8 + rng.randbytes(8) for _ in range(3000)]
+    low_end = [bytes(12) + rng.randbytes(4) for _ in range(3000)]
+    stored = sorted(set(shared[::2] + low_end[::2]))
+    db = _fill(env, stored)
+    with env.begin(write=True) as txn:  # a few keys of other lengths among them
+        for k in (b"\x42", b"\x42" * 9, bytes(20), b"\xff" * 3):
+            txn.put(k, b"other", db=db)
+    asked = _engine.sort_digests(b"".join(shared + low_end))
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        assert record is not None
+        got = reader.get_many(record, asked)
+        assert got == txn.cursor(db=db).getmulti(_engine.split_digests(asked))
+    assert isinstance(got, list) and len(got) == len(stored)
+
+
 def test_an_empty_database_and_an_empty_ask(env: lmdb.Environment) -> None:
     env.open_db(NAME)
     reader = _reader(env)
