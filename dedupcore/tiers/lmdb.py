@@ -347,11 +347,6 @@ class LmdbTier:
         """
         return self._read(list(reversed(self._slices)), joined)
 
-    def get_many(self, digests: list[bytes]) -> list[bytes | None]:
-        """Stored bytes of each digest's newest record (None where absent)."""
-        found = dict(self.read_many(b"".join(digests)))
-        return [found.get(d) for d in digests]
-
     def _read(self, slices: list[SliceInfo], joined: bytes) -> list[tuple[bytes, bytes]]:
         """The first record of each digest found in ``slices``, in that order."""
         found: list[tuple[bytes, bytes]] = []
