@@ -33,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "dc_hash.h" /* dc_prefetch */
+
 #define DC_MDB_PAGEHDR 16u
 #define DC_MDB_NODEHDR 8u
 #define DC_MDB_P_BRANCH 0x01u
@@ -168,6 +170,16 @@ static inline uint64_t dc_mdb_prefix(const uint8_t *k, size_t len) {
     return v;
 }
 
+/* Where in [lo, hi) (lo < hi) a key whose prefix is kv falls if the keys of the
+ * range are spread evenly between the prefixes low and high. */
+static inline unsigned dc_mdb_guess(unsigned lo, unsigned hi, uint64_t kv, uint64_t low,
+                                    uint64_t high) {
+    if (kv <= low || high <= low)
+        return lo;
+    double at = (double)(kv - low) / (double)(high - low) * (double)(hi - lo);
+    return at >= (double)(hi - lo - 1) ? hi - 1 : lo + (unsigned)at;
+}
+
 /* The first index in [first, n) of a checked page whose node's key is greater than
  * key (n if none), or -1 if a node it reads is not inside the page.
  *
@@ -183,12 +195,7 @@ static inline int64_t dc_mdb_upper(const dc_mdb_map *m, const uint8_t *page, uns
     unsigned lo = first, hi = n; /* the answer is in [lo, hi] */
     if (lo >= hi)
         return lo;
-    uint64_t kv = dc_mdb_prefix(key, klen);
-    unsigned guess = lo;
-    if (kv > low && high > low) {
-        double at = (double)(kv - low) / (double)(high - low) * (double)(hi - lo);
-        guess = at >= (double)(hi - lo - 1) ? hi - 1 : lo + (unsigned)at;
-    }
+    unsigned guess = dc_mdb_guess(lo, hi, dc_mdb_prefix(key, klen), low, high);
     const uint8_t *node = dc_mdb_node(m, page, guess);
     if (node == NULL)
         return -1;
@@ -232,12 +239,18 @@ static inline int64_t dc_mdb_upper(const dc_mdb_map *m, const uint8_t *page, uns
     return lo;
 }
 
-/* Looks up key in db. FOUND sets *val and *vlen to the value inside the mapping
- * (valid while the snapshot that named db's root stays open and the mapping
- * stays mapped). */
-static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
-                                       const uint8_t *key, size_t klen,
-                                       const uint8_t **val, size_t *vlen) {
+/* Where a key's walk stands on its leaf: the page, its node count, and the bounds
+ * its parent gave it. */
+typedef struct {
+    const uint8_t *leaf;
+    unsigned n;
+    uint64_t low, high;
+} dc_mdb_at;
+
+/* Walks from db's root down the branch pages to the leaf that would hold key.
+ * DC_MDB_FOUND with *at set, DC_MDB_ABSENT for an empty database, or why not. */
+static inline dc_mdb_result dc_mdb_descend(const dc_mdb_map *m, const dc_mdb_db *db,
+                                           const uint8_t *key, size_t klen, dc_mdb_at *at) {
     if (db->root == UINT64_MAX)
         return DC_MDB_ABSENT;
     uint64_t pgno = db->root, low = 0, high = UINT64_MAX;
@@ -265,10 +278,20 @@ static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
         pgno = (uint64_t)dc_mdb_u16(child) | ((uint64_t)dc_mdb_u16(child + 2) << 16) |
                ((uint64_t)dc_mdb_u16(child + 4) << 32);
     }
-    const uint8_t *leaf = dc_mdb_page(m, pgno, DC_MDB_P_LEAF, &n, &why);
-    if (leaf == NULL)
+    at->leaf = dc_mdb_page(m, pgno, DC_MDB_P_LEAF, &at->n, &why);
+    if (at->leaf == NULL)
         return why;
-    int64_t up = dc_mdb_upper(m, leaf, 0, n, key, klen, low, high);
+    at->low = low;
+    at->high = high;
+    return DC_MDB_FOUND;
+}
+
+/* Looks key up in the leaf its walk reached. */
+static inline dc_mdb_result dc_mdb_leaf_get(const dc_mdb_map *m, const dc_mdb_at *at,
+                                            const uint8_t *key, size_t klen,
+                                            const uint8_t **val, size_t *vlen) {
+    const uint8_t *leaf = at->leaf;
+    int64_t up = dc_mdb_upper(m, leaf, 0, at->n, key, klen, at->low, at->high);
     if (up < 0)
         return DC_MDB_UNREADABLE;
     if (up == 0)
@@ -311,23 +334,68 @@ static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
     return DC_MDB_FOUND;
 }
 
+/* Looks up key in db. FOUND sets *val and *vlen to the value inside the mapping
+ * (valid while the snapshot that named db's root stays open and the mapping
+ * stays mapped). */
+static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
+                                       const uint8_t *key, size_t klen,
+                                       const uint8_t **val, size_t *vlen) {
+    dc_mdb_at at;
+    dc_mdb_result r = dc_mdb_descend(m, db, key, klen, &at);
+    if (r != DC_MDB_FOUND)
+        return r;
+    return dc_mdb_leaf_get(m, &at, key, klen, val, vlen);
+}
+
+#define DC_MDB_GROUP 8
+
 /* Looks up n keys of klen bytes each, concatenated at keys, in db: vals[i] and
  * vlens[i] for each (vals[i] NULL where absent). Returns the number found, or
  * DC_MDB_UNREADABLE / DC_MDB_BEYOND at the first key whose walk could not be
  * made (the caller then asks LMDB for the whole batch). Keys in byte order make
- * neighbouring walks share pages. */
+ * neighbouring walks share pages.
+ *
+ * The keys go in groups of DC_MDB_GROUP: each walks down to its leaf (the upper
+ * levels stay in cache), the cache lines of the leaf's node pointer and then of
+ * the node where its search starts are fetched for the whole group, and only
+ * then are the leaves searched: the group's cache misses overlap instead of
+ * following one another. */
 static inline int64_t dc_mdb_get_many(const dc_mdb_map *m, const dc_mdb_db *db,
                                       const uint8_t *keys, size_t n, size_t klen,
                                       const uint8_t **vals, size_t *vlens) {
     int64_t found = 0;
-    for (size_t i = 0; i < n; i++) {
-        dc_mdb_result r = dc_mdb_get(m, db, keys + i * klen, klen, &vals[i], &vlens[i]);
-        if (r < 0)
-            return r;
-        if (r == DC_MDB_ABSENT)
-            vals[i] = NULL;
-        else
-            found++;
+    dc_mdb_at at[DC_MDB_GROUP];
+    dc_mdb_result r[DC_MDB_GROUP];
+    unsigned guess[DC_MDB_GROUP];
+    for (size_t g = 0; g < n; g += DC_MDB_GROUP) {
+        size_t size = n - g < DC_MDB_GROUP ? n - g : DC_MDB_GROUP;
+        for (size_t j = 0; j < size; j++) {
+            const uint8_t *key = keys + (g + j) * klen;
+            r[j] = dc_mdb_descend(m, db, key, klen, &at[j]);
+            if (r[j] == DC_MDB_FOUND) {
+                guess[j] = dc_mdb_guess(0, at[j].n, dc_mdb_prefix(key, klen), at[j].low,
+                                        at[j].high);
+                dc_prefetch(at[j].leaf + DC_MDB_PAGEHDR + 2u * guess[j]);
+            }
+        }
+        for (size_t j = 0; j < size; j++) {
+            if (r[j] != DC_MDB_FOUND)
+                continue;
+            unsigned ptr = dc_mdb_u16(at[j].leaf + DC_MDB_PAGEHDR + 2u * guess[j]);
+            if (ptr < m->psize) /* else the search itself says so */
+                dc_prefetch(at[j].leaf + ptr);
+        }
+        for (size_t j = 0; j < size; j++) {
+            size_t i = g + j;
+            if (r[j] == DC_MDB_FOUND)
+                r[j] = dc_mdb_leaf_get(m, &at[j], keys + i * klen, klen, &vals[i], &vlens[i]);
+            if (r[j] < 0)
+                return r[j];
+            if (r[j] == DC_MDB_ABSENT)
+                vals[i] = NULL;
+            else
+                found++;
+        }
     }
     return found;
 }
