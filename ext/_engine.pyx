@@ -17,7 +17,7 @@ import types
 _MemberDescriptor = types.MemberDescriptorType
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, free, qsort
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memcmp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
@@ -1337,10 +1337,6 @@ def select_digests(bytes digests, flags):
     return out
 
 
-cdef int _digest_cmp(const void* a, const void* b) noexcept nogil:
-    return memcmp(a, b, 16)
-
-
 def sort_digests(bytes digests):
     """The digests in byte order (LMDB's key order), concatenated; repeats kept."""
     cdef size_t n
@@ -1348,7 +1344,7 @@ def sort_digests(bytes digests):
     cdef bytes out = PyBytes_FromStringAndSize(<const char*>d, 16 * n)
     cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
     with nogil:
-        qsort(o, n, 16, _digest_cmp)
+        dc_mdb_sort_digests(o, n)
     return out
 
 
@@ -1426,6 +1422,7 @@ cdef extern from "dc_mdb.h" nogil:
                             size_t n, size_t klen, const uint8_t** vals, size_t* vlens)
     int DC_MDB_UNREADABLE
     int DC_MDB_BEYOND
+    void dc_mdb_sort_digests(uint8_t* d, size_t n)
 
 #: What :meth:`PageReader.get_many` answers when it cannot: the walk met what it does
 #: not read (ask LMDB), or a page past the mapping (map the grown file again).

@@ -4,6 +4,7 @@ Python, and the warm tier's lookups built on them (docs/warm-tier.md, "Lookups")
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import given
@@ -38,6 +39,20 @@ def test_gather_select_sort_split_match_plain_python(ds: list[bytes], data: st.D
     for i, hit in zip(idx, hits, strict=True):
         want[i] = hit != 0
     assert _engine.scatter_flags(len(ds) + 3, idx, hits) == (want if any(hits) else None)
+
+
+@pytest.mark.parametrize("n", [31, 32, 33, 1000, 70_000])
+def test_sort_digests_by_buckets_and_where_they_are_not_spread_evenly(n: int) -> None:
+    """Digests are dealt into buckets by their top bits, each bucket sorted on its
+    own: batches of every size class, and digests that crowd into one bucket
+    (one shared top half, then the bottom of the range) sort as sorted() does."""
+    rng = random.Random(n)
+    spread = [rng.randbytes(16) for _ in range(n)]
+    crowded = [b"\x42" * 8 + rng.randbytes(8) for _ in range(n // 2 + 40)]
+    low = [bytes(14) + rng.randbytes(2) for _ in range(n // 3 + 40)]
+    repeats = spread[: n // 10] * 2
+    for ds in (spread, crowded + low, spread + crowded + repeats):
+        assert _engine.sort_digests(b"".join(ds)) == b"".join(sorted(ds))
 
 
 @given(batches, st.data())
