@@ -84,6 +84,8 @@ cdef extern from "dc_engine.h" nogil:
         float lease
         double now_w
         double now_m
+        const dc_rec* side
+        size_t side_n
         unsigned char* outcomes
         uint64_t* tokens
         const dc_extra** dup_extra
@@ -138,6 +140,10 @@ cdef extern from "dc_engine.h" nogil:
                            double updated_before, dc_hit* hits, size_t* n_hits,
                            size_t* visited, int* more)
     size_t dc_missing(const dc_table* t, const unsigned char* digests, size_t n, size_t* out)
+    const dc_rec* dc_side_find(const dc_rec* side, size_t n, const unsigned char* d)
+    dc_status dc_read_records(dc_table* t, const unsigned char* digests,
+                              const unsigned char* const* values, const size_t* lens, size_t n,
+                              double now_m, dc_rec* side, size_t* side_n, size_t* bad)
     size_t dc_value_bound(const dc_rec* r)
     size_t dc_encode_value(const dc_rec* r, unsigned char* out)
     void dc_take_changes(dc_table* t, dc_export* x)
@@ -471,6 +477,25 @@ def decode_value(bytes digest, value):
         dc_decref(r.extra)
 
 
+cdef class ReadRecords:
+    """PROCESSED records read from LMDB for one claim batch and left out of the table
+    (:meth:`ClaimTable.read_records`; docs/engine.md, "Records read for a claim")."""
+
+    cdef dc_rec* recs
+    cdef size_t n
+
+    def __len__(self):
+        return self.n
+
+    def __dealloc__(self):
+        cdef size_t i
+        if self.recs != NULL:
+            for i in range(self.n):
+                dc_decref(self.recs[i].extra)
+            free(self.recs)
+            self.recs = NULL
+
+
 cdef class ClaimTable:
     """Records in memory, keyed by 16-byte digest, and the batch decisions over them.
 
@@ -513,8 +538,8 @@ cdef class ClaimTable:
         return (slots * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
                 + self.t.changes.cap)
 
-    def missing(self, bytes digests):
-        """Indexes of the digests the table holds no record of."""
+    def missing(self, bytes digests, ReadRecords side=None):
+        """Indexes of the digests the table holds no record of (nor ``side``)."""
         cdef size_t n, i, m
         cdef const unsigned char* d = _digests_of(digests, &n)
         cdef size_t* idx = <size_t*>malloc((n + 1) * sizeof(size_t))
@@ -523,7 +548,10 @@ cdef class ClaimTable:
         try:
             with nogil:
                 m = dc_missing(&self.t, d, n, idx)
-            return [idx[i] for i in range(m)]
+            if side is None or side.n == 0:
+                return [idx[i] for i in range(m)]
+            return [idx[i] for i in range(m)
+                    if dc_side_find(side.recs, side.n, d + 16 * idx[i]) == NULL]
         finally:
             free(idx)
 
@@ -544,42 +572,64 @@ cdef class ClaimTable:
         its checksum (nothing after it is loaded). TypeError or ValueError for
         a pair that is not (16 bytes, bytes).
         """
-        cdef Py_ssize_t i
-        cdef dc_rec r
+        return self._read(pairs, now_m, None)
+
+    def read_records(self, list pairs, double now_m):
+        """Records read from LMDB for a claim batch, ``(digest, stored bytes)`` pairs:
+        the PROCESSED ones as :class:`ReadRecords` for :meth:`claim`, which answers
+        them without putting them in the table; every other one is put in the
+        table as :meth:`load` puts it (ext/dc_engine.h, ``dc_read_records``).
+        Returns the ReadRecords, or the index of the first pair whose value fails
+        its checksum (nothing after it is read). TypeError or ValueError for a
+        pair that is not (16 bytes, bytes).
+        """
+        cdef ReadRecords out = ReadRecords.__new__(ReadRecords)
+        cdef Py_ssize_t bad = self._read(pairs, now_m, out)
+        return out if bad < 0 else bad
+
+    cdef Py_ssize_t _read(self, list pairs, double now_m, ReadRecords side) except -2:
+        """load (side None) and read_records: -1, or the index of a damaged value."""
+        cdef Py_ssize_t n = PyList_GET_SIZE(pairs), i
+        cdef unsigned char* digests = <unsigned char*>malloc(16 * n + 1)
+        cdef const unsigned char** values = <const unsigned char**>malloc((n + 1) * sizeof(void*))
+        cdef size_t* lens = <size_t*>malloc((n + 1) * sizeof(size_t))
+        cdef size_t bad = <size_t>-1, kept = 0
         cdef dc_status rc
         cdef object pair, d, v
-        cdef Py_ssize_t n = PyList_GET_SIZE(pairs)
-        for i in range(n):
-            if i + 8 < n:
-                # The slots of a large table are cache misses: fetch eight records ahead.
-                pair = <object>PyList_GET_ITEM(pairs, i + 8)
-                if type(pair) is tuple and len(pair) == 2:
-                    d = (<tuple>pair)[0]
-                    if type(d) is bytes and PyBytes_GET_SIZE(d) == 16:
-                        dc_prefetch_slot(&self.t, <const unsigned char*>PyBytes_AS_STRING(d))
-            pair = <object>PyList_GET_ITEM(pairs, i)
-            if type(pair) is not tuple or len(pair) != 2:
-                raise TypeError("a loaded record is a (digest, value) tuple")
-            d = (<tuple>pair)[0]
-            v = (<tuple>pair)[1]
-            if type(d) is not bytes or type(v) is not bytes:
-                raise TypeError("a loaded record's digest and value are bytes")
-            if PyBytes_GET_SIZE(d) != 16:
-                raise ValueError("a digest is 16 bytes")
-            if dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(d)) != NULL:
-                continue
-            rc = dc_decode_value(<const unsigned char*>PyBytes_AS_STRING(d),
-                                 <const unsigned char*>PyBytes_AS_STRING(v),
-                                 <size_t>PyBytes_GET_SIZE(v), &r)
+        try:
+            if side is not None:
+                side.recs = <dc_rec*>malloc((n + 1) * sizeof(dc_rec))
+            if digests == NULL or values == NULL or lens == NULL or (
+                side is not None and side.recs == NULL
+            ):
+                raise MemoryError()
+            for i in range(n):
+                pair = <object>PyList_GET_ITEM(pairs, i)
+                if type(pair) is not tuple or len(pair) != 2:
+                    raise TypeError("a loaded record is a (digest, value) tuple")
+                d = (<tuple>pair)[0]
+                v = (<tuple>pair)[1]
+                if type(d) is not bytes or type(v) is not bytes:
+                    raise TypeError("a loaded record's digest and value are bytes")
+                if PyBytes_GET_SIZE(d) != 16:
+                    raise ValueError("a digest is 16 bytes")
+                memcpy(digests + 16 * i, PyBytes_AS_STRING(d), 16)
+                values[i] = <const unsigned char*>PyBytes_AS_STRING(v)
+                lens[i] = <size_t>PyBytes_GET_SIZE(v)
+            # The pairs hold the values' bytes alive; the loop reads no Python object.
+            with nogil:
+                rc = dc_read_records(&self.t, digests, values, lens, <size_t>n, now_m,
+                                     NULL if side is None else side.recs, &kept, &bad)
+            if side is not None:
+                side.n = kept
             if rc == DC_ECORRUPT:
-                return i
+                return <Py_ssize_t>bad
             check_status(rc, "a loaded record")
-            if r.state == DC_PROCESSING:
-                r.deadline = now_m + r.lease
-            rc = dc_put(&self.t, &r, 1)
-            dc_decref(r.extra)
-            check_status(rc, "a loaded record")
-        return -1
+            return -1
+        finally:
+            free(digests)
+            free(values)
+            free(lens)
 
     def replay(self, payload, uint64_t lsn, double now_m):
         """Applies one log payload with its LSN; returns the digests it held (concatenated).
@@ -628,7 +678,7 @@ cdef class ClaimTable:
 
     def claim(self, bytes digests, list keys, str namespace, int ns_id, float lease, owner,
               list fingerprints, cold, double now_w, double now_m, claim_type, tuple outcomes,
-              unpack, int form=_FORM_CLAIMS):
+              unpack, int form=_FORM_CLAIMS, ReadRecords side=None):
         """Decides a claim batch and stages its new records.
 
         Returns ``(answers, conflict, depends, payloads, counts)``: on a
@@ -637,7 +687,9 @@ cdef class ClaimTable:
         of the staged records and ``counts`` is (new, duplicate, in progress,
         takeovers, writes, bytes of the DUPLICATE answers' stored results).
         ``cold`` is None or one byte per key, 1 where a key without a record
-        is in a cold slice. ``answers`` depends on ``form``:
+        is in a cold slice. ``side`` holds PROCESSED records read from LMDB that
+        the table lacks (:meth:`read_records`); it must stay alive until the
+        answers are read. ``answers`` depends on ``form``:
 
         - FORM_CLAIMS: one object per key, built with ``claim_type(key,
           namespace, outcome, token, result, exact, takeover)`` (``outcomes``
@@ -666,6 +718,8 @@ cdef class ClaimTable:
         io.owner = NULL
         io.owner_len = 0
         io.cold = NULL
+        io.side = NULL if side is None else side.recs
+        io.side_n = 0 if side is None else side.n
         io.ns_id = <uint16_t>ns_id
         io.lease = lease
         io.now_w = now_w

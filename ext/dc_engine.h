@@ -1134,6 +1134,61 @@ static inline void dc_stage_put(dc_stage *s, dc_rec *existing, uint64_t slot, co
 
 /* ---- the claim decision --------------------------------------------------- */
 
+/* The record of digest d among n records sorted by digest, or NULL. */
+static inline const dc_rec *dc_side_find(const dc_rec *side, size_t n, const unsigned char *d) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = memcmp(side[mid].digest, d, 16);
+        if (c == 0) return &side[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}
+
+static int dc_rec_digest_cmp(const void *a, const void *b) {
+    return memcmp(((const dc_rec *)a)->digest, ((const dc_rec *)b)->digest, 16);
+}
+
+/* Records read from LMDB: n (digest, stored bytes) values, decoded and put in
+ * the table as clean copies (lsn 0; a PROCESSING one with a fresh lease from
+ * now_m), where it has none. For a claim batch (side not NULL; docs/engine.md,
+ * "Records read for a claim"), a PROCESSED record, which the claim only reads
+ * (DUPLICATE, or a fingerprint conflict), goes into side instead (sorted by
+ * digest; *side_n of them): putting it in the table, and evicting it again
+ * later, cost more than reading it again from LMDB. *bad is the index of the
+ * first value that fails its checksum (DC_ECORRUPT; nothing after it is read).
+ * The caller frees side's blobs (dc_decref) and side itself. */
+static dc_status dc_read_records(dc_table *t, const unsigned char *digests,
+                                 const unsigned char *const *values, const size_t *lens, size_t n,
+                                 double now_m, dc_rec *side, size_t *side_n, size_t *bad) {
+    size_t m = 0;
+    dc_status rc = DC_OK;
+    for (size_t i = 0; i < n && rc == DC_OK; i++) {
+        const unsigned char *d = digests + 16 * i;
+        if (i + 8 < n) dc_prefetch_slot(t, digests + 16 * (i + 8));
+        if (dc_find(t, d) != NULL) continue;
+        dc_rec r;
+        rc = dc_decode_value(d, values[i], lens[i], &r);
+        if (rc == DC_ECORRUPT) {
+            *bad = i;
+            break;
+        }
+        if (rc != DC_OK) break;
+        if (side && r.state == DC_PROCESSED) {
+            side[m++] = r;
+            continue;
+        }
+        if (r.state == DC_PROCESSING) r.deadline = now_m + r.lease;
+        rc = dc_put(t, &r, 1);
+        dc_decref(r.extra);
+    }
+    if (m > 1) qsort(side, m, sizeof(dc_rec), dc_rec_digest_cmp);
+    *side_n = m;
+    return rc;
+}
+
 typedef struct {
     /* inputs */
     const unsigned char *digests; /* n * 16 */
@@ -1143,6 +1198,10 @@ typedef struct {
     const unsigned char *owner; /* NULL = none */
     size_t owner_len;
     const unsigned char *cold; /* per key 1 = in a cold slice (for keys with no record) */
+    /* PROCESSED records read from LMDB and left out of the table, sorted by digest
+     * (dc_read_records); a key the table lacks is looked up here. NULL = none. */
+    const dc_rec *side;
+    size_t side_n;
     uint16_t ns_id;
     float lease;
     double now_w, now_m;
@@ -1176,6 +1235,7 @@ static dc_status dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io
         uint64_t slot;
         dc_rec *staged = dc_stage_find(s, d, &slot);
         const dc_rec *r = staged ? staged : dc_find(t, d);
+        if (!r && io->side_n) r = dc_side_find(io->side, io->side_n, d);
         const unsigned char *fp = io->fps ? io->fps[i] : NULL;
         size_t fp_len = fp ? io->fp_lens[i] : 0;
         int takeover = 0;

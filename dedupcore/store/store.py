@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import dedupcore._engine as _engine
 import dedupcore.keys as _keys
@@ -317,11 +317,16 @@ class DedupStore(Maintenance, ClaimAPI):
         CorruptFileError if one is damaged."""
         bad = self._table.load(pairs, now_m)
         if bad >= 0:
-            raise CorruptFileError(
-                f"{self.path / 'lmdb'}: the record of digest {pairs[bad][0].hex()} fails its "
-                "checksum; the store refuses to answer from damaged data (restore the "
-                "directory from a backup)"
-            )
+            self._damaged(pairs, bad)
+
+    def _damaged(self, pairs: list[tuple[bytes, bytes]], bad: int) -> NoReturn:
+        """Raises for the record at ``bad`` of ``pairs``, read from LMDB, whose value
+        fails its checksum."""
+        raise CorruptFileError(
+            f"{self.path / 'lmdb'}: the record of digest {pairs[bad][0].hex()} fails its "
+            "checksum; the store refuses to answer from damaged data (restore the "
+            "directory from a backup)"
+        )
 
     # -- namespaces ----------------------------------------------------------
 
@@ -370,13 +375,35 @@ class DedupStore(Maintenance, ClaimAPI):
         """Brings the records of concatenated digests into the table (under the lock);
         returns the indexes of those the exact tiers do not hold: memory, then front,
         then LMDB. No Python work per digest (docs/warm-tier.md, "Lookups")."""
+        missing, pairs = self._read_missing(joined)
+        if not pairs:
+            return missing
+        self._load(pairs, time.monotonic())
+        return self._table.missing(joined)
+
+    def _fetch_for_claim(self, joined: bytes) -> tuple[list[int], _engine.ReadRecords | None]:
+        """:meth:`_fetch` for a claim batch: the records read from LMDB that a claim
+        only reads (PROCESSED) come back for the decision instead of going into the
+        table (docs/engine.md, "Records read for a claim")."""
+        missing, pairs = self._read_missing(joined)
+        if not pairs:
+            return missing, None
+        read = self._table.read_records(pairs, time.monotonic())
+        if isinstance(read, int):
+            self._damaged(pairs, read)
+        return self._table.missing(joined, read), read
+
+    def _read_missing(self, joined: bytes) -> tuple[list[int], list[tuple[bytes, bytes]]]:
+        """The indexes of the concatenated digests the table holds no record of, and
+        the (digest, stored bytes) of those LMDB holds, read where the front filter
+        says it may (counted)."""
         table = self._table
         if table.clean > self.config.checkpoint_records:
             # Clean copies are a read cache: drop them before they crowd the table.
             table.evict(self._ckpt_lsn)
         missing = table.missing(joined)
         if not missing:
-            return missing
+            return missing, []
         every = len(missing) * 16 == len(joined)
         held = joined if every else _engine.gather_digests(joined, missing)
         to_read = _engine.select_digests(held, self._front.contains_digests(held))
@@ -384,13 +411,9 @@ class DedupStore(Maintenance, ClaimAPI):
         self._stats.front_negative += len(missing) - n_read
         self._stats.front_positive += n_read
         if not n_read:
-            return missing
+            return missing, []
         self._stats.lmdb_reads += n_read
-        pairs = self._lmdb.read_many(to_read)
-        if not pairs:
-            return missing
-        self._load(pairs, time.monotonic())
-        return table.missing(joined)
+        return missing, self._lmdb.read_many(to_read)
 
     def _cold_hits(self, joined: bytes, ns_id: int) -> memoryview[bool]:
         """Whether the cold archive holds each of concatenated digests."""
@@ -434,7 +457,7 @@ class DedupStore(Maintenance, ClaimAPI):
             self._check_usable(write=True)
             now_m = time.monotonic()
             now_w = time.time()
-            absent = self._fetch(joined)
+            absent, read = self._fetch_for_claim(joined)
             cold: bytearray | None = None
             if absent and not self._cold.empty:
                 hits = self._cold_hits(
@@ -459,6 +482,7 @@ class DedupStore(Maintenance, ClaimAPI):
                 _OUTCOMES,
                 _unpack_stored,
                 form,
+                read,
             )
             if claims is None:
                 raise batches.fingerprint_conflict(key_list[conflict], ns_name)

@@ -277,6 +277,65 @@ static void test_table(void) {
     dc_table_free(&t);
 }
 
+/* Records read from LMDB for a claim: the settled ones beside the table, sorted;
+ * the others in it; a damaged value named by its index. */
+static void test_read_records(void) {
+    enum { N = 40 };
+    dc_table t;
+    CHECK(dc_table_init(&t, 16) == DC_OK);
+    unsigned char digests[16 * N];
+    unsigned char *vals[N];
+    size_t lens[N];
+    int oom = 0;
+    for (int i = 0; i < N; i++) {
+        dc_rec r;
+        memset(&r, 0, sizeof(r));
+        digest_of((uint64_t)(N - i) * 7919, r.digest); /* not in digest order */
+        memcpy(digests + 16 * i, r.digest, 16);
+        r.state = i % 4 == 0 ? DC_RELEASED : i % 4 == 1 ? DC_PROCESSING : DC_PROCESSED;
+        r.token = 1 + (uint64_t)i;
+        r.lease = 30.0f;
+        r.created = r.updated = 1700000000.0;
+        r.extra = dc_extra_new(NULL, 0, 0, NULL, 0, 0, (const unsigned char *)"res", 3, 1, &oom);
+        vals[i] = (unsigned char *)malloc(dc_value_bound(&r));
+        lens[i] = dc_encode_value(&r, vals[i]);
+        dc_decref(r.extra);
+    }
+    dc_rec side[N];
+    size_t n_side = 0, bad = (size_t)-1;
+    CHECK(dc_read_records(&t, digests, (const unsigned char *const *)vals, lens, N, 50.0, side,
+                          &n_side, &bad) == DC_OK);
+    CHECK(n_side == N / 2 && bad == (size_t)-1 && t.count == N / 2);
+    for (size_t k = 1; k < n_side; k++) CHECK(memcmp(side[k - 1].digest, side[k].digest, 16) < 0);
+    for (int i = 0; i < N; i++) {
+        const dc_rec *in_table = dc_find(&t, digests + 16 * i);
+        const dc_rec *beside = dc_side_find(side, n_side, digests + 16 * i);
+        CHECK((in_table == NULL) != (beside == NULL));
+        const dc_rec *r = in_table ? in_table : beside;
+        CHECK(r->token == 1 + (uint64_t)i && r->lsn == 0);
+        if (i % 4 == 1) CHECK(in_table && r->deadline == 50.0 + 30.0); /* a fresh lease */
+        if (beside) CHECK(r->state == DC_PROCESSED && r->extra && r->extra->result_len == 3);
+    }
+    unsigned char other[16];
+    digest_of(123456789, other);
+    CHECK(dc_side_find(side, n_side, other) == NULL && dc_side_find(side, 0, digests) == NULL);
+    for (size_t k = 0; k < n_side; k++) dc_decref(side[k].extra);
+    /* Read again: what the table holds is skipped; a damaged value stops the read. */
+    vals[N - 1][0] ^= 0x40;
+    n_side = 0;
+    CHECK(dc_read_records(&t, digests, (const unsigned char *const *)vals, lens, N, 50.0, side,
+                          &n_side, &bad) == DC_ECORRUPT);
+    CHECK(bad == N - 1 && n_side == N / 2 - 1);
+    for (size_t k = 0; k < n_side; k++) dc_decref(side[k].extra);
+    /* Without side (a load), every record goes into the table. */
+    vals[N - 1][0] ^= 0x40;
+    CHECK(dc_read_records(&t, digests, (const unsigned char *const *)vals, lens, N, 50.0, NULL,
+                          &n_side, &bad) == DC_OK);
+    CHECK(n_side == 0 && t.count == N);
+    for (int i = 0; i < N; i++) free(vals[i]);
+    dc_table_free(&t);
+}
+
 static void test_fuse(void) {
     enum { N = 100000 };
     uint64_t *h = (uint64_t *)malloc(N * sizeof(uint64_t));
@@ -675,6 +734,7 @@ int main(int argc, char **argv) {
     test_varint();
     test_record_format();
     test_table();
+    test_read_records();
     test_fuse();
     test_fuse_stack();
     test_syncer();

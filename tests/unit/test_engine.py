@@ -103,22 +103,35 @@ class EngineVsReference(RuleBasedStateMachine):
         cold=st.none() | st.lists(st.booleans(), min_size=6, max_size=6),
         form=st.sampled_from([_engine.FORM_CLAIMS, _engine.FORM_COLUMNS]),
         check_first=st.booleans(),
+        read=st.booleans(),
     )
-    def claim(self, idx, owner, fps, lease, cold, form, check_first) -> None:
+    def claim(self, idx, owner, fps, lease, cold, form, check_first, read) -> None:
         ds = [DIGESTS[i] for i in idx]
         fp_list = None if fps is None else fps[: len(ds)]
         cold_list = None if cold is None else cold[: len(ds)]
-        self._claim(ds, owner, fp_list, lease, cold_list, form, check_first)
+        self._claim(ds, owner, fp_list, lease, cold_list, form, check_first, read)
 
     def _claim(
-        self, ds, owner, fp_list, lease, cold_list, form=_engine.FORM_CLAIMS, check_first=False
+        self,
+        ds,
+        owner,
+        fp_list,
+        lease,
+        cold_list,
+        form=_engine.FORM_CLAIMS,
+        check_first=False,
+        read=False,
     ) -> tuple[int, ...]:
         """Claims ds in both, compares every answer, commits; returns the engine's counts.
 
         ``check_first``: the engine first decides the batch in FORM_CHECK, which must
         answer the same conflict and counts and change nothing (the claim after it is
-        compared with the reference's plan made before either)."""
-        self._load(ds)
+        compared with the reference's plan made before either). ``read``: the records
+        LMDB holds are given to the claim as the store gives them
+        (``read_records``: the PROCESSED ones beside the table, not in it)."""
+        side = self._read(ds) if read else None
+        if not read:
+            self._load(ds)
         plan = ref.decide_claim(
             self.model.get,
             ds,
@@ -147,6 +160,7 @@ class EngineVsReference(RuleBasedStateMachine):
                 ("NEW", "DUP", "BUSY"),
                 lambda r: r,
                 form,
+                side,
             )
 
         checked = None
@@ -417,6 +431,21 @@ class EngineVsReference(RuleBasedStateMachine):
         if self.evicting is not None:
             self.loaded_in_pass.update(d for d, _ in pairs)
 
+    def _read(self, ds: list[bytes]) -> _engine.ReadRecords:
+        """The records of ds that LMDB holds and the table does not, read for a claim:
+        the PROCESSED ones come back, every other one is put in the table."""
+        missing = self.table.missing(b"".join(ds))
+        found = sorted({ds[i] for i in missing if ds[i] in self.lmdb})
+        side = self.table.read_records([(d, self.lmdb[d]) for d in found], self.now_m)
+        assert isinstance(side, _engine.ReadRecords)
+        processed = [d for d in found if self.model[d].state == State.PROCESSED]
+        assert len(side) == len(processed)
+        assert self.table.missing(b"".join(processed), side) == []
+        assert self.table.missing(b"".join(processed)) == list(range(len(processed)))
+        if self.evicting is not None:
+            self.loaded_in_pass.update(d for d in found if d not in processed)
+        return side
+
     @invariant()
     def dirty_counts_changes(self) -> None:
         """The journal counts each record changed since the checkpoint once."""
@@ -427,8 +456,16 @@ class EngineVsReference(RuleBasedStateMachine):
     @invariant()
     def records_match(self) -> None:
         for d in DIGESTS:
-            self._load([d])
             got = self.table.get(d)
+            if got is None and d in self.lmdb:
+                # A settled record is read where it is, not loaded: a claim then
+                # finds it in LMDB beside the table (read_records), as in the store.
+                stored = _engine.decode_value(d, self.lmdb[d])
+                if stored[0] == State.PROCESSED:
+                    got = (*stored, 0, 0.0)
+                else:
+                    self._load([d])
+                    got = self.table.get(d)
             want = self.model.get(d)
             if want is None:
                 assert got is None

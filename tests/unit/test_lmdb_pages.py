@@ -182,6 +182,13 @@ def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
     with DedupStore.open(tmp_path / "s") as store:
         for c in store.claim_many(keys, namespace="ns"):
             assert (c.outcome, c.result) == (Outcome.DUPLICATE, {"n": c.key})
-        lmdb_stats = store.stats()["lmdb"]
-        assert lmdb_stats["probes_native"] >= len(keys)
-        assert lmdb_stats["probes_lmdb"] == 0
+        stats = store.stats()
+        assert stats["lmdb"]["probes_native"] >= len(keys)
+        assert stats["lmdb"]["probes_lmdb"] == 0
+        # Settled records a claim only read stay out of the table (docs/engine.md,
+        # "Records read for a claim"); a completion's read loads what it reads.
+        assert stats["memory"]["records"] == 0
+        again = store.claim_many([*keys[:10], "fresh"], namespace="ns")
+        assert [c.outcome for c in again] == [Outcome.DUPLICATE] * 10 + [Outcome.NEW]
+        store.release("fresh", again[-1].token, namespace="ns")
+        assert store.stats()["memory"]["records"] == 1
