@@ -212,7 +212,7 @@ class Environment:
         try:
             fd = os.open(self.path / "data.mdb", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
-                mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
             self._pages = _engine.PageReader(mapping, int(self.lmdb.stat()["psize"]))

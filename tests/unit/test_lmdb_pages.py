@@ -170,6 +170,31 @@ def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_pat
         environment.close()
 
 
+def test_without_a_mapping_lmdb_answers_every_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mapping that cannot be made (address space, a host without mmap) leaves
+    the walk out: LMDB answers, and the probes say so."""
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    environment = Environment(
+        tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False, max_dbs=4
+    )
+    try:
+        db = environment.open_db(NAME, create=True)
+        keys = _digests(20, seed=8)
+        environment.write(lambda txn: [txn.put(k, b"v", db=db) for k in keys])
+        with environment.txn(buffers=False) as txn:
+            got = environment.read_sorted(txn, NAME, db, b"".join(keys))
+        assert got == [(k, b"v") for k in keys]
+        assert (environment.native_reads, environment.lmdb_reads) == (0, len(keys))
+    finally:
+        environment.close()
+
+
 def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
     from dedupcore import Outcome
     from dedupcore.store import DedupStore
