@@ -1134,25 +1134,6 @@ static inline void dc_stage_put(dc_stage *s, dc_rec *existing, uint64_t slot, co
 
 /* ---- the claim decision --------------------------------------------------- */
 
-/* memcmp(a, b, 16), as two big-endian words without a call where the compiler
- * has the byte swap: the side records' binary search is a dozen compares a key. */
-static inline int dc_digest_cmp(const unsigned char *a, const unsigned char *b) {
-#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    uint64_t x, y;
-    memcpy(&x, a, 8);
-    memcpy(&y, b, 8);
-    if (x == y) {
-        memcpy(&x, a + 8, 8);
-        memcpy(&y, b + 8, 8);
-    }
-    x = __builtin_bswap64(x);
-    y = __builtin_bswap64(y);
-    return (x > y) - (x < y);
-#else
-    return memcmp(a, b, 16);
-#endif
-}
-
 /* The record of digest d among n records sorted by digest, or NULL. */
 static inline const dc_rec *dc_side_find(const dc_rec *side, size_t n, const unsigned char *d) {
     size_t lo = 0, hi = n;

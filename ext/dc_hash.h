@@ -8,7 +8,9 @@
  *
  * Also here: the split-block filter's probe arithmetic and jump consistent
  * hashing (Lamping & Veach, 2014), so the Cython loops and the tests'
- * pure-Python reference model share one definition of the layout.
+ * pure-Python reference model share one definition of the layout; and the
+ * order of 16-byte digests (dc_digest_cmp) that the warm tier's lookups and
+ * the claim engine share.
  */
 #ifndef DC_HASH_H
 #define DC_HASH_H
@@ -218,6 +220,27 @@ static inline int dc_block_contains(const uint64_t *block, uint64_t h) {
         missing |= mask & ~block[i];
     }
     return missing == 0;
+}
+
+/* memcmp(a, b, 16) of two 16-byte digests, as two big-endian words without a
+ * call where the compiler has the byte swap: the digest order of the warm
+ * tier's lookups (LMDB's key order) and of the claim engine's records read
+ * for a claim, searched a dozen compares a key. */
+static inline int dc_digest_cmp(const unsigned char *a, const unsigned char *b) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t x, y;
+    memcpy(&x, a, 8);
+    memcpy(&y, b, 8);
+    if (x == y) {
+        memcpy(&x, a + 8, 8);
+        memcpy(&y, b + 8, 8);
+    }
+    x = __builtin_bswap64(x);
+    y = __builtin_bswap64(y);
+    return (x > y) - (x < y);
+#else
+    return memcmp(a, b, 16);
+#endif
 }
 
 static inline void dc_prefetch(const void *p) {

@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dc_hash.h" /* dc_prefetch */
+#include "dc_hash.h" /* dc_prefetch, dc_digest_cmp */
 
 #define DC_MDB_PAGEHDR 16u
 #define DC_MDB_NODEHDR 8u
@@ -143,19 +143,10 @@ static inline const uint8_t *dc_mdb_node(const dc_mdb_map *m, const uint8_t *pag
 }
 
 /* LMDB's default order: memcmp over the common length, then the shorter first.
- * Two 16-byte keys (the warm tier's digests) are compared as two big-endian
- * words, without a call. */
+ * Two 16-byte keys (the warm tier's digests) go through dc_digest_cmp. */
 static inline int dc_mdb_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
-#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    if (alen == 16 && blen == 16) {
-        uint64_t x = __builtin_bswap64(dc_mdb_u64(a)), y = __builtin_bswap64(dc_mdb_u64(b));
-        if (x == y) {
-            x = __builtin_bswap64(dc_mdb_u64(a + 8));
-            y = __builtin_bswap64(dc_mdb_u64(b + 8));
-        }
-        return (x > y) - (x < y);
-    }
-#endif
+    if (alen == 16 && blen == 16)
+        return dc_digest_cmp(a, b);
     int c = memcmp(a, b, alen < blen ? alen : blen);
     if (c)
         return c;
@@ -404,7 +395,7 @@ static inline int64_t dc_mdb_get_many(const dc_mdb_map *m, const dc_mdb_db *db,
 /* -- the digests of a batch, in LMDB's key order ------------------------------- */
 
 static int dc_mdb_digest_cmp(const void *a, const void *b) {
-    return dc_mdb_cmp((const uint8_t *)a, 16, (const uint8_t *)b, 16);
+    return dc_digest_cmp((const uint8_t *)a, (const uint8_t *)b);
 }
 
 /* Insertion sort of n 16-byte digests (a bucket of a few). */
@@ -413,7 +404,7 @@ static inline void dc_mdb_insertion_sort(uint8_t *d, size_t n) {
     for (size_t i = 1; i < n; i++) {
         size_t j = i;
         memcpy(tmp, d + 16 * i, 16);
-        while (j > 0 && dc_mdb_cmp(d + 16 * (j - 1), 16, tmp, 16) > 0) {
+        while (j > 0 && dc_digest_cmp(d + 16 * (j - 1), tmp) > 0) {
             memcpy(d + 16 * j, d + 16 * (j - 1), 16);
             j--;
         }
