@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -136,12 +137,20 @@ def test_what_the_walk_does_not_read_is_said(env: lmdb.Environment) -> None:
     assert small.get_many(record, keys[0]) == _engine.PAGES_BEYOND
 
 
-def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_path: Path) -> None:
+@contextmanager
+def _environment(tmp_path: Path) -> Iterator[tuple[Environment, object]]:
+    """An Environment of a fresh directory of a 1 MiB map, and its database NAME."""
     environment = Environment(
         tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False, max_dbs=4
     )
     try:
-        db = environment.open_db(NAME, create=True)
+        yield environment, environment.open_db(NAME, create=True)
+    finally:
+        environment.close()
+
+
+def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_path: Path) -> None:
+    with _environment(tmp_path) as (environment, db):
         first = _digests(10, seed=2)
         environment.write(lambda txn: [txn.put(k, b"v1", db=db) for k in first])
         with environment.txn(buffers=False) as txn:
@@ -166,8 +175,6 @@ def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_pat
             got = environment.read_sorted(txn, b"dups", dups, b"".join(first))
             assert got == [(first[0], b"x")]
         assert environment.lmdb_reads == len(first)
-    finally:
-        environment.close()
 
 
 def test_without_a_mapping_lmdb_answers_every_lookup(
@@ -180,19 +187,13 @@ def test_without_a_mapping_lmdb_answers_every_lookup(
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(mmap, "mmap", refused)
-    environment = Environment(
-        tmp_path / "lmdb", map_size=1 << 20, readonly=False, sync=False, max_dbs=4
-    )
-    try:
-        db = environment.open_db(NAME, create=True)
+    with _environment(tmp_path) as (environment, db):
         keys = _digests(20, seed=8)
         environment.write(lambda txn: [txn.put(k, b"v", db=db) for k in keys])
         with environment.txn(buffers=False) as txn:
             got = environment.read_sorted(txn, NAME, db, b"".join(keys))
         assert got == [(k, b"v") for k in keys]
         assert (environment.native_reads, environment.lmdb_reads) == (0, len(keys))
-    finally:
-        environment.close()
 
 
 def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
