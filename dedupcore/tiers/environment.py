@@ -55,8 +55,8 @@ class Environment:
         self._open_txns = 0
         self._alone_now = False
         #: Lookups that the native walk answered, and those it left to LMDB.
-        self.native_reads = 0
-        self.lmdb_reads = 0
+        self.native_probes = 0
+        self.lmdb_probes = 0
         data = path / "data.mdb"
         if not readonly:
             # Records hold results: only the owner may list or read them.
@@ -239,12 +239,12 @@ class Environment:
                 break
             got = pages.get_many(bytes(record), digests)
             if type(got) is list:
-                self.native_reads += len(digests) // 16
+                self.native_probes += len(digests) // 16
                 return got
             if got != _engine.PAGES_BEYOND:
                 break
             self._map_pages()  # the file grew since it was mapped
-        self.lmdb_reads += len(digests) // 16
+        self.lmdb_probes += len(digests) // 16
         return cast(
             "list[tuple[bytes, bytes]]",
             txn.cursor(db=db).getmulti(_engine.split_digests(digests)),

@@ -287,12 +287,12 @@ class LmdbTier:
     @property
     def native_probes(self) -> int:
         """Digests looked up in a slice by the walk in native code."""
-        return self._env.native_reads
+        return self._env.native_probes
 
     @property
     def lmdb_probes(self) -> int:
         """Digests looked up in a slice by LMDB itself (where the walk could not)."""
-        return self._env.lmdb_reads
+        return self._env.lmdb_probes
 
     @property
     def env(self) -> lmdb.Environment:

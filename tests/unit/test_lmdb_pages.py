@@ -166,15 +166,15 @@ def test_the_environment_maps_the_grown_file_again_and_counts_its_probes(tmp_pat
             got = environment.read_sorted(txn, NAME, db, asked)
             assert got == txn.cursor(db=db).getmulti(_engine.split_digests(asked))
         assert len(got) == len(first) + len(more)
-        assert environment.native_reads == len(first) + len(asked) // 16
-        assert environment.lmdb_reads == 0
+        assert environment.native_probes == len(first) + len(asked) // 16
+        assert environment.lmdb_probes == 0
         # A database the walk cannot read: LMDB answers, and is counted.
         dups = environment.lmdb.open_db(b"dups", dupsort=True)
         environment.write(lambda txn: txn.put(first[0], b"x", db=dups))
         with environment.txn(buffers=False) as txn:
             got = environment.read_sorted(txn, b"dups", dups, b"".join(first))
             assert got == [(first[0], b"x")]
-        assert environment.lmdb_reads == len(first)
+        assert environment.lmdb_probes == len(first)
 
 
 def test_without_a_mapping_lmdb_answers_every_lookup(
@@ -193,7 +193,7 @@ def test_without_a_mapping_lmdb_answers_every_lookup(
         with environment.txn(buffers=False) as txn:
             got = environment.read_sorted(txn, NAME, db, b"".join(keys))
         assert got == [(k, b"v") for k in keys]
-        assert (environment.native_reads, environment.lmdb_reads) == (0, len(keys))
+        assert (environment.native_probes, environment.lmdb_probes) == (0, len(keys))
 
 
 def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
