@@ -538,10 +538,30 @@ cdef class ClaimTable:
         return (slots * sizeof(dc_rec) + self.t.jcap * sizeof(dc_jent) + self.t.lcap * 16
                 + self.t.changes.cap)
 
-    def missing(self, bytes digests, ReadRecords side=None):
-        """Indexes of the digests the table holds no record of (nor ``side``)."""
+    def missing(self, bytes digests, ReadRecords side=None, list among=None):
+        """Indexes of the digests the table holds no record of (nor ``side``).
+
+        With ``among`` (indexes into ``digests``, as an earlier call gave them),
+        only those are looked up, ``side`` before the table: a claim's second
+        look, after its reads, probes the table only for the keys it did not
+        read (docs/engine.md, "Records read for a claim")."""
         cdef size_t n, i, m
+        cdef Py_ssize_t j, k
         cdef const unsigned char* d = _digests_of(digests, &n)
+        cdef const unsigned char* p
+        cdef list out
+        if among is not None:
+            out = []
+            for j in range(PyList_GET_SIZE(among)):
+                k = <object>PyList_GET_ITEM(among, j)
+                if k < 0 or <size_t>k >= n:
+                    raise IndexError("a digest index is out of range")
+                p = d + 16 * k
+                if side is not None and dc_side_find(side.recs, side.n, p) != NULL:
+                    continue
+                if dc_find(&self.t, p) == NULL:
+                    out.append(k)
+            return out
         cdef size_t* idx = <size_t*>malloc((n + 1) * sizeof(size_t))
         if idx == NULL:
             raise MemoryError()

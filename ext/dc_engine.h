@@ -1134,12 +1134,54 @@ static inline void dc_stage_put(dc_stage *s, dc_rec *existing, uint64_t slot, co
 
 /* ---- the claim decision --------------------------------------------------- */
 
-/* The record of digest d among n records sorted by digest, or NULL. */
+/* The record of digest d among n records sorted by digest, or NULL.
+ *
+ * Digests are hashes, spread evenly, so the search starts where d's first 8
+ * bytes fall among n and gallops from there: 1-3 compares for a batch's
+ * thousand records against a binary search's 10, each a branch the CPU
+ * cannot predict. Any other order of digests is answered the same, with more
+ * compares (docs/engine.md, "Records read for a claim"). */
 static inline const dc_rec *dc_side_find(const dc_rec *side, size_t n, const unsigned char *d) {
-    size_t lo = 0, hi = n;
+    if (n == 0) return NULL;
+    uint64_t top = 0;
+    for (int k = 0; k < 8; k++) top = top << 8 | d[k];
+    double at = (double)top / 18446744073709551616.0 * (double)n;
+    size_t g = at >= (double)(n - 1) ? n - 1 : (size_t)at;
+    int c = dc_digest_cmp(side[g].digest, d);
+    if (c == 0) return &side[g];
+    size_t lo, hi, step = 1; /* the digest, if there, is in [lo, hi) */
+    if (c < 0) {
+        lo = g + 1;
+        hi = n;
+        while (lo + step - 1 < n) { /* gallop up: side[lo - 1] < d */
+            size_t i = lo + step - 1;
+            c = dc_digest_cmp(side[i].digest, d);
+            if (c == 0) return &side[i];
+            if (c > 0) {
+                hi = i;
+                break;
+            }
+            lo = i + 1;
+            step <<= 1;
+        }
+    } else {
+        lo = 0;
+        hi = g;
+        while (hi >= step) { /* gallop down: d < side[hi] */
+            size_t i = hi - step;
+            c = dc_digest_cmp(side[i].digest, d);
+            if (c == 0) return &side[i];
+            if (c < 0) {
+                lo = i + 1;
+                break;
+            }
+            hi = i;
+            step <<= 1;
+        }
+    }
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        int c = dc_digest_cmp(side[mid].digest, d);
+        c = dc_digest_cmp(side[mid].digest, d);
         if (c == 0) return &side[mid];
         if (c < 0) lo = mid + 1;
         else hi = mid;
@@ -1199,7 +1241,8 @@ typedef struct {
     size_t owner_len;
     const unsigned char *cold; /* per key 1 = in a cold slice (for keys with no record) */
     /* PROCESSED records read from LMDB and left out of the table, sorted by digest
-     * (dc_read_records); a key the table lacks is looked up here. NULL = none. */
+     * (dc_read_records), of digests the table lacks: a key is looked up here
+     * first, then in the table. NULL = none. */
     const dc_rec *side;
     size_t side_n;
     uint16_t ns_id;
@@ -1234,8 +1277,12 @@ static dc_status dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io
         if (i + 8 < io->n) dc_prefetch_slot(t, io->digests + 16 * (i + 8));
         uint64_t slot;
         dc_rec *staged = dc_stage_find(s, d, &slot);
-        const dc_rec *r = staged ? staged : dc_find(t, d);
+        /* A record read for this claim is of a digest the table lacked, and
+         * dc_read_records put none of it there: look there first, and save
+         * the table's probe (a cache miss) for the keys it does not hold. */
+        const dc_rec *r = staged;
         if (!r && io->side_n) r = dc_side_find(io->side, io->side_n, d);
+        if (!r) r = dc_find(t, d);
         const unsigned char *fp = io->fps ? io->fps[i] : NULL;
         size_t fp_len = fp ? io->fp_lens[i] : 0;
         int takeover = 0;

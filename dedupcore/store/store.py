@@ -391,7 +391,7 @@ class DedupStore(Maintenance, ClaimAPI):
         read = self._table.read_records(pairs, time.monotonic())
         if isinstance(read, int):
             self._damaged(pairs, read)
-        return self._table.missing(joined, read), read
+        return self._table.missing(joined, read, missing), read
 
     def _read_missing(self, joined: bytes) -> tuple[list[int], list[tuple[bytes, bytes]]]:
         """The indexes of the concatenated digests the table holds no record of, and

@@ -279,6 +279,45 @@ static void test_table(void) {
 
 /* Records read from LMDB for a claim: the settled ones beside the table, sorted;
  * the others in it; a damaged value named by its index. */
+/* dc_side_find on orders its first guess does not expect: every digest sharing
+ * its first 8 bytes, digests packed at either end, a lone record, and digests
+ * between and beyond the ones held. Each is checked against a linear scan. */
+static void test_side_orders(void) {
+    enum { N = 300 };
+    static dc_rec side[N];
+    for (int shape = 0; shape < 4; shape++) {
+        memset(side, 0, sizeof(side));
+        for (int i = 0; i < N; i++) {
+            unsigned char *d = side[i].digest;
+            if (shape == 0) { /* a shared prefix: the guess is the same for all */
+                memset(d, 0x5a, 8);
+                d[14] = (unsigned char)(i >> 8), d[15] = (unsigned char)i;
+            } else if (shape == 1) { /* packed at the low end */
+                d[6] = (unsigned char)(i >> 8), d[7] = (unsigned char)i;
+            } else if (shape == 2) { /* packed at the high end */
+                memset(d, 0xff, 6);
+                d[6] = (unsigned char)(i >> 8), d[7] = (unsigned char)i;
+            } else { /* spread: every other step of 2^55 */
+                uint64_t top = (uint64_t)(2 * i + 1) << 54;
+                for (int k = 0; k < 8; k++) d[k] = (unsigned char)(top >> (56 - 8 * k));
+            }
+        }
+        for (size_t n = 0; n <= N; n += (n < 5 ? 1 : 37)) {
+            for (int i = 0; i < N; i++) {
+                for (int off = -1; off <= 1; off++) {
+                    unsigned char q[16];
+                    memcpy(q, side[i].digest, 16);
+                    q[15] = (unsigned char)(q[15] + off); /* a neighbour, or the digest */
+                    const dc_rec *want = NULL;
+                    for (size_t k = 0; k < n; k++)
+                        if (memcmp(side[k].digest, q, 16) == 0) want = &side[k];
+                    CHECK(dc_side_find(side, n, q) == want);
+                }
+            }
+        }
+    }
+}
+
 static void test_read_records(void) {
     enum { N = 40 };
     dc_table t;
@@ -319,6 +358,7 @@ static void test_read_records(void) {
     unsigned char other[16];
     digest_of(123456789, other);
     CHECK(dc_side_find(side, n_side, other) == NULL && dc_side_find(side, 0, digests) == NULL);
+    test_side_orders();
     for (size_t k = 0; k < n_side; k++) dc_decref(side[k].extra);
     /* Read again: what the table holds is skipped; a damaged value stops the read. */
     vals[N - 1][0] ^= 0x40;

@@ -442,6 +442,13 @@ class EngineVsReference(RuleBasedStateMachine):
         assert len(side) == len(processed)
         assert self.table.missing(b"".join(processed), side) == []
         assert self.table.missing(b"".join(processed)) == list(range(len(processed)))
+        # The second look of a claim: only the keys missing before, side first.
+        joined = b"".join(ds)
+        still = [i for i in missing if ds[i] not in processed and self.table.get(ds[i]) is None]
+        assert self.table.missing(joined, side, missing) == still
+        assert self.table.missing(joined, None, missing) == [
+            i for i in missing if self.table.get(ds[i]) is None
+        ]
         if self.evicting is not None:
             self.loaded_in_pass.update(d for d in found if d not in processed)
         return side
@@ -515,6 +522,29 @@ def test_a_stepwise_eviction_ends_while_clean_copies_keep_coming() -> None:
     assert len(table) == table.clean == 99  # the copies loaded during the pass stay
     assert table.evict_some(0, 0) == (99, False)  # the next pass takes them
     assert len(table) == 0
+
+
+def test_a_second_look_at_missing_keys_checks_the_indexes_it_is_given() -> None:
+    """``missing(..., among=)`` looks up only the indexes given, and refuses one
+    past the digests or one that is not an integer, before it answers."""
+    table = _engine.ClaimTable()
+    ds = [struct.pack("<QQ", 7, i) for i in range(4)]
+    claims, *_ = table.claim(
+        ds[1], [b"k"], "ns", 1, 30.0, None, None, None,
+        1_700_000_000.0, 1000.0, lambda *a: a, ("NEW", "DUP", "BUSY"), lambda x: x,
+    )  # fmt: skip
+    assert claims is not None
+    table.apply(1)
+    joined = b"".join(ds)
+    assert table.missing(joined) == [0, 2, 3]
+    assert table.missing(joined, None, [3, 1, 0]) == [3, 0]
+    assert table.missing(joined, None, []) == []
+    with pytest.raises(IndexError):
+        table.missing(joined, None, [0, 4])
+    with pytest.raises(IndexError):
+        table.missing(joined, None, [-1])
+    with pytest.raises(TypeError):
+        table.missing(joined, None, ["0"])  # type: ignore[list-item]
 
 
 def test_the_table_grows_without_losing_a_record() -> None:
