@@ -32,7 +32,16 @@ class Awake:
     loop polled.
     """
 
-    __slots__ = ("_active", "_clock", "_counters", "_replied_at", "_spin", "_until", "loop")
+    __slots__ = (
+        "_active",
+        "_clock",
+        "_counters",
+        "_read",
+        "_replied_at",
+        "_spin",
+        "_until",
+        "loop",
+    )
 
     def __init__(self, spin: float | None, counters: dict[str, int]) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -42,6 +51,7 @@ class Awake:
         self._until = 0.0
         self._active = False
         self._replied_at = 0.0  # when the last reply was written, until a request came
+        self._read = False  # a request was read since the last poll
 
     def replied(self) -> None:
         """A reply was written: the loop polls for the spin's budget from now."""
@@ -56,6 +66,7 @@ class Awake:
 
     def arrived(self) -> None:
         """Bytes of a request were read: the wait since the last reply is counted."""
+        self._read = True
         if self._replied_at:
             self._spin.took(self._clock() - self._replied_at)
             self._replied_at = 0.0
@@ -64,7 +75,11 @@ class Awake:
 
     def _poll(self) -> None:
         if self._clock() < self._until:
-            os.sched_yield()
+            if self._read:
+                # The last pass read requests: the loop has work, not a core to give.
+                self._read = False
+            else:
+                os.sched_yield()
             assert self.loop is not None
             self.loop.call_soon(self._poll)
         else:
