@@ -103,7 +103,13 @@ A read-only open while the owner appends can catch a commit half-written over
 those zeros, its first bytes still zero and later ones written, which looks
 like damage (below). So a read-only open that finds damage in the last
 segment scans it again after a pause (50 ms, up to four scans), and reports
-the damage only once two scans in a row find it alike.
+the damage only once two scans in a row find it alike. It also lists the
+segments twice: a directory listing need not return an entry added while it
+runs, so a listing made while the owner rotates can miss one segment and
+list a later one, a gap that reads as lost records. Every segment up to the
+newest the first listing saw was in place before the second began, so the
+second lists them all; the view keeps those and leaves out what the owner
+added since.
 
 Recovery: torn tail versus damage
 ---------------------------------

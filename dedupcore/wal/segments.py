@@ -186,16 +186,16 @@ class Segments:
                 "acknowledged records (restore it from where the directory was copied)"
             )
         exists = self.path.is_dir()
-        firsts = []
-        stale = []
-        if exists:
-            for entry in os.listdir(self.path):
-                match = _SEGMENT_RE.fullmatch(entry)
-                if match:
-                    firsts.append(int(match.group(1)))
-                elif _TMP_RE.fullmatch(entry):
-                    stale.append(entry)
-        firsts.sort()
+        firsts, stale = self._listing() if exists else ([], [])
+        if readonly and firsts:
+            # The owner may put segments in place while the directory is listed, and
+            # a listing need not return an entry added during it: it can miss one
+            # segment and list a later one, a gap that reads as lost records. Every
+            # segment up to the newest listed was in place before a second listing
+            # began, so that one lists them all; what it adds past them is left out
+            # (a read-only view is a prefix of the log).
+            newest = firsts[-1]
+            firsts = [first for first in self._listing()[0] if first <= newest]
         self._check_against_head(head, firsts, exists)
         if not firsts and must_exist and head is None:
             if not exists:
@@ -257,6 +257,20 @@ class Segments:
         # Open from now on: records may follow the caller's last checkpoint.
         self.write_head(self.firsts[-1], None)
         return last_lsn
+
+    def _listing(self) -> tuple[list[int], list[str]]:
+        """The first LSNs of the segments in the directory, ascending, and the names of
+        segments whose creation stopped before their rename."""
+        firsts = []
+        stale = []
+        for entry in os.listdir(self.path):
+            match = _SEGMENT_RE.fullmatch(entry)
+            if match:
+                firsts.append(int(match.group(1)))
+            elif _TMP_RE.fullmatch(entry):
+                stale.append(entry)
+        firsts.sort()
+        return firsts, stale
 
     def _check_against_head(self, head: LogHead | None, firsts: list[int], exists: bool) -> None:
         """CorruptFileError if the segments found lack records the head says were logged."""

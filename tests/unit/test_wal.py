@@ -1450,6 +1450,51 @@ def test_damage_that_stays_is_reported_by_a_read_only_open_after_two_scans(
     assert pauses == [] and seg.read_bytes() == before
 
 
+def test_a_read_only_open_does_not_take_a_listing_that_missed_a_segment_for_a_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory listing need not return an entry added while it runs: while the
+    owner rotates, one listing can miss a segment and list a later one. A read-only
+    open lists again and keeps what that listing holds up to the newest segment the
+    first one saw, so it reads every record of that prefix instead of reporting the
+    missed segment's records lost; a segment the second listing adds is left out."""
+    import dedupcore.wal.segments as segments
+
+    rng = random.Random(3)
+    with WriteAheadLog.open(tmp_path, segment_bytes=600) as wal:
+        expected = fill(wal, 60, rng)
+        names = sorted(p.name for p in wal.segments())
+    assert len(names) > 4
+    real = os.listdir
+    listings: list[list[str]] = []
+
+    def listdir(path: Any) -> list[str]:
+        got = real(path)
+        if Path(path) != tmp_path:
+            return got
+        listings.append(got)
+        if len(listings) == 1:  # the first listing missed the third segment
+            return [n for n in got if n != names[2]]
+        return [*got, "wal-99999999999999999999.log"]  # the owner rotated meanwhile
+
+    monkeypatch.setattr(segments.os, "listdir", listdir)
+    with WriteAheadLog.open(tmp_path, readonly=True) as view:
+        assert list(view.replay(0)) == expected
+        assert [p.name for p in view.segments()] == names
+    assert len(listings) == 2
+    # The owner lists once: it is the only one that puts segments in place.
+    owner_listings: list[str] = []
+
+    def counted(path: Any) -> list[str]:
+        owner_listings.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(segments.os, "listdir", counted)
+    with WriteAheadLog.open(tmp_path) as wal:
+        assert list(wal.replay(0)) == expected
+    assert owner_listings.count(str(tmp_path)) == 1
+
+
 def test_read_only_opens_while_the_owner_appends_over_its_zeros(tmp_path: Path) -> None:
     """A real owner process appends batches (fdatasync, so over zeros written ahead)
     while this process opens the log read-only again and again: every open succeeds
