@@ -282,6 +282,49 @@ static void test_table(void) {
 /* dc_side_find on orders its first guess does not expect: every digest sharing
  * its first 8 bytes, digests packed at either end, a lone record, and digests
  * between and beyond the ones held. Each is checked against a linear scan. */
+/* dc_sort_picks against qsort with dc_pick_cmp (the order it replaced): digests
+ * spread evenly, each named up to three times (equal digests keep position
+ * order), all sharing their first 8 bytes or packed at one end (crowded
+ * buckets), and batches under the size that deals them into buckets. */
+static void test_sort_picks(void) {
+    enum { MAX = 5000 };
+    static unsigned char base[20 * MAX];
+    static dc_pick got[MAX], want[MAX];
+    uint64_t seed = 7;
+    const size_t sizes[] = {0, 1, 2, 63, 64, 65, 1000, MAX};
+    for (int shape = 0; shape < 4; shape++) {
+        for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+            size_t n = sizes[si];
+            for (size_t k = 0; k < n; k++) {
+                unsigned char *d = base + 20 * k;
+                seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+                if (shape == 1 && k % 3 && k) { /* a digest named again */
+                    memcpy(d, base + 20 * ((seed >> 33) % k), 16);
+                } else {
+                    uint64_t a = dc_xxh64(&seed, 8, 1), b = dc_xxh64(&seed, 8, 2);
+                    memcpy(d, &a, 8);
+                    memcpy(d + 8, &b, 8);
+                    if (shape == 2) memset(d, 0x11, 8); /* one crowded bucket */
+                    if (shape == 3) memset(d, 0, 4);    /* packed at the low end */
+                }
+                memset(d + 16, 0, 4);
+            }
+            for (size_t k = 0; k < n; k++) {
+                uint64_t hi = 0;
+                for (int b = 0; b < 8; b++) hi = (hi << 8) | base[20 * k + b];
+                got[k].hi = want[k].hi = hi;
+                got[k].pos = want[k].pos = 20 * k;
+            }
+            dc_sort_base = base;
+            qsort(want, n, sizeof(dc_pick), dc_pick_cmp);
+            dc_sort_picks(got, n, base);
+            int same = 1;
+            for (size_t k = 0; k < n; k++) same &= got[k].pos == want[k].pos;
+            CHECK(same);
+        }
+    }
+}
+
 static void test_side_orders(void) {
     enum { N = 300 };
     static dc_rec side[N];
@@ -774,6 +817,7 @@ int main(int argc, char **argv) {
     test_varint();
     test_record_format();
     test_table();
+    test_sort_picks();
     test_read_records();
     test_fuse();
     test_fuse_stack();
