@@ -379,7 +379,7 @@ class DedupStore(Maintenance, ClaimAPI):
         if not pairs:
             return missing
         self._load(pairs, time.monotonic())
-        return self._table.missing(joined)
+        return self._table.missing(joined, None, missing)
 
     def _fetch_for_claim(self, joined: bytes) -> tuple[list[int], _engine.ReadRecords | None]:
         """:meth:`_fetch` for a claim batch: the records read from LMDB that a claim
