@@ -141,6 +141,8 @@ cdef extern from "dc_engine.h" nogil:
                            size_t* visited, int* more)
     size_t dc_missing(const dc_table* t, const unsigned char* digests, size_t n, size_t* out)
     const dc_rec* dc_side_find(const dc_rec* side, size_t n, const unsigned char* d)
+    const dc_rec* dc_find_beside(const dc_table* t, const dc_rec* side, size_t n,
+                                 const unsigned char* d)
     dc_status dc_read_records(dc_table* t, const unsigned char* digests,
                               const unsigned char* const* values, const size_t* lens, size_t n,
                               double now_m, dc_rec* side, size_t* side_n, size_t* bad)
@@ -548,7 +550,6 @@ cdef class ClaimTable:
         cdef size_t n, i, m
         cdef Py_ssize_t j, k
         cdef const unsigned char* d = _digests_of(digests, &n)
-        cdef const unsigned char* p
         cdef list out
         if among is not None:
             out = []
@@ -556,10 +557,8 @@ cdef class ClaimTable:
                 k = <object>PyList_GET_ITEM(among, j)
                 if k < 0 or <size_t>k >= n:
                     raise IndexError("a digest index is out of range")
-                p = d + 16 * k
-                if side is not None and dc_side_find(side.recs, side.n, p) != NULL:
-                    continue
-                if dc_find(&self.t, p) == NULL:
+                if dc_find_beside(&self.t, NULL if side is None else side.recs,
+                                  0 if side is None else side.n, d + 16 * k) == NULL:
                     out.append(k)
             return out
         cdef size_t* idx = <size_t*>malloc((n + 1) * sizeof(size_t))

@@ -1034,9 +1034,7 @@ static dc_status dc_sort_packed(const unsigned char *in, size_t len, size_t n, u
             free(picks);
             return DC_ECORRUPT;
         }
-        uint64_t hi = 0;
-        for (int b = 0; b < 8; b++) hi = (hi << 8) | in[pos + b];
-        picks[k].hi = hi;
+        picks[k].hi = dc_digest_top(in + pos);
         picks[k].pos = pos;
         uint32_t vlen = (uint32_t)in[pos + 16] | ((uint32_t)in[pos + 17] << 8) |
                         ((uint32_t)in[pos + 18] << 16) | ((uint32_t)in[pos + 19] << 24);
@@ -1206,9 +1204,7 @@ static inline void dc_stage_put(dc_stage *s, dc_rec *existing, uint64_t slot, co
  * compares (docs/engine.md, "Records read for a claim"). */
 static inline const dc_rec *dc_side_find(const dc_rec *side, size_t n, const unsigned char *d) {
     if (n == 0) return NULL;
-    uint64_t top = 0;
-    for (int k = 0; k < 8; k++) top = top << 8 | d[k];
-    double at = (double)top / 18446744073709551616.0 * (double)n;
+    double at = (double)dc_digest_top(d) / 18446744073709551616.0 * (double)n;
     size_t g = at >= (double)(n - 1) ? n - 1 : (size_t)at;
     int c = dc_digest_cmp(side[g].digest, d);
     if (c == 0) return &side[g];
@@ -1250,6 +1246,17 @@ static inline const dc_rec *dc_side_find(const dc_rec *side, size_t n, const uns
         else hi = mid;
     }
     return NULL;
+}
+
+/* The record of digest d for a claim: among the n records read for it (side,
+ * sorted; dc_read_records), then in the table. The records read are all of
+ * digests the table lacked, and dc_read_records put none of them there, so
+ * looking beside the table first saves the table's probe (a cache miss) for
+ * the keys it does not hold. */
+static inline const dc_rec *dc_find_beside(const dc_table *t, const dc_rec *side, size_t n,
+                                           const unsigned char *d) {
+    const dc_rec *r = n ? dc_side_find(side, n, d) : NULL;
+    return r ? r : dc_find(t, d);
 }
 
 static int dc_rec_digest_cmp(const void *a, const void *b) {
@@ -1340,12 +1347,7 @@ static dc_status dc_decide_claim(const dc_table *t, dc_stage *s, dc_claim_io *io
         if (i + 8 < io->n) dc_prefetch_slot(t, io->digests + 16 * (i + 8));
         uint64_t slot;
         dc_rec *staged = dc_stage_find(s, d, &slot);
-        /* A record read for this claim is of a digest the table lacked, and
-         * dc_read_records put none of it there: look there first, and save
-         * the table's probe (a cache miss) for the keys it does not hold. */
-        const dc_rec *r = staged;
-        if (!r && io->side_n) r = dc_side_find(io->side, io->side_n, d);
-        if (!r) r = dc_find(t, d);
+        const dc_rec *r = staged ? staged : dc_find_beside(t, io->side, io->side_n, d);
         const unsigned char *fp = io->fps ? io->fps[i] : NULL;
         size_t fp_len = fp ? io->fp_lens[i] : 0;
         int takeover = 0;

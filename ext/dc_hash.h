@@ -222,6 +222,15 @@ static inline int dc_block_contains(const uint64_t *block, uint64_t h) {
     return missing == 0;
 }
 
+/* A digest's first 8 bytes as a big-endian number: ordered as the digests
+ * are by their first 8 bytes, and where a digest falls among evenly spread
+ * ones. */
+static inline uint64_t dc_digest_top(const unsigned char *d) {
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++) v = v << 8 | d[k];
+    return v;
+}
+
 /* memcmp(a, b, 16) of two 16-byte digests, as two big-endian words without a
  * call where the compiler has the byte swap: the digest order of the warm
  * tier's lookups (LMDB's key order) and of the claim engine's records read
