@@ -582,39 +582,38 @@ cdef class ClaimTable:
         cdef const dc_rec* r = dc_find(&self.t, <const unsigned char*>PyBytes_AS_STRING(digest))
         return None if r == NULL else _record_tuple(r)
 
-    def load(self, list pairs, double now_m):
-        """Adds records read from LMDB, ``(digest, stored bytes)`` pairs, as clean
-        copies (lsn 0), where the table has none.
+    def load(self, PackedRecords records not None, double now_m):
+        """Adds records read from LMDB (:class:`PackedRecords`, as
+        :meth:`PageReader.get_many` finds them) as clean copies (lsn 0), where
+        the table has none.
 
         A PROCESSING record gets a fresh lease from now_m (a holder may still
-        be alive). Returns -1, or the index of the first pair whose value fails
-        its checksum (nothing after it is loaded). TypeError or ValueError for
-        a pair that is not (16 bytes, bytes).
+        be alive). Returns -1, or the index of the first record whose value
+        fails its checksum (nothing after it is loaded).
         """
-        return self._read(pairs, now_m, None)
+        return self._read(records, now_m, None)
 
-    def read_records(self, list pairs, double now_m):
-        """Records read from LMDB for a claim batch, ``(digest, stored bytes)`` pairs:
-        the PROCESSED ones as :class:`ReadRecords` for :meth:`claim`, which answers
+    def read_records(self, PackedRecords records not None, double now_m):
+        """Records read from LMDB for a claim batch (:class:`PackedRecords`): the
+        PROCESSED ones as :class:`ReadRecords` for :meth:`claim`, which answers
         them without putting them in the table; every other one is put in the
         table as :meth:`load` puts it (ext/dc_engine.h, ``dc_read_records``).
-        Returns the ReadRecords, or the index of the first pair whose value fails
-        its checksum (nothing after it is read). TypeError or ValueError for a
-        pair that is not (16 bytes, bytes).
+        Returns the ReadRecords, or the index of the first record whose value
+        fails its checksum (nothing after it is read).
         """
         cdef ReadRecords out = ReadRecords.__new__(ReadRecords)
-        cdef Py_ssize_t bad = self._read(pairs, now_m, out)
+        cdef Py_ssize_t bad = self._read(records, now_m, out)
         return out if bad < 0 else bad
 
-    cdef Py_ssize_t _read(self, list pairs, double now_m, ReadRecords side) except -2:
+    cdef Py_ssize_t _read(self, PackedRecords records, double now_m, ReadRecords side) except -2:
         """load (side None) and read_records: -1, or the index of a damaged value."""
-        cdef Py_ssize_t n = PyList_GET_SIZE(pairs), i
+        cdef Py_ssize_t n = records.n, i, pos = 0
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(records.packed)
         cdef unsigned char* digests = <unsigned char*>malloc(16 * n + 1)
         cdef const unsigned char** values = <const unsigned char**>malloc((n + 1) * sizeof(void*))
         cdef size_t* lens = <size_t*>malloc((n + 1) * sizeof(size_t))
         cdef size_t bad = <size_t>-1, kept = 0
         cdef dc_status rc
-        cdef object pair, d, v
         try:
             if side is not None:
                 side.recs = <dc_rec*>malloc((n + 1) * sizeof(dc_rec))
@@ -622,20 +621,13 @@ cdef class ClaimTable:
                 side is not None and side.recs == NULL
             ):
                 raise MemoryError()
+            # The records were checked whole when made (PackedRecords), and hold
+            # the bytes alive; the loop reads no Python object.
             for i in range(n):
-                pair = <object>PyList_GET_ITEM(pairs, i)
-                if type(pair) is not tuple or len(pair) != 2:
-                    raise TypeError("a loaded record is a (digest, value) tuple")
-                d = (<tuple>pair)[0]
-                v = (<tuple>pair)[1]
-                if type(d) is not bytes or type(v) is not bytes:
-                    raise TypeError("a loaded record's digest and value are bytes")
-                if PyBytes_GET_SIZE(d) != 16:
-                    raise ValueError("a digest is 16 bytes")
-                memcpy(digests + 16 * i, PyBytes_AS_STRING(d), 16)
-                values[i] = <const unsigned char*>PyBytes_AS_STRING(v)
-                lens[i] = <size_t>PyBytes_GET_SIZE(v)
-            # The pairs hold the values' bytes alive; the loop reads no Python object.
+                memcpy(digests + 16 * i, p + pos, 16)
+                lens[i] = _packed_len(p + pos)
+                values[i] = p + pos + 20
+                pos += 20 + <Py_ssize_t>lens[i]
             with nogil:
                 rc = dc_read_records(&self.t, digests, values, lens, <size_t>n, now_m,
                                      NULL if side is None else side.recs, &kept, &bad)
@@ -1143,15 +1135,27 @@ def sort_changes(Changes changes not None):
     return (out if out_len == length else out[:out_len]), kept
 
 
+cdef inline uint32_t _packed_len(const unsigned char* rec) noexcept nogil:
+    """The value length of one packed record: [digest(16) | length (u32 LE) | value]."""
+    return rec[16] | (rec[17] << 8) | (rec[18] << 16) | (<uint32_t>rec[19] << 24)
+
+
 cdef class PackedRecords:
-    """The records of a :func:`sort_changes` buffer, read in place: a checkpoint
-    hands them to LMDB one at a time instead of as lists of millions of tuples
-    (building and freeing those holds the GIL for tens of ms, a stall for every
-    other thread of the process).
+    """Records as n x [digest(16) | value length (u32 LE) | value], read in place:
+    the change journal's form (a :func:`sort_changes` buffer, which a checkpoint
+    hands to LMDB one record at a time) and the form LMDB's lookups answer in
+    (:meth:`PageReader.get_many`, which :meth:`ClaimTable.load` and
+    :meth:`ClaimTable.read_records` take). Lists of millions of tuples would
+    hold the GIL for tens of ms to build and free, and a lookup's pair of bytes
+    objects per record was a sixth of a batch of duplicates read from LMDB
+    (docs/warm-tier.md, "Lookups in native code").
 
     Iterating yields ``(digest, value)`` pairs; :attr:`inflight` and
     :attr:`settled` are the digests of PROCESSING records and of the others;
     every one of them can be iterated again (a retried LMDB transaction does).
+    The buffer is checked whole when made: ValueError if it does not hold
+    exactly ``n`` records. A value may be empty (a damaged one, which a
+    checksum then refuses).
     """
 
     cdef bytes packed
@@ -1162,16 +1166,18 @@ cdef class PackedRecords:
         cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), pos = 0, i, k = 0
         cdef uint32_t vlen
+        if n < 0:
+            raise ValueError("a negative number of records")
         for i in range(n):
             if pos + 20 > size:
-                raise ValueError("export buffer truncated")
-            vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
-            if vlen == 0 or pos + 20 + vlen > size:
-                raise ValueError("export buffer truncated")
-            k += (p[pos + 20] & 0x03) == DC_PROCESSING
+                raise ValueError("packed records truncated")
+            vlen = _packed_len(p + pos)
+            if pos + 20 + vlen > size:
+                raise ValueError("packed records truncated")
+            k += vlen > 0 and (p[pos + 20] & 0x03) == DC_PROCESSING
             pos += 20 + vlen
         if pos != size:
-            raise ValueError("export buffer holds more than its records")
+            raise ValueError("packed records hold more than their count")
         self.packed = packed
         self.n = n
         self.n_inflight = k
@@ -1201,8 +1207,7 @@ cdef class PackedRecords:
         cdef uint32_t vlen
         for i in range(self.n):
             memcpy(o + 16 * i, p + pos, 16)
-            vlen = p[pos + 16] | (p[pos + 17] << 8) | (p[pos + 18] << 16) | (<uint32_t>p[pos + 19] << 24)
-            pos += 20 + vlen
+            pos += 20 + _packed_len(p + pos)
         return out
 
 
@@ -1246,16 +1251,69 @@ cdef class _PackedIter:
         cdef bint processing
         while self.i < self.records.n:
             at = self.pos
-            vlen = p[at + 16] | (p[at + 17] << 8) | (p[at + 18] << 16) | (<uint32_t>p[at + 19] << 24)
+            vlen = _packed_len(p + at)
             self.pos += 20 + vlen
             self.i += 1
             if self.mode == 0:
                 return (PyBytes_FromStringAndSize(<const char*>p + at, 16),
                         PyBytes_FromStringAndSize(<const char*>p + at + 20, vlen))
-            processing = (p[at + 20] & 0x03) == DC_PROCESSING
+            processing = vlen > 0 and (p[at + 20] & 0x03) == DC_PROCESSING
             if processing == (self.mode == 1):
                 return PyBytes_FromStringAndSize(<const char*>p + at, 16)
         raise StopIteration
+
+
+def pack_records(list pairs):
+    """:class:`PackedRecords` of ``(digest, value)`` pairs (what py-lmdb's ``getmulti``
+    answers where the native walk cannot). TypeError for a pair that is not a tuple
+    of two bytes, ValueError for a digest that is not 16 bytes or a value of 4 GiB
+    or more."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(pairs), i, size = 0, pos = 0
+    cdef object pair, d, v
+    cdef uint32_t vlen
+    for i in range(n):
+        pair = <object>PyList_GET_ITEM(pairs, i)
+        if type(pair) is not tuple or len(pair) != 2:
+            raise TypeError("a found record is a (digest, value) tuple")
+        d = (<tuple>pair)[0]
+        v = (<tuple>pair)[1]
+        if type(d) is not bytes or type(v) is not bytes:
+            raise TypeError("a found record's digest and value are bytes")
+        if PyBytes_GET_SIZE(d) != 16:
+            raise ValueError("a digest is 16 bytes")
+        if PyBytes_GET_SIZE(v) > 0xFFFFFFFF:
+            raise ValueError("a value of 4 GiB or more")
+        size += 20 + PyBytes_GET_SIZE(v)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, size)
+    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        pair = <object>PyList_GET_ITEM(pairs, i)
+        d = (<tuple>pair)[0]
+        v = (<tuple>pair)[1]
+        vlen = <uint32_t>PyBytes_GET_SIZE(v)
+        memcpy(o + pos, PyBytes_AS_STRING(d), 16)
+        _put_le32(o + pos + 16, vlen)
+        memcpy(o + pos + 20, PyBytes_AS_STRING(v), vlen)
+        pos += 20 + vlen
+    return PackedRecords(out, n)
+
+
+def join_records(list parts):
+    """One :class:`PackedRecords` of several, in their order."""
+    cdef Py_ssize_t n = 0
+    cdef PackedRecords part
+    for part in parts:
+        n += part.n
+    if len(parts) == 1:
+        return parts[0]
+    return PackedRecords(b"".join([part.packed for part in parts]), n)
+
+
+cdef inline void _put_le32(unsigned char* o, uint32_t v) noexcept nogil:
+    o[0] = v & 0xFF
+    o[1] = (v >> 8) & 0xFF
+    o[2] = (v >> 16) & 0xFF
+    o[3] = v >> 24
 
 
 def unpack_items(bytes packed, Py_ssize_t n):
@@ -1428,33 +1486,24 @@ def split_digests(bytes digests):
     return [PyBytes_FromStringAndSize(<const char*>d + 16 * i, 16) for i in range(n)]
 
 
-def drop_found(bytes digests, list pairs):
-    """The sorted ``digests`` less the keys of ``pairs``, (digest, value) tuples whose
-    digests are among them and in the same order (what a lookup of them found)."""
+def drop_found(bytes digests, PackedRecords found not None):
+    """The sorted ``digests`` less the digests of ``found``, records whose digests are
+    among them and in the same order (what a lookup of them found)."""
     cdef size_t n, i, m = 0
     cdef const unsigned char* d = _digests_of(digests, &n)
-    cdef Py_ssize_t j = 0, found = PyList_GET_SIZE(pairs)
-    cdef const unsigned char* next_found = NULL
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(found.packed)
+    cdef Py_ssize_t j = 0, pos = 0
     cdef bytes out = PyBytes_FromStringAndSize(NULL, 16 * n)
     cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
-    cdef object pair, key
     for i in range(n):
-        if next_found == NULL and j < found:
-            pair = <object>PyList_GET_ITEM(pairs, j)
-            if type(pair) is not tuple or len(pair) != 2:
-                raise TypeError("a found record is a (digest, value) tuple")
-            key = (<tuple>pair)[0]
-            if type(key) is not bytes or PyBytes_GET_SIZE(key) != 16:
-                raise ValueError("a found key is a 16-byte digest")
-            next_found = <const unsigned char*>PyBytes_AS_STRING(key)
-        if next_found != NULL and memcmp(d + 16 * i, next_found, 16) == 0:
-            next_found = NULL
+        if j < found.n and memcmp(d + 16 * i, p + pos, 16) == 0:
+            pos += 20 + _packed_len(p + pos)
             j += 1
             continue
         memcpy(o + 16 * m, d + 16 * i, 16)
         m += 1
-    if j != found:
-        raise ValueError("found keys that are not among the digests, or out of their order")
+    if j != found.n:
+        raise ValueError("found records that are not among the digests, or out of their order")
     return out[:16 * m]
 
 
@@ -1530,11 +1579,12 @@ cdef class PageReader:
         return self._map.pages
 
     def get_many(self, bytes db_record, bytes digests):
-        """(digest, value) of each of the concatenated 16-byte ``digests`` that the
-        database whose 48-byte MDB_db record is ``db_record`` holds, in their order
-        (give them in byte order: neighbouring walks then share pages), as
-        py-lmdb's ``getmulti`` answers them; or PAGES_UNREADABLE, PAGES_BEYOND
-        when it cannot answer (nothing is read outside the mapping)."""
+        """The records (:class:`PackedRecords`, digest and value) of the concatenated
+        16-byte ``digests`` that the database whose 48-byte MDB_db record is
+        ``db_record`` holds, in their order (give them in byte order: neighbouring
+        walks then share pages), those py-lmdb's ``getmulti`` finds; or
+        PAGES_UNREADABLE, PAGES_BEYOND when it cannot answer (nothing is read
+        outside the mapping)."""
         cdef dc_mdb_db db
         cdef size_t n, i
         cdef const unsigned char* d = _digests_of(digests, &n)
@@ -1542,13 +1592,15 @@ cdef class PageReader:
                           <size_t>PyBytes_GET_SIZE(db_record), &db) != 0:
             return PAGES_UNREADABLE
         if n == 0:
-            return []
+            return PackedRecords(b"", 0)
         if self._map.pages == 0:
             return PAGES_BEYOND
         cdef const uint8_t** vals = <const uint8_t**>malloc(n * sizeof(uint8_t*))
         cdef size_t* lens = <size_t*>malloc(n * sizeof(size_t))
         cdef int64_t found
-        cdef list out
+        cdef size_t size = 0, pos = 0
+        cdef bytes out
+        cdef unsigned char* o
         try:
             if vals == NULL or lens == NULL:
                 raise MemoryError()
@@ -1556,12 +1608,21 @@ cdef class PageReader:
                 found = dc_mdb_get_many(&self._map, &db, d, n, 16, vals, lens)
             if found < 0:
                 return <int>found
-            out = []
             for i in range(n):
                 if vals[i] != NULL:
-                    out.append((PyBytes_FromStringAndSize(<const char*>d + 16 * i, 16),
-                                PyBytes_FromStringAndSize(<const char*>vals[i], lens[i])))
-            return out
+                    if lens[i] > 0xFFFFFFFF:
+                        return PAGES_UNREADABLE
+                    size += 20 + lens[i]
+            # One buffer of every record found, not two bytes objects per record.
+            out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
+            o = <unsigned char*>PyBytes_AS_STRING(out)
+            for i in range(n):
+                if vals[i] != NULL:
+                    memcpy(o + pos, d + 16 * i, 16)
+                    _put_le32(o + pos + 16, <uint32_t>lens[i])
+                    memcpy(o + pos + 20, vals[i], lens[i])
+                    pos += 20 + lens[i]
+            return PackedRecords(out, <Py_ssize_t>found)
         finally:
             free(vals)
             free(lens)

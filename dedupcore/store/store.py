@@ -51,6 +51,8 @@ log = logging.getLogger("dedupcore.store")
 #: so that a log deleted whole or cut short by a segment is refused at open.
 LOG_HEAD_FILE = "WAL_HEAD"
 _MAX_NAMESPACES = 65535
+#: What a lookup answers when LMDB is not asked: no records.
+_NO_RECORDS = _engine.PackedRecords(b"", 0)
 
 
 @dataclass
@@ -312,18 +314,19 @@ class DedupStore(Maintenance, ClaimAPI):
         self._last_lsn = max(self._ckpt_lsn, self._wal.last_lsn)
         self._unflushed = self._table.dirty(self._ckpt_lsn)
 
-    def _load(self, pairs: list[tuple[bytes, bytes]], now_m: float) -> None:
-        """Puts records read from LMDB, (digest, stored bytes) pairs, into the table;
-        CorruptFileError if one is damaged."""
-        bad = self._table.load(pairs, now_m)
+    def _load(self, records: _engine.PackedRecords, now_m: float) -> None:
+        """Puts records read from LMDB into the table; CorruptFileError if one is
+        damaged."""
+        bad = self._table.load(records, now_m)
         if bad >= 0:
-            self._damaged(pairs, bad)
+            self._damaged(records, bad)
 
-    def _damaged(self, pairs: list[tuple[bytes, bytes]], bad: int) -> NoReturn:
-        """Raises for the record at ``bad`` of ``pairs``, read from LMDB, whose value
-        fails its checksum."""
+    def _damaged(self, records: _engine.PackedRecords, bad: int) -> NoReturn:
+        """Raises for the record at ``bad`` of ``records``, read from LMDB, whose
+        value fails its checksum."""
+        digest = records.digests()[16 * bad : 16 * bad + 16]
         raise CorruptFileError(
-            f"{self.path / 'lmdb'}: the record of digest {pairs[bad][0].hex()} fails its "
+            f"{self.path / 'lmdb'}: the record of digest {digest.hex()} fails its "
             "checksum; the store refuses to answer from damaged data (restore the "
             "directory from a backup)"
         )
@@ -375,35 +378,35 @@ class DedupStore(Maintenance, ClaimAPI):
         """Brings the records of concatenated digests into the table (under the lock);
         returns the indexes of those the exact tiers do not hold: memory, then front,
         then LMDB. No Python work per digest (docs/warm-tier.md, "Lookups")."""
-        missing, pairs = self._read_missing(joined)
-        if not pairs:
+        missing, records = self._read_missing(joined)
+        if not records.n:
             return missing
-        self._load(pairs, time.monotonic())
+        self._load(records, time.monotonic())
         return self._table.missing(joined, None, missing)
 
     def _fetch_for_claim(self, joined: bytes) -> tuple[list[int], _engine.ReadRecords | None]:
         """:meth:`_fetch` for a claim batch: the records read from LMDB that a claim
         only reads (PROCESSED) come back for the decision instead of going into the
         table (docs/engine.md, "Records read for a claim")."""
-        missing, pairs = self._read_missing(joined)
-        if not pairs:
+        missing, records = self._read_missing(joined)
+        if not records.n:
             return missing, None
-        read = self._table.read_records(pairs, time.monotonic())
+        read = self._table.read_records(records, time.monotonic())
         if isinstance(read, int):
-            self._damaged(pairs, read)
+            self._damaged(records, read)
         return self._table.missing(joined, read, missing), read
 
-    def _read_missing(self, joined: bytes) -> tuple[list[int], list[tuple[bytes, bytes]]]:
+    def _read_missing(self, joined: bytes) -> tuple[list[int], _engine.PackedRecords]:
         """The indexes of the concatenated digests the table holds no record of, and
-        the (digest, stored bytes) of those LMDB holds, read where the front filter
-        says it may (counted)."""
+        the records of those LMDB holds, read where the front filter says it may
+        (counted)."""
         table = self._table
         if table.clean > self.config.checkpoint_records:
             # Clean copies are a read cache: drop them before they crowd the table.
             table.evict(self._ckpt_lsn)
         missing = table.missing(joined)
         if not missing:
-            return missing, []
+            return missing, _NO_RECORDS
         every = len(missing) * 16 == len(joined)
         held = joined if every else _engine.gather_digests(joined, missing)
         to_read = _engine.select_digests(held, self._front.contains_digests(held))
@@ -411,7 +414,7 @@ class DedupStore(Maintenance, ClaimAPI):
         self._stats.front_negative += len(missing) - n_read
         self._stats.front_positive += n_read
         if not n_read:
-            return missing, []
+            return missing, _NO_RECORDS
         self._stats.lmdb_reads += n_read
         return missing, self._lmdb.read_many(to_read)
 

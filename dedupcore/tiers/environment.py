@@ -221,10 +221,10 @@ class Environment:
 
     def read_sorted(
         self, txn: lmdb.Transaction, name: bytes, db: Any, digests: bytes
-    ) -> list[tuple[bytes, bytes]]:
-        """(digest, value) of each of the concatenated, sorted ``digests`` that the
-        named database ``db`` holds, in their order, read in ``txn`` (opened with
-        ``buffers=False``; it pins the snapshot the walk reads).
+    ) -> _engine.PackedRecords:
+        """The records (digest and value) of the concatenated, sorted ``digests``
+        that the named database ``db`` holds, in their order, read in ``txn``
+        (opened with ``buffers=False``; it pins the snapshot the walk reads).
 
         The walk in native code reads the database's record in the main database
         (its root page as of this snapshot) and the pages under it; LMDB's
@@ -238,14 +238,16 @@ class Environment:
             if record is None:
                 break
             got = pages.get_many(bytes(record), digests)
-            if type(got) is list:
+            if isinstance(got, _engine.PackedRecords):
                 self.native_probes += len(digests) // 16
                 return got
             if got != _engine.PAGES_BEYOND:
                 break
             self._map_pages()  # the file grew since it was mapped
         self.lmdb_probes += len(digests) // 16
-        return cast(
+        # bytes, not buffers: the transaction is opened with buffers=False.
+        pairs = cast(
             "list[tuple[bytes, bytes]]",
             txn.cursor(db=db).getmulti(_engine.split_digests(digests)),
         )
+        return _engine.pack_records(pairs)

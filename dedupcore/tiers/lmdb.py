@@ -337,9 +337,9 @@ class LmdbTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def read_many(self, joined: bytes) -> list[tuple[bytes, bytes]]:
-        """(digest, stored bytes) of the newest record of each of concatenated digests
-        that a slice holds; absent digests have no pair.
+    def read_many(self, joined: bytes) -> _engine.PackedRecords:
+        """The newest record (digest and stored bytes) of each of concatenated digests
+        that a slice holds; absent digests have none.
 
         Slices are probed newest first, each only for the digests its filter
         may hold and that no newer slice had; one read transaction, no Python
@@ -347,11 +347,11 @@ class LmdbTier:
         """
         return self._read(list(reversed(self._slices)), joined)
 
-    def _read(self, slices: list[SliceInfo], joined: bytes) -> list[tuple[bytes, bytes]]:
+    def _read(self, slices: list[SliceInfo], joined: bytes) -> _engine.PackedRecords:
         """The first record of each digest found in ``slices``, in that order."""
-        found: list[tuple[bytes, bytes]] = []
+        found: list[_engine.PackedRecords] = []
         if not joined or not slices:
-            return found
+            return _engine.join_records(found)
         # In key order: neighbouring reads share B-tree pages (about 40 % less
         # per read than batch order on a slice of millions of records).
         todo = _engine.sort_digests(joined)
@@ -363,15 +363,15 @@ class LmdbTier:
                     continue
                 # bytes, not buffers: the transaction is opened with buffers=False.
                 got = self._env.read_sorted(txn, info.name, info.db, ask)
-                if not got:
+                if not got.n:
                     continue
-                found += got
+                found.append(got)
                 if n == len(slices):
                     break
                 todo = _engine.drop_found(todo, got)
                 if not todo:
                     break
-        return found
+        return _engine.join_records(found)
 
     def checkpoint_lsn(self) -> int:
         """The log position LMDB is complete up to."""

@@ -379,7 +379,7 @@ class EngineVsReference(RuleBasedStateMachine):
         table = _engine.ClaimTable()
         for d, v in self.lmdb.items():
             if _engine.decode_value(d, v)[0] == State.PROCESSING:
-                assert table.load([(d, v)], self.now_m) == -1
+                assert table.load(_engine.pack_records([(d, v)]), self.now_m) == -1
         for lsn, payload in self.log:
             if lsn > self.ckpt:
                 table.replay(payload, lsn, self.now_m)
@@ -427,7 +427,7 @@ class EngineVsReference(RuleBasedStateMachine):
         missing = self.table.missing(b"".join(ds))
         want = [ds[i] for i in missing]
         pairs = [(d, self.lmdb[d]) for d in want if d in self.lmdb]
-        assert self.table.load(pairs, self.now_m) == -1
+        assert self.table.load(_engine.pack_records(pairs), self.now_m) == -1
         if self.evicting is not None:
             self.loaded_in_pass.update(d for d, _ in pairs)
 
@@ -436,7 +436,9 @@ class EngineVsReference(RuleBasedStateMachine):
         the PROCESSED ones come back, every other one is put in the table."""
         missing = self.table.missing(b"".join(ds))
         found = sorted({ds[i] for i in missing if ds[i] in self.lmdb})
-        side = self.table.read_records([(d, self.lmdb[d]) for d in found], self.now_m)
+        side = self.table.read_records(
+            _engine.pack_records([(d, self.lmdb[d]) for d in found]), self.now_m
+        )
         assert isinstance(side, _engine.ReadRecords)
         processed = [d for d in found if self.model[d].state == State.PROCESSED]
         assert len(side) == len(processed)
@@ -507,7 +509,7 @@ def test_a_stepwise_eviction_ends_while_clean_copies_keep_coming() -> None:
         )  # fmt: skip
 
     table = _engine.ClaimTable()
-    assert table.load([(d, value(d)) for d in stored[:100]], 1000.0) == -1
+    assert table.load(_engine.pack_records([(d, value(d)) for d in stored[:100]]), 1000.0) == -1
     assert len(table) == table.clean == 100
     later = iter(stored[100:])
     steps, more = 0, True
@@ -517,7 +519,7 @@ def test_a_stepwise_eviction_ends_while_clean_copies_keep_coming() -> None:
         assert steps <= 101, "the eviction chases the copies loaded after it began"
         if more:
             d = next(later)
-            assert table.load([(d, value(d))], 1000.0) == -1
+            assert table.load(_engine.pack_records([(d, value(d))]), 1000.0) == -1
     assert steps == 100
     assert len(table) == table.clean == 99  # the copies loaded during the pass stay
     assert table.evict_some(0, 0) == (99, False)  # the next pass takes them

@@ -60,7 +60,7 @@ def test_drop_found_leaves_what_a_lookup_did_not_find(ds: list[bytes], data: st.
     todo = _engine.sort_digests(b"".join(ds))
     order = _split(todo)
     keep = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)))
-    found = [(d, b"v") for d, k in zip(order, keep, strict=True) if not k]
+    found = _engine.pack_records([(d, b"v") for d, k in zip(order, keep, strict=True) if not k])
     assert _engine.drop_found(todo, found) == b"".join(
         d for d, k in zip(order, keep, strict=True) if k
     )
@@ -76,9 +76,10 @@ def test_the_helpers_refuse_what_is_not_a_batch_of_digests() -> None:
         lambda: _engine.split_digests(b"x"),
         lambda: _engine.select_digests(two, b"\x01"),  # one flag for two digests
         lambda: _engine.scatter_flags(4, [0, 1], b"\x01"),
-        lambda: _engine.drop_found(two, [(b"short", b"")]),
-        lambda: _engine.drop_found(two, [(os.urandom(16), b"")]),  # not among them
-        lambda: _engine.drop_found(a + b, [(b, b""), (a, b"")]),  # not in their order
+        lambda: _engine.drop_found(two[:31], _engine.pack_records([])),
+        # a record not among them; records not in their order
+        lambda: _engine.drop_found(two, _engine.pack_records([(os.urandom(16), b"")])),
+        lambda: _engine.drop_found(a + b, _engine.pack_records([(b, b""), (a, b"")])),
     ):
         with pytest.raises(ValueError):
             bad()
@@ -93,20 +94,40 @@ def test_the_helpers_refuse_what_is_not_a_batch_of_digests() -> None:
     with pytest.raises(TypeError):
         _engine.select_digests(two, [True, False])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        _engine.drop_found(two, [[two[:16], b""]])  # type: ignore[list-item]
+        _engine.drop_found(two, [(two[:16], b"")])  # type: ignore[arg-type]
 
 
-def test_load_refuses_pairs_that_are_not_digest_and_bytes() -> None:
-    table = _engine.ClaimTable()
+def test_packed_records_refuse_pairs_that_are_not_digest_and_bytes() -> None:
     value = _engine.encode_value(b"d" * 16, 2, 1, 1, 1.0, 1.0, 30.0, None, None, None)
     for bad, exc in (
         ([b"d" * 16], TypeError),
         ([(b"d" * 16,)], TypeError),
         ([(b"d" * 16, bytearray(value))], TypeError),
+        ([[b"d" * 16, value]], TypeError),
         ([(b"d" * 15, value)], ValueError),
     ):
         with pytest.raises(exc):
-            table.load(bad, 0.0)  # type: ignore[arg-type]
-    assert len(table) == 0
-    assert table.load([(b"d" * 16, value), (b"e" * 16, value[:-1] + b"\x00")], 0.0) == 1
-    assert len(table) == 1  # the first is loaded, the damaged one is not
+            _engine.pack_records(bad)  # type: ignore[arg-type]
+    for packed, n in (
+        (b"d" * 16 + b"\x05\x00\x00\x00abcd", 1),  # a value cut short
+        (b"d" * 16 + b"\x00\x00\x00", 1),  # a length cut short
+        (b"d" * 16 + b"\x00\x00\x00\x00" + b"e", 1),  # bytes after the last record
+        (b"", 1),
+        (b"", -1),
+    ):
+        with pytest.raises(ValueError):
+            _engine.PackedRecords(packed, n)
+    with pytest.raises(TypeError):
+        _engine.ClaimTable().load([(b"d" * 16, value)], 0.0)  # type: ignore[arg-type]
+
+
+def test_load_stops_at_a_damaged_record_and_names_it() -> None:
+    table = _engine.ClaimTable()
+    value = _engine.encode_value(b"d" * 16, 2, 1, 1, 1.0, 1.0, 30.0, None, None, None)
+    damaged = [(b"e" * 16, value[:-1] + b"\x00"), (b"f" * 16, b"")]  # a checksum off; empty
+    for bad in damaged:
+        records = _engine.pack_records([(b"d" * 16, value), bad, (b"g" * 16, value)])
+        assert list(records) == [(b"d" * 16, value), bad, (b"g" * 16, value)]
+        assert table.load(records, 0.0) == 1
+        assert table.read_records(records, 0.0) == 1
+    assert len(table) == 1  # the first is loaded, nothing at or after the damaged one
