@@ -30,7 +30,10 @@ def probe_many(
 ) -> memoryview[bool]: ...
 def frame_records(out: bytearray, payloads: list[Any], first_lsn: int, max_bytes: int) -> int: ...
 def probe_digests(
-    filters: tuple[BlockFilter | FuseFilter | FuseStack, ...], digests: bytes, seed: int
+    filters: tuple[BlockFilter | FuseFilter | FuseStack, ...],
+    digests: bytes,
+    seed: int,
+    half: int = 0,
 ) -> memoryview[bool]: ...
 
 @disjoint_base

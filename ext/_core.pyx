@@ -1307,23 +1307,26 @@ cdef int _probe_batch(const Probe* p, KeyBatch batch, BlockFilter target,
     return 0
 
 
-def probe_digests(tuple filters, bytes digests, uint64_t seed):
+def probe_digests(tuple filters, bytes digests, uint64_t seed, int half=0):
     """Probes concatenated 16-byte record digests against several filters.
 
     As :func:`probe_many` without a target, over the digests' front hashes:
     the first 8 bytes of each digest, in native byte order (the hash the
     store's front filter and cold archive are keyed by; docs/warm-tier.md,
-    "Lookups"). No buffer or key object is made per call: this is the exact
-    and cold tiers' lookup of every claim.
+    "Lookups"); with ``half`` 1, over their second 8 bytes (the hash the
+    warm tier's slice filters are keyed by). No buffer or key object is made
+    per call: this is the exact and cold tiers' lookup of every claim.
     """
     cdef Py_ssize_t size = len(digests)
     if size % 16:
         raise ValueError(f"digests must be a multiple of 16 bytes, got {size}")
+    if half != 0 and half != 1:
+        raise ValueError(f"half is 0 (the first 8 bytes) or 1 (the second), got {half}")
     cdef Py_ssize_t n = size // 16, start = 0, i, m
     out = bytearray(n)
     if not filters:
         return memoryview(out).cast("?")
-    cdef const unsigned char* src = <const unsigned char*>PyBytes_AS_STRING(digests)
+    cdef const unsigned char* src = <const unsigned char*>PyBytes_AS_STRING(digests) + 8 * half
     cdef unsigned char* flags = <unsigned char*>PyByteArray_AS_STRING(out)
     cdef uint64_t h[CONTAINS_CHUNK]
     cdef Probe p

@@ -384,16 +384,25 @@ class DedupStore(Maintenance, ClaimAPI):
         self._load(records, time.monotonic())
         return self._table.missing(joined, None, missing)
 
-    def _fetch_for_claim(self, joined: bytes) -> tuple[list[int], _engine.ReadRecords | None]:
+    def _fetch_for_claim(
+        self, joined: bytes, cold: bool
+    ) -> tuple[list[int], _engine.ReadRecords | None]:
         """:meth:`_fetch` for a claim batch: the records read from LMDB that a claim
         only reads (PROCESSED) come back for the decision instead of going into the
-        table (docs/engine.md, "Records read for a claim")."""
+        table (docs/engine.md, "Records read for a claim").
+
+        Only the cold archive's probe reads which keys are still missing, so
+        without one (``cold`` False) the keys the table lacked come back as they
+        are, LMDB's among them, with no second look: a key with a record
+        ignores its cold flag in the decision either way."""
         missing, records = self._read_missing(joined)
         if not records.n:
             return missing, None
         read = self._table.read_records(records, time.monotonic())
         if isinstance(read, int):
             self._damaged(records, read)
+        if not cold:
+            return missing, read
         return self._table.missing(joined, read, missing), read
 
     def _read_missing(self, joined: bytes) -> tuple[list[int], _engine.PackedRecords]:
@@ -460,9 +469,10 @@ class DedupStore(Maintenance, ClaimAPI):
             self._check_usable(write=True)
             now_m = time.monotonic()
             now_w = time.time()
-            absent, read = self._fetch_for_claim(joined)
+            probe_cold = not self._cold.empty
+            absent, read = self._fetch_for_claim(joined, probe_cold)
             cold: bytearray | None = None
-            if absent and not self._cold.empty:
+            if absent and probe_cold:
                 hits = self._cold_hits(
                     joined
                     if len(absent) == len(key_list)

@@ -51,6 +51,7 @@ from typing import Any, Protocol, TypeVar
 
 import lmdb
 
+import dedupcore._core as _core
 import dedupcore._engine as _engine
 from dedupcore._platform import trim_heap
 from dedupcore.bloom import BloomFilter
@@ -358,7 +359,9 @@ class LmdbTier:
         with self._env.txn(buffers=False) as txn:
             for n, info in enumerate(slices, 1):
                 assert info.filter is not None
-                ask = _engine.select_digests(todo, info.filter.contains_many(second_halves(todo)))
+                # The slice filter's hash is each digest's second half, read in place.
+                maybe = _core.probe_digests((info.filter,), todo, info.filter.seed, 1)
+                ask = _engine.select_digests(todo, maybe)
                 if not ask:
                     continue
                 # bytes, not buffers: the transaction is opened with buffers=False.

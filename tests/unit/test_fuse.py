@@ -448,6 +448,17 @@ def test_probe_digests_probes_the_first_half_of_each_digest() -> None:
         assert list(_core.probe_digests(filters, digests[:160], seed)) == expected[:10]
     assert all(_core.probe_digests((bloom, fuse), digests, seed)[:4000])
     assert list(_core.probe_digests((bloom,), b"", seed)) == []
+    # half=1: the second 8 bytes (the warm tier's slice filters).
+    seconds = np.frombuffer(digests, dtype=np.uint64)[1::2].copy()
+    for filters in ((bloom, fuse), ()):
+        expected = list(_core.probe_many(filters, u64s(seconds), None, seed))
+        assert list(_core.probe_digests(filters, digests, seed, 1)) == expected
+    back = BloomFilter(3000, 0.01, seed=seed)
+    back.update(u64s(seconds[:2500]))
+    assert all(_core.probe_digests((back,), digests, seed, 1)[:2500])
+    assert list(_core.probe_digests((back,), digests, seed, 1)) != list(
+        _core.probe_digests((back,), digests, seed)
+    )
 
 
 @pytest.mark.parametrize(
@@ -461,10 +472,13 @@ def test_probe_digests_probes_the_first_half_of_each_digest() -> None:
         (((BloomFilter(10, 0.01, seed=2),), bytes(16), 1), ValueError, "share their hash seed"),
         (((BloomFilter(10, 0.01, seed=2),), b"", 1), ValueError, "share their hash seed"),
         ((("x",), b"", 1), TypeError, "BlockFilter, FuseFilter or FuseStack"),
+        (((), bytes(16), 1, 2), ValueError, "half is 0 .* or 1 .*, got 2"),
+        (((), bytes(16), 1, -1), ValueError, "got -1"),
+        (((), bytes(16), 1, "1"), TypeError, "an integer is required"),
     ],
 )
 def test_probe_digests_rejects_bad_arguments(
-    args: tuple[object, object, object], error: type[Exception], match: str
+    args: tuple[object, ...], error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
         _core.probe_digests(*args)  # type: ignore[arg-type]
