@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import struct
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 import pytest
@@ -614,6 +615,12 @@ EngineVsReference.TestCase.settings = settings(
 TestEngineVsReference = EngineVsReference.TestCase
 
 
+def _stored_ms(seconds: float) -> int:
+    """The whole milliseconds the format stores of a time: ``llround(seconds *
+    1000.0)``, ties away from zero (Python's ``round`` takes ties to even)."""
+    return int(Decimal(seconds * 1000.0).to_integral_value(rounding=ROUND_HALF_UP))
+
+
 @given(
     state=st.sampled_from(list(State)),
     ns_id=st.integers(0, 65535),
@@ -635,8 +642,8 @@ def test_stored_format_round_trips(
     )
     got = _engine.decode_value(d, raw)
     assert got[0] == state and got[1] == ns_id and got[2] == token
-    assert got[3] == pytest.approx(round(created * 1000) / 1000, abs=1e-3)
-    assert got[4] == pytest.approx(round(updated * 1000) / 1000, abs=1e-3)
+    assert got[3] == _stored_ms(created) / 1000
+    assert got[4] == _stored_ms(updated) / 1000
     assert got[6:] == (owner, fp, result)
     if state is State.PROCESSING:
         assert lease <= got[5] <= lease + 0.001 + lease * 1e-6
