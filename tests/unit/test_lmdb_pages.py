@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import random
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -221,3 +222,51 @@ def test_a_store_answers_from_lmdb_through_the_walk(tmp_path: Path) -> None:
         assert [c.outcome for c in again] == [Outcome.DUPLICATE] * 10 + [Outcome.NEW]
         store.release("fresh", again[-1].token, namespace="ns")
         assert store.stats()["memory"]["records"] == 1
+
+
+def test_the_gate_lets_one_alone_in_at_a_time_and_uses_wait_for_it(tmp_path: Path) -> None:
+    """``alone()`` (a map resize, a reopen) waits for the uses under way, keeps new
+    ones and any other ``alone()`` out until it ends; a transaction's use ends
+    whether its block returns or raises (committed, or aborted)."""
+    with _environment(tmp_path) as (environment, db):
+        inside = threading.Event()
+        release = threading.Event()
+        entered: list[str] = []
+
+        def first() -> None:
+            with environment.alone():
+                entered.append("first")
+                inside.set()
+                release.wait(10)
+                entered.append("first out")
+
+        def second() -> None:
+            with environment.alone():
+                entered.append("second")
+
+        def use() -> None:
+            with environment.txn() as txn:
+                entered.append("use")
+                txn.get(b"x", db=db)
+
+        a = threading.Thread(target=first)
+        a.start()
+        assert inside.wait(10)
+        others = [threading.Thread(target=second), threading.Thread(target=use)]
+        for t in others:
+            t.start()
+        for t in others:
+            t.join(0.3)  # neither may enter while the first is alone
+        assert entered == ["first"]
+        release.set()
+        for t in [a, *others]:
+            t.join(10)
+        assert entered[:2] == ["first", "first out"]
+        assert sorted(entered[2:]) == ["second", "use"]
+        with pytest.raises(KeyError), environment.txn(write=True) as txn:
+            txn.put(b"k", b"v", db=db)
+            raise KeyError("the block fails: the write is aborted")
+        with environment.txn() as txn:
+            assert txn.get(b"k", db=db) is None
+        with environment.alone():  # no use was left counted
+            pass
