@@ -1544,7 +1544,43 @@ cdef extern from "dc_mdb.h" nogil:
                             size_t n, size_t klen, const uint8_t** vals, size_t* vlens)
     int DC_MDB_UNREADABLE
     int DC_MDB_BEYOND
+    int DC_MDB_FOUND
+    int DC_MDB_ABSENT
     void dc_mdb_sort_digests(uint8_t* d, size_t n)
+    ctypedef struct dc_mdb_walk:
+        size_t klen
+    int dc_mdb_walk_start(const dc_mdb_map* m, const dc_mdb_db* db, uint64_t entries,
+                          size_t klen, dc_mdb_walk* w)
+    int dc_mdb_walk_keys(const dc_mdb_map* m, dc_mdb_walk* w, uint8_t* out, size_t cap,
+                         size_t* got)
+
+cdef class KeyWalk:
+    """Every key of one LMDB database in key order, read from the pages a batch at
+    a time (:meth:`PageReader.walk`; docs/warm-tier.md, "Lookups in native code")."""
+
+    cdef object reader  # the PageReader whose mapping the pages are in, kept alive
+    cdef dc_mdb_map m
+    cdef dc_mdb_walk w
+
+    def next(self, size_t most):
+        """Up to ``most`` (at least 1) more keys, concatenated (``b""`` once every
+        key was given), walked without the GIL; or PAGES_UNREADABLE, PAGES_BEYOND
+        when the walk cannot go on (the keys given before stand; ask LMDB for
+        those after them)."""
+        if most == 0 or most > (<size_t>1 << 40) // self.w.klen:
+            raise ValueError(f"a batch of 1 to {(1 << 40) // self.w.klen} keys, not {most}")
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(most * self.w.klen))
+        cdef size_t got = 0
+        cdef int r
+        cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+        with nogil:
+            r = dc_mdb_walk_keys(&self.m, &self.w, o, most, &got)
+        if r < 0:
+            return r
+        if got == most:
+            return out
+        return out[:got * self.w.klen]
+
 
 #: What :meth:`PageReader.get_many` answers when it cannot: the walk met what it does
 #: not read (ask LMDB), or a page past the mapping (map the grown file again).
@@ -1577,6 +1613,28 @@ cdef class PageReader:
     def pages(self):
         """Whole pages mapped."""
         return self._map.pages
+
+    def walk(self, bytes db_record, size_t klen=16):
+        """A :class:`KeyWalk` over every key of the database whose 48-byte MDB_db
+        record is ``db_record``, in key order, each ``klen`` bytes; or
+        PAGES_UNREADABLE, PAGES_BEYOND when it cannot start. Sound only inside a
+        read transaction that pins the snapshot the record is of, for as long as
+        the walk is used."""
+        cdef dc_mdb_db db
+        cdef const uint8_t* rec = <const uint8_t*>PyBytes_AS_STRING(db_record)
+        cdef uint64_t entries
+        if dc_mdb_db_read(rec, <size_t>PyBytes_GET_SIZE(db_record), &db) != 0:
+            return PAGES_UNREADABLE
+        memcpy(&entries, rec + 32, 8)
+        if db.root != <uint64_t>-1 and self._map.pages == 0:
+            return PAGES_BEYOND
+        cdef KeyWalk w = KeyWalk.__new__(KeyWalk)
+        w.reader = self  # keeps the mapping the walk's pages are in
+        w.m = self._map
+        cdef int r = dc_mdb_walk_start(&w.m, &db, entries, klen, &w.w)
+        if r < 0:
+            return r
+        return w
 
     def get_many(self, bytes db_record, bytes digests):
         """The records (:class:`PackedRecords`, digest and value) of the concatenated

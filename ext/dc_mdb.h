@@ -460,4 +460,96 @@ static inline void dc_mdb_sort_digests(uint8_t *d, size_t n) {
     free(out);
 }
 
+/* -- every key of a database, in order ----------------------------------------- */
+
+/* An in-order walk over the keys of a database, a batch at a time: the pages from
+ * the root to the current leaf, and where the walk stands in each. Valid while
+ * the snapshot that named the root stays open and the mapping stays mapped. */
+typedef struct {
+    const uint8_t *page[DC_MDB_MAX_DEPTH];
+    unsigned n[DC_MDB_MAX_DEPTH];
+    unsigned i[DC_MDB_MAX_DEPTH];
+    unsigned depth; /* the tree's levels */
+    unsigned level; /* levels on the stack; 0 once the walk is over */
+    uint64_t left;  /* keys the database's record counts that the walk has not given */
+    size_t klen;
+    uint8_t last[16]; /* the last key given (the order is checked against it) */
+    int given;
+} dc_mdb_walk;
+
+/* Pushes page pgno, of the kind level `level` holds, onto the walk's stack. */
+static inline dc_mdb_result dc_mdb_walk_push(const dc_mdb_map *m, dc_mdb_walk *w,
+                                             uint64_t pgno) {
+    unsigned kind = w->level + 1 == w->depth ? DC_MDB_P_LEAF : DC_MDB_P_BRANCH;
+    dc_mdb_result why;
+    unsigned n;
+    const uint8_t *page = dc_mdb_page(m, pgno, kind, &n, &why);
+    if (page == NULL)
+        return why;
+    w->page[w->level] = page;
+    w->n[w->level] = n;
+    w->i[w->level] = 0;
+    w->level++;
+    return DC_MDB_FOUND;
+}
+
+/* Starts a walk over db, whose record counts `entries` keys, each klen (1..16)
+ * bytes long. */
+static inline dc_mdb_result dc_mdb_walk_start(const dc_mdb_map *m, const dc_mdb_db *db,
+                                              uint64_t entries, size_t klen, dc_mdb_walk *w) {
+    memset(w, 0, sizeof(*w));
+    if (klen == 0 || klen > sizeof w->last)
+        return DC_MDB_UNREADABLE;
+    w->klen = klen;
+    w->left = entries;
+    if (db->root == UINT64_MAX)
+        return entries == 0 ? DC_MDB_FOUND : DC_MDB_UNREADABLE;
+    w->depth = db->depth;
+    return dc_mdb_walk_push(m, w, db->root);
+}
+
+/* Copies up to cap more keys into out (klen bytes each); *got says how many.
+ * DC_MDB_FOUND while keys may be left, DC_MDB_ABSENT once all were given, or
+ * why it cannot go on: a key of another length, keys out of order, more or
+ * fewer keys than the database's record counts, or a page that is not what
+ * its level holds. The keys given before stay given. */
+static inline dc_mdb_result dc_mdb_walk_keys(const dc_mdb_map *m, dc_mdb_walk *w,
+                                             uint8_t *out, size_t cap, size_t *got) {
+    *got = 0;
+    while (w->level > 0) {
+        unsigned top = w->level - 1;
+        if (w->i[top] >= w->n[top]) {
+            w->level--;
+            continue;
+        }
+        const uint8_t *node = dc_mdb_node(m, w->page[top], w->i[top]);
+        if (node == NULL)
+            return DC_MDB_UNREADABLE;
+        if (top + 1 < w->depth) { /* a branch: down to the child */
+            if (w->level >= DC_MDB_MAX_DEPTH)
+                return DC_MDB_UNREADABLE;
+            uint64_t pgno = (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16) |
+                            ((uint64_t)dc_mdb_u16(node + 4) << 32);
+            w->i[top]++;
+            dc_mdb_result r = dc_mdb_walk_push(m, w, pgno);
+            if (r != DC_MDB_FOUND)
+                return r;
+            continue;
+        }
+        if (*got == cap)
+            return DC_MDB_FOUND;
+        const uint8_t *key = node + DC_MDB_NODEHDR;
+        if (dc_mdb_u16(node + 6) != w->klen || w->left == 0 ||
+            (w->given && dc_mdb_cmp(w->last, w->klen, key, w->klen) >= 0))
+            return DC_MDB_UNREADABLE;
+        memcpy(out + *got * w->klen, key, w->klen);
+        memcpy(w->last, key, w->klen);
+        w->given = 1;
+        w->left--;
+        w->i[top]++;
+        (*got)++;
+    }
+    return w->left == 0 ? DC_MDB_ABSENT : DC_MDB_UNREADABLE;
+}
+
 #endif /* DC_MDB_H */

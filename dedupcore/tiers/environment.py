@@ -98,6 +98,8 @@ class Environment:
         self._gate = threading.Condition()
         self._open_txns = 0
         self._alone_now = False
+        #: Keys a walk over a database's pages gave (:meth:`keys`).
+        self.native_keys = 0
         #: Lookups that the native walk answered, and those it left to LMDB.
         self.native_probes = 0
         self.lmdb_probes = 0
@@ -265,6 +267,44 @@ class Environment:
             self._pages = _engine.PageReader(mapping, int(self.lmdb.stat()["psize"]))
         except (OSError, ValueError):
             self._pages = None
+
+    def keys(self, txn: lmdb.Transaction, name: bytes, db: Any, batch: int) -> Iterator[bytes]:
+        """Every key of the named database ``db`` in key order, concatenated, in
+        batches of up to ``batch`` keys, read in ``txn`` (opened with
+        ``buffers=False``; it pins the snapshot the walk reads). The keys are the
+        warm tier's 16-byte digests.
+
+        The pages are walked in native code without the GIL (sealing a slice of
+        millions of records holds the GIL for none of it); where the walk cannot
+        go on (a page past the mapping, anything it does not read), LMDB's
+        cursor gives the rest, from after the last key given."""
+        last = b""
+        pages = self._pages
+        record = txn.get(name) if pages is not None else None
+        if pages is not None and record is not None:
+            walk = pages.walk(bytes(record), 16)
+            while isinstance(walk, _engine.KeyWalk):
+                got = walk.next(batch)
+                if type(got) is not bytes:
+                    break
+                if not got:
+                    return
+                self.native_keys += len(got) // 16
+                last = got[-16:]
+                yield got
+        cursor = txn.cursor(db=db)
+        more = cursor.set_range(last) if last else cursor.first()
+        if more and last and cursor.key() == last:
+            more = cursor.next()
+        keys: list[bytes] = []
+        while more:
+            keys.append(bytes(cursor.key()))
+            if len(keys) >= batch:
+                yield b"".join(keys)
+                keys.clear()
+            more = cursor.next()
+        if keys:
+            yield b"".join(keys)
 
     def read_sorted(
         self, txn: lmdb.Transaction, name: bytes, db: Any, digests: bytes

@@ -710,6 +710,31 @@ static void test_mdb(void) {
     CHECK(vals[3] == NULL && lens[5] == 2 && !memcmp(vals[5], "26", 2));
     dc_mdb_db empty = {UINT64_MAX, 0, 0};
     CHECK(dc_mdb_get_many(&m, &empty, keys, 6, 1, vals, lens) == 0 && vals[0] == NULL);
+    /* Every key in order, in batches; the count the record gives is held to. */
+    dc_mdb_walk w;
+    uint8_t out[8];
+    size_t given = 0;
+    CHECK(dc_mdb_walk_start(&m, &db, 5, 1, &w) == DC_MDB_FOUND);
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 2, &given) == DC_MDB_FOUND && given == 2 &&
+          !memcmp(out, "ab", 2));
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 2, &given) == DC_MDB_FOUND && given == 2 &&
+          !memcmp(out, "cm", 2));
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 2, &given) == DC_MDB_ABSENT && given == 1 && out[0] == 'z');
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 2, &given) == DC_MDB_ABSENT && given == 0);
+    CHECK(dc_mdb_walk_start(&m, &db, 5, 1, &w) == DC_MDB_FOUND);
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_ABSENT && given == 5 &&
+          !memcmp(out, "abcmz", 5));
+    CHECK(dc_mdb_walk_start(&m, &db, 4, 1, &w) == DC_MDB_FOUND); /* more keys than counted */
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_UNREADABLE && given == 4);
+    CHECK(dc_mdb_walk_start(&m, &db, 6, 1, &w) == DC_MDB_FOUND); /* fewer */
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_UNREADABLE && given == 5);
+    CHECK(dc_mdb_walk_start(&m, &db, 5, 2, &w) == DC_MDB_FOUND); /* keys of another length */
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 4, &given) == DC_MDB_UNREADABLE && given == 0);
+    CHECK(dc_mdb_walk_start(&m, &db, 5, 0, &w) == DC_MDB_UNREADABLE);
+    CHECK(dc_mdb_walk_start(&m, &db, 5, 17, &w) == DC_MDB_UNREADABLE);
+    CHECK(dc_mdb_walk_start(&m, &empty, 0, 1, &w) == DC_MDB_FOUND);
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_ABSENT && given == 0);
+    CHECK(dc_mdb_walk_start(&m, &empty, 1, 1, &w) == DC_MDB_UNREADABLE);
     /* The MDB_db record: its length, flags and depth are checked. */
     uint8_t rec[48] = {0};
     uint16_t depth = 2;
@@ -736,6 +761,14 @@ static void test_mdb(void) {
     mdb_page(file, PS, 5, DC_MDB_P_BRANCH, 2, bkeys, self, NULL);
     dc_mdb_db loop = {5, 0, DC_MDB_MAX_DEPTH};
     CHECK(dc_mdb_get(&m, &loop, (const uint8_t *)"a", 1, &v, &len) == DC_MDB_UNREADABLE);
+    CHECK(dc_mdb_walk_start(&m, &loop, 5, 1, &w) == DC_MDB_FOUND);
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_UNREADABLE && given == 0);
+    const uint64_t twice[] = {3, 3}; /* a leaf reached twice: its keys out of order */
+    mdb_page(file, PS, 6, DC_MDB_P_BRANCH, 2, bkeys, twice, NULL);
+    dc_mdb_db again = {6, 0, 2};
+    CHECK(dc_mdb_walk_start(&m, &again, 6, 1, &w) == DC_MDB_FOUND);
+    CHECK(dc_mdb_walk_keys(&m, &w, out, 8, &given) == DC_MDB_UNREADABLE && given == 3);
+    CHECK(dc_mdb_walk_start(&m, &far, 1, 1, &w) == DC_MDB_BEYOND);
     uint64_t wrong = 7; /* a page that names another number */
     memcpy(file + 4 * PS, &wrong, 8);
     CHECK(dc_mdb_get(&m, &db, (const uint8_t *)"m", 1, &v, &len) == DC_MDB_UNREADABLE);
@@ -768,18 +801,28 @@ static size_t unhex(const char *s, uint8_t *out, size_t cap) {
     return n;
 }
 
-static int mdb_walk(const char *path, const char *psize, const char *record) {
-    /* The file is read into memory of its exact size, so that a read past its
-     * end lands in AddressSanitizer's redzone. */
+/* The file at path in memory of its exact size, so that a read past its end
+ * lands in AddressSanitizer's redzone; NULL if it cannot be read. */
+static uint8_t *read_whole(const char *path, const char *psize, dc_mdb_map *m) {
     FILE *f = fopen(path, "rb");
     struct stat st;
     if (f == NULL || fstat(fileno(f), &st) != 0 || st.st_size == 0)
-        return 2;
+        return NULL;
     uint8_t *base = malloc((size_t)st.st_size);
     if (base == NULL || fread(base, 1, (size_t)st.st_size, f) != (size_t)st.st_size)
-        return 2;
+        return NULL;
     fclose(f);
-    dc_mdb_map m = {base, (uint64_t)st.st_size / (uint64_t)atoi(psize), (uint32_t)atoi(psize)};
+    m->base = base;
+    m->psize = (uint32_t)atoi(psize);
+    m->pages = (uint64_t)st.st_size / m->psize;
+    return base;
+}
+
+static int mdb_walk(const char *path, const char *psize, const char *record) {
+    dc_mdb_map m;
+    uint8_t *base = read_whole(path, psize, &m);
+    if (base == NULL)
+        return 2;
     uint8_t rec[64];
     dc_mdb_db db;
     size_t rlen = unhex(record, rec, sizeof rec);
@@ -804,6 +847,40 @@ static int mdb_walk(const char *path, const char *psize, const char *record) {
     return 0;
 }
 
+/* "mdb-keys FILE PSIZE RECORD BATCH": every key of the database whose MDB_db
+ * record is RECORD (hex), 16 bytes each, walked BATCH at a time: a line per key
+ * in hex, then "end", or "?" where the walk could not go on. */
+static int mdb_keys(const char *path, const char *psize, const char *record,
+                    const char *batch) {
+    dc_mdb_map m;
+    uint8_t *base = read_whole(path, psize, &m);
+    if (base == NULL)
+        return 2;
+    uint8_t rec[64];
+    size_t rlen = unhex(record, rec, sizeof rec), cap = (size_t)atoi(batch), got;
+    uint8_t *out = malloc(16 * cap);
+    dc_mdb_db db;
+    dc_mdb_walk w;
+    uint64_t entries;
+    dc_mdb_result r = DC_MDB_UNREADABLE;
+    if (out != NULL && rlen == 48 && dc_mdb_db_read(rec, rlen, &db) == 0) {
+        memcpy(&entries, rec + 32, 8);
+        r = dc_mdb_walk_start(&m, &db, entries, 16, &w);
+    }
+    while (r == DC_MDB_FOUND) {
+        r = dc_mdb_walk_keys(&m, &w, out, cap, &got);
+        for (size_t i = 0; r >= 0 && i < got; i++) {
+            for (size_t j = 0; j < 16; j++)
+                printf("%02x", out[16 * i + j]);
+            printf("\n");
+        }
+    }
+    printf(r == DC_MDB_ABSENT ? "end\n" : "?\n");
+    free(out);
+    free(base);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "xxh64")) {
         print_xxh64();
@@ -811,6 +888,8 @@ int main(int argc, char **argv) {
     }
     if (argc == 5 && !strcmp(argv[1], "mdb"))
         return mdb_walk(argv[2], argv[3], argv[4]);
+    if (argc == 6 && !strcmp(argv[1], "mdb-keys"))
+        return mdb_keys(argv[2], argv[3], argv[4], argv[5]);
     test_status();
     test_blocks();
     test_jump();

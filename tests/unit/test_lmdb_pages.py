@@ -270,3 +270,65 @@ def test_the_gate_lets_one_alone_in_at_a_time_and_uses_wait_for_it(tmp_path: Pat
             assert txn.get(b"k", db=db) is None
         with environment.alone():  # no use was left counted
             pass
+
+
+def test_every_key_of_a_database_walked_in_batches_as_lmdb_iterates_them(tmp_path: Path) -> None:
+    """``Environment.keys`` (sealing a slice, rebuilding its filter, compacting it):
+    the native walk gives LMDB's keys in LMDB's order; where it cannot go on,
+    LMDB's cursor gives the rest from after the last key given, never one twice."""
+    with _environment(tmp_path) as (environment, db):
+        keys = sorted(_digests(30_000, seed=12))
+        environment.write(
+            lambda txn: [txn.put(k, _value(i % 9), db=db) for i, k in enumerate(keys)]
+        )
+        environment._map_pages()
+        with environment.txn(buffers=False) as txn:
+            for batch in (1, 999, 30_000, 100_000):
+                before = environment.native_keys
+                got = list(environment.keys(txn, NAME, db, batch))
+                assert b"".join(got) == b"".join(keys)
+                assert all(len(part) <= 16 * batch for part in got)
+                assert environment.native_keys - before == len(keys)
+        # A mapping that ends part way through the tree: the walk stops at a page
+        # past it, and LMDB gives the rest.
+        pages = environment._pages
+        assert pages is not None
+        with open(environment.path / "data.mdb", "rb") as f:
+            head = f.read(psize := environment.lmdb.stat()["psize"]) + f.read(
+                (pages.pages // 2) * psize
+            )
+        environment._pages = _engine.PageReader(head, psize)
+        before = environment.native_keys
+        with environment.txn(buffers=False) as txn:
+            assert b"".join(environment.keys(txn, NAME, db, 500)) == b"".join(keys)
+        assert 0 < environment.native_keys - before < len(keys)
+        # An empty database; one the walk does not read (sorted duplicates).
+        empty = environment.open_db(b"empty", create=True)
+        dups = environment.lmdb.open_db(b"dups", dupsort=True)
+        environment.write(lambda txn: [txn.put(k, b"x", db=dups) for k in keys[:10]])
+        environment._map_pages()
+        with environment.txn(buffers=False) as txn:
+            assert list(environment.keys(txn, b"empty", empty, 10)) == []
+            assert b"".join(environment.keys(txn, b"dups", dups, 3)) == b"".join(keys[:10])
+
+
+def test_a_key_walk_refuses_what_it_cannot_walk(env: lmdb.Environment) -> None:
+    keys = _digests(100, seed=13)
+    db = _fill(env, keys)
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        assert record is not None
+        walk = reader.walk(record)
+        assert isinstance(walk, _engine.KeyWalk)
+        for most in (0, 1 << 40):
+            with pytest.raises(ValueError, match="a batch of 1 to"):
+                walk.next(most)
+        assert walk.next(1000) == b"".join(sorted(keys)) and walk.next(5) == b""
+        assert reader.walk(record, 8) is not None
+        short = reader.walk(record, 8)  # the keys are 16 bytes
+        assert isinstance(short, _engine.KeyWalk) and short.next(10) == _engine.PAGES_UNREADABLE
+        assert reader.walk(record, 0) == _engine.PAGES_UNREADABLE
+        assert reader.walk(record[:47]) == _engine.PAGES_UNREADABLE
+        assert _engine.PageReader(b"", 4096).walk(record) == _engine.PAGES_BEYOND
+    assert db is not None

@@ -112,6 +112,19 @@ def _walk(walker: Path, data: Path, psize: int, record: bytes, keys: list[bytes]
     return lines
 
 
+def _damaged(blob: bytearray, psize: int, rng: random.Random, rounds: int) -> list[bytearray]:
+    """Copies of a data file with a byte overwritten in every page past the meta
+    pages: in its header and first node pointers (odd rounds) or anywhere."""
+    out = []
+    for round_ in range(rounds):
+        damaged = bytearray(blob)
+        for page in range(2, len(blob) // psize):
+            at = page * psize + rng.randrange(32 if round_ % 2 else psize)
+            damaged[at] = rng.randrange(256)
+        out.append(damaged)
+    return out
+
+
 def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
     program: Path, tmp_path: Path
 ) -> None:
@@ -136,15 +149,10 @@ def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
     # Damaged copies: bytes overwritten in every page's header and node pointers
     # and at seeded places in between. Any answer is allowed (the records carry
     # their own checksums); reading outside the file's bytes is not (ASan fails it).
-    size = data.stat().st_size
     rng = random.Random(5)
     blob = bytearray(data.read_bytes())
-    pages = size // psize
-    for round_ in range(16):
-        damaged = bytearray(blob)
-        for page in range(2, pages):
-            at = page * psize + rng.randrange(32 if round_ % 2 else psize)
-            damaged[at] = rng.randrange(256)
+    pages = len(blob) // psize
+    for round_, damaged in enumerate(_damaged(blob, psize, rng, 16)):
         # The file's last pages hold the tree's upper levels (LMDB writes them
         # last): a node pointer or size there that ran past its page would run
         # past the file.
@@ -159,3 +167,45 @@ def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
     cut = tmp_path / "cut.mdb"
     cut.write_bytes(blob[: 3 * psize])
     assert set(_walk(program, cut, psize, record, keys[:50])) <= {"?", "-"}
+
+
+def _keys(walker: Path, data: Path, psize: int, record: bytes, batch: int) -> list[str]:
+    run = subprocess.run(
+        [str(walker), "mdb-keys", str(data), str(psize), record.hex(), str(batch)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+def test_the_walk_over_every_key_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
+    program: Path, tmp_path: Path
+) -> None:
+    """ext/dc_mdb.h's walk over every key of a database ("mdb-keys" mode) gives
+    LMDB's keys in LMDB's order on a file py-lmdb wrote, in any batch size, and
+    on damaged copies stops ("?") or ends without reading outside the file."""
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=4, map_size=1 << 28)
+    db = env.open_db(NAME)
+    with env.begin(write=True) as txn:
+        for i, k in enumerate(_digests(6000, seed=9)):
+            txn.put(k, _value(i % 50), db=db)
+    psize = env.stat()["psize"]
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        want = [bytes(k).hex() for k in txn.cursor(db=db).iternext(keys=True, values=False)]
+    assert record is not None and len(want) == 6000
+    data = Path(env.path()) / "data.mdb"
+    env.close()
+    for batch in (1, 7, 1000, 10_000):
+        assert _keys(program, data, psize, record, batch) == [*want, "end"]
+    blob = bytearray(data.read_bytes())
+    for round_, damaged in enumerate(_damaged(blob, psize, random.Random(11), 16)):
+        copy = tmp_path / f"damaged-keys-{round_}.mdb"
+        copy.write_bytes(damaged)
+        lines = _keys(program, copy, psize, record, 100)
+        assert lines[-1] in ("end", "?") and all(len(k) == 32 for k in lines[:-1])
+    cut = tmp_path / "cut-keys.mdb"
+    cut.write_bytes(blob[: 3 * psize])
+    assert _keys(program, cut, psize, record, 100)[-1] == "?"
