@@ -298,7 +298,7 @@ class Maintenance:
         """What dropping slice ``sid`` must keep: (in-flight records to move, PROCESSED
         front hashes per cold window, records dropped). Only the newest version of a
         key counts: a key a newer slice holds is that slice's business."""
-        inflight = set(self._lmdb.inflight_digests())
+        inflight = set(_engine.split_digests(self._lmdb.inflight_digests()))
         keep: list[tuple[bytes, bytes]] = []
         to_cold: dict[float, list[int]] = {}
         seen = 0

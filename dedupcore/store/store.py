@@ -303,7 +303,7 @@ class DedupStore(Maintenance, ClaimAPI):
         self._ckpt_lsn = self._lmdb.checkpoint_lsn()
         held = self._lmdb.inflight_digests()
         # A holder may still be alive: a PROCESSING record gets a fresh lease of its duration.
-        self._load(self._lmdb.read_many(b"".join(held)), now_m)
+        self._load(self._lmdb.read_many(held), now_m)
         for lsn, payload in self._wal.replay(self._ckpt_lsn):
             try:
                 self._table.replay(payload, lsn, now_m)

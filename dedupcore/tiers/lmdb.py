@@ -385,12 +385,11 @@ class LmdbTier:
         """Records durably that the store keeps the log's head file (once)."""
         self._write(lambda txn: txn.put(b"log_head", b"1", db=self.meta))
 
-    def inflight_digests(self) -> list[bytes]:
-        """Digests of PROCESSING records."""
-        with self._env.txn() as txn:
-            return [
-                bytes(k) for k in txn.cursor(db=self.inflight).iternext(keys=True, values=False)
-            ]
+    def inflight_digests(self) -> bytes:
+        """Digests of PROCESSING records, concatenated in key order (walked in native
+        code: Environment.keys; an open after a crash reads them all)."""
+        with self._env.txn(buffers=False) as txn:
+            return b"".join(self._env.keys(txn, b"inflight", self.inflight, 100_000))
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (digest, record bytes) of every slice, newest slice first (a digest
