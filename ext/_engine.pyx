@@ -1268,9 +1268,9 @@ def pack_records(list pairs):
     answers where the native walk cannot). TypeError for a pair that is not a tuple
     of two bytes, ValueError for a digest that is not 16 bytes or a value of 4 GiB
     or more."""
-    cdef Py_ssize_t n = PyList_GET_SIZE(pairs), i, size = 0, pos = 0
+    cdef Py_ssize_t n = PyList_GET_SIZE(pairs), i, size = 0
+    cdef size_t pos = 0
     cdef object pair, d, v
-    cdef uint32_t vlen
     for i in range(n):
         pair = <object>PyList_GET_ITEM(pairs, i)
         if type(pair) is not tuple or len(pair) != 2:
@@ -1290,11 +1290,9 @@ def pack_records(list pairs):
         pair = <object>PyList_GET_ITEM(pairs, i)
         d = (<tuple>pair)[0]
         v = (<tuple>pair)[1]
-        vlen = <uint32_t>PyBytes_GET_SIZE(v)
-        memcpy(o + pos, PyBytes_AS_STRING(d), 16)
-        _put_le32(o + pos + 16, vlen)
-        memcpy(o + pos + 20, PyBytes_AS_STRING(v), vlen)
-        pos += 20 + vlen
+        pos += _put_record(o + pos, <const unsigned char*>PyBytes_AS_STRING(d),
+                           <const unsigned char*>PyBytes_AS_STRING(v),
+                           <uint32_t>PyBytes_GET_SIZE(v))
     return PackedRecords(out, n)
 
 
@@ -1309,11 +1307,17 @@ def join_records(list parts):
     return PackedRecords(b"".join([part.packed for part in parts]), n)
 
 
-cdef inline void _put_le32(unsigned char* o, uint32_t v) noexcept nogil:
-    o[0] = v & 0xFF
-    o[1] = (v >> 8) & 0xFF
-    o[2] = (v >> 16) & 0xFF
-    o[3] = v >> 24
+cdef inline size_t _put_record(unsigned char* o, const unsigned char* digest,
+                               const unsigned char* value, uint32_t vlen) noexcept nogil:
+    """Writes one packed record at o (the form :func:`_packed_len` reads); returns
+    its size."""
+    memcpy(o, digest, 16)
+    o[16] = vlen & 0xFF
+    o[17] = (vlen >> 8) & 0xFF
+    o[18] = (vlen >> 16) & 0xFF
+    o[19] = vlen >> 24
+    memcpy(o + 20, value, vlen)
+    return 20 + <size_t>vlen
 
 
 def unpack_items(bytes packed, Py_ssize_t n):
@@ -1626,8 +1630,6 @@ cdef class PageReader:
         if dc_mdb_db_read(rec, <size_t>PyBytes_GET_SIZE(db_record), &db) != 0:
             return PAGES_UNREADABLE
         memcpy(&entries, rec + 32, 8)
-        if db.root != <uint64_t>-1 and self._map.pages == 0:
-            return PAGES_BEYOND
         cdef KeyWalk w = KeyWalk.__new__(KeyWalk)
         w.reader = self  # keeps the mapping the walk's pages are in
         w.m = self._map
@@ -1676,10 +1678,7 @@ cdef class PageReader:
             o = <unsigned char*>PyBytes_AS_STRING(out)
             for i in range(n):
                 if vals[i] != NULL:
-                    memcpy(o + pos, d + 16 * i, 16)
-                    _put_le32(o + pos + 16, <uint32_t>lens[i])
-                    memcpy(o + pos + 20, vals[i], lens[i])
-                    pos += 20 + lens[i]
+                    pos += _put_record(o + pos, d + 16 * i, vals[i], <uint32_t>lens[i])
             return PackedRecords(out, <Py_ssize_t>found)
         finally:
             free(vals)
