@@ -236,46 +236,120 @@ static inline int64_t dc_mdb_upper(const dc_mdb_map *m, const uint8_t *page, uns
 typedef struct {
     const uint8_t *leaf;
     unsigned n;
-    uint64_t low, high;
+    uint64_t pgno, low, high;
 } dc_mdb_at;
 
-/* Walks from db's root down the branch pages to the leaf that would hold key.
- * DC_MDB_FOUND with *at set, DC_MDB_ABSENT for an empty database, or why not. */
+/* The branch pages the last walk went through (docs/warm-tier.md, "Lookups in
+ * native code"): for each level, the page, the child it took, and the keys that
+ * bound that child's subtree (NULL: unbounded on that side, as the parent's).
+ * The next key's walk starts below the deepest level whose bounds hold it: for
+ * keys in byte order that skips the upper levels' searches for most keys. Any
+ * order is answered the same. Valid while the mapping and the snapshot are. */
+typedef struct {
+    unsigned levels; /* branch levels filled, from the root */
+    uint64_t root;
+    struct {
+        uint64_t child, low, high;
+        const uint8_t *lo, *hi;
+        size_t lolen, hilen;
+    } at[DC_MDB_MAX_DEPTH];
+} dc_mdb_path;
+
+static inline void dc_mdb_path_init(dc_mdb_path *p) { p->levels = 0; }
+
+/* Whether key lies inside the subtree that level l's child covers. */
+static inline int dc_mdb_path_holds(const dc_mdb_path *p, unsigned l, const uint8_t *key,
+                                    size_t klen) {
+    if (p->at[l].lo && dc_mdb_cmp(key, klen, p->at[l].lo, p->at[l].lolen) < 0)
+        return 0;
+    return !p->at[l].hi || dc_mdb_cmp(key, klen, p->at[l].hi, p->at[l].hilen) < 0;
+}
+
+/* Walks down the branch pages of db to the leaf that would hold key: from the
+ * root, or (path not NULL) from below the deepest level of the last walk whose
+ * subtree holds key. DC_MDB_FOUND with *at set, DC_MDB_ABSENT for an empty
+ * database, or why not (the path is then emptied). */
 static inline dc_mdb_result dc_mdb_descend(const dc_mdb_map *m, const dc_mdb_db *db,
-                                           const uint8_t *key, size_t klen, dc_mdb_at *at) {
+                                           const uint8_t *key, size_t klen, dc_mdb_at *at,
+                                           dc_mdb_path *path) {
     if (db->root == UINT64_MAX)
         return DC_MDB_ABSENT;
     uint64_t pgno = db->root, low = 0, high = UINT64_MAX;
+    const uint8_t *lo = NULL, *hi = NULL;
+    size_t lolen = 0, hilen = 0;
+    unsigned level = 1;
+    if (path != NULL) {
+        unsigned l = path->root == db->root ? path->levels : 0;
+        while (l > 0 && !dc_mdb_path_holds(path, l - 1, key, klen))
+            l--;
+        if (l > 0) {
+            pgno = path->at[l - 1].child;
+            low = path->at[l - 1].low;
+            high = path->at[l - 1].high;
+            lo = path->at[l - 1].lo;
+            lolen = path->at[l - 1].lolen;
+            hi = path->at[l - 1].hi;
+            hilen = path->at[l - 1].hilen;
+            level = l + 1;
+        }
+        path->levels = level - 1;
+        path->root = db->root;
+    }
     dc_mdb_result why;
     unsigned n;
-    for (unsigned level = 1; level < db->depth; level++) {
+    for (; level < db->depth; level++) {
         const uint8_t *page = dc_mdb_page(m, pgno, DC_MDB_P_BRANCH, &n, &why);
         if (page == NULL)
-            return why;
+            goto fail;
         /* The last node whose key is <= key; node 0's key stands for -infinity. */
         int64_t up = dc_mdb_upper(m, page, 1, n, key, klen, low, high);
+        why = DC_MDB_UNREADABLE;
         if (up < 0)
-            return DC_MDB_UNREADABLE;
+            goto fail;
         const uint8_t *child = dc_mdb_node(m, page, (unsigned)up - 1);
         if (child == NULL)
-            return DC_MDB_UNREADABLE;
-        if (up > 1)
-            low = dc_mdb_prefix(child + DC_MDB_NODEHDR, dc_mdb_u16(child + 6));
+            goto fail;
+        if (up > 1) {
+            lo = child + DC_MDB_NODEHDR;
+            lolen = dc_mdb_u16(child + 6);
+            low = dc_mdb_prefix(lo, lolen);
+        }
         if ((unsigned)up < n) {
             const uint8_t *next = dc_mdb_node(m, page, (unsigned)up);
             if (next == NULL)
-                return DC_MDB_UNREADABLE;
-            high = dc_mdb_prefix(next + DC_MDB_NODEHDR, dc_mdb_u16(next + 6));
+                goto fail;
+            hi = next + DC_MDB_NODEHDR;
+            hilen = dc_mdb_u16(next + 6);
+            high = dc_mdb_prefix(hi, hilen);
         }
         pgno = (uint64_t)dc_mdb_u16(child) | ((uint64_t)dc_mdb_u16(child + 2) << 16) |
                ((uint64_t)dc_mdb_u16(child + 4) << 32);
+        if (path != NULL) {
+            path->at[level - 1].child = pgno;
+            path->at[level - 1].low = low;
+            path->at[level - 1].high = high;
+            path->at[level - 1].lo = lo;
+            path->at[level - 1].lolen = lolen;
+            path->at[level - 1].hi = hi;
+            path->at[level - 1].hilen = hilen;
+            path->levels = level;
+        }
     }
-    at->leaf = dc_mdb_page(m, pgno, DC_MDB_P_LEAF, &at->n, &why);
-    if (at->leaf == NULL)
-        return why;
+    at->pgno = pgno;
     at->low = low;
     at->high = high;
     return DC_MDB_FOUND;
+fail:
+    if (path != NULL)
+        path->levels = 0;
+    return why;
+}
+
+/* Reads (and checks) the leaf page a walk reached. */
+static inline dc_mdb_result dc_mdb_at_leaf(const dc_mdb_map *m, dc_mdb_at *at) {
+    dc_mdb_result why;
+    at->leaf = dc_mdb_page(m, at->pgno, DC_MDB_P_LEAF, &at->n, &why);
+    return at->leaf == NULL ? why : DC_MDB_FOUND;
 }
 
 /* Looks key up in the leaf its walk reached. */
@@ -333,7 +407,9 @@ static inline dc_mdb_result dc_mdb_get(const dc_mdb_map *m, const dc_mdb_db *db,
                                        const uint8_t *key, size_t klen,
                                        const uint8_t **val, size_t *vlen) {
     dc_mdb_at at;
-    dc_mdb_result r = dc_mdb_descend(m, db, key, klen, &at);
+    dc_mdb_result r = dc_mdb_descend(m, db, key, klen, &at, NULL);
+    if (r == DC_MDB_FOUND)
+        r = dc_mdb_at_leaf(m, &at);
     if (r != DC_MDB_FOUND)
         return r;
     return dc_mdb_leaf_get(m, &at, key, klen, val, vlen);
@@ -359,11 +435,20 @@ static inline int64_t dc_mdb_get_many(const dc_mdb_map *m, const dc_mdb_db *db,
     dc_mdb_at at[DC_MDB_GROUP];
     dc_mdb_result r[DC_MDB_GROUP];
     unsigned guess[DC_MDB_GROUP];
+    dc_mdb_path path;
+    dc_mdb_path_init(&path);
     for (size_t g = 0; g < n; g += DC_MDB_GROUP) {
         size_t size = n - g < DC_MDB_GROUP ? n - g : DC_MDB_GROUP;
         for (size_t j = 0; j < size; j++) {
             const uint8_t *key = keys + (g + j) * klen;
-            r[j] = dc_mdb_descend(m, db, key, klen, &at[j]);
+            r[j] = dc_mdb_descend(m, db, key, klen, &at[j], &path);
+            if (r[j] == DC_MDB_FOUND && at[j].pgno < m->pages)
+                dc_prefetch(m->base + at[j].pgno * (uint64_t)m->psize);
+        }
+        for (size_t j = 0; j < size; j++) {
+            const uint8_t *key = keys + (g + j) * klen;
+            if (r[j] == DC_MDB_FOUND)
+                r[j] = dc_mdb_at_leaf(m, &at[j]);
             if (r[j] == DC_MDB_FOUND) {
                 guess[j] = dc_mdb_guess(0, at[j].n, dc_mdb_prefix(key, klen), at[j].low,
                                         at[j].high);

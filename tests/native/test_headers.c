@@ -783,11 +783,9 @@ static void test_mdb(void) {
     CHECK(dc_mdb_get_many(&m, &db, keys, 6, 1, vals, lens) == DC_MDB_UNREADABLE);
 }
 
-/* "mdb FILE PSIZE RECORD": the walk of ext/dc_mdb.h over a real data.mdb, for the
- * database whose MDB_db record is RECORD (hex), for each key (hex) read from
- * stdin: its value in hex, "-" when absent, "?" when the walk cannot answer.
- * tests/unit/test_lmdb_pages.py compares it with LMDB and runs it over damaged
- * copies of the file under the sanitizers. */
+/* The walk of ext/dc_mdb.h over a real data.mdb ("mdb", "mdb-many" and
+ * "mdb-keys" modes, below): tests/unit/test_native_headers.py compares it with
+ * LMDB and runs it over damaged copies of the file under the sanitizers. */
 static int hexval(int c) {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
@@ -818,31 +816,66 @@ static uint8_t *read_whole(const char *path, const char *psize, dc_mdb_map *m) {
     return base;
 }
 
-static int mdb_walk(const char *path, const char *psize, const char *record) {
+/* Prints a value in hex, "-" for none. */
+static void mdb_print(const uint8_t *v, size_t vlen) {
+    for (size_t i = 0; v != NULL && i < vlen; i++)
+        printf("%02x", v[i]);
+    printf(v == NULL ? "-\n" : "\n");
+}
+
+/* "mdb FILE PSIZE RECORD": the keys on stdin (hex, a line each) looked up one
+ * by one in the database whose MDB_db record is RECORD (hex): a line per key, its value in hex, "-" where absent, "?" where the
+ * lookup could not be made. "mdb-many": the same keys, 16 bytes each, in one
+ * dc_mdb_get_many in the order given: a line per key, or one "?" line. */
+static int mdb_walk(const char *path, const char *psize, const char *record, int many) {
     dc_mdb_map m;
     uint8_t *base = read_whole(path, psize, &m);
     if (base == NULL)
         return 2;
     uint8_t rec[64];
     dc_mdb_db db;
-    size_t rlen = unhex(record, rec, sizeof rec);
+    size_t rlen = unhex(record, rec, sizeof rec), n = 0, cap = 1024;
+    int readable = dc_mdb_db_read(rec, rlen, &db) == 0;
+    uint8_t *keys = malloc(16 * cap);
     char line[1024];
     uint8_t key[512];
-    while (fgets(line, sizeof line, stdin)) {
+    while (keys != NULL && fgets(line, sizeof line, stdin)) {
+        size_t klen = unhex(line, key, sizeof key);
+        if (many) {
+            if (klen != 16)
+                return 3;
+            if (n == cap) {
+                uint8_t *more = realloc(keys, 16 * (cap *= 2));
+                if (more == NULL)
+                    return 2;
+                keys = more;
+            }
+            memcpy(keys + 16 * n++, key, 16);
+            continue;
+        }
         const uint8_t *v = NULL;
         size_t vlen = 0;
-        size_t klen = unhex(line, key, sizeof key);
-        dc_mdb_result r = dc_mdb_db_read(rec, rlen, &db) != 0
-                              ? DC_MDB_UNREADABLE
-                              : dc_mdb_get(&m, &db, key, klen, &v, &vlen);
-        if (r == DC_MDB_FOUND) {
-            for (size_t i = 0; i < vlen; i++)
-                printf("%02x", v[i]);
-            printf("\n");
-        } else {
-            printf(r == DC_MDB_ABSENT ? "-\n" : "?\n");
-        }
+        dc_mdb_result r = readable ? dc_mdb_get(&m, &db, key, klen, &v, &vlen) : DC_MDB_UNREADABLE;
+        if (r >= 0)
+            mdb_print(r == DC_MDB_FOUND ? v : NULL, vlen);
+        else
+            printf("?\n");
     }
+    if (many) {
+        const uint8_t **vals = malloc((n + 1) * sizeof *vals);
+        size_t *lens = malloc((n + 1) * sizeof *lens);
+        if (keys == NULL || vals == NULL || lens == NULL)
+            return 2;
+        int64_t found = readable ? dc_mdb_get_many(&m, &db, keys, n, 16, vals, lens)
+                                 : DC_MDB_UNREADABLE;
+        for (size_t i = 0; found >= 0 && i < n; i++)
+            mdb_print(vals[i], lens[i]);
+        if (found < 0)
+            printf("?\n");
+        free(vals);
+        free(lens);
+    }
+    free(keys);
     free(base);
     return 0;
 }
@@ -886,8 +919,8 @@ int main(int argc, char **argv) {
         print_xxh64();
         return 0;
     }
-    if (argc == 5 && !strcmp(argv[1], "mdb"))
-        return mdb_walk(argv[2], argv[3], argv[4]);
+    if (argc == 5 && (!strcmp(argv[1], "mdb") || !strcmp(argv[1], "mdb-many")))
+        return mdb_walk(argv[2], argv[3], argv[4], !strcmp(argv[1], "mdb-many"));
     if (argc == 6 && !strcmp(argv[1], "mdb-keys"))
         return mdb_keys(argv[2], argv[3], argv[4], argv[5]);
     test_status();

@@ -84,6 +84,26 @@ def test_the_walk_answers_what_lmdb_answers(env: lmdb.Environment, n: int) -> No
         assert stat["depth"] >= 2 and stat["overflow_pages"] > 0
 
 
+def test_keys_in_any_order_are_answered_as_lmdb_answers_them(env: lmdb.Environment) -> None:
+    """A batch's walks start below the deepest branch page of the walk before that
+    holds the key (docs/warm-tier.md, "Lookups in native code"): keys in byte
+    order, reversed, shuffled and repeated are each answered as LMDB answers them."""
+    present = _digests(60_000, seed=17)
+    db = _fill(env, present[::2])
+    rng = random.Random(17)
+    shuffled = present[:5000] + present[-5000:] + present[:50]
+    rng.shuffle(shuffled)
+    reader = _reader(env)
+    with env.begin(buffers=False) as txn:
+        record = txn.get(NAME)
+        assert record is not None
+        assert txn.stat(db)["depth"] >= 3  # two branch levels above the leaves
+        for order in (present, present[::-1], shuffled):
+            got = reader.get_many(record, b"".join(order))
+            assert isinstance(got, _engine.PackedRecords)
+            assert list(got) == txn.cursor(db=db).getmulti(order)
+
+
 def test_keys_not_spread_evenly_are_answered_the_same(env: lmdb.Environment) -> None:
     """The search's first guess assumes hash keys; keys that share their first 8
     bytes (the compare's second word decides), keys packed at one end and keys of

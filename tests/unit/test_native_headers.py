@@ -98,9 +98,13 @@ def test_native_xxh64_matches_the_xxhash_library(program: Path) -> None:
 # -- damaged files, under the sanitizers -----------------------------------------------
 
 
-def _walk(walker: Path, data: Path, psize: int, record: bytes, keys: list[bytes]) -> list[str]:
+def _walk(
+    walker: Path, data: Path, psize: int, record: bytes, keys: list[bytes], mode: str = "mdb"
+) -> list[str]:
+    """The keys looked up one by one ("mdb" mode), or in one dc_mdb_get_many in
+    their order ("mdb-many": one "?" line where it could not be made)."""
     run = subprocess.run(
-        [str(walker), "mdb", str(data), str(psize), record.hex()],
+        [str(walker), mode, str(data), str(psize), record.hex()],
         input="".join(k.hex() + "\n" for k in keys),
         capture_output=True,
         text=True,
@@ -108,8 +112,16 @@ def _walk(walker: Path, data: Path, psize: int, record: bytes, keys: list[bytes]
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == len(keys)
+    assert len(lines) == len(keys) or (mode == "mdb-many" and lines == ["?"])
     return lines
+
+
+def _orders(keys: list[bytes], rng: random.Random) -> list[list[bytes]]:
+    """The keys in byte order, reversed and shuffled: each batch lookup starts its
+    walk below the deepest page of the last walk that holds the key, in any order."""
+    shuffled = list(keys)
+    rng.shuffle(shuffled)
+    return [sorted(keys), sorted(keys, reverse=True), shuffled]
 
 
 def _damaged(blob: bytearray, psize: int, rng: random.Random, rounds: int) -> list[bytearray]:
@@ -146,6 +158,10 @@ def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
     env.close()
     got = _walk(program, data, psize, record, keys)
     assert got == [want[k].hex() if k in want else "-" for k in keys]
+    for order in _orders(keys, random.Random(4)):
+        assert _walk(program, data, psize, record, order, "mdb-many") == [
+            want[k].hex() if k in want else "-" for k in order
+        ]
     # Damaged copies: bytes overwritten in every page's header and node pointers
     # and at seeded places in between. Any answer is allowed (the records carry
     # their own checksums); reading outside the file's bytes is not (ASan fails it).
@@ -163,10 +179,14 @@ def test_the_lmdb_walk_matches_lmdb_and_reads_nothing_outside_a_damaged_file(
         copy.write_bytes(damaged)
         answers = _walk(program, copy, psize, record, keys[::7])
         assert all(a in ("-", "?") or len(a) % 2 == 0 for a in answers)
+        for order in _orders(keys[::3], rng):
+            answers = _walk(program, copy, psize, record, order, "mdb-many")
+            assert all(a in ("-", "?") or len(a) % 2 == 0 for a in answers)
     # A file cut short: the pages past its end are beyond the mapping.
     cut = tmp_path / "cut.mdb"
     cut.write_bytes(blob[: 3 * psize])
     assert set(_walk(program, cut, psize, record, keys[:50])) <= {"?", "-"}
+    assert _walk(program, cut, psize, record, keys, "mdb-many") == ["?"]
 
 
 def _keys(walker: Path, data: Path, psize: int, record: bytes, batch: int) -> list[str]:
