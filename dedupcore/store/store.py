@@ -738,6 +738,8 @@ class DedupStore(Maintenance, ClaimAPI):
                     # Digests looked up in a slice: by the native walk, by LMDB itself.
                     "probes_native": self._lmdb.native_probes,
                     "probes_lmdb": self._lmdb.lmdb_probes,
+                    # Keys of whole slices read in order (sealing, compaction, an open).
+                    "keys_walked_native": self._lmdb.native_keys,
                     "slices": self._lmdb.slices(),
                 },
                 "recent_records": self._table.dirty(self._ckpt_lsn),

@@ -289,6 +289,11 @@ class LmdbTier:
         return self._env.lmdb_probes
 
     @property
+    def native_keys(self) -> int:
+        """Keys of whole slices (and of the in-flight index) walked in native code."""
+        return self._env.native_keys
+
+    @property
     def env(self) -> lmdb.Environment:
         """The LMDB environment (a new one after :meth:`release_pages`)."""
         return self._env.lmdb

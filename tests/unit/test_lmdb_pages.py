@@ -352,3 +352,18 @@ def test_a_key_walk_refuses_what_it_cannot_walk(env: lmdb.Environment) -> None:
         assert reader.walk(record[:47]) == _engine.PAGES_UNREADABLE
         assert _engine.PageReader(b"", 4096).walk(record) == _engine.PAGES_BEYOND
     assert db is not None
+
+
+def test_an_open_walks_the_in_flight_index_in_native_code_and_says_so(tmp_path: Path) -> None:
+    """An open reads every digest of the in-flight index through the native key walk
+    (``Environment.keys``), counted in ``stats()["lmdb"]["keys_walked_native"]``."""
+    from dedupcore.store import DedupStore
+
+    keys = [f"open-{i}" for i in range(2500)]
+    with DedupStore.open(tmp_path / "s") as store:
+        store.claim_many(keys, namespace="ns")  # left PROCESSING
+        store.checkpoint()
+    with DedupStore.open(tmp_path / "s") as store:
+        stats = store.stats()
+        assert stats["lmdb"]["keys_walked_native"] == len(keys)
+        assert stats["in_flight"] == len(keys)
