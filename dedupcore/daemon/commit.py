@@ -9,12 +9,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["INLINE_COMMIT_BYTES", "Committer", "Decided"]
+__all__ = ["INLINE_COMMIT_BYTES", "LONE_STREAK", "Committer", "Decided"]
 
 #: The event loop waits for a commit itself (no thread hop) only when the log it
 #: writes is at most this big: a commit that carries a large batch's records
 #: would stop every other connection for its write and sync.
 INLINE_COMMIT_BYTES = 64 << 10
+
+#: ... and only after this many groups of one request in a row, each handed over
+#: with nothing else in flight: while several connections take turns, a group of
+#: one is a moment between their requests, and a sync on the loop would keep it
+#: from reading theirs (docs/daemon.md, "Group commit").
+LONE_STREAK = 8
 
 
 #: A request decided on the loop whose commit is still to come: (request id, answer,
@@ -62,6 +68,7 @@ class Committer:
         self._next: list[tuple[int, asyncio.Future[None]]] = []
         self._native_fd: int | None = None  # watched by the loop once the first started
         self._closed = False
+        self._lone = 0  # groups of one in a row, with nothing else in flight (LONE_STREAK)
         self.rounds = 0  # waits for the log, each covering every request queued meanwhile
         self.inline_rounds = 0  # of them, waits on the loop itself
         self.native_rounds = 0  # of them, commits of the native thread
@@ -77,8 +84,10 @@ class Committer:
         other connections sent meanwhile share it."""
         if not self._gathered:
             if not gather:
+                # Not gathered: a commit without a sync (cheap on the loop), or a
+                # task's; the streak is the gathered groups' rule.
                 with self._lock:
-                    lone = self._inline(1)
+                    lone = self._inline(1, streak=False)
                 if lone:
                     self.rounds += 1
                     self.inline_rounds += 1
@@ -94,19 +103,23 @@ class Committer:
         self._gathered.append((lsn, fut))
         return fut
 
-    def _inline(self, n: int) -> bool:
+    def _inline(self, n: int, streak: bool = True) -> bool:
         """Whether the loop commits a group of ``n`` requests itself (lock held): one
         request, no commit running or queued, no other request in flight, a small
-        commit. A group of several means other connections are busy: the native
-        thread syncs it while the loop decides what they send next."""
-        return (
-            not self._running
-            and not self._waiting
-            and self._native is None
-            and n == 1
-            and not self._others_in_flight(n)
-            and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
+        commit, and (``streak``: a commit that syncs) the groups before it alike,
+        LONE_STREAK in a row. A group of several means other connections are busy:
+        the native thread syncs it while the loop decides what they send next."""
+        alone = not (
+            self._running
+            or self._waiting
+            or self._native is not None
+            or n != 1
+            or self._others_in_flight(n)
         )
+        if streak:
+            self._lone = self._lone + 1 if alone else 0
+            alone = self._lone > LONE_STREAK
+        return alone and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
 
     def _hand_over(self) -> None:
         """The requests of the last pass of the loop: committed here when nothing else
@@ -117,6 +130,7 @@ class Committer:
             return
         if self._native is not None:
             self._next.extend(batch)
+            self._lone = 0
             return
         with self._cond:
             # After close() the thread may be gone: the loop commits itself.

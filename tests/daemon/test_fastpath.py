@@ -22,6 +22,7 @@ from dedupcore import _core, aio, errors
 from dedupcore.api import Outcome
 from dedupcore.client import Client
 from dedupcore.daemon import protocol
+from dedupcore.daemon.commit import LONE_STREAK
 from dedupcore.daemon.protocol import FrameError, Op, Status
 from dedupcore.daemon.server import SLICE_ABOVE, SLICE_KEYS, SMALL_FRAME, DaemonServer
 from dedupcore.store import DedupStore
@@ -119,9 +120,10 @@ def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_native
     lab: Lab,
 ) -> None:
     """The loop syncs the log itself only for a small commit with nothing else in
-    flight: the log records of a batch of thousands of keys go to the native commit
-    thread, and the batch is answered once they are durable: a SIGKILL of the
-    daemon right after the answer loses none of its keys."""
+    flight, after LONE_STREAK such groups in a row: the log records of a batch of
+    thousands of keys go to the native commit thread, and the batch is answered
+    once they are durable: a SIGKILL of the daemon right after the answer loses
+    none of its keys."""
     daemon = lab.daemon()
     ns = unique_ns("inline")
 
@@ -135,7 +137,8 @@ def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_native
 
     keys = [f"k{i}" for i in range(8 * SLICE_KEYS)]  # about 300 KiB of log records
     with daemon.client(timeout=PATIENCE) as c:
-        c.claim("warm", namespace=ns)
+        for i in range(LONE_STREAK + 2):
+            c.claim(f"warm-{i}", namespace=ns)
         total, inline, native = rounds()
         c.claim("one", namespace=ns)
         total_1, inline_1, native_1 = rounds()
@@ -151,6 +154,42 @@ def test_a_lone_small_commit_is_waited_for_on_the_loop_a_large_one_on_the_native
         assert [(x.outcome, x.token) for x in again] == [
             (Outcome.IN_PROGRESS, x.token) for x in claims
         ]
+
+
+def test_a_group_of_several_sends_the_next_lone_commits_to_the_native_thread(
+    lab: Lab,
+) -> None:
+    """While several requests share a commit, other connections are taking turns: a
+    lone request right after goes to the native commit thread (the loop goes on
+    reading), and the loop syncs a lone request itself again only after LONE_STREAK
+    groups of one in a row (docs/daemon.md, "Group commit")."""
+    daemon = lab.daemon()
+    ns = unique_ns("streak")
+
+    def rounds() -> tuple[int, int]:
+        figures = daemon_stats(daemon)
+        return figures["inline_commit_rounds"], figures["native_commit_rounds"]
+
+    with daemon.client(timeout=PATIENCE) as c:
+        for i in range(LONE_STREAK + 2):
+            c.claim(f"warm-{i}", namespace=ns)
+        inline, native = rounds()
+        c.claim("lone", namespace=ns)
+        assert rounds() == (inline + 1, native)
+        # Three requests in one write: read and decided in one pass, one group.
+        with contextlib.closing(connect(daemon.socket)) as s:
+            s.sendall(b"".join(_claim(j, ns, [f"group-{j}"]) for j in range(3)))
+            for _ in range(3):
+                _, status, _ = protocol.decode_response(read_frame(s))
+                assert status is Status.OK
+        inline, native = rounds()
+        c.claim("after", namespace=ns)
+        assert rounds() == (inline, native + 1)
+        for i in range(LONE_STREAK - 1):
+            c.claim(f"again-{i}", namespace=ns)
+        assert rounds() == (inline, native + LONE_STREAK)
+        c.claim("inline-again", namespace=ns)
+        assert rounds() == (inline + 1, native + LONE_STREAK)
 
 
 def test_replies_come_after_the_commit_so_a_killed_daemon_keeps_every_acknowledged_key(
