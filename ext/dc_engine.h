@@ -1296,7 +1296,12 @@ static dc_status dc_read_records(dc_table *t, const unsigned char *digests,
         rc = dc_put(t, &r, 1);
         dc_decref(r.extra);
     }
-    if (m > 1) qsort(side, m, sizeof(dc_rec), dc_rec_digest_cmp);
+    /* LMDB gives a slice's records in digest order: sorted already, unless the
+     * batch was read from several slices (or arrived in another order). */
+    size_t k = 1;
+    while (k < m && dc_digest_cmp(side[k - 1].digest, side[k].digest) < 0)
+        k++;
+    if (k < m) qsort(side, m, sizeof(dc_rec), dc_rec_digest_cmp);
     *side_n = m;
     return rc;
 }

@@ -131,3 +131,30 @@ def test_load_stops_at_a_damaged_record_and_names_it() -> None:
         assert table.load(records, 0.0) == 1
         assert table.read_records(records, 0.0) == 1
     assert len(table) == 1  # the first is loaded, nothing at or after the damaged one
+
+
+@pytest.mark.parametrize("order", ["sorted", "reversed", "shuffled", "two runs"])
+def test_settled_records_read_in_any_order_are_found_beside_the_table(order: str) -> None:
+    """``read_records`` keeps the PROCESSED records it reads beside the table, sorted
+    by digest for the claim's search: records as one slice gives them (in digest
+    order) are taken as they are, any other order is sorted (docs/engine.md,
+    "Records read for a claim")."""
+    rng = random.Random(order)
+    digests = sorted({os.urandom(16) for _ in range(300)})
+    if order == "reversed":
+        digests.reverse()
+    elif order == "shuffled":
+        rng.shuffle(digests)
+    elif order == "two runs":  # two slices' parts, each sorted, joined
+        digests = digests[1::2] + digests[::2]
+    pairs = [
+        (d, _engine.encode_value(d, 2, 1, 7, 1.0, 2.0, 30.0, None, None, None)) for d in digests
+    ]
+    table = _engine.ClaimTable()
+    side = table.read_records(_engine.pack_records(pairs), 0.0)
+    assert isinstance(side, _engine.ReadRecords)
+    assert len(side) == len(digests) and len(table) == 0
+    joined = b"".join(digests)
+    assert table.missing(joined, side) == []
+    absent = b"".join(os.urandom(16) for _ in range(50))
+    assert table.missing(absent, side) == list(range(50))
