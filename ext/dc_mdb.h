@@ -240,7 +240,7 @@ typedef struct {
 } dc_mdb_at;
 
 /* The branch pages the last walk went through (docs/warm-tier.md, "Lookups in
- * native code"): for each level, the page, the child it took, and the keys that
+ * native code"): for each level, the child page it took, and the keys that
  * bound that child's subtree (NULL: unbounded on that side, as the parent's).
  * The next key's walk starts below the deepest level whose bounds hold it: for
  * keys in byte order that skips the upper levels' searches for most keys. Any

@@ -34,13 +34,14 @@ class Committer:
     The requests decided in one pass of the loop are gathered; at the start of
     the next pass they are handed over together. When the group is one
     request, no commit is running, none is queued, no other request is in
-    flight (``others_in_flight(n)``: requests beside the group's n) and the
-    log to write is small (INLINE_COMMIT_BYTES), the loop itself waits for
-    the log (one ``fdatasync``, no thread hop: a lone client's claim costs one
-    wake-up less). Otherwise the store's native commit thread writes and
-    syncs the group without the GIL while the loop goes on deciding, and its
-    eventfd wakes the loop to answer the group; the requests decided
-    meanwhile form the next group, started as soon as that commit is done
+    flight (``others_in_flight(n)``: requests beside the group's n), the log
+    to write is small (INLINE_COMMIT_BYTES) and the LONE_STREAK groups before
+    it were alike, the loop itself waits for the log (one ``fdatasync``, no
+    thread hop: a lone client's claim costs one wake-up less). Otherwise the
+    store's native commit thread writes and syncs the group without the GIL
+    while the loop goes on deciding, and its eventfd wakes the loop to answer
+    the group; the requests decided meanwhile form the next group, started as
+    soon as that commit is done
     (docs/daemon.md, "Group commit"). Where the store has no native commit
     (a log that syncs nothing, or I/O of the store's own under way), the
     commit thread takes the group: each of its rounds takes every group
