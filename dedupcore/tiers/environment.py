@@ -275,23 +275,36 @@ class Environment:
         warm tier's 16-byte digests.
 
         The pages are walked in native code without the GIL (sealing a slice of
-        millions of records holds the GIL for none of it); where the walk cannot
-        go on (a page past the mapping, anything it does not read), LMDB's
-        cursor gives the rest, from after the last key given."""
+        millions of records holds the GIL for none of it). A page past the
+        mapping (the file grew since it was mapped) maps the file again and
+        walks again, skipping the keys already given; where the walk cannot go
+        on still (anything it does not read), LMDB's cursor gives the rest, from
+        after the last key given."""
         last = b""
-        pages = self._pages
-        record = txn.get(name) if pages is not None else None
-        if pages is not None and record is not None:
+        for _ in range(2):
+            pages = self._pages
+            record = txn.get(name) if pages is not None else None
+            if pages is None or record is None:
+                break
             walk = pages.walk(bytes(record), 16)
+            stopped = walk if isinstance(walk, int) else None  # why the walk stopped
             while isinstance(walk, _engine.KeyWalk):
                 got = walk.next(batch)
-                if type(got) is not bytes:
+                if isinstance(got, int):
+                    stopped = got
                     break
                 if not got:
                     return
+                if last:  # a walk again: the keys up to the last one given were given
+                    got = _after(got, last)
+                    if not got:
+                        continue
                 self.native_keys += len(got) // 16
                 last = got[-16:]
                 yield got
+            if stopped != _engine.PAGES_BEYOND:
+                break
+            self._map_pages()
         cursor = txn.cursor(db=db)
         more = cursor.set_range(last) if last else cursor.first()
         if more and last and cursor.key() == last:
@@ -338,3 +351,15 @@ class Environment:
             txn.cursor(db=db).getmulti(_engine.split_digests(digests)),
         )
         return _engine.pack_records(pairs)
+
+
+def _after(keys: bytes, last: bytes) -> bytes:
+    """The 16-byte keys of ``keys`` (concatenated, in order) that come after ``last``."""
+    lo, hi = 0, len(keys) // 16
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[16 * mid : 16 * mid + 16] <= last:
+            lo = mid + 1
+        else:
+            hi = mid
+    return keys[16 * lo :]
