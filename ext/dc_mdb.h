@@ -239,30 +239,39 @@ typedef struct {
     uint64_t pgno, low, high;
 } dc_mdb_at;
 
+/* A subtree a walk goes down into: its page, and the keys that bound it (NULL:
+ * unbounded on that side) with their first 8 bytes as numbers (dc_mdb_prefix,
+ * for the search's first guess). */
+typedef struct {
+    uint64_t pgno, low, high;
+    const uint8_t *lo, *hi;
+    size_t lolen, hilen;
+} dc_mdb_sub;
+
 /* The branch pages the last walk went through (docs/warm-tier.md, "Lookups in
- * native code"): for each level, the child page it took, and the keys that
- * bound that child's subtree (NULL: unbounded on that side, as the parent's).
- * The next key's walk starts below the deepest level whose bounds hold it: for
- * keys in byte order that skips the upper levels' searches for most keys. Any
- * order is answered the same. Valid while the mapping and the snapshot are. */
+ * native code"): for each level, the subtree it went down into. The next key's
+ * walk starts below the deepest level whose subtree holds it: for keys in byte
+ * order that skips the upper levels' searches for most keys. Any order is
+ * answered the same. Valid while the mapping and the snapshot are. */
 typedef struct {
     unsigned levels; /* branch levels filled, from the root */
     uint64_t root;
-    struct {
-        uint64_t child, low, high;
-        const uint8_t *lo, *hi;
-        size_t lolen, hilen;
-    } at[DC_MDB_MAX_DEPTH];
+    dc_mdb_sub at[DC_MDB_MAX_DEPTH];
 } dc_mdb_path;
 
 static inline void dc_mdb_path_init(dc_mdb_path *p) { p->levels = 0; }
 
-/* Whether key lies inside the subtree that level l's child covers. */
-static inline int dc_mdb_path_holds(const dc_mdb_path *p, unsigned l, const uint8_t *key,
-                                    size_t klen) {
-    if (p->at[l].lo && dc_mdb_cmp(key, klen, p->at[l].lo, p->at[l].lolen) < 0)
+/* Whether key lies inside a subtree's bounds. */
+static inline int dc_mdb_sub_holds(const dc_mdb_sub *s, const uint8_t *key, size_t klen) {
+    if (s->lo && dc_mdb_cmp(key, klen, s->lo, s->lolen) < 0)
         return 0;
-    return !p->at[l].hi || dc_mdb_cmp(key, klen, p->at[l].hi, p->at[l].hilen) < 0;
+    return !s->hi || dc_mdb_cmp(key, klen, s->hi, s->hilen) < 0;
+}
+
+/* The child page a branch node names. */
+static inline uint64_t dc_mdb_child(const uint8_t *node) {
+    return (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16) |
+           ((uint64_t)dc_mdb_u16(node + 4) << 32);
 }
 
 /* Walks down the branch pages of db to the leaf that would hold key: from the
@@ -274,22 +283,14 @@ static inline dc_mdb_result dc_mdb_descend(const dc_mdb_map *m, const dc_mdb_db 
                                            dc_mdb_path *path) {
     if (db->root == UINT64_MAX)
         return DC_MDB_ABSENT;
-    uint64_t pgno = db->root, low = 0, high = UINT64_MAX;
-    const uint8_t *lo = NULL, *hi = NULL;
-    size_t lolen = 0, hilen = 0;
+    dc_mdb_sub sub = {db->root, 0, UINT64_MAX, NULL, NULL, 0, 0};
     unsigned level = 1;
     if (path != NULL) {
         unsigned l = path->root == db->root ? path->levels : 0;
-        while (l > 0 && !dc_mdb_path_holds(path, l - 1, key, klen))
+        while (l > 0 && !dc_mdb_sub_holds(&path->at[l - 1], key, klen))
             l--;
         if (l > 0) {
-            pgno = path->at[l - 1].child;
-            low = path->at[l - 1].low;
-            high = path->at[l - 1].high;
-            lo = path->at[l - 1].lo;
-            lolen = path->at[l - 1].lolen;
-            hi = path->at[l - 1].hi;
-            hilen = path->at[l - 1].hilen;
+            sub = path->at[l - 1];
             level = l + 1;
         }
         path->levels = level - 1;
@@ -298,11 +299,11 @@ static inline dc_mdb_result dc_mdb_descend(const dc_mdb_map *m, const dc_mdb_db 
     dc_mdb_result why;
     unsigned n;
     for (; level < db->depth; level++) {
-        const uint8_t *page = dc_mdb_page(m, pgno, DC_MDB_P_BRANCH, &n, &why);
+        const uint8_t *page = dc_mdb_page(m, sub.pgno, DC_MDB_P_BRANCH, &n, &why);
         if (page == NULL)
             goto fail;
         /* The last node whose key is <= key; node 0's key stands for -infinity. */
-        int64_t up = dc_mdb_upper(m, page, 1, n, key, klen, low, high);
+        int64_t up = dc_mdb_upper(m, page, 1, n, key, klen, sub.low, sub.high);
         why = DC_MDB_UNREADABLE;
         if (up < 0)
             goto fail;
@@ -310,34 +311,27 @@ static inline dc_mdb_result dc_mdb_descend(const dc_mdb_map *m, const dc_mdb_db 
         if (child == NULL)
             goto fail;
         if (up > 1) {
-            lo = child + DC_MDB_NODEHDR;
-            lolen = dc_mdb_u16(child + 6);
-            low = dc_mdb_prefix(lo, lolen);
+            sub.lo = child + DC_MDB_NODEHDR;
+            sub.lolen = dc_mdb_u16(child + 6);
+            sub.low = dc_mdb_prefix(sub.lo, sub.lolen);
         }
         if ((unsigned)up < n) {
             const uint8_t *next = dc_mdb_node(m, page, (unsigned)up);
             if (next == NULL)
                 goto fail;
-            hi = next + DC_MDB_NODEHDR;
-            hilen = dc_mdb_u16(next + 6);
-            high = dc_mdb_prefix(hi, hilen);
+            sub.hi = next + DC_MDB_NODEHDR;
+            sub.hilen = dc_mdb_u16(next + 6);
+            sub.high = dc_mdb_prefix(sub.hi, sub.hilen);
         }
-        pgno = (uint64_t)dc_mdb_u16(child) | ((uint64_t)dc_mdb_u16(child + 2) << 16) |
-               ((uint64_t)dc_mdb_u16(child + 4) << 32);
+        sub.pgno = dc_mdb_child(child);
         if (path != NULL) {
-            path->at[level - 1].child = pgno;
-            path->at[level - 1].low = low;
-            path->at[level - 1].high = high;
-            path->at[level - 1].lo = lo;
-            path->at[level - 1].lolen = lolen;
-            path->at[level - 1].hi = hi;
-            path->at[level - 1].hilen = hilen;
+            path->at[level - 1] = sub;
             path->levels = level;
         }
     }
-    at->pgno = pgno;
-    at->low = low;
-    at->high = high;
+    at->pgno = sub.pgno;
+    at->low = sub.low;
+    at->high = sub.high;
     return DC_MDB_FOUND;
 fail:
     if (path != NULL)
@@ -613,10 +607,8 @@ static inline dc_mdb_result dc_mdb_walk_keys(const dc_mdb_map *m, dc_mdb_walk *w
         if (top + 1 < w->depth) { /* a branch: down to the child */
             if (w->level >= DC_MDB_MAX_DEPTH)
                 return DC_MDB_UNREADABLE;
-            uint64_t pgno = (uint64_t)dc_mdb_u16(node) | ((uint64_t)dc_mdb_u16(node + 2) << 16) |
-                            ((uint64_t)dc_mdb_u16(node + 4) << 32);
             w->i[top]++;
-            dc_mdb_result r = dc_mdb_walk_push(m, w, pgno);
+            dc_mdb_result r = dc_mdb_walk_push(m, w, dc_mdb_child(node));
             if (r != DC_MDB_FOUND)
                 return r;
             continue;

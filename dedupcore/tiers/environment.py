@@ -23,6 +23,7 @@ the tier keeps in it (:class:`~dedupcore.tiers.lmdb.LmdbTier`):
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import sys
@@ -355,11 +356,5 @@ class Environment:
 
 def _after(keys: bytes, last: bytes) -> bytes:
     """The 16-byte keys of ``keys`` (concatenated, in order) that come after ``last``."""
-    lo, hi = 0, len(keys) // 16
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if keys[16 * mid : 16 * mid + 16] <= last:
-            lo = mid + 1
-        else:
-            hi = mid
-    return keys[16 * lo :]
+    at = bisect.bisect_right(range(len(keys) // 16), last, key=lambda i: keys[16 * i : 16 * i + 16])
+    return keys[16 * at :]
