@@ -5,13 +5,17 @@
 one client timing single claims one at a time) against a daemon that records
 
 - every event-loop callback that ran longer than ``--slow-ms`` (default 4 ms),
-  with the coroutine chain of a task's step;
+  with the coroutine chain of a task's step and the thread's CPU time in it;
 - every wait for, and every hold of, the store lock and the front filter's
   lock longer than 2 ms, with the thread and the function that took it;
-- every garbage collection over 2 ms on the event-loop thread.
+- every garbage collection over 2 ms on the event-loop thread;
+- every commit of the log on the native commit thread (its bytes, from its
+  start to the loop's recording of its end), whatever its length.
 
-It prints the single claims' p50/p90/p99 and a summary of the trace (counts,
-median and maximum per kind); the trace file stays for reading. A hold that
+It prints the single claims' p50/p90/p99, a summary of the trace (counts,
+median and maximum per kind) and the commits' percentiles, apart for those
+under and over COMMIT_LARGE bytes (a claim whose record is queued behind a
+large commit waits for it); the trace file stays for reading. A hold that
 spans a ``Condition.wait`` on the same lock (the store's background thread
 idling between checkpoints) is counted whole: read ``_background`` holds so. The
 daemon runs on asyncio, not uvloop (uvloop's callbacks cannot be timed from
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 SLOW_LOCK = 0.002  # seconds: lock waits and holds at least this long are traced
+COMMIT_LARGE = 256 << 10  # bytes: the commits summed up apart
 NS = "bench/daemon"
 
 
@@ -98,8 +103,10 @@ def _serve_traced(trace: str, slow: float, argv: list[str]) -> None:
 
     def timed_run(self: asyncio.events.Handle) -> None:
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         handle_run(self)
         took = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         if took <= slow:
             return
         callback = self._callback
@@ -114,7 +121,8 @@ def _serve_traced(trace: str, slow: float, argv: list[str]) -> None:
             what = "task " + ">".join(chain)
         else:
             what = getattr(callback, "__qualname__", repr(callback))[:120]
-        out.write(f"{time.time():.4f} STEP loop {took * 1000:.1f}ms {what}\n")
+        step = f"STEP loop {took * 1000:.1f}ms {what} [cpu {cpu * 1000:.1f}ms]"
+        out.write(f"{time.time():.4f} {step}\n")
 
     asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
     started = [0.0]
@@ -128,6 +136,7 @@ def _serve_traced(trace: str, slow: float, argv: list[str]) -> None:
                 out.write(f"{time.time():.4f} GC gen{info['generation']} {took * 1000:.1f}ms\n")
 
     gc.callbacks.append(on_gc)
+    _trace_commits(out)
     import dedupcore.store as store_module
 
     init = store_module.DedupStore.__init__
@@ -142,24 +151,85 @@ def _serve_traced(trace: str, slow: float, argv: list[str]) -> None:
     runpy.run_module("dedupcore", run_name="__main__")
 
 
+def _trace_commits(out: TextIO) -> None:
+    """Writes every commit of the log on its native thread to the trace: its bytes
+    and its time from the start to the recording of its end."""
+    from dedupcore.wal.log import WriteAheadLog
+
+    start_commit = WriteAheadLog.start_commit
+    finish_native = WriteAheadLog._finish_native
+    started: dict[int, tuple[float, int]] = {}
+
+    def timed_start(self: WriteAheadLog) -> bool:
+        size = self.commit_bytes
+        ok = start_commit(self)
+        if ok and self._native is not None:
+            started[id(self)] = (time.perf_counter(), size)
+        return ok
+
+    def timed_finish(self: WriteAheadLog) -> None:
+        finish_native(self)
+        if self._native is None and id(self) in started:
+            t0, size = started.pop(id(self))
+            took = time.perf_counter() - t0
+            out.write(f"{time.time():.4f} COMMIT native {took * 1000:.2f}ms {size}\n")
+
+    WriteAheadLog.start_commit = timed_start  # type: ignore[method-assign]
+    WriteAheadLog._finish_native = timed_finish  # type: ignore[method-assign]
+
+
+def _commit_summary(trace: Path) -> None:
+    """The commits' percentiles, apart for those under and over COMMIT_LARGE bytes."""
+    small: list[float] = []
+    large: list[float] = []
+    for line in trace.read_text().splitlines():
+        parts = line.split(" ")
+        if len(parts) == 5 and parts[1] == "COMMIT":
+            (large if int(parts[4]) > COMMIT_LARGE else small).append(float(parts[3][:-2]))
+    for name, times in (("commits", small), ("large commits", large)):
+        if not times:
+            continue
+        times.sort()
+        n = len(times)
+        over = sum(t > 5 for t in times)
+        print(
+            f"{n:6d} {name} ({'over' if times is large else 'up to'} {COMMIT_LARGE >> 10} KiB): "
+            f"p50 {times[n // 2]:.1f} ms, p90 {times[int(n * 0.9)]:.1f}, "
+            f"p99 {times[int(n * 0.99)]:.1f}, max {times[-1]:.1f}; {over} over 5 ms, "
+            f"{sum(times) / 1000:.2f} s in all"
+        )
+
+
 def _summary(trace: Path) -> None:
+    """Counts, median and maximum per kind of trace line; for the loop's steps also
+    the median of the thread's CPU time in them (a step much longer than its CPU
+    time waited for a core, the GIL or I/O)."""
     kinds: Counter[str] = Counter()
-    slowest: dict[str, list[tuple[float, str]]] = {}
+    slowest: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     for line in trace.read_text().splitlines():
         parts = line.split(" ", 4)
         if len(parts) < 4:
             continue
         ms = float(parts[3].rstrip("ms"))
         rest = parts[4] if len(parts) > 4 else ""
+        cpu = re.search(r" \[cpu ([0-9.]+)ms\]$", rest)
+        if cpu:
+            rest = rest[: cpu.start()]
         kind = f"{parts[1]} {parts[2]} {re.sub(r':[0-9]+', '', rest)}"
-        if parts[1] == "GC":
-            kind = f"GC {parts[2]}"
+        if parts[1] in ("GC", "COMMIT"):
+            kind = f"{parts[1]} {parts[2]}"
         kinds[kind] += 1
-        slowest.setdefault(kind, []).append((ms, line))
+        slowest.setdefault(kind, []).append(ms)
+        if cpu:
+            cpus.setdefault(kind, []).append(float(cpu.group(1)))
     for kind, n in kinds.most_common(12):
-        times = sorted(ms for ms, _ in slowest[kind])
+        times = sorted(slowest[kind])
+        on_cpu = sorted(cpus.get(kind, []))
+        cpu_note = f", CPU median {on_cpu[len(on_cpu) // 2]:.1f}" if on_cpu else ""
         print(
-            f"{n:6d} x {kind[:110]}  (median {times[len(times) // 2]:.1f} ms, max {times[-1]:.1f})"
+            f"{n:6d} x {kind[:110]}  (median {times[len(times) // 2]:.1f} ms, "
+            f"max {times[-1]:.1f}{cpu_note})"
         )
 
 
@@ -224,6 +294,7 @@ def main() -> None:
         f"{batches} loader batches meanwhile"
     )
     _summary(trace)
+    _commit_summary(trace)
     print(f"trace: {trace}")
 
 
