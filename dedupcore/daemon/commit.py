@@ -88,7 +88,7 @@ class Committer:
                 # Not gathered: a commit without a sync (cheap on the loop), or a
                 # task's; the streak is the gathered groups' rule.
                 with self._lock:
-                    lone = self._inline(1, streak=False)
+                    lone = self._alone(1) and self._small()
                 if lone:
                     self.rounds += 1
                     self.inline_rounds += 1
@@ -104,23 +104,28 @@ class Committer:
         self._gathered.append((lsn, fut))
         return fut
 
-    def _inline(self, n: int, streak: bool = True) -> bool:
-        """Whether the loop commits a group of ``n`` requests itself (lock held): one
-        request, no commit running or queued, no other request in flight, a small
-        commit, and (``streak``: a commit that syncs) the groups before it alike,
-        LONE_STREAK in a row. A group of several means other connections are busy:
-        the native thread syncs it while the loop decides what they send next."""
-        alone = not (
+    def _alone(self, n: int) -> bool:
+        """Whether a group of ``n`` requests is alone (lock held): one request, no
+        commit running or queued, no other request in flight."""
+        return not (
             self._running
             or self._waiting
             or self._native is not None
             or n != 1
             or self._others_in_flight(n)
         )
-        if streak:
-            self._lone = self._lone + 1 if alone else 0
-            alone = self._lone > LONE_STREAK
-        return alone and self._store.commit_bytes() <= INLINE_COMMIT_BYTES
+
+    def _small(self) -> bool:
+        """Whether the log a commit would write now is small enough for the loop."""
+        return bool(self._store.commit_bytes() <= INLINE_COMMIT_BYTES)
+
+    def _inline(self, n: int) -> bool:
+        """Whether the loop commits a gathered group of ``n`` requests itself (lock
+        held): alone, with a small commit, after LONE_STREAK groups alike in a row.
+        Counts the streak: a group of several means other connections are busy, and
+        the native thread syncs it while the loop decides what they send next."""
+        self._lone = self._lone + 1 if self._alone(n) else 0
+        return self._lone > LONE_STREAK and self._small()
 
     def _hand_over(self) -> None:
         """The requests of the last pass of the loop: committed here when nothing else
