@@ -5,7 +5,8 @@ Starts ``dedupcore serve`` (durable) in a fresh directory, warms it with one
 client, then lets ``--clients`` processes (8) each claim ``--claims`` fresh keys
 (1500) one at a time after one barrier. Prints, per run, the claims a second
 over the span from the first start to the last end, the daemon's CPU (its
-process, from ``/proc``) per claim and in cores, and the daemon's
+process, from ``/proc``) per claim and in cores, the clients' own CPU per
+claim (one alone, and each of the eight), and the daemon's
 ``commit_rounds`` split into those made on the loop and on the native commit
 thread (docs/daemon.md, "Group commit")::
 
@@ -35,14 +36,16 @@ def _client(sock: str, name: str, n: int, barrier: Barrier, out: Any) -> None:
     keys = [f"{name}-{i}" for i in range(n)]
     barrier.wait()
     start = time.perf_counter()
+    cpu = time.process_time()
     for k in keys:
         c.claim(k, namespace="groups")
-    out.put((start, time.perf_counter()))
+    out.put((start, time.perf_counter(), time.process_time() - cpu))
     c.close()
 
 
-def _clients(sock: str, procs: int, n: int, tag: str) -> float:
-    """Claims a second of ``procs`` processes claiming ``n`` keys each."""
+def _clients(sock: str, procs: int, n: int, tag: str) -> tuple[float, float]:
+    """Claims a second of ``procs`` processes claiming ``n`` keys each, and their CPU
+    seconds per claim."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(procs)
     out = ctx.Queue()
@@ -54,7 +57,8 @@ def _clients(sock: str, procs: int, n: int, tag: str) -> float:
     spans = [out.get() for _ in children]
     for p in children:
         p.join()
-    return procs * n / (max(e for _, e in spans) - min(s for s, _ in spans))
+    rate = procs * n / (max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
+    return rate, sum(cpu for _, _, cpu in spans) / (procs * n)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -73,10 +77,10 @@ def run(clients: int, claims: int, run_no: int) -> str:
             if daemon.poll() is not None:
                 raise RuntimeError("the daemon exited")
             time.sleep(0.05)
-        one = _clients(sock, 1, claims, f"r{run_no}w")
+        one, one_cpu = _clients(sock, 1, claims, f"r{run_no}w")
         cpu0 = _cpu_seconds(daemon.pid)
         t0 = time.perf_counter()
-        many = _clients(sock, clients, claims, f"r{run_no}c")
+        many, many_cpu = _clients(sock, clients, claims, f"r{run_no}c")
         cores = (_cpu_seconds(daemon.pid) - cpu0) / (time.perf_counter() - t0)
         with Client(sock) as c:
             figures = c.stats()["daemon"]
@@ -84,7 +88,8 @@ def run(clients: int, claims: int, run_no: int) -> str:
         return (
             f"run {run_no}: one client {one:,.0f} claims/s; {clients} clients {many:,.0f} "
             f"claims/s ({many / one:.2f}x); daemon CPU {per_claim:.0f} us per claim, "
-            f"{cores:.2f} cores; groups {figures['commit_rounds']:,}: "
+            f"{cores:.2f} cores; client CPU per claim {one_cpu * 1e6:.0f} us alone, "
+            f"{many_cpu * 1e6:.0f} us among {clients}; groups {figures['commit_rounds']:,}: "
             f"{figures['inline_commit_rounds']:,} on the loop, "
             f"{figures['native_commit_rounds']:,} on the native thread"
         )
