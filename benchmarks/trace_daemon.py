@@ -178,11 +178,11 @@ def _trace_commits(out: TextIO) -> None:
     WriteAheadLog._finish_native = timed_finish  # type: ignore[method-assign]
 
 
-def _commit_summary(trace: Path) -> None:
+def _commit_summary(lines: list[str]) -> None:
     """The commits' percentiles, apart for those under and over COMMIT_LARGE bytes."""
     small: list[float] = []
     large: list[float] = []
-    for line in trace.read_text().splitlines():
+    for line in lines:
         parts = line.split(" ")
         if len(parts) == 5 and parts[1] == "COMMIT":
             (large if int(parts[4]) > COMMIT_LARGE else small).append(float(parts[3][:-2]))
@@ -200,14 +200,14 @@ def _commit_summary(trace: Path) -> None:
         )
 
 
-def _summary(trace: Path) -> None:
+def _summary(lines: list[str]) -> None:
     """Counts, median and maximum per kind of trace line; for the loop's steps also
     the median of the thread's CPU time in them (a step much longer than its CPU
     time waited for a core, the GIL or I/O)."""
     kinds: Counter[str] = Counter()
     slowest: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
-    for line in trace.read_text().splitlines():
+    for line in lines:
         parts = line.split(" ", 4)
         if len(parts) < 4:
             continue
@@ -293,8 +293,9 @@ def main() -> None:
         f"p99 {lat[int(n * 0.99)] * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms; "
         f"{batches} loader batches meanwhile"
     )
-    _summary(trace)
-    _commit_summary(trace)
+    lines = trace.read_text().splitlines()
+    _summary(lines)
+    _commit_summary(lines)
     print(f"trace: {trace}")
 
 
