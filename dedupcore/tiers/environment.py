@@ -88,6 +88,22 @@ class _Txn:
             self._env._leave()
 
 
+def open_dbs(env: lmdb.Environment, names: list[bytes], *, create: bool) -> list[Any]:
+    """Handles of the named databases of ``env``. Where the environment is
+    writable, they are opened in one write transaction begun here, which waits
+    for LMDB's writer without the GIL. py-lmdb's ``open_db`` without a
+    transaction begins a write transaction of its own while holding the GIL, so
+    while another thread's write transaction ran, that thread could never take
+    the GIL back to end it, and the whole process stopped (docs/warm-tier.md,
+    "The environment"). A read-only environment takes no writer lock, and a
+    handle opened in one of py-lmdb's read transactions ends with it: py-lmdb
+    opens those itself."""
+    if env.flags()["readonly"]:
+        return [env.open_db(name, create=create) for name in names]
+    with env.begin(write=True) as txn:
+        return [env.open_db(name, txn=txn, create=create) for name in names]
+
+
 class Environment:
     """The LMDB environment of one directory, its gate, and its native lookups."""
 
@@ -196,9 +212,10 @@ class Environment:
         return _Txn(self, kwargs)
 
     def open_db(self, name: bytes, *, create: bool) -> Any:
-        """A named database of the environment (see :meth:`using`)."""
+        """A named database of the environment (see :meth:`using`), opened in a
+        transaction of its own (:func:`open_dbs`)."""
         with self.using():
-            return self.lmdb.open_db(name, create=create)
+            return open_dbs(self.lmdb, [name], create=create)[0]
 
     def used_bytes(self) -> int:
         """Bytes of data.mdb that LMDB's pages reach (see :meth:`using`)."""

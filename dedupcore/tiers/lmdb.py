@@ -57,7 +57,7 @@ from dedupcore._platform import trim_heap
 from dedupcore.bloom import BloomFilter
 from dedupcore.config import StoreConfig
 from dedupcore.errors import CorruptFileError, DedupError, UnsupportedFormatError
-from dedupcore.tiers.environment import Environment
+from dedupcore.tiers.environment import Environment, open_dbs
 from dedupcore.tiers.slice_filters import SliceFilters, second_halves
 
 __all__ = ["FORMAT", "LmdbTier", "SliceInfo"]
@@ -303,10 +303,10 @@ class LmdbTier:
         (at open, none yet), from the environment as it is now. Called at open and
         inside :meth:`Environment.alone`, so without the gate."""
         env = self._env.lmdb
-        self.inflight = env.open_db(b"inflight", create=create)
-        self.meta = env.open_db(b"meta", create=create)
-        for info in self._slices:
-            info.db = env.open_db(info.name, create=False)
+        self.inflight, self.meta = open_dbs(env, [b"inflight", b"meta"], create=create)
+        handles = open_dbs(env, [info.name for info in self._slices], create=False)
+        for info, db in zip(self._slices, handles, strict=True):
+            info.db = db
 
     def release_pages(self) -> None:
         """Gives back the memory LMDB keeps of the pages its write transactions

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mmap
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ import pytest
 
 from dedupcore import _engine
 from dedupcore.tiers.environment import Environment
+from tests.support.procs import PATIENCE, child_env
 
 NAME = b"s:00000001"
 
@@ -290,6 +293,54 @@ def test_the_gate_lets_one_alone_in_at_a_time_and_uses_wait_for_it(tmp_path: Pat
             assert txn.get(b"k", db=db) is None
         with environment.alone():  # no use was left counted
             pass
+
+
+#: Another thread opens databases while this one holds a write transaction and goes
+#: on with Python code inside it (a checkpoint's, or a new namespace's, say).
+_OPEN_BESIDE_A_WRITE = """
+import pathlib, sys, threading, time
+from dedupcore.tiers.environment import Environment
+
+env = Environment(pathlib.Path(sys.argv[1]), map_size=1 << 24, readonly=False, sync=False,
+                  max_dbs=8)
+env.open_db(b"old", create=True)
+calling = threading.Event()
+opened = []
+
+def other():
+    calling.set()
+    opened.append(env.open_db(b"new", create=True))
+    opened.append(env.open_db(b"old", create=False))
+
+with env.txn(write=True) as txn:
+    thread = threading.Thread(target=other)
+    thread.start()
+    calling.wait()
+    time.sleep(0.2)  # the other thread waits for LMDB's writer meanwhile
+    txn.put(b"k", b"v")
+thread.join()
+print(len(opened))
+"""
+
+
+def test_a_database_opened_beside_a_write_transaction_waits_for_it_without_the_gil(
+    tmp_path: Path,
+) -> None:
+    """``Environment.open_db`` waits for LMDB's writer with the GIL released: py-lmdb's
+    own temporary transaction waited holding it, so the thread whose write
+    transaction it waited for could never end it, and the process (the daemon,
+    when its background compaction opened a slice's copy while a new namespace
+    was written) stopped for good. In a process of its own, which that would
+    hang."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_BESIDE_A_WRITE, str(tmp_path / "env")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2"]
 
 
 def test_every_key_of_a_database_walked_in_batches_as_lmdb_iterates_them(tmp_path: Path) -> None:
