@@ -610,6 +610,49 @@ def test_the_table_grows_without_losing_a_record() -> None:
     assert table.nbytes >= 8192 * 72, "the table grew to 8192 slots"
 
 
+def test_digests_that_share_a_home_slot_are_told_apart_by_the_whole_digest() -> None:
+    """Digests with the same second half (the slot hash: one home slot for all of them)
+    form one long cluster: each is found by its whole digest, through a grow,
+    completions and an eviction that shifts the records after the ones it drops."""
+    table = _engine.ClaimTable()
+    same = [struct.pack("<QQ", i, 0xABCD_EF01_2345_6789) for i in range(150)]
+    others = [struct.pack("<QQ", 7, i * 0x9E3779B97F4A7C15 % 2**64) for i in range(1500)]
+    now_w, now_m = 1_700_000_000.0, 1000.0
+    tokens: dict[bytes, int] = {}
+    lsn = 0
+    for ds in (same, others):
+        claims, _c, _d, _payloads, counts = table.claim(
+            b"".join(ds), list(range(len(ds))), "ns", 1, 30.0, None, None, None,
+            now_w, now_m, lambda *a: a, ("NEW", "DUP", "BUSY"), lambda x: x,
+        )  # fmt: skip
+        assert claims is not None and counts[0] == len(ds)
+        lsn += 1
+        table.apply(lsn)
+        tokens.update((d, c[3]) for d, c in zip(ds, claims, strict=True))
+    absent = [struct.pack("<QQ", 10_000 + i, 0xABCD_EF01_2345_6789) for i in range(50)]
+    assert table.missing(b"".join(absent)) == list(range(50))
+    done = same[::2] + others[::3]
+    bad, *_rest = table.change(
+        b"".join(done), [tokens[d] for d in done], None, int(State.PROCESSED), now_w
+    )
+    assert bad == -1
+    lsn += 1
+    table.apply(lsn)
+    table.take_changes()
+    more = True
+    while more:
+        _dropped, more = table.evict_some(lsn, 64)
+    gone = set(done)
+    kept = [d for d in same + others if d not in gone]
+    assert len(table) == len(kept)
+    for d in kept:
+        got = table.get(d)
+        assert got is not None and (got[0], got[2]) == (State.PROCESSING, tokens[d]), d.hex()
+    assert all(table.get(d) is None for d in done)
+    assert table.missing(b"".join(kept)) == []
+    assert table.missing(b"".join(done)) == list(range(len(done)))
+
+
 EngineVsReference.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
