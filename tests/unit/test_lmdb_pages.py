@@ -11,6 +11,7 @@ AddressSanitizer in tests/unit/test_native_headers.py.
 
 from __future__ import annotations
 
+import ast
 import mmap
 import random
 import subprocess
@@ -341,6 +342,34 @@ def test_a_database_opened_beside_a_write_transaction_waits_for_it_without_the_g
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2"]
+
+
+def test_the_package_opens_no_database_in_a_transaction_of_py_lmdbs_own() -> None:
+    """The rule the test above guards, over the whole package: a call of ``open_db``
+    passes its transaction (``txn=``), or is the warm tier's own
+    ``Environment.open_db`` (``self._env``), or is ``open_dbs``'s read-only branch.
+    A py-lmdb ``open_db`` without one would wait for LMDB's writer holding the GIL."""
+    package = Path(__file__).resolve().parents[2] / "dedupcore"
+    bare: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            for call in ast.walk(func):
+                if not (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "open_db"
+                ):
+                    continue
+                receiver = call.func.value
+                if (
+                    any(k.arg == "txn" for k in call.keywords)
+                    or (isinstance(receiver, ast.Attribute) and receiver.attr == "_env")
+                    or (path.name == "environment.py" and func.name == "open_dbs")
+                ):
+                    continue
+                bare.append(f"{path.relative_to(package.parent)}:{call.lineno} ({func.name})")
+    assert not bare, f"open_db without a transaction: {sorted(set(bare))}"
 
 
 def test_every_key_of_a_database_walked_in_batches_as_lmdb_iterates_them(tmp_path: Path) -> None:
